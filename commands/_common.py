@@ -1,0 +1,167 @@
+"""Shared plumbing of the command layer: inputs/outputs, exit statuses, rendering.
+
+This is the only place that turns library errors into exit statuses (CLI.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import typer
+
+from muser_cli.errors import MissingInput, MuserError, UsageError
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+_state = {"debug": False, "quiet": False}
+
+
+def set_globals(*, debug: bool, quiet: bool) -> None:
+    _state["debug"] = debug
+    _state["quiet"] = quiet
+
+
+def quiet() -> bool:
+    return bool(_state["quiet"])
+
+
+def err(message: str) -> None:
+    """One line on stderr."""
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
+def info(message: str) -> None:
+    if not _state["quiet"]:
+        err(message)
+
+
+def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
+    """Report ``exc`` as one line (plus hint) and return the Exit to raise."""
+    if isinstance(exc, MuserError):
+        status = exc.exit_status
+        message = str(exc)
+        hint = exc.hint
+    elif isinstance(exc, KeyboardInterrupt):
+        status, message, hint = 130, "interrupted", None
+    elif isinstance(exc, BrokenPipeError):
+        status, message, hint = 1, "broken pipe: the reader went away", None
+    else:
+        status = EXIT_ERROR
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        hint = "rerun with --debug for a traceback, and please report it"
+    line = f"muser: error: {message}"
+    if hint:
+        line += f" (hint: {hint})"
+    err(line)
+    if _state["debug"]:
+        traceback.print_exception(exc)
+    if as_json:
+        emit_json({"ok": False, "error": message, "hint": hint, "exit_status": status})
+    return typer.Exit(status)
+
+
+@contextmanager
+def guarded(*, as_json: bool = False) -> Iterator[None]:
+    """Run a command body; map any error to its exit status with a one-line message."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - this is the one mapping point
+        if isinstance(exc, SystemExit):
+            raise
+        raise fail(exc, as_json=as_json) from None
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def open_input(path: str | None) -> BinaryIO:
+    """Open a binary input: a file path, or stdin for ``-``/None."""
+    if path in (None, "-"):
+        return sys.stdin.buffer
+    p = Path(path)
+    if not p.exists():
+        raise MissingInput(f"no such file: {path}")
+    if p.is_dir():
+        raise UsageError(f"{path} is a directory, not a file")
+    return open(p, "rb")
+
+
+def read_text_input(path: str | None) -> str:
+    if path in (None, "-"):
+        data = sys.stdin.buffer.read()
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise MissingInput(f"no such file: {path}")
+        if p.is_dir():
+            raise UsageError(f"{path} is a directory, not a file")
+        data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        from muser_cli.errors import DataError
+
+        raise DataError(f"prompt is not UTF-8 text (byte {exc.start})") from None
+
+
+def binary_stdout() -> BinaryIO:
+    """stdout for binary data; refuses a terminal."""
+    if sys.stdout.isatty():
+        raise UsageError(
+            "refusing to write binary data to a terminal",
+            hint="redirect to a file or pipe, or use -o FILE",
+        )
+    return sys.stdout.buffer
+
+
+@contextmanager
+def binary_output(path: str | None) -> Iterator[BinaryIO]:
+    """A binary output: ``-``/None is stdout (not a terminal); a path is written atomically."""
+    if path in (None, "-"):
+        out = binary_stdout()
+        yield out
+        out.flush()
+        return
+    from muser_cli.fsio import atomic_writer
+
+    with atomic_writer(Path(path)) as handle:
+        yield handle
+
+
+def progress_callback() -> Callable[[str, int, int], None] | None:
+    """A rich progress callback on stderr, only when stderr is a terminal and not --quiet."""
+    if _state["quiet"] or not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    last = {"stage": None}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage != last["stage"] or done == total or done % 4 == 0:
+            console.print(f"[dim]{stage}[/dim] {done}/{total}", end="\r")
+            last["stage"] = stage
+        if done >= total:
+            console.print("")
+
+    return report
+
+
+def default_threads() -> int:
+    value = os.environ.get("MUSER_THREADS")
+    if value:
+        return max(1, int(value))
+    return max(1, min(os.cpu_count() or 1, 8))

@@ -1,0 +1,114 @@
+"""The engine interface: one model runtime (torch, mlx, vllm) behind one contract.
+
+Roles:
+  * producer side: :meth:`Engine.prefill` runs the canonical schedule over prompt[:-1]
+    and returns the per-layer rows a kvpack carries;
+  * consumer side: :meth:`Engine.decode` installs rows and decodes, starting with the
+    last prompt token (the consumer's first step, which yields the first logits).
+
+Engines import kvpack types, never the other way round. Heavy frameworks are imported
+inside the engine module only, and engine modules are imported lazily by :func:`get_engine`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from muser_cli.kvpack.layers import LayerKV, LayerSpec
+
+DEFAULT_CHUNK_TOKENS = 512
+ENGINE_NAMES = ("torch", "mlx", "vllm")
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model is, without loading its weights (no torch import needed)."""
+
+    path: Path  # Hugging Face-style folder: config.json, *.safetensors, tokenizer files
+    name: str
+    fingerprint: str  # "sha256:<hex>" over canonical config + weight bytes
+    tokenizer_fingerprint: str  # "sha256:<hex>" over the tokenizer files
+    architecture: str
+    layers: tuple[LayerSpec, ...]
+    max_positions: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    ttft_s: float  # installing KV + the first step (the last prompt token) -> first new token
+    decode_s: float  # time for the remaining tokens after the first
+    stats: dict = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    name: str = "?"
+
+    def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
+        self.info = info
+        self.dtype = dtype
+        self.threads = threads
+
+    @abc.abstractmethod
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        """Prefill ``token_ids`` (the caller passes prompt[:-1]) in fixed chunks.
+
+        Returns one :class:`LayerKV` per layer: full layers carry every row,
+        sliding layers their last ``window - 1`` rows, in the storage dtype.
+        """
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> DecodeResult:
+        """Install ``layers`` (covering positions [0, rows)) and decode.
+
+        ``next_tokens`` (usually the single last prompt token) are run first at
+        positions ``rows, rows+1, ...``; their last logits give the first new token.
+        """
+
+
+def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int) -> Engine:
+    """Import the named engine lazily and load ``info`` into it."""
+    from muser_cli.errors import UsageError
+
+    if name == "torch":
+        from muser_cli.engines.torch_engine import TorchEngine
+
+        return TorchEngine(info, dtype=dtype, threads=threads)
+    if name == "mlx":
+        from muser_cli.engines.mlx_engine import MLXEngine
+
+        return MLXEngine(info, dtype=dtype, threads=threads)
+    if name == "vllm":
+        from muser_cli.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(info, dtype=dtype, threads=threads)
+    raise UsageError(f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES))

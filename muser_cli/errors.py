@@ -1,0 +1,71 @@
+"""One error hierarchy for the whole library.
+
+Only the command layer maps these to exit statuses (sysexits.h, see CLI.md).
+Every error carries a one-line message and an optional hint.
+"""
+
+from __future__ import annotations
+
+
+class MuserError(Exception):
+    """Base class of every error the library raises on purpose."""
+
+    exit_status = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:  # one line, always
+        return self.message.replace("\n", " ")
+
+
+class UsageError(MuserError):
+    """The caller asked for something that makes no sense (exit 2)."""
+
+    exit_status = 2
+
+
+class DataError(MuserError):
+    """Input data is malformed, corrupt or mismatched (exit 65, EX_DATAERR)."""
+
+    exit_status = 65
+
+
+class KVPackError(DataError):
+    """A kvpack failed a structural or integrity check. The only error the reader raises."""
+
+
+class IdentityMismatch(DataError):
+    """A kvpack is valid but was made for another model, tokenizer, prompt or position."""
+
+
+class MissingInput(MuserError):
+    """An input file or model does not exist (exit 66, EX_NOINPUT)."""
+
+    exit_status = 66
+
+
+class TempFailure(MuserError):
+    """Peer unreachable or timed out: the caller should fall back to local prefill (exit 75)."""
+
+    exit_status = 75
+
+
+class ProtocolError(MuserError):
+    """The remote side broke the handoff protocol (exit 76, EX_PROTOCOL)."""
+
+    exit_status = 76
+
+
+class AuthError(MuserError):
+    """Authentication failed or a replay was refused (exit 77, EX_NOPERM)."""
+
+    exit_status = 77
+
+
+class ConfigError(MuserError):
+    """Local configuration is missing or broken (exit 78, EX_CONFIG)."""
+
+    exit_status = 78

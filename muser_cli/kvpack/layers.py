@@ -1,0 +1,82 @@
+"""Layer descriptions carried in a kvpack header (pure Python, no ML framework).
+
+A layer is described by what a consumer must honour to use its rows:
+its attention class (full or sliding window), whether RoPE was applied to the cached
+keys and with which parameters (or NoPE), the number of KV heads and the head dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+LAYER_KINDS = ("full", "sliding")
+ROPE_STYLES = ("rotate_half", "interleaved")
+# Storage dtypes: name -> (bytes per element, numpy dtype string used for the raw buffer).
+# bfloat16 is carried as raw 16-bit words (numpy has no bfloat16).
+DTYPES: dict[str, tuple[int, str]] = {
+    "float32": (4, "<f4"),
+    "float16": (2, "<f2"),
+    "bfloat16": (2, "<u2"),
+}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """RoPE as applied to the cached keys."""
+
+    theta: float
+    dims: int  # rotary dimensions (== head_dim unless partial rotary)
+    style: str = "rotate_half"
+    scaling: dict[str, Any] | None = None  # rope_scaling as plain JSON values, or None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"theta": self.theta, "dims": self.dims, "style": self.style, "scaling": self.scaling}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer's cache description.
+
+    ``kind == "sliding"``: the layer attends to the last ``window`` positions including
+    the current token, so a kvpack carries its last ``min(rows, window - 1)`` rows.
+    ``rope is None`` means NoPE: keys carry no positional rotation.
+    """
+
+    kind: str
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    window: int | None = None
+    rope: RopeSpec | None = None
+
+    def carried_rows(self, total_rows: int) -> int:
+        """How many of ``total_rows`` cached positions a pack carries for this layer."""
+        if self.kind == "sliding":
+            assert self.window is not None
+            return min(total_rows, self.window - 1)
+        return total_rows
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "v_head_dim": self.v_head_dim,
+            "window": self.window,
+            "rope": None if self.rope is None else self.rope.to_json(),
+        }
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Rows of one layer: ``keys`` (kv_heads, rows, head_dim), ``values`` (kv_heads, rows, v_head_dim).
+
+    Arrays are numpy arrays in the storage dtype of :data:`DTYPES` (bfloat16 as uint16 bits).
+    ``first_row`` is the absolute position of row 0.
+    """
+
+    keys: Any
+    values: Any
+    first_row: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)

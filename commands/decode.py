@@ -1,0 +1,62 @@
+"""muser decode: kvpack -> text (or local fallback prefill with --prompt)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("decode")
+    def decode_cmd(
+        src: str = typer.Argument("-", help="Input kvpack, or - for stdin (empty input + --prompt = fallback)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        n: int = typer.Option(64, "-n", "--max-tokens", help="New tokens to generate."),
+        engine: str = typer.Option("torch", "--engine", help="torch | mlx"),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the pack's dtype."),
+        prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt file: checks the pack, or prefills locally."),
+        chat: bool = typer.Option(False, "--chat", help="The prompt uses the chat template."),
+        chunk: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk", help="Chunk size for a local fallback prefill."),
+        temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+        top_p: float = typer.Option(1.0, "--top-p"),
+        seed: Optional[int] = typer.Option(None, "--seed"),
+        threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
+    ) -> None:
+        """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
+        from muser_cli.decode import decode
+        from muser_cli.engines.base import Sampling
+
+        with guarded(as_json=as_json):
+            prompt_text = read_text_input(prompt) if prompt is not None else None
+            reason = ""
+            if src != "-" and not Path(src).exists() and prompt_text is not None:
+                inp = None
+                reason = f"no kvpack at {src}"
+            else:
+                inp = open_input(src)
+                if src == "-" and sys.stdin.isatty():
+                    inp = None
+                    reason = "stdin is a terminal"
+            sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+            out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
+                         dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
+                         fallback_reason=reason or "empty input", progress=progress_callback())
+            if out.fallback:
+                info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
+                     f"in {out.prefill_s:.2f}s")
+            if as_json:
+                emit_json(out.to_json())
+            else:
+                sys.stdout.write(out.text)
+                if not out.text.endswith("\n"):
+                    sys.stdout.write("\n")
+                sys.stdout.flush()
+                info(f"decode: {len(out.token_ids)} tokens, ttft {out.ttft_s * 1000:.0f} ms, "
+                     f"{out.decode_tok_s:.1f} tok/s ({out.engine}, {out.dtype})")

@@ -1,0 +1,44 @@
+"""muser prefill: prompt text -> kvpack of prompt[:-1] on the canonical schedule."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import binary_output, default_threads, emit_json, guarded, info, progress_callback, read_text_input
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("prefill")
+    def prefill_cmd(
+        prompt: str = typer.Argument("-", help="Prompt text file, or - for stdin."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        engine: str = typer.Option("torch", "--engine", help="torch | mlx | vllm"),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: the engine's)"),
+        chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+        chunk: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk", help="Canonical prefill chunk size (tokens)."),
+        threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default, recorded in the pack)."),
+        zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames with zstd at LEVEL."),
+        output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
+        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stderr."),
+    ) -> None:
+        """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token)."""
+        from muser_cli.prefill import prefill
+
+        with guarded():
+            text = read_text_input(prompt)
+            codec = "zstd+bytegroup" if zstd else "none"
+            with binary_output(output) as out:
+                res = prefill(text, out, model=model, engine=engine, dtype=dtype, chat=chat, chunk_tokens=chunk,
+                              threads=threads or default_threads(), codec=codec, level=zstd or 1,
+                              progress=progress_callback())
+            summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
+                       "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
+                       "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4)}
+            if as_json and output not in ("-", None):
+                emit_json(summary)
+            else:
+                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes, "
+                     f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")

@@ -1,0 +1,64 @@
+"""muser verify: integrity + identity + structure; passes the verified pack through a pipe."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import binary_output, emit_json, err, guarded, open_input, read_text_input
+
+
+def _render(report) -> str:
+    lines = []
+    for c in report.checks:
+        lines.append(f"  {'ok  ' if c.ok else 'FAIL'} {c.name:<10} {c.detail}")
+    s = report.summary
+    if s:
+        kinds = ", ".join(f"{n} {k}" for k, n in s["layers"].items())
+        lines.append(f"  pack: {s['tokens']} tokens ({s['rows'][1] - s['rows'][0]} rows), {kinds} layers, "
+                     f"{s['dtype']}, {s['kv_bytes']} KV bytes in {s['pack_bytes']} pack bytes, codec {s['codec']}")
+    verdict = "verified" if report.ok else "REJECTED"
+    return f"verify: {verdict}\n" + "\n".join(lines)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("verify")
+    def verify_cmd(
+        src: str = typer.Argument("-", help="Input kvpack, or - for stdin."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        prompt: Optional[str] = typer.Option(None, "--prompt", help="Check the pack is for this prompt file."),
+        chat: bool = typer.Option(False, "--chat", help="The prompt was wrapped in the chat template."),
+        audit: int = typer.Option(0, "--audit", help="Recompute N positions locally and compare (later issue)."),
+        output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the verified pack here."),
+        as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
+    ) -> None:
+        """Check a kvpack before anything decodes it. Exit 0 only if every check passes.
+
+        When stdout is a pipe (and not --json) the verified pack is passed through,
+        so `receive | verify | decode` works; the report then goes to stderr.
+        """
+        from muser_cli.errors import DataError
+        from muser_cli.verify import verify
+
+        with guarded(as_json=as_json):
+            prompt_text = read_text_input(prompt) if prompt is not None else None
+            with open_input(src) as inp:
+                report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit)
+            passthrough = output is not None or (not as_json and not sys.stdout.isatty())
+            if as_json:
+                emit_json(report.to_json())
+            elif passthrough:
+                err(_render(report))
+            else:
+                typer.echo(_render(report))
+            if not report.ok:
+                bad = report.first_failure()
+                raise DataError(f"verify failed: {bad.name}: {bad.detail}")
+            if passthrough and report.pack is not None:
+                from muser_cli.kvpack import write_pack
+
+                with binary_output(output) as out:
+                    write_pack(out, report.pack.header, report.pack.layers,
+                               codec=report.pack.header.codec.get("name"), level=report.pack.header.codec.get("level", 1))

@@ -1,0 +1,137 @@
+"""``decode``: verify a pack against the local model, install it, decode; or, with no pack
+and a prompt, prefill locally on the same canonical schedule (the fallback)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable
+
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, ProgressFn, Sampling
+from muser_cli.errors import MissingInput, UsageError
+from muser_cli.identity import require_identity
+from muser_cli.kvpack import KVPack, read_pack
+
+
+@dataclass
+class DecodeOutcome:
+    text: str
+    token_ids: list[int]
+    fallback: bool
+    load_s: float
+    prefill_s: float
+    ttft_s: float
+    decode_s: float
+    prompt_tokens: int
+    engine: str
+    dtype: str
+    reason: str = ""
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text, "token_ids": self.token_ids, "fallback": self.fallback,
+            "reason": self.reason, "load_s": round(self.load_s, 6), "prefill_s": round(self.prefill_s, 6),
+            "ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
+            "decode_tok_s": round(self.decode_tok_s, 3), "prompt_tokens": self.prompt_tokens,
+            "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype, **self.stats,
+        }
+
+
+def read_optional_pack(src: BinaryIO | None) -> KVPack | None:
+    """Read a pack, or ``None`` when the input is empty (no handoff arrived)."""
+    if src is None:
+        return None
+    first = src.read(1)
+    if not first:
+        return None
+
+    class _Prefixed:
+        def __init__(self) -> None:
+            self._first = first
+
+        def read(self, n: int = -1) -> bytes:
+            if self._first:
+                head, self._first = self._first, b""
+                return head + (src.read(n - 1) if n and n > 1 else b"")
+            return src.read(n)
+
+    return read_pack(_Prefixed())  # type: ignore[arg-type]
+
+
+def decode(
+    src: BinaryIO | None,
+    *,
+    model: str | None = None,
+    prompt: str | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 64,
+    engine: str = "torch",
+    dtype: str | None = None,
+    threads: int = 1,
+    sampling: Sampling = Sampling(),
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    fallback_reason: str = "",
+    on_token: Callable[[int], None] | None = None,
+    progress: ProgressFn | None = None,
+) -> DecodeOutcome:
+    from muser_cli.engines.base import get_engine
+    from muser_cli.models import resolve_model
+    from muser_cli.prefill import DEFAULT_DTYPE, check_prompt
+    from muser_cli.tokens import decode_text, encode_prompt
+
+    if max_new_tokens < 1:
+        raise UsageError("-n must be at least 1")
+    t_req = time.perf_counter()
+    pack = read_optional_pack(src)
+    t_read = time.perf_counter()
+    if pack is None and prompt is None:
+        raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
+
+    t_res0 = time.perf_counter()
+    info = resolve_model(model)
+    resolve_s = time.perf_counter() - t_res0
+    prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
+    if pack is not None:
+        # Identity before anything is loaded or decoded: refuse another model's or prompt's KV.
+        require_identity(pack.header, info, prompt_ids=prompt_ids)
+        if pack.header.rows_start != 0:
+            raise UsageError("this pack is a delta; decoding deltas needs the reuse store (not in this version)")
+        ids = list(pack.header.token_ids)
+        dtype = dtype or pack.header.dtype
+    else:
+        assert prompt_ids is not None
+        ids = prompt_ids
+        dtype = dtype or DEFAULT_DTYPE.get(engine, "float32")
+    check_prompt(info, ids, new_tokens=max_new_tokens)
+
+    t_load0 = time.perf_counter()
+    eng = get_engine(engine, info, dtype=dtype, threads=threads)
+    load_s = time.perf_counter() - t_load0 + resolve_s
+
+    t0 = time.perf_counter()
+    if pack is None:
+        layers = eng.prefill(ids[:-1], chunk_tokens=chunk_tokens, progress=progress)
+        rows = len(ids) - 1
+    else:
+        if pack.header.dtype != dtype:
+            raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
+                             hint=f"use --dtype {pack.header.dtype}")
+        layers = pack.layers
+        rows = pack.header.rows_end
+    prefill_s = time.perf_counter() - t0
+    result = eng.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
+                        sampling=sampling, on_token=on_token)
+    # TTFT: request to first token, model load excluded (reading/verifying the pack included).
+    ttft = (t_load0 - t_req) - resolve_s + prefill_s + result.ttft_s
+    return DecodeOutcome(
+        text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=pack is None,
+        load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),
+        engine=engine, dtype=dtype, reason=fallback_reason if pack is None else "",
+        stats={"pack_read_s": round(t_read - t_req, 6)},
+    )

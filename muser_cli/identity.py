@@ -1,0 +1,80 @@
+"""Is this pack for this model, this tokenizer, this prompt? Checked before any decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from muser_cli.engines.base import ModelInfo
+from muser_cli.errors import IdentityMismatch
+from muser_cli.kvpack import PackHeader
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def _short(fp: str) -> str:
+    return fp[:19] + "…" if len(fp) > 20 else fp
+
+
+def _layer_diff(header: PackHeader, info: ModelInfo) -> str | None:
+    if len(header.layers) != len(info.layers):
+        return f"pack has {len(header.layers)} layers, the model {len(info.layers)}"
+    for i, (a, b) in enumerate(zip(header.layers, info.layers)):
+        if a == b:
+            continue
+        ja, jb = a.to_json(), b.to_json()
+        for key in ja:
+            if ja[key] != jb[key]:
+                if key == "rope" and ja[key] and jb[key]:
+                    for rk in ja[key]:
+                        if ja[key][rk] != jb[key][rk]:
+                            return f"layer {i} rope.{rk}: pack {ja[key][rk]!r}, model {jb[key][rk]!r}"
+                return f"layer {i} {key}: pack {ja[key]!r}, model {jb[key]!r}"
+    return None
+
+
+def identity_checks(header: PackHeader, info: ModelInfo, *, prompt_ids: list[int] | None = None) -> list[Check]:
+    checks = [
+        Check("model", header.model_fingerprint == info.fingerprint,
+              f"pack {_short(header.model_fingerprint)} ({header.model_name or '?'}), "
+              f"local {_short(info.fingerprint)} ({info.name})"),
+        Check("tokenizer", header.tokenizer_fingerprint == info.tokenizer_fingerprint,
+              f"pack {_short(header.tokenizer_fingerprint)}, local {_short(info.tokenizer_fingerprint)}"),
+    ]
+    diff = _layer_diff(header, info)
+    checks.append(Check("structure", diff is None, diff or f"{len(info.layers)} layers match the model"))
+    n = len(header.token_ids)
+    checks.append(Check("context", n < info.max_positions,
+                        f"{n} prompt tokens, model context {info.max_positions}"))
+    if prompt_ids is not None:
+        same = list(header.token_ids) == list(prompt_ids)
+        if same:
+            detail = f"{n} tokens match the prompt"
+        else:
+            k = next((i for i, (a, b) in enumerate(zip(header.token_ids, prompt_ids)) if a != b), min(n, len(prompt_ids)))
+            detail = f"pack holds {n} tokens, the prompt {len(prompt_ids)}; first difference at token {k}"
+        checks.append(Check("prompt", same, detail))
+    return checks
+
+
+def require_identity(header: PackHeader, info: ModelInfo, *, prompt_ids: list[int] | None = None) -> list[Check]:
+    """Raise :class:`IdentityMismatch` on the first failed check."""
+    checks = identity_checks(header, info, prompt_ids=prompt_ids)
+    for c in checks:
+        if not c.ok:
+            hints = {
+                "model": "decode with the model the pack was made for (-m)",
+                "tokenizer": "the model folder's tokenizer differs from the producer's",
+                "structure": "the pack's attention/RoPE layout does not fit this model",
+                "context": "the prompt is longer than the model's context",
+                "prompt": "this pack was made for another prompt",
+            }
+            raise IdentityMismatch(f"pack refused: {c.name} mismatch: {c.detail}", hint=hints.get(c.name))
+    return checks

@@ -1,0 +1,367 @@
+"""kvpack v1 wire constants, the header model and its validation, and the frame plan.
+
+Rules (docs/kvpack.md is the normative text):
+  * preamble: magic (8) | major u16 | minor u16 | header_len u32, little-endian;
+  * header: canonical JSON (sorted keys, no spaces, ASCII), then zero padding so the
+    first frame starts on a 64-byte boundary;
+  * frames: a 64-byte frame header, the stored payload, zero padding to 64, then a
+    64-byte digest block (32-byte SHA-256 chain digest + 32 zero bytes);
+  * the digest chain starts from the header digest and binds every frame's header
+    (with its sequence number) and stored bytes; the end frame carries the root digest.
+All lengths are checked against hard limits before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from muser_cli.errors import KVPackError
+from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
+
+MAGIC = b"\x89KVPACK\n"
+MAJOR = 1
+MINOR = 0
+PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header_len
+FRAME_HEADER = struct.Struct("<4sIIIIBBHQQ24x")  # tag, seq, layer, start, count, codec, flags, rsv, raw_len, stored_len
+ALIGN = 64
+DIGEST_BLOCK = 64  # 32-byte digest + 32 zero bytes
+TAG_DATA = b"KVFR"
+TAG_END = b"KVND"
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODEC_ZSTD_GROUPED = 2
+CODEC_NAMES = {CODEC_RAW: "none", CODEC_ZSTD: "zstd", CODEC_ZSTD_GROUPED: "zstd+bytegroup"}
+
+# Hard limits. A reader refuses anything beyond them before allocating.
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+MAX_LAYERS = 1024
+MAX_TOKENS = 1 << 22  # 4,194,304 prompt tokens
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_FRAME_ROWS = 1 << 16
+MAX_FRAME_BYTES = 1 << 30  # 1 GiB decoded per frame
+MAX_TOTAL_BYTES = 1 << 40  # 1 TiB decoded per pack
+MAX_JSON_DEPTH = 16
+MAX_TOKEN_ID = (1 << 31) - 1
+
+HEADER_KEYS_V1_0 = {
+    "format", "version", "model", "tokenizer", "tokens", "positions", "schedule",
+    "dtype", "layers", "codec", "quant", "producer", "base",
+}
+
+
+def pad_len(n: int) -> int:
+    return (-n) % ALIGN
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def token_digest(ids: list[int] | tuple[int, ...]) -> str:
+    """``sha256:`` over the ids as little-endian uint32 (the prompt's identity)."""
+    h = hashlib.sha256()
+    h.update(struct.pack(f"<{len(ids)}I", *ids))
+    return "sha256:" + h.hexdigest()
+
+
+def header_digest(preamble: bytes, header_json: bytes) -> bytes:
+    return sha256(b"kvpack/v1 header\x00" + preamble + header_json)
+
+
+def chain(prev: bytes, frame_header: bytes, stored: bytes | memoryview) -> bytes:
+    h = hashlib.sha256(prev)
+    h.update(frame_header)
+    h.update(stored)
+    return h.digest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+@dataclass(frozen=True)
+class PackHeader:
+    """The identity and structure of a pack. ``rows_end`` positions are covered: [rows_start, rows_end)."""
+
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    token_ids: tuple[int, ...]
+    layers: tuple[LayerSpec, ...]
+    dtype: str
+    chunk_tokens: int
+    rows_start: int = 0  # first position carried by full-attention layers (0 unless a delta)
+    frame_tokens: int | None = None  # frame grid; defaults to chunk_tokens
+    model_name: str = ""
+    architecture: str = ""
+    codec: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    quant: dict[str, Any] = field(default_factory=lambda: {"scheme": "none"})
+    producer: dict[str, Any] = field(default_factory=dict)
+    base: dict[str, Any] | None = None
+    minor: int = MINOR
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def rows_end(self) -> int:
+        """Positions a pack covers end before the last prompt token (the consumer runs it)."""
+        return len(self.token_ids) - 1
+
+    @property
+    def grid(self) -> int:
+        return self.frame_tokens or self.chunk_tokens
+
+    @property
+    def token_digest(self) -> str:
+        return token_digest(self.token_ids)
+
+    def layer_first_row(self, index: int) -> int:
+        spec = self.layers[index]
+        if spec.kind == "sliding":
+            return self.rows_end - spec.carried_rows(self.rows_end)
+        return self.rows_start
+
+    def layer_rows(self, index: int) -> int:
+        return self.rows_end - self.layer_first_row(index)
+
+    def elem_bytes(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    def row_bytes(self, index: int) -> int:
+        spec = self.layers[index]
+        return spec.kv_heads * (spec.head_dim + spec.v_head_dim) * self.elem_bytes()
+
+    def total_raw_bytes(self) -> int:
+        return sum(self.row_bytes(i) * self.layer_rows(i) for i in range(len(self.layers)))
+
+    def frame_plan(self) -> Iterator[tuple[int, int, int]]:
+        """Yield (layer, start, count) in stream order: chunk-major, then layer order.
+
+        The grid is absolute (multiples of ``grid`` from position 0), so a producer can
+        emit every frame of a prefill chunk as soon as that chunk is computed.
+        """
+        end = self.rows_end
+        firsts = [self.layer_first_row(i) for i in range(len(self.layers))]
+        if not firsts or end <= min(firsts):
+            return
+        g = self.grid
+        c = (min(firsts) // g) * g
+        while c < end:
+            hi = min(c + g, end)
+            for i, first in enumerate(firsts):
+                lo = max(c, first)
+                if lo < hi:
+                    yield i, lo, hi - lo
+            c += g
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "kvpack",
+            "version": [MAJOR, self.minor],
+            "model": {"fingerprint": self.model_fingerprint, "name": self.model_name, "architecture": self.architecture},
+            "tokenizer": {"fingerprint": self.tokenizer_fingerprint},
+            "tokens": {"ids": list(self.token_ids), "count": len(self.token_ids), "digest": self.token_digest},
+            "positions": {"start": self.rows_start, "end": self.rows_end},
+            "schedule": {"chunk_tokens": self.chunk_tokens, "frame_tokens": self.grid},
+            "dtype": self.dtype,
+            "layers": [spec.to_json() for spec in self.layers],
+            "codec": self.codec,
+            "quant": self.quant,
+            "producer": self.producer,
+            "base": self.base,
+        }
+
+    def encode(self) -> bytes:
+        return canonical_json(self.to_json())
+
+
+# ---------------------------------------------------------------- validation
+def _fail(msg: str) -> KVPackError:
+    return KVPackError(f"bad kvpack header: {msg}")
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise _fail(f"{where} is not an object")
+    if key not in obj:
+        raise _fail(f"missing {where}.{key}")
+    value = obj[key]
+    if kind is int and isinstance(value, bool):
+        raise _fail(f"{where}.{key} must be an integer")
+    if not isinstance(value, kind):
+        raise _fail(f"{where}.{key} has the wrong type")
+    return value
+
+
+def _int(obj: Any, key: str, where: str, lo: int, hi: int) -> int:
+    value = _get(obj, key, int, where)
+    if not lo <= value <= hi:
+        raise _fail(f"{where}.{key}={value} outside [{lo}, {hi}]")
+    return value
+
+
+def _fingerprint(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.startswith("sha256:") or len(value) != 71:
+        raise _fail(f"{where} is not a sha256 fingerprint")
+    try:
+        int(value[7:], 16)
+    except ValueError:
+        raise _fail(f"{where} is not a sha256 fingerprint") from None
+    return value
+
+
+def _json_depth_ok(data: bytes) -> bool:
+    depth = 0
+    in_str = False
+    escape = False
+    for b in data:
+        if in_str:
+            if escape:
+                escape = False
+            elif b == 0x5C:
+                escape = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x7B, 0x5B):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return False
+        elif b in (0x7D, 0x5D):
+            depth -= 1
+    return True
+
+
+def _parse_layer(obj: Any, i: int) -> LayerSpec:
+    where = f"layers[{i}]"
+    kind = _get(obj, "kind", str, where)
+    if kind not in LAYER_KINDS:
+        raise _fail(f"{where}.kind {kind!r} is unknown (known: {', '.join(LAYER_KINDS)})")
+    kv_heads = _int(obj, "kv_heads", where, 1, MAX_HEADS)
+    head_dim = _int(obj, "head_dim", where, 1, MAX_HEAD_DIM)
+    v_head_dim = _int(obj, "v_head_dim", where, 1, MAX_HEAD_DIM)
+    window = obj.get("window") if isinstance(obj, dict) else None
+    if kind == "sliding":
+        window = _int(obj, "window", where, 2, MAX_TOKENS)
+    elif window is not None:
+        raise _fail(f"{where}.window must be null for a full layer")
+    rope_obj = obj.get("rope")
+    rope = None
+    if rope_obj is not None:
+        w = f"{where}.rope"
+        theta = _get(rope_obj, "theta", (int, float), w)
+        if isinstance(theta, bool) or not (0 < float(theta) < 1e12):
+            raise _fail(f"{w}.theta out of range")
+        dims = _int(rope_obj, "dims", w, 2, head_dim)
+        style = _get(rope_obj, "style", str, w)
+        if style not in ROPE_STYLES:
+            raise _fail(f"{w}.style {style!r} is unknown (known: {', '.join(ROPE_STYLES)})")
+        scaling = rope_obj.get("scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise _fail(f"{w}.scaling must be an object or null")
+        rope = RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
+    return LayerSpec(kind=kind, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, window=window, rope=rope)
+
+
+def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
+    """Validate canonical header bytes strictly and build a :class:`PackHeader`."""
+    if not _json_depth_ok(header_json):
+        raise _fail(f"JSON nested deeper than {MAX_JSON_DEPTH}")
+    try:
+        text = header_json.decode("ascii")
+    except UnicodeDecodeError:
+        raise _fail("not ASCII-encoded canonical JSON") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise _fail(f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(obj, dict):
+        raise _fail("top level is not an object")
+    try:
+        canon = canonical_json(obj)
+    except ValueError:
+        raise _fail("not canonical JSON") from None
+    if canon != header_json:
+        raise _fail("not canonical JSON (duplicate keys, spacing or key order)")
+    unknown = set(obj) - HEADER_KEYS_V1_0
+    if unknown and minor <= MINOR:
+        raise _fail(f"unknown key(s) {sorted(unknown)} for version {major}.{minor}")
+    if obj.get("format") != "kvpack":
+        raise _fail("format is not 'kvpack'")
+    version = _get(obj, "version", list, "header")
+    if version != [major, minor]:
+        raise _fail(f"version field {version} disagrees with preamble {major}.{minor}")
+
+    model = _get(obj, "model", dict, "header")
+    model_fp = _fingerprint(model.get("fingerprint"), "model.fingerprint")
+    model_name = _get(model, "name", str, "model")
+    arch = _get(model, "architecture", str, "model")
+    tok_fp = _fingerprint(_get(obj, "tokenizer", dict, "header").get("fingerprint"), "tokenizer.fingerprint")
+
+    tokens = _get(obj, "tokens", dict, "header")
+    ids = _get(tokens, "ids", list, "tokens")
+    count = _int(tokens, "count", "tokens", 1, MAX_TOKENS)
+    if len(ids) != count:
+        raise _fail(f"tokens.count={count} but {len(ids)} ids")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+            raise _fail("tokens.ids holds a value that is not a token id")
+    if _get(tokens, "digest", str, "tokens") != token_digest(ids):
+        raise _fail("tokens.digest does not match tokens.ids")
+
+    positions = _get(obj, "positions", dict, "header")
+    rows_end = _int(positions, "end", "positions", 0, MAX_TOKENS)
+    if rows_end != count - 1:
+        raise _fail(f"positions.end={rows_end} must be tokens.count-1={count - 1}")
+    rows_start = _int(positions, "start", "positions", 0, rows_end)
+
+    schedule = _get(obj, "schedule", dict, "header")
+    chunk = _int(schedule, "chunk_tokens", "schedule", 1, MAX_FRAME_ROWS)
+    frame_tokens = _int(schedule, "frame_tokens", "schedule", 1, MAX_FRAME_ROWS)
+
+    dtype = _get(obj, "dtype", str, "header")
+    if dtype not in DTYPES:
+        raise _fail(f"dtype {dtype!r} is unknown (known: {', '.join(DTYPES)})")
+    layers_obj = _get(obj, "layers", list, "header")
+    if not 1 <= len(layers_obj) <= MAX_LAYERS:
+        raise _fail(f"{len(layers_obj)} layers outside [1, {MAX_LAYERS}]")
+    layers = tuple(_parse_layer(layer, i) for i, layer in enumerate(layers_obj))
+
+    codec = _get(obj, "codec", dict, "header")
+    if codec.get("name") not in CODEC_NAMES.values():
+        raise _fail(f"codec {codec.get('name')!r} is unknown (known: {', '.join(CODEC_NAMES.values())})")
+    quant = _get(obj, "quant", dict, "header")
+    if quant.get("scheme") not in ("none",):
+        raise _fail(f"quant scheme {quant.get('scheme')!r} is unknown (known: none)")
+    producer = _get(obj, "producer", dict, "header")
+    base = obj.get("base")
+    if base is not None and not isinstance(base, dict):
+        raise _fail("base must be an object or null")
+    if rows_start > 0 and base is None:
+        raise _fail("positions.start > 0 needs a base (a delta pack names its prefix)")
+
+    header = PackHeader(
+        model_fingerprint=model_fp, tokenizer_fingerprint=tok_fp, token_ids=tuple(ids), layers=layers,
+        dtype=dtype, chunk_tokens=chunk, rows_start=rows_start, frame_tokens=frame_tokens,
+        model_name=model_name, architecture=arch, codec=codec, quant=quant, producer=producer,
+        base=base, minor=minor, raw=obj,
+    )
+    # Checked sizes: Python ints do not overflow; compare against hard caps.
+    total = 0
+    for i in range(len(layers)):
+        row_bytes = header.row_bytes(i)
+        if row_bytes * min(frame_tokens, max(header.layer_rows(i), 1)) > MAX_FRAME_BYTES:
+            raise _fail(f"layers[{i}] frames would exceed {MAX_FRAME_BYTES} bytes")
+        total += row_bytes * header.layer_rows(i)
+    if total > MAX_TOTAL_BYTES:
+        raise _fail(f"declared KV size {total} exceeds the {MAX_TOTAL_BYTES}-byte limit")
+    return header
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")

@@ -1,0 +1,78 @@
+"""``verify``: integrity, identity (model, tokenizer, tokens), structure — before any decode."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from muser_cli.errors import KVPackError, UsageError
+from muser_cli.identity import Check, identity_checks
+from muser_cli.kvpack import KVPack, read_pack
+from muser_cli.kvpack.format import CODEC_NAMES
+
+
+@dataclass
+class VerifyReport:
+    checks: list[Check]
+    pack: KVPack | None
+    seconds: float
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def first_failure(self) -> Check | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "checks": [c.to_json() for c in self.checks], "summary": self.summary,
+                "seconds": round(self.seconds, 6)}
+
+
+def summarize(pack: KVPack) -> dict:
+    h = pack.header
+    kinds: dict[str, int] = {}
+    bytes_by_kind: dict[str, int] = {}
+    for i, spec in enumerate(h.layers):
+        kinds[spec.kind] = kinds.get(spec.kind, 0) + 1
+        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.row_bytes(i) * h.layer_rows(i)
+    raw = h.total_raw_bytes()
+    return {
+        "model": h.model_name, "model_fingerprint": h.model_fingerprint,
+        "tokenizer_fingerprint": h.tokenizer_fingerprint, "tokens": len(h.token_ids),
+        "token_digest": h.token_digest, "rows": [h.rows_start, h.rows_end], "dtype": h.dtype,
+        "chunk_tokens": h.chunk_tokens, "layers": kinds, "kv_bytes_by_kind": bytes_by_kind,
+        "kv_bytes": raw, "pack_bytes": pack.total_bytes, "codec": h.codec.get("name"),
+        "ratio": round(raw / pack.stored_bytes, 4) if pack.stored_bytes else None,
+        "producer": h.producer, "root_digest": pack.root_digest.hex(),
+        "version": f"{h.raw.get('version', [1, 0])[0]}.{h.minor}",
+    }
+
+
+def verify(
+    src: BinaryIO,
+    *,
+    model: str | None = None,
+    prompt: str | None = None,
+    chat: bool = False,
+    audit: int = 0,
+) -> VerifyReport:
+    from muser_cli.models import resolve_model
+    from muser_cli.tokens import encode_prompt
+
+    t0 = time.perf_counter()
+    try:
+        pack = read_pack(src)
+    except KVPackError as exc:
+        return VerifyReport([Check("integrity", False, str(exc))], None, time.perf_counter() - t0)
+    h = pack.header
+    checks = [Check("integrity", True, f"{len(list(h.frame_plan()))} frames, root digest {pack.root_digest.hex()[:16]}…, "
+                                       f"codec {h.codec.get('name', CODEC_NAMES[0])}")]
+    info = resolve_model(model)
+    prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
+    checks += identity_checks(h, info, prompt_ids=prompt_ids)
+    if audit:
+        raise UsageError("verify --audit is not available in this version", hint="run verify without --audit")
+    return VerifyReport(checks, pack, time.perf_counter() - t0, summarize(pack))

@@ -1,0 +1,144 @@
+"""Generate shell completions, man pages and docs/cli.md from the Typer app itself.
+
+    python -m muser_cli.commands._gendocs           # write
+    python -m muser_cli.commands._gendocs --check   # exit 1 if anything is stale
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer.main
+from typer._completion_shared import get_completion_script
+
+from muser_cli import __version__
+
+ROOT = Path(__file__).resolve().parent.parent
+PROG = "muser"
+COMPLETE_VAR = "_MUSER_COMPLETE"
+
+
+def _cli():
+    from muser_cli.commands import app
+
+    return typer.main.get_command(app)  # type: ignore[return-value]
+
+
+def completions() -> dict[str, str]:
+    cli = _cli()
+    out = {}
+    del cli  # Typer's scripts call back into `muser` for candidates, so they are static
+    for shell, name in (("bash", "muser.bash"), ("zsh", "_muser"), ("fish", "muser.fish")):
+        script = get_completion_script(prog_name=PROG, complete_var=COMPLETE_VAR, shell=shell)
+        out[f"completions/{name}"] = script.rstrip() + "\n"
+    return out
+
+
+def _roff(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("-", "\\-").replace("\n.", "\n\\&.")
+
+
+def _params(cmd) -> list[tuple[str, str]]:
+    ctx = cmd.context_class(cmd, info_name=cmd.name)
+    rows = []
+    for p in cmd.params:
+        if getattr(p, "hidden", False):
+            continue
+        record = p.get_help_record(ctx)
+        if record:
+            rows.append((record[0], record[1]))
+    return rows
+
+
+def _usage(cmd, path: str) -> str:
+    ctx = cmd.context_class(cmd, info_name=path)
+    return " ".join(cmd.collect_usage_pieces(ctx))
+
+
+def man_pages() -> dict[str, str]:
+    cli = _cli()
+    pages = {}
+    date = "2026-11"
+    subs = sorted(cli.commands.items())
+    top = [f'.TH MUSER 1 "{date}" "muser {__version__}" "User Commands"', ".SH NAME",
+           "muser \\- move a language model's KV cache honestly", ".SH SYNOPSIS",
+           ".B muser\n[OPTIONS] COMMAND [ARGS]...", ".SH DESCRIPTION", _roff(cli.help or ""), ".SH COMMANDS"]
+    for name, sub in subs:
+        top += [".TP", f".B {name}", _roff(sub.get_short_help_str(200))]
+    top += [".SH OPTIONS"]
+    for names, help_ in _params(cli):
+        top += [".TP", f".B {_roff(names)}", _roff(help_)]
+    top += [".SH EXIT STATUS", "0 ok, 1 error, 2 usage, 65 malformed/corrupt/mismatched data, 66 missing input, "
+            "75 temporary failure (fall back to local prefill), 76 remote protocol error, "
+            "77 authentication/replay refused, 78 configuration.",
+            ".SH SEE ALSO", ", ".join(f"muser\\-{n}(1)" for n, _ in subs)]
+    pages["man/muser.1"] = "\n".join(top) + "\n"
+    for name, sub in subs:
+        lines = [f'.TH MUSER\\-{name.upper()} 1 "{date}" "muser {__version__}" "User Commands"', ".SH NAME",
+                 f"muser\\-{name} \\- {_roff(sub.get_short_help_str(200))}", ".SH SYNOPSIS",
+                 f".B muser {name}\n{_roff(_usage(sub, name))}", ".SH DESCRIPTION", _roff(sub.help or ""), ".SH OPTIONS"]
+        for names, help_ in _params(sub):
+            lines += [".TP", f".B {_roff(names)}", _roff(help_)]
+        lines += [".SH SEE ALSO", "muser(1)"]
+        pages[f"man/muser-{name}.1"] = "\n".join(lines) + "\n"
+    return pages
+
+
+def cli_reference() -> dict[str, str]:
+    cli = _cli()
+    lines = ["# muser command reference", "",
+             "Generated from the app by `python -m muser_cli.commands._gendocs`; do not edit by hand.", "",
+             "```", f"muser [OPTIONS] COMMAND [ARGS]...", "```", "", cli.help or "", ""]
+    for name, sub in sorted(cli.commands.items()):
+        lines += [f"## muser {name}", "", "```", f"muser {name} {_usage(sub, name)}", "```", "", (sub.help or "").strip(), ""]
+        rows = _params(sub)
+        if rows:
+            lines += ["| argument / option | meaning |", "|---|---|"]
+            lines += ["| `" + n + "` | " + h.replace("|", "\\|") + " |" for n, h in rows]
+            lines.append("")
+    lines += ["## Exit statuses", "",
+              "0 ok · 1 error · 2 usage · 65 malformed, corrupt or mismatched data · 66 missing input · "
+              "75 temporary failure (peer unreachable or timed out: fall back to local prefill) · "
+              "76 remote protocol error · 77 authentication or replay refused · 78 configuration", ""]
+    return {"docs/cli.md": "\n".join(lines)}
+
+
+def generated() -> dict[str, str]:
+    out = {}
+    out.update(completions())
+    out.update(man_pages())
+    out.update(cli_reference())
+    return out
+
+
+def stale() -> list[str]:
+    bad = []
+    for rel, text in generated().items():
+        path = ROOT / rel
+        if not path.exists() or path.read_text() != text:
+            bad.append(rel)
+    for folder, keep in (("man", {k for k in generated() if k.startswith("man/")}),):
+        for p in (ROOT / folder).glob("*.1"):
+            if f"{folder}/{p.name}" not in keep:
+                bad.append(f"{folder}/{p.name} (no longer generated)")
+    return bad
+
+
+def main(argv: list[str]) -> int:
+    if "--check" in argv:
+        bad = stale()
+        for rel in bad:
+            sys.stderr.write(f"stale: {rel}\n")
+        return 1 if bad else 0
+    for p in (ROOT / "man").glob("*.1"):
+        p.unlink()
+    for rel, text in generated().items():
+        path = ROOT / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+complete --command muser --no-files --arguments "(env _MUSER_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) muser)" --condition "env _MUSER_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) muser"

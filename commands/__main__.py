@@ -1,0 +1,3 @@
+from muser_cli.commands import main
+
+main()

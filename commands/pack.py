@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack, or - for stdout."),
         zstd: int = typer.Option(1, "--zstd", help="zstd LEVEL (frames byte-grouped, then compressed)."),
         no_zstd: bool = typer.Option(False, "--no-zstd", help="Store frames uncompressed (mmap-friendly)."),
-        quant: str = typer.Option("none", "--quant", help="none (int8 comes with the codecs issue)."),
+        quant: str = typer.Option("none", "--quant", help="none | int8 (lossy: scale per layer x K/V x head x token; error recorded in the header)."),
         have: Optional[str] = typer.Option(None, "--have", help="Manifest of what the consumer holds (delta)."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary (stderr when data goes to stdout)."),
     ) -> None:

@@ -13,6 +13,7 @@ from typing import BinaryIO
 from muser_cli.errors import KVPackError, UsageError
 from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter
 from muser_cli.kvpack.format import CODEC_NAMES
+from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
 
 READ_BLOCK = 1 << 20
 
@@ -34,11 +35,13 @@ class PackResult:
 def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: int = 1, quant: str = "none") -> PackResult:
     if codec not in CODEC_NAMES.values():
         raise UsageError(f"unknown codec {codec!r}", hint="one of: " + ", ".join(CODEC_NAMES.values()))
-    if quant != "none":
-        raise UsageError(f"quantization {quant!r} is not available yet", hint="use --quant none")
+    if quant not in QUANT_SCHEMES:
+        raise UsageError(f"unknown quantization {quant!r}", hint="one of: " + ", ".join(QUANT_SCHEMES))
     if not 1 <= level <= 22:
         raise UsageError("--zstd level must be in [1, 22]")
     t0 = time.perf_counter()
+    if quant == "int8":
+        return _pack_quantized(src, out, codec=codec, level=level, t0=t0)
     reader = PackReader()
     writer: PackWriter | None = None
     frames = 0
@@ -52,6 +55,8 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
                 writer = PackWriter(out, header, codec=codec, level=level)
             elif isinstance(ev, FrameEvent):
                 assert writer is not None
+                if reader.header is not None and reader.header.quant_scheme != "none":
+                    raise UsageError("this pack is already quantized; re-encode it with its own --quant")
                 writer.write_frame(ev.layer, ev.start, ev.keys, ev.values)
                 frames += 1
     reader.finish()
@@ -60,3 +65,48 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
     writer.finish()
     return PackResult(frames=frames, bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
                       raw_bytes=writer.raw_bytes, codec=codec, seconds=time.perf_counter() - t0)
+
+
+def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0: float) -> PackResult:
+    """int8: the measured error goes in the header, so every frame is read (and verified) first."""
+    reader = PackReader()
+    frames: list[FrameEvent] = []
+    header = None
+    while True:
+        block = src.read(READ_BLOCK)
+        if not block:
+            break
+        for ev in reader.feed(block):
+            if isinstance(ev, HeaderEvent):
+                header = ev.header
+                if header.quant_scheme != "none":
+                    raise UsageError("this pack is already quantized")
+            elif isinstance(ev, FrameEvent):
+                frames.append(ev)
+    reader.finish()
+    if header is None:
+        raise KVPackError("empty input: no kvpack")
+    totals = {"k_max_abs": 0.0, "v_max_abs": 0.0, "k_sum": 0.0, "v_sum": 0.0, "k_n": 0.0, "v_n": 0.0, "max_value": 0.0}
+    for ev in frames:
+        e = int8_error(ev.keys, ev.values, header.dtype)
+        totals["k_max_abs"] = max(totals["k_max_abs"], e["k_max_abs"])
+        totals["v_max_abs"] = max(totals["v_max_abs"], e["v_max_abs"])
+        totals["max_value"] = max(totals["max_value"], e["k_max_value"], e["v_max_value"])
+        for kv in "kv":
+            totals[f"{kv}_sum"] += e[f"{kv}_sum_abs"]
+            totals[f"{kv}_n"] += e[f"{kv}_n"]
+    error = {
+        "k_max_abs": totals["k_max_abs"], "v_max_abs": totals["v_max_abs"],
+        "k_mean_abs": totals["k_sum"] / max(totals["k_n"], 1.0), "v_mean_abs": totals["v_sum"] / max(totals["v_n"], 1.0),
+        "max_abs_value": totals["max_value"],
+    }
+    error = {k: float(f"{v:.6g}") for k, v in error.items()}
+    quant_spec = {"scheme": "int8", "granularity": "token_head", "scale_dtype": "float32", "error": error}
+    new_header = replace(header, codec={"name": codec}, quant=quant_spec)
+    writer = PackWriter(out, new_header, codec=codec, level=level)
+    for ev in frames:
+        writer.write_frame(ev.layer, ev.start, ev.keys, ev.values)
+    writer.finish()
+    return PackResult(frames=len(frames), bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
+                      raw_bytes=new_header.total_logical_bytes(), codec=f"{codec}+int8",
+                      seconds=time.perf_counter() - t0)

@@ -320,3 +320,41 @@ def test_reader_memory_bounded_by_received_bytes():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 64 * 1024 * 1024  # header JSON parse only; declared KV is ~100 GB
+
+
+# ------------------------------------------------------------------ int8
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_pack_records_error_and_stays_close(dtype):
+    import io as _io
+
+    from muser_cli.pack import pack
+    from kvpack_factory import make_header, make_rows
+    from muser_cli.kvpack import write_pack
+    from muser_cli.kvpack.quant import from_float32, to_float32
+
+    header = make_header(41, dtype=dtype, layers=llama_layers(2))
+    rng = np.random.default_rng(3)
+    rows = []
+    for i, spec in enumerate(header.layers):
+        f = rng.standard_normal((2, header.layer_rows(i), 16)).astype(np.float32) * 3
+        g = rng.standard_normal((2, header.layer_rows(i), 16)).astype(np.float32)
+        from muser_cli.kvpack import LayerKV
+        rows.append(LayerKV(from_float32(f, dtype), from_float32(g, dtype), 0))
+    src = _io.BytesIO()
+    write_pack(src, header, rows)
+    src.seek(0)
+    out = _io.BytesIO()
+    res = pack(src, out, codec="zstd+bytegroup", quant="int8")
+    q = read_pack_bytes(out.getvalue())
+    err = q.header.quant["error"]
+    assert q.header.quant["scheme"] == "int8" and err["k_max_abs"] > 0
+    worst = 0.0
+    for a, b in zip(q.layers, rows):
+        d = np.abs(to_float32(a.keys, dtype) - to_float32(b.keys, dtype)).max()
+        worst = max(worst, d)
+    assert worst == pytest.approx(err["k_max_abs"], rel=1e-5)
+    assert worst <= err["max_abs_value"] / 127 * 0.51 + 1e-2  # half a step, plus bf16 rounding
+    assert res.bytes_out < len(src.getvalue()) / (1.2 if dtype == "bfloat16" else 2)  # tiny dims: scales cost 25%
+    # re-quantizing is refused
+    with pytest.raises(Exception, match="already quantized"):
+        pack(_io.BytesIO(out.getvalue()), _io.BytesIO(), quant="int8")

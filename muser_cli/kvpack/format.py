@@ -131,9 +131,26 @@ class PackHeader:
     def elem_bytes(self) -> int:
         return DTYPES[self.dtype][0]
 
-    def row_bytes(self, index: int) -> int:
+    @property
+    def quant_scheme(self) -> str:
+        return str(self.quant.get("scheme", "none"))
+
+    def logical_row_bytes(self, index: int) -> int:
+        """Bytes of one row of layer ``index`` in the header's dtype."""
         spec = self.layers[index]
         return spec.kv_heads * (spec.head_dim + spec.v_head_dim) * self.elem_bytes()
+
+    def row_bytes(self, index: int) -> int:
+        """Bytes of one row of layer ``index`` in a frame's decoded payload (after the codec)."""
+        if self.quant_scheme == "int8":
+            from muser_cli.kvpack.quant import int8_row_bytes
+
+            spec = self.layers[index]
+            return int8_row_bytes(spec.kv_heads, spec.head_dim, spec.v_head_dim)
+        return self.logical_row_bytes(index)
+
+    def total_logical_bytes(self) -> int:
+        return sum(self.logical_row_bytes(i) * self.layer_rows(i) for i in range(len(self.layers)))
 
     def total_raw_bytes(self) -> int:
         return sum(self.row_bytes(i) * self.layer_rows(i) for i in range(len(self.layers)))
@@ -336,8 +353,13 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
     if codec.get("name") not in CODEC_NAMES.values():
         raise _fail(f"codec {codec.get('name')!r} is unknown (known: {', '.join(CODEC_NAMES.values())})")
     quant = _get(obj, "quant", dict, "header")
-    if quant.get("scheme") not in ("none",):
-        raise _fail(f"quant scheme {quant.get('scheme')!r} is unknown (known: none)")
+    if quant.get("scheme") not in ("none", "int8"):
+        raise _fail(f"quant scheme {quant.get('scheme')!r} is unknown (known: none, int8)")
+    if quant.get("scheme") == "int8":
+        if quant.get("granularity") != "token_head" or quant.get("scale_dtype") != "float32":
+            raise _fail("int8 quant needs granularity 'token_head' and scale_dtype 'float32'")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise _fail("int8 quant of this dtype is not defined")
     producer = _get(obj, "producer", dict, "header")
     base = obj.get("base")
     if base is not None and not isinstance(base, dict):

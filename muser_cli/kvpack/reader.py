@@ -207,7 +207,13 @@ class PackReader:
             assert self.header is not None
             spec = self.header.layers[layer]
             np_dtype = np.dtype(DTYPES[self.header.dtype][1])
-            if self._decode:
+            int8 = self.header.quant_scheme == "int8"
+            if self._decode and int8:
+                from muser_cli.kvpack.quant import decode_int8
+
+                raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)
+                keys, values = decode_int8(raw, spec.kv_heads, count, spec.head_dim, spec.v_head_dim, self.header.dtype)
+            elif self._decode:
                 raw = decode_payload(stored, codec, raw_len=raw_len, elem=np_dtype.itemsize)
                 flat = np.frombuffer(raw, dtype=np_dtype)
                 nk = spec.kv_heads * count * spec.head_dim

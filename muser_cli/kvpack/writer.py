@@ -70,8 +70,14 @@ class PackWriter:
                 raise KVPackError(f"layer {layer} {name} shape {arr.shape} != {(spec.kv_heads, count, dim)}")
             if arr.dtype.newbyteorder("<") != np_dtype and arr.dtype != np_dtype:
                 raise KVPackError(f"layer {layer} {name} dtype {arr.dtype} is not {self.header.dtype} storage")
-        raw = np.ascontiguousarray(keys, dtype=np_dtype).tobytes() + np.ascontiguousarray(values, dtype=np_dtype).tobytes()
-        elem = DTYPES[self.header.dtype][0]
+        if self.header.quant_scheme == "int8":
+            from muser_cli.kvpack.quant import encode_int8
+
+            raw = encode_int8(keys, values, self.header.dtype)
+            elem = 1
+        else:
+            raw = np.ascontiguousarray(keys, dtype=np_dtype).tobytes() + np.ascontiguousarray(values, dtype=np_dtype).tobytes()
+            elem = DTYPES[self.header.dtype][0]
         stored = encode_payload(raw, self.codec, elem=elem, level=self.level)
         codec = self.codec
         if codec != 0 and len(stored) >= len(raw):  # incompressible: store raw

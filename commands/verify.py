@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, emit_json, err, guarded, open_input, read_text_input
+from muser_cli.commands._common import (
+    binary_output, default_threads, emit_json, err, guarded, open_input, read_text_input,
+)
 
 
 def _render(report) -> str:
@@ -30,23 +32,28 @@ def register(app: typer.Typer) -> None:
         model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
         prompt: Optional[str] = typer.Option(None, "--prompt", help="Check the pack is for this prompt file."),
         chat: bool = typer.Option(False, "--chat", help="The prompt was wrapped in the chat template."),
-        audit: int = typer.Option(0, "--audit", help="Recompute N positions locally and compare (later issue)."),
+        audit: int = typer.Option(0, "--audit", help="Recompute the last N positions locally and compare K/V per layer."),
+        engine: str = typer.Option("torch", "--engine", help="Engine for --audit: torch | mlx"),
+        threads: int = typer.Option(0, "--threads", help="Compute threads for --audit (0 = default)."),
         output: Optional[str] = typer.Option(None, "--output", "-o", help="Write the verified pack here."),
         as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
     ) -> None:
         """Check a kvpack before anything decodes it. Exit 0 only if every check passes.
 
-        When stdout is a pipe (and not --json) the verified pack is passed through,
-        so `receive | verify | decode` works; the report then goes to stderr.
+        Reading stdin and writing to a pipe (without --json), verify passes the exact
+        verified bytes on, so `receive | verify | decode` works; the report then goes to
+        stderr. With -o FILE the verified pack is written there.
         """
         from muser_cli.errors import DataError
         from muser_cli.verify import verify
 
         with guarded(as_json=as_json):
             prompt_text = read_text_input(prompt) if prompt is not None else None
+            # In the middle of a pipe (reading stdin, writing a pipe) verify passes the pack on.
+            passthrough = output is not None or (src == "-" and not as_json and not sys.stdout.isatty())
             with open_input(src) as inp:
-                report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit)
-            passthrough = output is not None or (not as_json and not sys.stdout.isatty())
+                report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit, engine=engine,
+                                threads=threads or default_threads(), keep_bytes=passthrough)
             if as_json:
                 emit_json(report.to_json())
             elif passthrough:
@@ -55,10 +62,8 @@ def register(app: typer.Typer) -> None:
                 typer.echo(_render(report))
             if not report.ok:
                 bad = report.first_failure()
-                raise DataError(f"verify failed: {bad.name}: {bad.detail}")
-            if passthrough and report.pack is not None:
-                from muser_cli.kvpack import write_pack
-
+                err(f"muser: error: verify failed: {bad.name}: {bad.detail}")
+                raise typer.Exit(DataError.exit_status)
+            if passthrough:
                 with binary_output(output) as out:
-                    write_pack(out, report.pack.header, report.pack.layers,
-                               codec=report.pack.header.codec.get("name"), level=report.pack.header.codec.get("level", 1))
+                    report.copy_verified(out)

@@ -95,6 +95,9 @@ def decode(
 
     t_res0 = time.perf_counter()
     info = resolve_model(model)
+    from muser_cli.tokens import tokenizer_for
+
+    tokenizer_for(info)  # loading the tokenizer is part of loading the model
     resolve_s = time.perf_counter() - t_res0
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     if pack is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -18,6 +19,20 @@ class VerifyReport:
     pack: KVPack | None
     seconds: float
     summary: dict = field(default_factory=dict)
+    spool: BinaryIO | None = None  # the exact input bytes, when asked to keep them
+
+    def copy_verified(self, out: BinaryIO) -> int:
+        """Write the exact verified input bytes to ``out`` (only for a passing report)."""
+        if not self.ok or self.spool is None:
+            raise UsageError("nothing verified to pass on")
+        self.spool.seek(0)
+        n = 0
+        while True:
+            block = self.spool.read(1 << 20)
+            if not block:
+                return n
+            out.write(block)
+            n += len(block)
 
     @property
     def ok(self) -> bool:
@@ -58,11 +73,18 @@ def verify(
     prompt: str | None = None,
     chat: bool = False,
     audit: int = 0,
+    engine: str = "torch",
+    threads: int = 1,
+    keep_bytes: bool = False,
 ) -> VerifyReport:
     from muser_cli.models import resolve_model
     from muser_cli.tokens import encode_prompt
 
     t0 = time.perf_counter()
+    spool = None
+    if keep_bytes:
+        spool = tempfile.SpooledTemporaryFile(max_size=256 << 20)
+        src = _Tee(src, spool)
     try:
         pack = read_pack(src)
     except KVPackError as exc:
@@ -73,6 +95,34 @@ def verify(
     info = resolve_model(model)
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     checks += identity_checks(h, info, prompt_ids=prompt_ids)
-    if audit:
-        raise UsageError("verify --audit is not available in this version", hint="run verify without --audit")
-    return VerifyReport(checks, pack, time.perf_counter() - t0, summarize(pack))
+    summary = summarize(pack)
+    if audit < 0:
+        raise UsageError("--audit must be >= 0")
+    if audit and all(c.ok for c in checks):
+        from muser_cli.audit import audit as run_audit
+        from muser_cli.audit import diagnose
+        from muser_cli.engines.base import get_engine
+
+        eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
+        rep = run_audit(pack, eng, audit)
+        worst = rep.worst or {}
+        detail = (f"{rep.mode} of positions [{rep.positions[0]}, {rep.positions[1]}) on {engine}: worst layer "
+                  f"{worst.get('layer')} rel {worst.get('rel_max', 0):.3g} (tolerance {rep.tolerance:.3g})")
+        if not rep.ok:
+            detail = diagnose(rep, pack) + "; " + detail
+        checks.append(Check("audit", rep.ok, detail))
+        summary["audit"] = rep.to_json()
+    elif audit:
+        checks.append(Check("audit", False, "not run: identity checks failed"))
+    return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+class _Tee:
+    def __init__(self, src: BinaryIO, copy: BinaryIO) -> None:
+        self.src, self.copy = src, copy
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.src.read(n)
+        if data:
+            self.copy.write(data)
+        return data

@@ -18,6 +18,10 @@ COMMAND_MODULES = [
     "pack",
     "verify",
     "decode",
+    "send",
+    "receive",
+    "probe_link",
+    "node",
 ]
 
 app = typer.Typer(

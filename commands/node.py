@@ -1,0 +1,113 @@
+"""muser node: onboarding (private CA, certificates, HMAC keys), revocation, ledger repair."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from muser_cli.commands._common import emit_json, err, guarded, info
+
+node_app = typer.Typer(help="Node identity: init, export a producer bundle, join, list, revoke.",
+                       no_args_is_help=True)
+
+
+@node_app.command("init")
+def init_cmd(
+    name: Optional[str] = typer.Option(None, "--name", help="This node's name (default: host name)."),
+    host: List[str] = typer.Option([], "--host", help="Extra name or address producers dial (repeatable)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing identity."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Create a private CA, this node's certificate and an HMAC key with a key id."""
+    from muser_cli.handoff.api import node_init
+
+    with guarded(as_json=as_json):
+        res = node_init(name=name, hosts=host, force=force)
+        if as_json:
+            emit_json(res)
+        else:
+            info(f"node: {res['name']} ready in {res['directory']} (key id {res['key_id']}; "
+                 f"names {', '.join(res['hosts'])})")
+
+
+@node_app.command("export")
+def export_cmd(
+    producer: str = typer.Option(..., "--producer", help="The producer's name (its certificate's name)."),
+    host: List[str] = typer.Option([], "--host", help="Extra name for the producer's certificate."),
+    output: str = typer.Option("-", "--output", "-o", help="Bundle file (written 0600), - for stdout."),
+) -> None:
+    """Issue a certificate and an HMAC key for a producer; print the bundle it joins with."""
+    from muser_cli.commands._common import binary_output
+    from muser_cli.handoff.api import node_export
+
+    with guarded():
+        data, res = node_export(producer=producer, hosts=host)
+        with binary_output(output) as out:
+            out.write(data)
+        if output not in ("-", None):
+            os.chmod(output, 0o600)
+        info(f"node: bundle for {res['producer']} (key id {res['key_id']}); it holds secrets: move it privately")
+
+
+@node_app.command("join")
+def join_cmd(
+    bundle: str = typer.Argument(..., help="Bundle made by `muser node export`, or -."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing identity."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Install a producer bundle on this node."""
+    from muser_cli.commands._common import open_input
+    from muser_cli.handoff.api import node_join
+
+    with guarded(as_json=as_json):
+        with open_input(bundle) as f:
+            res = node_join(f.read(1 << 20), force=force)
+        if as_json:
+            emit_json(res)
+        else:
+            info(f"node: joined {res['consumer']} as {res['name']} (key id {res['key_id']})")
+
+
+@node_app.command("ls")
+def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show this node's identity and keys (never secrets)."""
+    from muser_cli.handoff.api import node_ls
+
+    with guarded(as_json=as_json):
+        res = node_ls()
+        if as_json:
+            emit_json(res)
+            return
+        typer.echo(f"node {res['name']} ({res['role']}, consumer {res['consumer']}) in {res['directory']}")
+        c = res["cert"]
+        typer.echo(f"cert {c['serial']} valid {c['not_before']} .. {c['not_after']} names {' '.join(c['names'])}")
+        for k in res["keys"]:
+            mark = "*" if k["key_id"] == res["send_key"] else " "
+            state = f"revoked {k['revoked']}" if k["revoked"] else "active"
+            typer.echo(f"{mark} {k['key_id']}  peer {k['peer']:<20} {state}")
+
+
+@node_app.command("revoke")
+def revoke_cmd(key_id: str = typer.Argument(..., help="Key id to revoke (see `muser node ls`).")) -> None:
+    """Revoke a key id and the certificate issued with it; receivers refuse them at once."""
+    from muser_cli.handoff.api import node_revoke
+
+    with guarded():
+        res = node_revoke(key_id)
+        info(f"node: key {res['key_id']} of {res['peer']} revoked at {res['revoked']}")
+
+
+@node_app.command("repair-ledger")
+def repair_cmd(key_id: str = typer.Argument(..., help="Key id whose replay ledger is torn.")) -> None:
+    """Cut a torn last record off a replay ledger (it was never acknowledged)."""
+    from muser_cli.handoff.api import repair_ledger
+
+    with guarded():
+        res = repair_ledger(key_id)
+        err(f"node: ledger {res['path']}: {res['records']} records kept, {res['dropped_bytes']} torn bytes removed")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(node_app, name="node")

@@ -1,0 +1,34 @@
+"""muser probe-link: raw TLS throughput to a receiver and back, pass/fail against a floor."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import emit_json, err, guarded, info
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("probe-link")
+    def probe_link_cmd(
+        to: str = typer.Argument(..., help="Receiver as HOST:PORT."),
+        seconds: float = typer.Option(2.0, "--seconds", help="Seconds per direction."),
+        floor: Optional[str] = typer.Option(None, "--floor", help="Fail (exit 75) below this rate: 100M, 800Mbit."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        connect_timeout: float = typer.Option(10.0, "--connect-timeout", help="TCP + TLS handshake deadline."),
+    ) -> None:
+        """Measure the link both ways over the handoff's own TLS; exit 75 below --floor."""
+        from muser_cli.handoff.api import probe_link
+
+        with guarded(as_json=as_json):
+            res = probe_link(to=to, seconds=seconds, floor=floor, connect_timeout=connect_timeout)
+            if as_json:
+                emit_json(res)
+            else:
+                info(f"probe-link {to}: up {res['up_Mbit']:.0f} Mbit/s, down {res['down_Mbit']:.0f} Mbit/s, "
+                     f"connect {res['connect_s'] * 1000:.1f} ms")
+            if not res["passed"]:
+                err(f"muser: error: link below the floor of {floor} "
+                    "(hint: fall back to local prefill)")
+                raise typer.Exit(75)

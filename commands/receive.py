@@ -1,0 +1,54 @@
+"""muser receive: accept handoffs over mutual TLS; publish only verified kvpacks (exit 75 on timeout)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet
+
+
+def _render(kind: str, f: dict) -> None:
+    if kind == "listening":
+        info(f"receive: listening on {f['address']}")
+    elif kind == "accepted":
+        info(f"receive: accepted {f['handoff_id']} from {f['sender']} ({f['payload_bytes']} bytes, "
+             f"ledger commit {f['ledger_commit_ms']:.2f} ms)")
+    elif kind in ("rejected", "tls_failed", "aborted", "ack_failed") and not quiet():
+        reason = f.get("reason", "")
+        code = f" {f['code']}:" if "code" in f else ""
+        info(f"receive: {kind.replace('_', ' ')} {f.get('peer', '')}:{code} {reason}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("receive")
+    def receive_cmd(
+        listen: str = typer.Option(..., "--listen", help="HOST:PORT to listen on (:PORT for all addresses)."),
+        once: bool = typer.Option(False, "--once", help="Exit after the first accepted handoff."),
+        timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up after S seconds (exit 75)."),
+        output: str = typer.Option("-", "--output", "-o", help="Output file (or a folder), - for stdout."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object per accepted handoff (needs -o)."),
+        max_size: str = typer.Option("64G", "--max-size", help="Largest payload accepted (refused before reading)."),
+        window: float = typer.Option(120.0, "--window", help="Issued-at window, ± seconds."),
+        idle_timeout: float = typer.Option(30.0, "--idle-timeout", help="Longest silence tolerated, seconds."),
+        handshake_timeout: float = typer.Option(10.0, "--handshake-timeout", help="TLS handshake deadline."),
+        queue: int = typer.Option(16, "--queue", help="Producers that may wait while one is admitted."),
+    ) -> None:
+        """Receive kvpacks: TLS 1.3 with client certificates, HMAC header, replay ledger.
+
+        A payload is published (atomically) and acknowledged only after every frame, the root
+        digest and the model binding verified and its id was recorded durably.
+        """
+        from muser_cli.errors import UsageError
+        from muser_cli.handoff.api import receive
+
+        with guarded(as_json=as_json):
+            to_stdout = output in ("-", None)
+            if as_json and to_stdout:
+                raise UsageError("--json needs -o FILE or -o DIR (stdout carries the kvpack)")
+            out_stream = binary_stdout() if to_stdout else None
+            receive(listen=listen, once=once, timeout=timeout, output=output, out_stream=out_stream,
+                    max_size=max_size, window=window, idle_timeout=idle_timeout,
+                    handshake_timeout=handshake_timeout, queue=queue, on_event=_render,
+                    on_accept=emit_json if as_json else None)

@@ -1,0 +1,39 @@
+"""muser send: hand a kvpack off to a receiver over mutual TLS (exit 75: fall back)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import emit_json, guarded, info, open_input, progress_callback
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("send")
+    def send_cmd(
+        src: str = typer.Argument("-", help="kvpack to send, or - for stdin."),
+        to: str = typer.Option(..., "--to", help="Receiver as HOST:PORT ([v6]:PORT for IPv6)."),
+        rate: Optional[str] = typer.Option(None, "--rate", help="Pace the payload: 100M (bytes/s), 800Mbit."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON summary (payload rate, timings)."),
+        timeout: float = typer.Option(3600.0, "--timeout", help="Total deadline in seconds."),
+        connect_timeout: float = typer.Option(10.0, "--connect-timeout", help="TCP + TLS handshake deadline."),
+        idle_timeout: float = typer.Option(30.0, "--idle-timeout", help="Longest silence tolerated, seconds."),
+        key_id: Optional[str] = typer.Option(None, "--key-id", help="HMAC key id (default: this node's)."),
+    ) -> None:
+        """Send a kvpack; returns once the receiver verified, recorded and published it.
+
+        Exit 75 when the receiver is unreachable, busy or times out, 77 when it refuses
+        authentication or a replay, 65 when it refuses the data, 78 with no node identity.
+        """
+        from muser_cli.handoff.api import send
+
+        with guarded(as_json=as_json):
+            with open_input(src) as inp:
+                res = send(inp, to=to, rate=rate, key_id=key_id, timeout=timeout, connect_timeout=connect_timeout,
+                           idle_timeout=idle_timeout, progress=progress_callback())
+            if as_json:
+                emit_json(res)
+            else:
+                info(f"send: {res['payload_bytes']} bytes to {res['to']} accepted as {res['handoff_id']} "
+                     f"in {res['total_s']:.3f} s (payload rate {res['payload_rate_Bps'] / 1e6:.1f} MB/s)")

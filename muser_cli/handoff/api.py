@@ -1,0 +1,135 @@
+"""The verbs the commands call, with muser's default locations filled in.
+
+Every path comes from :mod:`muser_cli.paths`, so ``MUSER_HOME`` isolates a whole node:
+identity in ``keys_dir()``, replay ledgers in ``data_dir()/ledger``, the inbox a
+``receive`` to stdout publishes into in ``data_dir()/inbox``, send spools in
+``cache_dir()/spool``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from muser_cli import paths
+from muser_cli.errors import UsageError
+
+
+def ledger_dir() -> Path:
+    return paths.data_dir() / "ledger"
+
+
+def inbox_dir() -> Path:
+    return paths.data_dir() / "inbox"
+
+
+def spool_dir() -> Path:
+    return paths.cache_dir() / "spool"
+
+
+_SIZE_RE = re.compile(r"^([0-9]+)\s*([kmgt]?)(i?b)?$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1048576``, ``512K``, ``64M``, ``2G``, ``1T`` (powers of 1024)."""
+    m = _SIZE_RE.match(text.strip().lower())
+    if not m:
+        raise UsageError(f"bad size {text!r}", hint="e.g. 512M, 64G")
+    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+
+
+# ----------------------------------------------------------------------------- node
+def node_init(*, name: str | None, hosts: list[str], force: bool) -> dict[str, Any]:
+    from muser_cli.handoff.node import init_node
+
+    return init_node(paths.keys_dir(), name=name, hosts=hosts, force=force)
+
+
+def node_export(*, producer: str, hosts: list[str]) -> tuple[bytes, dict[str, Any]]:
+    from muser_cli.handoff.node import export_producer
+
+    return export_producer(paths.keys_dir(), producer=producer, hosts=hosts)
+
+
+def node_join(data: bytes, *, force: bool) -> dict[str, Any]:
+    from muser_cli.handoff.node import join_node
+
+    return join_node(paths.keys_dir(), data, force=force)
+
+
+def node_ls() -> dict[str, Any]:
+    from muser_cli.handoff.node import describe_node
+
+    out = describe_node(paths.keys_dir())
+    out["ledger_dir"] = str(ledger_dir())
+    return out
+
+
+def node_revoke(key_id: str) -> dict[str, Any]:
+    from muser_cli.handoff.node import revoke_key
+
+    return revoke_key(paths.keys_dir(), key_id).public()
+
+
+def repair_ledger(key_id: str) -> dict[str, Any]:
+    from muser_cli.handoff.ledger import repair
+
+    return repair(ledger_dir(), key_id)
+
+
+# ----------------------------------------------------------------------------- wire
+def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, timeout: float,
+         connect_timeout: float, idle_timeout: float, progress=None) -> dict[str, Any]:
+    from muser_cli.handoff.link import parse_rate
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.sender import send as send_
+
+    rate_bps = parse_rate(rate) if rate else None
+    identity = load_identity(paths.keys_dir())
+    result = send_(stream, to=to, identity=identity, spool_dir=spool_dir(), rate=rate_bps, key_id=key_id,
+                   connect_s=connect_timeout, idle_s=idle_timeout, total_s=timeout, progress=progress)
+    return result.to_json()
+
+
+def receive(*, listen: str, once: bool, timeout: float | None, output: str | None,
+            out_stream: BinaryIO | None, max_size: str, window: float, idle_timeout: float,
+            handshake_timeout: float, queue: int, on_event: Callable[[str, dict], None] | None,
+            on_accept: Callable[[dict], None] | None) -> list[dict[str, Any]]:
+    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
+
+    host, port = parse_hostport(listen, listen=True)
+    if output in (None, "-"):
+        if not once:
+            raise UsageError("without --once, receive needs -o DIR", hint="add --once, or -o DIR")
+        destination = Destination(directory=inbox_dir())
+    elif Path(output).is_dir():
+        destination = Destination(directory=Path(output))
+        out_stream = None
+    else:
+        if not once:
+            raise UsageError(f"without --once, -o must be an existing directory (got {output})")
+        destination = Destination(file=Path(output))
+        out_stream = None
+    config = ReceiveConfig(
+        host=host, port=port, once=once, timeout=timeout, max_payload=parse_size(max_size), window_s=window,
+        idle_s=idle_timeout, handshake_s=handshake_timeout, queue=queue,
+    )
+    identity = load_identity(paths.keys_dir())
+    done = receive_(
+        identity, config, ledger_dir=ledger_dir(), destination=destination, out_stream=out_stream,
+        on_event=on_event, on_accept=(lambda a: on_accept(a.to_json())) if on_accept else None,
+    )
+    return [a.to_json() for a in done]
+
+
+def probe_link(*, to: str, seconds: float, floor: str | None, connect_timeout: float) -> dict[str, Any]:
+    from muser_cli.handoff.link import parse_rate
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.sender import probe_link as probe_
+
+    identity = load_identity(paths.keys_dir())
+    floor_bps = parse_rate(floor) if floor else None
+    return probe_(to, identity, seconds=seconds, floor=floor_bps, connect_s=connect_timeout).to_json()

@@ -1,0 +1,163 @@
+"""The handoff header: canonical JSON, strict parsing, HMAC-SHA256 and the issued-at window.
+
+Rules (docs/handoff.md is the normative text):
+  * the header is one JSON object with exactly the keys of :data:`HEADER_KEYS`, encoded
+    canonically (sorted keys, no spaces, ASCII); a received header whose bytes differ
+    from the canonical encoding of what they parse to is refused;
+  * MAC = HMAC-SHA256(secret[key_id], MAC_CONTEXT || header bytes); the key id is inside
+    the MAC'd bytes, so changing it breaks the MAC;
+  * the receiver looks up exactly the named key id (no other key is tried), then compares
+    MACs with :func:`hmac.compare_digest`, then checks the window and the replay ledger.
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from muser_cli.errors import AuthError, ProtocolError
+
+HEADER_VERSION = 2
+MAC_CONTEXT = b"muser-handoff-v2\x00"
+MAC_BYTES = 32
+MAX_HEADER_BYTES = 8 * 1024
+DEFAULT_WINDOW_S = 120.0
+MAX_PAYLOAD_BYTES = 1 << 40
+
+_HEX_RE = re.compile(r"^[0-9a-f]+$")
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_TEXT_RE = re.compile(r"^[\x20-\x7e]{0,256}$")
+
+
+@dataclass(frozen=True)
+class HandoffHeader:
+    """What the sender asserts about one handoff, MAC'd as a whole."""
+
+    key_id: str
+    handoff_id: str  # 32 lowercase hex (128 random bits)
+    issued_at_ms: int  # sender's Unix time in milliseconds
+    payload_size: int  # exact bytes of the kvpack that follows
+    payload_sha256: str  # hex SHA-256 of those bytes
+    root_digest: str  # hex root digest from the kvpack end frame
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    token_digest: str
+    rows_start: int  # first position carried (0 unless a delta)
+    sender: str  # the sender's node name (must match its certificate)
+    v: int = HEADER_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def encode(self) -> bytes:
+        return canonical(self.to_json())
+
+
+HEADER_KEYS = frozenset(HandoffHeader.__dataclass_fields__)
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+
+
+def strict_json(data: bytes, what: str) -> Any:
+    """Parse JSON refusing duplicate keys, NaN/Infinity, non-UTF-8 and runaway nesting."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise ProtocolError(f"{what}: duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise ProtocolError(f"{what}: {name} is not allowed")
+
+    try:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=no_constants)
+    except ProtocolError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"{what} is not valid JSON ({type(exc).__name__})") from None
+
+
+def new_handoff_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _int(obj: dict, key: str, lo: int, hi: int) -> int:
+    v = obj[key]
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError(f"handoff header: {key} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _str(obj: dict, key: str, pattern: re.Pattern[str]) -> str:
+    v = obj[key]
+    if not isinstance(v, str) or not pattern.match(v):
+        raise ProtocolError(f"handoff header: malformed {key}")
+    return v
+
+
+def parse_header(raw: bytes) -> HandoffHeader:
+    """Strictly parse header bytes; any deviation is a :class:`ProtocolError`."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"handoff header is {len(raw)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+    obj = strict_json(raw, "handoff header")
+    if not isinstance(obj, dict):
+        raise ProtocolError("handoff header is not a JSON object")
+    if set(obj) != HEADER_KEYS:
+        extra, missing = sorted(set(obj) - HEADER_KEYS), sorted(HEADER_KEYS - set(obj))
+        raise ProtocolError(f"handoff header keys differ (unknown {extra}, missing {missing})")
+    if obj["v"] != HEADER_VERSION or type(obj["v"]) is not int:
+        raise ProtocolError(f"handoff header version {obj['v']!r} is not {HEADER_VERSION}")
+    header = HandoffHeader(
+        key_id=_str(obj, "key_id", _KEY_ID_RE),
+        handoff_id=_str(obj, "handoff_id", _ID_RE),
+        issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53),
+        payload_size=_int(obj, "payload_size", 1, MAX_PAYLOAD_BYTES),
+        payload_sha256=_str(obj, "payload_sha256", re.compile(r"^[0-9a-f]{64}$")),
+        root_digest=_str(obj, "root_digest", re.compile(r"^[0-9a-f]{32,128}$")),
+        model_fingerprint=_str(obj, "model_fingerprint", _TEXT_RE),
+        tokenizer_fingerprint=_str(obj, "tokenizer_fingerprint", _TEXT_RE),
+        token_digest=_str(obj, "token_digest", _TEXT_RE),
+        rows_start=_int(obj, "rows_start", 0, 1 << 31),
+        sender=_str(obj, "sender", re.compile(r"^[A-Za-z0-9.-]{1,253}$")),
+    )
+    if header.encode() != raw:
+        raise ProtocolError("handoff header is not in canonical form")
+    return header
+
+
+def compute_mac(secret: bytes, raw: bytes) -> bytes:
+    return hmac.new(secret, MAC_CONTEXT + raw, hashlib.sha256).digest()
+
+
+def sign(header: HandoffHeader, secret: bytes) -> tuple[bytes, bytes]:
+    """(header bytes, MAC)."""
+    raw = header.encode()
+    return raw, compute_mac(secret, raw)
+
+
+def verify_mac(secret: bytes, raw: bytes, mac: bytes) -> None:
+    """Constant-time comparison; raises :class:`AuthError` on mismatch."""
+    expected = compute_mac(secret, raw)
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(expected, mac):
+        raise AuthError("handoff header MAC does not verify (wrong key or altered header)")
+
+
+def check_window(header: HandoffHeader, *, now_ms: int, window_s: float) -> None:
+    skew_ms = header.issued_at_ms - now_ms
+    if abs(skew_ms) > window_s * 1000:
+        raise AuthError(
+            f"handoff issued {skew_ms / 1000:+.1f} s from now, outside the ±{window_s:g} s window",
+            hint="check both clocks (NTP)",
+        )

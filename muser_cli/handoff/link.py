@@ -1,0 +1,232 @@
+"""Sockets under the protocol core: TLS 1.3 contexts, addresses, deadlines, error mapping.
+
+A :class:`Link` drives a :class:`~muser_cli.handoff.protocol.Connection` over a blocking
+TLS socket. Every read and write is bounded by ``min(idle, time left to the deadline)``,
+so nothing can hang: a silent peer costs at most the idle timeout, a slow one at most
+the total deadline. Socket and TLS failures become muser errors here, in one place:
+unreachable, reset, timed out -> TempFailure (75); certificate refused -> AuthError (77);
+anything else the peer does wrong -> ProtocolError (76).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import select
+import socket
+import ssl
+import time
+from typing import Any
+
+from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure, UsageError
+from muser_cli.handoff.node import Identity
+from muser_cli.handoff.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
+
+RECV_BYTES = 256 * 1024
+DEFAULT_CONNECT_S = 10.0
+DEFAULT_IDLE_S = 30.0
+
+_CERT_REASONS = (
+    "CERTIFICATE", "UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "CERTIFICATE_EXPIRED",
+    "CERTIFICATE_UNKNOWN", "DECRYPT_ERROR", "ACCESS_DENIED",
+)
+
+
+# ----------------------------------------------------------------------------- TLS
+def _base_context(purpose: int, identity: Identity) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(purpose)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_3
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.load_verify_locations(cafile=str(identity.ca_path))  # the private CA only; no system roots
+    ctx.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    ctx.set_alpn_protocols([ALPN])
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    return ctx
+
+
+def server_context(identity: Identity) -> ssl.SSLContext:
+    ctx = _base_context(ssl.PROTOCOL_TLS_SERVER, identity)
+    ctx.num_tickets = 0  # no session tickets: nothing but frames is ever readable on the client
+    return ctx
+
+
+def client_context(identity: Identity) -> ssl.SSLContext:
+    ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT, identity)
+    ctx.check_hostname = True
+    return ctx
+
+
+# ----------------------------------------------------------------------------- addresses
+def parse_hostport(text: str, *, default_port: int | None = None, listen: bool = False) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, ``:port`` (listen on all addresses)."""
+    text = text.strip()
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise UsageError(f"bad address {text!r}: unclosed '['")
+        host, rest = text[1:close], text[close + 1 :]
+        port_s = rest[1:] if rest.startswith(":") else ""
+        if rest and not rest.startswith(":"):
+            raise UsageError(f"bad address {text!r}")
+    elif text.count(":") == 1:
+        host, port_s = text.split(":")
+    elif text.count(":") == 0:
+        host, port_s = text, ""
+    else:
+        raise UsageError(f"bad address {text!r}", hint="write IPv6 addresses in brackets: [::1]:7070")
+    if not port_s:
+        if default_port is None:
+            raise UsageError(f"address {text!r} has no port", hint="write HOST:PORT")
+        port_s = str(default_port)
+    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise UsageError(f"bad port in {text!r}")
+    if not host and not listen:
+        raise UsageError(f"address {text!r} has no host")
+    return host, int(port_s)
+
+
+def format_hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_RATE_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|b)?(/s|ps)?$")
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second from ``500M``, ``20MB/s``, ``1.5G`` (bytes) or ``800Mbit``/``100Mbps`` (bits)."""
+    m = _RATE_RE.match(text.strip().lower())
+    if not m:
+        raise UsageError(f"bad rate {text!r}", hint="e.g. 100M (bytes/s), 800Mbit, 1.5G")
+    value = float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    if m.group(3) == "bit" or (m.group(3) == "b" and m.group(4) == "ps"):  # 800Mbit, 100Mbps
+        value /= 8
+    if not math.isfinite(value) or value <= 0:
+        raise UsageError(f"rate must be positive: {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- errors
+def map_error(exc: BaseException, during: str) -> MuserError:
+    """One mapping from socket/TLS exceptions to muser errors."""
+    if isinstance(exc, MuserError):
+        return exc
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return AuthError(f"TLS certificate check failed {during}: {exc.verify_message or exc.reason}")
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return TempFailure(f"timed out {during}")
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return TempFailure(f"the peer closed the connection {during}")
+    if isinstance(exc, ssl.SSLError):
+        reason = (exc.reason or "").upper()
+        if any(r in reason for r in _CERT_REASONS):
+            return AuthError(f"TLS peer refused the certificate {during} ({exc.reason})", hint="check `muser node ls` on both sides")
+        if "VERSION" in reason or "PROTOCOL" in reason:
+            return ProtocolError(f"TLS protocol mismatch {during} ({exc.reason}); muser speaks TLS 1.3 only")
+        return TempFailure(f"TLS failure {during} ({exc.reason or exc})")
+    if isinstance(exc, ConnectionRefusedError):
+        return TempFailure(f"connection refused {during}")
+    if isinstance(exc, (ConnectionError, OSError)):
+        return TempFailure(f"network error {during} ({exc.strerror or exc})")
+    return ProtocolError(f"unexpected failure {during}: {type(exc).__name__}")
+
+
+def reject_error(reject: Reject, who: str = "receiver") -> MuserError:
+    """What a received Reject means for the side that got it."""
+    text = f"{who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
+    if reject.code in ("busy", "timeout", "storage", "aborted"):
+        return TempFailure(text, hint="retry later, or fall back to local prefill")
+    if reject.code in ("auth", "replay", "stale"):
+        return AuthError(text)
+    if reject.code in ("too_large", "data", "model"):
+        return DataError(text)
+    return ProtocolError(text)
+
+
+# ----------------------------------------------------------------------------- link
+class Link:
+    """A Connection over a TLS socket, with an idle timeout and a total deadline."""
+
+    def __init__(self, sock: ssl.SSLSocket, conn: Connection, *, idle_s: float, deadline: float | None) -> None:
+        self.sock = sock
+        self.conn = conn
+        self.idle_s = idle_s
+        self.deadline = deadline
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def _timeout(self, during: str) -> float:
+        if self.deadline is None:
+            return self.idle_s
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TempFailure(f"total deadline passed {during}")
+        return min(self.idle_s, left)
+
+    def write(self, data: bytes, during: str = "writing") -> None:
+        try:
+            self.sock.settimeout(self._timeout(during))
+            self.sock.sendall(data)
+        except BaseException as exc:  # noqa: BLE001 - mapped in one place
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise map_error(exc, during) from None
+        self.bytes_out += len(data)
+
+    def send(self, event: Any, during: str = "writing") -> None:
+        self.write(self.conn.send(event), during)
+
+    def _fill(self, during: str, timeout: float | None = None) -> None:
+        try:
+            self.sock.settimeout(self._timeout(during) if timeout is None else timeout)
+            data = self.sock.recv(RECV_BYTES)
+        except BaseException as exc:  # noqa: BLE001
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise map_error(exc, during) from None
+        self.bytes_in += len(data)
+        self.conn.receive_data(data)
+
+    def next_event(self, during: str = "reading") -> Any:
+        while True:
+            event = self.conn.next_event()
+            if event is not NEED_DATA:
+                return event
+            self._fill(during)
+
+    def poll_event(self) -> Any | None:
+        """An event if one is already readable, else None. Never blocks for long."""
+        event = self.conn.next_event()
+        if event is not NEED_DATA:
+            return event
+        try:
+            ready = self.sock.pending() > 0 or bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return None
+        if not ready:
+            return None
+        self._fill("reading", timeout=0.05)
+        event = self.conn.next_event()
+        return None if event is NEED_DATA else event
+
+    def drain_for_reject(self, seconds: float = 0.5) -> Reject | None:
+        """After a write failed: look for the Reject the peer may have sent before closing."""
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                event = self.conn.next_event()
+                if isinstance(event, Reject):
+                    return event
+                if isinstance(event, ConnectionClosed):
+                    return None
+                if event is NEED_DATA:
+                    self._fill("reading", timeout=max(0.01, end - time.monotonic()))
+        except (MuserError, OSError):
+            return None
+        return None
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

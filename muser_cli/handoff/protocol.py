@@ -1,0 +1,331 @@
+"""Handoff V2 protocol core: events, framing and the state table. No I/O whatsoever.
+
+Rules (docs/handoff.md is the normative text):
+  * After the TLS 1.3 handshake (ALPN ``muser-handoff/2``) both sides exchange frames:
+    ``type u8 | length u32 big-endian | body``. Each type has a maximum body length,
+    checked as soon as the 5-byte prefix is in: an oversized frame is refused before
+    one body byte is buffered.
+  * The RECEIVER (TLS server) speaks first: ``Ready`` (or ``Reject(busy)``). The SENDER
+    (TLS client) then sends ``Header``; the receiver answers ``Go`` or ``Reject``; the
+    sender streams exactly ``payload_size`` bytes in ``Data`` frames; the receiver
+    answers ``Ack`` (only once the handoff is verified, recorded durably and published)
+    or ``Reject``. One handoff per connection.
+  * Probes (link measurement, no payload semantics) run from ``Idle``: ``ProbeUp`` then
+    sender ``Data``… ``ProbeEnd``, answered by ``ProbeResult``; or ``ProbeDown``
+    answered by receiver ``Data``… ``ProbeEnd``. Both return to ``Idle``.
+  * ``Reject`` may be sent by either side in any live state; the connection is then
+    ``Closed``. Anything not in :data:`TRANSITIONS` is a protocol error.
+  * Both sides run the same table; each checks its own sends (a bug here raises
+    :class:`LocalProtocolError`) and the peer's frames (:class:`ProtocolError`, exit 76).
+
+Use: ``conn.send(event) -> bytes`` to write; ``conn.receive_data(bytes)`` (``b""`` at
+EOF) then ``conn.next_event()`` until it returns :data:`NEED_DATA`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from muser_cli.errors import ProtocolError
+from muser_cli.handoff.header import MAC_BYTES, MAX_HEADER_BYTES, HandoffHeader, canonical, parse_header, strict_json
+
+ALPN = "muser-handoff/2"
+PROTOCOL_VERSION = 2
+PREFIX = struct.Struct(">BI")  # type, body length
+MAX_DATA_BYTES = 1 << 20  # one Data frame's body
+DEFAULT_DATA_CHUNK = 256 * 1024
+MAX_CONTROL_BYTES = 4096
+MAX_MESSAGE_CHARS = 512
+
+
+class LocalProtocolError(RuntimeError):
+    """Our own code tried an illegal send: a bug, never caused by the peer."""
+
+
+class Role(enum.Enum):
+    SENDER = "sender"  # the TLS client; ships the kvpack
+    RECEIVER = "receiver"  # the TLS server; verifies, records, publishes
+
+
+class State(enum.Enum):
+    START = "start"  # TLS up, waiting for Ready
+    IDLE = "idle"  # Ready seen: sender may start a handoff or a probe
+    HEADER_SENT = "header_sent"  # waiting for Go / Reject
+    STREAMING = "streaming"  # payload bytes flowing, fewer than payload_size so far
+    PAYLOAD_DONE = "payload_done"  # all bytes in; waiting for Ack / Reject
+    PROBE_UP = "probe_up"
+    PROBE_UP_DONE = "probe_up_done"
+    PROBE_DOWN = "probe_down"
+    DONE = "done"  # handoff acknowledged
+    CLOSED = "closed"  # rejected, or the peer went away
+
+
+# ----------------------------------------------------------------------------- events
+@dataclass(frozen=True)
+class Ready:
+    info: dict[str, Any] = field(default_factory=dict)  # {"v", "node", "max_payload", "window_s", ...}
+
+
+@dataclass(frozen=True)
+class Header:
+    raw: bytes  # canonical header JSON, exactly as MAC'd
+    mac: bytes
+    header: HandoffHeader | None = None  # parsed (set on receipt, and by make_header_event)
+
+
+@dataclass(frozen=True)
+class Go:
+    pass
+
+
+@dataclass(frozen=True)
+class Data:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Ack:
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+REJECT_CODES = (
+    "busy", "auth", "replay", "stale", "too_large", "data", "model", "protocol", "timeout", "storage", "aborted",
+)
+
+
+@dataclass(frozen=True)
+class Reject:
+    code: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeUp:
+    pass
+
+
+@dataclass(frozen=True)
+class ProbeDown:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ProbeEnd:
+    pass
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """The peer closed cleanly at a frame boundary."""
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+Event = Union[Ready, Header, Go, Data, Ack, Reject, ProbeUp, ProbeDown, ProbeEnd, ProbeResult]
+
+# Frame type codes and maximum body lengths. A closed table: nothing is dispatched by name.
+FRAME_TYPES: dict[type, int] = {
+    Ready: 0x01, Header: 0x10, Go: 0x11, Data: 0x20, Ack: 0x30, Reject: 0x3F,
+    ProbeUp: 0x40, ProbeDown: 0x41, ProbeEnd: 0x42, ProbeResult: 0x43,
+}
+_BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
+MAX_BODY: dict[type, int] = {
+    Ready: MAX_CONTROL_BYTES, Header: MAC_BYTES + MAX_HEADER_BYTES, Go: 0, Data: MAX_DATA_BYTES,
+    Ack: MAX_CONTROL_BYTES, Reject: MAX_CONTROL_BYTES, ProbeUp: 0, ProbeDown: 64, ProbeEnd: 0,
+    ProbeResult: MAX_CONTROL_BYTES,
+}
+
+S, R = Role.SENDER, Role.RECEIVER
+# (state, who sends, event type) -> next state. Reject is handled separately (any live state).
+TRANSITIONS: dict[tuple[State, Role, type], State] = {
+    (State.START, R, Ready): State.IDLE,
+    (State.IDLE, S, Header): State.HEADER_SENT,
+    (State.HEADER_SENT, R, Go): State.STREAMING,
+    (State.STREAMING, S, Data): State.STREAMING,  # -> PAYLOAD_DONE when the count is reached
+    (State.PAYLOAD_DONE, R, Ack): State.DONE,
+    (State.IDLE, S, ProbeUp): State.PROBE_UP,
+    (State.PROBE_UP, S, Data): State.PROBE_UP,
+    (State.PROBE_UP, S, ProbeEnd): State.PROBE_UP_DONE,
+    (State.PROBE_UP_DONE, R, ProbeResult): State.IDLE,
+    (State.IDLE, S, ProbeDown): State.PROBE_DOWN,
+    (State.PROBE_DOWN, R, Data): State.PROBE_DOWN,
+    (State.PROBE_DOWN, R, ProbeEnd): State.IDLE,
+}
+TERMINAL = (State.DONE, State.CLOSED)
+_PRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+# ----------------------------------------------------------------------------- encoding
+def _json_body(obj: dict[str, Any]) -> bytes:
+    return canonical(obj)
+
+
+def encode_event(event: Event) -> bytes:
+    """One frame's bytes. Raises :class:`LocalProtocolError` on an oversized body."""
+    cls = type(event)
+    if cls not in FRAME_TYPES:
+        raise LocalProtocolError(f"not a protocol event: {event!r}")
+    if isinstance(event, (Ready, Ack, ProbeResult)):
+        body = _json_body(event.info)
+    elif isinstance(event, Header):
+        if len(event.mac) != MAC_BYTES:
+            raise LocalProtocolError("MAC must be 32 bytes")
+        body = event.mac + event.raw
+    elif isinstance(event, Data):
+        body = bytes(event.data)
+    elif isinstance(event, Reject):
+        if event.code not in REJECT_CODES:
+            raise LocalProtocolError(f"unknown reject code {event.code!r}")
+        body = _json_body({"code": event.code, "message": event.message[:MAX_MESSAGE_CHARS]})
+    elif isinstance(event, ProbeDown):
+        body = _json_body({"seconds": float(event.seconds)})
+    else:
+        body = b""
+    if len(body) > MAX_BODY[cls]:
+        raise LocalProtocolError(f"{cls.__name__} body of {len(body)} bytes exceeds {MAX_BODY[cls]}")
+    return PREFIX.pack(FRAME_TYPES[cls], len(body)) + body
+
+
+def _json_obj(body: bytes, what: str) -> dict[str, Any]:
+    obj = strict_json(body, what)
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} body is not a JSON object")
+    return obj
+
+
+def decode_body(cls: type, body: bytes) -> Event:
+    """Parse one frame body of a known type. Every malformation is a :class:`ProtocolError`."""
+    if cls in (Ready, Ack, ProbeResult):
+        return cls(_json_obj(body, cls.__name__))
+    if cls is Header:
+        if len(body) <= MAC_BYTES:
+            raise ProtocolError("Header frame too short")
+        raw = body[MAC_BYTES:]
+        return Header(raw=raw, mac=body[:MAC_BYTES], header=parse_header(raw))
+    if cls is Data:
+        if not body:
+            raise ProtocolError("empty Data frame")
+        return Data(body)
+    if cls is Reject:
+        obj = _json_obj(body, "Reject")
+        code, message = obj.get("code"), obj.get("message", "")
+        if code not in REJECT_CODES or not isinstance(message, str) or set(obj) - {"code", "message"}:
+            raise ProtocolError("malformed Reject frame")
+        return Reject(code, _PRINTABLE.sub("?", message)[:MAX_MESSAGE_CHARS])
+    if cls is ProbeDown:
+        obj = _json_obj(body, "ProbeDown")
+        seconds = obj.get("seconds")
+        if type(seconds) not in (int, float) or not 0 < seconds <= 3600 or set(obj) != {"seconds"}:
+            raise ProtocolError("malformed ProbeDown frame")
+        return ProbeDown(float(seconds))
+    if body:
+        raise ProtocolError(f"{cls.__name__} frame must be empty")
+    return cls()
+
+
+# ----------------------------------------------------------------------------- connection
+class Connection:
+    """One side of one handoff connection. Pure state: bytes in, events out, bytes out."""
+
+    def __init__(self, our_role: Role) -> None:
+        self.our_role = our_role
+        self.their_role = Role.RECEIVER if our_role is Role.SENDER else Role.SENDER
+        self.state = State.START
+        self.payload_size = 0  # declared by the Header
+        self.payload_seen = 0  # Data bytes of the handoff so far (either direction)
+        self.header: HandoffHeader | None = None
+        self.reject: Reject | None = None
+        self._buf = bytearray()
+        self._eof = False
+
+    # -- transitions
+    def _advance(self, role: Role, event: Event, error: type[Exception]) -> None:
+        if self.state in TERMINAL:
+            raise error(f"{type(event).__name__} after the connection is {self.state.value}")
+        if isinstance(event, Reject):
+            self.reject = event
+            self.state = State.CLOSED
+            return
+        nxt = TRANSITIONS.get((self.state, role, type(event)))
+        if nxt is None:
+            raise error(f"{role.value} may not send {type(event).__name__} in state {self.state.value}")
+        if isinstance(event, Header):
+            header = event.header or parse_header(event.raw)
+            self.header = header
+            self.payload_size = header.payload_size
+            self.payload_seen = 0
+        if isinstance(event, Data) and self.state is State.STREAMING:
+            self.payload_seen += len(event.data)
+            if self.payload_seen > self.payload_size:
+                raise error(f"payload exceeds the declared {self.payload_size} bytes")
+            if self.payload_seen == self.payload_size:
+                nxt = State.PAYLOAD_DONE
+        self.state = nxt
+
+    def send(self, event: Event) -> bytes:
+        if isinstance(event, Data) and len(event.data) > MAX_DATA_BYTES:
+            raise LocalProtocolError("Data frame too large; split it")
+        data = encode_event(event)
+        self._advance(self.our_role, event, LocalProtocolError)
+        return data
+
+    def send_data(self, payload: bytes | memoryview, chunk: int = DEFAULT_DATA_CHUNK) -> list[bytes]:
+        """Split ``payload`` into Data frames (each at most ``chunk`` bytes)."""
+        view = memoryview(payload)
+        return [self.send(Data(bytes(view[i : i + chunk]))) for i in range(0, len(view), chunk)]
+
+    # -- input
+    def receive_data(self, data: bytes) -> None:
+        if self._eof and data:
+            raise LocalProtocolError("data after EOF")
+        if not data:
+            self._eof = True
+        else:
+            self._buf += data
+
+    def next_event(self) -> Event | ConnectionClosed | _NeedData:
+        if len(self._buf) < PREFIX.size:
+            if self._eof:
+                if self._buf:
+                    raise ProtocolError("connection closed in the middle of a frame prefix")
+                return ConnectionClosed()
+            return NEED_DATA
+        code, length = PREFIX.unpack_from(self._buf)
+        cls = _BY_CODE.get(code)
+        if cls is None:
+            raise ProtocolError(f"unknown frame type 0x{code:02x}")
+        if length > MAX_BODY[cls]:
+            raise ProtocolError(f"{cls.__name__} frame of {length} bytes exceeds the {MAX_BODY[cls]}-byte limit")
+        # Refuse a frame the state forbids as soon as its prefix is in, before its body.
+        if cls is not Reject and (self.state in TERMINAL or (self.state, self.their_role, cls) not in TRANSITIONS):
+            raise ProtocolError(f"{self.their_role.value} may not send {cls.__name__} in state {self.state.value}")
+        if cls is Data and self.state is State.STREAMING and self.payload_seen + length > self.payload_size:
+            raise ProtocolError(f"payload exceeds the declared {self.payload_size} bytes")
+        end = PREFIX.size + length
+        if len(self._buf) < end:
+            if self._eof:
+                raise ProtocolError(f"connection closed in the middle of a {cls.__name__} frame")
+            return NEED_DATA
+        body = bytes(self._buf[PREFIX.size : end])
+        del self._buf[:end]
+        event = decode_body(cls, body)
+        self._advance(self.their_role, event, ProtocolError)
+        return event
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

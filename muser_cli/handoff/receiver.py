@@ -1,0 +1,554 @@
+"""The consumer side: listen, authenticate, verify, record, publish, acknowledge.
+
+Contract of :class:`Receiver` (one per listening socket):
+  * every TCP connection gets its own thread for the TLS handshake, bounded by the
+    handshake timeout, so idle or half-open clients cannot starve a real producer;
+    at most ``max_pending`` connections exist at once, the rest are closed at accept;
+  * after the handshake, the peer certificate must not be revoked; then the connection
+    waits for admission: ONE session runs at a time, up to ``queue`` wait (each at most
+    ``queue_s``), others get ``Reject(busy)`` in place of ``Ready``;
+  * a handoff is checked in this order, before any payload byte is read: key id known
+    and not revoked and bound to the certificate's name -> MAC (constant time) ->
+    issued-at window -> declared size within ``max_payload`` -> not in the replay ledger;
+  * payload bytes are verified as they arrive (size, kvpack frames and digest chain,
+    model binding) and spooled next to the final path; at the end: SHA-256 and root
+    digest -> ledger commit (durable) -> atomic publish (fsync file, rename, fsync dir)
+    -> ``Ack``. A failure at any step rejects the handoff and leaves nothing at the
+    final path;
+  * :meth:`Receiver.serve` returns the accepted handoffs (one with ``once``), raises
+    TempFailure when ``timeout`` passes first, and raises LedgerError (fatal) when the
+    ledger cannot be trusted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import select
+import socket
+import ssl
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from muser_cli.errors import AuthError, DataError, IdentityMismatch, MuserError, TempFailure, UsageError
+from muser_cli.fsio import atomic_writer
+from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac
+from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
+from muser_cli.handoff.link import (
+    DEFAULT_IDLE_S, Link, format_hostport, map_error, server_context,
+)
+from muser_cli.handoff.node import Identity, peer_common_name, peer_serial_hex
+from muser_cli.handoff.payload import PayloadInspector
+from muser_cli.handoff.protocol import (
+    ALPN, DEFAULT_DATA_CHUNK, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go,
+    Header, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State,
+)
+
+DEFAULT_MAX_PAYLOAD = 64 << 30
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class ReceiveConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    once: bool = True
+    timeout: float | None = None  # give up (TempFailure) when no handoff is accepted in time
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    window_s: float = DEFAULT_WINDOW_S
+    handshake_s: float = 10.0
+    idle_s: float = DEFAULT_IDLE_S
+    session_s: float = 3600.0
+    queue: int = 16
+    queue_s: float = 30.0
+    max_pending: int = 256
+    probe_max_s: float = 10.0
+
+
+@dataclass
+class Accepted:
+    handoff_id: str
+    key_id: str
+    sender: str
+    peer: str
+    payload_bytes: int
+    root_digest: str
+    payload_sha256: str
+    model_fingerprint: str
+    path: str
+    ledger_commit_ms: float
+    elapsed_s: float
+    acked: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Destination:
+    """Where accepted payloads are published: one file, or ``<handoff_id>.kvpack`` in a folder."""
+
+    file: Path | None = None
+    directory: Path | None = None
+
+    def final_path(self, handoff_id: str) -> Path:
+        if self.file is not None:
+            return self.file
+        assert self.directory is not None
+        return self.directory / f"{handoff_id}.kvpack"
+
+
+class Refusal(Exception):
+    """Refuse this handoff with a Reject code; ``fatal`` stops the receiver afterwards."""
+
+    def __init__(self, code: str, message: str, *, fatal: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+class Receiver:
+    def __init__(
+        self, identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination,
+        on_event: EventFn | None = None,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.ledger_dir = ledger_dir
+        self.destination = destination
+        self.on_event = on_event
+        self._ctx = server_context(identity)
+        self._lsock: socket.socket | None = None
+        self.address: tuple[str, int] | None = None
+        self._ledgers: dict[str, Ledger] = {}
+        self._ledger_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._admit = threading.Lock()
+        self._finish_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._results: queue.Queue[Any] = queue.Queue()
+        self._pending = 0
+        self._waiting = 0
+        self._committed = 0  # accepted but not yet reported (ack in flight)
+        self._closed_for_new = False  # once: a handoff was accepted; timeout: gave up
+        self.counters = {"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0}
+        self._open_existing_ledgers()
+
+    # -- setup
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):
+                self.on_event(kind, fields)
+
+    def _open_existing_ledgers(self) -> None:
+        """Refuse to run at all on a torn or corrupt ledger."""
+        if not self.ledger_dir.exists():
+            return
+        for path in sorted(self.ledger_dir.glob("*.ledger")):
+            self._ledger(path.name[: -len(".ledger")])
+
+    def _ledger(self, key_id: str) -> Ledger:
+        with self._ledger_lock:
+            led = self._ledgers.get(key_id)
+            if led is None:
+                led = Ledger(self.ledger_dir, key_id).open()
+                self._ledgers[key_id] = led
+            return led
+
+    def bind(self) -> tuple[str, int]:
+        host, port = self.config.host, self.config.port
+        if host in ("", "*"):
+            try:
+                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                bind_to: tuple = ("::", port)
+            except OSError:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                bind_to = ("0.0.0.0", port)
+        else:
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            except socket.gaierror:
+                raise UsageError(f"cannot resolve listen address {host!r}") from None
+            family, _, _, _, bind_to = infos[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(bind_to)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
+        self._lsock = sock
+        self.address = sock.getsockname()[:2]
+        return self.address
+
+    # -- main loop
+    def serve(self, *, on_accept: Callable[[Accepted], None] | None = None) -> list[Accepted]:
+        if self._lsock is None:
+            self.bind()
+        assert self.address is not None
+        self._emit("listening", address=format_hostport(*self.address), port=self.address[1])
+        acceptor = threading.Thread(target=self._accept_loop, name="muser-accept", daemon=True)
+        acceptor.start()
+        deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
+        accepted: list[Accepted] = []
+        try:
+            while not self._stop.is_set():
+                wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+                try:
+                    item = self._results.get(timeout=wait)
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        with self._finish_lock:
+                            if self._committed == 0:
+                                self._closed_for_new = True
+                                n = self.counters["rejected"]
+                                extra = f" ({n} handoff(s) refused)" if n else ""
+                                raise TempFailure(
+                                    f"no handoff accepted within {self.config.timeout:g} s{extra}",
+                                    hint="fall back to local prefill",
+                                )
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                accepted.append(item)
+                if on_accept is not None:
+                    on_accept(item)
+                if self.config.once:
+                    return accepted
+            return accepted
+        finally:
+            self.stop()
+            acceptor.join(timeout=1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._lsock is not None:
+            with contextlib.suppress(OSError):
+                self._lsock.close()
+
+    def close(self) -> None:
+        self.stop()
+        for led in self._ledgers.values():
+            led.close()
+
+    def _accept_loop(self) -> None:
+        lsock = self._lsock
+        assert lsock is not None
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([lsock], [], [], 0.2)
+                if not ready:
+                    continue
+                sock, addr = lsock.accept()
+            except (OSError, ValueError):
+                if self._stop.is_set():
+                    return
+                continue
+            with self._state_lock:
+                self.counters["connections"] += 1
+                if self._pending >= self.config.max_pending:
+                    self.counters["dropped"] += 1
+                    sock.close()
+                    continue
+                self._pending += 1
+            threading.Thread(target=self._handle, args=(sock, addr), name="muser-conn", daemon=True).start()
+
+    # -- one connection
+    def _handle(self, sock: socket.socket, addr: tuple) -> None:
+        peer = format_hostport(str(addr[0]), int(addr[1]))
+        start = time.monotonic()
+        try:
+            tls = self._handshake(sock, peer)
+            if tls is None:
+                return
+            link = Link(tls, Connection(Role.RECEIVER), idle_s=self.config.idle_s, deadline=start + self.config.session_s)
+            try:
+                self._admitted_session(link, peer, start)
+            finally:
+                link.close()
+        except BaseException as exc:  # noqa: BLE001 - a connection thread must never die loudly
+            self._emit("error", peer=peer, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._state_lock:
+                self._pending -= 1
+
+    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are written whole
+            sock.settimeout(self.config.handshake_s)
+            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            tls.do_handshake()
+        except BaseException as exc:  # noqa: BLE001
+            sock.close()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            with self._state_lock:
+                self.counters["tls_failed"] += 1
+            self._emit("tls_failed", peer=peer, reason=str(map_error(exc, "in the TLS handshake")))
+            return None
+        if tls.selected_alpn_protocol() != ALPN:
+            self._emit("tls_failed", peer=peer, reason=f"client did not offer ALPN {ALPN}")
+            tls.close()
+            return None
+        return tls
+
+    def _admitted_session(self, link: Link, peer: str, start: float) -> None:
+        der = link.sock.getpeercert(binary_form=True) or b""
+        cn = peer_common_name(der) if der else ""
+        who = f"{peer} ({cn})" if cn else peer
+        if der and peer_serial_hex(der) in self.identity.revoked_serials():
+            self._refuse(link, who, Refusal("auth", "this certificate was revoked"))
+            return
+        with self._state_lock:
+            if self._waiting >= self.config.queue:
+                busy = True
+            else:
+                busy = False
+                self._waiting += 1
+        if busy:
+            self._refuse(link, who, Refusal("busy", "receiver busy: too many producers waiting"))
+            return
+        admitted = False
+        try:
+            until = time.monotonic() + self.config.queue_s
+            while not self._stop.is_set() and not self._closed_for_new and time.monotonic() < until:
+                if self._admit.acquire(timeout=0.1):
+                    admitted = True
+                    break
+        finally:
+            with self._state_lock:
+                self._waiting -= 1
+        if not admitted or self._closed_for_new:
+            if admitted:
+                self._admit.release()
+            why = "receiver finished (it accepted its one handoff)" if self._closed_for_new else "receiver busy with another producer"
+            self._refuse(link, who, Refusal("busy", why))
+            return
+        try:
+            self._session(link, who, cn, start)
+        finally:
+            self._admit.release()
+
+    def _session(self, link: Link, who: str, cn: str, start: float) -> None:
+        info = {
+            "v": PROTOCOL_VERSION, "node": self.identity.name, "max_payload": self.config.max_payload,
+            "window_s": self.config.window_s, "max_data": MAX_DATA_BYTES, "probe_max_s": self.config.probe_max_s,
+        }
+        try:
+            link.send(Ready(info), "sending Ready")
+            while True:
+                event = link.next_event("waiting for a request")
+                if isinstance(event, (ConnectionClosed, Reject)):
+                    return
+                if isinstance(event, Header):
+                    self._handoff(link, event, who, cn, start)
+                    return
+                if isinstance(event, ProbeUp):
+                    self._probe_up(link)
+                elif isinstance(event, ProbeDown):
+                    self._probe_down(link, event.seconds)
+        except Refusal as refusal:
+            self._refuse(link, who, refusal)
+        except MuserError as exc:
+            self._emit("aborted", peer=who, reason=str(exc))
+            with contextlib.suppress(MuserError, OSError):
+                if link.conn.state not in (State.DONE, State.CLOSED):
+                    code = "timeout" if isinstance(exc, TempFailure) else "protocol"
+                    link.send(Reject(code, str(exc)))
+
+    def _refuse(self, link: Link, who: str, refusal: Refusal) -> None:
+        with self._state_lock:
+            self.counters["rejected"] += 1
+        self._emit("rejected", peer=who, code=refusal.code, reason=refusal.message)
+        with contextlib.suppress(MuserError, OSError):
+            if link.conn.state not in (State.DONE, State.CLOSED):
+                link.send(Reject(refusal.code, refusal.message), "sending a rejection")
+            # Let the peer read the Reject before our close turns into a reset.
+            end = time.monotonic() + 0.5
+            link.sock.settimeout(0.1)
+            while time.monotonic() < end:
+                try:
+                    if not link.sock.recv(1 << 16):
+                        break
+                except (OSError, ssl.SSLError):
+                    if time.monotonic() >= end:
+                        break
+        if refusal.fatal is not None:
+            self._results.put(refusal.fatal)
+
+    # -- the handoff proper
+    def _check_header(self, event: Header, cn: str) -> Ledger:
+        h = event.header
+        assert h is not None
+        key = self.identity.key(h.key_id)  # exactly one lookup: no other key is tried
+        if key is None:
+            raise Refusal("auth", f"unknown key id {h.key_id}")
+        if key.revoked:
+            raise Refusal("auth", f"key id {h.key_id} is revoked")
+        try:
+            verify_mac(key.secret, event.raw, event.mac)
+        except AuthError as exc:
+            raise Refusal("auth", str(exc)) from None
+        if key.peer != cn or h.sender != cn:
+            raise Refusal("auth", f"key id {h.key_id} belongs to {key.peer!r}; certificate is {cn!r}, header says {h.sender!r}")
+        try:
+            check_window(h, now_ms=int(time.time() * 1000), window_s=self.config.window_s)
+        except AuthError as exc:
+            raise Refusal("stale", str(exc)) from None
+        if h.payload_size > self.config.max_payload:
+            raise Refusal("too_large", f"declared {h.payload_size} bytes exceeds this receiver's maximum {self.config.max_payload}")
+        try:
+            ledger = self._ledger(h.key_id)
+            if ledger.seen(h.handoff_id):
+                raise Refusal("replay", f"handoff {h.handoff_id} was already accepted")
+        except LedgerError as exc:
+            raise Refusal("storage", "receiver's replay ledger is unusable", fatal=exc) from None
+        return ledger
+
+    def _handoff(self, link: Link, event: Header, who: str, cn: str, start: float) -> None:
+        h = event.header
+        assert h is not None
+        ledger = self._check_header(event, cn)
+        if self._closed_for_new:
+            raise Refusal("busy", "receiver finished")
+        final = self.destination.final_path(h.handoff_id)
+        inspector = PayloadInspector(expect=h)
+        link.send(Go(), "sending Go")
+        self._emit("streaming", peer=who, handoff_id=h.handoff_id, bytes=h.payload_size)
+        commit_s = 0.0
+        with contextlib.ExitStack() as stack:
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                out: BinaryIO = stack.enter_context(atomic_writer(final, mode=0o644))
+            except OSError as exc:
+                raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
+            while link.conn.state is State.STREAMING:
+                ev = link.next_event(f"receiving the payload ({link.conn.payload_seen} of {h.payload_size} bytes)")
+                if isinstance(ev, Reject):
+                    raise MuserError(f"sender aborted: {ev.code} {ev.message}")
+                if isinstance(ev, ConnectionClosed):
+                    raise TempFailure(f"sender went away at {link.conn.payload_seen} of {h.payload_size} bytes")
+                assert isinstance(ev, Data)
+                try:
+                    inspector.feed(ev.data)
+                except IdentityMismatch as exc:
+                    raise Refusal("model", str(exc)) from None
+                except DataError as exc:
+                    raise Refusal("data", str(exc)) from None
+                try:
+                    out.write(ev.data)
+                except OSError as exc:
+                    raise Refusal("storage", f"cannot write the spool file ({exc.strerror or exc})") from None
+            try:
+                payload = inspector.finish()
+            except DataError as exc:
+                raise Refusal("data", str(exc)) from None
+            with self._finish_lock:
+                if self._closed_for_new:
+                    raise Refusal("timeout", "receiver stopped waiting")
+                record = Record(h.handoff_id, h.issued_at_ms, int(time.time() * 1000), payload.size, payload.root_digest)
+                try:
+                    commit_s = ledger.commit(record)
+                except AuthError as exc:
+                    raise Refusal("replay", str(exc)) from None
+                except LedgerFull as exc:
+                    raise Refusal("storage", str(exc)) from None
+                except LedgerError as exc:
+                    raise Refusal("storage", "receiver's replay ledger failed", fatal=exc) from None
+                try:
+                    stack.close()  # publish: fsync the spool file, rename onto final, fsync the directory
+                except OSError as exc:
+                    raise Refusal("storage", f"cannot publish the payload ({exc.strerror or exc})") from None
+                self._committed += 1
+                if self.config.once:
+                    self._closed_for_new = True
+        accepted = Accepted(
+            handoff_id=h.handoff_id, key_id=h.key_id, sender=h.sender, peer=who, payload_bytes=payload.size,
+            root_digest=payload.root_digest, payload_sha256=payload.sha256, model_fingerprint=h.model_fingerprint,
+            path=str(final), ledger_commit_ms=commit_s * 1000, elapsed_s=time.monotonic() - start,
+        )
+        try:
+            link.send(Ack({"handoff_id": h.handoff_id, "bytes": payload.size, "root_digest": payload.root_digest,
+                           "ledger_commit_ms": round(commit_s * 1000, 3), "node": self.identity.name}), "sending Ack")
+        except MuserError as exc:
+            accepted.acked = False
+            self._emit("ack_failed", peer=who, handoff_id=h.handoff_id, reason=str(exc))
+        with self._state_lock:
+            self.counters["accepted"] += 1
+        self._emit("accepted", peer=who, **{k: v for k, v in accepted.to_json().items() if k != "peer"})
+        with self._finish_lock:
+            self._committed -= 1
+            self._results.put(accepted)
+
+    # -- probes
+    def _probe_up(self, link: Link) -> None:
+        limit = time.monotonic() + self.config.probe_max_s + self.config.idle_s
+        counted, t_first, t_last = 0, None, None
+        while True:
+            event = link.next_event("in the upload probe")
+            now = time.monotonic()
+            if isinstance(event, Data):
+                if t_first is None:
+                    t_first = now  # the first frame starts the clock; count what follows it
+                else:
+                    counted += len(event.data)
+                t_last = now
+                if now > limit:
+                    raise Refusal("protocol", f"upload probe longer than {self.config.probe_max_s:g} s")
+            elif isinstance(event, ProbeEnd):
+                break
+            else:
+                raise TempFailure("the sender left during the upload probe")
+        seconds = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
+        link.send(ProbeResult({"bytes": counted, "seconds": seconds}), "sending the probe result")
+
+    def _probe_down(self, link: Link, seconds: float) -> None:
+        block = os.urandom(DEFAULT_DATA_CHUNK)
+        end = time.monotonic() + min(seconds, self.config.probe_max_s)
+        while time.monotonic() < end:
+            link.send(Data(block), "in the download probe")
+        link.send(ProbeEnd(), "ending the download probe")
+
+
+def receive(
+    identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination,
+    out_stream: BinaryIO | None = None, on_event: EventFn | None = None,
+    on_accept: Callable[[Accepted], None] | None = None,
+) -> list[Accepted]:
+    """Run a receiver. With ``out_stream`` (stdout), each accepted payload is copied there
+    after it was published and acknowledged, then its published copy is removed."""
+    if not config.once and destination.file is not None:
+        raise UsageError("without --once, -o must be a directory")
+    receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, on_event=on_event)
+
+    def deliver(item: Accepted) -> None:
+        if out_stream is not None:
+            path = Path(item.path)
+            try:
+                with open(path, "rb") as f:
+                    while True:
+                        data = f.read(1 << 20)
+                        if not data:
+                            break
+                        out_stream.write(data)
+                out_stream.flush()
+            except BrokenPipeError:
+                raise TempFailure(f"the reader of stdout went away; the handoff is kept at {path}") from None
+            path.unlink(missing_ok=True)
+        if on_accept is not None:
+            on_accept(item)
+
+    try:
+        return receiver.serve(on_accept=deliver)
+    finally:
+        receiver.close()
+
+
+__all__ = ["Accepted", "Destination", "ReceiveConfig", "Receiver", "receive"]

@@ -1,0 +1,299 @@
+"""Shared pieces of the handoff tests: nodes, packs, a receiver thread, a fault-injecting relay.
+
+Everything listens and connects on 127.0.0.1 or ::1 only. Imported by the other
+``test_handoff_*`` modules; it holds no tests itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpack_factory import make_pack
+from muser_cli.handoff import node
+from muser_cli.handoff.node import Identity, load_identity
+from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
+
+LOOPBACK = "127.0.0.1"
+
+
+def keys_dir_of(home: Path) -> Path:
+    """``muser_cli.paths.keys_dir()`` for MUSER_HOME=home."""
+    old = os.environ.get("MUSER_HOME")
+    os.environ["MUSER_HOME"] = str(home)
+    try:
+        from muser_cli import paths
+
+        return paths.keys_dir()
+    finally:
+        if old is None:
+            del os.environ["MUSER_HOME"]
+        else:
+            os.environ["MUSER_HOME"] = old
+
+
+@dataclass
+class Nodes:
+    """A consumer (CA owner) and a producer that joined it, each under its own MUSER_HOME."""
+
+    consumer_home: Path
+    producer_home: Path
+    consumer: Identity
+    producer: Identity
+    producer_key_id: str
+
+
+def make_nodes(root: Path, *, producer: str = "gx10") -> Nodes:
+    ch, ph = root / "consumer", root / "producer"
+    node.init_node(keys_dir_of(ch), name="consumer")
+    bundle, summary = node.export_producer(keys_dir_of(ch), producer=producer)
+    node.join_node(keys_dir_of(ph), bundle)
+    return Nodes(ch, ph, load_identity(keys_dir_of(ch)), load_identity(keys_dir_of(ph)), summary["key_id"])
+
+
+def copy_home(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def nodes(tmp_path_factory) -> Nodes:
+    """Shared, never mutated: tests that revoke or tear build their own with make_nodes."""
+    return make_nodes(tmp_path_factory.mktemp("nodes"))
+
+
+@pytest.fixture(scope="session")
+def pack_bytes() -> bytes:
+    return make_pack(120)[0]
+
+
+@pytest.fixture
+def pack_file(tmp_path, pack_bytes) -> Path:
+    p = tmp_path / "in.kvpack"
+    p.write_bytes(pack_bytes)
+    return p
+
+
+# ----------------------------------------------------------------------------- receiver thread
+@dataclass
+class RunningReceiver:
+    receiver: Receiver
+    to: str
+    out_dir: Path
+    ledger_dir: Path
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    accepted: list[Any] = field(default_factory=list)
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [f for k, f in list(self.events) if k == kind]
+
+    def published(self) -> list[Path]:
+        return sorted(p for p in self.out_dir.iterdir()) if self.out_dir.exists() else []
+
+    def wait_done(self, timeout: float = 10.0) -> None:
+        assert self.thread is not None
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "receiver did not stop"
+
+    def stop(self) -> None:
+        self.receiver.stop()
+        if self.thread is not None:
+            self.thread.join(5)
+        self.receiver.close()
+
+
+def start_receiver(identity: Identity, root: Path, *, host: str = LOOPBACK, **cfg: Any) -> RunningReceiver:
+    defaults = dict(once=False, idle_s=3.0, handshake_s=2.0, queue_s=5.0, probe_max_s=2.0)
+    defaults.update(cfg)
+    out_dir, ledger_dir = root / "out", root / "ledger"
+    events: list = []
+    receiver = Receiver(
+        identity, ReceiveConfig(host=host, port=0, **defaults), ledger_dir=ledger_dir,
+        destination=Destination(directory=out_dir), on_event=lambda k, f: events.append((k, f)),
+    )
+    h, port = receiver.bind()
+    to = f"[{h}]:{port}" if ":" in h else f"{h}:{port}"
+    run = RunningReceiver(receiver, to, out_dir, ledger_dir, events)
+
+    def serve() -> None:
+        try:
+            receiver.serve(on_accept=run.accepted.append)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            run.error = exc
+
+    run.thread = threading.Thread(target=serve, daemon=True)
+    run.thread.start()
+    return run
+
+
+@pytest.fixture
+def receivers():
+    started: list[RunningReceiver] = []
+
+    def factory(identity: Identity, root: Path, **cfg: Any) -> RunningReceiver:
+        r = start_receiver(identity, root, **cfg)
+        started.append(r)
+        return r
+
+    yield factory
+    for r in started:
+        r.stop()
+
+
+def ledger_records(ledger_dir: Path, key_id: str) -> list[str]:
+    path = ledger_dir / f"{key_id}.ledger"
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines()[1:] if line.startswith("A ")]
+
+
+# ----------------------------------------------------------------------------- fault relay
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of ``target_port`` that can misbehave.
+
+    chunk:        forward at most this many bytes per send (1 = one-byte segments)
+    cut_after:    after this many client->server bytes, close both sides (reset=True: RST)
+    hole_after:   after this many client->server bytes, stop forwarding both ways, keep sockets open
+    close_delay:  hold a half-close this many seconds before passing it on
+    """
+
+    def __init__(self, target_port: int, *, chunk: int | None = None, cut_after: int | None = None,
+                 reset: bool = False, hole_after: int | None = None, close_delay: float = 0.0) -> None:
+        self.target_port = target_port
+        self.chunk, self.cut_after, self.reset = chunk, cut_after, reset
+        self.hole_after, self.close_delay = hole_after, close_delay
+        self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind((LOOPBACK, 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.to = f"{LOOPBACK}:{self.port}"
+        self.up_bytes = 0
+        self.cut = threading.Event()
+        self._stop = threading.Event()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            r, _, _ = select.select([self.lsock], [], [], 0.1)
+            if not r:
+                continue
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            server = socket.create_connection((LOOPBACK, self.target_port))
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _kill(self, a: socket.socket, b: socket.socket) -> None:
+        self.cut.set()
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                if self.reset:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                s.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.cut.is_set() and self.hole_after is not None:
+                    time.sleep(0.05)  # black hole: hold everything, forward nothing
+                    continue
+                r, _, _ = select.select([src], [], [], 0.1)
+                if not r:
+                    continue
+                data = src.recv(65536)
+                if not data:
+                    if self.close_delay:
+                        time.sleep(self.close_delay)
+                    with contextlib.suppress(OSError):
+                        dst.shutdown(socket.SHUT_WR)
+                    return
+                if upstream:
+                    limit = self.cut_after if self.cut_after is not None else self.hole_after
+                    if limit is not None and self.up_bytes + len(data) >= limit:
+                        data = data[: max(0, limit - self.up_bytes)]
+                        self._send(dst, data)
+                        self.up_bytes += len(data)
+                        if self.cut_after is not None:
+                            self._kill(src, dst)
+                            return
+                        self.cut.set()
+                        continue
+                    self.up_bytes += len(data)
+                self._send(dst, data)
+        except OSError:
+            with contextlib.suppress(OSError):
+                dst.close()
+
+    def _send(self, dst: socket.socket, data: bytes) -> None:
+        if not self.chunk:
+            dst.sendall(data)
+            return
+        for i in range(0, len(data), self.chunk):
+            dst.sendall(data[i : i + self.chunk])
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in [self.lsock, *self._socks]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+# ----------------------------------------------------------------------------- subprocesses
+def muser_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "muser_cli.commands", *args]
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["MUSER_HOME"] = str(home)
+    env["PYTHONUNBUFFERED"] = "1"
+    tests_dir = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = tests_dir + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+_LISTEN_RE = re.compile(r"listening on (\S+)")
+
+
+def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+    """Start ``muser receive --listen 127.0.0.1:0 ...``; return (process, HOST:PORT it bound)."""
+    proc = subprocess.Popen(
+        muser_cmd("receive", "--listen", f"{LOOPBACK}:0", *args), env=env_for(home),
+        stdout=stdout, stderr=subprocess.PIPE, text=False,
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 20
+    line = b""
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([proc.stderr], [], [], 0.2)
+        if r:
+            line = proc.stderr.readline()
+            m = _LISTEN_RE.search(line.decode())
+            if m:
+                return proc, m.group(1)
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise AssertionError(f"receiver did not start: {line!r} rc={proc.poll()}")

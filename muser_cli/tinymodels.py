@@ -1,0 +1,132 @@
+"""Tiny deterministic random models, written as Hugging Face folders in seconds.
+
+For tests and demos: same seed -> byte-identical folder (same fingerprint). Each folder
+has a real byte-level BPE tokenizer (vocab 512, ChatML special tokens and chat
+template), safetensors weights, and a top-level ``rope_theta`` so mlx-lm reads the
+same RoPE base as transformers. Both load in transformers and in mlx-lm.
+
+  * :func:`make_tiny_llama`: Llama, every layer full attention with RoPE.
+  * :func:`make_tiny_hybrid`: Cohere2, 3 sliding-window layers (window 8, interleaved
+    RoPE) then 1 full-attention NoPE layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 512
+MAX_POSITIONS = 256
+SLIDING_WINDOW = 8
+ROPE_THETA = 10000.0
+# Random init with a wider spread than the default 0.02, so greedy decoding from a
+# random model is sensitive to its KV instead of collapsing onto one token.
+INIT_RANGE = 0.2
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The producer computes the prompt once and ships its keys and values to the consumer.
+The consumer checks every frame, installs the rows and decodes the next token itself.
+A sliding window layer keeps only the last few rows; a full attention layer keeps them all.
+Rotary position embeddings turn each key by an angle that grows with its position.
+When the network fails, the consumer falls back to a local prefill and still answers.
+Bytes are cheaper to move than the arithmetic that made them, so ship the answer.
+Quick brown foxes jump over lazy dogs while seven wizards box and juggle quietly.
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 512 2048 and 8192 appear in logs and tests.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France?
+Paris is the capital of France; Berlin of Germany; Rome of Italy; Madrid of Spain.
+def main():\n    print("hello")\n    return 0\n
+{"model": "tiny", "layers": 4, "heads": [4, 2], "window": 8, "ok": true}
+"""
+
+
+def _train_tokenizer():
+    """A byte-level BPE tokenizer trained on the fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = _CORPUS.splitlines() * 4
+    tok.train_from_iterator(lines, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        unk_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[2],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _common() -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=INIT_RANGE,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,  # mlx-lm's cohere2 has no separate lm_head
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+    )
+
+
+def _write(model_cls, config, directory: Path, seed: int, extra: dict | None = None) -> Path:
+    import torch
+
+    from muser_cli.models import add_top_level_rope_theta, quiet_transformers
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+        model.save_pretrained(str(directory))
+        _train_tokenizer().save_pretrained(str(directory))
+    add_top_level_rope_theta(directory)
+    if extra:
+        config_file = directory / "config.json"
+        data = json.loads(config_file.read_text())
+        data.update(extra)
+        config_file.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return directory
+
+
+def make_tiny_llama(directory: Path | str, seed: int = 0) -> Path:
+    """A 4-layer Llama (hidden 64, 4 heads, 2 KV heads, head_dim 16), all full attention + RoPE."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _write(LlamaForCausalLM, LlamaConfig(**_common()), Path(directory), seed)
+
+
+def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
+    """A 4-layer Cohere2: sliding (window 8) x3, then full attention without RoPE (NoPE)."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    config = Cohere2Config(
+        **_common(),
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        logit_scale=1.0,
+    )
+    # mlx-lm's cohere2 derives layer kinds from sliding_window_pattern, not layer_types.
+    return _write(Cohere2ForCausalLM, config, Path(directory), seed, extra={"sliding_window_pattern": 4})

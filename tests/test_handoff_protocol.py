@@ -85,11 +85,12 @@ def test_full_handoff_byte_by_byte(step):
 def test_probe_round_trip_byte_by_byte():
     link = MemoryLink(1)
     link.r2s(Ready())
-    link.s2r(ProbeUp())
+    assert link.s2r(ProbeUp(0.5)) == [ProbeUp(0.5)]
     link.s2r(Data(b"x" * 50))
-    link.s2r(ProbeEnd())
-    assert link.receiver.state is State.PROBE_UP_DONE
     assert link.r2s(ProbeResult({"bytes": 50, "seconds": 0.5})) == [ProbeResult({"bytes": 50, "seconds": 0.5})]
+    assert link.receiver.state is State.PROBE_UP_DONE
+    link.s2r(Data(b"x" * 9))  # was in flight when the result went out
+    link.s2r(ProbeEnd())
     assert link.s2r(ProbeDown(1.5)) == [ProbeDown(1.5)]
     link.r2s(Data(b"y" * 7))
     link.r2s(ProbeEnd())

@@ -10,9 +10,12 @@ Rules (docs/handoff.md is the normative text):
     sender streams exactly ``payload_size`` bytes in ``Data`` frames; the receiver
     answers ``Ack`` (only once the handoff is verified, recorded durably and published)
     or ``Reject``. One handoff per connection.
-  * Probes (link measurement, no payload semantics) run from ``Idle``: ``ProbeUp`` then
-    sender ``Data``… ``ProbeEnd``, answered by ``ProbeResult``; or ``ProbeDown``
-    answered by receiver ``Data``… ``ProbeEnd``. Both return to ``Idle``.
+  * Probes (link measurement, no payload semantics) run from ``Idle``. Up: ``ProbeUp``,
+    sender ``Data``… until the receiver, having counted for the agreed seconds, sends
+    ``ProbeResult``; the sender stops, Data already in flight is discarded, and its
+    ``ProbeEnd`` returns both to ``Idle`` (the receiver ends the measurement, so deep
+    socket buffers cannot stretch it). Down: ``ProbeDown`` answered by receiver
+    ``Data``… ``ProbeEnd``.
   * ``Reject`` may be sent by either side in any live state; the connection is then
     ``Closed``. Anything not in :data:`TRANSITIONS` is a protocol error.
   * Both sides run the same table; each checks its own sends (a bug here raises
@@ -57,8 +60,8 @@ class State(enum.Enum):
     HEADER_SENT = "header_sent"  # waiting for Go / Reject
     STREAMING = "streaming"  # payload bytes flowing, fewer than payload_size so far
     PAYLOAD_DONE = "payload_done"  # all bytes in; waiting for Ack / Reject
-    PROBE_UP = "probe_up"
-    PROBE_UP_DONE = "probe_up_done"
+    PROBE_UP = "probe_up"  # sender streaming, receiver counting
+    PROBE_UP_DONE = "probe_up_done"  # result sent; draining until the sender's ProbeEnd
     PROBE_DOWN = "probe_down"
     DONE = "done"  # handoff acknowledged
     CLOSED = "closed"  # rejected, or the peer went away
@@ -105,7 +108,7 @@ class Reject:
 
 @dataclass(frozen=True)
 class ProbeUp:
-    pass
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ FRAME_TYPES: dict[type, int] = {
 _BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
 MAX_BODY: dict[type, int] = {
     Ready: MAX_CONTROL_BYTES, Header: MAC_BYTES + MAX_HEADER_BYTES, Go: 0, Data: MAX_DATA_BYTES,
-    Ack: MAX_CONTROL_BYTES, Reject: MAX_CONTROL_BYTES, ProbeUp: 0, ProbeDown: 64, ProbeEnd: 0,
+    Ack: MAX_CONTROL_BYTES, Reject: MAX_CONTROL_BYTES, ProbeUp: 64, ProbeDown: 64, ProbeEnd: 0,
     ProbeResult: MAX_CONTROL_BYTES,
 }
 
@@ -159,8 +162,9 @@ TRANSITIONS: dict[tuple[State, Role, type], State] = {
     (State.PAYLOAD_DONE, R, Ack): State.DONE,
     (State.IDLE, S, ProbeUp): State.PROBE_UP,
     (State.PROBE_UP, S, Data): State.PROBE_UP,
-    (State.PROBE_UP, S, ProbeEnd): State.PROBE_UP_DONE,
-    (State.PROBE_UP_DONE, R, ProbeResult): State.IDLE,
+    (State.PROBE_UP, R, ProbeResult): State.PROBE_UP_DONE,
+    (State.PROBE_UP_DONE, S, Data): State.PROBE_UP_DONE,  # in flight when the result was sent
+    (State.PROBE_UP_DONE, S, ProbeEnd): State.IDLE,
     (State.IDLE, S, ProbeDown): State.PROBE_DOWN,
     (State.PROBE_DOWN, R, Data): State.PROBE_DOWN,
     (State.PROBE_DOWN, R, ProbeEnd): State.IDLE,
@@ -191,7 +195,7 @@ def encode_event(event: Event) -> bytes:
         if event.code not in REJECT_CODES:
             raise LocalProtocolError(f"unknown reject code {event.code!r}")
         body = _json_body({"code": event.code, "message": event.message[:MAX_MESSAGE_CHARS]})
-    elif isinstance(event, ProbeDown):
+    elif isinstance(event, (ProbeUp, ProbeDown)):
         body = _json_body({"seconds": float(event.seconds)})
     else:
         body = b""
@@ -226,12 +230,12 @@ def decode_body(cls: type, body: bytes) -> Event:
         if code not in REJECT_CODES or not isinstance(message, str) or set(obj) - {"code", "message"}:
             raise ProtocolError("malformed Reject frame")
         return Reject(code, _PRINTABLE.sub("?", message)[:MAX_MESSAGE_CHARS])
-    if cls is ProbeDown:
-        obj = _json_obj(body, "ProbeDown")
+    if cls in (ProbeUp, ProbeDown):
+        obj = _json_obj(body, cls.__name__)
         seconds = obj.get("seconds")
         if type(seconds) not in (int, float) or not 0 < seconds <= 3600 or set(obj) != {"seconds"}:
-            raise ProtocolError("malformed ProbeDown frame")
-        return ProbeDown(float(seconds))
+            raise ProtocolError(f"malformed {cls.__name__} frame")
+        return cls(float(seconds))
     if body:
         raise ProtocolError(f"{cls.__name__} frame must be empty")
     return cls()

@@ -351,7 +351,7 @@ class Receiver:
                     self._handoff(link, event, who, cn, start)
                     return
                 if isinstance(event, ProbeUp):
-                    self._probe_up(link)
+                    self._probe_up(link, event.seconds)
                 elif isinstance(event, ProbeDown):
                     self._probe_down(link, event.seconds)
         except Refusal as refusal:
@@ -488,26 +488,28 @@ class Receiver:
             self._results.put(accepted)
 
     # -- probes
-    def _probe_up(self, link: Link) -> None:
-        limit = time.monotonic() + self.config.probe_max_s + self.config.idle_s
-        counted, t_first, t_last = 0, None, None
+    def _probe_up(self, link: Link, seconds: float) -> None:
+        """Count what arrives for ``seconds`` after the first frame, report, then drain."""
+        span = min(seconds, self.config.probe_max_s)
+        counted, t_first = 0, None
         while True:
             event = link.next_event("in the upload probe")
-            now = time.monotonic()
-            if isinstance(event, Data):
-                if t_first is None:
-                    t_first = now  # the first frame starts the clock; count what follows it
-                else:
-                    counted += len(event.data)
-                t_last = now
-                if now > limit:
-                    raise Refusal("protocol", f"upload probe longer than {self.config.probe_max_s:g} s")
-            elif isinstance(event, ProbeEnd):
-                break
-            else:
+            if not isinstance(event, Data):
                 raise TempFailure("the sender left during the upload probe")
-        seconds = (t_last - t_first) if t_first is not None and t_last is not None else 0.0
-        link.send(ProbeResult({"bytes": counted, "seconds": seconds}), "sending the probe result")
+            now = time.monotonic()
+            if t_first is None:
+                t_first = now  # the first frame starts the clock; count what follows it
+                continue
+            counted += len(event.data)
+            if now - t_first >= span:
+                break
+        link.send(ProbeResult({"bytes": counted, "seconds": now - t_first}), "sending the probe result")
+        while True:  # frames the sender wrote before it saw the result
+            event = link.next_event("draining the upload probe")
+            if isinstance(event, ProbeEnd):
+                return
+            if not isinstance(event, Data):
+                raise TempFailure("the sender left during the upload probe")
 
     def _probe_down(self, link: Link, seconds: float) -> None:
         block = os.urandom(DEFAULT_DATA_CHUNK)

@@ -298,16 +298,20 @@ def probe_link(
     link, ready, connect_time = open_link(to, identity, connect_s=connect_s, idle_s=idle_s, total_s=4 * seconds + 60)
     block = os.urandom(chunk)
     try:
-        # Up: we stream for `seconds`; the receiver reports what it counted and over how long.
-        link.send(ProbeUp(), "starting the upload probe")
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        # Up: we stream until the receiver has counted for `seconds` and sends its result.
+        link.send(ProbeUp(seconds), "starting the upload probe")
+        result = None
+        while result is None:
             early = link.poll_event()
-            if isinstance(early, Reject):
+            if isinstance(early, ProbeResult):
+                result = early
+            elif isinstance(early, Reject):
                 raise reject_error(early)
-            link.send(Data(block), "in the upload probe")
+            elif early is not None:
+                raise ProtocolError(f"unexpected {type(early).__name__} in the upload probe")
+            else:
+                link.send(Data(block), "in the upload probe")
         link.send(ProbeEnd(), "ending the upload probe")
-        result = _expect(link, ProbeResult, "waiting for the upload probe result")
         up_bytes = int(result.info.get("bytes", 0))
         up_s = float(result.info.get("seconds", 0.0))
         # Down: the receiver streams for `seconds`; we count from the first byte to ProbeEnd.

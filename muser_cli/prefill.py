@@ -12,7 +12,8 @@ from muser_cli.errors import DataError, UsageError
 from muser_cli.kvpack import PackHeader, write_pack
 from muser_cli.kvpack.format import MAX_FRAME_ROWS
 
-DEFAULT_DTYPE = {"torch": "bfloat16", "mlx": "float32", "vllm": "bfloat16"}
+# float32 on CPU: this machine has no bf16 matmul units (bf16 prefill measured ~5x slower).
+DEFAULT_DTYPE = {"torch": "float32", "mlx": "float32", "vllm": "bfloat16"}
 
 
 @dataclass

@@ -113,6 +113,16 @@ class TorchEngine(Engine):
             start = time.perf_counter()
             return self._generate(cache, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None, start, stats={})
 
+    def recompute(self, layers: Sequence[LayerKV], *, rows: int, token_ids: Sequence[int]) -> list[LayerKV]:
+        """Install ``layers`` (positions [0, rows)) and run ``token_ids`` in one step at
+        positions rows..: the rows every layer then holds (used by ``verify --audit``)."""
+        ids = self._check_ids(token_ids)
+        self._check_decode_args(rows, ids, 0)
+        with self._session():
+            cache = self._install(layers, rows)
+            self._forward(ids, rows, cache, keep=1)
+            return self._extract(cache, rows + len(ids))
+
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
         nxt = self._check_decode_args(rows, next_tokens, 0)

@@ -159,7 +159,6 @@ def test_c21_mac_compared_with_compare_digest(nodes, pack_file, receivers, tmp_p
 @pytest.mark.parametrize(
     "change",
     [
-        {"payload_sha256": "f" * 64},
         {"root_digest": "e" * 64},
         {"payload_size": 1},
         {"model_fingerprint": "sha256:" + "d" * 64},

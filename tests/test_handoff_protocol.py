@@ -23,7 +23,7 @@ SECRET = b"s" * 32
 def make_header(size: int = 10, **kw) -> hh.HandoffHeader:
     fields = dict(
         key_id="k1", handoff_id="ab" * 16, issued_at_ms=1_700_000_000_000, payload_size=size,
-        payload_sha256="0" * 64, root_digest="1" * 64, model_fingerprint="sha256:" + "a" * 64,
+        root_digest="1" * 64, model_fingerprint="sha256:" + "a" * 64,
         tokenizer_fingerprint="sha256:" + "b" * 64, token_digest="sha256:" + "c" * 64, rows_start=0, sender="gx10",
     )
     fields.update(kw)
@@ -256,3 +256,22 @@ def test_fuzz_framed_garbage(frames):
                 break
     except ProtocolError:
         pass
+
+
+def test_spec_test_vector_matches_docs():
+    """docs/handoff.md's MAC test vector and byte examples are what the code produces."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "handoff.md").read_text()
+    h = make_header(
+        4096, handoff_id="00112233445566778899aabbccddeeff", root_digest="22" * 32,
+        model_fingerprint="sha256:" + "aa" * 32, tokenizer_fingerprint="sha256:" + "bb" * 32,
+        token_digest="sha256:" + "cc" * 32,
+    )
+    raw, mac = hh.sign(h, bytes(range(32)))
+    assert raw.decode() in doc
+    assert mac.hex() in doc
+    frame = encode_event(Header(raw, mac, h))
+    assert f"{frame[0]:02x} {frame[1:5].hex()}" in doc
+    assert encode_event(Ready({"v": 2})).hex() == "01000000077b2276223a327d" and "01 00000007 7b2276223a327d" in doc
+    assert encode_event(Go()).hex() == "1100000000"

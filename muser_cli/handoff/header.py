@@ -44,8 +44,7 @@ class HandoffHeader:
     handoff_id: str  # 32 lowercase hex (128 random bits)
     issued_at_ms: int  # sender's Unix time in milliseconds
     payload_size: int  # exact bytes of the kvpack that follows
-    payload_sha256: str  # hex SHA-256 of those bytes
-    root_digest: str  # hex root digest from the kvpack end frame
+    root_digest: str  # hex root digest of the kvpack end frame: commits to every payload byte
     model_fingerprint: str
     tokenizer_fingerprint: str
     token_digest: str
@@ -124,7 +123,6 @@ def parse_header(raw: bytes) -> HandoffHeader:
         handoff_id=_str(obj, "handoff_id", _ID_RE),
         issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53),
         payload_size=_int(obj, "payload_size", 1, MAX_PAYLOAD_BYTES),
-        payload_sha256=_str(obj, "payload_sha256", re.compile(r"^[0-9a-f]{64}$")),
         root_digest=_str(obj, "root_digest", re.compile(r"^[0-9a-f]{32,128}$")),
         model_fingerprint=_str(obj, "model_fingerprint", _TEXT_RE),
         tokenizer_fingerprint=_str(obj, "tokenizer_fingerprint", _TEXT_RE),

@@ -2,12 +2,16 @@
 
 Both sides use :class:`PayloadInspector`: the sender to fill the handoff header, the
 receiver to check, frame by frame as bytes arrive, that the payload is exactly what the
-MAC'd header declared (size, SHA-256, kvpack root digest, model binding).
+MAC'd header declared (size, kvpack root digest, model binding).
+
+No separate hash of the payload is needed: the kvpack reader checks that padding and
+reserved bytes are zero and chains every frame header and stored byte into the root
+digest (docs/kvpack.md), so a verified root digest that equals the MAC'd one
+authenticates every byte.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError
@@ -17,7 +21,6 @@ from muser_cli.handoff.header import HandoffHeader
 @dataclass(frozen=True)
 class PayloadInfo:
     size: int
-    sha256: str
     root_digest: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -38,7 +41,6 @@ class PayloadInspector:
 
         limit = expect.payload_size if expect is not None else max_bytes
         self._reader = PackReader(max_bytes=limit, decode=False)
-        self._sha = hashlib.sha256()
         self._expect = expect
         self.size = 0
         self._pack_header = None
@@ -50,7 +52,6 @@ class PayloadInspector:
         self.size += len(data)
         if self._expect is not None and self.size > self._expect.payload_size:
             raise DataError(f"payload exceeds the declared {self._expect.payload_size} bytes")
-        self._sha.update(data)
         for event in self._reader.feed(data):
             if isinstance(event, HeaderEvent):
                 self._pack_header = event.header
@@ -78,7 +79,6 @@ class PayloadInspector:
         h = self._pack_header
         info = PayloadInfo(
             size=self.size,
-            sha256=self._sha.hexdigest(),
             root_digest=self._root.hex(),
             model_fingerprint=h.model_fingerprint,
             tokenizer_fingerprint=h.tokenizer_fingerprint,
@@ -89,8 +89,6 @@ class PayloadInspector:
             e = self._expect
             if info.size != e.payload_size:
                 raise DataError(f"payload is {info.size} bytes, the header declared {e.payload_size}")
-            if info.sha256 != e.payload_sha256:
-                raise DataError("payload SHA-256 differs from the handoff header's")
             if info.root_digest != e.root_digest:
                 raise DataError("kvpack root digest differs from the handoff header's")
         return info

@@ -77,7 +77,6 @@ class Accepted:
     peer: str
     payload_bytes: int
     root_digest: str
-    payload_sha256: str
     model_fingerprint: str
     path: str
     ledger_commit_ms: float
@@ -100,6 +99,62 @@ class Destination:
             return self.file
         assert self.directory is not None
         return self.directory / f"{handoff_id}.kvpack"
+
+
+class SpoolWorker:
+    """Verify and spool payload frames in a second thread, behind a bounded queue.
+
+    The network thread keeps reading while the kvpack reader hashes and the disk writes
+    (all three release the GIL in C). The first failure is kept and raised, as a
+    :class:`Refusal`, by the next :meth:`put` or by :meth:`finish`; later frames are dropped.
+    """
+
+    def __init__(self, inspector: PayloadInspector, out: BinaryIO, depth: int = 16) -> None:
+        self._inspector = inspector
+        self._out = out
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._error: Refusal | None = None
+        self._thread = threading.Thread(target=self._run, name="muser-spool", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self._inspector.feed(data)
+                self._out.write(data)
+            except IdentityMismatch as exc:
+                self._error = Refusal("model", str(exc))
+            except DataError as exc:
+                self._error = Refusal("data", str(exc))
+            except OSError as exc:
+                self._error = Refusal("storage", f"cannot write the spool file ({exc.strerror or exc})")
+            except BaseException as exc:  # noqa: BLE001 - reported to the session thread
+                self._error = Refusal("data", f"{type(exc).__name__}: {exc}")
+
+    def put(self, data: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(data)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def finish(self):
+        """Wait for every frame; return the verified payload info."""
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._inspector.finish()
+        except DataError as exc:
+            raise Refusal("data", str(exc)) from None
 
 
 class Refusal(Exception):
@@ -419,7 +474,6 @@ class Receiver:
         if self._closed_for_new:
             raise Refusal("busy", "receiver finished")
         final = self.destination.final_path(h.handoff_id)
-        inspector = PayloadInspector(expect=h)
         link.send(Go(), "sending Go")
         self._emit("streaming", peer=who, handoff_id=h.handoff_id, bytes=h.payload_size)
         commit_s = 0.0
@@ -429,6 +483,8 @@ class Receiver:
                 out: BinaryIO = stack.enter_context(atomic_writer(final, mode=0o644))
             except OSError as exc:
                 raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
+            worker = SpoolWorker(PayloadInspector(expect=h), out)
+            stack.callback(worker.stop)  # runs first on the way out: nothing writes after the file closes
             while link.conn.state is State.STREAMING:
                 ev = link.next_event(f"receiving the payload ({link.conn.payload_seen} of {h.payload_size} bytes)")
                 if isinstance(ev, Reject):
@@ -436,20 +492,8 @@ class Receiver:
                 if isinstance(ev, ConnectionClosed):
                     raise TempFailure(f"sender went away at {link.conn.payload_seen} of {h.payload_size} bytes")
                 assert isinstance(ev, Data)
-                try:
-                    inspector.feed(ev.data)
-                except IdentityMismatch as exc:
-                    raise Refusal("model", str(exc)) from None
-                except DataError as exc:
-                    raise Refusal("data", str(exc)) from None
-                try:
-                    out.write(ev.data)
-                except OSError as exc:
-                    raise Refusal("storage", f"cannot write the spool file ({exc.strerror or exc})") from None
-            try:
-                payload = inspector.finish()
-            except DataError as exc:
-                raise Refusal("data", str(exc)) from None
+                worker.put(ev.data)
+            payload = worker.finish()
             with self._finish_lock:
                 if self._closed_for_new:
                     raise Refusal("timeout", "receiver stopped waiting")
@@ -471,7 +515,7 @@ class Receiver:
                     self._closed_for_new = True
         accepted = Accepted(
             handoff_id=h.handoff_id, key_id=h.key_id, sender=h.sender, peer=who, payload_bytes=payload.size,
-            root_digest=payload.root_digest, payload_sha256=payload.sha256, model_fingerprint=h.model_fingerprint,
+            root_digest=payload.root_digest, model_fingerprint=h.model_fingerprint,
             path=str(final), ledger_commit_ms=commit_s * 1000, elapsed_s=time.monotonic() - start,
         )
         try:

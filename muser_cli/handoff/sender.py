@@ -116,7 +116,6 @@ def prepare_handoff(
         handoff_id=handoff_id or new_handoff_id(),
         issued_at_ms=int(time.time() * 1000) if now_ms is None else now_ms,
         payload_size=info.size,
-        payload_sha256=info.sha256,
         root_digest=info.root_digest,
         model_fingerprint=info.model_fingerprint,
         tokenizer_fingerprint=info.tokenizer_fingerprint,

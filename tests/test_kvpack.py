@@ -358,3 +358,23 @@ def test_int8_pack_records_error_and_stays_close(dtype):
     # re-quantizing is refused
     with pytest.raises(Exception, match="already quantized"):
         pack(_io.BytesIO(out.getvalue()), _io.BytesIO(), quant="int8")
+
+
+def test_zstd_bomb_is_refused_before_allocation():
+    """A frame whose zstd stream declares (or produces) more than raw_len never expands."""
+    import tracemalloc
+
+    import zstandard
+
+    from muser_cli.kvpack.codec import decode_payload
+    from muser_cli.kvpack.format import CODEC_ZSTD
+
+    bomb_sized = zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * (64 << 20))
+    bomb_unsized = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * (64 << 20))
+    tracemalloc.start()
+    for bomb in (bomb_sized, bomb_unsized):
+        with pytest.raises(KVPackError):
+            decode_payload(bomb, CODEC_ZSTD, raw_len=4096, elem=2)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 8 << 20

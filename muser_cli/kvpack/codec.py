@@ -20,18 +20,29 @@ def codec_id(name: str) -> int:
     raise KVPackError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES.values())})")
 
 
-def group_bytes(raw: bytes | memoryview, elem: int) -> bytes:
-    if elem == 1:
-        return bytes(raw)
-    a = np.frombuffer(raw, dtype=np.uint8).reshape(-1, elem)  # (n, elem)
-    return a.T.tobytes()  # (elem, n)
+_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
-def ungroup_bytes(grouped: bytes | memoryview, elem: int) -> bytes:
+def group_bytes(raw: bytes | memoryview, elem: int) -> bytes | memoryview:
+    """byte 0 of every element, then byte 1, ... (shifts, not a strided transpose)."""
     if elem == 1:
-        return bytes(grouped)
-    a = np.frombuffer(grouped, dtype=np.uint8).reshape(elem, -1)  # (elem, n)
-    return a.T.tobytes()  # (n, elem)
+        return raw
+    words = np.frombuffer(raw, dtype=_UINT[elem])
+    n = words.size
+    out = np.empty(elem * n, dtype=np.uint8)
+    for b in range(elem):
+        out[b * n : (b + 1) * n] = (words >> (8 * b)) & 0xFF
+    return memoryview(out)
+
+
+def ungroup_bytes(grouped: bytes | memoryview, elem: int) -> bytes | memoryview:
+    if elem == 1:
+        return grouped
+    planes = np.frombuffer(grouped, dtype=np.uint8).reshape(elem, -1)  # (elem, n)
+    words = planes[0].astype(_UINT[elem])
+    for b in range(1, elem):
+        words |= planes[b].astype(_UINT[elem]) << (8 * b)
+    return memoryview(words).cast("B")
 
 
 _cctx: dict[int, object] = {}
@@ -62,9 +73,14 @@ def decode_payload(stored: bytes | memoryview, codec: int, *, raw_len: int, elem
     import zstandard
 
     try:
+        # Bounded: a frame that declares a content size other than raw_len is refused before
+        # any allocation (zstandard would trust the declared size); one without a declared
+        # size is capped by max_output_size.
+        declared = zstandard.frame_content_size(stored)
+        if declared not in (-1, raw_len):
+            raise KVPackError(f"zstd frame declares {declared} bytes, header says {raw_len}")
         dctx = zstandard.ZstdDecompressor()
-        # Bounded: zstandard refuses to produce more than max_output_size.
-        out = dctx.decompress(bytes(stored), max_output_size=raw_len)
+        out = dctx.decompress(stored, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise KVPackError(f"zstd frame does not decode ({exc})") from None
     if len(out) != raw_len:

@@ -74,10 +74,12 @@ def header_digest(preamble: bytes, header_json: bytes) -> bytes:
     return sha256(b"kvpack/v1 header\x00" + preamble + header_json)
 
 
-def chain(prev: bytes, frame_header: bytes, stored: bytes | memoryview) -> bytes:
+def chain(prev: bytes, frame_header: bytes | memoryview, *stored: bytes | memoryview) -> bytes:
+    """d_k = sha256(d_{k-1} || frame_header || stored payload); the payload may come in parts."""
     h = hashlib.sha256(prev)
     h.update(frame_header)
-    h.update(stored)
+    for part in stored:
+        h.update(part)
     return h.digest()
 
 

@@ -80,22 +80,63 @@ class PackReader:
     def bytes_consumed(self) -> int:
         return self._pos
 
+    def want(self) -> int:
+        """Bytes still needed to complete the current step (0 when done): a pull-based
+        caller that reads exactly this much gets zero-copy parsing."""
+        st = self._state
+        if st == "preamble":
+            need = PREAMBLE.size
+        elif st == "header":
+            need = self._hlen + pad_len(PREAMBLE.size + self._hlen)
+        elif st == "frame_body":
+            stored_len = self._frame[6]  # type: ignore[index]
+            need = stored_len + pad_len(stored_len) + DIGEST_BLOCK
+        elif st in ("frame_header", "end_digest"):
+            need = FRAME_HEADER.size
+        else:
+            return 0
+        return max(0, need - len(self._buf))
+
     def feed(self, data: bytes | memoryview) -> list[Event]:
         if data and self._state == "done":
             raise KVPackError("bytes after the end frame")
         if self._max_bytes is not None and self._pos + len(self._buf) + len(data) > self._max_bytes:
             raise KVPackError(f"pack larger than the allowed {self._max_bytes} bytes")
-        self._buf += data
+        if self._buf:
+            short = len(data) < self.want()
+            self._buf += data
+            if short:  # still incomplete: keep appending, copy nothing twice
+                if self._state == "preamble":
+                    self._check_magic(self._buf)
+                return []
+            src = bytes(self._buf)
+            self._buf = bytearray()
+        else:
+            src = data if isinstance(data, bytes) else bytes(data)
+        self._src = memoryview(src)
+        self._off = 0
         events: list[Event] = []
-        while True:
-            ev = self._step()
-            if ev is None:
-                break
-            if ev is not True:
-                events.append(ev)  # type: ignore[arg-type]
+        try:
+            while True:
+                ev = self._step()
+                if ev is None:
+                    break
+                if ev is not True:
+                    events.append(ev)  # type: ignore[arg-type]
+        finally:
+            rest = self._src[self._off :]
+            if len(rest):
+                self._buf = bytearray(rest)
+            self._src = memoryview(b"")
+            self._off = 0
         if self._state == "done" and self._buf:
             raise KVPackError("bytes after the end frame")
         return events
+
+    def _check_magic(self, head: bytes | bytearray | memoryview) -> None:
+        head = bytes(head[: len(MAGIC)])
+        if not MAGIC.startswith(head):
+            raise KVPackError("not a kvpack (bad magic)")
 
     def finish(self) -> None:
         if self._state != "done":
@@ -105,21 +146,18 @@ class PackReader:
             raise KVPackError(f"truncated kvpack: input ended {where}")
 
     # -------------------------------------------------------------- internals
-    def _take(self, n: int) -> bytes | None:
-        if len(self._buf) < n:
+    def _take(self, n: int) -> memoryview | None:
+        if len(self._src) - self._off < n:
             return None
-        out = bytes(self._buf[:n])
-        del self._buf[:n]
+        out = self._src[self._off : self._off + n]
+        self._off += n
         self._pos += n
         return out
 
     def _step(self) -> Event | bool | None:
         st = self._state
         if st == "preamble":
-            if len(self._buf) >= len(MAGIC) and not self._buf.startswith(MAGIC):
-                raise KVPackError("not a kvpack (bad magic)")
-            if len(self._buf) < len(MAGIC) and not MAGIC.startswith(bytes(self._buf)):
-                raise KVPackError("not a kvpack (bad magic)")
+            self._check_magic(self._src[self._off :])
             pre = self._take(PREAMBLE.size)
             if pre is None:
                 return None
@@ -130,7 +168,7 @@ class PackReader:
                 raise KVPackError(f"header length {hlen} outside [2, {MAX_HEADER_BYTES}]")
             if self._max_bytes is not None and hlen > self._max_bytes:
                 raise KVPackError(f"header length {hlen} exceeds the allowed size")
-            self._pre, self._hlen, self._minor = pre, hlen, minor
+            self._pre, self._hlen, self._minor = bytes(pre), hlen, minor
             self._state = "header"
             return True
         if st == "header":
@@ -138,7 +176,7 @@ class PackReader:
             block = self._take(need)
             if block is None:
                 return None
-            hjson, padding = block[: self._hlen], block[self._hlen :]
+            hjson, padding = bytes(block[: self._hlen]), block[self._hlen :]
             if any(padding):
                 raise KVPackError("non-zero header padding")
             header = parse_header(hjson, MAJOR, self._minor)
@@ -192,9 +230,9 @@ class PackReader:
         if st == "frame_body":
             fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
             need = stored_len + pad_len(stored_len) + DIGEST_BLOCK
-            if len(self._buf) < need:
-                return None
             body = self._take(need)
+            if body is None:
+                return None
             assert body is not None
             stored = memoryview(body)[:stored_len]
             if any(body[stored_len : stored_len + pad_len(stored_len)]) or any(body[-32:]):
@@ -211,7 +249,7 @@ class PackReader:
             if self._decode and int8:
                 from muser_cli.kvpack.quant import decode_int8
 
-                raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)
+                raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)  # int8 payload
                 keys, values = decode_int8(raw, spec.kv_heads, count, spec.head_dim, spec.v_head_dim, self.header.dtype)
             elif self._decode:
                 raw = decode_payload(stored, codec, raw_len=raw_len, elem=np_dtype.itemsize)
@@ -251,6 +289,7 @@ class KVPack:
 
 
 READ_BLOCK = 1 << 20
+MAX_READ = 1 << 30
 
 
 def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None) -> KVPack:
@@ -262,7 +301,8 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None) 
     end: EndEvent | None = None
     stored = 0
     while True:
-        chunk = stream.read(READ_BLOCK)
+        # Read exactly what the parser needs next: each frame arrives in one piece (no copies).
+        chunk = stream.read(max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
         if not chunk:
             break
         for ev in reader.feed(chunk):

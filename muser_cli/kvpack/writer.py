@@ -73,22 +73,31 @@ class PackWriter:
         if self.header.quant_scheme == "int8":
             from muser_cli.kvpack.quant import encode_int8
 
-            raw = encode_int8(keys, values, self.header.dtype)
+            parts: list = [encode_int8(keys, values, self.header.dtype)]
             elem = 1
         else:
-            raw = np.ascontiguousarray(keys, dtype=np_dtype).tobytes() + np.ascontiguousarray(values, dtype=np_dtype).tobytes()
+            # K then V, written as views: no concatenated copy for uncompressed frames.
+            parts = [_bytes_view(keys, np_dtype), _bytes_view(values, np_dtype)]
             elem = DTYPES[self.header.dtype][0]
-        stored = encode_payload(raw, self.codec, elem=elem, level=self.level)
+        raw_len = sum(len(p) for p in parts)
         codec = self.codec
-        if codec != 0 and len(stored) >= len(raw):  # incompressible: store raw
-            stored, codec = raw, 0
-        fh = FRAME_HEADER.pack(TAG_DATA, self._next, layer, start, count, codec, 0, 0, len(raw), len(stored))
-        self._digest = chain(self._digest, fh, stored)
+        if codec != 0:
+            raw = parts[0] if len(parts) == 1 else np.concatenate([np.frombuffer(p, np.uint8) for p in parts])
+            stored = encode_payload(memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw, codec,
+                                    elem=elem, level=self.level)
+            if len(stored) >= raw_len:  # incompressible: store raw
+                codec = 0
+            else:
+                parts = [stored]
+        stored_len = sum(len(p) for p in parts)
+        fh = FRAME_HEADER.pack(TAG_DATA, self._next, layer, start, count, codec, 0, 0, raw_len, stored_len)
+        self._digest = chain(self._digest, fh, *parts)
         self._write(fh)
-        self._write(stored)
-        self._write(_ZEROS[: pad_len(len(stored))])
+        for p in parts:
+            self._write(p)
+        self._write(_ZEROS[: pad_len(stored_len)])
         self._write(self._digest + bytes(32))
-        self.raw_bytes += len(raw)
+        self.raw_bytes += raw_len
         self._next += 1
 
     def finish(self) -> bytes:
@@ -102,6 +111,10 @@ class PackWriter:
         self.stream.flush()
         self.root_digest = root
         return root
+
+
+def _bytes_view(arr: np.ndarray, np_dtype: np.dtype) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr, dtype=np_dtype)).cast("B")
 
 
 def _replace_codec(header: PackHeader, spec: dict) -> PackHeader:

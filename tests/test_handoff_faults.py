@@ -119,6 +119,21 @@ def test_f37_probe_through_small_segment_relay(nodes, receivers, tmp_path):
 
 
 # ----------------------------------------------------------------------------- F36
+def test_f36_userspace_delay_jitter_rate(nodes, pack_file, receivers, tmp_path):
+    """What userspace can shape on loopback: 100±20 ms per burst and 100 Mbit/s. (Loss and
+    reordering happen below TCP; they need netem, in the test below.)"""
+    run = receivers(nodes.consumer, tmp_path)
+    relay = Relay(port_of(run), delay=0.1, jitter=0.02, rate=100e6 / 8)
+    prep = prepare_handoff(pack_file, nodes.producer)
+    try:
+        res = transmit(prep, to=relay.to, identity=nodes.producer, server_name="localhost", idle_s=3)
+    finally:
+        relay.close()
+    assert res.ok and res.connect_s > 0.1
+    out = run.out_dir / f"{prep.header.handoff_id}.kvpack"
+    assert out.read_bytes() == pack_file.read_bytes()
+
+
 def _netem_reason() -> str | None:
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return "needs root with ip and tc"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import select
 import shutil
@@ -170,13 +171,18 @@ class Relay:
     cut_after:    after this many client->server bytes, close both sides (reset=True: RST)
     hole_after:   after this many client->server bytes, stop forwarding both ways, keep sockets open
     close_delay:  hold a half-close this many seconds before passing it on
+    delay/jitter: hold each forwarded burst delay ± jitter seconds (userspace latency)
+    rate:         forward at most this many bytes per second in each direction
     """
 
     def __init__(self, target_port: int, *, chunk: int | None = None, cut_after: int | None = None,
-                 reset: bool = False, hole_after: int | None = None, close_delay: float = 0.0) -> None:
+                 reset: bool = False, hole_after: int | None = None, close_delay: float = 0.0,
+                 delay: float = 0.0, jitter: float = 0.0, rate: float | None = None) -> None:
         self.target_port = target_port
         self.chunk, self.cut_after, self.reset = chunk, cut_after, reset
         self.hole_after, self.close_delay = hole_after, close_delay
+        self.delay, self.jitter, self.rate = delay, jitter, rate
+        self._rng = random.Random(7)
         self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.lsock.bind((LOOPBACK, 0))
@@ -247,6 +253,10 @@ class Relay:
                 dst.close()
 
     def _send(self, dst: socket.socket, data: bytes) -> None:
+        if self.delay or self.jitter:
+            time.sleep(max(0.0, self.delay + self._rng.uniform(-self.jitter, self.jitter)))
+        if self.rate:
+            time.sleep(len(data) / self.rate)
         if not self.chunk:
             dst.sendall(data)
             return

@@ -131,3 +131,21 @@ def test_g40_declared_size_above_maximum(nodes, pack_file, receivers, tmp_path):
     assert exc.value.exit_status == 65
     assert run.kinds("streaming") == []  # refused on the header: no Go, no payload byte read
     assert run.published() == [] and ledger_records(run.ledger_dir, prep.header.key_id) == []
+
+
+def test_serving_with_timeout_returns_what_it_accepted(nodes, pack_file, tmp_path):
+    """Without --once, --timeout ends the service: exit 0 if something was accepted, else 75."""
+    import threading as th
+
+    from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
+
+    r = Receiver(nodes.consumer, ReceiveConfig(port=0, once=False, timeout=1.5), ledger_dir=tmp_path / "l",
+                 destination=Destination(directory=tmp_path / "o"))
+    r.bind()
+    out: dict = {}
+    t = th.Thread(target=lambda: out.setdefault("acc", r.serve()), daemon=True)
+    t.start()
+    transmit(prepare_handoff(pack_file, nodes.producer), to=f"127.0.0.1:{r.address[1]}", identity=nodes.producer)
+    t.join(10)
+    r.close()
+    assert len(out["acc"]) == 1

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import ipaddress
 import json
 import os
 import re
@@ -38,6 +37,9 @@ from typing import Any, Iterable
 
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.fsio import write_bytes_atomic
+from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers and tests
+    NAME_RE, cert_pem, issue_cert, key_pem, make_ca, peer_common_name, peer_serial_hex, serial_hex,
+)
 
 NODE_FORMAT = "muser-node"
 KEYRING_FORMAT = "muser-keyring"
@@ -49,7 +51,6 @@ SECRET_BYTES = 32
 MAX_BUNDLE_BYTES = 64 * 1024
 MAX_KEYRING_BYTES = 4 * 1024 * 1024
 KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 _HINT_INIT = "run `muser node init` on the consumer, or `muser node join BUNDLE` on a producer"
@@ -163,24 +164,6 @@ def _check_name(name: str, what: str = "node name") -> str:
     return name
 
 
-def _san_entries(hosts: Iterable[str]):
-    from cryptography import x509
-
-    out, seen = [], set()
-    for host in hosts:
-        host = host.strip().lower()
-        if not host or host in seen:
-            continue
-        seen.add(host)
-        try:
-            out.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            if not NAME_RE.match(host):
-                raise UsageError(f"bad host name {host!r} for a certificate") from None
-            out.append(x509.DNSName(host))
-    return out
-
-
 def default_hosts(name: str, extra: Iterable[str] = ()) -> list[str]:
     names = [name, *extra, *LOCAL_NAMES]
     try:
@@ -190,97 +173,8 @@ def default_hosts(name: str, extra: Iterable[str] = ()) -> list[str]:
     return [n for n in names if n]
 
 
-def _key_pem(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _cert_pem(cert) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def make_ca(name: str, *, not_before: dt.datetime, not_after: dt.datetime):
-    """A private CA: EC P-256 key and a self-signed certificate (path length 0)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"muser CA {name}")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return key, cert
-
-
-def issue_cert(ca_key, ca_cert, name: str, hosts: Iterable[str], *, not_before: dt.datetime, not_after: dt.datetime):
-    """A node certificate (server and client auth) for ``name`` with SANs ``hosts``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(_san_entries(hosts)), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return key, cert
-
-
 def _new_key_id() -> str:
     return secrets.token_hex(8)
-
-
-def _serial_hex(cert) -> str:
-    return format(cert.serial_number, "X")
 
 
 # ----------------------------------------------------------------------------- storage
@@ -409,10 +303,10 @@ def init_node(
     )
     key = KeyEntry(_new_key_id(), secrets.token_bytes(SECRET_BYTES), name, _iso(t))
     _ensure_private_dir(directory)
-    _write_private(directory / "ca.key", _key_pem(ca_key))
-    _write_private(directory / "ca.pem", _cert_pem(ca_cert))
-    _write_private(directory / "node.key", _key_pem(node_key))
-    _write_private(directory / "node.pem", _cert_pem(node_cert))
+    _write_private(directory / "ca.key", key_pem(ca_key))
+    _write_private(directory / "ca.pem", cert_pem(ca_cert))
+    _write_private(directory / "node.key", key_pem(node_key))
+    _write_private(directory / "node.pem", cert_pem(node_cert))
     _write_keyring(directory, {key.key_id: key})
     _write_node_json(directory, {"name": name, "role": "ca", "send_key": key.key_id, "consumer": name, "created": _iso(t)})
     return {"name": name, "directory": str(directory), "hosts": _dedupe(all_hosts), "key_id": key.key_id}
@@ -448,7 +342,7 @@ def export_producer(
     nb = not_before or t - dt.timedelta(minutes=5)
     na = not_after or t + dt.timedelta(days=cert_days)
     key, cert = issue_cert(ca_key, ca_cert, producer, [producer, *hosts, *LOCAL_NAMES], not_before=nb, not_after=na)
-    entry = KeyEntry(_new_key_id(), secrets.token_bytes(SECRET_BYTES), producer, _iso(t), _serial_hex(cert))
+    entry = KeyEntry(_new_key_id(), secrets.token_bytes(SECRET_BYTES), producer, _iso(t), serial_hex(cert))
     keys = _read_keyring(directory)
     keys[entry.key_id] = entry
     _write_keyring(directory, keys)
@@ -458,9 +352,9 @@ def export_producer(
         "consumer": identity.name,
         "producer": producer,
         "created": _iso(t),
-        "ca_cert": _cert_pem(ca_cert).decode("ascii"),
-        "cert": _cert_pem(cert).decode("ascii"),
-        "key": _key_pem(key).decode("ascii"),
+        "ca_cert": cert_pem(ca_cert).decode("ascii"),
+        "cert": cert_pem(cert).decode("ascii"),
+        "key": key_pem(key).decode("ascii"),
         "hmac": {"key_id": entry.key_id, "secret": base64.b64encode(entry.secret).decode("ascii")},
     }
     data = json.dumps(bundle, indent=1, sort_keys=True).encode("utf-8") + b"\n"
@@ -555,7 +449,7 @@ def describe_node(directory: Path) -> dict[str, Any]:
         "send_key": identity.send_key,
         "holds_ca_key": (directory / "ca.key").exists(),
         "cert": {
-            "serial": _serial_hex(cert),
+            "serial": serial_hex(cert),
             "names": names,
             "not_before": _iso(cert.not_valid_before_utc),
             "not_after": _iso(cert.not_valid_after_utc),
@@ -577,21 +471,6 @@ def revoke_key(directory: Path, key_id: str, *, now: dt.datetime | None = None) 
     keys[key_id] = revoked
     _write_keyring(directory, keys)
     return revoked
-
-
-def peer_serial_hex(der: bytes) -> str:
-    """Serial of a DER certificate as ``node ls`` prints it."""
-    from cryptography import x509
-
-    return _serial_hex(x509.load_der_x509_certificate(der))
-
-
-def peer_common_name(der: bytes) -> str:
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-
-    attrs = x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    return str(attrs[0].value) if attrs else ""
 
 
 __all__ = [

@@ -34,19 +34,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import AuthError, DataError, IdentityMismatch, MuserError, TempFailure, UsageError
+from muser_cli.errors import AuthError, MuserError, TempFailure, UsageError
 from muser_cli.fsio import atomic_writer
+from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac
 from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
 from muser_cli.handoff.link import (
     DEFAULT_IDLE_S, Link, format_hostport, map_error, server_context,
 )
-from muser_cli.handoff.node import Identity, peer_common_name, peer_serial_hex
+from muser_cli.handoff.node import Identity
 from muser_cli.handoff.payload import PayloadInspector
 from muser_cli.handoff.protocol import (
     ALPN, DEFAULT_DATA_CHUNK, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go,
     Header, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State,
 )
+from muser_cli.handoff.spool import Destination, Refusal, SpoolWorker
 
 DEFAULT_MAX_PAYLOAD = 64 << 30
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -57,7 +59,7 @@ class ReceiveConfig:
     host: str = "127.0.0.1"
     port: int = 0
     once: bool = True
-    timeout: float | None = None  # give up (TempFailure) when no handoff is accepted in time
+    timeout: float | None = None  # stop then; TempFailure if nothing was accepted by then
     max_payload: int = DEFAULT_MAX_PAYLOAD
     window_s: float = DEFAULT_WINDOW_S
     handshake_s: float = 10.0
@@ -85,86 +87,6 @@ class Accepted:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class Destination:
-    """Where accepted payloads are published: one file, or ``<handoff_id>.kvpack`` in a folder."""
-
-    file: Path | None = None
-    directory: Path | None = None
-
-    def final_path(self, handoff_id: str) -> Path:
-        if self.file is not None:
-            return self.file
-        assert self.directory is not None
-        return self.directory / f"{handoff_id}.kvpack"
-
-
-class SpoolWorker:
-    """Verify and spool payload frames in a second thread, behind a bounded queue.
-
-    The network thread keeps reading while the kvpack reader hashes and the disk writes
-    (all three release the GIL in C). The first failure is kept and raised, as a
-    :class:`Refusal`, by the next :meth:`put` or by :meth:`finish`; later frames are dropped.
-    """
-
-    def __init__(self, inspector: PayloadInspector, out: BinaryIO, depth: int = 16) -> None:
-        self._inspector = inspector
-        self._out = out
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
-        self._error: Refusal | None = None
-        self._thread = threading.Thread(target=self._run, name="muser-spool", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            data = self._queue.get()
-            if data is None:
-                return
-            if self._error is not None:
-                continue
-            try:
-                self._inspector.feed(data)
-                self._out.write(data)
-            except IdentityMismatch as exc:
-                self._error = Refusal("model", str(exc))
-            except DataError as exc:
-                self._error = Refusal("data", str(exc))
-            except OSError as exc:
-                self._error = Refusal("storage", f"cannot write the spool file ({exc.strerror or exc})")
-            except BaseException as exc:  # noqa: BLE001 - reported to the session thread
-                self._error = Refusal("data", f"{type(exc).__name__}: {exc}")
-
-    def put(self, data: bytes) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(data)
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def finish(self):
-        """Wait for every frame; return the verified payload info."""
-        self.stop()
-        if self._error is not None:
-            raise self._error
-        try:
-            return self._inspector.finish()
-        except DataError as exc:
-            raise Refusal("data", str(exc)) from None
-
-
-class Refusal(Exception):
-    """Refuse this handoff with a Reject code; ``fatal`` stops the receiver afterwards."""
-
-    def __init__(self, code: str, message: str, *, fatal: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fatal = fatal
 
 
 class Receiver:
@@ -263,6 +185,8 @@ class Receiver:
                         with self._finish_lock:
                             if self._committed == 0:
                                 self._closed_for_new = True
+                                if accepted:  # serving: the time is up, and it was not wasted
+                                    return accepted
                                 n = self.counters["rejected"]
                                 extra = f" ({n} handoff(s) refused)" if n else ""
                                 raise TempFailure(

@@ -1,0 +1,669 @@
+"""The MLX engine: mlx-lm on Apple silicon, or ``mlx[cpu]`` on Linux (the heterogeneous lane).
+
+Loading. The same Hugging Face folder the torch engine reads is loaded with mlx-lm, after
+translating what the two libraries name differently (:func:`mlx_config_overrides`):
+transformers 5.x keeps RoPE under ``rope_parameters``, mlx-lm reads a top-level
+``rope_theta``/``rope_scaling``; Cohere2 states ``layer_types``, mlx-lm derives them from
+``sliding_window_pattern``. Then the loaded model is checked against ``info.layers``
+before anything runs (:meth:`MLXEngine._check_model`): the cache layout mlx-lm builds
+(full vs sliding, window), KV heads and head dims, and, per layer, the RoPE the model
+really applies, read from its modules and probed numerically against the
+:class:`~muser_cli.kvpack.layers.RopeSpec` (theta, dims, style, scaling). A difference
+raises :class:`~muser_cli.errors.IdentityMismatch` naming the field: a lost
+``rope_theta`` once made valid KV decode to garbage.
+
+Cache layout. Full layers are mlx-lm ``KVCache``; sliding layers ``RotatingKVCache``
+(``max_size == window``, ``keep == 0``) whose ring is stored in physical order. A kvpack
+carries a sliding layer's last ``window - 1`` rows in temporal order. Installing them
+reproduces the state mlx-lm itself reaches after a prefill (:func:`_install_rotating`),
+so the first decode step overwrites the oldest slot, not a newer one; extraction
+un-rotates the ring (:func:`_temporal`).
+
+Schedule. :meth:`MLXEngine.prefill` runs token_ids in fixed chunks of ``chunk_tokens``
+into one set of caches (the same schedule as ``mlx_lm.generate_step`` with
+``prefill_step_size=chunk_tokens``), then extracts numpy rows: float32 as ``np.float32``,
+bfloat16 as raw ``uint16`` bits. Decode pipelines steps with ``mx.async_eval`` as
+mlx-lm's own loop does.
+
+BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
+(:mod:`muser_cli.engines.mlx_blas`); which BLAS is in use goes into
+``DecodeResult.stats["blas"]`` and :meth:`MLXEngine.producer_info`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from muser_cli.engines import mlx_blas
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
+from muser_cli.errors import ConfigError, DataError, IdentityMismatch, UsageError
+from muser_cli.kvpack.layers import LayerKV, LayerSpec, RopeSpec
+
+MLX_DTYPES = ("float32", "bfloat16")
+_STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
+# transformers' tie_word_embeddings default per model type, for configs that omit the key
+# (mlx-lm's llama assumes True, which silently drops a separate lm_head).
+_TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
+# Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
+_APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True))}
+_ROPE_SCALINGS = ("default", "linear", "llama3")  # scaling types this engine can check
+_PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
+
+
+class MLXEngine(Engine):
+    name = "mlx"
+
+    def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
+        super().__init__(info, dtype=dtype, threads=threads)
+        if dtype not in MLX_DTYPES:
+            raise UsageError(f"the mlx engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(MLX_DTYPES))
+        self.blas = mlx_blas.ensure_fast_blas()  # before mlx.core is imported
+        try:
+            import mlx.core as mx
+            from mlx_lm.models.cache import make_prompt_cache
+            from mlx_lm.utils import load_model
+        except ImportError as exc:
+            raise ConfigError(f"the mlx engine needs mlx and mlx-lm: {exc}", hint="pip install 'muser[mlx]'") from exc
+        self.mx = mx
+        self._make_cache = make_prompt_cache
+        self.mx_dtype = getattr(mx, dtype)
+        self._set_threads()
+        start = time.perf_counter()
+        config = _read_config(info)
+        self.overrides = mlx_config_overrides(config)
+        try:
+            self.model, self.config = load_model(info.path, model_config=self.overrides)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"mlx-lm cannot load model {info.path}: {exc}") from exc
+        if dtype != "float32" or _param_dtype(self.model) != mx.float32:
+            self.model.set_dtype(self.mx_dtype)
+        self.load_s = time.perf_counter() - start
+        self._check_model()
+
+    # ------------------------------------------------------------------ producer
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        ids = self._check_ids(token_ids)
+        if len(ids) >= self.info.max_positions:
+            raise UsageError(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
+        caches = self._prefill_caches(ids, chunk_tokens, progress)
+        return self._extract(caches, len(ids))
+
+    def producer_info(self) -> dict:
+        """Recorded in a kvpack's ``producer`` field by ``prefill``."""
+        return {"blas": self.blas.name, **_versions()}
+
+    # ------------------------------------------------------------------ consumer
+
+    def decode(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+        on_token: Callable[[int], None] | None = None,
+        chunk_tokens: int | None = None,
+    ) -> DecodeResult:
+        """See :meth:`Engine.decode`. ``chunk_tokens`` (the pack header's) lets a sliding
+        layer's ring be laid out exactly as the producer's own MLX cache would be, so that
+        MLX -> MLX decoding is bit-identical to decoding from the live cache; without it
+        the default chunk size is assumed (tokens agree either way, logits to the ulp)."""
+        start = time.perf_counter()
+        nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
+        caches = self._install(layers, rows, chunk_tokens)
+        self.mx.eval([c.state[:2] for c in caches if not c.empty()])
+        stats = {"install_s": time.perf_counter() - start}
+        return self._generate(caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start, stats)
+
+    def generate_reference(
+        self,
+        token_ids: Sequence[int],
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+    ) -> DecodeResult:
+        """Prefill ``token_ids`` on the canonical schedule and decode from those live caches,
+        never extracting them: what a handed-off decode must reproduce."""
+        ids = self._check_ids(token_ids)
+        nxt = self._check_decode_args(len(ids), next_tokens, max_new_tokens)
+        caches = self._prefill_caches(ids, chunk_tokens, None)
+        return self._generate(caches, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None,
+                              time.perf_counter(), {})
+
+    def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int],
+                    chunk_tokens: int | None = None) -> np.ndarray:
+        """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
+        nxt = self._check_decode_args(rows, next_tokens, 0)
+        caches = self._install(layers, rows, chunk_tokens)
+        logits = self.model(self.mx.array([nxt]), cache=caches)[0]
+        return np.array(logits.astype(self.mx.float32))
+
+    def recompute(
+        self,
+        layers: Sequence[LayerKV],
+        rows: int,
+        token_ids: Sequence[int],
+        start: int | None = None,
+        *,
+        chunk_tokens: int | None = None,
+    ) -> list[LayerKV]:
+        """Install the rows of ``layers`` (which cover positions [0, rows)) for positions
+        [0, start) (default ``start = rows``), run ``token_ids`` at positions start,
+        start+1, ... and return their new rows: one :class:`LayerKV` per layer with
+        ``len(token_ids)`` rows and ``first_row == start`` (what ``verify --audit`` compares).
+
+        ``chunk_tokens`` cuts the run at absolute multiples of it (the canonical grid);
+        ``None`` runs all of ``token_ids`` at once. A sliding layer needs its
+        ``window - 1`` rows before ``start``; a kvpack carries only those before ``rows``,
+        so on models with sliding layers ``start`` must equal ``rows`` unless ``layers``
+        holds more (else :class:`DataError` naming the layer).
+        """
+        start = rows if start is None else start
+        ids = self._check_ids(token_ids)
+        if not ids:
+            raise UsageError("recompute needs at least one token")
+        if not 0 <= start <= rows:
+            raise UsageError(f"recompute start {start} is outside [0, {rows}]")
+        if start + len(ids) > self.info.max_positions:
+            raise UsageError(f"positions up to {start + len(ids)} exceed the model's context of {self.info.max_positions}")
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
+        caches = self._install(_cut(self.info.layers, layers, rows, start), start)
+        keys: list[list[Any]] = [[] for _ in caches]
+        values: list[list[Any]] = [[] for _ in caches]
+        position = start
+        while position < start + len(ids):
+            end = start + len(ids)
+            if chunk_tokens is not None:
+                end = min(end, (position // chunk_tokens + 1) * chunk_tokens)
+            self.model(self.mx.array([ids[position - start : end - start]]), cache=caches)
+            n = end - position
+            for index, cache in enumerate(caches):
+                k, v = _temporal(cache)  # (1, kv_heads, held, head_dim)
+                keys[index].append(k[0, :, -n:, :])
+                values[index].append(v[0, :, -n:, :])
+            self.mx.eval(keys, values)
+            position = end
+        mx = self.mx
+        return [
+            LayerKV(keys=self._to_numpy(mx.concatenate(k, axis=1)), values=self._to_numpy(mx.concatenate(v, axis=1)),
+                    first_row=start)
+            for k, v in zip(keys, values)
+        ]
+
+    # ------------------------------------------------------------------ checks
+
+    def _set_threads(self) -> None:
+        """BLAS threads are per process (MKL's): set them on every call, as torch's are."""
+        self.blas_threads = mlx_blas.set_threads(self.threads) if self.threads and self.threads > 0 else self.blas.threads
+
+    def _check_model(self) -> None:
+        """Refuse a loaded model whose caches or RoPE differ from ``info.layers``."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        specs = self.info.layers
+        caches = self._make_cache(self.model)
+        blocks = list(getattr(self.model, "layers", []))
+        if len(caches) != len(specs) or len(blocks) != len(specs):
+            raise IdentityMismatch(
+                f"model {self.info.name}: mlx-lm builds {len(caches)} cache layers, the model describes {len(specs)}")
+        for index, (spec, cache, block) in enumerate(zip(specs, caches, blocks)):
+            if type(cache) is KVCache:
+                built = ("full", None)
+            elif type(cache) is RotatingKVCache and cache.keep == 0:
+                built = ("sliding", cache.max_size)
+            else:
+                raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
+            if built != (spec.kind, spec.window):
+                raise IdentityMismatch(
+                    f"layer {index} kind: the model describes {_kind_text(spec.kind, spec.window)}, "
+                    f"mlx-lm builds {_kind_text(*built)}",
+                    hint="mlx-lm's implementation of this architecture lays the layers out differently")
+            attn = getattr(block, "self_attn", None)
+            if attn is None:
+                raise IdentityMismatch(f"layer {index}: no attention module the mlx engine recognises")
+            for field_name, want, attr in (("kv_heads", spec.kv_heads, "n_kv_heads"), ("head_dim", spec.head_dim, "head_dim")):
+                got = getattr(attn, attr, None)
+                if got is not None and int(got) != want:
+                    raise IdentityMismatch(f"layer {index} {field_name}: the model describes {want}, mlx-lm uses {got}")
+            rule = _APPLIES_ROPE.get(self.info.architecture)
+            applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
+            check_rope(index, spec, attn.rope if applies else None, self.info.max_positions)
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = int(self.config.get("vocab_size") or 0)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise DataError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+        return ids
+
+    def _check_decode_args(self, rows: int, next_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
+        nxt = self._check_ids(next_tokens)
+        if not nxt:
+            raise UsageError("decode needs at least one next token (the last prompt token)")
+        if rows < 0 or max_new_tokens < 0:
+            raise UsageError(f"rows ({rows}) and max_new_tokens ({max_new_tokens}) must not be negative")
+        if rows + len(nxt) + max_new_tokens > self.info.max_positions:
+            raise UsageError(
+                f"prompt is {rows + len(nxt)} tokens plus {max_new_tokens} new tokens, "
+                f"longer than the model's context of {self.info.max_positions}",
+                hint="ask for fewer new tokens or use a shorter prompt")
+        return nxt
+
+    # ------------------------------------------------------------------ caches
+
+    def _prefill_caches(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None) -> list[Any]:
+        """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one set of caches."""
+        if chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
+        self._set_threads()
+        caches = self._make_cache(self.model)
+        total = len(ids)
+        if progress:
+            progress("prefill", 0, total)
+        for begin in range(0, total, chunk_tokens):
+            chunk = ids[begin : begin + chunk_tokens]
+            self.model(self.mx.array([chunk]), cache=caches)  # logits stay unevaluated (lazy)
+            self.mx.eval([c.state[:2] for c in caches])
+            if progress:
+                progress("prefill", begin + len(chunk), total)
+        return caches
+
+    def _extract(self, caches: list[Any], n: int) -> list[LayerKV]:
+        """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype."""
+        out = []
+        for index, (spec, cache) in enumerate(zip(self.info.layers, caches)):
+            carried = spec.carried_rows(n)
+            if n == 0 or cache.empty():
+                keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=_np_storage(self.dtype))
+                values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=_np_storage(self.dtype))
+            else:
+                k, v = _temporal(cache)  # (1, kv_heads, held, head_dim), oldest first
+                if cache.offset != n or k.shape[2] < carried:
+                    raise DataError(f"layer {index}: the live cache holds {k.shape[2]} rows at offset {cache.offset}, "
+                                    f"expected {carried} of {n}")
+                keys = self._to_numpy(k[0, :, k.shape[2] - carried :, :])
+                values = self._to_numpy(v[0, :, v.shape[2] - carried :, :])
+            if keys.shape != (spec.kv_heads, carried, spec.head_dim) or values.shape != (spec.kv_heads, carried, spec.v_head_dim):
+                raise DataError(f"layer {index}: extracted K {keys.shape} V {values.shape}, expected "
+                                f"({spec.kv_heads}, {carried}, {spec.head_dim}) after {n} tokens")
+            out.append(LayerKV(keys=keys, values=values, first_row=n - carried))
+        return out
+
+    def _install(self, layers: Sequence[LayerKV], rows: int, chunk_tokens: int | None = None) -> list[Any]:
+        """mlx-lm caches holding ``layers`` as if ``rows`` tokens had been prefilled here
+        in chunks of ``chunk_tokens`` (default: :data:`DEFAULT_CHUNK_TOKENS`)."""
+        specs = self.info.layers
+        if len(layers) != len(specs):
+            raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
+        self._set_threads()
+        caches = self._make_cache(self.model)
+        for index, (spec, kv, cache) in enumerate(zip(specs, layers, caches)):
+            carried = spec.carried_rows(rows)
+            want_k = (spec.kv_heads, carried, spec.head_dim)
+            want_v = (spec.kv_heads, carried, spec.v_head_dim)
+            if tuple(np.shape(kv.keys)) != want_k or tuple(np.shape(kv.values)) != want_v:
+                raise DataError(f"layer {index} ({spec.kind}): K {tuple(np.shape(kv.keys))} V {tuple(np.shape(kv.values))}, "
+                                f"expected K {want_k} V {want_v} for {rows} rows")
+            if kv.first_row != rows - carried:
+                raise DataError(f"layer {index}: rows start at position {kv.first_row}, expected {rows - carried}")
+            if rows == 0:
+                continue
+            keys = self._to_mx(kv.keys)[None]  # (1, kv_heads, carried, head_dim)
+            values = self._to_mx(kv.values)[None]
+            if spec.kind == "sliding":
+                _install_rotating(self.mx, cache, keys, values, rows, chunk_tokens or DEFAULT_CHUNK_TOKENS)
+            else:
+                cache.update_and_fetch(keys, values)
+        return caches
+
+    # ------------------------------------------------------------------ decoding
+
+    def _generate(self, caches: list[Any], rows: int, next_tokens: list[int], max_new_tokens: int, sampling: Sampling,
+                  stop_on_eos: bool, on_token: Callable[[int], None] | None, start: float, stats: dict) -> DecodeResult:
+        mx = self.mx
+        pick = _sampler(mx, sampling)
+        eos = set(self.info.eos_token_ids) if stop_on_eos else set()
+
+        def step(feed: Any) -> Any:
+            return pick(self.model(feed, cache=caches)[:, -1, :])  # (1,) token id
+
+        tokens: list[int] = []
+        ttft, first_done, stop = 0.0, start, "length"
+        if max_new_tokens > 0:
+            y = step(mx.array([next_tokens]))
+            mx.async_eval(y)
+            for n in range(max_new_tokens):
+                if n + 1 < max_new_tokens:  # queue the next step before reading this token
+                    next_y = step(y[:, None])
+                    mx.async_eval(next_y)
+                token = int(y.item())
+                tokens.append(token)
+                if n == 0:
+                    first_done = time.perf_counter()
+                    ttft = first_done - start
+                if on_token is not None:
+                    on_token(token)
+                if token in eos:
+                    stop = "eos"
+                    break
+                if n + 1 < max_new_tokens:
+                    y = next_y
+        decode_s = time.perf_counter() - first_done if tokens else 0.0
+        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
+                     blas=self.blas.name, blas_path=self.blas.path, **_versions())
+        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
+
+    # ------------------------------------------------------------------ conversions
+
+    def _to_mx(self, a: Any) -> Any:
+        a = np.asarray(a)
+        source = _STORAGE.get(a.dtype)
+        if source is None:
+            raise DataError(f"KV arrays of numpy dtype {a.dtype} are not a storage dtype (float32, float16, bfloat16 bits)")
+        x = self.mx.array(np.ascontiguousarray(a))
+        if source == "bfloat16":
+            x = x.view(self.mx.bfloat16)
+        return x if x.dtype == self.mx_dtype else x.astype(self.mx_dtype)
+
+    def _to_numpy(self, x: Any) -> np.ndarray:
+        mx = self.mx
+        if x.dtype == mx.bfloat16:
+            return np.array(x.view(mx.uint16))  # raw bits; numpy has no bfloat16
+        if x.dtype in (mx.float32, mx.float16):
+            return np.array(x)
+        raise DataError(f"unexpected cache dtype {x.dtype}")
+
+
+# --------------------------------------------------------------------------- config translation
+
+
+def _read_config(info: ModelInfo) -> dict[str, Any]:
+    try:
+        config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"cannot read {info.path / 'config.json'}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise DataError(f"{info.path / 'config.json'}: expected a JSON object")
+    return config
+
+
+def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """Keys to pass mlx-lm so that it builds the model transformers builds from ``config``.
+
+    RoPE comes from the same reading of the config that made the model's layer specs
+    (``rope_parameters`` first, as transformers 5.x does), never from mlx-lm's defaults.
+    """
+    from muser_cli.models import layer_specs
+
+    model_type = str(config.get("model_type"))
+    overrides: dict[str, Any] = {}
+    ropes = [spec.rope for spec in layer_specs(config) if spec.rope is not None]
+    if ropes:
+        rope = ropes[0]
+        overrides["rope_theta"] = rope.theta
+        scaling = dict(rope.scaling or {})
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            overrides["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
+        elif config.get("rope_scaling") is not None:
+            overrides["rope_scaling"] = None
+    if "tie_word_embeddings" not in config and model_type in _TIE_DEFAULTS:
+        overrides["tie_word_embeddings"] = _TIE_DEFAULTS[model_type]
+    if model_type == "cohere2":
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        overrides["head_dim"] = hidden // heads  # transformers derives it; mlx-lm defaults to 128
+        pattern = _sliding_pattern(config.get("layer_types"))
+        if pattern is not None:
+            overrides["sliding_window_pattern"] = pattern
+    return overrides
+
+
+def _sliding_pattern(layer_types: Any) -> int | None:
+    """The p with layer_types[i] == full iff (i+1) % p == 0, if layer_types has that shape."""
+    if not isinstance(layer_types, list) or not layer_types:
+        return None
+    for p in range(1, len(layer_types) + 1):
+        expect = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(len(layer_types))]
+        if expect == layer_types:
+            return p
+    return None  # not expressible: the layout check will refuse it
+
+
+# --------------------------------------------------------------------------- RoPE check
+
+
+def check_rope(index: int, spec: LayerSpec, module: Any, max_positions: int) -> None:
+    """Raise :class:`IdentityMismatch` naming the field where ``module`` (the RoPE mlx-lm
+    applies at this layer, or ``None`` for none) differs from ``spec.rope``."""
+    want = spec.rope
+    if want is None:
+        if module is not None:
+            raise IdentityMismatch(f"layer {index} rope: the model has no RoPE here (NoPE), mlx-lm applies RoPE")
+        return
+    if module is None:
+        raise IdentityMismatch(f"layer {index} rope: the model applies RoPE (theta {want.theta:g}), mlx-lm applies none")
+    scaling = dict(want.scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in _ROPE_SCALINGS:
+        raise DataError(f"layer {index} rope.scaling: type {kind!r} is not supported by the mlx engine",
+                        hint="supported: " + ", ".join(_ROPE_SCALINGS))
+    declared = {"dims": getattr(module, "dims", None), "style": None, "theta": getattr(module, "base", None)}
+    if getattr(module, "traditional", None) is not None:
+        declared["style"] = "interleaved" if module.traditional else "rotate_half"
+    for name in ("dims", "style"):
+        if declared[name] is not None and declared[name] != getattr(want, name):
+            raise IdentityMismatch(f"layer {index} rope.{name}: the model uses {getattr(want, name)!r}, mlx-lm {declared[name]!r}")
+    if declared["theta"] is not None and not math.isclose(float(declared["theta"]), want.theta, rel_tol=1e-6):
+        raise IdentityMismatch(f"layer {index} rope.theta: the model uses {want.theta:g}, mlx-lm would use {float(declared['theta']):g}",
+                               hint="mlx-lm reads a top-level rope_theta; transformers 5.x writes rope_parameters")
+    scale = getattr(module, "scale", None)
+    want_scale = 1.0 / float(scaling["factor"]) if kind == "linear" else 1.0
+    if scale is not None and kind != "llama3" and not math.isclose(float(scale), want_scale, rel_tol=1e-6):
+        raise IdentityMismatch(f"layer {index} rope.scaling: the model scales positions by {want_scale:g}, mlx-lm by {float(scale):g}")
+    error, position = _probe(module, want, spec.head_dim, max_positions)
+    if error is not None:
+        raise IdentityMismatch(
+            f"layer {index} rope: mlx-lm's rotation differs from the model's (theta {want.theta:g}, dims {want.dims}, "
+            f"{want.style}, scaling {kind}) by {error:.3g} at position {position}")
+
+
+def _probe(module: Any, rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[float | None, int]:
+    """Rotate a fixed vector with ``module`` and with a float64 reference built from ``rope``."""
+    import mlx.core as mx
+
+    x = np.random.default_rng(0).uniform(-1.0, 1.0, size=head_dim).astype(np.float32)
+    inv = _inverse_frequencies(rope)
+    for position in [p for p in _PROBE_POSITIONS if p < max_positions] + [max_positions - 1]:
+        got = np.array(module(mx.array(x.reshape(1, 1, 1, head_dim)), offset=position)).reshape(-1).astype(np.float64)
+        want = _rotate(x.astype(np.float64), inv, rope, position)
+        tolerance = 1e-4 + 8.0 * position * np.finfo(np.float32).eps  # float32 angles lose ~p*eps
+        error = float(np.max(np.abs(got - want)))
+        if not error <= tolerance:
+            return error, position
+    return None, 0
+
+
+def _inverse_frequencies(rope: RopeSpec) -> np.ndarray:
+    """transformers' inverse frequencies for default, linear and llama3 RoPE (float64)."""
+    inv = 1.0 / rope.theta ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
+    scaling = dict(rope.scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rotate(x: np.ndarray, inv: np.ndarray, rope: RopeSpec, position: int) -> np.ndarray:
+    out = x.copy()
+    angle = position * inv
+    cos, sin = np.cos(angle), np.sin(angle)
+    half = rope.dims // 2
+    if rope.style == "interleaved":
+        a, b = x[0 : rope.dims : 2], x[1 : rope.dims : 2]
+        out[0 : rope.dims : 2], out[1 : rope.dims : 2] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = x[:half], x[half : rope.dims]
+        out[:half], out[half : rope.dims] = a * cos - b * sin, b * cos + a * sin
+    return out
+
+
+# --------------------------------------------------------------------------- cache helpers
+
+
+def ring_slot(rows: int, window: int, chunk_tokens: int) -> int:
+    """The slot mlx-lm's RotatingKVCache writes next after prefilling ``rows >= window`` tokens
+    in chunks of ``chunk_tokens``; the ``window - 1`` rows it keeps follow that slot, oldest first.
+
+    Multi-token chunks leave the rows in temporal order and the next write trims to the window
+    and wraps to slot 0. A last chunk of one token was itself written at slot 0, so the next
+    write goes to slot 1. One-token chunks throughout put position p at slot p % window.
+    """
+    if chunk_tokens == 1:
+        return rows % window
+    if rows % chunk_tokens == 1 and rows - 1 >= window:
+        return 1
+    return 0
+
+
+def _install_rotating(mx: Any, cache: Any, keys: Any, values: Any, rows: int, chunk_tokens: int) -> None:
+    """Put a sliding layer's last ``window - 1`` rows (temporal order) into a RotatingKVCache
+    in the physical state mlx-lm reaches itself after prefilling ``rows`` tokens.
+
+    Not yet wrapped (rows < window): rows in order, next write at slot ``rows``. Wrapped: a
+    ring of ``window`` slots whose next-write slot (:func:`ring_slot`) holds a spare row and
+    is followed by the carried rows, oldest first: a single-token write replaces the spare,
+    then the oldest row, and so on, exactly as in the producer's own cache.
+    """
+    window = cache.max_size
+    held = keys.shape[2]
+    if rows < window:
+        cache.state = (keys, values, rows, 0, window, held)
+        return
+    slot = ring_slot(rows, window, chunk_tokens)
+    spare_k = mx.zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
+    spare_v = mx.zeros((*values.shape[:2], 1, values.shape[3]), values.dtype)
+    ring_k = mx.concatenate([spare_k, keys], axis=2)  # temporal ring starting at the spare
+    ring_v = mx.concatenate([spare_v, values], axis=2)
+    if slot:  # rotate so that the spare sits at ``slot``
+        ring_k = mx.concatenate([ring_k[..., window - slot :, :], ring_k[..., : window - slot, :]], axis=2)
+        ring_v = mx.concatenate([ring_v[..., window - slot :, :], ring_v[..., : window - slot, :]], axis=2)
+    cache.state = (ring_k, ring_v, rows, 0, window, slot or window)
+
+
+def _temporal(cache: Any) -> tuple[Any, Any]:
+    """(keys, values) of an mlx-lm cache, oldest row first: (1, kv_heads, held, head_dim)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    if not isinstance(cache, RotatingKVCache):
+        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    keys, values, offset, keep, _, idx = cache.state
+    if keep:
+        raise DataError("a rotating cache with kept sink rows is not a sliding window")
+    size = keys.shape[2]
+    if idx == size:
+        return keys, values
+    if idx < offset:  # wrapped: slots [idx, size) are older than [0, idx)
+        return (mx.concatenate([keys[..., idx:, :], keys[..., :idx, :]], axis=2),
+                mx.concatenate([values[..., idx:, :], values[..., :idx, :]], axis=2))
+    return keys[..., :idx, :], values[..., :idx, :]
+
+
+def _cut(specs: Sequence[LayerSpec], layers: Sequence[LayerKV], rows: int, start: int) -> list[LayerKV]:
+    """``layers`` (covering [0, rows)) reduced to what a pack of [0, start) would carry."""
+    if len(layers) != len(specs):
+        raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
+    out = []
+    for index, (spec, kv) in enumerate(zip(specs, layers)):
+        begin = start - spec.carried_rows(start)
+        held = int(np.shape(kv.keys)[1])
+        if begin < kv.first_row or start > kv.first_row + held:
+            raise DataError(
+                f"layer {index} ({spec.kind}): recomputing from position {start} needs rows [{begin}, {start}), "
+                f"the KV holds [{kv.first_row}, {kv.first_row + held})",
+                hint="a sliding layer carries only its last window - 1 rows; start at the end of the KV")
+        a, b = begin - kv.first_row, start - kv.first_row
+        out.append(LayerKV(keys=np.asarray(kv.keys)[:, a:b], values=np.asarray(kv.values)[:, a:b], first_row=begin))
+    return out
+
+
+def _sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
+    """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,)."""
+    if sampling.temperature <= 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    import os
+
+    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+    state = {"key": mx.random.key(int(seed))}
+    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+
+    def pick(logits: Any) -> Any:
+        state["key"], sub = mx.random.split(state["key"])
+        scaled = logits.astype(mx.float32) / temperature
+        if top_p >= 1.0:
+            return mx.random.categorical(scaled, key=sub)
+        order = mx.argsort(-scaled, axis=-1)  # (1, vocab), most likely first
+        ranked = mx.take_along_axis(scaled, order, axis=-1)
+        probs = mx.softmax(ranked, axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs  # mass ahead of each token; the top one always stays
+        ranked = mx.where(before >= top_p, -mx.inf, ranked)
+        choice = mx.random.categorical(ranked, key=sub)
+        return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+    return pick
+
+
+def _param_dtype(model: Any) -> Any:
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    return params[0][1].dtype if params else None
+
+
+def _np_storage(dtype: str) -> np.dtype:
+    return np.dtype({"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[dtype])
+
+
+def _kind_text(kind: str, window: int | None) -> str:
+    return f"sliding (window {window})" if kind == "sliding" else "full attention"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("mlx", "mlx-lm"):
+        try:
+            out[name.replace("-", "_")] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out

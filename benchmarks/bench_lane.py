@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lane.py [--depths 512,2048,8064] [--reps 5] [--dtype bfloat16]
                                     [--codec none|zstd+bytegroup] [--wire-seconds 1.0]
+    python benchmarks/bench_lane.py --wire-only 100     # the wire figure alone, no model
 
 Per depth, alternating A B A B in one run (BENCHMARKS.md), after one uncounted warm-up:
 
@@ -23,7 +24,6 @@ overhead, in seconds and as a fraction of prefill. Receipt: benchmarks/results/l
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import re
 import select
@@ -57,6 +57,42 @@ def start_receiver(home: Path, out_dir: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("bench_lane: the receiver did not start")
 
 
+def synthetic_pack(megabytes: int):
+    """(header, layers) of a random bfloat16 kvpack of about ``megabytes`` MB (16 layers, 4x128)."""
+    import numpy as np
+
+    from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, RopeSpec
+
+    layers = tuple(LayerSpec("full", 4, 128, 128, rope=RopeSpec(10000.0, 128)) for _ in range(16))
+    tokens = max(2, megabytes * 1_000_000 // (16 * 4 * 256 * 2)) + 1
+    header = PackHeader("sha256:" + "a" * 64, "sha256:" + "b" * 64, tuple(range(1, tokens + 1)), layers,
+                        "bfloat16", 512, model_name="synthetic")
+    rng = np.random.default_rng(0)
+    rows = [LayerKV(rng.integers(0, 1 << 16, (4, tokens - 1, 128), dtype=np.uint16),
+                    rng.integers(0, 1 << 16, (4, tokens - 1, 128), dtype=np.uint16)) for _ in layers]
+    return header, rows
+
+
+def measure_wire(src: Path, to: str, producer, *, reps: int, seconds: float) -> dict:
+    """Installed payload rate over probe-link's raw TLS rate (up), alternated A B A B."""
+    from muser_cli.handoff.sender import prepare_handoff, probe_link, transmit
+
+    probe_link(to, producer, seconds=seconds)  # warm-up, uncounted
+    transmit(prepare_handoff(src, producer), to=to, identity=producer)
+    probes, sends = [], []
+    for _ in range(reps):
+        probes.append(probe_link(to, producer, seconds=seconds).up_Bps)
+        sends.append(transmit(prepare_handoff(src, producer), to=to, identity=producer).payload_rate_Bps)
+    ratios = [a / b for a, b in zip(sends, probes)]
+    wire = {"bytes": src.stat().st_size, "probe_up_Bps": summarize(probes), "payload_rate_Bps": summarize(sends),
+            "ratio": summarize(ratios)}
+    print(f"wire ({wire['bytes'] / 1e6:.1f} MB): payload rate {wire['payload_rate_Bps']['median'] / 1e6:.0f} MB/s "
+          f"(cv {wire['payload_rate_Bps']['cv']:.0%}), probe up {wire['probe_up_Bps']['median'] / 1e6:.0f} MB/s "
+          f"(cv {wire['probe_up_Bps']['cv']:.0%}), ratio {wire['ratio']['median']:.0%} (cv {wire['ratio']['cv']:.0%})",
+          flush=True)
+    return wire
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", default="512,2048,8064")
@@ -65,14 +101,13 @@ def main() -> int:
     ap.add_argument("--codec", default="none", choices=["none", "zstd+bytegroup"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--wire-seconds", type=float, default=1.0, help="probe-link seconds per direction")
+    ap.add_argument("--wire-only", type=int, metavar="MB", default=0,
+                    help="only the wire figure, on a synthetic kvpack of about MB megabytes (no model)")
     args = ap.parse_args()
 
-    from muser_cli.engines.base import get_engine
     from muser_cli.handoff import node
-    from muser_cli.handoff.sender import prepare_handoff, probe_link, transmit
+    from muser_cli.handoff.sender import prepare_handoff, transmit
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.models import resolve_model
-    from muser_cli.prefill import build_header
 
     work = Path(tempfile.mkdtemp(prefix="bench-lane-"))
     consumer_home, producer_home = work / "consumer", work / "producer"
@@ -83,6 +118,23 @@ def main() -> int:
     out_dir = work / "inbox"
     out_dir.mkdir()
     proc, to = start_receiver(consumer_home, out_dir)
+
+    if args.wire_only:
+        try:
+            src = work / "wire.kvpack"
+            with open(src, "wb") as f:
+                write_pack(f, *synthetic_pack(args.wire_only))
+            wire = measure_wire(src, to, producer, reps=args.reps, seconds=args.wire_seconds)
+        finally:
+            proc.kill()
+            proc.wait()
+        path = write_receipt("wire", {"model": "synthetic", "link": "loopback mTLS 1.3", "wire": wire})
+        print(f"receipt: {path}")
+        return 0
+
+    from muser_cli.engines.base import get_engine
+    from muser_cli.models import resolve_model
+    from muser_cli.prefill import build_header
 
     info = resolve_model("default")
     eng = get_engine("torch", info, dtype=args.dtype, threads=args.threads)
@@ -155,21 +207,9 @@ def main() -> int:
 
         # Wire: the installed payload rate against raw TLS, alternated, on the largest pack.
         src = work / "wire.kvpack"
-        buf = io.BytesIO()
-        write_pack(buf, header, eng.prefill(ids[:-1], chunk_tokens=512), codec=args.codec)
-        src.write_bytes(buf.getvalue())
-        probe_link(to, producer, seconds=args.wire_seconds)
-        transmit(prepare_handoff(src, producer), to=to, identity=producer)  # warm-up
-        probes, sends = [], []
-        for _ in range(args.reps):
-            probes.append(probe_link(to, producer, seconds=args.wire_seconds).up_Bps)
-            sends.append(transmit(prepare_handoff(src, producer), to=to, identity=producer).payload_rate_Bps)
-        ratios = [a / b for a, b in zip(sends, probes)]
-        wire = {"bytes": src.stat().st_size, "probe_up_Bps": summarize(probes), "payload_rate_Bps": summarize(sends),
-                "ratio": summarize(ratios)}
-        print(f"wire ({wire['bytes'] / 1e6:.1f} MB): payload rate {wire['payload_rate_Bps']['median'] / 1e6:.0f} MB/s, "
-              f"probe up {wire['probe_up_Bps']['median'] / 1e6:.0f} MB/s, ratio {wire['ratio']['median']:.0%} "
-              f"(cv {wire['ratio']['cv']:.0%})")
+        with open(src, "wb") as f:
+            write_pack(f, header, eng.prefill(ids[:-1], chunk_tokens=512), codec=args.codec)
+        wire = measure_wire(src, to, producer, reps=args.reps, seconds=args.wire_seconds)
     finally:
         proc.kill()
         proc.wait()

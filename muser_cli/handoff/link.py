@@ -154,6 +154,7 @@ class Link:
         self.deadline = deadline
         self.bytes_in = 0
         self.bytes_out = 0
+        self._armed: float | None = None
 
     def _timeout(self, during: str) -> float:
         if self.deadline is None:
@@ -163,9 +164,16 @@ class Link:
             raise TempFailure(f"total deadline passed {during}")
         return min(self.idle_s, left)
 
+    def _arm(self, during: str, timeout: float | None = None) -> None:
+        """Set the socket timeout; skip the system calls when it has not changed."""
+        value = self._timeout(during) if timeout is None else timeout
+        if value != self._armed:
+            self.sock.settimeout(value)
+            self._armed = value
+
     def write(self, data: bytes, during: str = "writing") -> None:
         try:
-            self.sock.settimeout(self._timeout(during))
+            self._arm(during)
             self.sock.sendall(data)
         except BaseException as exc:  # noqa: BLE001 - mapped in one place
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -178,7 +186,7 @@ class Link:
 
     def _fill(self, during: str, timeout: float | None = None) -> None:
         try:
-            self.sock.settimeout(self._timeout(during) if timeout is None else timeout)
+            self._arm(during, timeout)
             data = self.sock.recv(RECV_BYTES)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

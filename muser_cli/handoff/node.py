@@ -164,12 +164,17 @@ def _check_name(name: str, what: str = "node name") -> str:
     return name
 
 
-def default_hosts(name: str, extra: Iterable[str] = ()) -> list[str]:
-    names = [name, *extra, *LOCAL_NAMES]
+def _host_name() -> str | None:
+    """This machine's host name, if it is usable in a certificate."""
     try:
-        names.append(socket.gethostname())
+        host = socket.gethostname()
     except OSError:
-        pass
+        return None
+    return host if host and NAME_RE.match(host) else None
+
+
+def default_hosts(name: str, extra: Iterable[str] = ()) -> list[str]:
+    names = [name, *extra, *LOCAL_NAMES, _host_name() or ""]
     return [n for n in names if n]
 
 
@@ -293,7 +298,7 @@ def init_node(
     """Create the private CA, this node's certificate and a local HMAC key."""
     if (directory / "node.json").exists() and not force:
         raise UsageError(f"a node identity already exists in {directory}", hint="pass --force to replace it")
-    name = _check_name(name or socket.gethostname() or "muser")
+    name = _check_name(name or _host_name() or "muser-node")
     t = _now(now)
     ca_key, ca_cert = make_ca(name, not_before=t - dt.timedelta(minutes=5), not_after=t + dt.timedelta(days=ca_days))
     all_hosts = default_hosts(name, hosts)

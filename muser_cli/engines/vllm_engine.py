@@ -1,0 +1,200 @@
+"""``--engine vllm``: vLLM on an NVIDIA GPU as the producer, through muser's KV connector.
+
+:meth:`VLLMEngine.prefill` runs vLLM offline on prompt[:-1] (the caller's ``token_ids``)
+with ``max_tokens=1``: vLLM computes KV for exactly those positions (the sampled token's
+KV would only be computed by a next step, which never runs). Chunked prefill with
+``max_num_batched_tokens = chunk_tokens`` and a single running sequence gives the
+canonical schedule (chunks of C tokens from position 0); prefix caching is off so every
+row is computed by this request. The connector (``vllm_connector.MuserConnector``,
+sink ``"spool"``) copies each chunk's rows off the GPU as it finishes and spools them;
+this engine reads them back as :class:`LayerKV` and the caller emits the kvpack.
+
+Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
+vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
+from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.kvpack.layers import DTYPES, LayerKV
+
+SUPPORTED_MIN = (0, 30)
+SUPPORTED_BELOW = (0, 34)
+SUPPORTED_TEXT = "vllm>=0.30,<0.34"
+INSTALL_HINT = "pip install 'muser[vllm]' on a CUDA machine"
+
+
+def parse_version(text: str) -> tuple[int, int] | None:
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(text))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def require_vllm() -> Any:
+    """Import vLLM, or raise ConfigError saying why it cannot be used."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError("vllm is not installed", hint=INSTALL_HINT) from None
+    version = str(getattr(vllm, "__version__", "unknown"))
+    parsed = parse_version(version)
+    if parsed is None or not SUPPORTED_MIN <= parsed < SUPPORTED_BELOW:
+        raise ConfigError(
+            f"vllm {version} is outside the supported range {SUPPORTED_TEXT}",
+            hint="pip install 'vllm>=0.30,<0.34' (see docs/vllm.md)",
+        )
+    return vllm
+
+
+class VLLMEngine(Engine):
+    """vLLM as a kvpack producer. ``vllm_options`` are extra ``vllm.LLM(...)`` keyword
+    arguments (e.g. ``gpu_memory_utilization``, ``enforce_eager``, ``kv_cache_dtype``,
+    ``block_size``, ``attention_backend``); they override muser's defaults."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        dtype: str,
+        threads: int,
+        vllm_options: dict[str, Any] | None = None,
+        workdir: str | Path | None = None,
+    ) -> None:
+        super().__init__(info, dtype=dtype, threads=threads)
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
+        self._vllm = require_vllm()
+        self._options = dict(vllm_options or {})
+        self._llm: Any = None
+        self._chunk: int | None = None
+        self._own_workdir = workdir is None
+        self._workdir = Path(workdir) if workdir is not None else None
+
+    # ---- lifecycle
+    def _spool_dir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="muser-vllm-"))
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
+
+    def llm_kwargs(self, chunk_tokens: int) -> dict[str, Any]:
+        """The ``vllm.LLM(...)`` keyword arguments this engine uses (for inspection/tests)."""
+        from muser_cli.engines.vllm_connector import connector_config
+
+        kwargs: dict[str, Any] = {
+            "model": str(self.info.path),
+            "dtype": self.dtype,
+            "max_model_len": int(self.info.max_positions),
+            "enable_prefix_caching": False,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": int(chunk_tokens),
+            "max_num_seqs": 1,
+            "seed": 0,
+            "kv_transfer_config": connector_config(
+                sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged"
+            ),
+        }
+        kwargs.update(self._options)
+        return kwargs
+
+    def _ensure_llm(self, chunk_tokens: int) -> Any:
+        if self._llm is not None and self._chunk == chunk_tokens:
+            return self._llm
+        self._shutdown_llm()
+        try:
+            self._llm = self._vllm.LLM(**self.llm_kwargs(chunk_tokens))
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(f"vLLM could not start: {exc}", hint="see vLLM's log above; docs/vllm.md") from None
+        self._chunk = chunk_tokens
+        return self._llm
+
+    def _shutdown_llm(self) -> None:
+        llm, self._llm, self._chunk = self._llm, None, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        for target in (llm, engine, getattr(engine, "engine_core", None)):
+            fn = getattr(target, "shutdown", None)
+            if callable(fn):
+                try:
+                    fn()
+                except Exception:  # best effort: a dying engine must not mask the caller's error
+                    pass
+                break
+
+    def close(self) -> None:
+        """Shut vLLM down and remove the spool directory this engine made."""
+        self._shutdown_llm()
+        if self._own_workdir and self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- Engine contract
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        from muser_cli.engines.vllm_connector import read_spool, request_extra_args
+
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise UsageError("nothing to prefill: the prompt needs at least two tokens")
+        if any(t < 0 for t in ids):
+            raise UsageError("token ids must be non-negative")
+        if len(ids) + 1 > self.info.max_positions:
+            raise UsageError(f"{len(ids) + 1} prompt tokens exceed the model's {self.info.max_positions} positions")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        llm = self._ensure_llm(chunk_tokens)
+        name = f"muser-{uuid.uuid4().hex}"
+        params = self._vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, extra_args=request_extra_args(name)
+        )
+        if progress is not None:
+            progress("prefill", 0, len(ids))
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        layers, manifest = read_spool(self._spool_dir(), name, self.info.layers)
+        if manifest.get("rows") != len(ids):
+            raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {len(ids)} tokens")
+        if manifest["dtype"] != self.dtype:
+            raise DataError(
+                f"vLLM produced {manifest['dtype']} rows but the engine dtype is {self.dtype}",
+                hint="an fp8 KV cache is shipped dequantized: use --dtype float32 with it",
+            )
+        if progress is not None:
+            progress("prefill", len(ids), len(ids))
+        return layers
+
+    def decode(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+        on_token: Callable[[int], None] | None = None,
+    ) -> DecodeResult:
+        raise UsageError(
+            "the vllm engine is a producer: it prefills and ships KV, it does not decode from a kvpack",
+            hint="decode with --engine torch (or mlx)",
+        )

@@ -391,6 +391,18 @@ def fake_vllm_module(record):
     return mod
 
 
+def test_float32_to_storage_dtypes():
+    from muser_cli.engines.vllm_engine import from_float32
+
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(2).standard_normal(4096).astype(np.float32) * 1e3
+    x[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(from_float32(x, "bfloat16"), want)
+    assert from_float32(np.array([np.nan], np.float32), "bfloat16")[0] == 0x7FC0
+    np.testing.assert_array_equal(from_float32(x, "float16"), x.astype(np.float16))
+
+
 def test_engine_prefill_through_the_connector(monkeypatch, info):
     record: dict = {}
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(record))
@@ -420,13 +432,27 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
             eng.prefill([])
         with pytest.raises(UsageError, match="exceed"):
             eng.prefill(list(range(300)))
-        with pytest.raises(DataError, match="float32 rows"):
-            from muser_cli.engines import vllm_connector
+        assert eng.producer_info()["vllm"] == "0.33.0"
+        from muser_cli.engines import vllm_connector
 
-            real = vllm_connector.read_spool
-            monkeypatch.setattr(vllm_connector, "read_spool",
-                                lambda *a, **k: (real(*a, **k)[0], {"rows": 5, "dtype": "float32"}))
-            eng.prefill(tokens[:5], chunk_tokens=32)
+        real = vllm_connector.read_spool
+
+        def as_fp8(*a, **k):  # what an fp8 KV cache spools: float32 values
+            got, man = real(*a, **k)
+            f32 = [type(lk)(keys=(lk.keys.astype(np.uint32) << 16).view(np.float32),
+                            values=(lk.values.astype(np.uint32) << 16).view(np.float32), first_row=lk.first_row)
+                   for lk in got]
+            return f32, {**man, "dtype": "float32", "source": {"quant": "fp8"}}
+
+        monkeypatch.setattr(vllm_connector, "read_spool", as_fp8)
+        again = eng.prefill(tokens, chunk_tokens=16)
+        for a, b in zip(again, layers):  # bf16 -> f32 -> bf16 is exact
+            np.testing.assert_array_equal(a.keys, b.keys)
+        assert eng.producer_info()["kv_source"] == {"quant": "fp8", "stored_from": "float32"}
+        monkeypatch.setattr(vllm_connector, "read_spool",
+                            lambda *a, **k: (real(*a, **k)[0], {"rows": 5, "dtype": "float32", "source": {}}))
+        with pytest.raises(DataError, match="float32 rows"):
+            eng.prefill(tokens[:5], chunk_tokens=16)
     assert not Path(workdir).exists()
 
 

@@ -19,8 +19,11 @@ import re
 import shutil
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
 from muser_cli.errors import ConfigError, DataError, UsageError
@@ -53,6 +56,21 @@ def require_vllm() -> Any:
     return vllm
 
 
+def from_float32(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows in a kvpack storage dtype (bfloat16: round to nearest even, as bits)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "float32":
+        return a
+    if dtype == "float16":
+        return a.astype(np.float16)
+    if dtype != "bfloat16":
+        raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
+    u = a.view(np.uint32)
+    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FC0
+    return out
+
+
 class VLLMEngine(Engine):
     """vLLM as a kvpack producer. ``vllm_options`` are extra ``vllm.LLM(...)`` keyword
     arguments (e.g. ``gpu_memory_utilization``, ``enforce_eager``, ``kv_cache_dtype``,
@@ -78,11 +96,13 @@ class VLLMEngine(Engine):
         self._chunk: int | None = None
         self._own_workdir = workdir is None
         self._workdir = Path(workdir) if workdir is not None else None
+        self._producer: dict[str, Any] = {}
 
     # ---- lifecycle
     def _spool_dir(self) -> Path:
         if self._workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix="muser-vllm-"))
+            weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
         self._workdir.mkdir(parents=True, exist_ok=True)
         return self._workdir
 
@@ -174,14 +194,23 @@ class VLLMEngine(Engine):
         layers, manifest = read_spool(self._spool_dir(), name, self.info.layers)
         if manifest.get("rows") != len(ids):
             raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {len(ids)} tokens")
+        source = dict(manifest.get("source") or {})
         if manifest["dtype"] != self.dtype:
-            raise DataError(
-                f"vLLM produced {manifest['dtype']} rows but the engine dtype is {self.dtype}",
-                hint="an fp8 KV cache is shipped dequantized: use --dtype float32 with it",
-            )
+            if manifest["dtype"] != "float32" or source.get("quant", "none") == "none":
+                raise DataError(f"vLLM produced {manifest['dtype']} rows but the engine dtype is {self.dtype}")
+            # An fp8 KV cache comes back dequantized to float32; store it in the pack dtype.
+            layers = [LayerKV(keys=from_float32(lk.keys, self.dtype), values=from_float32(lk.values, self.dtype),
+                              first_row=lk.first_row) for lk in layers]
+            source["stored_from"] = "float32"
+        self._producer = {"vllm": str(getattr(self._vllm, "__version__", "?")), "kv_source": source,
+                          "chunk_tokens": chunk_tokens}
         if progress is not None:
             progress("prefill", len(ids), len(ids))
         return layers
+
+    def producer_info(self) -> dict[str, Any]:
+        """What the last prefill ran on, for the kvpack header's ``producer`` field."""
+        return dict(self._producer)
 
     def decode(
         self,

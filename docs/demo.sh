@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The muser lane on the embedded real model, end to end, on this machine.
+# The muser lane on the embedded real model, end to end, on this machine, over the wire:
+# a consumer and a producer node (each its own MUSER_HOME) onboarded with a private CA,
+# the kvpack handed off over mutual TLS 1.3 on 127.0.0.1.
 # Run by `make demo` (which puts the project's virtualenv first on PATH).
 set -euo pipefail
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-export MUSER_HOME="${MUSER_HOME:-$work/home}"
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+consumer="$work/consumer" producer="$work/producer"
 : "${MUSER_MODELS:=$PWD/tests/.cache/models}"; export MUSER_MODELS
 cat > "$work/doc.txt" <<'TXT'
 The Rhine is a European river that begins in the Swiss canton of Graubünden in the
@@ -12,14 +14,33 @@ southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austria
 Swiss-German borders, then flows through Germany and the Netherlands into the North Sea.
 Question: through which countries does the Rhine flow? Answer:
 TXT
-echo "== producer: prefill | pack > doc.kvpack"
-muser prefill -m default "$work/doc.txt" | muser pack --zstd 1 > "$work/doc.kvpack"
-ls -l "$work/doc.kvpack" | awk '{print "   kvpack bytes:", $5}'
-echo "== consumer: verify | decode (handoff lane)"
-muser verify -m default --prompt "$work/doc.txt" "$work/doc.kvpack" -o "$work/verified.kvpack"
-muser decode -m default "$work/verified.kvpack" -n 32 --json > "$work/handoff.json"
-echo "== consumer without a producer: decode --prompt < /dev/null (fallback lane)"
-muser decode -m default --prompt "$work/doc.txt" -n 32 --json < /dev/null > "$work/fallback.json"
+echo "== onboarding: consumer node init | node export --producer; producer node join"
+MUSER_HOME="$consumer" muser -q node init --name consumer
+MUSER_HOME="$consumer" muser -q node export --producer producer -o "$work/producer.bundle"
+MUSER_HOME="$producer" muser -q node join "$work/producer.bundle"
+echo "== consumer: receive --once | verify | decode (listening on 127.0.0.1)"
+( MUSER_HOME="$consumer" muser receive --listen 127.0.0.1:0 --once --timeout 300 2> "$work/receive.log" \
+  | MUSER_HOME="$consumer" muser verify -m default --prompt "$work/doc.txt" 2> "$work/verify.log" \
+  | MUSER_HOME="$consumer" muser decode -m default -n 32 --json > "$work/handoff.json" ) &
+lane=$!
+for _ in $(seq 100); do grep -q "listening on" "$work/receive.log" 2>/dev/null && break; sleep 0.2; done
+addr="$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/receive.log")"
+echo "== producer: prefill | pack | send --to $addr"
+MUSER_HOME="$producer" muser prefill -m default "$work/doc.txt" | muser pack --zstd 1 \
+  | MUSER_HOME="$producer" muser send --to "$addr" --json > "$work/send.json"
+wait "$lane"
+python - "$work/send.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(f"   sent {s['payload_bytes']} bytes in {s['total_s']*1000:.0f} ms "
+      f"(payload rate {s['payload_rate_Bps']/1e6:.0f} MB/s, receiver ledger commit {s['receiver']['ledger_commit_ms']:.1f} ms)")
+PY
+echo "== consumer without a producer: receive --timeout 2 || decode --prompt (fallback lane, exit 75)"
+status=0
+MUSER_HOME="$consumer" muser -q receive --listen 127.0.0.1:0 --once --timeout 2 > "$work/none.kvpack" || status=$?
+echo "   receive exit status: $status"
+test "$status" = 75
+MUSER_HOME="$consumer" muser decode -m default --prompt "$work/doc.txt" -n 32 --json < "$work/none.kvpack" > "$work/fallback.json"
 python - "$work/handoff.json" "$work/fallback.json" <<'PY'
 import json, sys
 h, f = (json.load(open(p)) for p in sys.argv[1:3])

@@ -198,6 +198,27 @@ def test_mlx_handoff_equals_mlx_fallback_through_the_library(which, request, tmp
     assert crossed.token_ids == handed.token_ids
 
 
+@pytest.mark.parametrize("chunk", [1, 8])
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])
+def test_prefill_from_a_chunk_boundary_is_byte_identical(which, chunk, request):
+    """Store + suffix (reuse): installed rows continued on the schedule == one full prefill."""
+    info = request.getfixturevalue(which)
+    eng = engine("mlx", info)
+    ids = encode_prompt(info, PROMPT)[:45]
+    full = eng.prefill(ids, chunk_tokens=chunk)
+    held = 24  # a chunk boundary for both sizes
+    head = eng.prefill(ids[:held], chunk_tokens=chunk)
+    seen: list = []
+    resumed = eng.prefill_from(through_bytes(head, "float32"), rows=held, token_ids=ids[held:], chunk_tokens=chunk,
+                               progress=lambda *a: seen.append(a))
+    assert seen[0] == ("prefill", held, len(ids)) and seen[-1] == ("prefill", len(ids), len(ids))
+    for a, b in zip(full, resumed):
+        assert a.first_row == b.first_row
+        assert a.keys.tobytes() == b.keys.tobytes() and a.values.tobytes() == b.values.tobytes()
+    with pytest.raises(UsageError, match="chunk boundary"):
+        eng.prefill_from(head, rows=held, token_ids=ids[held:], chunk_tokens=7)
+
+
 # --------------------------------------------------------------------------- sliding-window rings
 
 

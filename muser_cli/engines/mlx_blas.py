@@ -96,16 +96,17 @@ def find_library(kind: str) -> Path | None:
     return None
 
 
-def _choice() -> str:
-    value = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+def _choice(env: dict[str, str] | None = None) -> str:
+    value = (os.environ if env is None else env).get(ENV_VAR, "auto").strip() or "auto"
     if value in CHOICES or "/" in value:
         return value
     raise ConfigError(f"{ENV_VAR}={value!r} is not a BLAS choice", hint="use auto, mkl, openblas, reference or a path to a .so")
 
 
-def choose_library() -> Path | None:
-    """The library :data:`ENV_VAR` asks for (``None``: the bundled reference BLAS)."""
-    choice = _choice()
+def choose_library(env: dict[str, str] | None = None) -> Path | None:
+    """The library :data:`ENV_VAR` (in ``env``, default ``os.environ``) asks for
+    (``None``: the bundled reference BLAS)."""
+    choice = _choice(env)
     if choice == "reference" or sys.platform != "linux":
         return None
     if "/" in choice:
@@ -126,7 +127,7 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of ``env`` (default: ``os.environ``) with the chosen BLAS first in ``LD_PRELOAD``."""
     out = dict(os.environ if env is None else env)
     try:
-        path = choose_library()
+        path = choose_library(out)
     except ConfigError:
         return out
     if path is not None:

@@ -100,6 +100,31 @@ class MLXEngine(Engine):
         caches = self._prefill_caches(ids, chunk_tokens, progress)
         return self._extract(caches, len(ids))
 
+    def prefill_from(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        token_ids: Sequence[int],
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
+        ``rows`` positions (a chunk boundary), ``token_ids`` are the next prompt tokens.
+        Returns what :meth:`prefill` over all ``rows + len(token_ids)`` tokens returns, byte
+        for byte (the installed caches are laid out as mlx-lm's own at that boundary)."""
+        if rows == 0:
+            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress)
+        if chunk_tokens < 1 or rows % chunk_tokens:
+            raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
+        ids = self._check_ids(token_ids)
+        total = rows + len(ids)
+        if total >= self.info.max_positions:
+            raise UsageError(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
+        caches = self._install(layers, rows, chunk_tokens)
+        self._run_chunks(caches, ids, rows, chunk_tokens, progress)
+        return self._extract(caches, total)
+
     def producer_info(self) -> dict:
         """Recorded in a kvpack's ``producer`` field by ``prefill``."""
         return {"blas": self.blas.name, **_versions()}
@@ -276,16 +301,21 @@ class MLXEngine(Engine):
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self._set_threads()
         caches = self._make_cache(self.model)
-        total = len(ids)
+        self._run_chunks(caches, ids, 0, chunk_tokens, progress)
+        return caches
+
+    def _run_chunks(self, caches: list[Any], ids: list[int], base: int, chunk_tokens: int,
+                    progress: ProgressFn | None) -> None:
+        """Run ``ids`` (positions base, base+1, ...) through ``caches`` in chunks of ``chunk_tokens``."""
+        total = base + len(ids)
         if progress:
-            progress("prefill", 0, total)
-        for begin in range(0, total, chunk_tokens):
+            progress("prefill", base, total)
+        for begin in range(0, len(ids), chunk_tokens):
             chunk = ids[begin : begin + chunk_tokens]
             self.model(self.mx.array([chunk]), cache=caches)  # logits stay unevaluated (lazy)
             self.mx.eval([c.state[:2] for c in caches])
             if progress:
-                progress("prefill", begin + len(chunk), total)
-        return caches
+                progress("prefill", base + begin + len(chunk), total)
 
     def _extract(self, caches: list[Any], n: int) -> list[LayerKV]:
         """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype."""

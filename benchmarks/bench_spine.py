@@ -1,7 +1,7 @@
 """Spine figures on the embedded model: prefill time, kvpack write/read time, bytes per
-token, decode ms/token at 512, 2048 and 8k tokens (torch, bfloat16 by default).
+token, decode ms/token at 512, 2048 and 8k tokens (torch, float32 by default: no bf16 matmul units on this CPU).
 
-    python benchmarks/bench_spine.py [--depths 512,2048,8064] [--reps 5] [--dtype bfloat16]
+    python benchmarks/bench_spine.py [--depths 512,2048,8064] [--reps 5] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depths", default="512,2048,8064")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--decode-tokens", type=int, default=16)
     args = ap.parse_args()

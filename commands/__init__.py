@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "receive",
     "probe_link",
     "node",
+    "reuse",
 ]
 
 app = typer.Typer(

@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input
+from muser_cli.commands._common import (
+    default_threads, emit_json, err, guarded, info, open_input, progress_callback, read_text_input,
+)
 from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
 
 
@@ -22,7 +24,9 @@ def register(app: typer.Typer) -> None:
         dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the pack's dtype."),
         prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt file: checks the pack, or prefills locally."),
         chat: bool = typer.Option(False, "--chat", help="The prompt uses the chat template."),
-        chunk: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk", help="Chunk size for a local fallback prefill."),
+        chunk: Optional[int] = typer.Option(None, "--chunk", help=f"Chunk size for a local prefill (default {DEFAULT_CHUNK_TOKENS}, or a stored prefix's)."),
+        no_reuse: bool = typer.Option(False, "--no-reuse", help="Do not look in the store before a local prefill."),
+        store: bool = typer.Option(False, "--store", help="Keep the prompt's whole KV in the store afterwards."),
         temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
@@ -47,8 +51,20 @@ def register(app: typer.Typer) -> None:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
-                         fallback_reason=reason or "empty input", progress=progress_callback())
-            if out.fallback:
+                         fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
+                         progress=progress_callback())
+            for line in out.stats.get("store_problems", []):
+                err(f"decode: store: {line}")
+            held = out.stats.get("reuse", {}).get("held_tokens", 0)
+            source = out.stats.get("source")
+            if source == "store":
+                info(f"decode: warm: all {held} rows of the prompt held in the store; no prefill")
+            elif source == "store+local":
+                info(f"decode: no handoff ({out.reason}); {held} rows from the store, prefilled "
+                     f"{out.prompt_tokens - 1 - held} locally in {out.prefill_s:.2f}s")
+            elif source == "delta":
+                info(f"decode: delta merged with the stored prefix of {held} tokens")
+            elif out.fallback:
                 info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
                      f"in {out.prefill_s:.2f}s")
             if as_json:

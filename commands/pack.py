@@ -1,4 +1,4 @@
-"""muser pack: re-encode a kvpack (codec now; quantization and delta come later)."""
+"""muser pack: re-encode a kvpack (codec, quantization, and with --have a delta)."""
 
 from __future__ import annotations
 
@@ -21,20 +21,24 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary (stderr when data goes to stdout)."),
     ) -> None:
         """Re-encode a kvpack frame by frame; every input frame is verified first."""
-        from muser_cli.errors import UsageError
         from muser_cli.pack import pack
 
         with guarded():
+            manifest = None
             if have is not None:
-                raise UsageError("--have (delta packs) is not available in this version")
+                from muser_cli.reuse import HaveManifest
+
+                with open_input(have) as f:
+                    manifest = HaveManifest.loads(f.read(1 << 20 | 1))
             codec = "none" if no_zstd else "zstd+bytegroup"
             with open_input(src) as inp, binary_output(output) as out:
-                res = pack(inp, out, codec=codec, level=zstd, quant=quant)
+                res = pack(inp, out, codec=codec, level=zstd, quant=quant, have=manifest)
             summary = {"frames": res.frames, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
                        "kv_bytes": res.raw_bytes, "ratio": round(res.ratio, 4), "codec": res.codec,
-                       "seconds": round(res.seconds, 4)}
+                       "seconds": round(res.seconds, 4), "held_tokens": res.held_tokens}
             if as_json and output not in ("-", None):
                 emit_json(summary)
             else:
+                delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 info(f"pack: {res.frames} frames, {res.bytes_in} -> {res.bytes_out} bytes "
-                     f"({res.ratio:.2f}x of raw KV, {res.codec})")
+                     f"({res.ratio:.2f}x of raw KV, {res.codec}{delta})")

@@ -6,7 +6,9 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, default_threads, emit_json, guarded, info, progress_callback, read_text_input
+from muser_cli.commands._common import (
+    binary_output, default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input,
+)
 from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
 
 
@@ -18,9 +20,12 @@ def register(app: typer.Typer) -> None:
         engine: str = typer.Option("torch", "--engine", help="torch | mlx | vllm"),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: the engine's)"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-        chunk: int = typer.Option(DEFAULT_CHUNK_TOKENS, "--chunk", help="Canonical prefill chunk size (tokens)."),
+        chunk: Optional[int] = typer.Option(None, "--chunk", help=f"Canonical prefill chunk size (default {DEFAULT_CHUNK_TOKENS}; with --have the manifest's)."),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default, recorded in the pack)."),
         zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames with zstd at LEVEL."),
+        have: Optional[str] = typer.Option(None, "--have", help="Consumer's manifest (`muser reuse have`): write a delta of only what it lacks."),
+        reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),
+        store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stderr."),
     ) -> None:
@@ -29,16 +34,25 @@ def register(app: typer.Typer) -> None:
 
         with guarded():
             text = read_text_input(prompt)
+            manifest = None
+            if have is not None:
+                from muser_cli.reuse import HaveManifest
+
+                with open_input(have) as f:
+                    manifest = HaveManifest.loads(f.read(1 << 20 | 1))
             codec = "zstd+bytegroup" if zstd else "none"
             with binary_output(output) as out:
                 res = prefill(text, out, model=model, engine=engine, dtype=dtype, chat=chat, chunk_tokens=chunk,
-                              threads=threads or default_threads(), codec=codec, level=zstd or 1,
-                              progress=progress_callback())
+                              threads=threads or default_threads(), codec=codec, level=zstd or 1, have=manifest,
+                              reuse=reuse, store=store, progress=progress_callback())
             summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
                        "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
-                       "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4)}
+                       "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4),
+                       "held_tokens": res.held_tokens, "reused_tokens": res.reused_tokens, "stored": res.stored}
             if as_json and output not in ("-", None):
                 emit_json(summary)
             else:
-                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes, "
+                delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
+                reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
+                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes{delta}{reused}, "
                      f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")

@@ -75,11 +75,18 @@ def decode(
     dtype: str | None = None,
     threads: int = 1,
     sampling: Sampling = Sampling(),
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     fallback_reason: str = "",
+    reuse: bool = True,
+    store: bool = False,
     on_token: Callable[[int], None] | None = None,
     progress: ProgressFn | None = None,
 ) -> DecodeOutcome:
+    """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
+    with no pack and a prompt, from local state: the store first (``reuse``; a full hit
+    needs no prefill at all, a partial hit prefills only the suffix), else a local prefill
+    on the canonical schedule. ``chunk_tokens`` None: any stored schedule, else 512.
+    ``store``: keep the prompt's whole cache in the store afterwards."""
     from muser_cli.engines.base import get_engine
     from muser_cli.models import resolve_model
     from muser_cli.prefill import DEFAULT_DTYPE, check_prompt
@@ -103,10 +110,15 @@ def decode(
     if pack is not None:
         # Identity before anything is loaded or decoded: refuse another model's or prompt's KV.
         require_identity(pack.header, info, prompt_ids=prompt_ids)
-        if pack.header.rows_start != 0:
-            raise UsageError("this pack is a delta; decoding deltas needs the reuse store (not in this version)")
+        if pack.header.rows_start > 0:
+            from muser_cli.reuse.manifest import check_base
+
+            check_base(pack.header)  # a base that disagrees with its own pack: refused before loading
         ids = list(pack.header.token_ids)
         dtype = dtype or pack.header.dtype
+        if pack.header.dtype != dtype:
+            raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
+                             hint=f"use --dtype {pack.header.dtype}")
     else:
         assert prompt_ids is not None
         ids = prompt_ids
@@ -118,23 +130,85 @@ def decode(
     load_s = time.perf_counter() - t_load0 + resolve_s
 
     t0 = time.perf_counter()
-    if pack is None:
-        layers = eng.prefill(ids[:-1], chunk_tokens=chunk_tokens, progress=progress)
-        rows = len(ids) - 1
-    else:
-        if pack.header.dtype != dtype:
-            raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
-                             hint=f"use --dtype {pack.header.dtype}")
+    rows = len(ids) - 1
+    reuse_stats: dict = {}
+    problems: list[str] = []
+    st = None
+    layers = None
+    chunk = 0
+    source = "handoff"
+    if pack is not None and pack.header.rows_start > 0:
+        from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
+
+        st = Store()
+        try:
+            layers, entry = resolve_delta(pack, st)
+            source = "delta"
+            reuse_stats = {"held_tokens": pack.header.rows_start, "entry": entry}
+        except BaseNotHeld as exc:
+            if prompt_ids is None:
+                raise
+            fallback_reason = str(exc)
+            pack = None
+        problems += st.problems
+    elif pack is not None:
         layers = pack.layers
-        rows = pack.header.rows_end
+    if pack is None:
+        source = "local"
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        resume = None
+        if reuse:
+            from muser_cli.reuse import Store, find_resume
+
+            st = st or Store()
+            resume = find_resume(st, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=dtype,
+                                 chunk_tokens=chunk_tokens)
+            problems += [p for p in st.problems if p not in problems]
+            if resume is not None and resume.held < rows and not hasattr(eng, "prefill_from"):
+                resume = None  # this engine cannot continue a prefill: only a full hit helps
+        if resume is not None:
+            chunk = resume.scope.chunk_tokens
+            reuse_stats = {"held_tokens": resume.held, "entry": resume.entry, "computed_tokens": rows - resume.held}
+            if resume.held == rows:
+                layers, source = resume.layers, "store"
+            else:
+                layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],  # type: ignore[attr-defined]
+                                          chunk_tokens=chunk, progress=progress)
+                source = "store+local"
+        else:
+            layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress)
     prefill_s = time.perf_counter() - t0
     result = eng.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token)
     # TTFT: request to first token, model load excluded (reading/verifying the pack included).
     ttft = (t_load0 - t_req) - resolve_s + prefill_s + result.ttft_s
+    stats = {"pack_read_s": round(t_read - t_req, 6), "source": source}
+    if reuse_stats:
+        stats["reuse"] = reuse_stats
+    if problems:
+        stats["store_problems"] = problems
+    if store:
+        stats["stored"] = _store(layers, pack, info, ids, dtype=dtype, chunk=chunk,
+                                 engine=engine, threads=threads, eng=eng)
     return DecodeOutcome(
         text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=pack is None,
         load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),
-        engine=engine, dtype=dtype, reason=fallback_reason if pack is None else "",
-        stats={"pack_read_s": round(t_read - t_req, 6)},
+        engine=engine, dtype=dtype, reason=fallback_reason if pack is None else "", stats=stats,
     )
+
+
+def _store(layers, pack: KVPack | None, info, ids, *, dtype: str, chunk: int, engine: str, threads: int, eng) -> str | None:
+    """Keep the prompt's whole cache in the store; None when it is not exact KV (quantized)."""
+    from dataclasses import replace
+
+    from muser_cli.prefill import build_header
+    from muser_cli.reuse import Store
+
+    if pack is not None:
+        if pack.header.quant_scheme != "none":
+            return None
+        header = replace(pack.header, rows_start=0, base=None)
+    else:
+        header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk, engine=engine, threads=threads,
+                              extra=getattr(eng, "producer_info", lambda: {})())
+    return Store().put_layers(header, layers).entry.id

@@ -1,19 +1,25 @@
-"""``pack``: re-encode a kvpack frame by frame (codec, later quantization and delta).
+"""``pack``: re-encode a kvpack frame by frame (codec, quantization, delta).
 
 Streaming: each input frame is verified, then re-encoded and written; an input that
 fails a check stops the output before its end frame, so no consumer can accept it.
+With a consumer's have manifest the output is a delta: full-attention rows the consumer
+lacks plus the sliding-window rings, with ``base`` naming its prefix (docs/reuse.md).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
-from muser_cli.errors import KVPackError, UsageError
+from muser_cli.errors import DataError, IdentityMismatch, KVPackError, UsageError
 from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
+
+if TYPE_CHECKING:
+    from muser_cli.kvpack import PackHeader
+    from muser_cli.reuse.manifest import HaveManifest
 
 READ_BLOCK = 1 << 20
 
@@ -26,13 +32,38 @@ class PackResult:
     raw_bytes: int
     codec: str
     seconds: float
+    held_tokens: int = 0  # the output is a delta from this position
 
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.bytes_out if self.bytes_out else 0.0
 
 
-def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: int = 1, quant: str = "none") -> PackResult:
+def delta_for(header: "PackHeader", have: "HaveManifest") -> "PackHeader":
+    """``header`` cut to what the consumer of ``have`` lacks; refuses another model, prompt or schedule."""
+    from muser_cli.reuse.chain import scope_of_header
+    from muser_cli.reuse.delta import delta_header
+
+    have.check_model(header.model_fingerprint, header.tokenizer_fingerprint, what="this pack's model")
+    have.check_prompt(list(header.token_ids))
+    held = have.held_tokens
+    if header.rows_start > held:
+        raise DataError(f"this pack is a delta from position {header.rows_start}; the consumer holds only {held}",
+                        hint="pack the full prefill (or one cut for this manifest) instead")
+    if held == 0:
+        return header
+    scope = scope_of_header(header)
+    if scope != have.scope:
+        assert have.scope is not None
+        raise IdentityMismatch(
+            f"the consumer's prefix was computed with chunk {have.scope.chunk_tokens} in {have.scope.dtype}, "
+            f"this pack with chunk {scope.chunk_tokens} in {scope.dtype}: the merge would not be exact",
+            hint=f"prefill with --have (or --chunk {have.scope.chunk_tokens} --dtype {have.scope.dtype})")
+    return delta_header(header, scope, held, have.chain)
+
+
+def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: int = 1, quant: str = "none",
+         have: "HaveManifest | None" = None) -> PackResult:
     if codec not in CODEC_NAMES.values():
         raise UsageError(f"unknown codec {codec!r}", hint="one of: " + ", ".join(CODEC_NAMES.values()))
     if quant not in QUANT_SCHEMES:
@@ -41,7 +72,7 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
         raise UsageError("--zstd level must be in [1, 22]")
     t0 = time.perf_counter()
     if quant == "int8":
-        return _pack_quantized(src, out, codec=codec, level=level, t0=t0)
+        return _pack_quantized(src, out, codec=codec, level=level, t0=t0, have=have)
     reader = PackReader()
     writer: PackWriter | None = None
     frames = 0
@@ -51,23 +82,37 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
             break
         for ev in reader.feed(block):
             if isinstance(ev, HeaderEvent):
-                header = replace(ev.header, codec={"name": codec})
+                header = delta_for(ev.header, have) if have is not None else ev.header
+                header = replace(header, codec={"name": codec})
                 writer = PackWriter(out, header, codec=codec, level=level)
             elif isinstance(ev, FrameEvent):
                 assert writer is not None
                 if reader.header is not None and reader.header.quant_scheme != "none":
                     raise UsageError("this pack is already quantized; re-encode it with its own --quant")
-                writer.write_frame(ev.layer, ev.start, ev.keys, ev.values)
-                frames += 1
+                part = _cut(writer.header, ev)
+                if part is not None:
+                    writer.write_frame(ev.layer, *part)
+                    frames += 1
     reader.finish()
     if writer is None:
         raise KVPackError("empty input: no kvpack")
     writer.finish()
     return PackResult(frames=frames, bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
-                      raw_bytes=writer.raw_bytes, codec=codec, seconds=time.perf_counter() - t0)
+                      raw_bytes=writer.raw_bytes, codec=codec, seconds=time.perf_counter() - t0,
+                      held_tokens=writer.header.rows_start)
 
 
-def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0: float) -> PackResult:
+def _cut(header: "PackHeader", ev: FrameEvent):
+    """(start, keys, values) of the part of an input frame that ``header`` carries, or None."""
+    if header.rows_start == 0:
+        return ev.start, ev.keys, ev.values
+    from muser_cli.reuse.delta import cut_frame
+
+    return cut_frame(header, ev.layer, ev.start, ev.keys, ev.values)
+
+
+def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0: float,
+                    have: "HaveManifest | None" = None) -> PackResult:
     """int8: the measured error goes in the header, so every frame is read (and verified) first."""
     reader = PackReader()
     frames: list[FrameEvent] = []
@@ -81,8 +126,13 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
                 header = ev.header
                 if header.quant_scheme != "none":
                     raise UsageError("this pack is already quantized")
+                if have is not None:
+                    header = delta_for(header, have)
             elif isinstance(ev, FrameEvent):
-                frames.append(ev)
+                assert header is not None
+                part = _cut(header, ev)
+                if part is not None:
+                    frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2]))
     reader.finish()
     if header is None:
         raise KVPackError("empty input: no kvpack")
@@ -109,4 +159,4 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
     writer.finish()
     return PackResult(frames=len(frames), bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
                       raw_bytes=new_header.total_logical_bytes(), codec=f"{codec}+int8",
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, held_tokens=new_header.rows_start)

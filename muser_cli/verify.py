@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
 from muser_cli.errors import KVPackError, UsageError
@@ -96,6 +96,13 @@ def verify(
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     checks += identity_checks(h, info, prompt_ids=prompt_ids)
     summary = summarize(pack)
+    if h.rows_start > 0:
+        check, merged = _check_base(pack)
+        checks.append(check)
+        if merged is not None:
+            summary["base"] = dict(h.base or {}, entry=merged[1])
+            pack = KVPack(header=replace(h, rows_start=0, base=None), layers=merged[0], root_digest=pack.root_digest,
+                          total_bytes=pack.total_bytes, stored_bytes=pack.stored_bytes)
     if audit < 0:
         raise UsageError("--audit must be >= 0")
     if audit and all(c.ok for c in checks):
@@ -115,6 +122,21 @@ def verify(
     elif audit:
         checks.append(Check("audit", False, "not run: identity checks failed"))
     return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+def _check_base(pack: KVPack) -> tuple[Check, tuple | None]:
+    """A delta pack: is its base consistent, and does this machine's store hold it?
+    Returns the check and, when held, (the merged layers, the entry id)."""
+    from muser_cli.errors import DataError
+    from muser_cli.reuse import Store, resolve_delta
+
+    try:
+        layers, entry = resolve_delta(pack, Store())
+    except DataError as exc:  # BaseNotHeld included
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        return Check("base", False, f"{exc}{hint}"), None
+    return Check("base", True, f"delta from position {pack.header.rows_start}: prefix held by store entry "
+                               f"{entry[:12]}"), (layers, entry)
 
 
 class _Tee:

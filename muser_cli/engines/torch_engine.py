@@ -72,6 +72,40 @@ class TorchEngine(Engine):
             cache = self._prefill_cache(ids, chunk_tokens, progress)
             return self._extract(cache, len(ids))
 
+    def prefill_from(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        token_ids: Sequence[int],
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
+        ``rows`` positions (a multiple of ``chunk_tokens``: a chunk boundary), ``token_ids`` are
+        the next prompt tokens. Returns what :meth:`prefill` over all ``rows + len(token_ids)``
+        tokens returns, byte for byte (every chunk sees the same inputs and shapes)."""
+        if rows == 0:
+            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress)
+        if chunk_tokens < 1 or rows % chunk_tokens:
+            raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
+        ids = self._check_ids(token_ids)
+        total = rows + len(ids)
+        if total >= self.info.max_positions:
+            raise UsageError(
+                f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
+            )
+        with self._session():
+            cache = self._install(layers, rows)
+            if progress:
+                progress("prefill", rows, total)
+            for begin in range(0, len(ids), chunk_tokens):
+                chunk = ids[begin : begin + chunk_tokens]
+                self._forward(chunk, rows + begin, cache, keep=1)
+                if progress:
+                    progress("prefill", rows + begin + len(chunk), total)
+            return self._extract(cache, total)
+
     # ------------------------------------------------------------------ consumer
 
     def decode(

@@ -1,0 +1,90 @@
+"""Library verbs of ``muser reuse``: have, put, get, ls, rm, gc (the commands only render)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from typing import BinaryIO, Sequence
+
+from muser_cli.errors import MuserError, UsageError
+from muser_cli.reuse.manifest import HaveManifest
+from muser_cli.reuse.store import Entry, GCResult, PutResult, Store
+
+
+def have(
+    prompt: str,
+    *,
+    model: str | None = None,
+    chat: bool = False,
+    dtype: str | None = None,
+    chunk_tokens: int | None = None,
+    store: Store | None = None,
+) -> HaveManifest:
+    """How much of ``prompt`` the store holds: the manifest a consumer gives a producer.
+
+    Loads no weights (fingerprints and the tokenizer only). ``held_tokens`` is the deepest
+    point any entry serves (full-attention rows [0, held)); ``complete`` says an entry holds
+    the whole cache of prompt[:-1], sliding-window rings included (decode needs no producer).
+    """
+    from muser_cli.kvpack import token_digest
+    from muser_cli.models import resolve_model
+    from muser_cli.tokens import encode_prompt
+
+    info = resolve_model(model)
+    ids = encode_prompt(info, prompt, chat=chat)
+    if len(ids) < 2:
+        raise UsageError(f"prompt is {len(ids)} token(s); a handoff needs at least 2")
+    store = store or Store()
+    base = HaveManifest(info.fingerprint, info.name, info.tokenizer_fingerprint, len(ids), token_digest(ids))
+    for point in store.points(info.fingerprint, info.tokenizer_fingerprint, ids, len(ids) - 1, dtype=dtype,
+                              chunk_tokens=chunk_tokens):
+        path = store.pack_path(point.entry)
+        try:
+            if path.stat().st_size != store.entry(point.entry).bytes:
+                continue
+        except (OSError, MuserError):  # vanished or removed meanwhile
+            continue
+        complete = point.held == len(ids) - 1 and point.resumable
+        return replace(base, held_tokens=point.held, complete=complete, entry_id=point.entry, chain=point.chain,
+                       scope=point.scope)
+    return base
+
+
+def put(src: BinaryIO, *, store: Store | None = None) -> PutResult:
+    """Verify and store a kvpack (a delta is merged with its stored base first)."""
+    return (store or Store()).put(src)
+
+
+def get(entry: str, out: BinaryIO, *, store: Store | None = None) -> Entry:
+    """Write a stored pack to ``out``, byte for byte, after verifying it."""
+    store = store or Store()
+    entry_id = store.find(entry)
+    store.load(entry_id)  # verifies (a corrupt entry is removed and raises)
+    with open(store.pack_path(entry_id), "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)
+    return store.entry(entry_id)
+
+
+def ls(*, store: Store | None = None, model: str | None = None) -> list[Entry]:
+    fingerprint = None
+    if model is not None:
+        from muser_cli.models import resolve_model
+
+        fingerprint = resolve_model(model).fingerprint
+    return (store or Store()).entries(model=fingerprint)
+
+
+def rm(entries: Sequence[str], *, store: Store | None = None, everything: bool = False) -> list[str]:
+    store = store or Store()
+    if everything:
+        ids = [e.id for e in store.entries()]
+    else:
+        if not entries:
+            raise UsageError("name the entries to remove (see `muser reuse ls`), or --all")
+        ids = [store.find(e) for e in entries]
+    return store.remove(ids)
+
+
+def gc(*, max_bytes: int | None = None, verify: bool = False, rebuild: bool = False,
+       store: Store | None = None) -> GCResult:
+    return (store or Store()).gc(max_bytes=max_bytes, verify=verify, rebuild=rebuild)

@@ -1,0 +1,124 @@
+"""Delta packs: cut a pack down to what a consumer lacks, and merge one back.
+
+A delta kvpack (docs/reuse.md §3) is an ordinary v1.0 kvpack whose ``positions.start``
+is the number of prompt tokens the consumer holds (``held``): its full-attention layers
+carry rows [held, end), its sliding-window layers their usual last window-1 rows (a ring
+always ships whole: the consumer's stored ring belongs to another point), and its
+``base`` names the prefix by chain hash. Merging takes full-attention rows [0, held) from
+a stored entry with that chain and everything else from the delta: byte for byte the
+pack one full prefill would have produced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from muser_cli.errors import DataError, IdentityMismatch
+from muser_cli.kvpack import KVPack, LayerKV, LayerSpec, PackHeader
+from muser_cli.reuse.chain import Scope
+from muser_cli.reuse.manifest import base_object, check_base
+
+
+class BaseNotHeld(IdentityMismatch):
+    """A delta pack extends a prefix this machine does not hold (exit 65)."""
+
+
+def delta_header(header: PackHeader, scope: Scope, held: int, chain: str | None) -> PackHeader:
+    """``header`` cut to start at ``held`` (0: a full pack, no base)."""
+    if held == 0:
+        return replace(header, rows_start=0, base=None)
+    assert chain is not None
+    return replace(header, rows_start=held, base=base_object(scope, held, chain))
+
+
+def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int) -> list[LayerKV]:
+    """The cache as of ``rows`` positions, taken from ``layers`` (which must hold it): full
+    layers rows [0, rows), sliding layers their last window-1 rows before ``rows``."""
+    out = []
+    for i, (lk, spec) in enumerate(zip(layers, specs)):
+        first = rows - spec.carried_rows(rows)
+        a, b = first - lk.first_row, rows - lk.first_row
+        if a < 0 or b > lk.keys.shape[1]:
+            raise DataError(f"layer {i} holds positions [{lk.first_row}, {lk.first_row + lk.keys.shape[1]}), "
+                            f"not [{first}, {rows})")
+        out.append(LayerKV(keys=lk.keys[:, a:b], values=lk.values[:, a:b], first_row=first))
+    return out
+
+
+def merge(prefix: Sequence[LayerKV], delta: KVPack) -> list[LayerKV]:
+    """Full layers: ``prefix`` rows [0, held) then the delta's; sliding layers: the delta's ring."""
+    h = delta.header
+    held = h.rows_start
+    out = []
+    for i, (spec, mine, theirs) in enumerate(zip(h.layers, prefix, delta.layers)):
+        if spec.kind == "sliding":
+            out.append(theirs)
+            continue
+        if mine.first_row != 0 or mine.keys.shape[1] < held:
+            raise DataError(f"layer {i}: the stored prefix does not cover rows [0, {held})")
+        keys = np.concatenate([mine.keys[:, :held], theirs.keys], axis=1)  # (kv_heads, rows, head_dim)
+        values = np.concatenate([mine.values[:, :held], theirs.values], axis=1)
+        out.append(LayerKV(keys=keys, values=values, first_row=0))
+    return out
+
+
+def resolve_delta(pack: KVPack, store) -> tuple[list[LayerKV], str]:
+    """Merge a delta pack with the stored prefix its base names: (the whole cache, entry id).
+
+    Raises DataError when the base disagrees with the pack itself and BaseNotHeld when no
+    stored entry (that still verifies) holds the prefix."""
+    scope, held, chain = check_base(pack.header)
+    for point in store.points(scope.model, scope.tokenizer, pack.header.token_ids, held, dtype=scope.dtype,
+                              chunk_tokens=scope.chunk_tokens, chain=chain):
+        from muser_cli.reuse.store import CorruptEntry
+
+        try:
+            stored = store.load(point.entry)
+        except CorruptEntry:
+            continue
+        return merge(stored.layers, pack), point.entry
+    raise BaseNotHeld(
+        f"delta pack extends a {held}-token prefix (chain {chain[:19]}…) that this machine's store does not hold",
+        hint="ask the producer for a full pack (no --have), or decode with --prompt to prefill locally")
+
+
+@dataclass
+class Resume:
+    """Where a local prefill can start: the whole cache as of ``held`` rows, from a store entry."""
+
+    held: int
+    layers: list[LayerKV]
+    entry: str
+    scope: Scope
+
+
+def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype: str,
+                chunk_tokens: int | None = None) -> Resume | None:
+    """The deepest stored point from which prompt ``ids`` can be prefilled exactly (rings
+    included): at most len(ids)-1 rows, i.e. a full hit when held == len(ids)-1."""
+    from muser_cli.reuse.store import CorruptEntry
+
+    tried: set[str] = set()
+    for point in store.points(model, tokenizer, ids, len(ids) - 1, dtype=dtype, chunk_tokens=chunk_tokens):
+        if not point.resumable or point.entry in tried:
+            continue
+        tried.add(point.entry)
+        try:
+            stored = store.load(point.entry)
+        except CorruptEntry:
+            continue
+        return Resume(point.held, layers_at(stored.layers, stored.header.layers, point.held), point.entry, point.scope)
+    return None
+
+
+def cut_frame(header: PackHeader, layer: int, start: int, keys, values):
+    """The part of an input frame (layer, start, rows) that a delta ``header`` carries, or None."""
+    first = header.layer_first_row(layer)
+    count = keys.shape[1]
+    if start + count <= first:
+        return None
+    a = max(0, first - start)
+    return start + a, keys[:, a:], values[:, a:]

@@ -1,0 +1,522 @@
+"""The reuse store: verified kvpacks, found by chained prefix hashes.
+
+Layout (under ``paths.store_dir()``; ``MUSER_HOME`` overrides), docs/reuse.md §1:
+
+    index.sqlite3            entries, and their points: chain hash -> (entry, held tokens)
+    packs/<ab>/<id>.kvpack   each pack as put; id = its root digest (hex): content-addressed
+    tmp/                     packs being written (gc sweeps leftovers of killed writers)
+    lock                     flock held while publishing or removing (file and index together)
+
+Rules:
+  * a pack is published (renamed into packs/, then indexed) only after its root digest
+    verified and its bytes were fsynced; nothing half-written ever sits under packs/;
+  * every read re-verifies the whole pack with the kvpack reader; a pack that fails, is
+    missing, or disagrees with its index row is removed and reported in ``problems``,
+    never used (:class:`CorruptEntry`);
+  * the total size is capped: after each put, least-recently-used entries are evicted;
+  * any number of processes may put, look up, remove and gc at once: publication and
+    removal hold ``lock``; SQLite serializes index writes; a reader whose file vanished
+    under it (another process evicted it) treats the entry as missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator, Sequence
+
+from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
+from muser_cli.fsio import fsync_dir
+from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack
+from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
+
+DEFAULT_MAX_BYTES = 20 << 30
+ENV_MAX_BYTES = "MUSER_STORE_MAX"
+STALE_TMP_S = 3600.0
+READ_BLOCK = 1 << 20
+SQL_BATCH = 500
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    id TEXT PRIMARY KEY, model TEXT NOT NULL, tokenizer TEXT NOT NULL, dtype TEXT NOT NULL,
+    chunk INTEGER NOT NULL, model_name TEXT NOT NULL, tokens INTEGER NOT NULL, rows INTEGER NOT NULL,
+    token_digest TEXT NOT NULL, bytes INTEGER NOT NULL, codec TEXT NOT NULL,
+    created REAL NOT NULL, last_used REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_used);
+CREATE INDEX IF NOT EXISTS entries_scope ON entries(model, tokenizer);
+CREATE TABLE IF NOT EXISTS points (
+    chain TEXT NOT NULL, entry TEXT NOT NULL, held INTEGER NOT NULL, resumable INTEGER NOT NULL,
+    PRIMARY KEY (chain, entry)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS points_entry ON points(entry);
+CREATE TABLE IF NOT EXISTS scopes (
+    model TEXT NOT NULL, tokenizer TEXT NOT NULL, dtype TEXT NOT NULL, chunk INTEGER NOT NULL,
+    PRIMARY KEY (model, tokenizer, dtype, chunk)) WITHOUT ROWID;
+INSERT OR IGNORE INTO scopes SELECT DISTINCT model, tokenizer, dtype, chunk FROM entries;
+PRAGMA user_version = 1;
+"""
+SCHEMA_VERSION = 1
+_ENTRY_COLS = "id, model, tokenizer, dtype, chunk, model_name, tokens, rows, token_digest, bytes, codec, created, last_used"
+
+
+class CorruptEntry(DataError):
+    """A stored pack failed verification (or vanished); it has been removed."""
+
+
+def parse_size(text: str | int) -> int:
+    """``20G``, ``512M``, ``1.5GiB``, ``4096`` -> bytes (powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if s.endswith(suffix):
+            s, mult = s[:-1], m
+            break
+    try:
+        value = float(s)
+    except ValueError:
+        raise UsageError(f"cannot read size {text!r}", hint="write it like 20G, 512M or 1048576") from None
+    if value < 0:
+        raise UsageError(f"size {text!r} is negative")
+    return int(value * mult)
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    model: str
+    tokenizer: str
+    dtype: str
+    chunk_tokens: int
+    model_name: str
+    tokens: int  # prompt tokens (rows = tokens - 1)
+    rows: int
+    token_digest: str
+    bytes: int
+    codec: str
+    created: float
+    last_used: float
+
+    @property
+    def scope(self) -> Scope:
+        return Scope(self.model, self.tokenizer, self.dtype, self.chunk_tokens)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "model": self.model_name, "model_fingerprint": self.model,
+                "tokenizer_fingerprint": self.tokenizer, "dtype": self.dtype, "chunk_tokens": self.chunk_tokens,
+                "tokens": self.tokens, "rows": self.rows, "token_digest": self.token_digest, "bytes": self.bytes,
+                "codec": self.codec, "created": round(self.created, 3), "last_used": round(self.last_used, 3)}
+
+
+@dataclass(frozen=True)
+class Point:
+    """An entry can serve rows [0, held) of a prompt whose chain at ``held`` is ``chain``."""
+
+    entry: str
+    held: int
+    resumable: bool  # it also holds the sliding-window rings as of ``held``
+    chain: str
+    scope: Scope
+    last_used: float
+
+
+@dataclass
+class PutResult:
+    entry: Entry
+    points: int
+    new: bool
+    evicted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GCResult:
+    evicted: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # corrupt, missing or orphaned
+    tmp_removed: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
+class Store:
+    """A store of verified kvpacks under ``root`` (default ``paths.store_dir()``)."""
+
+    def __init__(self, root: Path | str | None = None, *, max_bytes: int | None = None) -> None:
+        from muser_cli.paths import store_dir
+
+        self.root = Path(root) if root is not None else store_dir()
+        if max_bytes is None:
+            env = os.environ.get(ENV_MAX_BYTES)
+            max_bytes = parse_size(env) if env else DEFAULT_MAX_BYTES
+        self.max_bytes = max_bytes
+        self.problems: list[str] = []  # corrupt entries found and removed, for the caller to report
+        self._db: sqlite3.Connection | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def index_path(self) -> Path:
+        return self.root / "index.sqlite3"
+
+    def pack_path(self, entry_id: str) -> Path:
+        return self.root / "packs" / entry_id[:2] / f"{entry_id}.kvpack"
+
+    def exists(self) -> bool:
+        return self.index_path.exists()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            from muser_cli.paths import ensure_dir
+
+            ensure_dir(self.root)
+            try:
+                db = sqlite3.connect(str(self.index_path), timeout=60.0, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                    db.executescript(SCHEMA)
+            except sqlite3.DatabaseError as exc:
+                raise DataError(f"reuse store index {self.index_path} is unreadable ({exc})",
+                                hint="rebuild it from the packs: muser reuse gc --rebuild") from None
+            self._db = db
+        return self._db
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def _sql(self, query: str, args: Sequence = ()) -> list[tuple]:
+        try:
+            return self._conn().execute(query, tuple(args)).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        db = self._conn()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        from muser_cli.paths import ensure_dir
+
+        ensure_dir(self.root)
+        fd = os.open(str(self.root / "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _tmp_file(self) -> tuple[int, Path]:
+        from muser_cli.paths import ensure_dir
+
+        tmp_dir = ensure_dir(self.root / "tmp")
+        fd, name = tempfile.mkstemp(prefix="put-", suffix=".part", dir=tmp_dir)
+        return fd, Path(name)
+
+    # ------------------------------------------------------------------ writing
+    def put(self, src: BinaryIO) -> PutResult:
+        """Verify a full, unquantized kvpack from ``src`` while copying it in, then publish it."""
+        fd, tmp = self._tmp_file()
+        try:
+            reader = PackReader(decode=False)  # digests and structure; every later read decodes too
+            with os.fdopen(fd, "wb") as out:
+                while True:
+                    block = src.read(READ_BLOCK)
+                    if not block:
+                        break
+                    reader.feed(block)
+                    if reader.header is not None:
+                        _check_storable(reader.header, delta_ok=True)
+                    out.write(block)
+                reader.finish()
+                out.flush()
+                os.fsync(out.fileno())
+            assert reader.header is not None and reader.root_digest is not None
+            if reader.header.rows_start > 0:
+                return self._put_delta(tmp)
+            return self._publish(tmp, reader.header, reader.root_digest.hex(), reader.bytes_consumed)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _put_delta(self, path: Path) -> PutResult:
+        """A delta is stored merged with its base (which must be held here)."""
+        from muser_cli.reuse.delta import resolve_delta
+
+        with open(path, "rb") as f:
+            pack = read_pack(f)
+        layers, _ = resolve_delta(pack, self)
+        return self.put_layers(pack.header, layers)
+
+    def put_layers(self, header: PackHeader, layers: Sequence) -> PutResult:
+        """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""
+        from dataclasses import replace
+
+        from muser_cli.kvpack import write_pack
+
+        header = replace(header, rows_start=0, base=None, codec={"name": "none"})
+        _check_storable(header)
+        fd, tmp = self._tmp_file()
+        try:
+            with os.fdopen(fd, "wb") as out:
+                writer = write_pack(out, header, layers, codec="none")
+                out.flush()
+                os.fsync(out.fileno())
+            return self._publish(tmp, writer.header, writer.root_digest.hex(), writer.bytes_written)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _publish(self, tmp: Path, header: PackHeader, entry_id: str, nbytes: int) -> PutResult:
+        scope = scope_of_header(header)
+        points = chain_points(scope, header.token_ids, header.rows_end)
+        rows = [(chain, entry_id, held, int(resumable(header.layers, header.rows_end, held))) for held, chain in points]
+        now = time.time()
+        final = self.pack_path(entry_id)
+        with self._locked():
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+            with self._write() as db:
+                new = db.execute("SELECT 1 FROM entries WHERE id=?", (entry_id,)).fetchone() is None
+                if new:
+                    db.execute(f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                               (entry_id, scope.model, scope.tokenizer, scope.dtype, scope.chunk_tokens,
+                                header.model_name, len(header.token_ids), header.rows_end, header.token_digest,
+                                nbytes, str(header.codec.get("name", "none")), now, now))
+                    db.executemany("INSERT OR IGNORE INTO points VALUES (?,?,?,?)", rows)
+                    db.execute("INSERT OR IGNORE INTO scopes VALUES (?,?,?,?)",
+                               (scope.model, scope.tokenizer, scope.dtype, scope.chunk_tokens))
+                else:
+                    db.execute("UPDATE entries SET last_used=? WHERE id=?", (now, entry_id))
+        evicted = self._enforce_cap(keep=entry_id)
+        return PutResult(self.entry(entry_id), len(points), new, evicted)
+
+    # ------------------------------------------------------------------ reading
+    def entry(self, entry_id: str) -> Entry:
+        rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries WHERE id=?", (entry_id,))
+        if not rows:
+            raise MissingInput(f"no store entry {entry_id}")
+        return Entry(*rows[0])
+
+    def entries(self, *, model: str | None = None) -> list[Entry]:
+        if not self.exists():
+            return []
+        if model is None:
+            rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries ORDER BY last_used DESC")
+        else:
+            rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries WHERE model=? ORDER BY last_used DESC", (model,))
+        return [Entry(*r) for r in rows]
+
+    def find(self, prefix: str) -> str:
+        """The entry id that starts with ``prefix`` (at least 4 hex digits)."""
+        p = prefix.strip().lower()
+        if len(p) < 4 or any(ch not in "0123456789abcdef" for ch in p):
+            raise UsageError(f"{prefix!r} is not an entry id (4 or more hex digits)", hint="see `muser reuse ls`")
+        rows = self._sql("SELECT id FROM entries WHERE id >= ? AND id < ? LIMIT 2", (p, p + "g")) if self.exists() else []
+        if not rows:
+            raise MissingInput(f"no store entry {prefix}", hint="see `muser reuse ls`")
+        if len(rows) > 1:
+            raise UsageError(f"entry id {prefix} is ambiguous", hint="give more digits")
+        return rows[0][0]
+
+    def points(
+        self,
+        model: str,
+        tokenizer: str,
+        ids: Sequence[int],
+        limit: int,
+        *,
+        dtype: str | None = None,
+        chunk_tokens: int | None = None,
+        chain: str | None = None,
+    ) -> list[Point]:
+        """Every point at which a stored entry serves a prefix of ``ids[:limit]``, deepest first
+        (then resumable first, then most recently used). ``chain`` restricts to one point."""
+        if not self.exists() or limit < 1:
+            return []
+        query = "SELECT dtype, chunk FROM scopes WHERE model=? AND tokenizer=?"  # a scope may be empty: harmless
+        args: list = [model, tokenizer]
+        if dtype is not None:
+            query += " AND dtype=?"
+            args.append(dtype)
+        if chunk_tokens is not None:
+            query += " AND chunk=?"
+            args.append(chunk_tokens)
+        found: list[Point] = []
+        for dt, chunk in self._sql(query, args):
+            scope = Scope(model, tokenizer, dt, chunk)
+            wanted = {c: n for n, c in chain_points(scope, ids, limit)}
+            if chain is not None:
+                wanted = {chain: wanted[chain]} if chain in wanted else {}
+            keys = list(wanted)
+            for i in range(0, len(keys), SQL_BATCH):
+                batch = keys[i : i + SQL_BATCH]
+                marks = ",".join("?" * len(batch))
+                for c, entry_id, held, res, used in self._sql(
+                    "SELECT p.chain, p.entry, p.held, p.resumable, e.last_used FROM points p JOIN entries e "
+                    f"ON e.id = p.entry WHERE p.chain IN ({marks})", batch,
+                ):
+                    if held == wanted[c]:
+                        found.append(Point(entry_id, held, bool(res), c, scope, used))
+        found.sort(key=lambda p: (p.held, p.resumable, p.last_used), reverse=True)
+        return found
+
+    def load(self, entry_id: str) -> KVPack:
+        """Read and verify an entry's whole pack; on any failure remove it and raise CorruptEntry."""
+        try:
+            entry = self.entry(entry_id)
+        except MissingInput:
+            raise CorruptEntry(f"store entry {entry_id[:12]} vanished (removed by another process)") from None
+        path = self.pack_path(entry_id)
+        try:
+            with open(path, "rb") as f:
+                pack = read_pack(f)
+        except FileNotFoundError:
+            self._drop(entry_id, "its file is missing")
+            raise CorruptEntry(f"store entry {entry_id[:12]} vanished (removed)") from None
+        except (KVPackError, OSError) as exc:
+            self._drop(entry_id, str(exc))
+            raise CorruptEntry(f"store entry {entry_id[:12]} is corrupt ({exc}); removed") from None
+        h = pack.header
+        if (pack.root_digest.hex() != entry_id or h.token_digest != entry.token_digest
+                or scope_of_header(h) != entry.scope or h.rows_start != 0):
+            self._drop(entry_id, "its pack disagrees with the index")
+            raise CorruptEntry(f"store entry {entry_id[:12]} disagrees with its index row; removed")
+        self.touch(entry_id)
+        return pack
+
+    def touch(self, entry_id: str) -> None:
+        with self._write() as db:
+            db.execute("UPDATE entries SET last_used=? WHERE id=?", (time.time(), entry_id))
+
+    # ------------------------------------------------------------------ removing
+    def _drop(self, entry_id: str, reason: str) -> None:
+        self.problems.append(f"removed store entry {entry_id[:12]}: {reason}")
+        self.remove([entry_id])
+
+    def remove(self, ids: Sequence[str]) -> list[str]:
+        """Remove entries (index rows first, then files). Returns the ids that existed."""
+        gone = []
+        with self._locked():
+            with self._write() as db:
+                for entry_id in ids:
+                    if db.execute("DELETE FROM entries WHERE id=?", (entry_id,)).rowcount:
+                        gone.append(entry_id)
+                    db.execute("DELETE FROM points WHERE entry=?", (entry_id,))
+            for entry_id in ids:
+                with contextlib.suppress(FileNotFoundError):
+                    self.pack_path(entry_id).unlink()
+        return gone
+
+    def total_bytes(self) -> int:
+        if not self.exists():
+            return 0
+        return int(self._sql("SELECT COALESCE(SUM(bytes), 0) FROM entries")[0][0])
+
+    def _enforce_cap(self, *, keep: str | None = None, max_bytes: int | None = None) -> list[str]:
+        cap = self.max_bytes if max_bytes is None else max_bytes
+        total = self.total_bytes()
+        if total <= cap:
+            return []
+        victims = []
+        for entry_id, nbytes in self._sql("SELECT id, bytes FROM entries ORDER BY last_used ASC"):
+            if total <= cap:
+                break
+            if entry_id == keep:
+                continue
+            victims.append(entry_id)
+            total -= nbytes
+        return self.remove(victims)
+
+    def gc(self, *, max_bytes: int | None = None, verify: bool = False, rebuild: bool = False) -> GCResult:
+        """Sweep stale temporaries, orphaned files and index rows without files; optionally
+        re-verify every pack or rebuild the index from the packs; then evict to ``max_bytes``."""
+        res = GCResult()
+        tmp_dir = self.root / "tmp"
+        if tmp_dir.is_dir():
+            for p in tmp_dir.iterdir():
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - p.stat().st_mtime > STALE_TMP_S:
+                        p.unlink()
+                        res.tmp_removed += 1
+        if rebuild:
+            res.removed += self._rebuild()
+        with self._locked():
+            known = {r[0] for r in self._sql("SELECT id FROM entries")}
+            on_disk = {p.stem: p for p in (self.root / "packs").glob("*/*.kvpack")}
+            for entry_id, p in on_disk.items():
+                if entry_id not in known:
+                    p.unlink()
+                    res.removed.append(entry_id)
+            missing = sorted(known - set(on_disk))
+        if missing:
+            res.removed += self.remove(missing)
+        if verify:
+            for entry in self.entries():
+                try:
+                    self.load(entry.id)
+                except CorruptEntry:
+                    res.removed.append(entry.id)
+        res.evicted = self._enforce_cap(max_bytes=max_bytes)
+        with self._write() as db:
+            db.execute("DELETE FROM scopes WHERE NOT EXISTS (SELECT 1 FROM entries e WHERE e.model = scopes.model "
+                       "AND e.tokenizer = scopes.tokenizer AND e.dtype = scopes.dtype AND e.chunk = scopes.chunk)")
+        res.entries = len(self.entries())
+        res.bytes = self.total_bytes()
+        return res
+
+    def _rebuild(self) -> list[str]:
+        """Move the index aside and index every pack file again (each one verified)."""
+        removed = []
+        with self._locked():
+            self.close()
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for suffix in ("", "-wal", "-shm"):
+                p = Path(str(self.index_path) + suffix)
+                if p.exists():
+                    os.replace(p, Path(f"{self.index_path}.broken-{stamp}{suffix}"))
+            files = sorted((self.root / "packs").glob("*/*.kvpack"))
+        for p in files:
+            reader = PackReader(decode=False)
+            try:
+                with open(p, "rb") as f:
+                    while block := f.read(READ_BLOCK):
+                        reader.feed(block)
+                reader.finish()
+                assert reader.header is not None and reader.root_digest is not None
+                _check_storable(reader.header)
+                if reader.root_digest.hex() != p.stem:
+                    raise KVPackError("file name is not its root digest")
+            except (KVPackError, DataError, OSError):
+                p.unlink()
+                removed.append(p.stem)
+                continue
+            fd, tmp = self._tmp_file()
+            os.close(fd)
+            os.replace(p, tmp)  # _publish renames it back and indexes it
+            self._publish(tmp, reader.header, p.stem, reader.bytes_consumed)
+        return removed
+
+
+def _check_storable(header: PackHeader, *, delta_ok: bool = False) -> None:
+    if header.quant_scheme != "none":
+        raise DataError("the store keeps exact KV only; this pack is quantized", hint="put the pack before --quant")
+    if header.rows_start != 0 and not delta_ok:
+        raise DataError("a delta pack cannot be stored by itself", hint="decode it with --store to store the merge")

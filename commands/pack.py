@@ -19,10 +19,15 @@ def register(app: typer.Typer) -> None:
         quant: str = typer.Option("none", "--quant", help="none | int8 (lossy: scale per layer x K/V x head x token; error recorded in the header)."),
         have: Optional[str] = typer.Option(None, "--have", help="Manifest of what the consumer holds (delta)."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary (stderr when data goes to stdout)."),
+        show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
     ) -> None:
         """Re-encode a kvpack frame by frame; every input frame is verified first."""
         from muser_cli.pack import pack
 
+        if show_info:
+            with guarded(as_json=as_json), open_input(src) as inp:
+                _show_info(inp, as_json=as_json)
+            return
         with guarded():
             manifest = None
             if have is not None:
@@ -42,3 +47,33 @@ def register(app: typer.Typer) -> None:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 info(f"pack: {res.frames} frames, {res.bytes_in} -> {res.bytes_out} bytes "
                      f"({res.ratio:.2f}x of raw KV, {res.codec}{delta})")
+
+
+def _show_info(inp, *, as_json: bool) -> None:
+    from muser_cli.pack import pack_info
+
+    d = pack_info(inp)
+    if as_json:
+        emit_json(d)
+        return
+    kinds = ", ".join(f"{n} {k}" for k, n in d["layers"].items())
+    by_kind = ", ".join(f"{k} {v:,}" for k, v in d["kv_bytes_by_kind"].items())
+    quant = d["quant"]
+    qline = quant["scheme"]
+    if quant["scheme"] != "none":
+        err = quant.get("error", {})
+        qline += (f" (max abs error K {err.get('k_max_abs', 0):.4g}, V {err.get('v_max_abs', 0):.4g}; "
+                  f"mean K {err.get('k_mean_abs', 0):.3g}, V {err.get('v_mean_abs', 0):.3g})")
+    lines = [
+        f"kvpack {d['version']}  verified ({d['frames']} frames, root {d['root_digest'][:16]}…)",
+        f"  model      {d['model']}  {d['model_fingerprint'][:23]}…",
+        f"  tokenizer  {d['tokenizer_fingerprint'][:23]}…",
+        f"  tokens     {d['tokens']} (rows {d['rows'][0]}..{d['rows'][1]}{', delta' if d['delta'] else ''}), "
+        f"chunk {d['chunk_tokens']}, {d['dtype']}",
+        f"  layers     {kinds}",
+        f"  KV bytes   {d['kv_bytes']:,} ({by_kind})",
+        f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}, ratio {d['ratio']}x",
+        f"  quant      {qline}",
+        f"  producer   " + ", ".join(f"{k}={v}" for k, v in sorted(d["producer"].items())),
+    ]
+    typer.echo("\n".join(lines))

@@ -45,11 +45,21 @@ class DecodeOutcome:
 
 def read_optional_pack(src: BinaryIO | None) -> KVPack | None:
     """Read a pack, or ``None`` when the input is empty (no handoff arrived)."""
+    return read_optional_pack_timed(src)[0]
+
+
+def read_optional_pack_timed(src: BinaryIO | None) -> tuple[KVPack | None, float]:
+    """(pack or None, perf_counter when the first byte arrived or the input ended).
+
+    In a pipe (``receive | verify | decode``) the wait for the first byte is the
+    producer's time, not the consumer's: TTFT on this side starts when data arrives.
+    """
     if src is None:
-        return None
+        return None, time.perf_counter()
     first = src.read(1)
+    t_first = time.perf_counter()
     if not first:
-        return None
+        return None, t_first
 
     class _Prefixed:
         def __init__(self) -> None:
@@ -61,7 +71,7 @@ def read_optional_pack(src: BinaryIO | None) -> KVPack | None:
                 return head + (src.read(n - 1) if n and n > 1 else b"")
             return src.read(n)
 
-    return read_pack(_Prefixed())  # type: ignore[arg-type]
+    return read_pack(_Prefixed()), t_first  # type: ignore[arg-type]
 
 
 def decode(
@@ -94,8 +104,7 @@ def decode(
 
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
-    t_req = time.perf_counter()
-    pack = read_optional_pack(src)
+    pack, t_req = read_optional_pack_timed(src)
     t_read = time.perf_counter()
     if pack is None and prompt is None:
         raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
@@ -178,11 +187,13 @@ def decode(
         else:
             layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress)
     prefill_s = time.perf_counter() - t0
+    schedule = pack.header.chunk_tokens if pack is not None else (chunk or None)
     result = eng.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
-                        sampling=sampling, on_token=on_token)
+                        sampling=sampling, on_token=on_token, chunk_tokens=schedule)
     # TTFT: request to first token, model load excluded (reading/verifying the pack included).
     ttft = (t_load0 - t_req) - resolve_s + prefill_s + result.ttft_s
-    stats = {"pack_read_s": round(t_read - t_req, 6), "source": source}
+    stats = {"pack_read_s": round(t_read - t_req, 6), "source": source,
+             "engine_stats": {k: v for k, v in result.stats.items() if isinstance(v, (str, int, float, bool))}}
     if reuse_stats:
         stats["reuse"] = reuse_stats
     if problems:

@@ -160,3 +160,25 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
     return PackResult(frames=len(frames), bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
                       raw_bytes=new_header.total_logical_bytes(), codec=f"{codec}+int8",
                       seconds=time.perf_counter() - t0, held_tokens=new_header.rows_start)
+
+
+def pack_info(src: BinaryIO) -> dict:
+    """What a user inspects before trusting a file: read and verify it, then summarize
+    (layers by class, tokens, bytes by class, codec, ratio, quantization error, identity)."""
+    from muser_cli.kvpack import read_pack
+    from muser_cli.verify import summarize
+
+    t0 = time.perf_counter()
+    p = read_pack(src)
+    info = summarize(p)
+    h = p.header
+    info.update({
+        "frames": len(list(h.frame_plan())),
+        "quant": h.quant,
+        "delta": h.rows_start > 0,
+        "base": h.base,
+        "window_rows": {str(i): h.layer_rows(i) for i, s in enumerate(h.layers) if s.kind == "sliding"},
+        "verified": True,
+        "seconds": round(time.perf_counter() - t0, 6),
+    })
+    return info

@@ -52,8 +52,8 @@ def summarize(pack: KVPack) -> dict:
     bytes_by_kind: dict[str, int] = {}
     for i, spec in enumerate(h.layers):
         kinds[spec.kind] = kinds.get(spec.kind, 0) + 1
-        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.row_bytes(i) * h.layer_rows(i)
-    raw = h.total_raw_bytes()
+        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.logical_row_bytes(i) * h.layer_rows(i)
+    raw = h.total_logical_bytes()  # in the header dtype, before codec and quantization
     return {
         "model": h.model_name, "model_fingerprint": h.model_fingerprint,
         "tokenizer_fingerprint": h.tokenizer_fingerprint, "tokens": len(h.token_ids),

@@ -87,11 +87,14 @@ class Engine(abc.ABC):
         sampling: Sampling = Sampling(),
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
+        chunk_tokens: int | None = None,
     ) -> DecodeResult:
         """Install ``layers`` (covering positions [0, rows)) and decode.
 
         ``next_tokens`` (usually the single last prompt token) are run first at
         positions ``rows, rows+1, ...``; their last logits give the first new token.
+        ``chunk_tokens`` is the schedule the rows were computed on (the pack header's);
+        an engine whose cache layout depends on it (MLX rotating caches) uses it.
         """
 
 

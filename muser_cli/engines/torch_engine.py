@@ -118,6 +118,7 @@ class TorchEngine(Engine):
         sampling: Sampling = Sampling(),
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
+        chunk_tokens: int | None = None,
     ) -> DecodeResult:
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)

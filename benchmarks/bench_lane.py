@@ -1,6 +1,6 @@
 """TTFT by lane on the embedded model: local prefill vs a handoff over loopback mutual TLS.
 
-    python benchmarks/bench_lane.py [--depths 512,2048,8064] [--reps 5] [--dtype bfloat16]
+    python benchmarks/bench_lane.py [--depths 512,2048,8064] [--reps 5] [--dtype float32]
                                     [--codec none|zstd+bytegroup] [--wire-seconds 1.0]
     python benchmarks/bench_lane.py --wire-only 100     # the wire figure alone, no model
 
@@ -97,7 +97,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", default="512,2048,8064")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--codec", default="none", choices=["none", "zstd+bytegroup"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--wire-seconds", type=float, default=1.0, help="probe-link seconds per direction")

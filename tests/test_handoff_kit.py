@@ -248,7 +248,7 @@ class Relay:
                         continue
                     self.up_bytes += len(data)
                 self._send(dst, data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the other pump closed src (fd -1) under select
             with contextlib.suppress(OSError):
                 dst.close()
 

@@ -12,7 +12,7 @@ cat > "$work/doc.txt" <<'TXT'
 The Rhine is a European river that begins in the Swiss canton of Graubünden in the
 southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austrian and
 Swiss-German borders, then flows through Germany and the Netherlands into the North Sea.
-Question: through which countries does the Rhine flow? Answer:
+Question: through which countries does the Rhine flow?
 TXT
 echo "== onboarding: consumer node init | node export --producer; producer node join"
 MUSER_HOME="$consumer" muser -q node init --name consumer
@@ -20,13 +20,13 @@ MUSER_HOME="$consumer" muser -q node export --producer producer -o "$work/produc
 MUSER_HOME="$producer" muser -q node join "$work/producer.bundle"
 echo "== consumer: receive --once | verify | decode (listening on 127.0.0.1)"
 ( MUSER_HOME="$consumer" muser receive --listen 127.0.0.1:0 --once --timeout 300 2> "$work/receive.log" \
-  | MUSER_HOME="$consumer" muser verify -m default --prompt "$work/doc.txt" 2> "$work/verify.log" \
+  | MUSER_HOME="$consumer" muser verify -m default --chat --prompt "$work/doc.txt" 2> "$work/verify.log" \
   | MUSER_HOME="$consumer" muser decode -m default -n 32 --json > "$work/handoff.json" ) &
 lane=$!
 for _ in $(seq 100); do grep -q "listening on" "$work/receive.log" 2>/dev/null && break; sleep 0.2; done
 addr="$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/receive.log")"
 echo "== producer: prefill | pack | send --to $addr"
-MUSER_HOME="$producer" muser prefill -m default "$work/doc.txt" | muser pack --zstd 1 \
+MUSER_HOME="$producer" muser prefill -m default --chat "$work/doc.txt" | muser pack --zstd 1 \
   | MUSER_HOME="$producer" muser send --to "$addr" --json > "$work/send.json"
 wait "$lane"
 python - "$work/send.json" <<'PY'
@@ -40,7 +40,7 @@ status=0
 MUSER_HOME="$consumer" muser -q receive --listen 127.0.0.1:0 --once --timeout 2 > "$work/none.kvpack" || status=$?
 echo "   receive exit status: $status"
 test "$status" = 75
-MUSER_HOME="$consumer" muser decode -m default --prompt "$work/doc.txt" -n 32 --json < "$work/none.kvpack" > "$work/fallback.json"
+MUSER_HOME="$consumer" muser decode -m default --chat --prompt "$work/doc.txt" -n 32 --json < "$work/none.kvpack" > "$work/fallback.json"
 python - "$work/handoff.json" "$work/fallback.json" <<'PY'
 import json, sys
 h, f = (json.load(open(p)) for p in sys.argv[1:3])

@@ -32,8 +32,6 @@ BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,17 +40,13 @@ import numpy as np
 from muser_cli.engines import mlx_blas
 from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, UsageError
-from muser_cli.kvpack.layers import LayerKV, LayerSpec, RopeSpec
+from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides  # noqa: F401
+from muser_cli.kvpack.layers import LayerKV, LayerSpec
 
 MLX_DTYPES = ("float32", "bfloat16")
 _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
 # transformers' tie_word_embeddings default per model type, for configs that omit the key
 # (mlx-lm's llama assumes True, which silently drops a separate lm_head).
-_TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
-# Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
-_APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True))}
-_ROPE_SCALINGS = ("default", "linear", "llama3")  # scaling types this engine can check
-_PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
 
 class MLXEngine(Engine):
@@ -421,149 +415,6 @@ class MLXEngine(Engine):
         if x.dtype in (mx.float32, mx.float16):
             return np.array(x)
         raise DataError(f"unexpected cache dtype {x.dtype}")
-
-
-# --------------------------------------------------------------------------- config translation
-
-
-def _read_config(info: ModelInfo) -> dict[str, Any]:
-    try:
-        config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"cannot read {info.path / 'config.json'}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise DataError(f"{info.path / 'config.json'}: expected a JSON object")
-    return config
-
-
-def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
-    """Keys to pass mlx-lm so that it builds the model transformers builds from ``config``.
-
-    RoPE comes from the same reading of the config that made the model's layer specs
-    (``rope_parameters`` first, as transformers 5.x does), never from mlx-lm's defaults.
-    """
-    from muser_cli.models import layer_specs
-
-    model_type = str(config.get("model_type"))
-    overrides: dict[str, Any] = {}
-    ropes = [spec.rope for spec in layer_specs(config) if spec.rope is not None]
-    if ropes:
-        rope = ropes[0]
-        overrides["rope_theta"] = rope.theta
-        scaling = dict(rope.scaling or {})
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            overrides["rope_scaling"] = {**scaling, "rope_type": kind, "type": kind}
-        elif config.get("rope_scaling") is not None:
-            overrides["rope_scaling"] = None
-    if "tie_word_embeddings" not in config and model_type in _TIE_DEFAULTS:
-        overrides["tie_word_embeddings"] = _TIE_DEFAULTS[model_type]
-    if model_type == "cohere2":
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        overrides["head_dim"] = hidden // heads  # transformers derives it; mlx-lm defaults to 128
-        pattern = _sliding_pattern(config.get("layer_types"))
-        if pattern is not None:
-            overrides["sliding_window_pattern"] = pattern
-    return overrides
-
-
-def _sliding_pattern(layer_types: Any) -> int | None:
-    """The p with layer_types[i] == full iff (i+1) % p == 0, if layer_types has that shape."""
-    if not isinstance(layer_types, list) or not layer_types:
-        return None
-    for p in range(1, len(layer_types) + 1):
-        expect = ["full_attention" if (i + 1) % p == 0 else "sliding_attention" for i in range(len(layer_types))]
-        if expect == layer_types:
-            return p
-    return None  # not expressible: the layout check will refuse it
-
-
-# --------------------------------------------------------------------------- RoPE check
-
-
-def check_rope(index: int, spec: LayerSpec, module: Any, max_positions: int) -> None:
-    """Raise :class:`IdentityMismatch` naming the field where ``module`` (the RoPE mlx-lm
-    applies at this layer, or ``None`` for none) differs from ``spec.rope``."""
-    want = spec.rope
-    if want is None:
-        if module is not None:
-            raise IdentityMismatch(f"layer {index} rope: the model has no RoPE here (NoPE), mlx-lm applies RoPE")
-        return
-    if module is None:
-        raise IdentityMismatch(f"layer {index} rope: the model applies RoPE (theta {want.theta:g}), mlx-lm applies none")
-    scaling = dict(want.scaling or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in _ROPE_SCALINGS:
-        raise DataError(f"layer {index} rope.scaling: type {kind!r} is not supported by the mlx engine",
-                        hint="supported: " + ", ".join(_ROPE_SCALINGS))
-    declared = {"dims": getattr(module, "dims", None), "style": None, "theta": getattr(module, "base", None)}
-    if getattr(module, "traditional", None) is not None:
-        declared["style"] = "interleaved" if module.traditional else "rotate_half"
-    for name in ("dims", "style"):
-        if declared[name] is not None and declared[name] != getattr(want, name):
-            raise IdentityMismatch(f"layer {index} rope.{name}: the model uses {getattr(want, name)!r}, mlx-lm {declared[name]!r}")
-    if declared["theta"] is not None and not math.isclose(float(declared["theta"]), want.theta, rel_tol=1e-6):
-        raise IdentityMismatch(f"layer {index} rope.theta: the model uses {want.theta:g}, mlx-lm would use {float(declared['theta']):g}",
-                               hint="mlx-lm reads a top-level rope_theta; transformers 5.x writes rope_parameters")
-    scale = getattr(module, "scale", None)
-    want_scale = 1.0 / float(scaling["factor"]) if kind == "linear" else 1.0
-    if scale is not None and kind != "llama3" and not math.isclose(float(scale), want_scale, rel_tol=1e-6):
-        raise IdentityMismatch(f"layer {index} rope.scaling: the model scales positions by {want_scale:g}, mlx-lm by {float(scale):g}")
-    error, position = _probe(module, want, spec.head_dim, max_positions)
-    if error is not None:
-        raise IdentityMismatch(
-            f"layer {index} rope: mlx-lm's rotation differs from the model's (theta {want.theta:g}, dims {want.dims}, "
-            f"{want.style}, scaling {kind}) by {error:.3g} at position {position}")
-
-
-def _probe(module: Any, rope: RopeSpec, head_dim: int, max_positions: int) -> tuple[float | None, int]:
-    """Rotate a fixed vector with ``module`` and with a float64 reference built from ``rope``."""
-    import mlx.core as mx
-
-    x = np.random.default_rng(0).uniform(-1.0, 1.0, size=head_dim).astype(np.float32)
-    inv = _inverse_frequencies(rope)
-    for position in [p for p in _PROBE_POSITIONS if p < max_positions] + [max_positions - 1]:
-        got = np.array(module(mx.array(x.reshape(1, 1, 1, head_dim)), offset=position)).reshape(-1).astype(np.float64)
-        want = _rotate(x.astype(np.float64), inv, rope, position)
-        tolerance = 1e-4 + 8.0 * position * np.finfo(np.float32).eps  # float32 angles lose ~p*eps
-        error = float(np.max(np.abs(got - want)))
-        if not error <= tolerance:
-            return error, position
-    return None, 0
-
-
-def _inverse_frequencies(rope: RopeSpec) -> np.ndarray:
-    """transformers' inverse frequencies for default, linear and llama3 RoPE (float64)."""
-    inv = 1.0 / rope.theta ** (np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims)
-    scaling = dict(rope.scaling or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
-        inv = inv / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        scaled = np.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old / high) & (wavelen <= old / low)
-        inv = np.where(medium, smoothed, scaled)
-    return inv
-
-
-def _rotate(x: np.ndarray, inv: np.ndarray, rope: RopeSpec, position: int) -> np.ndarray:
-    out = x.copy()
-    angle = position * inv
-    cos, sin = np.cos(angle), np.sin(angle)
-    half = rope.dims // 2
-    if rope.style == "interleaved":
-        a, b = x[0 : rope.dims : 2], x[1 : rope.dims : 2]
-        out[0 : rope.dims : 2], out[1 : rope.dims : 2] = a * cos - b * sin, b * cos + a * sin
-    else:
-        a, b = x[:half], x[half : rope.dims]
-        out[:half], out[half : rope.dims] = a * cos - b * sin, b * cos + a * sin
-    return out
 
 
 # --------------------------------------------------------------------------- cache helpers

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from muser_cli.errors import DataError, UsageError
 from muser_cli.kvpack.layers import LayerKV, LayerSpec
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -98,10 +99,36 @@ class Engine(abc.ABC):
         """
 
 
+    # -------------------------------------------------------------- shared checks
+    def _vocab_size(self) -> int:
+        """The loaded model's vocabulary size (engines that check ids override it)."""
+        raise NotImplementedError
+
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab = self._vocab_size()
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise DataError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
+        return ids
+
+    def _check_decode_args(self, rows: int, next_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
+        nxt = self._check_ids(next_tokens)
+        if not nxt:
+            raise UsageError("decode needs at least one next token (the last prompt token)")
+        if rows < 0 or max_new_tokens < 0:
+            raise UsageError(f"rows ({rows}) and max_new_tokens ({max_new_tokens}) must not be negative")
+        if rows + len(nxt) + max_new_tokens > self.info.max_positions:
+            raise UsageError(
+                f"prompt is {rows + len(nxt)} tokens plus {max_new_tokens} new tokens, "
+                f"longer than the model's context of {self.info.max_positions}",
+                hint="ask for fewer new tokens or use a shorter prompt",
+            )
+        return nxt
+
+
 def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int) -> Engine:
     """Import the named engine lazily and load ``info`` into it."""
-    from muser_cli.errors import UsageError
-
     if name == "torch":
         from muser_cli.engines.torch_engine import TorchEngine
 

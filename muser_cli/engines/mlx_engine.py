@@ -266,26 +266,8 @@ class MLXEngine(Engine):
             applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
             check_rope(index, spec, attn.rope if applies else None, self.info.max_positions)
 
-    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
-        ids = [int(t) for t in token_ids]
-        vocab = int(self.config.get("vocab_size") or 0)
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise DataError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
-        return ids
-
-    def _check_decode_args(self, rows: int, next_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
-        nxt = self._check_ids(next_tokens)
-        if not nxt:
-            raise UsageError("decode needs at least one next token (the last prompt token)")
-        if rows < 0 or max_new_tokens < 0:
-            raise UsageError(f"rows ({rows}) and max_new_tokens ({max_new_tokens}) must not be negative")
-        if rows + len(nxt) + max_new_tokens > self.info.max_positions:
-            raise UsageError(
-                f"prompt is {rows + len(nxt)} tokens plus {max_new_tokens} new tokens, "
-                f"longer than the model's context of {self.info.max_positions}",
-                hint="ask for fewer new tokens or use a shorter prompt")
-        return nxt
+    def _vocab_size(self) -> int:
+        return int(self.config.get("vocab_size") or 0)
 
     # ------------------------------------------------------------------ caches
 

@@ -89,7 +89,7 @@ def cli_reference() -> dict[str, str]:
     cli = _cli()
     lines = ["# muser command reference", "",
              "Generated from the app by `python -m muser_cli.commands._gendocs`; do not edit by hand.", "",
-             "```", f"muser [OPTIONS] COMMAND [ARGS]...", "```", "", cli.help or "", ""]
+             "```", "muser [OPTIONS] COMMAND [ARGS]...", "```", "", cli.help or "", ""]
     for name, sub in sorted(cli.commands.items()):
         lines += [f"## muser {name}", "", "```", f"muser {name} {_usage(sub, name)}", "```", "", (sub.help or "").strip(), ""]
         rows = _params(sub)

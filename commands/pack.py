@@ -74,6 +74,6 @@ def _show_info(inp, *, as_json: bool) -> None:
         f"  KV bytes   {d['kv_bytes']:,} ({by_kind})",
         f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}, ratio {d['ratio']}x",
         f"  quant      {qline}",
-        f"  producer   " + ", ".join(f"{k}={v}" for k, v in sorted(d["producer"].items())),
+        "  producer   " + ", ".join(f"{k}={v}" for k, v in sorted(d["producer"].items())),
     ]
     typer.echo("\n".join(lines))

@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 READ_BLOCK = 1 << 20
 
 
+def _events(src: BinaryIO, reader: PackReader):
+    """Feed ``src`` to ``reader`` block by block, yielding each event as it verifies."""
+    while True:
+        block = src.read(READ_BLOCK)
+        if not block:
+            return
+        yield from reader.feed(block)
+
+
 @dataclass
 class PackResult:
     frames: int
@@ -76,23 +85,19 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
     reader = PackReader()
     writer: PackWriter | None = None
     frames = 0
-    while True:
-        block = src.read(READ_BLOCK)
-        if not block:
-            break
-        for ev in reader.feed(block):
-            if isinstance(ev, HeaderEvent):
-                header = delta_for(ev.header, have) if have is not None else ev.header
-                header = replace(header, codec={"name": codec})
-                writer = PackWriter(out, header, codec=codec, level=level)
-            elif isinstance(ev, FrameEvent):
-                assert writer is not None
-                if reader.header is not None and reader.header.quant_scheme != "none":
-                    raise UsageError("this pack is already quantized; re-encode it with its own --quant")
-                part = _cut(writer.header, ev)
-                if part is not None:
-                    writer.write_frame(ev.layer, *part)
-                    frames += 1
+    for ev in _events(src, reader):
+        if isinstance(ev, HeaderEvent):
+            header = delta_for(ev.header, have) if have is not None else ev.header
+            header = replace(header, codec={"name": codec})
+            writer = PackWriter(out, header, codec=codec, level=level)
+        elif isinstance(ev, FrameEvent):
+            assert writer is not None
+            if reader.header is not None and reader.header.quant_scheme != "none":
+                raise UsageError("this pack is already quantized; re-encode it with its own --quant")
+            part = _cut(writer.header, ev)
+            if part is not None:
+                writer.write_frame(ev.layer, *part)
+                frames += 1
     reader.finish()
     if writer is None:
         raise KVPackError("empty input: no kvpack")
@@ -117,22 +122,18 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
     reader = PackReader()
     frames: list[FrameEvent] = []
     header = None
-    while True:
-        block = src.read(READ_BLOCK)
-        if not block:
-            break
-        for ev in reader.feed(block):
-            if isinstance(ev, HeaderEvent):
-                header = ev.header
-                if header.quant_scheme != "none":
-                    raise UsageError("this pack is already quantized")
-                if have is not None:
-                    header = delta_for(header, have)
-            elif isinstance(ev, FrameEvent):
-                assert header is not None
-                part = _cut(header, ev)
-                if part is not None:
-                    frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2]))
+    for ev in _events(src, reader):
+        if isinstance(ev, HeaderEvent):
+            header = ev.header
+            if header.quant_scheme != "none":
+                raise UsageError("this pack is already quantized")
+            if have is not None:
+                header = delta_for(header, have)
+        elif isinstance(ev, FrameEvent):
+            assert header is not None
+            part = _cut(header, ev)
+            if part is not None:
+                frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2]))
     reader.finish()
     if header is None:
         raise KVPackError("empty input: no kvpack")

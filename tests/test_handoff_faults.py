@@ -16,6 +16,8 @@ from muser_cli.handoff.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from test_handoff_kit import (  # noqa: F401 - fixtures
+    port_of,
+    wait_for,
     Relay, copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,
 )
 
@@ -26,19 +28,6 @@ def big_pack(tmp_path_factory):
     p = tmp_path_factory.mktemp("big") / "big.kvpack"
     p.write_bytes(data)
     return p
-
-
-def port_of(run) -> int:
-    return int(run.to.rsplit(":", 1)[1])
-
-
-def wait_for(pred, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 # ----------------------------------------------------------------------------- F34

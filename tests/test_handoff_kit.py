@@ -307,3 +307,18 @@ def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[s
                 break
     proc.kill()
     raise AssertionError(f"receiver did not start: {line!r} rc={proc.poll()}")
+
+
+def port_of(run) -> int:
+    """The port a running receiver listens on."""
+    return int(run.to.rsplit(":", 1)[1])
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:
+    """Poll ``pred`` until it is true or ``timeout`` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()

@@ -17,7 +17,7 @@ from muser_cli.handoff.node import load_identity
 from muser_cli.handoff.protocol import ALPN, Connection, Role
 from muser_cli.handoff.sender import prepare_handoff, transmit
 
-from test_handoff_kit import keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
+from test_handoff_kit import port_of, wait_for, keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
 
 LOOP = ("127.0.0.1",)
 
@@ -27,19 +27,6 @@ def raw_tls_client(ctx: ssl.SSLContext, port: int, *, host: str = "127.0.0.1", s
     tls = ctx.wrap_socket(sock, server_hostname=server_name, do_handshake_on_connect=False)
     tls.do_handshake()
     return tls
-
-
-def port_of(run) -> int:
-    return int(run.to.rsplit(":", 1)[1])
-
-
-def wait_for(pred, timeout: float = 3.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 # ----------------------------------------------------------------------------- D24

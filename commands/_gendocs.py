@@ -72,7 +72,10 @@ def man_pages() -> dict[str, str]:
     top += [".SH EXIT STATUS", "0 ok, 1 error, 2 usage, 65 malformed/corrupt/mismatched data, 66 missing input, "
             "75 temporary failure (fall back to local prefill), 76 remote protocol error, "
             "77 authentication/replay refused, 78 configuration.",
-            ".SH SEE ALSO", ", ".join(f"muser\\-{n}(1)" for n, _ in subs)]
+            ".SH ENVIRONMENT"]
+    for name, what, default in ENVIRONMENT:
+        top += [".TP", f".B {_roff(name)}", _roff(f"{what.replace('`', '')} Default: {default.replace('`', '')}.")]
+    top += [".SH SEE ALSO", ", ".join(f"muser\\-{n}(1)" for n, _ in subs)]
     pages["man/muser.1"] = "\n".join(top) + "\n"
     for name, sub in subs:
         lines = [f'.TH MUSER\\-{name.upper()} 1 "{date}" "muser {__version__}" "User Commands"', ".SH NAME",
@@ -100,8 +103,76 @@ def cli_reference() -> dict[str, str]:
     lines += ["## Exit statuses", "",
               "0 ok · 1 error · 2 usage · 65 malformed, corrupt or mismatched data · 66 missing input · "
               "75 temporary failure (peer unreachable or timed out: fall back to local prefill) · "
-              "76 remote protocol error · 77 authentication or replay refused · 78 configuration", ""]
+              "76 remote protocol error · 77 authentication or replay refused · 78 configuration", "",
+              "What each status means for a script, and which command returns which: "
+              "[cli-contract.md](cli-contract.md).", ""]
+    lines += environment_section()
     return {"docs/cli.md": "\n".join(lines)}
+
+
+# Every MUSER_* variable read anywhere in the repository: (name, what it does, default).
+# stale() fails when the code reads one that is not listed here.
+ENVIRONMENT = [
+    ("MUSER_HOME", "One folder for everything muser keeps, instead of the per-user platformdirs folders: "
+     "`config/node` (node identity, CA, HMAC keys), `data/ledger` (replay ledgers), `data/inbox` "
+     "(what `receive` publishes when it writes to stdout), `data/store` (the reuse store), `cache/spool` "
+     "(send spools), `cache/models` (converted models, unless `MUSER_MODELS` is set), `cache/fingerprints`. "
+     "Two nodes on one host, the tests and the demo each use their own.",
+     "unset: platformdirs' user config, data and cache folders (on Linux `~/.config/muser`, "
+     "`~/.local/share/muser`, `~/.cache/muser`)"),
+    ("MUSER_MODELS", "Folder for models converted from GGUF (the embedded default model is converted "
+     "once into it, ~20 s). Must be writable (exit 78 otherwise).", "`$MUSER_HOME/cache/models`, else the user "
+     "cache folder's `models/`"),
+    ("MUSER_THREADS", "Compute threads for `prefill`, `decode` and `verify --audit` when `--threads` is 0 "
+     "(its default); recorded in the pack's producer field. An integer; below 1 counts as 1.",
+     "the number of CPUs, at most 8"),
+    ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "
+     "recently used entries are evicted beyond it. An unreadable size is exit 2.", "`20G`"),
+    ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "
+     "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "
+     "`cblas_sgemm`. An explicit choice that cannot be honoured is exit 78.",
+     "`auto`: MKL if found, else a system OpenBLAS, else the bundled one"),
+    ("MUSER_TEST_MODELS", "Tests only: folder where the test suite keeps the embedded model converted once "
+     "across runs (each test still gets its own `MUSER_HOME`).", "`tests/.cache/models`"),
+    ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "
+     "configurations are skipped, and said so, once it is spent.", "`480`"),
+    ("MUSER_CHECK_ONLY", "`benchmarks/gpu_vllm_check.sh` only: comma-separated configuration names to run.",
+     "unset: all"),
+    ("MUSER_CHECK_OUT", "`benchmarks/gpu_vllm_check.sh` only, set by the script itself for its Python part: "
+     "where results go.", "the script's `$OUT`"),
+    ("_MUSER_COMPLETE", "Set by the shell completion scripts in `completions/` when they ask `muser` for "
+     "candidates (Typer's protocol); not for people.", "unset"),
+]
+
+_ENV_SOURCES = ("muser_cli", "commands", "tests", "benchmarks", "docs/demo.sh", "Makefile")
+
+
+def environment_section() -> list[str]:
+    lines = ["## Environment variables", "",
+             "Every `MUSER_*` variable muser, its tests or its benchmarks read. A command-line option, where "
+             "there is one, wins over the variable.", "",
+             "| variable | what it does | default |", "|---|---|---|"]
+    for name, what, default in ENVIRONMENT:
+        lines.append(f"| `{name}` | {what.replace('|', chr(92) + '|')} | {default} |")
+    lines.append("")
+    return lines
+
+
+def undocumented_environment() -> list[str]:
+    """``MUSER_*`` names read in this repository's sources but missing from :data:`ENVIRONMENT`."""
+    import re
+
+    known = {name for name, _, _ in ENVIRONMENT}
+    found: set[str] = set()
+    pattern = re.compile(r"\b_?MUSER_[A-Z0-9_]*[A-Z0-9]\b")
+    for rel in _ENV_SOURCES:
+        base = ROOT / rel
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.suffix in (".py", ".sh"))
+        for f in files:
+            if ".cache" in f.parts or not f.is_file():
+                continue
+            found.update(pattern.findall(f.read_text(errors="replace")))
+    return sorted(found - known)
 
 
 def generated() -> dict[str, str]:
@@ -118,6 +189,8 @@ def stale() -> list[str]:
         path = ROOT / rel
         if not path.exists() or path.read_text() != text:
             bad.append(rel)
+    bad += [f"docs/cli.md (environment variable {name} is read but not in _gendocs.ENVIRONMENT)"
+            for name in undocumented_environment()]
     for folder, keep in (("man", {k for k in generated() if k.startswith("man/")}),):
         for p in (ROOT / folder).glob("*.1"):
             if f"{folder}/{p.name}" not in keep:

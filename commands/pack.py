@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
         no_zstd: bool = typer.Option(False, "--no-zstd", help="Store frames uncompressed (mmap-friendly)."),
         quant: str = typer.Option("none", "--quant", help="none | int8 (lossy: scale per layer x K/V x head x token; error recorded in the header)."),
         have: Optional[str] = typer.Option(None, "--have", help="Manifest of what the consumer holds (delta)."),
-        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary (stderr when data goes to stdout)."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the summary (needs -o FILE; with the kvpack on stdout, a one-line note goes to stderr instead), or with --info the description."),
         show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
     ) -> None:
         """Re-encode a kvpack frame by frame; every input frame is verified first."""

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),
         store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
-        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stderr."),
+        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout; needs -o FILE (with the kvpack on stdout, a one-line note goes to stderr instead)."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token)."""
         from muser_cli.prefill import prefill

@@ -207,7 +207,7 @@ class TorchEngine(Engine):
     def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
         x = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits
 
     def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None) -> Any:

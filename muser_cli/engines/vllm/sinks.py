@@ -1,0 +1,167 @@
+"""Where finished rows go: a spool directory (``--engine vllm``) or a kvpack file.
+
+``"spool"``: ``<output_dir>/<name>.spool/`` (a JSON manifest and ``.npy`` arrays, read
+back with ``allow_pickle=False`` by :func:`read_spool`). ``"kvpack"``:
+``<output_dir>/<name>.kvpack`` through :func:`write_kvpack`, the only function here that
+knows the kvpack writer. A request that fails leaves ``<name>.error.json`` instead,
+never a partial pack. Both are written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from muser_cli.engines.vllm import gather as vllm_layout
+from muser_cli.engines.vllm.config import ConnectorSettings
+from muser_cli.errors import ConfigError, DataError
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
+
+SPOOL_FORMAT = "muser-vllm-spool"
+SPOOL_VERSION = 1
+
+def _atomic_dir(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+
+
+def _write_error(out_dir: Path, name: str, exc: BaseException) -> Path:
+    path = Path(out_dir) / f"{name}.error.json"
+    msg = str(exc).replace("\n", " ")[:2000] or type(exc).__name__
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        hint = getattr(exc, "hint", None)
+        tmp.write_text(json.dumps({"error": msg, "type": type(exc).__name__,
+                                   "hint": hint if isinstance(hint, str) else None}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return path
+
+
+def write_spool(
+    out_dir: Path, name: str, layers: Sequence[LayerKV], *, dtype: str, rows: int, tokens: int,
+    source: dict[str, Any] | None = None, producer: dict[str, Any] | None = None,
+) -> Path:
+    """``<out_dir>/<name>.spool/``: manifest.json + one .npy per array, renamed into place."""
+    final = Path(out_dir) / f"{name}.spool"
+    tmp = _atomic_dir(final)
+    try:
+        entries = []
+        for i, lk in enumerate(layers):
+            np.save(tmp / f"k{i}.npy", np.ascontiguousarray(lk.keys), allow_pickle=False)
+            np.save(tmp / f"v{i}.npy", np.ascontiguousarray(lk.values), allow_pickle=False)
+            entries.append({"index": i, "first_row": int(lk.first_row), "rows": int(lk.keys.shape[1]),
+                            "keys": f"k{i}.npy", "values": f"v{i}.npy"})
+        manifest = {"format": SPOOL_FORMAT, "version": SPOOL_VERSION, "name": name, "dtype": dtype,
+                    "rows": int(rows), "tokens": int(tokens), "layers": entries, "source": source or {},
+                    "producer": producer or {}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: bool = True) -> tuple[list[LayerKV], dict[str, Any]]:
+    """Load what the worker spooled for ``name`` (strictly checked), then remove it.
+
+    Raises DataError with the worker's own message when it left an error file.
+    """
+    out_dir = Path(out_dir)
+    err = out_dir / f"{name}.error.json"
+    if err.exists():
+        try:
+            obj = json.loads(err.read_text())
+            msg, kind, hint = str(obj.get("error", "unknown error")), obj.get("type"), obj.get("hint")
+        except (OSError, ValueError, AttributeError):
+            msg, kind, hint = "unreadable error file", None, None
+        if remove:
+            err.unlink(missing_ok=True)
+        hint = hint if isinstance(hint, str) else None
+        if kind in ("ConfigError", "UsageError"):  # a refusal: the setup, not the data, is wrong
+            raise ConfigError(f"the vLLM connector refused: {msg}", hint=hint)
+        raise DataError(f"the vLLM connector failed: {msg}", hint=hint)
+    root = out_dir / f"{name}.spool"
+    if not (root / "manifest.json").is_file():
+        raise DataError(
+            "vLLM finished the request but the muser connector spooled no KV",
+            hint="check vLLM's log for the connector (is kv_transfer_config set?)",
+        )
+    try:
+        man = json.loads((root / "manifest.json").read_text())
+        if man.get("format") != SPOOL_FORMAT or man.get("version") != SPOOL_VERSION:
+            raise DataError("spool manifest has an unknown format or version")
+        dtype = man["dtype"]
+        if dtype not in DTYPES:
+            raise DataError(f"spool dtype {dtype!r} is unknown")
+        np_dtype = np.dtype(DTYPES[dtype][1])
+        entries = man["layers"]
+        if len(entries) != len(specs):
+            raise DataError(f"spool holds {len(entries)} layers, the model has {len(specs)}")
+        rows = int(man["rows"])
+        layers: list[LayerKV] = []
+        for i, (entry, spec) in enumerate(zip(entries, specs)):
+            first, end = vllm_layout.layer_rows_for(spec.kind, spec.window, rows)
+            if entry["index"] != i or entry["first_row"] != first or entry["rows"] != end - first:
+                raise DataError(f"spool layer {i} does not carry rows [{first}, {end})")
+            arrays = []
+            for key, dim in (("keys", spec.head_dim), ("values", spec.v_head_dim)):
+                fname = entry[key]
+                if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+                    raise DataError(f"spool layer {i} names a bad file")
+                arr = np.load(root / fname, allow_pickle=False)
+                if arr.dtype != np_dtype or arr.shape != (spec.kv_heads, end - first, dim):
+                    raise DataError(f"spool layer {i} {key}: {arr.dtype} {arr.shape}, expected {np_dtype} "
+                                    f"{(spec.kv_heads, end - first, dim)}")
+                arrays.append(arr)
+            layers.append(LayerKV(keys=arrays[0], values=arrays[1], first_row=first))
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise DataError(f"spool for {name!r} is malformed ({type(exc).__name__})") from None
+    if remove:
+        shutil.rmtree(root, ignore_errors=True)
+    return layers, man
+
+
+def write_kvpack(
+    path: Path, settings: ConnectorSettings, tokens: Sequence[int], dtype: str, layers: Sequence[LayerKV],
+    producer: dict[str, Any],
+) -> Path:
+    """Hand rows to the kvpack writer: the one place this module depends on its API."""
+    from muser_cli.kvpack import PackHeader, write_pack  # lazy: keeps the connector light
+
+    h = settings.header
+    header = PackHeader(
+        model_fingerprint=h["model_fingerprint"],
+        tokenizer_fingerprint=h["tokenizer_fingerprint"],
+        token_ids=tuple(int(t) for t in tokens),
+        layers=tuple(settings.layers),
+        dtype=dtype,
+        chunk_tokens=int(h.get("chunk_tokens", 512)),
+        model_name=str(h.get("model_name", "")),
+        architecture=str(h.get("architecture", "")),
+        producer=producer,
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write_pack(f, header, list(layers), codec=h.get("codec"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

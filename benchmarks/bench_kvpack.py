@@ -41,12 +41,12 @@ def main() -> int:
 
     from dataclasses import replace
 
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import LayerKV, read_pack, read_pack_bytes, write_pack
     from muser_cli.kvpack.quant import from_float32
     from muser_cli.models import resolve_model
     from muser_cli.pack import pack
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
 
     try:
         import mlx.core as mx

@@ -132,9 +132,9 @@ def main() -> int:
         print(f"receipt: {path}")
         return 0
 
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.models import resolve_model
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
 
     info = resolve_model("default")
     eng = get_engine("torch", info, dtype=args.dtype, threads=args.threads)

@@ -79,7 +79,7 @@ DECODE_PROBE = """
 import json
 from muser_cli.engines import mlx_blas
 info = mlx_blas.ensure_fast_blas()
-from muser_cli.engines.base import get_engine
+from muser_cli.engines.registry import get_engine
 from muser_cli.models import resolve_model
 from muser_cli.tokens import encode_prompt
 model = resolve_model("default")
@@ -200,7 +200,7 @@ def main() -> int:
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.engines.mlx_engine import _versions
     from muser_cli.models import resolve_model
 

@@ -39,11 +39,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
 
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack_bytes, write_pack
     from muser_cli.models import resolve_model
     from muser_cli.pack import pack
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
     from muser_cli.tokens import encode_prompt
 
     info = resolve_model("default")

@@ -51,7 +51,7 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
 
     from muser_cli.kvpack import read_pack_bytes, token_digest, write_pack
     from muser_cli.pack import pack
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
     from muser_cli.reuse import HaveManifest, Store
     from muser_cli.reuse.delta import layers_at
 
@@ -101,12 +101,12 @@ def ttft_ab(info, text: str, *, reps: int, threads: int) -> dict:
     kw = dict(model=str(info.path), prompt=text, max_new_tokens=1, dtype="float32", threads=threads)
     decode(None, chunk_tokens=CHUNK, reuse=False, store=True, **kw)  # warm-up, and it fills the store
     w = decode(None, **kw)
-    assert w.stats["source"] == "store", w.stats
+    assert w.source == "store", w.source
     cold, warm, tokens = [], [], []
     for _ in range(reps):
         c = decode(None, chunk_tokens=CHUNK, reuse=False, **kw)
         w = decode(None, **kw)
-        assert w.stats["source"] == "store" and w.token_ids == c.token_ids
+        assert w.source == "store" and w.token_ids == c.token_ids
         cold.append(c.ttft_s)
         warm.append(w.ttft_s)
         tokens.append(c.prompt_tokens)
@@ -165,7 +165,7 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
     os.environ["MUSER_HOME"] = str(home)  # a private store: the user's is never touched
     os.environ.setdefault("MUSER_MODELS", str(Path(__file__).resolve().parent.parent / "tests" / ".cache" / "models"))
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.models import resolve_model
     from muser_cli.tinymodels import make_tiny_hybrid
 

@@ -26,10 +26,10 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=16)
     args = ap.parse_args()
 
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack_bytes, write_pack
     from muser_cli.models import resolve_model
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
 
     info = resolve_model("default")
     eng = get_engine("torch", info, dtype=args.dtype, threads=args.threads)

@@ -11,7 +11,7 @@ import typer
 from muser_cli.commands._common import (
     default_threads, emit_json, err, guarded, info, open_input, progress_callback, read_text_input,
 )
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 
 def register(app: typer.Typer) -> None:
@@ -53,10 +53,10 @@ def register(app: typer.Typer) -> None:
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
                          progress=progress_callback())
-            for line in out.stats.get("store_problems", []):
+            for line in out.store_problems:
                 err(f"decode: store: {line}")
-            held = out.stats.get("reuse", {}).get("held_tokens", 0)
-            source = out.stats.get("source")
+            held = out.held_tokens
+            source = out.source
             if source == "store":
                 info(f"decode: warm: all {held} rows of the prompt held in the store; no prefill")
             elif source == "store+local":

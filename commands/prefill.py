@@ -9,7 +9,7 @@ import typer
 from muser_cli.commands._common import (
     binary_output, default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input,
 )
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 
 def register(app: typer.Typer) -> None:

@@ -1,16 +1,44 @@
 """``decode``: verify a pack against the local model, install it, decode; or, with no pack
-and a prompt, prefill locally on the same canonical schedule (the fallback)."""
+and a prompt, prefill locally on the same canonical schedule (the fallback).
+
+It reads as four steps: the pack (or none) -> its binding to this model and prompt ->
+the rows (the pack's, a delta merged with the stored prefix, the store's, or computed
+here) -> the engine's decode. Each step is a function below; the outcome is typed.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, ProgressFn, Sampling
+from muser_cli.engines.base import Engine, Sampling
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import MissingInput, UsageError
 from muser_cli.identity import require_identity
-from muser_cli.kvpack import KVPack, read_pack
+from muser_cli.kvpack import KVPack, LayerKV, read_pack
+from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.models import resolve_model
+from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
+from muser_cli.reuse.manifest import check_base
+from muser_cli.rows import local_rows
+from muser_cli.schedule import build_header, check_prompt, default_dtype
+from muser_cli.tokens import decode_text, encode_prompt, tokenizer_for
+
+
+@dataclass
+class Rows:
+    """The rows decode installs, and where they came from."""
+
+    layers: list[LayerKV]
+    source: str  # handoff | delta | store | store+local | local
+    schedule: int | None  # the chunk size they were made on (None: unknown, a foreign pack's)
+    pack: KVPack | None  # the pack they came from; None when made here (the fallback)
+    held: int = 0  # rows taken from the store
+    entry: str | None = None  # the store entry they came from
+    computed: int | None = None  # rows computed here after a stored prefix
+    problems: list[str] = field(default_factory=list)
+    reason: str = ""  # why there was no usable handoff
 
 
 @dataclass
@@ -26,21 +54,46 @@ class DecodeOutcome:
     engine: str
     dtype: str
     reason: str = ""
-    stats: dict = field(default_factory=dict)
+    source: str = "handoff"
+    pack_read_s: float = 0.0
+    held_tokens: int = 0
+    entry: str | None = None
+    computed_tokens: int | None = None
+    store_problems: list[str] = field(default_factory=list)
+    stored: str | None = None
+    store_asked: bool = False
+    engine_stats: dict = field(default_factory=dict)
 
     @property
     def decode_tok_s(self) -> float:
         n = len(self.token_ids) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
+    @property
+    def reuse(self) -> dict:
+        """How the store helped: held rows, the entry, rows computed after it ({} if not at all)."""
+        if self.source == "delta":
+            return {"held_tokens": self.held_tokens, "entry": self.entry}
+        if self.source in ("store", "store+local"):
+            return {"held_tokens": self.held_tokens, "entry": self.entry, "computed_tokens": self.computed_tokens}
+        return {}
+
     def to_json(self) -> dict:
-        return {
+        out = {
             "text": self.text, "token_ids": self.token_ids, "fallback": self.fallback,
             "reason": self.reason, "load_s": round(self.load_s, 6), "prefill_s": round(self.prefill_s, 6),
             "ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
             "decode_tok_s": round(self.decode_tok_s, 3), "prompt_tokens": self.prompt_tokens,
-            "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype, **self.stats,
+            "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype,
+            "pack_read_s": round(self.pack_read_s, 6), "source": self.source, "engine_stats": self.engine_stats,
         }
+        if self.reuse:
+            out["reuse"] = self.reuse
+        if self.store_problems:
+            out["store_problems"] = self.store_problems
+        if self.store_asked:
+            out["stored"] = self.stored
+        return out
 
 
 def read_optional_pack(src: BinaryIO | None) -> KVPack | None:
@@ -97,11 +150,6 @@ def decode(
     needs no prefill at all, a partial hit prefills only the suffix), else a local prefill
     on the canonical schedule. ``chunk_tokens`` None: any stored schedule, else 512.
     ``store``: keep the prompt's whole cache in the store afterwards."""
-    from muser_cli.engines.base import get_engine
-    from muser_cli.models import resolve_model
-    from muser_cli.prefill import DEFAULT_DTYPE, check_prompt
-    from muser_cli.tokens import decode_text, encode_prompt
-
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
     pack, t_req = read_optional_pack_timed(src)
@@ -111,27 +159,10 @@ def decode(
 
     t_res0 = time.perf_counter()
     info = resolve_model(model)
-    from muser_cli.tokens import tokenizer_for
-
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
     resolve_s = time.perf_counter() - t_res0
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
-    if pack is not None:
-        # Identity before anything is loaded or decoded: refuse another model's or prompt's KV.
-        require_identity(pack.header, info, prompt_ids=prompt_ids)
-        if pack.header.rows_start > 0:
-            from muser_cli.reuse.manifest import check_base
-
-            check_base(pack.header)  # a base that disagrees with its own pack: refused before loading
-        ids = list(pack.header.token_ids)
-        dtype = dtype or pack.header.dtype
-        if pack.header.dtype != dtype:
-            raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
-                             hint=f"use --dtype {pack.header.dtype}")
-    else:
-        assert prompt_ids is not None
-        ids = prompt_ids
-        dtype = dtype or DEFAULT_DTYPE.get(engine, "float32")
+    ids, dtype = bind(pack, info, prompt_ids, dtype=dtype, engine=engine)
     check_prompt(info, ids, new_tokens=max_new_tokens)
 
     t_load0 = time.perf_counter()
@@ -139,87 +170,75 @@ def decode(
     load_s = time.perf_counter() - t_load0 + resolve_s
 
     t0 = time.perf_counter()
-    rows = len(ids) - 1
-    reuse_stats: dict = {}
-    problems: list[str] = []
-    st = None
-    layers = None
-    chunk = 0
-    source = "handoff"
-    if pack is not None and pack.header.rows_start > 0:
-        from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
-
-        st = Store()
-        try:
-            layers, entry = resolve_delta(pack, st)
-            source = "delta"
-            reuse_stats = {"held_tokens": pack.header.rows_start, "entry": entry}
-        except BaseNotHeld as exc:
-            if prompt_ids is None:
-                raise
-            fallback_reason = str(exc)
-            pack = None
-        problems += st.problems
-    elif pack is not None:
-        layers = pack.layers
-    if pack is None:
-        source = "local"
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        resume = None
-        if reuse:
-            from muser_cli.reuse import Store, find_resume
-
-            st = st or Store()
-            resume = find_resume(st, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=dtype,
-                                 chunk_tokens=chunk_tokens)
-            problems += [p for p in st.problems if p not in problems]
-            if resume is not None and resume.held < rows and not hasattr(eng, "prefill_from"):
-                resume = None  # this engine cannot continue a prefill: only a full hit helps
-        if resume is not None:
-            chunk = resume.scope.chunk_tokens
-            reuse_stats = {"held_tokens": resume.held, "entry": resume.entry, "computed_tokens": rows - resume.held}
-            if resume.held == rows:
-                layers, source = resume.layers, "store"
-            else:
-                layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],  # type: ignore[attr-defined]
-                                          chunk_tokens=chunk, progress=progress)
-                source = "store+local"
-        else:
-            layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress)
+    got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
+                   reuse=reuse, progress=progress)
     prefill_s = time.perf_counter() - t0
-    schedule = pack.header.chunk_tokens if pack is not None else (chunk or None)
-    result = eng.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
-                        sampling=sampling, on_token=on_token, chunk_tokens=schedule)
+    result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
+                        sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
     # TTFT: request to first token, model load excluded (reading/verifying the pack included).
     ttft = (t_load0 - t_req) - resolve_s + prefill_s + result.ttft_s
-    stats = {"pack_read_s": round(t_read - t_req, 6), "source": source,
-             "engine_stats": {k: v for k, v in result.stats.items() if isinstance(v, (str, int, float, bool))}}
-    if reuse_stats:
-        stats["reuse"] = reuse_stats
-    if problems:
-        stats["store_problems"] = problems
-    if store:
-        stats["stored"] = _store(layers, pack, info, ids, dtype=dtype, chunk=chunk,
-                                 engine=engine, threads=threads, eng=eng)
+    stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng) if store else None
     return DecodeOutcome(
-        text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=pack is None,
+        text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,
         load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),
-        engine=engine, dtype=dtype, reason=fallback_reason if pack is None else "", stats=stats,
+        engine=engine, dtype=dtype, reason=(got.reason or fallback_reason) if got.pack is None else "",
+        source=got.source, pack_read_s=t_read - t_req, held_tokens=got.held, entry=got.entry,
+        computed_tokens=got.computed, store_problems=got.problems, stored=stored, store_asked=store,
+        engine_stats={k: v for k, v in result.stats.items() if isinstance(v, (str, int, float, bool))},
     )
 
 
-def _store(layers, pack: KVPack | None, info, ids, *, dtype: str, chunk: int, engine: str, threads: int, eng) -> str | None:
+def bind(pack: KVPack | None, info: ModelInfo, prompt_ids: list[int] | None, *, dtype: str | None,
+         engine: str) -> tuple[list[int], str]:
+    """The prompt ids and dtype to decode with. A pack's identity is checked before anything
+    is loaded or decoded: another model's, tokenizer's or prompt's KV is refused here."""
+    if pack is None:
+        assert prompt_ids is not None
+        return prompt_ids, dtype or default_dtype(engine)
+    require_identity(pack.header, info, prompt_ids=prompt_ids)
+    if pack.header.rows_start > 0:
+        check_base(pack.header)  # a base that disagrees with its own pack: refused before loading
+    dtype = dtype or pack.header.dtype
+    if pack.header.dtype != dtype:
+        raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
+                         hint=f"use --dtype {pack.header.dtype}")
+    return list(pack.header.token_ids), dtype
+
+
+def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back: bool, dtype: str,
+             chunk_tokens: int | None, reuse: bool, progress: ProgressFn | None = None) -> Rows:
+    """The rows of ``ids[:-1]``: the pack's; a delta pack merged with the stored prefix it
+    names; or, with no pack (or a delta whose base is not held, when ``can_fall_back``),
+    made here by :func:`muser_cli.rows.local_rows`."""
+    reason = ""
+    problems: list[str] = []
+    if pack is not None and pack.header.rows_start > 0:
+        st = Store()
+        try:
+            layers, entry = resolve_delta(pack, st)
+            return Rows(layers, "delta", pack.header.chunk_tokens, pack, held=pack.header.rows_start, entry=entry,
+                        problems=list(st.problems))
+        except BaseNotHeld as exc:
+            if not can_fall_back:
+                raise
+            reason, problems = str(exc), list(st.problems)
+    elif pack is not None:
+        return Rows(pack.layers, "handoff", pack.header.chunk_tokens, pack)
+    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse, progress=progress)
+    problems += [p for p in made.problems if p not in problems]
+    computed = len(ids) - 1 - made.held if made.source != "local" else None
+    return Rows(made.layers, made.source, made.chunk_tokens, None, held=made.held, entry=made.entry,
+                computed=computed, problems=problems, reason=reason)
+
+
+def _store(got: Rows, info: ModelInfo, ids: list[int], *, dtype: str, engine: str, threads: int,
+           eng: Engine) -> str | None:
     """Keep the prompt's whole cache in the store; None when it is not exact KV (quantized)."""
-    from dataclasses import replace
-
-    from muser_cli.prefill import build_header
-    from muser_cli.reuse import Store
-
-    if pack is not None:
-        if pack.header.quant_scheme != "none":
+    if got.pack is not None:
+        if got.pack.header.quant_scheme != "none":
             return None
-        header = replace(pack.header, rows_start=0, base=None)
+        header = replace(got.pack.header, rows_start=0, base=None)
     else:
-        header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk, engine=engine, threads=threads,
-                              extra=getattr(eng, "producer_info", lambda: {})())
-    return Store().put_layers(header, layers).entry.id
+        header = build_header(info, ids, dtype=dtype, chunk_tokens=got.schedule or 0, engine=engine,
+                              threads=threads, extra=eng.producer_info())
+    return Store().put_layers(header, got.layers).entry.id

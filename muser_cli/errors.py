@@ -41,6 +41,22 @@ class IdentityMismatch(DataError):
     """A kvpack is valid but was made for another model, tokenizer, prompt or position."""
 
 
+class PromptTooShort(DataError):
+    """A prompt of under 2 tokens: there is nothing to hand off (exit 65)."""
+
+
+class PromptTooLong(DataError):
+    """A prompt (plus the new tokens asked for) longer than the model's context (exit 65)."""
+
+
+class CorruptEntry(DataError):
+    """A stored pack failed verification (or vanished); it has been removed from the store."""
+
+
+class OutputError(MuserError):
+    """An output could not be written (permission, disk full, I/O error): exit 1, naming the user's path."""
+
+
 class MissingInput(MuserError):
     """An input file or model does not exist (exit 66, EX_NOINPUT)."""
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from muser_cli.engines.base import ModelInfo, ProgressFn
+from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.errors import ConfigError, DataError, MissingInput
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 from muser_cli.paths import cache_dir, ensure_dir, models_dir

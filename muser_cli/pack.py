@@ -13,9 +13,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, UsageError
-from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter
+from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
+from muser_cli.kvpack.summary import summarize
+from muser_cli.reuse.chain import scope_of_header
+from muser_cli.reuse.delta import cut_frame, delta_header
 
 if TYPE_CHECKING:
     from muser_cli.kvpack import PackHeader
@@ -50,9 +53,6 @@ class PackResult:
 
 def delta_for(header: "PackHeader", have: "HaveManifest") -> "PackHeader":
     """``header`` cut to what the consumer of ``have`` lacks; refuses another model, prompt or schedule."""
-    from muser_cli.reuse.chain import scope_of_header
-    from muser_cli.reuse.delta import delta_header
-
     have.check_model(header.model_fingerprint, header.tokenizer_fingerprint, what="this pack's model")
     have.check_prompt(list(header.token_ids))
     held = have.held_tokens
@@ -111,7 +111,6 @@ def _cut(header: "PackHeader", ev: FrameEvent):
     """(start, keys, values) of the part of an input frame that ``header`` carries, or None."""
     if header.rows_start == 0:
         return ev.start, ev.keys, ev.values
-    from muser_cli.reuse.delta import cut_frame
 
     return cut_frame(header, ev.layer, ev.start, ev.keys, ev.values)
 
@@ -166,9 +165,6 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
 def pack_info(src: BinaryIO) -> dict:
     """What a user inspects before trusting a file: read and verify it, then summarize
     (layers by class, tokens, bytes by class, codec, ratio, quantization error, identity)."""
-    from muser_cli.kvpack import read_pack
-    from muser_cli.verify import summarize
-
     t0 = time.perf_counter()
     p = read_pack(src)
     info = summarize(p)

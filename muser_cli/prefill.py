@@ -6,18 +6,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
-from muser_cli import __version__
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, ModelInfo, ProgressFn
-from muser_cli.errors import DataError, UsageError
+from muser_cli.engines.registry import get_engine
+from muser_cli.errors import UsageError
 from muser_cli.kvpack import PackHeader, write_pack
-from muser_cli.kvpack.format import MAX_FRAME_ROWS
+from muser_cli.modelinfo import ProgressFn
+from muser_cli.models import resolve_model
+from muser_cli.reuse import Store
+from muser_cli.reuse.chain import scope_of_header
+from muser_cli.reuse.delta import delta_header
+from muser_cli.rows import local_rows
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, build_header, check_chunk, check_prompt, default_dtype
+from muser_cli.tokens import encode_prompt
 
 if TYPE_CHECKING:
     from muser_cli.reuse.manifest import HaveManifest
-
-# float32 on CPU: this machine has no bf16 matmul units (bf16 prefill measured ~5x slower).
-DEFAULT_DTYPE = {"torch": "float32", "mlx": "float32", "vllm": "bfloat16"}
-
 
 @dataclass
 class PrefillResult:
@@ -31,38 +33,6 @@ class PrefillResult:
     held_tokens: int = 0  # the pack is a delta from here (the consumer's manifest)
     reused_tokens: int = 0  # rows taken from this machine's store instead of computed
     stored: str | None = None  # store entry id, with store=True
-
-
-def check_prompt(info: ModelInfo, ids: list[int], *, new_tokens: int = 0) -> None:
-    if len(ids) < 2:
-        raise DataError(
-            f"prompt is {len(ids)} token(s); a handoff needs at least 2",
-            hint="the consumer runs the last prompt token itself",
-        )
-    if len(ids) + new_tokens > info.max_positions:
-        extra = f" plus {new_tokens} new tokens" if new_tokens else ""
-        raise DataError(
-            f"prompt is {len(ids)} tokens{extra}, longer than the model's context of {info.max_positions}",
-            hint="shorten the prompt or use a long-context model",
-        )
-
-
-def build_header(
-    info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int, extra: dict | None = None
-) -> PackHeader:
-    producer = {"engine": engine, "threads": threads, "muser": __version__}
-    producer.update(extra or {})
-    return PackHeader(
-        model_fingerprint=info.fingerprint,
-        tokenizer_fingerprint=info.tokenizer_fingerprint,
-        token_ids=tuple(ids),
-        layers=info.layers,
-        dtype=dtype,
-        chunk_tokens=chunk_tokens,
-        model_name=info.name,
-        architecture=info.architecture,
-        producer=producer,
-    )
 
 
 def prefill(
@@ -90,12 +60,7 @@ def prefill(
     exact point this machine's store holds instead of position 0 (same bytes, less work).
     ``store``: keep the whole result in the store.
     """
-    from muser_cli.engines.base import get_engine
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
-
-    if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_FRAME_ROWS:
-        raise UsageError(f"--chunk must be in [1, {MAX_FRAME_ROWS}]")
+    check_chunk(chunk_tokens)
     t0 = time.perf_counter()
     info = resolve_model(model)
     ids = encode_prompt(info, prompt, chat=chat)
@@ -112,36 +77,21 @@ def prefill(
                                      hint=f"drop {name}: a delta is exact only on the schedule of the consumer's prefix")
             chunk_tokens, dtype = have.scope.chunk_tokens, have.scope.dtype
     chunk_tokens = chunk_tokens or DEFAULT_CHUNK_TOKENS
-    dtype = dtype or DEFAULT_DTYPE.get(engine, "float32")
+    dtype = dtype or default_dtype(engine)
     eng = get_engine(engine, info, dtype=dtype, threads=threads)
     t1 = time.perf_counter()
-    resume = None
-    if (reuse or have is not None) and hasattr(eng, "prefill_from"):
-        from muser_cli.reuse import Store, find_resume
-
-        resume = find_resume(Store(), info.fingerprint, info.tokenizer_fingerprint, ids, dtype=dtype,
-                             chunk_tokens=chunk_tokens)
-    if resume is not None:
-        layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
-                                  chunk_tokens=chunk_tokens, progress=progress)
-    else:
-        layers = eng.prefill(ids[:-1], chunk_tokens=chunk_tokens, progress=progress)
+    # Rows from this machine's store only on an engine that can continue them (its own kernels).
+    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
+                      reuse=(reuse or have is not None) and eng.resumes_prefill, progress=progress)
     t2 = time.perf_counter()
     header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
-                          extra=getattr(eng, "producer_info", lambda: {})())
+                          extra=eng.producer_info())
     full_header = header
     if have is not None and have.held_tokens:
-        from muser_cli.reuse.chain import scope_of_header
-        from muser_cli.reuse.delta import delta_header
-
         header = delta_header(header, scope_of_header(header), have.held_tokens, have.chain)
-    writer = write_pack(out, header, layers, codec=codec, level=level)
+    writer = write_pack(out, header, made.layers, codec=codec, level=level)
     t3 = time.perf_counter()
-    stored = None
-    if store:
-        from muser_cli.reuse import Store
-
-        stored = Store().put_layers(full_header, layers).entry.id
+    stored = Store().put_layers(full_header, made.layers).entry.id if store else None
     return PrefillResult(header=writer.header, token_count=len(ids), load_s=t1 - t0, prefill_s=t2 - t1,
                          write_s=t3 - t2, bytes_written=writer.bytes_written,
-                         held_tokens=header.rows_start, reused_tokens=resume.held if resume else 0, stored=stored)
+                         held_tokens=header.rows_start, reused_tokens=made.held, stored=stored)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from muser_cli.engines.base import ModelInfo
+from muser_cli.modelinfo import ModelInfo
 from muser_cli.errors import ConfigError, DataError
 
 _TOKENIZERS: dict[tuple[str, str], Any] = {}

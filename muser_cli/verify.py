@@ -11,6 +11,7 @@ from muser_cli.errors import KVPackError, UsageError
 from muser_cli.identity import Check, identity_checks
 from muser_cli.kvpack import KVPack, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
+from muser_cli.kvpack.summary import summarize
 
 
 @dataclass
@@ -44,26 +45,6 @@ class VerifyReport:
     def to_json(self) -> dict:
         return {"ok": self.ok, "checks": [c.to_json() for c in self.checks], "summary": self.summary,
                 "seconds": round(self.seconds, 6)}
-
-
-def summarize(pack: KVPack) -> dict:
-    h = pack.header
-    kinds: dict[str, int] = {}
-    bytes_by_kind: dict[str, int] = {}
-    for i, spec in enumerate(h.layers):
-        kinds[spec.kind] = kinds.get(spec.kind, 0) + 1
-        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.logical_row_bytes(i) * h.layer_rows(i)
-    raw = h.total_logical_bytes()  # in the header dtype, before codec and quantization
-    return {
-        "model": h.model_name, "model_fingerprint": h.model_fingerprint,
-        "tokenizer_fingerprint": h.tokenizer_fingerprint, "tokens": len(h.token_ids),
-        "token_digest": h.token_digest, "rows": [h.rows_start, h.rows_end], "dtype": h.dtype,
-        "chunk_tokens": h.chunk_tokens, "layers": kinds, "kv_bytes_by_kind": bytes_by_kind,
-        "kv_bytes": raw, "pack_bytes": pack.total_bytes, "codec": h.codec.get("name"),
-        "ratio": round(raw / pack.stored_bytes, 4) if pack.stored_bytes else None,
-        "producer": h.producer, "root_digest": pack.root_digest.hex(),
-        "version": f"{h.raw.get('version', [1, 0])[0]}.{h.minor}",
-    }
 
 
 def verify(
@@ -108,7 +89,7 @@ def verify(
     if audit and all(c.ok for c in checks):
         from muser_cli.audit import audit as run_audit
         from muser_cli.audit import diagnose
-        from muser_cli.engines.base import get_engine
+        from muser_cli.engines.registry import get_engine
 
         eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
         rep = run_audit(pack, eng, audit)

@@ -30,9 +30,10 @@ mx = pytest.importorskip("mlx.core", reason="mlx not installed")
 pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
 
 from muser_cli.engines import mlx_engine  # noqa: E402
-from muser_cli.engines.base import Sampling, get_engine  # noqa: E402
+from muser_cli.engines.base import Sampling
+from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.engines.mlx_engine import MLXEngine  # noqa: E402
-from muser_cli.errors import DataError, IdentityMismatch, UsageError  # noqa: E402
+from muser_cli.errors import DataError, IdentityMismatch, PromptTooLong, UsageError  # noqa: E402
 from muser_cli.kvpack.layers import DTYPES, LayerKV  # noqa: E402
 from muser_cli.tokens import decode_text, encode_prompt  # noqa: E402
 
@@ -467,7 +468,7 @@ def test_bad_input_is_refused(tiny_hybrid):
         eng.decode(ints, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     with pytest.raises(DataError, match="outside the model's vocabulary"):
         eng.decode(layers, rows=20, next_tokens=[512], max_new_tokens=1)
-    with pytest.raises(UsageError, match="longer than the model's context of 256"):
+    with pytest.raises(PromptTooLong, match="longer than the model's context of 256"):
         eng.decode(layers, rows=20, next_tokens=ids[-1:], max_new_tokens=250)
     with pytest.raises(UsageError, match="no dtype 'float16'"):
         MLXEngine(tiny_hybrid, dtype="float16", threads=THREADS)

@@ -7,9 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from muser_cli.engines.base import Sampling, get_engine
+from muser_cli.engines.base import Sampling
+from muser_cli.engines.registry import get_engine
 from muser_cli.engines.torch_engine import TorchEngine
-from muser_cli.errors import DataError, UsageError
+from muser_cli.errors import DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.tokens import decode_text, encode_prompt
 
@@ -176,10 +177,11 @@ def test_install_checks_shapes_and_positions(tiny_hybrid):
 def test_context_limit_is_refused_before_computing(tiny_llama):
     engine = engine_for(tiny_llama, "float32")
     assert tiny_llama.max_positions == 256
-    with pytest.raises(UsageError, match="longer than the model's context of 256"):
+    # One error class per fact: a prompt past the context is bad data (exit 65) wherever it is found.
+    with pytest.raises(PromptTooLong, match="longer than the model's context of 256"):
         engine.prefill([5] * 256, chunk_tokens=CHUNK)
     layers = engine.prefill([5] * 10, chunk_tokens=CHUNK)
-    with pytest.raises(UsageError, match="11 tokens plus 250 new tokens"):
+    with pytest.raises(PromptTooLong, match="11 tokens plus 250 new tokens"):
         engine.decode(layers, rows=10, next_tokens=[5], max_new_tokens=250)
     with pytest.raises(UsageError):
         engine.decode(layers, rows=10, next_tokens=[], max_new_tokens=1)

@@ -20,7 +20,7 @@ import pytest
 
 from muser_cli.engines import vllm_connector as C
 from muser_cli.engines import vllm_layout as L
-from muser_cli.engines.base import ModelInfo
+from muser_cli.modelinfo import ModelInfo
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
@@ -348,7 +348,7 @@ def info(tmp_path):
 
 def test_engine_without_vllm_is_a_config_error(monkeypatch, info):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    from muser_cli.engines.base import get_engine
+    from muser_cli.engines.registry import get_engine
 
     with pytest.raises(ConfigError, match="vllm is not installed") as err:
         get_engine("vllm", info, dtype="bfloat16", threads=1)

@@ -7,38 +7,19 @@ Roles:
     last prompt token (the consumer's first step, which yields the first logits).
 
 Engines import kvpack types, never the other way round. Heavy frameworks are imported
-inside the engine module only, and engine modules are imported lazily by :func:`get_engine`.
+inside the engine module only, and engine modules are imported lazily by :func:`muser_cli.engines.registry.get_engine`.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
-from muser_cli.errors import DataError, UsageError
-from muser_cli.kvpack.layers import LayerKV, LayerSpec
-
-DEFAULT_CHUNK_TOKENS = 512
-ENGINE_NAMES = ("torch", "mlx", "vllm")
-
-ProgressFn = Callable[[str, int, int], None]  # (stage, done, total)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a model is, without loading its weights (no torch import needed)."""
-
-    path: Path  # Hugging Face-style folder: config.json, *.safetensors, tokenizer files
-    name: str
-    fingerprint: str  # "sha256:<hex>" over canonical config + weight bytes
-    tokenizer_fingerprint: str  # "sha256:<hex>" over the tokenizer files
-    architecture: str
-    layers: tuple[LayerSpec, ...]
-    max_positions: int
-    eos_token_ids: tuple[int, ...] = ()
-
+from muser_cli.errors import DataError, PromptTooLong, UsageError
+from muser_cli.kvpack.layers import LayerKV
+from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 @dataclass(frozen=True)
 class Sampling:
@@ -99,6 +80,29 @@ class Engine(abc.ABC):
         """
 
 
+    # ---------------------------------------------------------- optional abilities
+    #: True when :meth:`prefill_from` can continue a prefill from installed rows
+    #: (reuse and delta start from a stored prefix instead of position 0).
+    resumes_prefill: bool = False
+
+    def prefill_from(
+        self,
+        layers: Sequence[LayerKV],
+        *,
+        rows: int,
+        token_ids: Sequence[int],
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        """Continue the canonical schedule from ``layers`` (the cache as of ``rows`` positions,
+        a chunk boundary) over ``token_ids``; returns what :meth:`prefill` over all the tokens
+        returns, byte for byte. Only engines with :attr:`resumes_prefill` implement it."""
+        raise UsageError(f"the {self.name} engine cannot continue a prefill from stored rows")
+
+    def producer_info(self) -> dict:
+        """What this engine records in a kvpack's ``producer`` field (versions, backend)."""
+        return {}
+
     # -------------------------------------------------------------- shared checks
     def _vocab_size(self) -> int:
         """The loaded model's vocabulary size (engines that check ids override it)."""
@@ -119,26 +123,9 @@ class Engine(abc.ABC):
         if rows < 0 or max_new_tokens < 0:
             raise UsageError(f"rows ({rows}) and max_new_tokens ({max_new_tokens}) must not be negative")
         if rows + len(nxt) + max_new_tokens > self.info.max_positions:
-            raise UsageError(
+            raise PromptTooLong(
                 f"prompt is {rows + len(nxt)} tokens plus {max_new_tokens} new tokens, "
                 f"longer than the model's context of {self.info.max_positions}",
                 hint="ask for fewer new tokens or use a shorter prompt",
             )
         return nxt
-
-
-def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int) -> Engine:
-    """Import the named engine lazily and load ``info`` into it."""
-    if name == "torch":
-        from muser_cli.engines.torch_engine import TorchEngine
-
-        return TorchEngine(info, dtype=dtype, threads=threads)
-    if name == "mlx":
-        from muser_cli.engines.mlx_engine import MLXEngine
-
-        return MLXEngine(info, dtype=dtype, threads=threads)
-    if name == "vllm":
-        from muser_cli.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(info, dtype=dtype, threads=threads)
-    raise UsageError(f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES))

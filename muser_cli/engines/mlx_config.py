@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from muser_cli.engines.base import ModelInfo
+from muser_cli.modelinfo import ModelInfo
 from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 

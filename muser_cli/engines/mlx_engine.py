@@ -38,8 +38,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines import mlx_blas
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
-from muser_cli.errors import ConfigError, DataError, IdentityMismatch, UsageError
+from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
 from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides  # noqa: F401
 from muser_cli.kvpack.layers import LayerKV, LayerSpec
 
@@ -51,6 +53,7 @@ _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u
 
 class MLXEngine(Engine):
     name = "mlx"
+    resumes_prefill = True
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -90,7 +93,7 @@ class MLXEngine(Engine):
     ) -> list[LayerKV]:
         ids = self._check_ids(token_ids)
         if len(ids) >= self.info.max_positions:
-            raise UsageError(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
+            raise PromptTooLong(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._prefill_caches(ids, chunk_tokens, progress)
         return self._extract(caches, len(ids))
 
@@ -114,7 +117,7 @@ class MLXEngine(Engine):
         ids = self._check_ids(token_ids)
         total = rows + len(ids)
         if total >= self.info.max_positions:
-            raise UsageError(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
+            raise PromptTooLong(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._install(layers, rows, chunk_tokens)
         self._run_chunks(caches, ids, rows, chunk_tokens, progress)
         return self._extract(caches, total)

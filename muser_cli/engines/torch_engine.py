@@ -22,8 +22,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from muser_cli.engines.base import DEFAULT_CHUNK_TOKENS, DecodeResult, Engine, ModelInfo, ProgressFn, Sampling
-from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -33,6 +35,7 @@ _FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, n
 
 class TorchEngine(Engine):
     name = "torch"
+    resumes_prefill = True
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -65,7 +68,7 @@ class TorchEngine(Engine):
     ) -> list[LayerKV]:
         ids = self._check_ids(token_ids)
         if len(ids) >= self.info.max_positions:
-            raise UsageError(
+            raise PromptTooLong(
                 f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
@@ -92,7 +95,7 @@ class TorchEngine(Engine):
         ids = self._check_ids(token_ids)
         total = rows + len(ids)
         if total >= self.info.max_positions:
-            raise UsageError(
+            raise PromptTooLong(
                 f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():

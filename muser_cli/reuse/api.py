@@ -6,9 +6,12 @@ import shutil
 from dataclasses import replace
 from typing import BinaryIO, Sequence
 
-from muser_cli.errors import MuserError, UsageError
+from muser_cli.errors import MuserError, PromptTooShort, UsageError
+from muser_cli.kvpack import token_digest
+from muser_cli.models import resolve_model
 from muser_cli.reuse.manifest import HaveManifest
 from muser_cli.reuse.store import Entry, GCResult, PutResult, Store
+from muser_cli.tokens import encode_prompt
 
 
 def have(
@@ -26,14 +29,12 @@ def have(
     point any entry serves (full-attention rows [0, held)); ``complete`` says an entry holds
     the whole cache of prompt[:-1], sliding-window rings included (decode needs no producer).
     """
-    from muser_cli.kvpack import token_digest
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
 
     info = resolve_model(model)
     ids = encode_prompt(info, prompt, chat=chat)
     if len(ids) < 2:
-        raise UsageError(f"prompt is {len(ids)} token(s); a handoff needs at least 2")
+        raise PromptTooShort(f"prompt is {len(ids)} token(s); a handoff needs at least 2",
+                             hint="the consumer runs the last prompt token itself")
     store = store or Store()
     base = HaveManifest(info.fingerprint, info.name, info.tokenizer_fingerprint, len(ids), token_digest(ids))
     for point in store.points(info.fingerprint, info.tokenizer_fingerprint, ids, len(ids) - 1, dtype=dtype,
@@ -68,8 +69,7 @@ def get(entry: str, out: BinaryIO, *, store: Store | None = None) -> Entry:
 def ls(*, store: Store | None = None, model: str | None = None) -> list[Entry]:
     fingerprint = None
     if model is not None:
-        from muser_cli.models import resolve_model
-
+    
         fingerprint = resolve_model(model).fingerprint
     return (store or Store()).entries(model=fingerprint)
 

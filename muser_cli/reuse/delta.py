@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from muser_cli.errors import DataError, IdentityMismatch
+from muser_cli.errors import CorruptEntry, DataError, IdentityMismatch
 from muser_cli.kvpack import KVPack, LayerKV, LayerSpec, PackHeader
 from muser_cli.reuse.chain import Scope
 from muser_cli.reuse.manifest import base_object, check_base
@@ -73,8 +73,6 @@ def resolve_delta(pack: KVPack, store) -> tuple[list[LayerKV], str]:
     scope, held, chain = check_base(pack.header)
     for point in store.points(scope.model, scope.tokenizer, pack.header.token_ids, held, dtype=scope.dtype,
                               chunk_tokens=scope.chunk_tokens, chain=chain):
-        from muser_cli.reuse.store import CorruptEntry
-
         try:
             stored = store.load(point.entry)
         except CorruptEntry:
@@ -99,8 +97,6 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
                 chunk_tokens: int | None = None) -> Resume | None:
     """The deepest stored point from which prompt ``ids`` can be prefilled exactly (rings
     included): at most len(ids)-1 rows, i.e. a full hit when held == len(ids)-1."""
-    from muser_cli.reuse.store import CorruptEntry
-
     tried: set[str] = set()
     for point in store.points(model, tokenizer, ids, len(ids) - 1, dtype=dtype, chunk_tokens=chunk_tokens):
         if not point.resumable or point.entry in tried:

@@ -27,14 +27,16 @@ import os
 import sqlite3
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
-from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
+from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
 from muser_cli.fsio import fsync_dir
-from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack
+from muser_cli.paths import ensure_dir, store_dir
+from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
+from muser_cli.reuse.delta import resolve_delta
 
 DEFAULT_MAX_BYTES = 20 << 30
 ENV_MAX_BYTES = "MUSER_STORE_MAX"
@@ -62,10 +64,6 @@ PRAGMA user_version = 1;
 """
 SCHEMA_VERSION = 1
 _ENTRY_COLS = "id, model, tokenizer, dtype, chunk, model_name, tokens, rows, token_digest, bytes, codec, created, last_used"
-
-
-class CorruptEntry(DataError):
-    """A stored pack failed verification (or vanished); it has been removed."""
 
 
 def parse_size(text: str | int) -> int:
@@ -147,8 +145,6 @@ class Store:
     """A store of verified kvpacks under ``root`` (default ``paths.store_dir()``)."""
 
     def __init__(self, root: Path | str | None = None, *, max_bytes: int | None = None) -> None:
-        from muser_cli.paths import store_dir
-
         self.root = Path(root) if root is not None else store_dir()
         if max_bytes is None:
             env = os.environ.get(ENV_MAX_BYTES)
@@ -170,8 +166,6 @@ class Store:
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            from muser_cli.paths import ensure_dir
-
             ensure_dir(self.root)
             try:
                 db = sqlite3.connect(str(self.index_path), timeout=60.0, isolation_level=None)
@@ -212,8 +206,6 @@ class Store:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        from muser_cli.paths import ensure_dir
-
         ensure_dir(self.root)
         fd = os.open(str(self.root / "lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -223,8 +215,6 @@ class Store:
             os.close(fd)  # releases the lock
 
     def _tmp_file(self) -> tuple[int, Path]:
-        from muser_cli.paths import ensure_dir
-
         tmp_dir = ensure_dir(self.root / "tmp")
         fd, name = tempfile.mkstemp(prefix="put-", suffix=".part", dir=tmp_dir)
         return fd, Path(name)
@@ -257,8 +247,6 @@ class Store:
 
     def _put_delta(self, path: Path) -> PutResult:
         """A delta is stored merged with its base (which must be held here)."""
-        from muser_cli.reuse.delta import resolve_delta
-
         with open(path, "rb") as f:
             pack = read_pack(f)
         layers, _ = resolve_delta(pack, self)
@@ -266,10 +254,6 @@ class Store:
 
     def put_layers(self, header: PackHeader, layers: Sequence) -> PutResult:
         """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""
-        from dataclasses import replace
-
-        from muser_cli.kvpack import write_pack
-
         header = replace(header, rows_start=0, base=None, codec={"name": "none"})
         _check_storable(header)
         fd, tmp = self._tmp_file()

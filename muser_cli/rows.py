@@ -1,0 +1,66 @@
+"""Where a prompt's KV rows come from on this machine: the store, or computed on the
+canonical schedule — the one place both ``prefill`` and ``decode``'s fallback ask.
+
+A stored prefix that ends at a chunk boundary is continued (engines that declare
+``resumes_prefill``); a full hit needs no compute at all. Either way the rows are byte
+for byte the rows one full prefill on the same schedule would produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from muser_cli.engines.base import Engine
+from muser_cli.kvpack import LayerKV
+from muser_cli.modelinfo import ProgressFn
+from muser_cli.reuse import Store, find_resume
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+
+
+@dataclass
+class LocalRows:
+    """Rows for prompt[:-1] made here."""
+
+    layers: list[LayerKV]
+    chunk_tokens: int  # the schedule they were made on
+    source: str  # "local" (computed), "store" (a full hit), "store+local" (a stored prefix, then computed)
+    held: int = 0  # rows taken from the store
+    entry: str | None = None  # the store entry they came from
+    problems: list[str] = field(default_factory=list)  # store entries found corrupt (and removed)
+
+
+def local_rows(
+    eng: Engine,
+    ids: Sequence[int],
+    *,
+    dtype: str,
+    chunk_tokens: int | None,
+    reuse: bool,
+    store: Store | None = None,
+    progress: ProgressFn | None = None,
+) -> LocalRows:
+    """The rows of prompt ``ids[:-1]``: from the deepest exact point the store holds
+    (``reuse``), else computed from position 0 on ``chunk_tokens`` (None: any stored
+    schedule, else the default)."""
+    ids = list(ids)
+    rows = len(ids) - 1
+    resume = None
+    problems: list[str] = []
+    if reuse:
+        store = store or Store()
+        resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
+                             chunk_tokens=chunk_tokens)
+        problems = list(store.problems)
+        if resume is not None and resume.held < rows and not eng.resumes_prefill:
+            resume = None  # this engine cannot continue a prefill: only a full hit helps
+    if resume is None:
+        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
+        layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress)
+        return LocalRows(layers, chunk, "local", problems=problems)
+    chunk = resume.scope.chunk_tokens
+    if resume.held == rows:
+        return LocalRows(list(resume.layers), chunk, "store", resume.held, resume.entry, problems)
+    layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
+                              chunk_tokens=chunk, progress=progress)
+    return LocalRows(layers, chunk, "store+local", resume.held, resume.entry, problems)

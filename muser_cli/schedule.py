@@ -1,0 +1,66 @@
+"""The canonical schedule: the one way every path turns a prompt into KV rows.
+
+prompt[:-1] is prefilled in fixed chunks of ``chunk_tokens`` (recorded in the pack
+header); the last prompt token is the consumer's first decode step. The producer, the
+local fallback, reuse and delta all follow it, which is what makes a handed-off lane
+bit-identical to a local one on the same engine, dtype and thread count.
+
+This module holds the schedule's constants, the checks a prompt must pass before any
+work, and the header that records the schedule. Where the rows come from (computed,
+the store, a delta) is :mod:`muser_cli.rows`.
+"""
+
+from __future__ import annotations
+
+from muser_cli import __version__
+from muser_cli.errors import PromptTooLong, PromptTooShort, UsageError
+from muser_cli.kvpack import PackHeader
+from muser_cli.kvpack.format import MAX_FRAME_ROWS
+from muser_cli.modelinfo import ModelInfo
+
+DEFAULT_CHUNK_TOKENS = 512
+
+# float32 on CPU: this machine has no bf16 matmul units (bf16 prefill measured ~5x slower).
+DEFAULT_DTYPE = {"torch": "float32", "mlx": "float32", "vllm": "bfloat16"}
+
+
+def default_dtype(engine: str) -> str:
+    return DEFAULT_DTYPE.get(engine, "float32")
+
+
+def check_chunk(chunk_tokens: int | None) -> None:
+    if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_FRAME_ROWS:
+        raise UsageError(f"--chunk must be in [1, {MAX_FRAME_ROWS}]")
+
+
+def check_prompt(info: ModelInfo, ids: list[int], *, new_tokens: int = 0) -> None:
+    if len(ids) < 2:
+        raise PromptTooShort(
+            f"prompt is {len(ids)} token(s); a handoff needs at least 2",
+            hint="the consumer runs the last prompt token itself",
+        )
+    if len(ids) + new_tokens > info.max_positions:
+        extra = f" plus {new_tokens} new tokens" if new_tokens else ""
+        raise PromptTooLong(
+            f"prompt is {len(ids)} tokens{extra}, longer than the model's context of {info.max_positions}",
+            hint="shorten the prompt or use a long-context model",
+        )
+
+
+def build_header(
+    info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int, extra: dict | None = None
+) -> PackHeader:
+    """The header of a full pack of ``ids`` made on this schedule by ``engine``."""
+    producer = {"engine": engine, "threads": threads, "muser": __version__}
+    producer.update(extra or {})
+    return PackHeader(
+        model_fingerprint=info.fingerprint,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        token_ids=tuple(ids),
+        layers=info.layers,
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+        model_name=info.name,
+        architecture=info.architecture,
+        producer=producer,
+    )

@@ -132,6 +132,12 @@ ENVIRONMENT = [
      "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "
      "`cblas_sgemm`. An explicit choice that cannot be honoured is exit 78.",
      "`auto`: MKL if found, else a system OpenBLAS, else the bundled one"),
+    ("MUSER_VLLM_OPTS", "Extra options for `--engine vllm`, `KEY=VALUE,KEY=VALUE`: `vllm.LLM`/`EngineArgs` names "
+     "(`enforce_eager`, `max_model_len`, `block_size`, `attention_backend`, `kv_cache_dtype`, "
+     "`gpu_memory_utilization`, ...) and muser's own `host` (vLLM's `VLLM_HOST_IP`) and `kv_cache_space` (GiB). "
+     "Options that fix the canonical schedule (`max_num_batched_tokens`, `enable_chunked_prefill`, `dtype`, ...) "
+     "are refused; a malformed item is exit 2.",
+     "unset: muser's defaults (`enforce_eager=true`, `host=127.0.0.1`; on CPU `kv_cache_space=1`)"),
     ("MUSER_TEST_MODELS", "Tests only: folder where the test suite keeps the embedded model converted once "
      "across runs (each test still gets its own `MUSER_HOME`).", "`tests/.cache/models`"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "
@@ -144,7 +150,8 @@ ENVIRONMENT = [
      "candidates (Typer's protocol); not for people.", "unset"),
 ]
 
-_ENV_SOURCES = ("muser_cli", "commands", "tests", "benchmarks", "docs/demo.sh", "Makefile")
+_ENV_SOURCES = ("muser_cli", "commands", "tests", "benchmarks", "completions", "docs/demo.sh", "Makefile")
+_ENV_SUFFIXES = (".py", ".sh", ".bash", ".fish", "")
 
 
 def environment_section() -> list[str]:
@@ -158,21 +165,34 @@ def environment_section() -> list[str]:
     return lines
 
 
-def undocumented_environment() -> list[str]:
-    """``MUSER_*`` names read in this repository's sources but missing from :data:`ENVIRONMENT`."""
+def environment_in_sources() -> set[str]:
+    """Every ``MUSER_*`` name this repository's sources mention (this file aside)."""
     import re
 
-    known = {name for name, _, _ in ENVIRONMENT}
     found: set[str] = set()
-    pattern = re.compile(r"\b_?MUSER_[A-Z0-9_]*[A-Z0-9]\b")
+    # An environment name is quoted, `$`-expanded or assigned (NAME=...); a Python constant such as
+    # ``MUSER_KEYS = (...)`` is none of these.
+    pattern = re.compile(r"(?:(?<=[\"'`$={])_?MUSER_[A-Z0-9_]*[A-Z0-9]\b)|(?:\b_?MUSER_[A-Z0-9_]*[A-Z0-9](?==(?!=)))")
     for rel in _ENV_SOURCES:
         base = ROOT / rel
-        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.suffix in (".py", ".sh"))
+        if not base.exists():
+            continue
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.suffix in _ENV_SUFFIXES)
         for f in files:
-            if ".cache" in f.parts or not f.is_file():
+            if f.resolve() == Path(__file__).resolve() or not f.is_file() or {".cache", "__pycache__"} & set(f.parts):
                 continue
             found.update(pattern.findall(f.read_text(errors="replace")))
-    return sorted(found - known)
+    return found
+
+
+def undocumented_environment() -> list[str]:
+    """``MUSER_*`` names read in the sources but missing from :data:`ENVIRONMENT`."""
+    return sorted(environment_in_sources() - {name for name, _, _ in ENVIRONMENT})
+
+
+def unread_environment() -> list[str]:
+    """Names :data:`ENVIRONMENT` documents that no source mentions any more."""
+    return sorted({name for name, _, _ in ENVIRONMENT} - environment_in_sources())
 
 
 def generated() -> dict[str, str]:
@@ -191,6 +211,8 @@ def stale() -> list[str]:
             bad.append(rel)
     bad += [f"docs/cli.md (environment variable {name} is read but not in _gendocs.ENVIRONMENT)"
             for name in undocumented_environment()]
+    bad += [f"docs/cli.md (environment variable {name} is documented in _gendocs.ENVIRONMENT but read nowhere)"
+            for name in unread_environment()]
     for folder, keep in (("man", {k for k in generated() if k.startswith("man/")}),):
         for p in (ROOT / folder).glob("*.1"):
             if f"{folder}/{p.name}" not in keep:

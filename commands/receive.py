@@ -1,4 +1,4 @@
-"""muser receive: accept handoffs over mutual TLS; publish only verified kvpacks (exit 75 on timeout)."""
+"""muser receive: accept handoffs over mutual TLS; forward or publish only verified kvpack bytes (exit 75 on timeout)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, 
 def _render(kind: str, f: dict) -> None:
     if kind == "listening":
         info(f"receive: listening on {f['address']}")
+    elif kind == "stale_removed":
+        info(f"receive: removed {f['count']} stale spool file(s) left by a receiver that was killed")
     elif kind == "accepted":
+        span = ""
+        if f.get("first_byte_s") is not None:
+            span = f", payload {f['first_byte_s']:.3f}-{f['last_byte_s']:.3f} s after start"
         info(f"receive: accepted {f['handoff_id']} from {f['sender']} ({f['payload_bytes']} bytes, "
-             f"ledger commit {f['ledger_commit_ms']:.2f} ms)")
+             f"{f['frames']} frames, ledger commit {f['ledger_commit_ms']:.2f} ms{span})")
     elif kind in ("rejected", "tls_failed", "aborted", "ack_failed") and not quiet():
         reason = f.get("reason", "")
         code = f" {f['code']}:" if "code" in f else ""
@@ -26,19 +31,21 @@ def register(app: typer.Typer) -> None:
     def receive_cmd(
         listen: str = typer.Option(..., "--listen", help="HOST:PORT to listen on (:PORT for all addresses)."),
         once: bool = typer.Option(False, "--once", help="Exit after the first accepted handoff."),
-        timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up after S seconds (exit 75)."),
+        timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up when no handoff started streaming within S seconds (exit 75)."),
         output: str = typer.Option("-", "--output", "-o", help="Output file (or a folder), - for stdout."),
-        as_json: bool = typer.Option(False, "--json", help="One JSON object per accepted handoff (needs -o)."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object per accepted handoff, with first/last byte times (needs -o)."),
         max_size: str = typer.Option("64G", "--max-size", help="Largest payload accepted (refused before reading)."),
         window: float = typer.Option(120.0, "--window", help="Issued-at window, ± seconds."),
         idle_timeout: float = typer.Option(30.0, "--idle-timeout", help="Longest silence tolerated, seconds."),
         handshake_timeout: float = typer.Option(10.0, "--handshake-timeout", help="TLS handshake deadline."),
         queue: int = typer.Option(16, "--queue", help="Producers that may wait while one is admitted."),
     ) -> None:
-        """Receive kvpacks: TLS 1.3 with client certificates, HMAC header, replay ledger.
+        """Receive kvpacks as they stream: TLS 1.3 with client certificates, HMAC header and trailer, replay ledger.
 
-        A payload is published (atomically) and acknowledged only after every frame, the root
-        digest and the model binding verified and its id was recorded durably.
+        To stdout (needs --once) each frame is forwarded once it verified against the digest
+        chain, the end frame only after the trailer verified and the handoff id was recorded
+        durably; a failed or cut handoff ends the stream without an end frame (exit 65, 75
+        or 77). To a file or folder the payload is published atomically, then acknowledged.
         """
         from muser_cli.errors import UsageError
         from muser_cli.handoff.api import receive

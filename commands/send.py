@@ -1,4 +1,4 @@
-"""muser send: hand a kvpack off to a receiver over mutual TLS (exit 75: fall back)."""
+"""muser send: stream a kvpack to a receiver over mutual TLS as it is produced (exit 75: fall back)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ def register(app: typer.Typer) -> None:
         src: str = typer.Argument("-", help="kvpack to send, or - for stdin."),
         to: str = typer.Option(..., "--to", help="Receiver as HOST:PORT ([v6]:PORT for IPv6)."),
         rate: Optional[str] = typer.Option(None, "--rate", help="Pace the payload: 100M (bytes/s), 800Mbit."),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON summary (payload rate, timings)."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON summary (payload rate, first/last byte times)."),
         timeout: float = typer.Option(3600.0, "--timeout", help="Total deadline in seconds."),
         connect_timeout: float = typer.Option(10.0, "--connect-timeout", help="TCP + TLS handshake deadline."),
         idle_timeout: float = typer.Option(30.0, "--idle-timeout", help="Longest silence tolerated, seconds."),
         key_id: Optional[str] = typer.Option(None, "--key-id", help="HMAC key id (default: this node's)."),
     ) -> None:
-        """Send a kvpack; returns once the receiver verified, recorded and published it.
+        """Stream a kvpack as it is produced; returns once the receiver verified and recorded it.
 
-        Exit 75 when the receiver is unreachable, busy or times out, 77 when it refuses
-        authentication or a replay, 65 when it refuses the data, 78 with no node identity.
+        Connects as soon as the kvpack header is in (a pipe from `muser prefill` streams
+        frames as chunks finish). Exit 75 when the receiver is unreachable, busy or times
+        out, 77 when it refuses authentication or a replay, 65 when it refuses the data or
+        the input is not a complete kvpack, 78 with no node identity.
         """
         from muser_cli.handoff.api import send
 
@@ -35,5 +37,6 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 emit_json(res)
             else:
-                info(f"send: {res['payload_bytes']} bytes to {res['to']} accepted as {res['handoff_id']} "
-                     f"in {res['total_s']:.3f} s (payload rate {res['payload_rate_Bps'] / 1e6:.1f} MB/s)")
+                info(f"send: {res['payload_bytes']} bytes ({res['frames']} frames) to {res['to']} accepted as "
+                     f"{res['handoff_id']} in {res['total_s']:.3f} s (payload rate "
+                     f"{res['payload_rate_Bps'] / 1e6:.1f} MB/s, waited {res['input_wait_s']:.3f} s for input)")

@@ -27,7 +27,7 @@ def resign(prep: PreparedHandoff, secret: bytes | None, **changes) -> PreparedHa
     h = dataclasses.replace(prep.header, **changes)
     raw = h.encode()
     mac = hh.compute_mac(secret, raw) if secret is not None else prep.mac
-    return PreparedHandoff(h, raw, mac, prep.path, prep.info)
+    return dataclasses.replace(prep, header=h, raw=raw, mac=mac)
 
 
 def assert_nothing_published(run) -> None:
@@ -159,8 +159,8 @@ def test_c21_mac_compared_with_compare_digest(nodes, pack_file, receivers, tmp_p
 @pytest.mark.parametrize(
     "change",
     [
-        {"root_digest": "e" * 64},
-        {"payload_size": 1},
+        {"pack_header_digest": "e" * 64},
+        {"size_bound": 1},
         {"model_fingerprint": "sha256:" + "d" * 64},
         {"token_digest": "sha256:" + "d" * 64},
         {"rows_start": 7},

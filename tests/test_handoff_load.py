@@ -125,7 +125,7 @@ def test_g39_hundred_idle_connections(nodes, pack_file, receivers, tmp_path):
 def test_g40_declared_size_above_maximum(nodes, pack_file, receivers, tmp_path):
     run = receivers(nodes.consumer, tmp_path, max_payload=1024)
     prep = prepare_handoff(pack_file, nodes.producer)
-    assert prep.header.payload_size > 1024
+    assert prep.header.size_bound > 1024
     with pytest.raises(DataError, match="too_large") as exc:
         transmit(prep, to=run.to, identity=nodes.producer)
     assert exc.value.exit_status == 65

@@ -13,8 +13,8 @@ from muser_cli.errors import AuthError, ProtocolError
 from muser_cli.handoff import header as hh
 from muser_cli.handoff.protocol import (
     MAX_BODY, MAX_DATA_BYTES, NEED_DATA, PREFIX, Ack, Connection, ConnectionClosed, Data, Go, Header,
-    LocalProtocolError, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State, TRANSITIONS,
-    encode_event,
+    LocalProtocolError, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Pulse, Ready, Reject, Role, State, Trailer,
+    TRANSITIONS, encode_event,
 )
 
 SECRET = b"s" * 32
@@ -22,8 +22,8 @@ SECRET = b"s" * 32
 
 def make_header(size: int = 10, **kw) -> hh.HandoffHeader:
     fields = dict(
-        key_id="k1", handoff_id="ab" * 16, issued_at_ms=1_700_000_000_000, payload_size=size,
-        root_digest="1" * 64, model_fingerprint="sha256:" + "a" * 64,
+        key_id="k1", handoff_id="ab" * 16, issued_at_ms=1_700_000_000_000, size_bound=size,
+        pack_header_digest="1" * 64, model_fingerprint="sha256:" + "a" * 64,
         tokenizer_fingerprint="sha256:" + "b" * 64, token_digest="sha256:" + "c" * 64, rows_start=0, sender="gx10",
     )
     fields.update(kw)
@@ -34,6 +34,12 @@ def header_event(size: int = 10, **kw) -> Header:
     h = make_header(size, **kw)
     raw, mac = hh.sign(h, SECRET)
     return Header(raw, mac, h)
+
+
+def trailer_event(header: Header, size: int = 10, root: str = "2" * 64) -> Trailer:
+    t = hh.HandoffTrailer(header.header.handoff_id, size, root)
+    raw, mac = hh.sign_trailer(t, SECRET, header.mac)
+    return Trailer(raw, mac, t)
 
 
 class MemoryLink:
@@ -65,7 +71,7 @@ class MemoryLink:
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_full_handoff_byte_by_byte(step):
     link = MemoryLink(step)
-    assert link.r2s(Ready({"v": 2, "max_payload": 100})) == [Ready({"max_payload": 100, "v": 2})]
+    assert link.r2s(Ready({"v": 3, "max_payload": 100})) == [Ready({"max_payload": 100, "v": 3})]
     hdr = header_event(size=10)
     got = link.s2r(hdr)
     assert len(got) == 1 and got[0].raw == hdr.raw and got[0].mac == hdr.mac
@@ -74,7 +80,12 @@ def test_full_handoff_byte_by_byte(step):
     assert link.r2s(Go()) == [Go()]
     assert link.s2r(Data(b"abcd")) == [Data(b"abcd")]
     assert link.receiver.state is State.STREAMING
+    assert link.s2r(Pulse()) == [Pulse()]  # a slow producer: the link stays alive
     assert link.s2r(Data(b"efghij")) == [Data(b"efghij")]
+    assert link.receiver.state is State.STREAMING  # the bound is reached, the trailer ends the payload
+    tr = trailer_event(hdr, size=10)
+    got = link.s2r(tr)
+    assert len(got) == 1 and got[0].raw == tr.raw and got[0].mac == tr.mac and got[0].trailer == tr.trailer
     assert link.receiver.state is State.PAYLOAD_DONE and link.sender.state is State.PAYLOAD_DONE
     assert link.r2s(Ack({"handoff_id": "x"})) == [Ack({"handoff_id": "x"})]
     assert link.sender.state is State.DONE and link.receiver.state is State.DONE
@@ -111,7 +122,7 @@ def test_payload_beyond_declared_size_is_refused_at_the_prefix():
     link.r2s(Ready())
     link.s2r(header_event(size=4))
     link.r2s(Go())
-    frame = PREFIX.pack(0x20, 5) + b"12345"  # a lying sender: 5 bytes where 4 were declared
+    frame = PREFIX.pack(0x20, 5) + b"12345"  # a lying sender: 5 bytes where at most 4 were declared
     link.receiver.receive_data(frame[:5])  # the prefix alone is enough to refuse
     with pytest.raises(ProtocolError, match="exceeds the declared"):
         link.receiver.next_event()
@@ -150,9 +161,53 @@ def test_data_before_go_refused_and_local_misuse_is_a_bug():
         Connection(Role.SENDER).send(Header(b"{}", b"x" * 32, make_header()))
 
 
+def test_trailer_only_while_streaming_and_no_data_after_it():
+    link = MemoryLink()
+    link.r2s(Ready())
+    hdr = header_event(size=100)
+    link.s2r(hdr)
+    link.receiver.receive_data(encode_event(trailer_event(hdr)))  # before Go: refused at the prefix
+    with pytest.raises(ProtocolError, match="may not send Trailer"):
+        link.receiver.next_event()
+    link = MemoryLink()
+    link.r2s(Ready())
+    link.s2r(hdr)
+    link.r2s(Go())
+    link.s2r(Data(b"x" * 10))
+    link.s2r(trailer_event(hdr))
+    link.receiver.receive_data(encode_event(Data(b"late")))
+    with pytest.raises(ProtocolError, match="may not send Data"):
+        link.receiver.next_event()
+
+
+def test_trailer_strictness():
+    t = hh.HandoffTrailer("ab" * 16, 10, "2" * 64)
+    assert hh.parse_trailer(t.encode()) == t
+    for mutate in (lambda o: o.update(extra=1), lambda o: o.pop("root_digest"), lambda o: o.update(v=2),
+                   lambda o: o.update(payload_size=0), lambda o: o.update(handoff_id="X" * 32)):
+        obj = t.to_json()
+        mutate(obj)
+        with pytest.raises(ProtocolError):
+            hh.parse_trailer(hh.canonical(obj))
+    with pytest.raises(ProtocolError, match="canonical"):
+        hh.parse_trailer(json.dumps(t.to_json(), indent=1).encode())
+
+
+def test_trailer_mac_is_chained_to_the_header_mac():
+    h1, h2 = header_event(), header_event(handoff_id="cd" * 16)
+    tr = trailer_event(h1)
+    hh.verify_trailer_mac(SECRET, h1.mac, tr.raw, tr.mac)
+    with pytest.raises(AuthError, match="trailer MAC"):
+        hh.verify_trailer_mac(SECRET, h2.mac, tr.raw, tr.mac)  # the same trailer under another header
+    with pytest.raises(AuthError):
+        hh.verify_trailer_mac(b"t" * 32, h1.mac, tr.raw, tr.mac)
+    with pytest.raises(AuthError):  # a header MAC is no trailer MAC: the contexts differ
+        hh.verify_trailer_mac(SECRET, h1.mac, h1.raw, h1.mac)
+
+
 def test_eof_mid_frame_is_a_protocol_error():
     conn = Connection(Role.SENDER)
-    data = encode_event(Ready({"v": 2}))
+    data = encode_event(Ready({"v": 3}))
     conn.receive_data(data[:-1])
     conn.receive_data(b"")
     with pytest.raises(ProtocolError, match="middle"):
@@ -194,11 +249,12 @@ def test_header_round_trip_and_mac():
     [
         lambda o: o.update(extra=1),
         lambda o: o.pop("sender"),
-        lambda o: o.update(payload_size=-1),
-        lambda o: o.update(payload_size=True),
+        lambda o: o.update(size_bound=-1),
+        lambda o: o.update(size_bound=True),
         lambda o: o.update(handoff_id="XYZ"),
-        lambda o: o.update(v=3),
-        lambda o: o.update(root_digest="zz"),
+        lambda o: o.update(v=2),
+        lambda o: o.update(pack_header_digest="zz"),
+        lambda o: o.update(payload_size=10),  # a V2 key
     ],
 )
 def test_header_strictness(mutate):
@@ -211,7 +267,7 @@ def test_header_strictness(mutate):
 def test_header_duplicate_keys_and_non_canonical_refused():
     raw = make_header().encode()
     with pytest.raises(ProtocolError, match="duplicate"):
-        hh.parse_header(raw[:-1] + b',"v":2}')
+        hh.parse_header(raw[:-1] + b',"v":3}')
     with pytest.raises(ProtocolError, match="canonical"):
         hh.parse_header(json.dumps(make_header().to_json(), indent=1).encode())
     with pytest.raises(ProtocolError):
@@ -258,20 +314,28 @@ def test_fuzz_framed_garbage(frames):
         pass
 
 
-def test_spec_test_vector_matches_docs():
-    """docs/handoff.md's MAC test vector and byte examples are what the code produces."""
+def test_spec_test_vectors_match_docs():
+    """docs/handoff.md's V3 header and trailer MAC vectors and byte examples are what the code produces."""
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "handoff.md").read_text()
     h = make_header(
-        4096, handoff_id="00112233445566778899aabbccddeeff", root_digest="22" * 32,
+        65536, handoff_id="00112233445566778899aabbccddeeff", pack_header_digest="22" * 32,
         model_fingerprint="sha256:" + "aa" * 32, tokenizer_fingerprint="sha256:" + "bb" * 32,
         token_digest="sha256:" + "cc" * 32,
     )
-    raw, mac = hh.sign(h, bytes(range(32)))
+    secret = bytes(range(32))
+    raw, mac = hh.sign(h, secret)
     assert raw.decode() in doc
     assert mac.hex() in doc
     frame = encode_event(Header(raw, mac, h))
     assert f"{frame[0]:02x} {frame[1:5].hex()}" in doc
-    assert encode_event(Ready({"v": 2})).hex() == "01000000077b2276223a327d" and "01 00000007 7b2276223a327d" in doc
-    assert encode_event(Go()).hex() == "1100000000"
+    t = hh.HandoffTrailer("00112233445566778899aabbccddeeff", 4096, "33" * 32)
+    traw, tmac = hh.sign_trailer(t, secret, mac)
+    assert traw.decode() in doc
+    assert tmac.hex() in doc
+    tframe = encode_event(Trailer(traw, tmac, t))
+    assert f"{tframe[0]:02x} {tframe[1:5].hex()}" in doc
+    assert encode_event(Ready({"v": 3})).hex() == "01000000077b2276223a337d" and "01 00000007 7b2276223a337d" in doc
+    assert encode_event(Go()).hex() == "1100000000" and "11 00000000" in doc
+    assert encode_event(Pulse()).hex() == "2100000000" and "21 00000000" in doc

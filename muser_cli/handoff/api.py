@@ -1,9 +1,9 @@
 """The verbs the commands call, with muser's default locations filled in.
 
 Every path comes from :mod:`muser_cli.paths`, so ``MUSER_HOME`` isolates a whole node:
-identity in ``keys_dir()``, replay ledgers in ``data_dir()/ledger``, the inbox a
-``receive`` to stdout publishes into in ``data_dir()/inbox``, send spools in
-``cache_dir()/spool``.
+identity in ``keys_dir()``, replay ledgers in ``data_dir()/ledger``. (Handoff V3
+streams: ``send`` never spools its input and ``receive`` to stdout writes nothing to
+disk but the ledger; ``inbox_dir``/``spool_dir`` remain for callers that name them.)
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, tim
 
     rate_bps = parse_rate(rate) if rate else None
     identity = load_identity(paths.keys_dir())
-    result = send_(stream, to=to, identity=identity, spool_dir=spool_dir(), rate=rate_bps, key_id=key_id,
+    result = send_(stream, to=to, identity=identity, rate=rate_bps, key_id=key_id,
                    connect_s=connect_timeout, idle_s=idle_timeout, total_s=timeout, progress=progress)
     return result.to_json()
 
@@ -101,10 +101,11 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
     from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
 
     host, port = parse_hostport(listen, listen=True)
+    destination: Destination | None
     if output in (None, "-"):
         if not once:
             raise UsageError("without --once, receive needs -o DIR", hint="add --once, or -o DIR")
-        destination = Destination(directory=inbox_dir())
+        destination = None  # streamed to out_stream, frame by frame as each verifies
     elif Path(output).is_dir():
         destination = Destination(directory=Path(output))
         out_stream = None

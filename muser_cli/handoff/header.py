@@ -1,11 +1,17 @@
-"""The handoff header: canonical JSON, strict parsing, HMAC-SHA256 and the issued-at window.
+"""The handoff header and trailer (V3): canonical JSON, strict parsing, HMAC-SHA256, window.
 
 Rules (docs/handoff.md is the normative text):
-  * the header is one JSON object with exactly the keys of :data:`HEADER_KEYS`, encoded
-    canonically (sorted keys, no spaces, ASCII); a received header whose bytes differ
-    from the canonical encoding of what they parse to is refused;
-  * MAC = HMAC-SHA256(secret[key_id], MAC_CONTEXT || header bytes); the key id is inside
-    the MAC'd bytes, so changing it breaks the MAC;
+  * the header and the trailer are JSON objects with exactly the keys of
+    :data:`HEADER_KEYS` / :data:`TRAILER_KEYS`, encoded canonically (sorted keys, no
+    spaces, ASCII); received bytes that differ from the canonical encoding of what they
+    parse to are refused;
+  * the header is sent before the payload exists: it binds the kvpack header digest
+    (model, tokenizer, token ids, layer specs) and an upper bound on the payload size;
+  * header MAC = HMAC-SHA256(secret[key_id], MAC_CONTEXT || header bytes); the key id is
+    inside the MAC'd bytes, so changing it breaks the MAC;
+  * trailer MAC = HMAC-SHA256(secret[key_id], TRAILER_CONTEXT || header MAC || trailer
+    bytes): it binds the exact payload size and the kvpack root digest, and, through the
+    header MAC, the header it closes;
   * the receiver looks up exactly the named key id (no other key is tried), then compares
     MACs with :func:`hmac.compare_digest`, then checks the window and the replay ledger.
 Pure functions, no I/O.
@@ -23,10 +29,12 @@ from typing import Any
 
 from muser_cli.errors import AuthError, ProtocolError
 
-HEADER_VERSION = 2
-MAC_CONTEXT = b"muser-handoff-v2\x00"
+HEADER_VERSION = 3
+MAC_CONTEXT = b"muser-handoff-v3\x00"
+TRAILER_CONTEXT = b"muser-handoff-v3-trailer\x00"
 MAC_BYTES = 32
 MAX_HEADER_BYTES = 8 * 1024
+MAX_TRAILER_BYTES = 1024
 DEFAULT_WINDOW_S = 120.0
 MAX_PAYLOAD_BYTES = 1 << 40
 
@@ -38,13 +46,13 @@ _TEXT_RE = re.compile(r"^[\x20-\x7e]{0,256}$")
 
 @dataclass(frozen=True)
 class HandoffHeader:
-    """What the sender asserts about one handoff, MAC'd as a whole."""
+    """What the sender asserts about one handoff before its payload exists, MAC'd as a whole."""
 
     key_id: str
     handoff_id: str  # 32 lowercase hex (128 random bits)
     issued_at_ms: int  # sender's Unix time in milliseconds
-    payload_size: int  # exact bytes of the kvpack that follows
-    root_digest: str  # hex root digest of the kvpack end frame: commits to every payload byte
+    size_bound: int  # upper bound on the payload's bytes (computed from the kvpack header)
+    pack_header_digest: str  # hex d_header of the kvpack (docs/kvpack.md 2.3): binds the first bytes
     model_fingerprint: str
     tokenizer_fingerprint: str
     token_digest: str
@@ -60,6 +68,26 @@ class HandoffHeader:
 
 
 HEADER_KEYS = frozenset(HandoffHeader.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class HandoffTrailer:
+    """What the sender asserts once the payload is complete, MAC'd together with the header's MAC."""
+
+    handoff_id: str
+    payload_size: int  # exact bytes of the kvpack that was streamed
+    root_digest: str  # hex root digest of its end frame: commits to every payload byte
+    v: int = HEADER_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def encode(self) -> bytes:
+        return canonical(self.to_json())
+
+
+TRAILER_KEYS = frozenset(HandoffTrailer.__dataclass_fields__)
+_DIGEST_RE = re.compile(r"^[0-9a-f]{32,128}$")
 
 
 def canonical(obj: Any) -> bytes:
@@ -122,8 +150,8 @@ def parse_header(raw: bytes) -> HandoffHeader:
         key_id=_str(obj, "key_id", _KEY_ID_RE),
         handoff_id=_str(obj, "handoff_id", _ID_RE),
         issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53),
-        payload_size=_int(obj, "payload_size", 1, MAX_PAYLOAD_BYTES),
-        root_digest=_str(obj, "root_digest", re.compile(r"^[0-9a-f]{32,128}$")),
+        size_bound=_int(obj, "size_bound", 1, MAX_PAYLOAD_BYTES),
+        pack_header_digest=_str(obj, "pack_header_digest", _DIGEST_RE),
         model_fingerprint=_str(obj, "model_fingerprint", _TEXT_RE),
         tokenizer_fingerprint=_str(obj, "tokenizer_fingerprint", _TEXT_RE),
         token_digest=_str(obj, "token_digest", _TEXT_RE),
@@ -133,6 +161,28 @@ def parse_header(raw: bytes) -> HandoffHeader:
     if header.encode() != raw:
         raise ProtocolError("handoff header is not in canonical form")
     return header
+
+
+def parse_trailer(raw: bytes) -> HandoffTrailer:
+    """Strictly parse trailer bytes; any deviation is a :class:`ProtocolError`."""
+    if len(raw) > MAX_TRAILER_BYTES:
+        raise ProtocolError(f"handoff trailer is {len(raw)} bytes, over the {MAX_TRAILER_BYTES}-byte limit")
+    obj = strict_json(raw, "handoff trailer")
+    if not isinstance(obj, dict):
+        raise ProtocolError("handoff trailer is not a JSON object")
+    if set(obj) != TRAILER_KEYS:
+        extra, missing = sorted(set(obj) - TRAILER_KEYS), sorted(TRAILER_KEYS - set(obj))
+        raise ProtocolError(f"handoff trailer keys differ (unknown {extra}, missing {missing})")
+    if obj["v"] != HEADER_VERSION or type(obj["v"]) is not int:
+        raise ProtocolError(f"handoff trailer version {obj['v']!r} is not {HEADER_VERSION}")
+    trailer = HandoffTrailer(
+        handoff_id=_str(obj, "handoff_id", _ID_RE),
+        payload_size=_int(obj, "payload_size", 1, MAX_PAYLOAD_BYTES),
+        root_digest=_str(obj, "root_digest", _DIGEST_RE),
+    )
+    if trailer.encode() != raw:
+        raise ProtocolError("handoff trailer is not in canonical form")
+    return trailer
 
 
 def compute_mac(secret: bytes, raw: bytes) -> bytes:
@@ -150,6 +200,23 @@ def verify_mac(secret: bytes, raw: bytes, mac: bytes) -> None:
     expected = compute_mac(secret, raw)
     if len(mac) != MAC_BYTES or not hmac.compare_digest(expected, mac):
         raise AuthError("handoff header MAC does not verify (wrong key or altered header)")
+
+
+def compute_trailer_mac(secret: bytes, header_mac: bytes, raw: bytes) -> bytes:
+    return hmac.new(secret, TRAILER_CONTEXT + header_mac + raw, hashlib.sha256).digest()
+
+
+def sign_trailer(trailer: HandoffTrailer, secret: bytes, header_mac: bytes) -> tuple[bytes, bytes]:
+    """(trailer bytes, MAC), chained to the MAC of the header it closes."""
+    raw = trailer.encode()
+    return raw, compute_trailer_mac(secret, header_mac, raw)
+
+
+def verify_trailer_mac(secret: bytes, header_mac: bytes, raw: bytes, mac: bytes) -> None:
+    """Constant-time comparison; raises :class:`AuthError` on mismatch."""
+    expected = compute_trailer_mac(secret, header_mac, raw)
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(expected, mac):
+        raise AuthError("handoff trailer MAC does not verify (altered trailer, or not the header's key)")
 
 
 def check_window(header: HandoffHeader, *, now_ms: int, window_s: float) -> None:

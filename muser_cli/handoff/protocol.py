@@ -1,15 +1,18 @@
-"""Handoff V2 protocol core: events, framing and the state table. No I/O whatsoever.
+"""Handoff V3 protocol core: events, framing and the state table. No I/O whatsoever.
 
 Rules (docs/handoff.md is the normative text):
-  * After the TLS 1.3 handshake (ALPN ``muser-handoff/2``) both sides exchange frames:
+  * After the TLS 1.3 handshake (ALPN ``muser-handoff/3``) both sides exchange frames:
     ``type u8 | length u32 big-endian | body``. Each type has a maximum body length,
     checked as soon as the 5-byte prefix is in: an oversized frame is refused before
     one body byte is buffered.
   * The RECEIVER (TLS server) speaks first: ``Ready`` (or ``Reject(busy)``). The SENDER
-    (TLS client) then sends ``Header``; the receiver answers ``Go`` or ``Reject``; the
-    sender streams exactly ``payload_size`` bytes in ``Data`` frames; the receiver
-    answers ``Ack`` (only once the handoff is verified, recorded durably and published)
-    or ``Reject``. One handoff per connection.
+    (TLS client) then sends ``Header`` -- before its payload exists: it declares an upper
+    bound on the payload size, not the size; the receiver answers ``Go`` or ``Reject``;
+    the sender streams ``Data`` frames as the payload is produced (``Pulse`` keeps a
+    slow producer's link alive), never past the declared bound, then one ``Trailer``
+    (exact size and root digest, MAC'd); the receiver answers ``Ack`` (only once the
+    trailer verified and the handoff is recorded durably) or ``Reject``. One handoff per
+    connection.
   * Probes (link measurement, no payload semantics) run from ``Idle``. Up: ``ProbeUp``,
     sender ``Data``… until the receiver, having counted for the agreed seconds, sends
     ``ProbeResult``; the sender stops, Data already in flight is discarded, and its
@@ -34,10 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from muser_cli.errors import ProtocolError
-from muser_cli.handoff.header import MAC_BYTES, MAX_HEADER_BYTES, HandoffHeader, canonical, parse_header, strict_json
+from muser_cli.handoff.header import (
+    MAC_BYTES, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, HandoffHeader, HandoffTrailer, canonical, parse_header,
+    parse_trailer, strict_json,
+)
 
-ALPN = "muser-handoff/2"
-PROTOCOL_VERSION = 2
+ALPN = "muser-handoff/3"
+PROTOCOL_VERSION = 3
 PREFIX = struct.Struct(">BI")  # type, body length
 MAX_DATA_BYTES = 1 << 20  # one Data frame's body
 DEFAULT_DATA_CHUNK = 256 * 1024
@@ -58,8 +64,8 @@ class State(enum.Enum):
     START = "start"  # TLS up, waiting for Ready
     IDLE = "idle"  # Ready seen: sender may start a handoff or a probe
     HEADER_SENT = "header_sent"  # waiting for Go / Reject
-    STREAMING = "streaming"  # payload bytes flowing, fewer than payload_size so far
-    PAYLOAD_DONE = "payload_done"  # all bytes in; waiting for Ack / Reject
+    STREAMING = "streaming"  # payload bytes flowing (at most size_bound in all), until the Trailer
+    PAYLOAD_DONE = "payload_done"  # Trailer in; waiting for Ack / Reject
     PROBE_UP = "probe_up"  # sender streaming, receiver counting
     PROBE_UP_DONE = "probe_up_done"  # result sent; draining until the sender's ProbeEnd
     PROBE_DOWN = "probe_down"
@@ -88,6 +94,18 @@ class Go:
 @dataclass(frozen=True)
 class Data:
     data: bytes
+
+
+@dataclass(frozen=True)
+class Pulse:
+    """Sender is alive, its producer has not written for a while (resets the idle timeout)."""
+
+
+@dataclass(frozen=True)
+class Trailer:
+    raw: bytes  # canonical trailer JSON, exactly as MAC'd
+    mac: bytes
+    trailer: HandoffTrailer | None = None
 
 
 @dataclass(frozen=True)
@@ -138,16 +156,17 @@ class _NeedData:
 
 NEED_DATA = _NeedData()
 
-Event = Union[Ready, Header, Go, Data, Ack, Reject, ProbeUp, ProbeDown, ProbeEnd, ProbeResult]
+Event = Union[Ready, Header, Go, Data, Pulse, Trailer, Ack, Reject, ProbeUp, ProbeDown, ProbeEnd, ProbeResult]
 
 # Frame type codes and maximum body lengths. A closed table: nothing is dispatched by name.
 FRAME_TYPES: dict[type, int] = {
-    Ready: 0x01, Header: 0x10, Go: 0x11, Data: 0x20, Ack: 0x30, Reject: 0x3F,
+    Ready: 0x01, Header: 0x10, Go: 0x11, Data: 0x20, Pulse: 0x21, Trailer: 0x22, Ack: 0x30, Reject: 0x3F,
     ProbeUp: 0x40, ProbeDown: 0x41, ProbeEnd: 0x42, ProbeResult: 0x43,
 }
 _BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
 MAX_BODY: dict[type, int] = {
-    Ready: MAX_CONTROL_BYTES, Header: MAC_BYTES + MAX_HEADER_BYTES, Go: 0, Data: MAX_DATA_BYTES,
+    Ready: MAX_CONTROL_BYTES, Header: MAC_BYTES + MAX_HEADER_BYTES, Go: 0, Data: MAX_DATA_BYTES, Pulse: 0,
+    Trailer: MAC_BYTES + MAX_TRAILER_BYTES,
     Ack: MAX_CONTROL_BYTES, Reject: MAX_CONTROL_BYTES, ProbeUp: 64, ProbeDown: 64, ProbeEnd: 0,
     ProbeResult: MAX_CONTROL_BYTES,
 }
@@ -158,7 +177,9 @@ TRANSITIONS: dict[tuple[State, Role, type], State] = {
     (State.START, R, Ready): State.IDLE,
     (State.IDLE, S, Header): State.HEADER_SENT,
     (State.HEADER_SENT, R, Go): State.STREAMING,
-    (State.STREAMING, S, Data): State.STREAMING,  # -> PAYLOAD_DONE when the count is reached
+    (State.STREAMING, S, Data): State.STREAMING,  # never past the header's size_bound
+    (State.STREAMING, S, Pulse): State.STREAMING,
+    (State.STREAMING, S, Trailer): State.PAYLOAD_DONE,
     (State.PAYLOAD_DONE, R, Ack): State.DONE,
     (State.IDLE, S, ProbeUp): State.PROBE_UP,
     (State.PROBE_UP, S, Data): State.PROBE_UP,
@@ -185,7 +206,7 @@ def encode_event(event: Event) -> bytes:
         raise LocalProtocolError(f"not a protocol event: {event!r}")
     if isinstance(event, (Ready, Ack, ProbeResult)):
         body = _json_body(event.info)
-    elif isinstance(event, Header):
+    elif isinstance(event, (Header, Trailer)):
         if len(event.mac) != MAC_BYTES:
             raise LocalProtocolError("MAC must be 32 bytes")
         body = event.mac + event.raw
@@ -220,6 +241,11 @@ def decode_body(cls: type, body: bytes) -> Event:
             raise ProtocolError("Header frame too short")
         raw = body[MAC_BYTES:]
         return Header(raw=raw, mac=body[:MAC_BYTES], header=parse_header(raw))
+    if cls is Trailer:
+        if len(body) <= MAC_BYTES:
+            raise ProtocolError("Trailer frame too short")
+        raw = body[MAC_BYTES:]
+        return Trailer(raw=raw, mac=body[:MAC_BYTES], trailer=parse_trailer(raw))
     if cls is Data:
         if not body:
             raise ProtocolError("empty Data frame")
@@ -249,8 +275,8 @@ class Connection:
         self.our_role = our_role
         self.their_role = Role.RECEIVER if our_role is Role.SENDER else Role.SENDER
         self.state = State.START
-        self.payload_size = 0  # declared by the Header
-        self.payload_seen = 0  # Data bytes of the handoff so far (either direction)
+        self.size_bound = 0  # declared by the Header
+        self.payload_seen = 0  # Data bytes of the handoff so far
         self.header: HandoffHeader | None = None
         self.reject: Reject | None = None
         self._buf = bytearray()
@@ -270,14 +296,14 @@ class Connection:
         if isinstance(event, Header):
             header = event.header or parse_header(event.raw)
             self.header = header
-            self.payload_size = header.payload_size
+            self.size_bound = header.size_bound
             self.payload_seen = 0
         if isinstance(event, Data) and self.state is State.STREAMING:
+            if self.payload_seen + len(event.data) > self.size_bound:
+                raise error(f"payload exceeds the declared bound of {self.size_bound} bytes")
             self.payload_seen += len(event.data)
-            if self.payload_seen > self.payload_size:
-                raise error(f"payload exceeds the declared {self.payload_size} bytes")
-            if self.payload_seen == self.payload_size:
-                nxt = State.PAYLOAD_DONE
+        if isinstance(event, Trailer) and event.trailer is None:
+            parse_trailer(event.raw)  # our own send: a malformed trailer is a bug (raises ProtocolError)
         self.state = nxt
 
     def send(self, event: Event) -> bytes:
@@ -317,8 +343,8 @@ class Connection:
         # Refuse a frame the state forbids as soon as its prefix is in, before its body.
         if cls is not Reject and (self.state in TERMINAL or (self.state, self.their_role, cls) not in TRANSITIONS):
             raise ProtocolError(f"{self.their_role.value} may not send {cls.__name__} in state {self.state.value}")
-        if cls is Data and self.state is State.STREAMING and self.payload_seen + length > self.payload_size:
-            raise ProtocolError(f"payload exceeds the declared {self.payload_size} bytes")
+        if cls is Data and self.state is State.STREAMING and self.payload_seen + length > self.size_bound:
+            raise ProtocolError(f"payload exceeds the declared bound of {self.size_bound} bytes")
         end = PREFIX.size + length
         if len(self._buf) < end:
             if self._eof:

@@ -1,23 +1,30 @@
-"""The consumer side: listen, authenticate, verify, record, publish, acknowledge.
+"""The consumer side: listen, authenticate, verify as it streams, record, publish, acknowledge.
 
-Contract of :class:`Receiver` (one per listening socket):
+Contract of :class:`Receiver` (one per listening socket; Handoff V3, docs/handoff.md):
   * every TCP connection gets its own thread for the TLS handshake, bounded by the
     handshake timeout, so idle or half-open clients cannot starve a real producer;
     at most ``max_pending`` connections exist at once, the rest are closed at accept;
   * after the handshake, the peer certificate must not be revoked; then the connection
     waits for admission: ONE session runs at a time, up to ``queue`` wait (each at most
     ``queue_s``), others get ``Reject(busy)`` in place of ``Ready``;
-  * a handoff is checked in this order, before any payload byte is read: key id known
-    and not revoked and bound to the certificate's name -> MAC (constant time) ->
-    issued-at window -> declared size within ``max_payload`` -> not in the replay ledger;
-  * payload bytes are verified as they arrive (size, kvpack frames and digest chain,
-    model binding) and spooled next to the final path; at the end: SHA-256 and root
-    digest -> ledger commit (durable) -> atomic publish (fsync file, rename, fsync dir)
-    -> ``Ack``. A failure at any step rejects the handoff and leaves nothing at the
-    final path;
+  * a handoff header is checked in this order, before any payload byte is read: key id
+    known and not revoked and bound to the certificate's name -> MAC (constant time) ->
+    issued-at window -> declared size bound within ``max_payload`` -> not in the replay
+    ledger;
+  * payload bytes are verified as they arrive (kvpack header digest and model binding
+    against the MAC'd header, every frame against the digest chain, the size bound) and
+    go to a sink: a spool file next to the final path, or -- with ``out_stream`` -- the
+    stream itself, each frame once it verified; at the Trailer: its MAC (chained to the
+    header's) -> end frame verified, size and root digest equal to the trailer's ->
+    ledger commit (durable) -> publish (file: fsync, rename, fsync dir; stream: forward
+    the end frame) -> ``Ack``. A failure at any step rejects the handoff and leaves
+    nothing at the final path, and nothing decodable downstream;
+  * on a stream, a handoff that fails after forwarding bytes ends the receiver (the
+    stream downstream cannot be continued): :meth:`serve` raises the failure;
+  * at start, spool parts that dead receivers left in the destination are removed;
   * :meth:`Receiver.serve` returns the accepted handoffs (one with ``once``), raises
-    TempFailure when ``timeout`` passes first, and raises LedgerError (fatal) when the
-    ledger cannot be trusted.
+    TempFailure when ``timeout`` passes before a handoff started streaming, and raises
+    LedgerError (fatal) when the ledger cannot be trusted.
 """
 
 from __future__ import annotations
@@ -34,21 +41,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import AuthError, MuserError, TempFailure, UsageError
-from muser_cli.fsio import atomic_writer
+from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac
+from muser_cli.handoff.clock import since_start, unix_of
+from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac, verify_trailer_mac
 from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
 from muser_cli.handoff.link import (
-    DEFAULT_IDLE_S, Link, format_hostport, map_error, server_context,
+    DEFAULT_IDLE_S, Link, format_hostport, map_error, reject_error, server_context,
 )
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.payload import PayloadInspector
 from muser_cli.handoff.protocol import (
     ALPN, DEFAULT_DATA_CHUNK, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go,
-    Header, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State,
+    Header, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State, Trailer,
 )
-from muser_cli.handoff.spool import Destination, Refusal, SpoolWorker
+from muser_cli.handoff.spool import (
+    Destination, DownstreamGone, FileSink, Refusal, SpoolWorker, StreamSink, remove_stale_parts,
+)
 
 DEFAULT_MAX_PAYLOAD = 64 << 30
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -83,22 +92,53 @@ class Accepted:
     path: str
     ledger_commit_ms: float
     elapsed_s: float
+    frames: int = 0  # kvpack data frames verified
+    first_byte_s: float | None = None  # first payload byte received, seconds since process start
+    last_byte_s: float | None = None  # last payload byte received
+    first_byte_unix: float | None = None  # the same instants as Unix times
+    last_byte_unix: float | None = None
     acked: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _stream_failure(exc: BaseException, frames: int) -> BaseException:
+    """What ends a receiver whose forwarded stream a failed handoff cut (no end frame went out)."""
+    if isinstance(exc, Refusal):
+        if exc.fatal is not None:
+            return exc.fatal
+        cls: type[MuserError] = {
+            "data": DataError, "model": DataError, "too_large": DataError, "auth": AuthError, "replay": AuthError,
+            "stale": AuthError, "protocol": ProtocolError,
+        }.get(exc.code, TempFailure)
+        text = f"{exc.code}: {exc.message}"
+    elif isinstance(exc, MuserError):
+        cls, text = type(exc), str(exc)
+    else:
+        cls, text = TempFailure, f"{type(exc).__name__}: {exc}"
+    err = cls(f"handoff failed after {frames} verified frames were forwarded ({text}); no end frame was forwarded")
+    err.hint = "decode with --prompt to keep the verified chunks and prefill the rest locally"
+    return err
+
+
 class Receiver:
     def __init__(
-        self, identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination,
-        on_event: EventFn | None = None,
+        self, identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination | None = None,
+        on_event: EventFn | None = None, out_stream: BinaryIO | None = None,
     ) -> None:
+        if out_stream is None and destination is None:
+            raise UsageError("a receiver needs a destination or an output stream")
+        if out_stream is not None and not config.once:
+            raise UsageError("a receiver that streams to its output accepts one handoff (--once)")
         self.identity = identity
         self.config = config
         self.ledger_dir = ledger_dir
-        self.destination = destination
+        self.destination = destination or Destination()
+        self.out_stream = out_stream
         self.on_event = on_event
+        self._stream_failure: BaseException | None = None
+        self._streaming = 0  # sessions past Go
         self._ctx = server_context(identity)
         self._lsock: socket.socket | None = None
         self.address: tuple[str, int] | None = None
@@ -115,6 +155,7 @@ class Receiver:
         self._closed_for_new = False  # once: a handoff was accepted; timeout: gave up
         self.counters = {"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0}
         self._open_existing_ledgers()
+        self.stale_removed = self._remove_stale_parts()
 
     # -- setup
     def _emit(self, kind: str, **fields: Any) -> None:
@@ -128,6 +169,15 @@ class Receiver:
             return
         for path in sorted(self.ledger_dir.glob("*.ledger")):
             self._ledger(path.name[: -len(".ledger")])
+
+    def _remove_stale_parts(self) -> list[Path]:
+        """Spool parts that receivers killed mid-handoff left in our destination: removed, never published."""
+        scope = self.destination.spool_scope() if self.out_stream is None else None
+        if scope is None:
+            return []
+        directory, names = scope
+        # No live session holds a spool part longer than a session may last.
+        return remove_stale_parts(directory, names, max_age_s=self.config.session_s + 60)
 
     def _ledger(self, key_id: str) -> Ledger:
         with self._ledger_lock:
@@ -170,6 +220,8 @@ class Receiver:
         if self._lsock is None:
             self.bind()
         assert self.address is not None
+        if self.stale_removed:
+            self._emit("stale_removed", count=len(self.stale_removed), paths=[str(p) for p in self.stale_removed])
         self._emit("listening", address=format_hostport(*self.address), port=self.address[1])
         acceptor = threading.Thread(target=self._accept_loop, name="muser-accept", daemon=True)
         acceptor.start()
@@ -183,7 +235,7 @@ class Receiver:
                 except queue.Empty:
                     if deadline is not None and time.monotonic() >= deadline:
                         with self._finish_lock:
-                            if self._committed == 0:
+                            if self._committed == 0 and self._streaming == 0:
                                 self._closed_for_new = True
                                 if accepted:  # serving: the time is up, and it was not wasted
                                     return accepted
@@ -314,11 +366,15 @@ class Receiver:
             self._session(link, who, cn, start)
         finally:
             self._admit.release()
+            if self._stream_failure is not None:
+                failure, self._stream_failure = self._stream_failure, None
+                self._results.put(failure)
 
     def _session(self, link: Link, who: str, cn: str, start: float) -> None:
         info = {
             "v": PROTOCOL_VERSION, "node": self.identity.name, "max_payload": self.config.max_payload,
             "window_s": self.config.window_s, "max_data": MAX_DATA_BYTES, "probe_max_s": self.config.probe_max_s,
+            "idle_s": self.config.idle_s,
         }
         try:
             link.send(Ready(info), "sending Ready")
@@ -363,7 +419,7 @@ class Receiver:
             self._results.put(refusal.fatal)
 
     # -- the handoff proper
-    def _check_header(self, event: Header, cn: str) -> Ledger:
+    def _check_header(self, event: Header, cn: str) -> tuple[Ledger, bytes]:
         h = event.header
         assert h is not None
         key = self.identity.key(h.key_id)  # exactly one lookup: no other key is tried
@@ -381,43 +437,63 @@ class Receiver:
             check_window(h, now_ms=int(time.time() * 1000), window_s=self.config.window_s)
         except AuthError as exc:
             raise Refusal("stale", str(exc)) from None
-        if h.payload_size > self.config.max_payload:
-            raise Refusal("too_large", f"declared {h.payload_size} bytes exceeds this receiver's maximum {self.config.max_payload}")
+        if h.size_bound > self.config.max_payload:
+            raise Refusal("too_large", f"declared size bound {h.size_bound} bytes exceeds this receiver's maximum {self.config.max_payload}")
         try:
             ledger = self._ledger(h.key_id)
             if ledger.seen(h.handoff_id):
                 raise Refusal("replay", f"handoff {h.handoff_id} was already accepted")
         except LedgerError as exc:
             raise Refusal("storage", "receiver's replay ledger is unusable", fatal=exc) from None
-        return ledger
+        return ledger, key.secret
 
     def _handoff(self, link: Link, event: Header, who: str, cn: str, start: float) -> None:
         h = event.header
         assert h is not None
-        ledger = self._check_header(event, cn)
+        ledger, secret = self._check_header(event, cn)
         if self._closed_for_new:
             raise Refusal("busy", "receiver finished")
-        final = self.destination.final_path(h.handoff_id)
-        link.send(Go(), "sending Go")
-        self._emit("streaming", peer=who, handoff_id=h.handoff_id, bytes=h.payload_size)
+        final = None if self.out_stream is not None else self.destination.final_path(h.handoff_id)
+        try:
+            sink: FileSink | StreamSink = StreamSink(self.out_stream) if final is None else FileSink(final)
+        except OSError as exc:
+            raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
+        worker = SpoolWorker(PayloadInspector(expect=h), sink)
+        published = False
+        t_first = t_last = None
         commit_s = 0.0
-        with contextlib.ExitStack() as stack:
+        with self._state_lock:
+            self._streaming += 1
+        try:
+            link.send(Go(), "sending Go")
+            self._emit("streaming", peer=who, handoff_id=h.handoff_id, size_bound=h.size_bound)
+            while True:
+                ev = link.next_event(f"receiving the payload ({link.conn.payload_seen} bytes so far)")
+                if isinstance(ev, Data):
+                    t_last = time.monotonic()
+                    if t_first is None:
+                        t_first = t_last
+                    worker.put(ev.data)
+                elif isinstance(ev, Trailer):
+                    break
+                elif isinstance(ev, Reject):
+                    raise reject_error(ev, "sender")
+                elif isinstance(ev, ConnectionClosed):
+                    raise TempFailure(f"sender went away after {link.conn.payload_seen} payload bytes "
+                                      f"({worker.inspector.frames} frames verified)")
+                # Pulse: the producer is alive; the link's idle timer was reset by reading it
             try:
-                final.parent.mkdir(parents=True, exist_ok=True)
-                out: BinaryIO = stack.enter_context(atomic_writer(final, mode=0o644))
-            except OSError as exc:
-                raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
-            worker = SpoolWorker(PayloadInspector(expect=h), out)
-            stack.callback(worker.stop)  # runs first on the way out: nothing writes after the file closes
-            while link.conn.state is State.STREAMING:
-                ev = link.next_event(f"receiving the payload ({link.conn.payload_seen} of {h.payload_size} bytes)")
-                if isinstance(ev, Reject):
-                    raise MuserError(f"sender aborted: {ev.code} {ev.message}")
-                if isinstance(ev, ConnectionClosed):
-                    raise TempFailure(f"sender went away at {link.conn.payload_seen} of {h.payload_size} bytes")
-                assert isinstance(ev, Data)
-                worker.put(ev.data)
+                verify_trailer_mac(secret, event.mac, ev.raw, ev.mac)
+            except AuthError as exc:
+                raise Refusal("auth", str(exc)) from None
             payload = worker.finish()
+            t = ev.trailer
+            assert t is not None
+            if t.handoff_id != h.handoff_id:
+                raise Refusal("data", "the trailer names another handoff id")
+            if t.payload_size != payload.size or t.root_digest != payload.root_digest:
+                raise Refusal("data", f"trailer declares {t.payload_size} bytes with root {t.root_digest[:16]}…; "
+                                      f"received {payload.size} bytes with root {payload.root_digest[:16]}…")
             with self._finish_lock:
                 if self._closed_for_new:
                     raise Refusal("timeout", "receiver stopped waiting")
@@ -431,16 +507,33 @@ class Receiver:
                 except LedgerError as exc:
                     raise Refusal("storage", "receiver's replay ledger failed", fatal=exc) from None
                 try:
-                    stack.close()  # publish: fsync the spool file, rename onto final, fsync the directory
+                    sink.publish()  # file: fsync, rename, fsync dir; stream: forward the end frame
+                except DownstreamGone as exc:
+                    raise Refusal("aborted", exc.strerror or "the reader of the forwarded stream went away") from None
                 except OSError as exc:
                     raise Refusal("storage", f"cannot publish the payload ({exc.strerror or exc})") from None
+                published = True
                 self._committed += 1
                 if self.config.once:
                     self._closed_for_new = True
+        except BaseException as exc:
+            if sink.forwarded and not published:  # downstream holds a stream without an end frame: final
+                self._closed_for_new = True
+                self._stream_failure = _stream_failure(exc, worker.inspector.frames)
+            raise
+        finally:
+            worker.stop()  # nothing writes after this
+            if not published:
+                sink.discard()
+            with self._state_lock:
+                self._streaming -= 1
         accepted = Accepted(
             handoff_id=h.handoff_id, key_id=h.key_id, sender=h.sender, peer=who, payload_bytes=payload.size,
             root_digest=payload.root_digest, model_fingerprint=h.model_fingerprint,
-            path=str(final), ledger_commit_ms=commit_s * 1000, elapsed_s=time.monotonic() - start,
+            path=str(final) if final is not None else "-", ledger_commit_ms=commit_s * 1000,
+            elapsed_s=time.monotonic() - start, frames=worker.inspector.frames,
+            first_byte_s=since_start(t_first), last_byte_s=since_start(t_last),
+            first_byte_unix=unix_of(t_first), last_byte_unix=unix_of(t_last),
         )
         try:
             link.send(Ack({"handoff_id": h.handoff_id, "bytes": payload.size, "root_digest": payload.root_digest,
@@ -488,35 +581,19 @@ class Receiver:
 
 
 def receive(
-    identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination,
+    identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination | None = None,
     out_stream: BinaryIO | None = None, on_event: EventFn | None = None,
     on_accept: Callable[[Accepted], None] | None = None,
 ) -> list[Accepted]:
-    """Run a receiver. With ``out_stream`` (stdout), each accepted payload is copied there
-    after it was published and acknowledged, then its published copy is removed."""
-    if not config.once and destination.file is not None:
+    """Run a receiver. With ``out_stream`` (stdout; needs ``once``) the payload streams
+    there, each frame once it verified and the end frame only after the trailer verified
+    and the ledger record is durable; nothing is written to disk but the ledger."""
+    if destination is not None and not config.once and destination.file is not None:
         raise UsageError("without --once, -o must be a directory")
-    receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, on_event=on_event)
-
-    def deliver(item: Accepted) -> None:
-        if out_stream is not None:
-            path = Path(item.path)
-            try:
-                with open(path, "rb") as f:
-                    while True:
-                        data = f.read(1 << 20)
-                        if not data:
-                            break
-                        out_stream.write(data)
-                out_stream.flush()
-            except BrokenPipeError:
-                raise TempFailure(f"the reader of stdout went away; the handoff is kept at {path}") from None
-            path.unlink(missing_ok=True)
-        if on_accept is not None:
-            on_accept(item)
-
+    receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, on_event=on_event,
+                        out_stream=out_stream)
     try:
-        return receiver.serve(on_accept=deliver)
+        return receiver.serve(on_accept=on_accept)
     finally:
         receiver.close()
 

@@ -1,13 +1,21 @@
-"""The producer side: ``send`` a kvpack to a receiver, and ``probe_link`` a receiver.
+"""The producer side: ``send`` a kvpack to a receiver as it is produced, and ``probe_link`` a receiver.
 
-Contract of :func:`send`:
-  * the whole kvpack is read (and spooled when it comes from a pipe) and checked by the
-    kvpack reader before any connection is made: its size, SHA-256, root digest and model
-    binding go into the handoff header, which is MAC'd with the node's HMAC key;
+Contract of :func:`send` (Handoff V3, docs/handoff.md):
+  * the input is read incrementally (a pipe from ``muser prefill`` that writes frames as
+    chunks finish, or a file), never waiting for its end: once its kvpack header is in
+    and verified, the handoff header -- key id, handoff id, issued-at, the kvpack header
+    digest and model binding, an upper bound on the size -- is MAC'd with the node's HMAC
+    key; a bad kvpack header fails (exit 65) before any connection is made;
   * then: TCP connect, TLS 1.3 with client certificate, wait for ``Ready`` (or busy),
-    ``Header``, wait for ``Go``, stream ``Data`` frames (paced when ``rate`` is given),
-    wait for ``Ack``. Returns only after the receiver acknowledged, i.e. after it verified
-    the payload, recorded the handoff id durably and published the file;
+    ``Header``, wait for ``Go``, then stream ``Data`` frames as input arrives (paced when
+    ``rate`` is given; ``Pulse`` while a slow producer writes nothing), while the
+    sender's own kvpack reader verifies what it sent; at the end of the input, a MAC'd
+    ``Trailer`` with the exact size and root digest; wait for ``Ack``. Returns only
+    after the receiver acknowledged, i.e. after it verified the payload and the trailer
+    and recorded the handoff id durably (and published the file, if it writes one);
+  * input that turns out malformed or ends early is reported to the receiver
+    (``Reject``) and raises DataError (65); the receiver then never forwards an end frame;
+  * memory: at most one read block and the reader's one frame, whatever the pack size;
   * payload rate = payload bytes / send busy time, where busy time is the time spent
     inside socket writes of payload frames (pacing sleeps excluded);
   * unreachable, busy, reset or timed out raises TempFailure (exit 75).
@@ -16,42 +24,110 @@ Contract of :func:`send`:
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import select
 import socket
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from muser_cli.errors import MuserError, ProtocolError, TempFailure
-from muser_cli.handoff.header import HandoffHeader, new_handoff_id, sign
+from muser_cli.errors import DataError, KVPackError, MuserError, ProtocolError, TempFailure
+from muser_cli.handoff.clock import since_start, unix_of
+from muser_cli.handoff.header import (
+    MAX_PAYLOAD_BYTES, HandoffHeader, HandoffTrailer, new_handoff_id, sign, sign_trailer,
+)
 from muser_cli.handoff.link import (
     DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
     reject_error,
 )
 from muser_cli.handoff.node import Identity
-from muser_cli.handoff.payload import PayloadInfo, inspect_stream
+from muser_cli.handoff.payload import PackStart, PayloadInspector, read_start
 from muser_cli.handoff.protocol import (
     ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeEnd,
-    ProbeResult, ProbeUp, Ready, Reject, Role,
+    ProbeResult, ProbeUp, Pulse, Ready, Reject, Role, State, Trailer,
 )
 
 DEFAULT_TOTAL_S = 3600.0
+DEFAULT_PULSE_S = 5.0
+READ_BLOCK = 1 << 20
 ProgressFn = Callable[[str, int, int], None]
+
+
+# ----------------------------------------------------------------------------- input
+class PackSource:
+    """A kvpack read as it is produced. Construction reads and verifies just its header.
+
+    From a pipe, socket or terminal it reads the file descriptor directly (what is
+    there, as soon as it is there; ``select`` so that a silent producer can be told
+    apart from a slow read); otherwise ``read1``/``read`` on the stream.
+    """
+
+    def __init__(self, stream: BinaryIO, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+        self._stream = stream
+        self._fd: int | None = None
+        try:
+            fd = stream.fileno()
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode):
+                self._fd = fd
+        except (AttributeError, OSError, io.UnsupportedOperation, ValueError):
+            self._fd = None
+        self.inspector = PayloadInspector(max_bytes=max_bytes)
+        self.wait_s = 0.0  # time spent waiting for the producer
+        self._used = False
+        self.head = read_start(self._read, self.inspector)
+        assert self.inspector.start is not None
+        self.start: PackStart = self.inspector.start
+
+    def _read(self, n: int, timeout: float | None = None) -> bytes | None:
+        """Up to ``n`` bytes (b"" at EOF); None when ``timeout`` passed with nothing to read."""
+        t0 = time.monotonic()
+        try:
+            if self._fd is not None:
+                if timeout is not None and not select.select([self._fd], [], [], timeout)[0]:
+                    return None
+                return os.read(self._fd, n)
+            read1 = getattr(self._stream, "read1", None)
+            return read1(n) if read1 is not None else self._stream.read(n)
+        finally:
+            self.wait_s += time.monotonic() - t0
+
+    def blocks(self, size: int, pulse_s: float | None) -> Iterator[bytes | None]:
+        """The header bytes already read, then input as it arrives (``None``: nothing for
+        ``pulse_s`` seconds). Once only: a stream cannot be rewound."""
+        if self._used:
+            raise RuntimeError("a PackSource is read once")
+        self._used = True
+        yield self.head
+        while True:
+            data = self._read(size, pulse_s if self._fd is not None else None)
+            if data is None:
+                yield None
+                continue
+            if not data:
+                return
+            yield data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.close()
 
 
 @dataclass(frozen=True)
 class PreparedHandoff:
-    """A signed header and the payload file it describes. Sendable more than once (tests use
-    that to replay); a real sender prepares a fresh one, with a fresh id, per handoff."""
+    """A signed V3 header and the payload it opens. With ``path`` it can be sent more than
+    once (tests use that to replay); a real sender prepares a fresh one, with a fresh id,
+    per handoff, and streams its one-shot ``source``."""
 
     header: HandoffHeader
     raw: bytes
     mac: bytes
-    path: Path
-    info: PayloadInfo
+    path: Path | None
+    start: PackStart
+    source: PackSource | None = None
 
 
 @dataclass
@@ -62,69 +138,54 @@ class SendResult:
     key_id: str
     payload_bytes: int
     root_digest: str
+    frames: int  # kvpack data frames sent
     connect_s: float
     busy_s: float  # inside socket writes of payload frames
     paced_s: float  # sleeping to honour --rate
+    input_wait_s: float  # waiting for the producer (the input) after Go
     stream_s: float  # first to last payload write
-    ack_wait_s: float  # last write to Ack (receiver verify + ledger fsync + publish)
+    ack_wait_s: float  # last write to Ack (trailer, receiver's verify + ledger fsync + publish)
     total_s: float
     payload_rate_Bps: float  # payload bytes / busy time
     rate_limit_Bps: float | None
+    first_byte_s: float | None  # first payload byte written, seconds since process start
+    last_byte_s: float | None  # last payload byte written
+    first_byte_unix: float | None  # the same instants as Unix times
+    last_byte_unix: float | None
     receiver: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-# ----------------------------------------------------------------------------- payload
-@contextlib.contextmanager
-def payload_file(stream: BinaryIO, spool_dir: Path) -> Iterator[Path]:
-    """A path holding the whole payload: the file itself, or a spooled copy of a pipe."""
-    name = getattr(stream, "name", None)
-    if isinstance(name, str) and os.path.exists(name):
-        try:
-            if stat.S_ISREG(os.stat(name).st_mode) and stream.seekable() and stream.tell() == 0:
-                yield Path(name)
-                return
-        except OSError:
-            pass
-    spool_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".send.", suffix=".kvpack", dir=spool_dir)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            while True:
-                data = stream.read(1 << 20)
-                if not data:
-                    break
-                out.write(data)
-        yield Path(tmp)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
+# ----------------------------------------------------------------------------- prepare
 def prepare_handoff(
-    path: Path, identity: Identity, *, key_id: str | None = None, now_ms: int | None = None,
+    src: Path | PackSource, identity: Identity, *, key_id: str | None = None, now_ms: int | None = None,
     handoff_id: str | None = None,
 ) -> PreparedHandoff:
-    """Check the kvpack at ``path`` and sign a header for it."""
+    """Sign a V3 header for the kvpack at ``src`` (a path, or a source already past its header)."""
     key = identity.signing_key(key_id)
-    with open(path, "rb") as f:
-        info = inspect_stream(f)
+    if isinstance(src, PackSource):
+        source, path, start = src, None, src.start
+    else:
+        path = Path(src)
+        with open(path, "rb") as f:
+            start = PackSource(f).start
+        source = None
     header = HandoffHeader(
         key_id=key.key_id,
         handoff_id=handoff_id or new_handoff_id(),
         issued_at_ms=int(time.time() * 1000) if now_ms is None else now_ms,
-        payload_size=info.size,
-        root_digest=info.root_digest,
-        model_fingerprint=info.model_fingerprint,
-        tokenizer_fingerprint=info.tokenizer_fingerprint,
-        token_digest=info.token_digest,
-        rows_start=info.rows_start,
+        size_bound=start.size_bound,
+        pack_header_digest=start.header_digest,
+        model_fingerprint=start.model_fingerprint,
+        tokenizer_fingerprint=start.tokenizer_fingerprint,
+        token_digest=start.token_digest,
+        rows_start=start.rows_start,
         sender=identity.name,
     )
     raw, mac = sign(header, key.secret)
-    return PreparedHandoff(header, raw, mac, path, info)
+    return PreparedHandoff(header, raw, mac, path, start, source)
 
 
 # ----------------------------------------------------------------------------- connect
@@ -186,84 +247,142 @@ def _expect(link: Link, cls: type, during: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- send
+def _abort(link: Link, code: str, message: str, linger_s: float = 1.0) -> None:
+    """Tell the receiver we give up (best effort), so it rejects at once instead of waiting,
+    then give it up to ``linger_s`` to clean up and close (its spool is gone when we return)."""
+    with contextlib.suppress(MuserError, OSError):
+        if link.conn.state not in (State.DONE, State.CLOSED):
+            link.send(Reject(code, message), "aborting the handoff")
+    with contextlib.suppress(MuserError, OSError, ValueError):
+        link.sock.settimeout(linger_s)
+        end = time.monotonic() + linger_s
+        while time.monotonic() < end and link.sock.recv(1 << 16):
+            pass
+
+
 def transmit(
     prepared: PreparedHandoff, *, to: str, identity: Identity, rate: float | None = None,
     connect_s: float = DEFAULT_CONNECT_S, idle_s: float = DEFAULT_IDLE_S, total_s: float = DEFAULT_TOTAL_S,
     chunk: int = DEFAULT_DATA_CHUNK, progress: ProgressFn | None = None, server_name: str | None = None,
+    pulse_s: float | None = None,
 ) -> SendResult:
-    """Send one prepared handoff; return after the receiver's Ack."""
+    """Send one prepared handoff, streaming its input as it arrives; return after the receiver's Ack."""
     t_start = time.monotonic()
-    link, ready, connect_time = open_link(
-        to, identity, connect_s=connect_s, idle_s=idle_s, total_s=total_s, server_name=server_name
-    )
-    size = prepared.header.payload_size
-    try:
+    key = identity.key(prepared.header.key_id)  # signs the trailer (the header is signed already)
+    with contextlib.ExitStack() as stack:
+        if prepared.source is not None:
+            source = prepared.source
+        else:
+            assert prepared.path is not None
+            source = PackSource(stack.enter_context(open(prepared.path, "rb")))
+        link, ready, connect_time = open_link(
+            to, identity, connect_s=connect_s, idle_s=idle_s, total_s=total_s, server_name=server_name
+        )
+        stack.callback(link.close)
+        bound = prepared.header.size_bound
         max_data = ready.get("max_data")
         if isinstance(max_data, int) and max_data > 0:
             chunk = min(chunk, max_data)
         if rate:
             chunk = max(4096, min(chunk, int(rate / 50)))  # ~20 ms of data per frame when paced
+        peer_idle = ready.get("idle_s")
+        if pulse_s is None:
+            pulse_s = DEFAULT_PULSE_S
+            if isinstance(peer_idle, (int, float)) and peer_idle > 0:
+                pulse_s = min(pulse_s, peer_idle / 3)
         link.send(Header(prepared.raw, prepared.mac, prepared.header), "sending the handoff header")
         _expect(link, Go, "waiting for the receiver to accept the header")
         busy = paced = 0.0
         sent = 0
-        t_first = time.monotonic()
-        with open(prepared.path, "rb") as f:
-            while sent < size:
-                data = f.read(min(chunk, size - sent))
-                if not data:
-                    raise TempFailure(f"payload file shrank while sending ({sent} of {size} bytes)")
+        t_first = t_last = None
+        wait_before = source.wait_s
+        inspector = source.inspector
+        for block in source.blocks(max(chunk, READ_BLOCK if not rate else chunk), pulse_s):
+            if block is None:
+                link.send(Pulse(), "keeping the link alive while the producer computes")
+                continue
+            view = memoryview(block)
+            for i in range(0, len(view), chunk):
+                piece = view[i : i + chunk]
                 early = link.poll_event()
                 if isinstance(early, Reject):
                     raise reject_error(early)
                 if early is not None:
                     raise ProtocolError(f"unexpected {type(early).__name__} while streaming")
+                if sent + len(piece) > bound:
+                    _abort(link, "data", f"payload exceeds its declared bound of {bound} bytes")
+                    raise DataError(f"the kvpack is longer than the {bound} bytes its header allows")
                 if rate:
-                    wait = t_first + sent / rate - time.monotonic()
+                    wait = (t_first or time.monotonic()) + sent / rate - time.monotonic()
                     if wait > 0:
                         time.sleep(wait)
                         paced += wait
                 t0 = time.perf_counter()
                 try:
-                    link.send(Data(data), f"streaming the payload ({sent} of {size} bytes sent)")
+                    link.send(Data(bytes(piece)), f"streaming the payload ({sent} bytes sent)")
                 except TempFailure as exc:
                     reject = link.drain_for_reject()
                     if reject is not None:
                         raise reject_error(reject) from None
                     raise exc from None
                 busy += time.perf_counter() - t0
-                sent += len(data)
-                if progress:
-                    progress("send", sent, size)
-        t_last = time.monotonic()
+                t_last = time.monotonic()
+                if t_first is None:
+                    t_first = t_last
+                sent += len(piece)
+            if block is not source.head:  # the header bytes were verified when the source opened
+                try:
+                    inspector.feed(block)
+                except KVPackError as exc:
+                    _abort(link, "data", f"the sender's input is not a valid kvpack: {exc}")
+                    raise
+            if progress:
+                progress("send", sent, bound)
+        try:
+            info = inspector.finish()
+        except KVPackError as exc:
+            _abort(link, "aborted", f"the sender's input ended early: {exc}")
+            raise DataError(f"input ended before the kvpack was complete ({exc})") from None
+        if key is None:
+            raise DataError(f"no HMAC key {prepared.header.key_id!r} to sign the trailer")
+        trailer = HandoffTrailer(prepared.header.handoff_id, info.size, info.root_digest)
+        traw, tmac = sign_trailer(trailer, key.secret, prepared.mac)
+        link.send(Trailer(traw, tmac, trailer), "sending the handoff trailer")
+        t_end = time.monotonic()
         ack = _expect(link, Ack, "waiting for the receiver's acknowledgement")
         t_ack = time.monotonic()
-    finally:
-        link.close()
     if ack.info.get("handoff_id") != prepared.header.handoff_id:
         raise ProtocolError("the receiver acknowledged a different handoff id")
+    assert t_first is not None and t_last is not None
     return SendResult(
         ok=True, to=to, handoff_id=prepared.header.handoff_id, key_id=prepared.header.key_id,
-        payload_bytes=size, root_digest=prepared.header.root_digest, connect_s=connect_time,
-        busy_s=busy, paced_s=paced, stream_s=t_last - t_first, ack_wait_s=t_ack - t_last,
-        total_s=t_ack - t_start, payload_rate_Bps=size / busy if busy > 0 else 0.0, rate_limit_Bps=rate,
+        payload_bytes=info.size, root_digest=info.root_digest, frames=inspector.frames, connect_s=connect_time,
+        busy_s=busy, paced_s=paced, input_wait_s=source.wait_s - wait_before, stream_s=t_last - t_first,
+        ack_wait_s=t_ack - t_end, total_s=t_ack - t_start,
+        payload_rate_Bps=info.size / busy if busy > 0 else 0.0, rate_limit_Bps=rate,
+        first_byte_s=since_start(t_first), last_byte_s=since_start(t_last),
+        first_byte_unix=unix_of(t_first), last_byte_unix=unix_of(t_last),
         receiver={k: v for k, v in ack.info.items() if isinstance(v, (str, int, float, bool))},
     )
 
 
 def send(
-    stream: BinaryIO, *, to: str, identity: Identity, spool_dir: Path, rate: float | None = None,
+    stream: BinaryIO, *, to: str, identity: Identity, rate: float | None = None,
     key_id: str | None = None, connect_s: float = DEFAULT_CONNECT_S, idle_s: float = DEFAULT_IDLE_S,
-    total_s: float = DEFAULT_TOTAL_S, progress: ProgressFn | None = None,
+    total_s: float = DEFAULT_TOTAL_S, progress: ProgressFn | None = None, spool_dir: Path | None = None,
 ) -> SendResult:
-    """Read a kvpack from ``stream`` and hand it off to ``to`` (``HOST:PORT``)."""
+    """Stream the kvpack on ``stream`` to ``to`` (``HOST:PORT``) as it is produced.
+
+    ``spool_dir`` is accepted for compatibility and unused: V3 never spools its input.
+    """
     parse_hostport(to)  # usage errors before reading stdin
-    with payload_file(stream, spool_dir) as path:
-        prepared = prepare_handoff(path, identity, key_id=key_id)
-        return transmit(
-            prepared, to=to, identity=identity, rate=rate, connect_s=connect_s, idle_s=idle_s,
-            total_s=total_s, progress=progress,
-        )
+    identity.signing_key(key_id)  # no key: exit 78 before reading
+    source = PackSource(stream)  # a bad kvpack header: exit 65 before connecting
+    prepared = prepare_handoff(source, identity, key_id=key_id)
+    return transmit(
+        prepared, to=to, identity=identity, rate=rate, connect_s=connect_s, idle_s=idle_s,
+        total_s=total_s, progress=progress,
+    )
 
 
 # ----------------------------------------------------------------------------- probe

@@ -1,20 +1,43 @@
-"""The receiver's storage side: where payloads go, and verify-and-spool in a worker thread.
+"""The receiver's storage side: where payloads go, verify-and-sink in a worker thread, stale spools.
 
-A payload is written to a temporary file next to its final path (``fsio.atomic_writer``)
-while the kvpack reader verifies it; the receiver publishes (fsync, rename, fsync the
-directory) only after the ledger commit. Nothing half-verified reaches a final path.
+Two sinks take the payload while the kvpack reader verifies it:
+
+* :class:`FileSink` writes every byte to a spool file next to the final path and
+  publishes it (fsync, rename, fsync the directory) only after the ledger commit;
+  nothing half-verified reaches a final path.
+* :class:`StreamSink` forwards downstream (stdout) each byte range once it verified
+  against the digest chain (kvpack header, then whole frames), and the end frame only at
+  :meth:`StreamSink.publish`, i.e. after the trailer verified and the ledger record is
+  durable. A failed or cut handoff therefore never ends downstream in something
+  decodable. It holds at most one unverified frame.
+
+Spool files are named ``.<final name>.<pid>-<random>.part``: a receiver killed with
+SIGKILL leaves one behind, and :func:`remove_stale_parts` (run when a receiver starts)
+removes it once its owner process is gone, or, whoever the owner, once it is older than
+the longest session could keep one open. A stale part is only ever deleted, never published.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import re
+import secrets
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from muser_cli.errors import DataError, IdentityMismatch
+from muser_cli import fsio
 from muser_cli.handoff.payload import PayloadInfo, PayloadInspector
+
+_HANDOFF_NAME = r"[0-9a-f]{32}\.kvpack"
+_OWNED_PART = re.compile(r"^\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})-[0-9a-f]{16}\.part$")
+_LEGACY_PART = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{6,16}\.part$")  # tempfile.mkstemp names (V2)
 
 
 @dataclass
@@ -30,6 +53,14 @@ class Destination:
         assert self.directory is not None
         return self.directory / f"{handoff_id}.kvpack"
 
+    def spool_scope(self) -> tuple[Path, re.Pattern[str]] | None:
+        """(directory, pattern of the final names) whose spool parts this destination owns."""
+        if self.file is not None:
+            return self.file.parent if str(self.file.parent) else Path("."), re.compile(re.escape(self.file.name))
+        if self.directory is not None:
+            return self.directory, re.compile(_HANDOFF_NAME)
+        return None
+
 
 class Refusal(Exception):
     """Refuse this handoff with a Reject code; ``fatal`` stops the receiver afterwards."""
@@ -41,17 +72,179 @@ class Refusal(Exception):
         self.fatal = fatal
 
 
-class SpoolWorker:
-    """Verify and spool payload frames in a second thread, behind a bounded queue.
+class DownstreamGone(OSError):
+    """The reader of the forwarded stream (stdout) went away."""
 
-    The network thread keeps reading while the kvpack reader hashes and the disk writes
+
+# ----------------------------------------------------------------------------- stale parts
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    except OSError:
+        return False
+    return True
+
+
+def remove_stale_parts(directory: Path, final_name: re.Pattern[str], *, max_age_s: float,
+                       now: float | None = None) -> list[Path]:
+    """Delete spool parts for ``final_name`` in ``directory`` left by dead receivers.
+
+    A part whose recorded owner pid is not running is stale at once (never ours: we
+    have not spooled yet); any part -- an owned one whose pid is running (perhaps
+    reused), or an old-style one without a pid -- is stale when untouched for longer
+    than ``max_age_s``. Returns what was removed.
+    """
+    removed: list[Path] = []
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _OWNED_PART.match(entry.name) or _LEGACY_PART.match(entry.name)
+        if m is None or not final_name.fullmatch(m.group("name")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        owned = m.re is _OWNED_PART
+        stale = (owned and int(m.group("pid")) != os.getpid() and not _pid_alive(int(m.group("pid")))) or (
+            now - st.st_mtime > max_age_s
+        )
+        if stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    if removed:
+        with contextlib.suppress(OSError):
+            fsio.fsync_dir(directory)
+    return removed
+
+
+# ----------------------------------------------------------------------------- sinks
+class FileSink:
+    """Spool to ``.<name>.<pid>-<random>.part`` beside ``final``; :meth:`publish` makes it ``final``."""
+
+    def __init__(self, final: Path, mode: int = 0o644) -> None:
+        self.final = final
+        self.mode = mode
+        directory = final.parent if str(final.parent) else Path(".")
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.part = directory / f".{final.name}.{os.getpid()}-{secrets.token_hex(8)}.part"
+        fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self._f: BinaryIO | None = os.fdopen(fd, "wb")
+        self.forwarded = 0  # nothing leaves a file sink before publication
+
+    def write(self, data: bytes, verified: int) -> None:  # noqa: ARG002 - every byte is spooled
+        assert self._f is not None
+        self._f.write(data)
+
+    def publish(self) -> None:
+        """fsync the spool file, rename it onto the final path, fsync the directory."""
+        assert self._f is not None
+        f, self._f = self._f, None
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        finally:
+            f.close()
+        os.chmod(self.part, self.mode)
+        os.replace(self.part, self.final)
+        fsio.fsync_dir(self.directory)
+
+    def discard(self) -> None:
+        if self._f is not None:
+            with contextlib.suppress(OSError):
+                self._f.close()
+            self._f = None
+            with contextlib.suppress(FileNotFoundError):
+                self.part.unlink()
+
+
+class StreamSink:
+    """Forward verified byte ranges to ``out``; hold the unverified rest (at most one frame)."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._held: deque[memoryview] = deque()
+        self._held_bytes = 0
+        self.forwarded = 0
+        self.first_forward: float | None = None  # time.monotonic() of the first forwarded byte
+        self.last_forward: float | None = None
+
+    def _emit(self, chunks: list[memoryview]) -> None:
+        try:
+            for c in chunks:
+                self._out.write(c)
+            self._out.flush()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise DownstreamGone(exc.errno, "the reader of the forwarded stream went away") from None
+        now = time.monotonic()
+        if self.first_forward is None:
+            self.first_forward = now
+        self.last_forward = now
+
+    def write(self, data: bytes, verified: int) -> None:
+        """``data`` arrived; the first ``verified`` payload bytes are now verified."""
+        if data:
+            self._held.append(memoryview(data))
+            self._held_bytes += len(data)
+        todo = verified - self.forwarded
+        if todo <= 0:
+            return
+        out: list[memoryview] = []
+        while todo > 0:
+            head = self._held[0]
+            if len(head) <= todo:
+                self._held.popleft()
+                out.append(head)
+                todo -= len(head)
+            else:
+                out.append(head[:todo])
+                self._held[0] = head[todo:]
+                todo = 0
+        n = sum(len(c) for c in out)
+        self._held_bytes -= n
+        self.forwarded += n
+        self._emit(out)
+
+    def publish(self) -> None:
+        """Forward what is held (the end frame): only after the trailer and the ledger."""
+        rest = list(self._held)
+        self._held.clear()
+        self.forwarded += self._held_bytes
+        self._held_bytes = 0
+        self._emit(rest)
+
+    def discard(self) -> None:
+        self._held.clear()
+        self._held_bytes = 0
+
+
+# ----------------------------------------------------------------------------- worker
+class SpoolWorker:
+    """Verify and sink payload frames in a second thread, behind a bounded queue.
+
+    The network thread keeps reading while the kvpack reader hashes and the sink writes
     (all three release the GIL in C). The first failure is kept and raised, as a
-    :class:`Refusal`, by the next :meth:`put` or by :meth:`finish`; later frames are dropped.
+    :class:`Refusal`, by the next :meth:`put` or by :meth:`finish`; later frames are
+    dropped. Bytes that verified before a bad frame are still passed to the sink, so a
+    stream sink forwards every good frame and nothing after.
     """
 
-    def __init__(self, inspector: PayloadInspector, out: BinaryIO, depth: int = 16) -> None:
-        self._inspector = inspector
-        self._out = out
+    def __init__(self, inspector: PayloadInspector, sink: FileSink | StreamSink, depth: int = 16) -> None:
+        self.inspector = inspector
+        self.sink = sink
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
         self._error: Refusal | None = None
         self._thread = threading.Thread(target=self._run, name="muser-spool", daemon=True)
@@ -65,12 +258,20 @@ class SpoolWorker:
             if self._error is not None:
                 continue
             try:
-                self._inspector.feed(data)
-                self._out.write(data)
+                failure: BaseException | None = None
+                try:
+                    self.inspector.feed(data)
+                except DataError as exc:
+                    failure = exc
+                self.sink.write(data, self.inspector.verified)
+                if failure is not None:
+                    raise failure
             except IdentityMismatch as exc:
                 self._error = Refusal("model", str(exc))
             except DataError as exc:
                 self._error = Refusal("data", str(exc))
+            except DownstreamGone as exc:
+                self._error = Refusal("aborted", exc.strerror or "the reader of the forwarded stream went away")
             except OSError as exc:
                 self._error = Refusal("storage", f"cannot write the spool file ({exc.strerror or exc})")
             except BaseException as exc:  # noqa: BLE001 - reported to the session thread
@@ -92,6 +293,6 @@ class SpoolWorker:
         if self._error is not None:
             raise self._error
         try:
-            return self._inspector.finish()
+            return self.inspector.finish()
         except DataError as exc:
             raise Refusal("data", str(exc)) from None

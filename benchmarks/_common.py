@@ -1,4 +1,4 @@
-"""Benchmark discipline (../shared/BENCHMARKS.md): one warm-up, >= 5 counted reps,
+"""Benchmark discipline (docs/benchmarking.md): one warm-up, >= 5 counted reps,
 median and coefficient of variation, raw reps kept in a JSON receipt."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
                                     [--codec none|zstd+bytegroup] [--wire-seconds 1.0]
     python benchmarks/bench_lane.py --wire-only 100     # the wire figure alone, no model
 
-Per depth, alternating A B A B in one run (BENCHMARKS.md), after one uncounted warm-up:
+Per depth, alternating A B A B in one run (docs/benchmarking.md), after one uncounted warm-up:
 
   local    prefill(prompt[:-1]) + the first decode step: the fallback lane's TTFT
   handoff  prefill + pack + send (read and check the kvpack, sign, TLS 1.3 to a receiver

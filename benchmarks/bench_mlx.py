@@ -4,7 +4,7 @@
    mlx-lm's own loop (``mlx_lm.generate.generate_step``, the loop under
    ``mlx_lm.generate``) on the same model object and prompt; side by side, A B A B,
    one uncounted warm-up pair, >= 5 counted pairs; median and CV of each and of the ratio.
-   Aim (BENCHMARKS.md): >= 0.95.
+   Aim (docs/benchmarking.md): >= 0.95.
 2. agreement: greedy tokens torch -> MLX over >= 20 prompts x 32 new tokens (torch
    prefills, both engines decode the same rows); whole-sequence matches, tokens agreeing
    before the first divergence, first-step logit max diff.

@@ -1,4 +1,4 @@
-"""Reuse and delta figures (BENCHMARKS.md rows "delta" and "reuse"), plus store lookup time.
+"""Reuse and delta figures (docs/benchmarking.md rows "delta" and "reuse"), plus store lookup time.
 
     python benchmarks/bench_reuse.py [--depth 8191] [--reps 5] [--threads 1] [--skip-ttft]
 

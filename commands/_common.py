@@ -1,6 +1,6 @@
 """Shared plumbing of the command layer: inputs/outputs, exit statuses, rendering.
 
-This is the only place that turns library errors into exit statuses (CLI.md).
+This is the only place that turns library errors into exit statuses (docs/cli-contract.md).
 """
 
 from __future__ import annotations

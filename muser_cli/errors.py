@@ -1,6 +1,6 @@
 """One error hierarchy for the whole library.
 
-Only the command layer maps these to exit statuses (sysexits.h, see CLI.md).
+Only the command layer maps these to exit statuses (sysexits.h, see docs/cli-contract.md).
 Every error carries a one-line message and an optional hint.
 """
 

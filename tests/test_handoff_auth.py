@@ -1,4 +1,4 @@
-"""RELIABILITY.md C16-C23: authentication, replay, keys — over real TLS on 127.0.0.1."""
+"""docs/reliability.md C16-C23: authentication, replay, keys — over real TLS on 127.0.0.1."""
 
 from __future__ import annotations
 

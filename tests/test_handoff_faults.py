@@ -1,4 +1,4 @@
-"""RELIABILITY.md F34-F37: network faults on loopback (a misbehaving relay), netem when available."""
+"""docs/reliability.md F34-F37: network faults on loopback (a misbehaving relay), netem when available."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RELIABILITY.md E29-E33: the replay ledger is durable before the receiver acknowledges."""
+"""docs/reliability.md E29-E33: the replay ledger is durable before the receiver acknowledges."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RELIABILITY.md G38-G40: concurrency, idle connections, declared-size limits."""
+"""docs/reliability.md G38-G40: concurrency, idle connections, declared-size limits."""
 
 from __future__ import annotations
 

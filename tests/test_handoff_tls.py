@@ -1,4 +1,4 @@
-"""RELIABILITY.md D24-D28: mutual TLS 1.3 with the private CA only — real sockets on loopback."""
+"""docs/reliability.md D24-D28: mutual TLS 1.3 with the private CA only — real sockets on loopback."""
 
 from __future__ import annotations
 

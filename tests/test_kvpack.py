@@ -1,4 +1,4 @@
-"""kvpack v1: round trips and the malformed/integrity catalog (RELIABILITY.md A1-A9, B11-B13)."""
+"""kvpack v1: round trips and the malformed/integrity catalog (docs/reliability.md A1-A9, B11-B13)."""
 
 from __future__ import annotations
 

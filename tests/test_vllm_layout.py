@@ -1,4 +1,4 @@
-"""The paged-cache -> logical-rows conversion (muser_cli.engines.vllm_layout), on CPU.
+"""The paged-cache -> logical-rows conversion (muser_cli.engines.vllm.gather), on CPU.
 
 Round trips: logical rows -> scattered into a paged cache the way vLLM lays it out
 (written here position by position, independently of the code under test) with a random
@@ -13,8 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from muser_cli.engines import vllm_layout as L
-from muser_cli.errors import DataError
+from muser_cli.engines.vllm import fp8 as F
+from muser_cli.engines.vllm import gather as L
+from muser_cli.engines.vllm import layouts as LY
+from muser_cli.errors import ConfigError, DataError
 
 # vLLM 0.30-0.33 KVCacheLayout members: stride order over the logical [L, B, H, N, C].
 VLLM_LAYOUTS = {
@@ -195,7 +197,7 @@ def test_fp8_tables_match_torch():
     codes = torch.arange(256, dtype=torch.uint8)
     for fmt, tdt in (("e4m3fn", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2), ("e4m3fnuz", torch.float8_e4m3fnuz)):
         want = codes.view(tdt).float().numpy()
-        got = L.fp8_table(fmt)
+        got = F.fp8_table(fmt)
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=fmt)
         ok = ~np.isnan(want)
         np.testing.assert_array_equal(got[ok], want[ok], err_msg=fmt)
@@ -215,9 +217,9 @@ def test_fp8_with_scales(scale_kind):
     assert got.dtype == "fp8" and got.fp8_format == "e4m3fn" and got.keys.dtype == np.uint8
     np.testing.assert_array_equal(got.keys, k)
     np.testing.assert_array_equal(got.values, v)
-    lut = L.fp8_table("e4m3fn")
+    lut = F.fp8_table("e4m3fn")
     sk = np.asarray(ks).reshape(-1, 1, 1) if scale_kind == "per_head" else np.float32(ks)
-    np.testing.assert_array_equal(L.dequantize_fp8(got.keys, got.k_scale), (lut[k] * sk).astype(np.float32))
+    np.testing.assert_array_equal(F.dequantize_fp8(got.keys, got.k_scale), (lut[k] * sk).astype(np.float32))
     assert got.v_scale.shape == (() if scale_kind == "per_tensor" else (H,))
     with pytest.raises(DataError, match="k_scale"):
         L.gather_paged_kv(cache, table, start=0, stop=T, quant="fp8", k_scale=np.ones(H + 1), v_scale=vs)
@@ -242,8 +244,8 @@ def test_fp8_per_token_head_inline_scales():
     np.testing.assert_array_equal(got.values, v)
     np.testing.assert_array_equal(got.k_scale, ks)
     np.testing.assert_array_equal(got.v_scale, vs)
-    deq = L.dequantize_fp8(got.values, got.v_scale, "e4m3fn")
-    np.testing.assert_array_equal(deq, (L.fp8_table("e4m3fn")[v] * vs[:, :, None]).astype(np.float32))
+    deq = F.dequantize_fp8(got.values, got.v_scale, "e4m3fn")
+    np.testing.assert_array_equal(deq, (F.fp8_table("e4m3fn")[v] * vs[:, :, None]).astype(np.float32))
     with pytest.raises(DataError, match="only in the 'BHNC'"):
         L.gather_paged_kv(np.zeros((2, 5, 16, H, D), np.uint8), table, start=0, stop=T, layout="KBNHD",
                           quant="fp8_per_token_head")
@@ -252,9 +254,9 @@ def test_fp8_per_token_head_inline_scales():
 def test_dequantize_rejects_nan_and_bad_scale():
     nan_code = np.full((1, 1, 1), 0x7F, np.uint8)  # e4m3fn NaN
     with pytest.raises(DataError, match="NaN"):
-        L.dequantize_fp8(nan_code, 1.0)
+        F.dequantize_fp8(nan_code, 1.0)
     with pytest.raises(DataError, match="scale shape"):
-        L.dequantize_fp8(np.zeros((2, 3, 4), np.uint8), np.ones(3))
+        F.dequantize_fp8(np.zeros((2, 3, 4), np.uint8), np.ones(3))
 
 
 # ---------------------------------------------------------------------------- torch, slots
@@ -342,8 +344,97 @@ def test_strict_validation():
 def test_module_imports_nothing_heavy():
     code = (
         "import sys; import muser_cli.engines.vllm_layout, muser_cli.engines.vllm_connector, "
-        "muser_cli.engines.vllm_engine; "
+        "muser_cli.engines.vllm_engine, muser_cli.engines.vllm.connector, muser_cli.engines.vllm.engine, "
+        "muser_cli.engines.vllm.layouts, muser_cli.engines.vllm.options; "
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- CPU_ATTN (vec)
+
+
+def put_cpu_vec(cache, table, keys, values, *, block_size=None):
+    """What vLLM's CPU ``vec`` kernel stores, one element at a time, from its description:
+    per (block, head) ``block_size * D`` elements of K as ``[d][slot]``, then V as ``[slot][d]``."""
+    B, H, N, C = cache.shape
+    D = C // 2
+    flat = cache.reshape(B, H, N * C)  # the dense (block, head) interior
+    bs = block_size or N
+    for i in range(keys.shape[1]):
+        kb = table[i // bs] * (bs // N) + (i % bs) // N
+        slot = i % N
+        for h in range(H):
+            for d in range(D):
+                flat[kb, h, d * N + slot] = keys[h, i, d]
+                flat[kb, h, N * D + slot * D + d] = values[h, i, d]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.float16, np.float32])
+@pytest.mark.parametrize("block_size,kernel_split", [(32, 1), (128, 1), (64, 2)])
+def test_cpu_vec_layout_round_trip(dtype, block_size, kernel_split):
+    rng = np.random.default_rng(block_size + kernel_split)
+    H, D, T = 3, 16, 2 * block_size + 7
+    N = block_size // kernel_split
+    num_blocks = 6
+    cache = np.zeros((num_blocks * kernel_split, H, N, 2 * D), dtype=dtype)
+    table = table_for(rng, T, block_size, num_blocks)
+    k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, D, dtype)
+    put_cpu_vec(cache, table, k, v, block_size=block_size)
+    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
+    np.testing.assert_array_equal(got.keys, k)
+    np.testing.assert_array_equal(got.values, v)
+    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_KT_V", block_size=block_size)
+    np.testing.assert_array_equal(part.keys, k[:, 5 : block_size + 3])
+    # The GPU view of the same bytes is wrong (what the connector read before it checked the backend).
+    gpu = L.gather_paged_kv(cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
+    assert not np.array_equal(gpu.keys, k)
+    # scatter_rows writes the same bytes as the independent writer above.
+    again = np.zeros_like(cache)
+    L.scatter_rows(again, table, k, v, layout="CPU_KT_V", block_size=block_size)
+    np.testing.assert_array_equal(again, cache)
+
+
+def test_cpu_vec_layout_refuses_what_it_cannot_read():
+    cache = np.zeros((4, 2, 32, 16), np.uint16)
+    with pytest.raises(DataError, match="head_dim == v_head_dim"):
+        L.gather_paged_kv(cache, [1], start=0, stop=4, layout="CPU_KT_V", head_dim=6, v_head_dim=10)
+    with pytest.raises(DataError, match="unquantized"):
+        L.gather_paged_kv(np.zeros((4, 2, 32, 16), np.uint8), [1], start=0, stop=4, layout="CPU_KT_V",
+                          quant="fp8", k_scale=1.0, v_scale=1.0)
+    strided = np.zeros((4, 32, 2, 16), np.uint16).transpose(0, 2, 1, 3)  # LBNHC: interior not dense
+    with pytest.raises(DataError, match="dense"):
+        L.gather_paged_kv(strided, [1], start=0, stop=4, layout="CPU_KT_V")
+
+
+def test_backends_are_resolved_or_refused():
+    cpu = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
+                            kv_cache_layout="LBHNC", isa="vec")
+    assert cpu.layout == "CPU_KT_V" and cpu.verified == "kernel"
+    assert cpu.record() == {"attention_backend": "CPU_ATTN", "layout": "CPU_KT_V", "block_size": 128,
+                            "kernel_block_size": 128, "kv_cache_dtype": "auto", "kv_cache_layout": "LBHNC",
+                            "isa": "vec"}
+    assert LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=64, kernel_block_size=64,
+                             isa="vec16").layout == "CPU_KT_V"
+    for name in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"):
+        got = LY.resolve_layout(name, cache_dtype="fp8", block_size=32, kernel_block_size=16, kv_cache_layout="LBNHC")
+        assert got.layout == "BHNC" and got.verified == "source" and got.isa is None
+    with pytest.raises(ConfigError, match="FLEX_ATTENTION .*not checked"):
+        LY.resolve_layout("FLEX_ATTENTION", cache_dtype="auto", block_size=16, kernel_block_size=16)
+    with pytest.raises(ConfigError, match="ISA 'amx'.*not checked"):
+        LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa="amx")
+    with pytest.raises(ConfigError, match="no kernel ISA"):
+        LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128)
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' on backend CPU_ATTN"):
+        LY.resolve_layout("CPU_ATTN", cache_dtype="fp8", block_size=128, kernel_block_size=128, isa="vec")
+    with pytest.raises(ConfigError, match="layout LBNHC on backend CPU_ATTN"):
+        LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
+                          kv_cache_layout="LBNHC", isa="vec")
+    with pytest.raises(ConfigError, match="does not tell its attention backend"):
+        LY.resolve_layout(None, cache_dtype="auto", block_size=16, kernel_block_size=16)
+    rec = LY.producer_record({0: cpu, 1: cpu})
+    assert rec == {"kv_layout": cpu.record()}
+    other = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=64, kernel_block_size=64, isa="vec")
+    assert LY.producer_record({0: cpu, 1: other, 2: cpu})["kv_layouts"] == [
+        {**cpu.record(), "layers": [0, 2]}, {**other.record(), "layers": [1]}]

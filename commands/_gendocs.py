@@ -56,6 +56,19 @@ def _usage(cmd, path: str) -> str:
     return " ".join(cmd.collect_usage_pieces(ctx))
 
 
+def _subcommands(cmd) -> list[tuple[str, object]]:
+    """The subcommands of a command group (``muser node ...``, ``muser reuse ...``), by name."""
+    return sorted(getattr(cmd, "commands", {}).items())
+
+
+def _options_table(cmd) -> list[str]:
+    rows = _params(cmd)
+    if not rows:
+        return []
+    return (["| argument / option | meaning |", "|---|---|"]
+            + ["| `" + n + "` | " + h.replace("|", "\\|") + " |" for n, h in rows] + [""])
+
+
 def man_pages() -> dict[str, str]:
     cli = _cli()
     pages = {}
@@ -83,6 +96,11 @@ def man_pages() -> dict[str, str]:
                  f".B muser {name}\n{_roff(_usage(sub, name))}", ".SH DESCRIPTION", _roff(sub.help or ""), ".SH OPTIONS"]
         for names, help_ in _params(sub):
             lines += [".TP", f".B {_roff(names)}", _roff(help_)]
+        for sub_name, leaf in _subcommands(sub):
+            lines += [f".SS muser {name} {sub_name}", f".B muser {name} {sub_name}\n{_roff(_usage(leaf, sub_name))}",
+                      ".PP", _roff((leaf.help or "").strip())]
+            for names, help_ in _params(leaf):
+                lines += [".TP", f".B {_roff(names)}", _roff(help_)]
         lines += [".SH SEE ALSO", "muser(1)"]
         pages[f"man/muser-{name}.1"] = "\n".join(lines) + "\n"
     return pages
@@ -95,11 +113,12 @@ def cli_reference() -> dict[str, str]:
              "```", "muser [OPTIONS] COMMAND [ARGS]...", "```", "", cli.help or "", ""]
     for name, sub in sorted(cli.commands.items()):
         lines += [f"## muser {name}", "", "```", f"muser {name} {_usage(sub, name)}", "```", "", (sub.help or "").strip(), ""]
-        rows = _params(sub)
-        if rows:
-            lines += ["| argument / option | meaning |", "|---|---|"]
-            lines += ["| `" + n + "` | " + h.replace("|", "\\|") + " |" for n, h in rows]
-            lines.append("")
+        lines += _options_table(sub)
+        for sub_name, leaf in _subcommands(sub):
+            path = f"{name} {sub_name}"
+            lines += [f"### muser {path}", "", "```", f"muser {path} {_usage(leaf, sub_name)}", "```", "",
+                      (leaf.help or "").strip(), ""]
+            lines += _options_table(leaf)
     lines += ["## Exit statuses", "",
               "0 ok · 1 error · 2 usage · 65 malformed, corrupt or mismatched data · 66 missing input · "
               "75 temporary failure (peer unreachable or timed out: fall back to local prefill) · "

@@ -21,15 +21,19 @@ def register(app: typer.Typer) -> None:
         dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: the engine's)"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
         chunk: Optional[int] = typer.Option(None, "--chunk", help=f"Canonical prefill chunk size (default {DEFAULT_CHUNK_TOKENS}; with --have the manifest's)."),
-        threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default, recorded in the pack)."),
-        zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames with zstd at LEVEL."),
+        threads: int = typer.Option(0, "--threads", help="Compute threads, recorded in the pack (0 = $MUSER_THREADS, else the CPUs up to 8)."),
+        zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames at zstd LEVEL, byte-grouped first (default: uncompressed)."),
         have: Optional[str] = typer.Option(None, "--have", help="Consumer's manifest (`muser reuse have`): write a delta of only what it lacks."),
         reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),
         store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout; needs -o FILE (with the kvpack on stdout, a one-line note goes to stderr instead)."),
     ) -> None:
-        """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token)."""
+        """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
+
+        The kvpack header goes out first and each chunk's frames as soon as the chunk is
+        computed (torch and mlx engines), so `prefill | send` overlaps compute and the wire.
+        """
         from muser_cli.prefill import prefill
 
         with guarded():

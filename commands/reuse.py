@@ -57,16 +57,23 @@ def have_cmd(
 @reuse_app.command("put")
 def put_cmd(
     src: str = typer.Argument("-", help="kvpack to store (a delta is merged with its stored base), or -."),
+    model: Optional[str] = typer.Option(
+        None, "--model", "-m",
+        help="The pack's model (checked); without it, the model this machine knows by the pack's fingerprint."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Verify a kvpack and store it (content-addressed by its root digest)."""
+    """Verify a kvpack and store it (content-addressed by its root digest).
+
+    Every token id is checked against the model's vocabulary; a pack whose model is
+    neither given nor known here is refused (exit 65).
+    """
     from muser_cli.reuse import Store
     from muser_cli.reuse.api import put
 
     with guarded(as_json=as_json):
         store = Store()
         with open_input(src) as inp:
-            res = put(inp, store=store)
+            res = put(inp, store=store, model=model)
         _notes(store)
         e = res.entry
         if as_json:

@@ -40,6 +40,26 @@ def _layer_diff(header: PackHeader, info: ModelInfo) -> str | None:
     return None
 
 
+def out_of_vocabulary(token_ids, vocab_size: int) -> tuple[int, int] | None:
+    """(index, id) of the first id outside [0, vocab_size), or None when all are inside."""
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            return i, t
+    return None
+
+
+def vocabulary_check(token_ids, info: ModelInfo) -> Check:
+    """Every token id must be a row of the model's embedding."""
+    n = len(token_ids)
+    if info.vocab_size <= 0:
+        return Check("tokens", False, f"the model's vocabulary size is unknown: {n} token ids cannot be checked")
+    bad = out_of_vocabulary(token_ids, info.vocab_size)
+    if bad is not None:
+        return Check("tokens", False, f"token {bad[0]} of {n} is {bad[1]}, outside the model's vocabulary "
+                                      f"[0, {info.vocab_size})")
+    return Check("tokens", True, f"{n} token ids inside the vocabulary of {info.vocab_size}")
+
+
 def identity_checks(header: PackHeader, info: ModelInfo, *, prompt_ids: list[int] | None = None) -> list[Check]:
     checks = [
         Check("model", header.model_fingerprint == info.fingerprint,
@@ -51,6 +71,7 @@ def identity_checks(header: PackHeader, info: ModelInfo, *, prompt_ids: list[int
     diff = _layer_diff(header, info)
     checks.append(Check("structure", diff is None, diff or f"{len(info.layers)} layers match the model"))
     n = len(header.token_ids)
+    checks.append(vocabulary_check(header.token_ids, info))
     checks.append(Check("context", n < info.max_positions,
                         f"{n} prompt tokens, model context {info.max_positions}"))
     if prompt_ids is not None:
@@ -73,6 +94,7 @@ def require_identity(header: PackHeader, info: ModelInfo, *, prompt_ids: list[in
                 "model": "decode with the model the pack was made for (-m)",
                 "tokenizer": "the model folder's tokenizer differs from the producer's",
                 "structure": "the pack's attention/RoPE layout does not fit this model",
+                "tokens": "the pack's token ids cannot come from this model's tokenizer (corrupt or forged pack)",
                 "context": "the prompt is longer than the model's context",
                 "prompt": "this pack was made for another prompt",
             }

@@ -27,3 +27,7 @@ class ModelInfo:
     layers: tuple[LayerSpec, ...]
     max_positions: int
     eos_token_ids: tuple[int, ...] = ()
+    # Rows of the embedding (config.json's vocab_size, checked against the weights'
+    # header): every token id must lie in [0, vocab_size). 0 = unknown, and then the
+    # identity checks refuse every pack (fail closed).
+    vocab_size: int = 0

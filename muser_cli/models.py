@@ -107,6 +107,10 @@ def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
     max_positions = config.get("max_position_embeddings")
     if not isinstance(max_positions, int) or max_positions <= 0:
         raise ConfigError(f"{config_file}: max_position_embeddings missing or invalid ({max_positions!r})")
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+        raise ConfigError(f"{config_file}: vocab_size missing or invalid ({vocab!r})")
+    check_weights(path, vocab)
     return ModelInfo(
         path=path,
         name=name or path.name,
@@ -116,6 +120,7 @@ def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
         layers=layers,
         max_positions=max_positions,
         eos_token_ids=eos_token_ids(config, generation),
+        vocab_size=vocab,
     )
 
 
@@ -229,6 +234,91 @@ def _rope_spec(config: dict[str, Any], layer_type: str, head_dim: int, style: st
     return RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
 
 
+# --------------------------------------------------------------------------- weights headers
+# Bytes per element of the safetensors dtypes whose sizes we check (others: structure only).
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own cap
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Read and validate a .safetensors header without reading the tensors: {name: (dtype, shape)}.
+
+    Checks what a loader would trip on: the length prefix, the JSON, every entry's dtype,
+    shape and offsets, and that the offsets tile the data exactly to the end of the file.
+    Raises :class:`DataError` (exit 65) naming the file.
+    """
+    file = Path(file)
+
+    def bad(why: str) -> DataError:
+        return DataError(f"corrupt weights file {file}: {why}",
+                         hint="re-download or re-convert the model; the file is not a valid safetensors file")
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(prefix, "little")
+            if n < 2 or n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+                raise bad(f"header length {n} does not fit the file ({size} bytes)")
+            raw = handle.read(n)
+    except OSError as exc:
+        raise DataError(f"cannot read weights file {file}: {exc.strerror or exc}") from exc
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad("header is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise bad("header is not a JSON object")
+    data_size = size - 8 - n
+    spans: list[tuple[int, int]] = []
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in obj.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise bad(f"tensor {name!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad(f"tensor {name!r} has no dtype")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise bad(f"tensor {name!r} has an invalid shape")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data_size):
+            raise bad(f"tensor {name!r} has data offsets {offsets!r} outside the {data_size} data bytes")
+        if dtype in _ST_ITEMSIZE:
+            count = 1
+            for d in shape:
+                count *= d
+            if count * _ST_ITEMSIZE[dtype] != offsets[1] - offsets[0]:
+                raise bad(f"tensor {name!r} ({dtype} {shape}) needs {count * _ST_ITEMSIZE[dtype]} bytes, "
+                          f"its offsets span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1]))
+        out[name] = (dtype, tuple(shape))
+    end = 0
+    for lo, hi in sorted(spans):
+        if lo != end:
+            raise bad(f"tensor data {'overlaps' if lo < end else 'has a gap'} at byte {min(lo, end)}")
+        end = hi
+    if end != data_size:
+        raise bad(f"tensors cover {end} of {data_size} data bytes (truncated or padded file)")
+    return out
+
+
+def check_weights(path: Path, vocab_size: int) -> None:
+    """Validate every weights file's header, and that the embedding has ``vocab_size`` rows."""
+    path = Path(path)
+    for file in sorted(p for p in path.glob("*.safetensors") if p.is_file()):
+        for name, (_dtype, shape) in safetensors_header(file).items():
+            if name.endswith("embed_tokens.weight") and shape and shape[0] != vocab_size:
+                raise DataError(f"model folder {path}: config.json says vocab_size {vocab_size}, but {file.name}'s "
+                                f"{name} has {shape[0]} rows", hint="config.json does not belong to these weights")
+
+
 # --------------------------------------------------------------------------- fingerprints
 
 
@@ -257,9 +347,44 @@ def fingerprints(path: Path) -> tuple[str, str]:
         with contextlib.suppress(OSError):
             ensure_dir(cache_file.parent)
             _write_json_atomic(
-                cache_file, {"version": 1, "files": stats, "fingerprint": model_fp, "tokenizer_fingerprint": tok_fp}
+                cache_file, {"version": 1, "files": stats, "fingerprint": model_fp, "tokenizer_fingerprint": tok_fp,
+                             "path": str(path.resolve())}
             )
     return model_fp, tok_fp
+
+
+def known_model(fingerprint: str) -> ModelInfo | None:
+    """A model folder this machine has fingerprinted as ``fingerprint``, if it is still unchanged.
+
+    Looks in the fingerprint caches (folders muser converted, and others it described)
+    without hashing anything: a cache record counts only while its folder's file names,
+    sizes and mtimes are still the ones hashed. Used where a pack names its model but the
+    caller named none (``reuse put``)."""
+    candidates: list[tuple[Path, Path]] = []
+    with contextlib.suppress(OSError):
+        for folder in models_dir().iterdir():
+            candidates.append((folder / FINGERPRINT_CACHE, folder))
+    with contextlib.suppress(OSError):
+        for file in (cache_dir() / "fingerprints").glob("*.json"):
+            candidates.append((file, Path()))
+    for file, folder in candidates:
+        record = _read_cache(file)
+        if record.get("version") != 1 or record.get("fingerprint") != fingerprint:
+            continue
+        if folder == Path():
+            if not isinstance(record.get("path"), str):
+                continue
+            folder = Path(record["path"])
+        files = record.get("files")
+        if not isinstance(files, list) or not all(isinstance(f, list) and f and isinstance(f[0], str) for f in files):
+            continue
+        try:
+            if _stats(folder, [f[0] for f in files]) != files:
+                continue
+            return describe_folder(folder)
+        except (OSError, DataError, ConfigError):
+            continue
+    return None
 
 
 def model_fingerprint(path: Path, weights: Iterable[str]) -> str:

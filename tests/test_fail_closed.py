@@ -98,3 +98,111 @@ def test_unlocked_parts_fall_to_pid_and_age_rules(tmp_path):
     dead = tmp_path / f".{name}.{sleeper.pid}-{'b' * 16}.part"
     dead.write_bytes(b"4")
     assert sweep_stale_parts(tmp_path, name) == [dead]  # owner gone: stale at once
+
+
+# ----------------------------------------------------------------------------- CLI helpers
+PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+          "After a long debate about costs, traffic and the river's spring floods, they chose")
+
+
+def run(*args, input: bytes | None = None, env: dict | None = None):
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, env=env, catch_exceptions=False)
+
+
+def refused(r, status: int, *needles: str) -> None:
+    """Exit ``status``, one error line (plus nothing framed), no 'internal error', each needle in it."""
+    assert r.exit_code == status, (r.exit_code, r.output)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("muser: error:")]
+    assert len(lines) == 1, r.stderr
+    assert "internal error" not in r.output and "Traceback" not in r.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prompt.txt"
+    p.write_text(PROMPT)
+    return p
+
+
+@pytest.fixture
+def tiny_pack(tiny_llama, prompt_file, tmp_path) -> Path:
+    out = tmp_path / "p.kvpack"
+    r = run("prefill", "-m", tiny_llama.path, "--chunk", "8", prompt_file, "-o", out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def forge_ids(src: Path, dst: Path, edit) -> list[int]:
+    """Re-sign ``src`` with its token ids edited by ``edit(ids)``: every digest right, the ids wrong."""
+    from dataclasses import replace
+
+    from muser_cli.kvpack import read_pack, write_pack
+
+    with open(src, "rb") as f:
+        pack = read_pack(f)
+    ids = list(pack.header.token_ids)
+    edit(ids)
+    with open(dst, "wb") as f:
+        write_pack(f, replace(pack.header, token_ids=tuple(ids)), pack.layers)
+    return ids
+
+
+# ----------------------------------------------------------------------------- 3. vocabulary
+def test_model_info_carries_the_vocabulary(tiny_llama, tiny_hybrid):
+    import json
+
+    for info in (tiny_llama, tiny_hybrid):
+        assert info.vocab_size == json.loads((info.path / "config.json").read_text())["vocab_size"] > 0
+
+
+@pytest.mark.parametrize("where", ["last", "middle"])
+def test_out_of_vocabulary_ids_fail_verify_and_decode(tiny_llama, tiny_pack, tmp_path, where):
+    bad = tmp_path / "bad.kvpack"
+
+    def edit(ids):
+        if where == "last":
+            ids[-1] = 2**31 - 1
+        else:
+            ids[len(ids) // 2] = 2**30
+
+    forge_ids(tiny_pack, bad, edit)
+    v = run("verify", "-m", tiny_llama.path, bad, "--json")
+    assert v.exit_code == 65
+    import json
+
+    report = json.loads(v.stdout)
+    tokens = {c["name"]: c for c in report["checks"]}["tokens"]
+    assert tokens["ok"] is False and "outside the model's vocabulary" in tokens["detail"]
+    refused(run("verify", "-m", tiny_llama.path, bad), 65, "tokens", "vocabulary")
+    d = run("decode", "-m", tiny_llama.path, bad, "-n", "4")
+    refused(d, 65, "vocabulary")
+    assert d.stdout == ""  # nothing decoded
+    # the honest pack passes the same check
+    ok = json.loads(run("verify", "-m", tiny_llama.path, tiny_pack, "--json").stdout)
+    assert {c["name"]: c["ok"] for c in ok["checks"]}["tokens"] is True
+
+
+def test_reuse_put_refuses_out_of_vocabulary_ids(tiny_llama, tiny_pack, tmp_path):
+    bad = tmp_path / "bad.kvpack"
+    forge_ids(tiny_pack, bad, lambda ids: ids.__setitem__(3, tiny_llama.vocab_size))
+    refused(run("reuse", "put", "-m", tiny_llama.path, bad), 65, "vocabulary")
+    refused(run("reuse", "put", bad), 65, "vocabulary")  # the model is known here by its fingerprint
+    import json
+
+    assert json.loads(run("reuse", "ls", "--json").stdout)["entries"] == []  # nothing was stored
+    assert run("reuse", "put", tiny_pack).exit_code == 0  # the honest pack is stored
+
+
+def test_reuse_put_of_an_unknown_models_pack_is_refused(tmp_path):
+    from kvpack_factory import make_pack
+
+    data, _, _ = make_pack(17, layers=None)
+    src = tmp_path / "synthetic.kvpack"
+    src.write_bytes(data)
+    refused(run("reuse", "put", src), 65, "not known on this machine")

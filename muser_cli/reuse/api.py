@@ -51,9 +51,67 @@ def have(
     return base
 
 
-def put(src: BinaryIO, *, store: Store | None = None) -> PutResult:
-    """Verify and store a kvpack (a delta is merged with its stored base first)."""
-    return (store or Store()).put(src)
+def put(src: BinaryIO, *, store: Store | None = None, model: str | None = None) -> PutResult:
+    """Verify and store a kvpack (a delta is merged with its stored base first).
+
+    Every token id is checked against the vocabulary of the pack's model: ``model`` (a
+    model reference, which the pack must then be for), or else the folder this machine
+    already knows by the pack's model fingerprint. A pack for a model it cannot find is
+    refused (exit 65): its ids cannot be checked."""
+    from muser_cli.errors import DataError, IdentityMismatch
+    from muser_cli.identity import _short
+    from muser_cli.models import known_model
+
+    head = _Peek(src)
+    header = head.header()
+    if model is not None:
+        info = resolve_model(model)
+        if header.model_fingerprint != info.fingerprint or header.tokenizer_fingerprint != info.tokenizer_fingerprint:
+            raise IdentityMismatch(f"pack refused: it is for model {_short(header.model_fingerprint)} "
+                                   f"({header.model_name or '?'}), not {info.name} {_short(info.fingerprint)}",
+                                   hint="pass the pack's own model with -m")
+    else:
+        info = known_model(header.model_fingerprint)
+        if info is None:
+            raise DataError(f"pack refused: its model {_short(header.model_fingerprint)} ({header.model_name or '?'}) "
+                            "is not known on this machine, so its token ids cannot be checked",
+                            hint="pass the model folder with -m")
+    return (store or Store()).put(head, vocab_size=info.vocab_size)
+
+
+class _Peek:
+    """Read a kvpack's header from a stream, then replay the bytes read for it."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self._src = src
+        self._buffered = b""
+
+    def header(self):
+        from muser_cli.errors import KVPackError
+        from muser_cli.kvpack import PackReader
+
+        reader = PackReader(decode=False)
+        chunks = []
+        while reader.header is None:
+            block = self._src.read(1 << 16)
+            if not block:
+                break
+            chunks.append(block)
+            reader.feed(block)
+        self._buffered = b"".join(chunks)
+        if reader.header is None:
+            reader.finish()  # raises the reader's own error for a short or empty input
+            raise KVPackError("not a kvpack: no header")
+        return reader.header
+
+    def read(self, n: int = -1) -> bytes:
+        if self._buffered:
+            if n is None or n < 0:
+                data, self._buffered = self._buffered + self._src.read(), b""
+                return data
+            data, self._buffered = self._buffered[:n], self._buffered[n:]
+            return data
+        return self._src.read(n)
 
 
 def get(entry: str, out: BinaryIO, *, store: Store | None = None) -> Entry:

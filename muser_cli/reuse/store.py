@@ -220,8 +220,11 @@ class Store:
         return fd, Path(name)
 
     # ------------------------------------------------------------------ writing
-    def put(self, src: BinaryIO) -> PutResult:
-        """Verify a full, unquantized kvpack from ``src`` while copying it in, then publish it."""
+    def put(self, src: BinaryIO, *, vocab_size: int | None = None) -> PutResult:
+        """Verify a full, unquantized kvpack from ``src`` while copying it in, then publish it.
+
+        With ``vocab_size`` (the model's), a pack holding a token id outside [0, vocab_size)
+        is refused (DataError) as soon as its header is read."""
         fd, tmp = self._tmp_file()
         try:
             reader = PackReader(decode=False)  # digests and structure; every later read decodes too
@@ -232,30 +235,30 @@ class Store:
                         break
                     reader.feed(block)
                     if reader.header is not None:
-                        _check_storable(reader.header, delta_ok=True)
+                        _check_storable(reader.header, delta_ok=True, vocab_size=vocab_size)
                     out.write(block)
                 reader.finish()
                 out.flush()
                 os.fsync(out.fileno())
             assert reader.header is not None and reader.root_digest is not None
             if reader.header.rows_start > 0:
-                return self._put_delta(tmp)
+                return self._put_delta(tmp, vocab_size=vocab_size)
             return self._publish(tmp, reader.header, reader.root_digest.hex(), reader.bytes_consumed)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
-    def _put_delta(self, path: Path) -> PutResult:
+    def _put_delta(self, path: Path, *, vocab_size: int | None = None) -> PutResult:
         """A delta is stored merged with its base (which must be held here)."""
         with open(path, "rb") as f:
             pack = read_pack(f)
         layers, _ = resolve_delta(pack, self)
-        return self.put_layers(pack.header, layers)
+        return self.put_layers(pack.header, layers, vocab_size=vocab_size)
 
-    def put_layers(self, header: PackHeader, layers: Sequence) -> PutResult:
+    def put_layers(self, header: PackHeader, layers: Sequence, *, vocab_size: int | None = None) -> PutResult:
         """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""
         header = replace(header, rows_start=0, base=None, codec={"name": "none"})
-        _check_storable(header)
+        _check_storable(header, vocab_size=vocab_size)
         fd, tmp = self._tmp_file()
         try:
             with os.fdopen(fd, "wb") as out:
@@ -499,7 +502,14 @@ class Store:
         return removed
 
 
-def _check_storable(header: PackHeader, *, delta_ok: bool = False) -> None:
+def _check_storable(header: PackHeader, *, delta_ok: bool = False, vocab_size: int | None = None) -> None:
+    if vocab_size is not None:
+        from muser_cli.identity import out_of_vocabulary
+
+        bad = out_of_vocabulary(header.token_ids, vocab_size)
+        if bad is not None:
+            raise DataError(f"pack refused: token {bad[0]} of {len(header.token_ids)} is {bad[1]}, outside the "
+                            f"model's vocabulary [0, {vocab_size})", hint="a corrupt or forged pack; nothing was stored")
     if header.quant_scheme != "none":
         raise DataError("the store keeps exact KV only; this pack is quantized", hint="put the pack before --quant")
     if header.rows_start != 0 and not delta_ok:

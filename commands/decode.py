@@ -62,6 +62,9 @@ def register(app: typer.Typer) -> None:
             elif source == "store+local":
                 info(f"decode: no handoff ({out.reason}); {held} rows from the store, prefilled "
                      f"{out.prompt_tokens - 1 - held} locally in {out.prefill_s:.2f}s")
+            elif source == "partial+local":
+                info(f"decode: the stream was cut ({out.reason}); kept {out.handoff_rows} verified rows, "
+                     f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
             elif source == "delta":
                 info(f"decode: delta merged with the stored prefix of {held} tokens")
             elif out.fallback:

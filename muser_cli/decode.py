@@ -14,9 +14,11 @@ from typing import BinaryIO, Callable
 
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli.errors import MissingInput, UsageError
+from muser_cli import STARTED_AT
+from muser_cli.errors import KVPackError, MissingInput, UsageError
 from muser_cli.identity import require_identity
-from muser_cli.kvpack import KVPack, LayerKV, read_pack
+from muser_cli.kvpack import KVPack, LayerKV, PackHeader
+from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.models import resolve_model
 from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
@@ -39,6 +41,9 @@ class Rows:
     computed: int | None = None  # rows computed here after a stored prefix
     problems: list[str] = field(default_factory=list)
     reason: str = ""  # why there was no usable handoff
+    handoff_rows: int | None = None  # after a cut stream: rows kept from it ...
+    local_rows: int | None = None  # ... and rows computed here
+    cut_prefill_s: float = 0.0
 
 
 @dataclass
@@ -63,6 +68,11 @@ class DecodeOutcome:
     stored: str | None = None
     store_asked: bool = False
     engine_stats: dict = field(default_factory=dict)
+    handoff_rows: int | None = None  # a cut stream: verified rows kept
+    local_rows: int | None = None  # a cut stream: rows prefilled here
+    first_byte_s: float | None = None  # since muser started: the first input byte
+    last_frame_s: float | None = None  # since muser started: the last data frame verified
+    tail_s: float | None = None  # the last frame's arrival -> the first token
 
     @property
     def decode_tok_s(self) -> float:
@@ -93,38 +103,12 @@ class DecodeOutcome:
             out["store_problems"] = self.store_problems
         if self.store_asked:
             out["stored"] = self.stored
+        if self.handoff_rows is not None:
+            out["handoff_rows"], out["local_rows"] = self.handoff_rows, self.local_rows
+        for key in ("first_byte_s", "last_frame_s", "tail_s"):
+            value = getattr(self, key)
+            out[key] = round(value, 6) if value is not None else None
         return out
-
-
-def read_optional_pack(src: BinaryIO | None) -> KVPack | None:
-    """Read a pack, or ``None`` when the input is empty (no handoff arrived)."""
-    return read_optional_pack_timed(src)[0]
-
-
-def read_optional_pack_timed(src: BinaryIO | None) -> tuple[KVPack | None, float]:
-    """(pack or None, perf_counter when the first byte arrived or the input ended).
-
-    In a pipe (``receive | verify | decode``) the wait for the first byte is the
-    producer's time, not the consumer's: TTFT on this side starts when data arrives.
-    """
-    if src is None:
-        return None, time.perf_counter()
-    first = src.read(1)
-    t_first = time.perf_counter()
-    if not first:
-        return None, t_first
-
-    class _Prefixed:
-        def __init__(self) -> None:
-            self._first = first
-
-        def read(self, n: int = -1) -> bytes:
-            if self._first:
-                head, self._first = self._first, b""
-                return head + (src.read(n - 1) if n and n > 1 else b"")
-            return src.read(n)
-
-    return read_pack(_Prefixed()), t_first  # type: ignore[arg-type]
 
 
 def decode(
@@ -152,57 +136,107 @@ def decode(
     ``store``: keep the prompt's whole cache in the store afterwards."""
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
-    pack, t_req = read_optional_pack_timed(src)
-    t_read = time.perf_counter()
-    if pack is None and prompt is None:
-        raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
-
+    t_begin = time.perf_counter()
+    # The pack is read and verified on a thread from the first byte on, while the model loads.
+    stream = StreamedPack(src) if src is not None else None
     t_res0 = time.perf_counter()
     info = resolve_model(model)
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
-    resolve_s = time.perf_counter() - t_res0
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
-    ids, dtype = bind(pack, info, prompt_ids, dtype=dtype, engine=engine)
+    t_res1 = time.perf_counter()
+    header = stream.header() if stream is not None else None
+    if header is None and prompt is None:
+        raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
+    ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=engine)
     check_prompt(info, ids, new_tokens=max_new_tokens)
 
     t_load0 = time.perf_counter()
     eng = get_engine(engine, info, dtype=dtype, threads=threads)
-    load_s = time.perf_counter() - t_load0 + resolve_s
+    t_load1 = time.perf_counter()
+    load_s = (t_load1 - t_load0) + (t_res1 - t_res0)
 
+    got = None
+    if header is not None:
+        assert stream is not None
+        arrived = stream.result()
+        if isinstance(arrived, Cut):
+            got = _after_cut(stream, arrived, eng, ids, can_fall_back=prompt_ids is not None, progress=progress)
+            pack = None
+        else:
+            pack = arrived
+    else:
+        pack = None
     t0 = time.perf_counter()
-    got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
-                   reuse=reuse, progress=progress)
-    prefill_s = time.perf_counter() - t0
+    if got is None:
+        got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
+                       reuse=reuse, progress=progress)
+    prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
+    t_dec = time.perf_counter()
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
-    # TTFT: request to first token, model load excluded (reading/verifying the pack included).
-    ttft = (t_load0 - t_req) - resolve_s + prefill_s + result.ttft_s
+    t_first_token = t_dec + result.ttft_s
+    # TTFT: from the first input byte (or the start, with none) to the first token, model
+    # load excluded: the load overlapped the read, so its overlap with that span is taken out.
+    t_req = stream.first_byte_t if stream is not None and stream.first_byte_t is not None else t_begin
+    overlap = sum(max(0.0, min(b, t_first_token) - max(a, t_req)) for a, b in ((t_res0, t_res1), (t_load0, t_load1)))
+    ttft = t_first_token - t_req - overlap
+    t_read = stream.end_t if stream is not None and stream.end_t is not None else t_req
     stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng) if store else None
     return DecodeOutcome(
         text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,
         load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),
         engine=engine, dtype=dtype, reason=(got.reason or fallback_reason) if got.pack is None else "",
-        source=got.source, pack_read_s=t_read - t_req, held_tokens=got.held, entry=got.entry,
+        source=got.source, pack_read_s=max(0.0, t_read - t_req), held_tokens=got.held, entry=got.entry,
         computed_tokens=got.computed, store_problems=got.problems, stored=stored, store_asked=store,
         engine_stats={k: v for k, v in result.stats.items() if isinstance(v, (str, int, float, bool))},
+        handoff_rows=got.handoff_rows, local_rows=got.local_rows,
+        first_byte_s=_since_start(stream.first_byte_t if stream is not None else None),
+        last_frame_s=_since_start(stream.last_frame_t if stream is not None else None),
+        tail_s=(t_first_token - stream.last_frame_t) if stream is not None and stream.last_frame_t is not None
+        and got.pack is not None else None,
     )
 
 
-def bind(pack: KVPack | None, info: ModelInfo, prompt_ids: list[int] | None, *, dtype: str | None,
+def _since_start(t: float | None) -> float | None:
+    return None if t is None else round(t - STARTED_AT, 6)
+
+
+def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, can_fall_back: bool,
+               progress: ProgressFn | None) -> Rows:
+    """A stream that ended before its end frame: keep the whole chunks that verified and
+    prefill only the rest here, on the pack's schedule (same tokens as a full fallback)."""
+    if not can_fall_back:
+        raise KVPackError(cut.reason, hint="give --prompt FILE to prefill what is missing locally")
+    header = stream.header()
+    assert header is not None
+    rows = len(ids) - 1
+    schedule = header.chunk_tokens
+    kept, prefix = stream.prefix(schedule) if eng.resumes_prefill else (0, [])
+    t0 = time.perf_counter()
+    if kept:
+        layers = eng.prefill_from(prefix, rows=kept, token_ids=ids[kept:-1], chunk_tokens=schedule, progress=progress)
+    else:
+        layers = eng.prefill(ids[:-1], chunk_tokens=schedule, progress=progress)
+    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason=f"cut stream: {cut.reason}",
+                handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0)
+
+
+def bind(header: PackHeader | None, info: ModelInfo, prompt_ids: list[int] | None, *, dtype: str | None,
          engine: str) -> tuple[list[int], str]:
-    """The prompt ids and dtype to decode with. A pack's identity is checked before anything
-    is loaded or decoded: another model's, tokenizer's or prompt's KV is refused here."""
-    if pack is None:
+    """The prompt ids and dtype to decode with. A pack's identity is checked from its header,
+    before anything is loaded or decoded: another model's, tokenizer's or prompt's KV is
+    refused here."""
+    if header is None:
         assert prompt_ids is not None
         return prompt_ids, dtype or default_dtype(engine)
-    require_identity(pack.header, info, prompt_ids=prompt_ids)
-    if pack.header.rows_start > 0:
-        check_base(pack.header)  # a base that disagrees with its own pack: refused before loading
-    dtype = dtype or pack.header.dtype
-    if pack.header.dtype != dtype:
-        raise UsageError(f"pack holds {pack.header.dtype} KV; decoding it as {dtype} is not supported",
-                         hint=f"use --dtype {pack.header.dtype}")
-    return list(pack.header.token_ids), dtype
+    require_identity(header, info, prompt_ids=prompt_ids)
+    if header.rows_start > 0:
+        check_base(header)  # a base that disagrees with its own pack: refused before loading
+    dtype = dtype or header.dtype
+    if header.dtype != dtype:
+        raise UsageError(f"pack holds {header.dtype} KV; decoding it as {dtype} is not supported",
+                         hint=f"use --dtype {header.dtype}")
+    return list(header.token_ids), dtype
 
 
 def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back: bool, dtype: str,

@@ -91,3 +91,96 @@ def test_streamed_prefill_on_mlx_equals_the_finished_pack(tiny_hybrid, monkeypat
     assert out.getvalue() == whole.getvalue()
     chunks = [(d, n) for d, n in out.seen if d > 0]
     assert chunks[1][1] > chunks[0][1] > 0
+
+
+# ---------------------------------------------------------------------- consumer side
+
+def _frame_ends(data: bytes) -> tuple[int, list[int]]:
+    """(bytes of preamble + header, the byte offset just after each data frame)."""
+    from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader
+
+    reader, pos, head, ends = PackReader(), 0, 0, []
+    while pos < len(data):
+        n = max(1, reader.want())
+        for ev in reader.feed(data[pos : pos + n]):
+            if isinstance(ev, HeaderEvent):
+                head = pos + n
+            elif isinstance(ev, FrameEvent):
+                ends.append(pos + n)
+        pos += n
+    return head, ends
+
+
+def _decode(model, data: bytes | None, prompt: str | None, **kw):
+    from muser_cli.decode import decode
+
+    src = io.BytesIO(data) if data is not None else None
+    return decode(src, model=str(model.path), prompt=prompt, max_new_tokens=10, dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_llama):
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(tiny_llama.path), chunk_tokens=8, dtype="float32")
+    return out.getvalue()
+
+
+def test_streamed_decode_equals_fallback_and_reports_its_timings(tiny_llama, streamed):
+    full = _decode(tiny_llama, streamed, None)
+    local = _decode(tiny_llama, b"", PROMPT, chunk_tokens=8)
+    assert full.source == "handoff" and local.fallback
+    assert full.token_ids == local.token_ids
+    j = full.to_json()
+    assert j["first_byte_s"] is not None and j["last_frame_s"] >= j["first_byte_s"]
+    assert j["tail_s"] is not None and j["tail_s"] >= 0
+    assert local.to_json()["tail_s"] is None
+
+
+def test_cut_stream_keeps_the_verified_chunks_and_prefills_the_rest(tiny_llama, streamed):
+    head, ends = _frame_ends(streamed)
+    layers = len(tiny_llama.layers)
+    chunks = len(ends) // layers
+    local = _decode(tiny_llama, b"", PROMPT, chunk_tokens=8)
+    rows = local.prompt_tokens - 1
+    for k in (0, 1, chunks // 2, chunks - 1):
+        cut = streamed[: head if k == 0 else ends[k * layers - 1]]
+        got = _decode(tiny_llama, cut, PROMPT)
+        assert got.token_ids == local.token_ids, k
+        assert got.fallback and got.handoff_rows == 8 * k and got.local_rows == rows - 8 * k
+        assert got.source == ("partial+local" if k else "local")
+        assert "cut stream" in got.reason and "truncated" in got.reason
+    # A chunk cut in the middle of its frames keeps only the whole chunks before it.
+    got = _decode(tiny_llama, streamed[: ends[2 * layers + 1]], PROMPT)
+    assert got.handoff_rows == 16 and got.token_ids == local.token_ids
+
+
+def test_cut_stream_without_a_prompt_is_refused(tiny_llama, streamed):
+    from muser_cli.errors import KVPackError
+
+    _, ends = _frame_ends(streamed)
+    with pytest.raises(KVPackError, match="truncated"):
+        _decode(tiny_llama, streamed[: ends[3]], None)
+
+
+def test_corrupt_frame_is_refused_even_with_a_prompt(tiny_llama, streamed):
+    """Data that failed a check is never decoded from, and is no cut to recover from."""
+    from muser_cli.errors import KVPackError
+
+    head, ends = _frame_ends(streamed)
+    bad = bytearray(streamed)
+    bad[ends[5] - 80] ^= 0x10  # inside frame 6's payload
+    with pytest.raises(KVPackError):
+        _decode(tiny_llama, bytes(bad), PROMPT)
+
+
+def test_cut_stream_on_a_sliding_window_model(tiny_hybrid):
+    """Sliding layers ship only their last window-1 rows, so a cut before them keeps
+    nothing; the tokens are still the full fallback's."""
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32")
+    data = out.getvalue()
+    _, ends = _frame_ends(data)
+    local = _decode(tiny_hybrid, b"", PROMPT, chunk_tokens=8)
+    got = _decode(tiny_hybrid, data[: ends[len(ends) // 2]], PROMPT)
+    assert got.token_ids == local.token_ids and got.fallback
+    assert got.handoff_rows == 0 and got.source == "local"

@@ -1,0 +1,169 @@
+"""Read a kvpack while it is still arriving: a reader thread verifies each frame against
+the chain and places its rows, so the consumer can load its model meanwhile and decode as
+soon as the end frame verifies — or, when the stream is cut, keep what verified.
+
+Rows are placed into one array per layer, allocated when the header arrives (from sizes
+the header declares, bounded by the format's limits), so a finished stream needs no
+concatenation. Nothing is handed out as a whole pack unless the end frame's root digest
+verified and no byte followed it; a cut stream hands out only :meth:`StreamedPack.prefix`,
+whole chunks whose every frame verified.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from muser_cli.errors import KVPackError
+from muser_cli.kvpack.format import PackHeader
+from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.reader import MAX_READ, EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader
+
+
+@dataclass
+class Cut:
+    """A stream that ended before its end frame verified."""
+
+    reason: str  # the reader's one-line account ("truncated kvpack: input ended after 7 frames")
+    frames: int  # frames that verified
+
+
+class StreamedPack:
+    """Reads ``src`` on a thread. ``header()`` waits for the header (None: empty input);
+    ``result()`` waits for the end: a verified :class:`KVPack`, or a :class:`Cut`.
+    A corrupt frame raises :class:`KVPackError` from both (nothing of it is handed out)."""
+
+    def __init__(self, src: BinaryIO, *, max_bytes: int | None = None) -> None:
+        self._src = src
+        self._reader = PackReader(max_bytes=max_bytes)
+        self._header_ready = threading.Event()
+        self._done = threading.Event()
+        self._header: PackHeader | None = None
+        self._error: KVPackError | None = None
+        self._cut: Cut | None = None
+        self._end: EndEvent | None = None
+        self._keys: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
+        self._got: list[int] = []  # per layer: rows placed, from the layer's first row
+        self._stored = 0
+        self.frames = 0
+        self.first_byte_t: float | None = None  # perf_counter of the first byte (None: none came)
+        self.last_frame_t: float | None = None  # perf_counter when the last data frame verified
+        self.end_t: float | None = None  # perf_counter when the stream ended (end frame or EOF)
+        self._thread = threading.Thread(target=self._run, name="kvpack-stream", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ consumer side
+    def header(self) -> PackHeader | None:
+        self._header_ready.wait()
+        if self._header is None and self._error is not None:
+            raise self._error
+        return self._header
+
+    def result(self) -> KVPack | Cut:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._cut is not None:
+            return self._cut
+        h, end = self._header, self._end
+        assert h is not None and end is not None
+        layers = [LayerKV(keys=k, values=v, first_row=h.layer_first_row(i))
+                  for i, (k, v) in enumerate(zip(self._keys, self._values))]
+        return KVPack(header=h, layers=layers, root_digest=end.root_digest, total_bytes=end.total_bytes,
+                      stored_bytes=self._stored)
+
+    def prefix(self, chunk_tokens: int) -> tuple[int, list[LayerKV]]:
+        """After a cut: the deepest chunk boundary ``r`` at which every layer's cache as of
+        ``r`` positions verified, and those rows (full layers [0, r), sliding layers their
+        last window-1 rows before r). (0, []) when nothing usable arrived."""
+        self._done.wait()
+        h = self._header
+        if h is None or self._error is not None or h.rows_start != 0 or chunk_tokens < 1:
+            return 0, []
+        best = 0
+        r = chunk_tokens
+        while r < h.rows_end:
+            if all(self._covers(i, r) for i in range(len(h.layers))):
+                best = r
+            r += chunk_tokens
+        if best == 0:
+            return 0, []
+        out = []
+        for i, spec in enumerate(h.layers):
+            first = h.layer_first_row(i)
+            lo = best - spec.carried_rows(best) - first
+            hi = best - first
+            out.append(LayerKV(keys=self._keys[i][:, lo:hi], values=self._values[i][:, lo:hi],
+                               first_row=best - spec.carried_rows(best)))
+        return best, out
+
+    def _covers(self, i: int, r: int) -> bool:
+        h = self._header
+        assert h is not None
+        first = h.layer_first_row(i)
+        return first <= r - h.layers[i].carried_rows(r) and first + self._got[i] >= r
+
+    # ------------------------------------------------------------------ reader thread
+    def _run(self) -> None:
+        reader = self._reader
+        try:
+            while True:
+                chunk = self._src.read(max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
+                if self.first_byte_t is None:
+                    self.first_byte_t = time.perf_counter()
+                if not chunk:
+                    break
+                for ev in reader.feed(chunk):
+                    self._on_event(ev)
+            self.end_t = time.perf_counter()
+            if reader.bytes_consumed == 0 and self._header is None:
+                self.first_byte_t = None  # empty input: no handoff
+                return
+            try:
+                reader.finish()
+            except KVPackError as exc:
+                if self._header is None:
+                    raise
+                self._cut = Cut(str(exc), self.frames)
+        except KVPackError as exc:
+            self._error = exc
+            self.end_t = time.perf_counter()
+        except OSError as exc:  # the pipe or file failed under us: a cut, never decodable
+            if self._header is None:
+                self._error = KVPackError(f"input failed: {exc}")
+            else:
+                self._cut = Cut(f"input failed: {exc}", self.frames)
+            self.end_t = time.perf_counter()
+        finally:
+            self._header_ready.set()
+            self._done.set()
+
+    def _on_event(self, ev: object) -> None:
+        if isinstance(ev, HeaderEvent):
+            h = ev.header
+            np_dtype = np.dtype(DTYPES[h.dtype][1])
+            for i, spec in enumerate(h.layers):
+                rows = h.layer_rows(i)
+                self._keys.append(np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype))
+                self._values.append(np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
+                self._got.append(0)
+            self._header = h
+            self._header_ready.set()
+        elif isinstance(ev, FrameEvent):
+            h = self._header
+            assert h is not None
+            a = ev.start - h.layer_first_row(ev.layer)
+            # The plan is contiguous per layer, so rows arrive in order.
+            self._keys[ev.layer][:, a : a + ev.count] = ev.keys
+            self._values[ev.layer][:, a : a + ev.count] = ev.values
+            self._got[ev.layer] = a + ev.count
+            self._stored += ev.stored_bytes
+            self.frames += 1
+            self.last_frame_t = time.perf_counter()
+        elif isinstance(ev, EndEvent):
+            self._end = ev

@@ -54,6 +54,10 @@ def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
         status, message, hint = 130, "interrupted", None
     elif isinstance(exc, BrokenPipeError):
         status, message, hint = 1, "broken pipe: the reader went away", None
+    elif isinstance(exc, OSError):
+        status, message, hint = _os_error(exc)
+    elif isinstance(exc, MemoryError):
+        status, message, hint = 1, "out of memory", "free memory, or use a smaller input or model"
     else:
         status = EXIT_ERROR
         message = f"internal error: {type(exc).__name__}: {exc}"
@@ -67,6 +71,23 @@ def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
     if as_json:
         emit_json({"ok": False, "error": message, "hint": hint, "exit_status": status})
     return typer.Exit(status)
+
+
+def _os_error(exc: OSError) -> tuple[int, str, str | None]:
+    """An OS error no library layer named: one line with the file and reason, never 'internal error'."""
+    import errno
+
+    what = exc.strerror or str(exc) or type(exc).__name__
+    where = f": {exc.filename}" if exc.filename else ""
+    if isinstance(exc, FileNotFoundError):
+        return MissingInput.exit_status, f"no such file or folder{where}", None
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+        return UsageError.exit_status, f"{what}{where}", "name a file, not a folder"
+    if isinstance(exc, PermissionError):
+        return EXIT_ERROR, f"permission denied{where}", None
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return EXIT_ERROR, f"no space left on device{where}", "free some space and rerun"
+    return EXIT_ERROR, f"I/O error: {what}{where}", None
 
 
 @contextmanager
@@ -96,7 +117,10 @@ def open_input(path: str | None) -> BinaryIO:
         raise MissingInput(f"no such file: {path}")
     if p.is_dir():
         raise UsageError(f"{path} is a directory, not a file")
-    return open(p, "rb")
+    try:
+        return open(p, "rb")
+    except PermissionError:
+        raise MissingInput(f"cannot read {path}: permission denied") from None
 
 
 def read_text_input(path: str | None) -> str:
@@ -108,7 +132,10 @@ def read_text_input(path: str | None) -> str:
             raise MissingInput(f"no such file: {path}")
         if p.is_dir():
             raise UsageError(f"{path} is a directory, not a file")
-        data = p.read_bytes()
+        try:
+            data = p.read_bytes()
+        except PermissionError:
+            raise MissingInput(f"cannot read {path}: permission denied") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -48,6 +48,10 @@ def register(app: typer.Typer) -> None:
         from muser_cli.verify import verify
 
         with guarded(as_json=as_json):
+            if output not in (None, "-"):
+                from muser_cli.fsio import check_output_path
+
+                check_output_path(output)  # before any verdict is printed
             prompt_text = read_text_input(prompt) if prompt is not None else None
             # In the middle of a pipe (reading stdin, writing a pipe) verify passes the pack on.
             passthrough = output is not None or (src == "-" and not as_json and not sys.stdout.isatty())

@@ -196,6 +196,12 @@ class _Output:
         return getattr(self._handle, name)
 
 
+def _close_quietly(handle: BinaryIO) -> None:
+    """Close without a second error: a failed flush was already reported (or the data is discarded)."""
+    with contextlib.suppress(OSError, ValueError):
+        handle.close()  # the raw file is closed even when the final flush fails
+
+
 @contextlib.contextmanager
 def atomic_writer(path: Path | str, mode: int = 0o644, *,
                   max_part_age_s: float = DEFAULT_PART_MAX_AGE_S) -> Iterator[BinaryIO]:
@@ -213,9 +219,11 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *,
             special = open(path, "wb")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise OutputError(f"cannot write {path}: {_describe(exc)}") from exc
-        with special:
+        try:
             yield _Output(special, path)  # type: ignore[misc]
             _Output(special, path).flush()
+        finally:
+            _close_quietly(special)
         return
     sweep_stale_parts(directory, path.name, max_age_s=max_part_age_s)
     tmp = directory / part_name(path.name)
@@ -227,7 +235,8 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *,
         if fcntl is not None:
             with contextlib.suppress(OSError):  # a filesystem without locks: the pid/age rule remains
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with os.fdopen(fd, "wb") as handle:
+        handle = os.fdopen(fd, "wb")
+        try:
             out = _Output(handle, path)
             yield out  # type: ignore[misc]
             out.flush()
@@ -242,6 +251,8 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *,
                 if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
                     raise UsageError(f"cannot write {path}: it is a directory") from exc
                 raise OutputError(f"cannot write {path}: {_describe(exc)}") from exc
+        finally:
+            _close_quietly(handle)
         try:
             fsync_dir(directory)
         except OSError as exc:

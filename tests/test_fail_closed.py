@@ -206,3 +206,77 @@ def test_reuse_put_of_an_unknown_models_pack_is_refused(tmp_path):
     src = tmp_path / "synthetic.kvpack"
     src.write_bytes(data)
     refused(run("reuse", "put", src), 65, "not known on this machine")
+
+
+# ----------------------------------------------------------------------------- 4. honest exit statuses
+MORE = " The engineers then spent the winter drawing the piers, the deck and the long approach roads."
+
+
+def test_have_manifest_with_an_unknown_dtype_is_data_not_usage(tiny_llama, prompt_file, tiny_pack, tmp_path):
+    import json
+
+    m = tiny_llama.path
+    assert run("reuse", "put", tiny_pack).exit_code == 0
+    longer = tmp_path / "longer.txt"
+    longer.write_text(PROMPT + MORE)
+    have = tmp_path / "have.json"
+    assert run("reuse", "have", "-m", m, longer, "-o", have).exit_code == 0
+    manifest = json.loads(have.read_text())
+    assert manifest["held_tokens"] > 0
+    manifest["entry"]["dtype"] = "float64"
+    have.write_text(json.dumps(manifest))
+    out = tmp_path / "delta.kvpack"
+    refused(run("prefill", "-m", m, longer, "--have", have, "-o", out), 65, "dtype", "float64")
+    assert "--dtype" not in run("prefill", "-m", m, longer, "--have", have, "-o", out).stderr
+    refused(run("pack", "--have", have, tiny_pack, "-o", out), 65, "float64")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage-header", "huge-length", "empty"])
+def test_corrupt_weights_file_is_one_line_65(tiny_llama, tiny_pack, prompt_file, tmp_path, damage):
+    import shutil
+
+    folder = tmp_path / "broken-model"
+    shutil.copytree(tiny_llama.path, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "garbage-header":
+        data = data[:8] + b"\x00garbage" + data[16:]
+    elif damage == "huge-length":
+        data = (2**63).to_bytes(8, "little") + data[8:]
+    else:
+        data = b""
+    weights.write_bytes(data)
+    refused(run("verify", "-m", folder, tiny_pack), 65, "corrupt weights file", "model.safetensors")
+    refused(run("decode", "-m", folder, "--prompt", prompt_file, "-n", "2", input=b""), 65, "corrupt weights file")
+    refused(run("prefill", "-m", folder, prompt_file, "-o", tmp_path / "x.kvpack"), 65, "corrupt weights file")
+
+
+def test_output_onto_a_directory_or_into_a_missing_folder(tiny_llama, tiny_pack, prompt_file, tmp_path):
+    m = tiny_llama.path
+    folder = tmp_path / "out-dir"
+    folder.mkdir()
+    missing = tmp_path / "no-such-folder" / "x.kvpack"
+    for cmd in (["prefill", "-m", m, prompt_file], ["pack", tiny_pack], ["verify", "-m", m, tiny_pack]):
+        r = run(*cmd, "-o", folder)
+        refused(r, 2, str(folder), "is a directory")
+        assert ".part" not in r.output and "verified" not in r.output
+        r = run(*cmd, "-o", missing)
+        refused(r, 66, str(missing), "does not exist")
+        assert ".part" not in r.output and "verified" not in r.output
+    assert list(folder.iterdir()) == [] and not missing.parent.exists()
+    # a device is written in place, never replaced: /dev/null takes it, /dev/full is a one-line 1
+    assert run("pack", tiny_pack, "-o", "/dev/null").exit_code == 0
+    refused(run("pack", tiny_pack, "-o", "/dev/full"), 1, "/dev/full", "No space left")
+    assert Path("/dev/null").is_char_device()
+
+
+def test_unreadable_input_is_66(tiny_pack, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    locked = tmp_path / "locked.kvpack"
+    locked.write_bytes(tiny_pack.read_bytes())
+    locked.chmod(0)
+    refused(run("pack", locked, "-o", tmp_path / "y.kvpack"), 66, "permission denied")

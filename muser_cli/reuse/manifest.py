@@ -14,6 +14,7 @@ from typing import Any
 
 from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.format import MAX_TOKENS
+from muser_cli.kvpack.layers import DTYPES
 from muser_cli.reuse.chain import Scope, chain_at, scope_of_header, servable
 
 MANIFEST_FORMAT = "muser-have"
@@ -118,6 +119,9 @@ class HaveManifest:
         dtype = entry.get("dtype")
         if not isinstance(dtype, str):
             raise DataError("have manifest: entry.dtype must be a string")
+        if dtype not in DTYPES:
+            raise DataError(f"have manifest: entry.dtype {dtype[:32]!r} is unknown (known: {', '.join(DTYPES)})",
+                            hint="the manifest is corrupt or edited; make it again with `muser reuse have`")
         scope = Scope(_fp(entry.get("model"), "entry.model"), _fp(entry.get("tokenizer"), "entry.tokenizer"), dtype,
                       _int(entry, "chunk_tokens", "entry", 1, 1 << 16))
         if scope.model != model or scope.tokenizer != tokenizer:

@@ -28,9 +28,13 @@ READ_BLOCK = 1 << 20
 
 
 def _events(src: BinaryIO, reader: PackReader):
-    """Feed ``src`` to ``reader`` block by block, yielding each event as it verifies."""
+    """Feed ``src`` to ``reader`` block by block, yielding each event as it verifies.
+
+    ``read1`` where the stream has it: a pipe's bytes are handled as they arrive, never
+    held back until a whole block has come."""
+    read = getattr(src, "read1", src.read)
     while True:
-        block = src.read(READ_BLOCK)
+        block = read(READ_BLOCK)
         if not block:
             return
         yield from reader.feed(block)
@@ -97,6 +101,7 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
             part = _cut(writer.header, ev)
             if part is not None:
                 writer.write_frame(ev.layer, *part)
+                out.flush()  # each verified frame moves on at once (a pipe downstream streams)
                 frames += 1
     reader.finish()
     if writer is None:

@@ -9,9 +9,11 @@ from typing import BinaryIO
 
 from muser_cli.errors import KVPackError, UsageError
 from muser_cli.identity import Check, identity_checks
-from muser_cli.kvpack import KVPack, read_pack
+from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.summary import summarize
+from muser_cli.models import resolve_model
+from muser_cli.tokens import encode_prompt
 
 
 @dataclass
@@ -58,9 +60,6 @@ def verify(
     threads: int = 1,
     keep_bytes: bool = False,
 ) -> VerifyReport:
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
-
     t0 = time.perf_counter()
     spool = None
     if keep_bytes:
@@ -103,6 +102,70 @@ def verify(
     elif audit:
         checks.append(Check("audit", False, "not run: identity checks failed"))
     return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+def verify_stream(
+    src: BinaryIO,
+    out: BinaryIO,
+    *,
+    model: str | None = None,
+    prompt: str | None = None,
+    chat: bool = False,
+) -> VerifyReport:
+    """Verify a full pack while passing it on: the header's bytes go to ``out`` once the
+    identity checks pass, each frame's once it verified against the chain, and the end
+    frame's only once the root digest verified and the input ended right after it. On the
+    first failure nothing more is written, so ``out`` never ends in something decodable.
+
+    Delta packs (whose base must be merged) and audits need the whole pack: use :func:`verify`.
+    """
+    t0 = time.perf_counter()
+    info = resolve_model(model)
+    prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
+    reader = PackReader()
+    pending: list[bytes] = []
+    checks: list[Check] = []
+    end: EndEvent | None = None
+    frames = 0
+    try:
+        while True:
+            # Exactly what the parser needs next (so each frame arrives in one piece).
+            chunk = src.read(max(1, min(reader.want(), 1 << 30)) if not reader.done else 1)
+            if not chunk:
+                break
+            if end is not None:
+                raise KVPackError("bytes after the end frame")
+            pending.append(chunk)
+            for ev in reader.feed(chunk):
+                if isinstance(ev, HeaderEvent):
+                    if ev.header.rows_start > 0:
+                        raise UsageError("a delta pack is checked against its stored base as a whole",
+                                         hint="verify it from a file, or with -o FILE")
+                    checks += identity_checks(ev.header, info, prompt_ids=prompt_ids)
+                    if not all(c.ok for c in checks):
+                        return VerifyReport([Check("integrity", True, "header verified"), *checks], None,
+                                            time.perf_counter() - t0)
+                elif isinstance(ev, FrameEvent):
+                    frames += 1
+                elif isinstance(ev, EndEvent):
+                    end = ev
+                    continue  # held back until the input is seen to end here
+                out.write(b"".join(pending))
+                out.flush()
+                pending.clear()
+        reader.finish()
+    except KVPackError as exc:
+        return VerifyReport([Check("integrity", False, f"{exc} (after {frames} verified frames)"), *checks], None,
+                            time.perf_counter() - t0)
+    assert end is not None and reader.header is not None
+    out.write(b"".join(pending))
+    out.flush()
+    h = reader.header
+    head = Check("integrity", True, f"{frames} frames, root digest {end.root_digest.hex()[:16]}…, "
+                                    f"codec {h.codec.get('name', CODEC_NAMES[0])}, streamed")
+    summary = {"tokens": len(h.token_ids), "rows": [h.rows_start, h.rows_end], "dtype": h.dtype,
+               "codec": h.codec.get("name"), "pack_bytes": end.total_bytes, "root_digest": end.root_digest.hex()}
+    return VerifyReport([head, *checks], None, time.perf_counter() - t0, summary)
 
 
 def _check_base(pack: KVPack) -> tuple[Check, tuple | None]:

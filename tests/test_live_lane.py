@@ -184,3 +184,47 @@ def test_cut_stream_on_a_sliding_window_model(tiny_hybrid):
     got = _decode(tiny_hybrid, data[: ends[len(ends) // 2]], PROMPT)
     assert got.token_ids == local.token_ids and got.fallback
     assert got.handoff_rows == 0 and got.source == "local"
+
+
+# ---------------------------------------------------------------------- verify in a pipe
+
+def test_streaming_verify_passes_on_exactly_the_verified_bytes(tiny_llama, streamed):
+    from muser_cli.verify import verify_stream
+
+    out = io.BytesIO()
+    rep = verify_stream(io.BytesIO(streamed), out, model=str(tiny_llama.path), prompt=PROMPT)
+    assert rep.ok and out.getvalue() == streamed
+    head, ends = _frame_ends(streamed)
+    # A bad frame: everything before it passes, nothing from it on; no end frame.
+    bad = bytearray(streamed)
+    bad[ends[4] - 80] ^= 0x01
+    out = io.BytesIO()
+    rep = verify_stream(io.BytesIO(bytes(bad)), out, model=str(tiny_llama.path))
+    assert not rep.ok and rep.first_failure().name == "integrity"
+    assert out.getvalue() == streamed[: ends[3]]
+    # Bytes after a good end frame: the end frame itself is held back.
+    out = io.BytesIO()
+    rep = verify_stream(io.BytesIO(streamed + b"\0"), out, model=str(tiny_llama.path))
+    assert not rep.ok and out.getvalue() == streamed[: ends[-1]]
+    # Another prompt: refused at the header, nothing passed on.
+    out = io.BytesIO()
+    rep = verify_stream(io.BytesIO(streamed), out, model=str(tiny_llama.path), prompt=PROMPT + " Later")
+    assert not rep.ok and rep.first_failure().name == "prompt" and out.getvalue() == b""
+
+
+def test_pack_in_a_pipe_passes_each_frame_on_as_it_arrives(tiny_llama, streamed):
+    """pack reads a pipe with read1 and flushes after each frame: what it has written at
+    any moment is a prefix of its output, and a cut input leaves no end frame."""
+    from muser_cli.errors import KVPackError
+    from muser_cli.pack import pack
+
+    whole = io.BytesIO()
+    pack(io.BytesIO(streamed), whole, codec="zstd+bytegroup")
+    _, ends = _frame_ends(streamed)
+    cut = io.BytesIO()
+    with pytest.raises(KVPackError, match="truncated"):
+        pack(io.BufferedReader(io.BytesIO(streamed[: ends[6]])), cut, codec="zstd+bytegroup")
+    got = cut.getvalue()
+    assert got and whole.getvalue().startswith(got)
+    _, out_ends = _frame_ends(whole.getvalue())
+    assert len(got) == out_ends[6]  # the 7 frames that arrived, all passed on

@@ -314,7 +314,10 @@ class Receiver:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are written whole
             sock.settimeout(self.config.handshake_s)
-            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            # suppress_ragged_eofs=False: a TCP stream cut without TLS close_notify is a cut (75),
+            # never mistaken for a clean close.
+            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False,
+                                        suppress_ragged_eofs=False)
             tls.do_handshake()
         except BaseException as exc:  # noqa: BLE001
             sock.close()
@@ -412,6 +415,8 @@ class Receiver:
                 try:
                     if not link.sock.recv(1 << 16):
                         break
+                except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError):
+                    break  # the peer has gone
                 except (OSError, ssl.SSLError):
                     if time.monotonic() >= end:
                         break
@@ -517,6 +522,7 @@ class Receiver:
                 if self.config.once:
                     self._closed_for_new = True
         except BaseException as exc:
+            worker.stop()  # let it finish forwarding what verified, then judge what downstream holds
             if sink.forwarded and not published:  # downstream holds a stream without an end frame: final
                 self._closed_for_new = True
                 self._stream_failure = _stream_failure(exc, worker.inspector.frames)

@@ -212,7 +212,8 @@ def open_link(
         raise map_error(exc, f"connecting to {where}") from None
     try:
         raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
-        sock = ctx.wrap_socket(raw, server_hostname=server_name or host, do_handshake_on_connect=False)
+        sock = ctx.wrap_socket(raw, server_hostname=server_name or host, do_handshake_on_connect=False,
+                               suppress_ragged_eofs=False)  # a cut TCP stream is a cut (75), not a clean close
         sock.do_handshake()
     except BaseException as exc:  # noqa: BLE001
         raw.close()

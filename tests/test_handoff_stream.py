@@ -1,0 +1,427 @@
+"""Handoff V3 streaming (RELIABILITY.md H41-H43, B15, H50): real processes, real pipes, TLS on 127.0.0.1.
+
+The producer is ``tests/stream_producer.py``: it writes a kvpack frame by frame, flushing
+each, and can stop after k frames until a gate file appears -- so a test knows exactly
+how many frames exist when it cuts, kills or checks something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from muser_cli.errors import AuthError, DataError, TempFailure
+from muser_cli.handoff import link as link_mod
+from muser_cli.handoff import sender as sender_mod
+from muser_cli.handoff.header import HandoffTrailer
+from muser_cli.handoff.protocol import Role
+from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit
+from muser_cli.handoff.spool import remove_stale_parts
+
+import stream_producer
+from test_handoff_kit import (  # noqa: F401 - fixtures
+    Relay, copy_home, env_for, muser_cmd, nodes, receivers, spawn_receiver, wait_for,
+)
+
+PRODUCER = str(Path(stream_producer.__file__).resolve())
+SMALL = dict(tokens=200, layers=2)  # 13 chunks x 2 layers = 26 frames of 16 rows
+
+
+@pytest.fixture
+def consumer_home(nodes, tmp_path):
+    return copy_home(nodes.consumer_home, tmp_path / "consumer")
+
+
+def producer_cmd(*, tokens: int, layers: int, gate_after: int | None = None, gate: Path | None = None,
+                 **kw) -> list[str]:
+    cmd = [sys.executable, PRODUCER, "--tokens", str(tokens), "--layers", str(layers)]
+    for k, v in kw.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    if gate_after is not None:
+        cmd += ["--gate-after", str(gate_after), "--gate", str(gate)]
+    return cmd
+
+
+class Collector:
+    """Reads a process's stdout in a thread: everything it forwarded, as it arrives."""
+
+    def __init__(self, stream, keep: bool = True) -> None:
+        self.data = bytearray()
+        self.size = 0
+        self.sha = hashlib.sha256()
+        self.keep = keep
+        self._stream = stream
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        fd = self._stream.fileno()
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return
+            self.size += len(chunk)
+            self.sha.update(chunk)
+            if self.keep:
+                self.data += chunk
+
+    def wait_size(self, n: int, timeout: float = 20.0) -> bool:
+        return wait_for(lambda: self.size >= n, timeout)
+
+    def finish(self, timeout: float = 20.0) -> bytes:
+        self.thread.join(timeout)
+        return bytes(self.data)
+
+
+def stdout_receiver(home: Path, *args: str) -> tuple[subprocess.Popen, str, Collector]:
+    proc, to = spawn_receiver(home, "--once", "--timeout", "30", *args, stdout=subprocess.PIPE)
+    return proc, to, Collector(proc.stdout)
+
+
+def lane(producer: list[str], home: Path, to: str, *args: str) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """``producer | muser send - --to TO``."""
+    prod = subprocess.Popen(producer, stdout=subprocess.PIPE, env=env_for(home))
+    send = subprocess.Popen(muser_cmd("send", "-", "--to", to, *args), stdin=prod.stdout, env=env_for(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    prod.stdout.close()
+    return prod, send
+
+
+def finish(proc: subprocess.Popen, timeout: float = 30) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        raise
+
+
+# ----------------------------------------------------------------------------- the lane streams
+def test_streamed_lane_frames_flow_before_the_producer_ends(nodes, consumer_home, tmp_path):
+    """prefill | send -> receive | ...: verified frames reach stdout while the producer is
+    still computing; the whole stream equals the file-lane bytes."""
+    data = stream_producer.pack_bytes(**SMALL)
+    ends = stream_producer.frame_ends(data)
+    gate = tmp_path / "gate"
+    recv, to, out = stdout_receiver(consumer_home)
+    prod, send = lane(producer_cmd(**SMALL, gate_after=6, gate=gate), nodes.producer_home, to, "--json")
+    try:
+        # The producer has written the header and 6 of 26 frames and waits: those 6 are
+        # forwarded, verified, and nothing else (not the end frame) can be.
+        assert out.wait_size(ends[6]), f"only {out.size} bytes forwarded while the producer waits"
+        time.sleep(0.2)
+        assert out.size == ends[6] and bytes(out.data) == data[: ends[6]]
+        assert send.poll() is None and recv.poll() is None
+        gate.touch()
+        assert finish(send) == 0, send.stderr.read()
+        assert finish(recv) == 0
+    finally:
+        for p in (prod, send, recv):
+            if p.poll() is None:
+                p.kill()
+    assert out.finish() == data
+    res = json.loads(send.stdout.read())
+    assert res["ok"] and res["payload_bytes"] == len(data) and res["frames"] == len(ends) - 1
+    assert 0 < res["first_byte_s"] <= res["last_byte_s"]
+    assert res["last_byte_s"] - res["first_byte_s"] >= 0.2  # the wait at the gate is inside the stream
+    assert res["input_wait_s"] >= 0.2 and res["first_byte_unix"] <= res["last_byte_unix"]
+    assert b"accepted" in recv.stderr.read()
+
+
+def test_receive_json_to_file_reports_first_and_last_byte(nodes, consumer_home, tmp_path):
+    data = stream_producer.pack_bytes(**SMALL)
+    dest = tmp_path / "got.kvpack"
+    recv, to = spawn_receiver(consumer_home, "--once", "--timeout", "30", "-o", str(dest), "--json",
+                              stdout=subprocess.PIPE)
+    prod, send = lane(producer_cmd(**SMALL, delay=0.01), nodes.producer_home, to)
+    assert finish(send) == 0, send.stderr.read()
+    assert finish(recv) == 0
+    obj = json.loads(recv.stdout.read())
+    assert dest.read_bytes() == data and obj["path"] == str(dest)
+    assert 0 < obj["first_byte_s"] < obj["last_byte_s"]  # 26 frames 10 ms apart
+    assert obj["frames"] == 26 and obj["payload_bytes"] == len(data)
+    assert not list(tmp_path.glob(".*.part"))
+
+
+# ----------------------------------------------------------------------------- H42 / B12
+def corrupt(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+
+
+def test_corrupt_frame_forwards_only_the_good_frames_exit_65(nodes, consumer_home, tmp_path):
+    data = stream_producer.pack_bytes(**SMALL)
+    ends = stream_producer.frame_ends(data)
+    bad = tmp_path / "bad.kvpack"
+    bad.write_bytes(corrupt(data, ends[5] + 64 + 10))  # a payload byte of frame 5
+    recv, to, out = stdout_receiver(consumer_home)
+    send = subprocess.run(muser_cmd("send", str(bad), "--to", to), env=env_for(nodes.producer_home),
+                          capture_output=True, timeout=60)
+    assert send.returncode == 65, send.stderr
+    assert finish(recv) == 65
+    assert out.finish() == data[: ends[5]]  # frames 0-4, verified; nothing of frame 5, no end frame
+    assert b"no end frame was forwarded" in recv.stderr.read()
+
+
+@pytest.mark.parametrize("what,status", [("mac", 77), ("root", 65), ("size", 65)])
+def test_bad_trailer_at_the_very_end_no_end_frame(nodes, consumer_home, tmp_path, monkeypatch, what, status):
+    """Every frame verified and forwarded; the trailer fails: no end frame, nothing decodable."""
+    data = stream_producer.pack_bytes(**SMALL)
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(data)
+    real = sender_mod.sign_trailer
+
+    def forged(trailer, secret, header_mac):
+        if what == "mac":
+            raw, mac = real(trailer, secret, header_mac)
+            return raw, bytes([mac[0] ^ 1]) + mac[1:]
+        if what == "root":
+            return real(HandoffTrailer(trailer.handoff_id, trailer.payload_size, "00" * 32), secret, header_mac)
+        return real(HandoffTrailer(trailer.handoff_id, trailer.payload_size - 1, trailer.root_digest), secret,
+                    header_mac)
+
+    monkeypatch.setattr(sender_mod, "sign_trailer", forged)
+    recv, to, out = stdout_receiver(consumer_home)
+    with pytest.raises(AuthError if status == 77 else DataError) as exc:
+        transmit(prepare_handoff(src, nodes.producer), to=to, identity=nodes.producer)
+    assert exc.value.exit_status == status
+    assert finish(recv) == status
+    assert out.finish() == data[:-128]  # everything but the end frame
+    assert not (consumer_home / "data" / "ledger").exists() or all(
+        len(p.read_text().splitlines()) == 1 for p in (consumer_home / "data" / "ledger").glob("*.ledger")
+    )
+
+
+# ----------------------------------------------------------------------------- H41: cut streams
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+def test_cut_by_a_proxy_exit_75_no_end_frame(nodes, consumer_home, tmp_path, reset):
+    data = stream_producer.pack_bytes(tokens=1200, layers=2)
+    ends = stream_producer.frame_ends(data)
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(data)
+    recv, to, out = stdout_receiver(consumer_home)
+    relay = Relay(int(to.rsplit(":", 1)[1]), cut_after=len(data) // 2, reset=reset, chunk=4096)
+    try:
+        with pytest.raises(TempFailure) as exc:
+            transmit(prepare_handoff(src, nodes.producer), to=relay.to, identity=nodes.producer,
+                     server_name="localhost", idle_s=3, chunk=8192)  # pipe-sized Data frames
+        assert exc.value.exit_status == 75
+        assert finish(recv) == 75, recv.stderr.read()
+    finally:
+        relay.close()
+    got = out.finish()
+    assert got == data[: len(got)] and len(got) in ends[:-1], "a prefix ending at a verified frame, no end frame"
+    assert len(got) >= ends[1]  # frames did flow before the cut
+
+
+@pytest.mark.parametrize("k", [0, 1, 25], ids=["k0", "k1", "n-1"])
+def test_sender_sigkilled_after_k_frames_exit_75(nodes, consumer_home, tmp_path, k):
+    data = stream_producer.pack_bytes(**SMALL)
+    ends = stream_producer.frame_ends(data)
+    recv, to, out = stdout_receiver(consumer_home)
+    prod, send = lane(producer_cmd(**SMALL, gate_after=k, gate=tmp_path / "never"), nodes.producer_home, to)
+    try:
+        assert out.wait_size(ends[k])
+        send.send_signal(signal.SIGKILL)
+        send.wait(10)
+        assert finish(recv) == 75
+    finally:
+        for p in (prod, send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert out.finish() == data[: ends[k]]  # header + k verified frames; no end frame
+    assert b"no end frame was forwarded" in recv.stderr.read()
+
+
+def test_producer_sigkilled_midstream(nodes, consumer_home, tmp_path):
+    """``prefill`` dies: send sees its input end early (65) and tells the receiver (75)."""
+    data = stream_producer.pack_bytes(**SMALL)
+    ends = stream_producer.frame_ends(data)
+    recv, to, out = stdout_receiver(consumer_home)
+    prod, send = lane(producer_cmd(**SMALL, gate_after=9, gate=tmp_path / "never"), nodes.producer_home, to)
+    try:
+        assert out.wait_size(ends[9])
+        prod.send_signal(signal.SIGKILL)
+        prod.wait(10)
+        assert finish(send) == 65
+        assert finish(recv) == 75
+    finally:
+        for p in (prod, send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert out.finish() == data[: ends[9]]
+    assert b"ended" in send.stderr.read()
+
+
+# ----------------------------------------------------------------------------- H43
+def test_v3_replay_refused_at_the_header_before_the_payload_exists(nodes, receivers, tmp_path, monkeypatch):
+    run = receivers(nodes.consumer, tmp_path)
+    data = stream_producer.pack_bytes(**SMALL)
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(data)
+    first = prepare_handoff(src, nodes.producer)
+    assert transmit(first, to=run.to, identity=nodes.producer).ok
+    sent: list[str] = []
+    real_send = link_mod.Link.send
+
+    def spy(self, ev, during="writing"):
+        if self.conn.our_role is Role.SENDER:
+            sent.append(type(ev).__name__)
+        return real_send(self, ev, during)
+
+    monkeypatch.setattr(link_mod.Link, "send", spy)
+    # The same handoff id again, from a producer that has written only its kvpack header:
+    # refused at the header, before one payload byte exists or is sent.
+    prod = subprocess.Popen(producer_cmd(**SMALL, gate_after=0, gate=tmp_path / "never"), stdout=subprocess.PIPE)
+    try:
+        source = PackSource(prod.stdout)
+        replay = prepare_handoff(source, nodes.producer, handoff_id=first.header.handoff_id)
+        t0 = time.monotonic()
+        with pytest.raises(AuthError, match="replay") as exc:
+            transmit(replay, to=run.to, identity=nodes.producer)
+        assert exc.value.exit_status == 77 and time.monotonic() - t0 < 5
+    finally:
+        prod.kill()
+        prod.wait(5)
+    assert sent == ["Header"]
+    assert len(run.kinds("streaming")) == 1  # Go went out once: for the first handoff only
+    assert [p.name for p in run.published()] == [f"{first.header.handoff_id}.kvpack"]
+
+
+# ----------------------------------------------------------------------------- H50: stale spool
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_parts_removed_never_published(nodes, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    hid = "ab" * 16
+    dead = out / f".{hid}.kvpack.{dead_pid()}-{'1' * 16}.part"
+    live = out / f".{hid}.kvpack.1-{'2' * 16}.part"  # pid 1 runs: kept while young
+    old_live = out / f".{'cd' * 16}.kvpack.1-{'3' * 16}.part"
+    legacy_old = out / f".{hid}.kvpack.x1y2z3ab.part"  # V2 mkstemp name, no pid
+    legacy_young = out / f".{'ef' * 16}.kvpack.q9w8e7rt.part"
+    foreign = out / ".notes.txt.12-0000000000000000.part"  # not a handoff name: never touched
+    for p in (dead, live, old_live, legacy_old, legacy_young, foreign):
+        p.write_bytes(b"\x89KVPACK\n partial")
+    hours_ago = time.time() - 7200
+    for p in (old_live, legacy_old):
+        os.utime(p, (hours_ago, hours_ago))
+    r = Receiver(nodes.consumer, ReceiveConfig(port=0, session_s=600), ledger_dir=tmp_path / "ledger",
+                 destination=Destination(directory=out))
+    r.close()
+    assert sorted(r.stale_removed) == sorted([dead, old_live, legacy_old])
+    assert sorted(out.iterdir()) == sorted([live, legacy_young, foreign])
+    assert not list(out.glob("*.kvpack"))  # removed, not published
+    # A file destination owns only the parts of its own name.
+    mine = tmp_path / f".x.kvpack.{dead_pid()}-{'4' * 16}.part"
+    other = tmp_path / f".y.kvpack.{dead_pid()}-{'5' * 16}.part"
+    mine.write_bytes(b"x")
+    other.write_bytes(b"y")
+    import re
+
+    assert remove_stale_parts(tmp_path, re.compile(re.escape("x.kvpack")), max_age_s=3600) == [mine]
+    assert other.exists()
+
+
+def test_receiver_sigkilled_midstream_leaves_a_part_the_next_start_removes(nodes, consumer_home, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    data = stream_producer.pack_bytes(**SMALL)
+    recv, to = spawn_receiver(consumer_home, "--once", "-o", str(out))
+    prod, send = lane(producer_cmd(**SMALL, gate_after=8, gate=tmp_path / "never"), nodes.producer_home, to)
+    try:
+        assert wait_for(lambda: any(p.stat().st_size > 0 for p in out.glob(".*.part")), 20)
+        parts = list(out.glob(".*.part"))
+        assert len(parts) == 1 and f".{recv.pid}-" in parts[0].name
+        recv.send_signal(signal.SIGKILL)
+        recv.wait(10)
+        assert finish(send) == 75
+    finally:
+        for p in (prod, send, recv):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert parts[0].exists()  # SIGKILL: no cleanup ran
+    again = subprocess.run(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "0.5", "-o",
+                                     str(out)), env=env_for(consumer_home), capture_output=True, timeout=30)
+    assert again.returncode == 75  # nothing to receive; but the stale part is gone, not published
+    assert b"removed 1 stale spool file" in again.stderr
+    assert list(out.iterdir()) == []
+    assert len(data) > 0
+
+
+# ----------------------------------------------------------------------------- B15: bounded memory
+class HashSink:
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return len(b)
+
+    def flush(self) -> None:
+        pass
+
+
+def peak_rss_lane(nodes, home: Path, spec: dict) -> tuple[int, int, str, int]:
+    """(send peak RSS, receive peak RSS, sha256 of what receive forwarded, bytes) in KiB."""
+    recv, to = spawn_receiver(home, "--once", "--timeout", "60", stdout=subprocess.PIPE)
+    out = Collector(recv.stdout, keep=False)
+    prod, send = lane(producer_cmd(**spec), nodes.producer_home, to)
+    rss = {}
+    for name, p in (("send", send), ("recv", recv)):
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        assert p.returncode == 0, (name, p.stderr.read())
+        rss[name] = usage.ru_maxrss  # KiB on Linux
+    prod.wait(10)
+    out.finish()
+    return rss["send"], rss["recv"], out.sha.hexdigest(), out.size
+
+
+def test_peak_memory_independent_of_pack_size(nodes, consumer_home):
+    """B15: a 200 MB stream through send and receive; peak RSS as for a 4 MB one (4 MiB frames)."""
+    base = dict(tokens=8193, heads=8, head_dim=128, frame=1024)  # 4 MiB frames, 32 MiB per layer
+    small = dict(base, tokens=1025, layers=1)
+    big = dict(base, layers=6)
+    s_send, s_recv, _, s_bytes = peak_rss_lane(nodes, consumer_home, small)
+    b_send, b_recv, sha, b_bytes = peak_rss_lane(nodes, consumer_home, big)
+    expect = HashSink()
+    stream_producer.write(expect, stream_producer.make_header(big["tokens"], big["layers"], big["heads"],
+                                                              big["head_dim"], big["frame"]))
+    assert b_bytes == expect.size and sha == expect.sha.hexdigest()
+    assert b_bytes > 190e6 and b_bytes > 40 * s_bytes
+    print(f"\n[stream] peak RSS: send {s_send / 1024:.0f} -> {b_send / 1024:.0f} MiB, "
+          f"receive {s_recv / 1024:.0f} -> {b_recv / 1024:.0f} MiB for {s_bytes / 1e6:.1f} -> {b_bytes / 1e6:.0f} MB")
+    # The documented bound (docs/handoff.md 12): a few frames plus the queue, whatever the pack size.
+    assert b_send - s_send < 40 * 1024 and b_recv - s_recv < 40 * 1024
+
+
+def test_131k_token_stream_exact_and_bounded(nodes, consumer_home):
+    """At the depth of the system we follow: 131,072 positions, 512 frames of 512 rows, exact bytes."""
+    deep = dict(tokens=131_073, layers=2, heads=2, head_dim=16, frame=512)
+    d_send, d_recv, sha, size = peak_rss_lane(nodes, consumer_home, deep)
+    expect = HashSink()
+    stream_producer.write(expect, stream_producer.make_header(deep["tokens"], deep["layers"], deep["heads"],
+                                                              deep["head_dim"], deep["frame"]))
+    assert size == expect.size and sha == expect.sha.hexdigest()
+    print(f"\n[stream] 131k tokens ({size / 1e6:.0f} MB): peak RSS send {d_send / 1024:.0f} MiB, "
+          f"receive {d_recv / 1024:.0f} MiB")
+    assert d_send < 160 * 1024 and d_recv < 160 * 1024

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Optional
 
 import typer
 
+from muser_cli import STARTED_UNIX
 from muser_cli.commands._common import (
     binary_output, default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input,
 )
@@ -27,7 +30,7 @@ def register(app: typer.Typer) -> None:
         reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),
         store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
-        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout; needs -o FILE (with the kvpack on stdout, a one-line note goes to stderr instead)."),
+        as_json: bool = typer.Option(False, "--json", help="Print a JSON summary: on stdout with -o FILE; on stderr when the kvpack goes to stdout."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
 
@@ -52,9 +55,14 @@ def register(app: typer.Typer) -> None:
             summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
                        "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
                        "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4),
-                       "held_tokens": res.held_tokens, "reused_tokens": res.reused_tokens, "stored": res.stored}
+                       "held_tokens": res.held_tokens, "reused_tokens": res.reused_tokens, "stored": res.stored,
+                       "started_unix": round(STARTED_UNIX, 6), "prefill_start_s": round(res.prefill_start_s, 6),
+                       "first_frame_s": round(res.first_frame_s, 6) if res.first_frame_s is not None else None}
             if as_json and output not in ("-", None):
                 emit_json(summary)
+            elif as_json:  # the kvpack holds stdout: the one JSON object goes to stderr
+                sys.stderr.write(json.dumps(summary, sort_keys=True) + "\n")
+                sys.stderr.flush()
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""

@@ -11,3 +11,5 @@ __version__ = "0.1.0"
 #: perf_counter when muser was imported: the origin of the ``*_s`` timings that say
 #: "since muser started" (``decode --json``'s first_byte_s and last_frame_s).
 STARTED_AT = _time.perf_counter()
+#: the same moment as a Unix time, so timings of two processes (a lane) line up.
+STARTED_UNIX = _time.time()

@@ -14,7 +14,7 @@ from typing import BinaryIO, Callable
 
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli import STARTED_AT
+from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import KVPackError, MissingInput, UsageError
 from muser_cli.identity import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
@@ -73,6 +73,7 @@ class DecodeOutcome:
     first_byte_s: float | None = None  # since muser started: the first input byte
     last_frame_s: float | None = None  # since muser started: the last data frame verified
     tail_s: float | None = None  # the last frame's arrival -> the first token
+    first_token_s: float | None = None  # since muser started: the first new token
 
     @property
     def decode_tok_s(self) -> float:
@@ -105,7 +106,8 @@ class DecodeOutcome:
             out["stored"] = self.stored
         if self.handoff_rows is not None:
             out["handoff_rows"], out["local_rows"] = self.handoff_rows, self.local_rows
-        for key in ("first_byte_s", "last_frame_s", "tail_s"):
+        out["started_unix"] = round(STARTED_UNIX, 6)
+        for key in ("first_byte_s", "last_frame_s", "tail_s", "first_token_s"):
             value = getattr(self, key)
             out[key] = round(value, 6) if value is not None else None
         return out
@@ -194,6 +196,7 @@ def decode(
         last_frame_s=_since_start(stream.last_frame_t if stream is not None else None),
         tail_s=(t_first_token - stream.last_frame_t) if stream is not None and stream.last_frame_t is not None
         and got.pack is not None else None,
+        first_token_s=_since_start(t_first_token),
     )
 
 

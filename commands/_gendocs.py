@@ -151,12 +151,14 @@ ENVIRONMENT = [
      "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "
      "`cblas_sgemm`. An explicit choice that cannot be honoured is exit 78.",
      "`auto`: MKL if found, else a system OpenBLAS, else the bundled one"),
-    ("MUSER_VLLM_OPTS", "Extra options for `--engine vllm`, `KEY=VALUE,KEY=VALUE`: `vllm.LLM`/`EngineArgs` names "
-     "(`enforce_eager`, `max_model_len`, `block_size`, `attention_backend`, `kv_cache_dtype`, "
-     "`gpu_memory_utilization`, ...) and muser's own `host` (vLLM's `VLLM_HOST_IP`) and `kv_cache_space` (GiB). "
-     "Options that fix the canonical schedule (`max_num_batched_tokens`, `enable_chunked_prefill`, `dtype`, ...) "
-     "are refused; a malformed item is exit 2.",
-     "unset: muser's defaults (`enforce_eager=true`, `host=127.0.0.1`; on CPU `kv_cache_space=1`)"),
+    ("MUSER_VLLM_OPTS", "Extra options for `--engine vllm`, `KEY=VALUE,KEY=VALUE` (`prefill --vllm-opt` wins over "
+     "it): `vllm.LLM`/`EngineArgs` names (`enforce_eager`, `max_model_len`, `block_size`, `attention_backend`, "
+     "`kv_cache_dtype`, `gpu_memory_utilization`, ...) and muser's own `host` (vLLM's `VLLM_HOST_IP`), "
+     "`kv_cache_space` (GiB) and `in_process` (vLLM's engine inside the muser process). Options that fix the "
+     "canonical schedule (`max_num_batched_tokens`, `enable_chunked_prefill`, `dtype`, ...) are refused; a "
+     "malformed or unknown item is exit 2.",
+     "unset: muser's defaults (`enforce_eager=true`, `host=127.0.0.1`; on CPU `kv_cache_space=1`, "
+     "`in_process=true`)"),
     ("MUSER_TEST_MODELS", "Tests only: folder where the test suite keeps the embedded model converted once "
      "across runs (each test still gets its own `MUSER_HOME`).", "`tests/.cache/models`"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "

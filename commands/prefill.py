@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -31,6 +31,7 @@ def register(app: typer.Typer) -> None:
         store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary: on stdout with -o FILE; on stderr when the kvpack goes to stdout."),
+        vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
 
@@ -40,6 +41,11 @@ def register(app: typer.Typer) -> None:
         from muser_cli.prefill import prefill
 
         with guarded():
+            options = None
+            if vllm_opt:
+                from muser_cli.engines.vllm.options import parse_options
+
+                options = parse_options(vllm_opt, source="--vllm-opt")
             text = read_text_input(prompt)
             manifest = None
             if have is not None:
@@ -51,7 +57,7 @@ def register(app: typer.Typer) -> None:
             with binary_output(output) as out:
                 res = prefill(text, out, model=model, engine=engine, dtype=dtype, chat=chat, chunk_tokens=chunk,
                               threads=threads or default_threads(), codec=codec, level=zstd or 1, have=manifest,
-                              reuse=reuse, store=store, progress=progress_callback())
+                              reuse=reuse, store=store, progress=progress_callback(), engine_options=options)
             summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
                        "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
                        "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4),

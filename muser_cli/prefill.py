@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.engines.registry import get_engine
@@ -79,6 +79,7 @@ def prefill(
     reuse: bool = False,
     store: bool = False,
     progress: ProgressFn | None = None,
+    engine_options: dict | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` on the canonical schedule and write its kvpack to ``out``.
 
@@ -86,7 +87,8 @@ def prefill(
     lacks, on the manifest's schedule (chunk size and dtype), refusing a manifest for
     another model or prompt. ``reuse`` (implied by ``have``): start from the deepest
     exact point this machine's store holds instead of position 0 (same bytes, less work).
-    ``store``: keep the whole result in the store.
+    ``store``: keep the whole result in the store. ``engine_options``: vLLM's engine
+    options (``--vllm-opt``; see muser_cli.engines.vllm.options).
     """
     check_chunk(chunk_tokens)
     t0 = time.perf_counter()
@@ -106,7 +108,7 @@ def prefill(
             chunk_tokens, dtype = have.scope.chunk_tokens, have.scope.dtype
     chunk_tokens = chunk_tokens or DEFAULT_CHUNK_TOKENS
     dtype = dtype or default_dtype(engine)
-    eng = get_engine(engine, info, dtype=dtype, threads=threads)
+    eng = get_engine(engine, info, dtype=dtype, threads=threads, options=engine_options)
     t1 = time.perf_counter()
     header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
                           extra=eng.producer_info())
@@ -124,6 +126,9 @@ def prefill(
                       on_chunk=emitter)
     t2 = time.perf_counter()
     if writer is None:
+        late = eng.producer_info()  # a non-streaming engine (vLLM) learns its backend and layout while prefilling
+        if late:
+            header = replace(header, producer={**header.producer, **late})
         writer = write_pack(out, header, made.layers, codec=codec, level=level)
     else:
         writer.finish()

@@ -81,8 +81,6 @@ def _os_error(exc: OSError) -> tuple[int, str, str | None]:
     where = f": {exc.filename}" if exc.filename else ""
     if isinstance(exc, FileNotFoundError):
         return MissingInput.exit_status, f"no such file or folder{where}", None
-    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
-        return UsageError.exit_status, f"{what}{where}", "name a file, not a folder"
     if isinstance(exc, PermissionError):
         return EXIT_ERROR, f"permission denied{where}", None
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):

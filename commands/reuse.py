@@ -107,8 +107,12 @@ def ls_cmd(
     """List entries: id, model, tokens, bytes, schedule, last use (most recent first)."""
     from muser_cli.reuse.api import ls
 
+    from muser_cli.reuse import Store
+
     with guarded(as_json=as_json):
-        entries = ls(model=model)
+        store = Store()
+        entries = ls(model=model, store=store)
+        _notes(store)
         if as_json:
             emit_json({"entries": [e.to_json() for e in entries], "bytes": sum(e.bytes for e in entries)})
             return

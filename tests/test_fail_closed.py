@@ -105,6 +105,12 @@ PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge wo
           "After a long debate about costs, traffic and the river's spring floods, they chose")
 
 
+def muser(*args, input: bytes | None = None, timeout: float = 300):
+    """``muser ARGS`` in a real child process (same MUSER_HOME as the test); stdout/stderr as text."""
+    return subprocess.run([PY, "-m", "muser_cli.commands", *map(str, args)], input=input, capture_output=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
 def run(*args, input: bytes | None = None, env: dict | None = None):
     from typer.testing import CliRunner
 
@@ -280,3 +286,53 @@ def test_unreadable_input_is_66(tiny_pack, tmp_path):
     locked.write_bytes(tiny_pack.read_bytes())
     locked.chmod(0)
     refused(run("pack", locked, "-o", tmp_path / "y.kvpack"), 66, "permission denied")
+
+
+# ----------------------------------------------------------------------------- 5. broken store index
+@pytest.mark.parametrize("garbage", ["random-bytes", "wrong-schema"])
+def test_a_garbage_store_index_never_blocks_decode(tiny_llama, tiny_pack, prompt_file, tmp_path, garbage):
+    import json
+    import sqlite3
+
+    from muser_cli.paths import store_dir
+
+    m = tiny_llama.path
+    clean = json.loads(run("decode", "-m", m, "--prompt", prompt_file, "-n", "6", "--json", "--no-reuse",
+                           "--chunk", "8", input=b"").stdout)
+    assert run("reuse", "put", tiny_pack).exit_code == 0
+    index = store_dir() / "index.sqlite3"
+    for suffix in ("-wal", "-shm"):
+        Path(f"{index}{suffix}").unlink(missing_ok=True)
+    if garbage == "random-bytes":
+        index.write_bytes(os.urandom(4096))
+    else:
+        index.unlink()
+        db = sqlite3.connect(index)
+        db.execute("CREATE TABLE entries (x)")
+        db.execute("PRAGMA user_version=7")
+        db.commit()
+        db.close()
+    r = muser("decode", "-m", m, "--prompt", prompt_file, "-n", "6", "--json", input=b"")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == clean["token_ids"]  # the same answer
+    assert b"rebuilt from 1 verified pack" in r.stderr and b"internal error" not in r.stderr
+    assert out["source"] == "store"  # the rebuilt index found the stored entry again
+    assert any(p.name.startswith("index.sqlite3.broken-") for p in store_dir().iterdir())  # kept for a post-mortem
+    assert len(json.loads(run("reuse", "ls", "--json").stdout)["entries"]) == 1
+
+
+def test_an_unrepairable_store_is_bypassed_with_a_warning(tiny_llama, prompt_file, tmp_path):
+    import json
+
+    from muser_cli.paths import store_dir
+
+    m = tiny_llama.path
+    root = store_dir()
+    root.mkdir(parents=True)
+    (root / "index.sqlite3").write_bytes(b"not a database at all" * 100)
+    (root / "packs").write_text("a file where the packs folder should be")  # rebuilding cannot list packs
+    (root / "lock").mkdir()  # nor take the store's lock
+    r = muser("decode", "-m", m, "--prompt", prompt_file, "-n", "4", "--json", input=b"")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["source"] == "local" and b"bypassed" in r.stderr

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Iterator, Sequence
 
-from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
+from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, MuserError, UsageError
 from muser_cli.fsio import fsync_dir
 from muser_cli.paths import ensure_dir, store_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
@@ -152,6 +152,9 @@ class Store:
         self.max_bytes = max_bytes
         self.problems: list[str] = []  # corrupt entries found and removed, for the caller to report
         self._db: sqlite3.Connection | None = None
+        self._recovering = False
+        self._lock_depth = 0
+        self.bypassed: str | None = None  # why the store is unusable this session (then it holds nothing)
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -164,20 +167,61 @@ class Store:
     def exists(self) -> bool:
         return self.index_path.exists()
 
+    def _open(self) -> sqlite3.Connection:
+        """Open the index and check its tables (raises sqlite3.DatabaseError for a broken one)."""
+        ensure_dir(self.root)
+        db = sqlite3.connect(str(self.index_path), timeout=60.0, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                db.executescript(SCHEMA)
+            for table, cols in (("entries", _ENTRY_COLS), ("points", "chain, entry, held, resumable"),
+                                ("scopes", "model, tokenizer, dtype, chunk")):
+                db.execute(f"SELECT {cols} FROM {table} LIMIT 1").fetchall()
+        except BaseException:
+            db.close()
+            raise
+        return db
+
     def _conn(self) -> sqlite3.Connection:
+        if self.bypassed is not None:
+            raise DataError(f"the reuse store is unavailable: {self.bypassed}",
+                            hint="muser reuse gc --rebuild, or remove the store folder")
         if self._db is None:
-            ensure_dir(self.root)
             try:
-                db = sqlite3.connect(str(self.index_path), timeout=60.0, isolation_level=None)
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
-                if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                    db.executescript(SCHEMA)
+                self._db = self._open()
             except sqlite3.DatabaseError as exc:
-                raise DataError(f"reuse store index {self.index_path} is unreadable ({exc})",
-                                hint="rebuild it from the packs: muser reuse gc --rebuild") from None
-            self._db = db
+                self._recover(str(exc))
+                return self._conn()
         return self._db
+
+    def _recover(self, reason: str) -> None:
+        """A broken index: rebuild it from the verified pack files, or else bypass the store.
+
+        The store is a cache; a broken index must never stand between a caller and a
+        local prefill. Either way the event is recorded in ``problems``."""
+        self.close()
+        if self._recovering:  # broken again while rebuilding: give up for this session
+            self.bypassed = f"its index {self.index_path} is broken ({reason}) and could not be rebuilt"
+            return
+        self._recovering = True
+        try:
+            kept, removed, aside = self._rebuild(only_if_broken=True)
+        except (MuserError, OSError, sqlite3.DatabaseError) as exc:
+            self.close()
+            if self.bypassed is None:
+                self.bypassed = f"its index {self.index_path} is broken ({reason}); rebuilding failed ({exc})"
+            self.problems.append(f"reuse store bypassed: {self.bypassed}")
+            return
+        finally:
+            self._recovering = False
+        if aside is None:
+            return  # another process repaired it meanwhile
+        note = f"reuse store index was unreadable ({reason}); rebuilt from {kept} verified pack(s)"
+        if removed:
+            note += f", {len(removed)} unverifiable pack(s) removed"
+        self.problems.append(note + f"; the old index is kept as {aside.name}")
 
     def close(self) -> None:
         if self._db is not None:
@@ -185,10 +229,21 @@ class Store:
             self._db = None
 
     def _sql(self, query: str, args: Sequence = ()) -> list[tuple]:
-        try:
-            return self._conn().execute(query, tuple(args)).fetchall()
-        except sqlite3.DatabaseError as exc:
-            raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
+        for attempt in (0, 1):
+            try:
+                return self._conn().execute(query, tuple(args)).fetchall()
+            except sqlite3.DatabaseError as exc:
+                if attempt or self._recovering:
+                    raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
+                self._recover(str(exc))
+        raise AssertionError("unreachable")
+
+    def readable(self) -> bool:
+        """Whether there is an index to read (False when none exists, or the store is bypassed)."""
+        if self.bypassed is None and self.index_path.exists():
+            with contextlib.suppress(DataError):
+                self._conn()
+        return self.bypassed is None and self.index_path.exists()
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -202,16 +257,27 @@ class Store:
                 raise
             db.execute("COMMIT")
         except sqlite3.DatabaseError as exc:
+            if not self._recovering:
+                self._recover(str(exc))
             raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        if self._lock_depth:  # re-entered (an index repair inside a locked step): already ours
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+            return
         ensure_dir(self.root)
         fd = os.open(str(self.root / "lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            self._lock_depth = 1
             yield
         finally:
+            self._lock_depth = 0
             os.close(fd)  # releases the lock
 
     def _tmp_file(self) -> tuple[int, Path]:
@@ -303,7 +369,7 @@ class Store:
         return Entry(*rows[0])
 
     def entries(self, *, model: str | None = None) -> list[Entry]:
-        if not self.exists():
+        if not self.readable():
             return []
         if model is None:
             rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries ORDER BY last_used DESC")
@@ -316,7 +382,7 @@ class Store:
         p = prefix.strip().lower()
         if len(p) < 4 or any(ch not in "0123456789abcdef" for ch in p):
             raise UsageError(f"{prefix!r} is not an entry id (4 or more hex digits)", hint="see `muser reuse ls`")
-        rows = self._sql("SELECT id FROM entries WHERE id >= ? AND id < ? LIMIT 2", (p, p + "g")) if self.exists() else []
+        rows = self._sql("SELECT id FROM entries WHERE id >= ? AND id < ? LIMIT 2", (p, p + "g")) if self.readable() else []
         if not rows:
             raise MissingInput(f"no store entry {prefix}", hint="see `muser reuse ls`")
         if len(rows) > 1:
@@ -336,7 +402,7 @@ class Store:
     ) -> list[Point]:
         """Every point at which a stored entry serves a prefix of ``ids[:limit]``, deepest first
         (then resumable first, then most recently used). ``chain`` restricts to one point."""
-        if not self.exists() or limit < 1:
+        if limit < 1 or not self.readable():
             return []
         query = "SELECT dtype, chunk FROM scopes WHERE model=? AND tokenizer=?"  # a scope may be empty: harmless
         args: list = [model, tokenizer]
@@ -390,8 +456,12 @@ class Store:
         return pack
 
     def touch(self, entry_id: str) -> None:
-        with self._write() as db:
-            db.execute("UPDATE entries SET last_used=? WHERE id=?", (time.time(), entry_id))
+        """Mark an entry used (advisory: a failure to record it never fails a read)."""
+        try:
+            with self._write() as db:
+                db.execute("UPDATE entries SET last_used=? WHERE id=?", (time.time(), entry_id))
+        except DataError as exc:
+            self.problems.append(f"reuse store: could not record a use of {entry_id[:12]} ({exc})")
 
     # ------------------------------------------------------------------ removing
     def _drop(self, entry_id: str, reason: str) -> None:
@@ -413,7 +483,7 @@ class Store:
         return gone
 
     def total_bytes(self) -> int:
-        if not self.exists():
+        if not self.readable():
             return 0
         return int(self._sql("SELECT COALESCE(SUM(bytes), 0) FROM entries")[0][0])
 
@@ -444,7 +514,7 @@ class Store:
                         p.unlink()
                         res.tmp_removed += 1
         if rebuild:
-            res.removed += self._rebuild()
+            res.removed += self._rebuild()[1]
         with self._locked():
             known = {r[0] for r in self._sql("SELECT id FROM entries")}
             on_disk = {p.stem: p for p in (self.root / "packs").glob("*/*.kvpack")}
@@ -469,16 +539,34 @@ class Store:
         res.bytes = self.total_bytes()
         return res
 
-    def _rebuild(self) -> list[str]:
-        """Move the index aside and index every pack file again (each one verified)."""
-        removed = []
+    def _rebuild(self, *, only_if_broken: bool = False) -> tuple[int, list[str], Path | None]:
+        """Move the index aside and index every pack file again (each one verified).
+
+        Returns (packs indexed, packs removed, where the old index went). With
+        ``only_if_broken``, first re-check under the lock: when another process already
+        repaired the index, nothing is done (and the third item is None)."""
+        removed: list[str] = []
         with self._locked():
             self.close()
-            stamp = time.strftime("%Y%m%dT%H%M%S")
+            if only_if_broken and self.index_path.exists():
+                try:
+                    db = self._open()
+                    try:
+                        healthy = db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+                    except sqlite3.DatabaseError:
+                        healthy = False
+                    if healthy:
+                        self._db = db
+                        return 0, [], None
+                    db.close()
+                except sqlite3.DatabaseError:
+                    self.close()
+            stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+            aside = Path(f"{self.index_path}.broken-{stamp}")
             for suffix in ("", "-wal", "-shm"):
                 p = Path(str(self.index_path) + suffix)
                 if p.exists():
-                    os.replace(p, Path(f"{self.index_path}.broken-{stamp}{suffix}"))
+                    os.replace(p, Path(f"{aside}{suffix}"))
             files = sorted((self.root / "packs").glob("*/*.kvpack"))
         for p in files:
             reader = PackReader(decode=False)
@@ -499,7 +587,8 @@ class Store:
             os.close(fd)
             os.replace(p, tmp)  # _publish renames it back and indexes it
             self._publish(tmp, reader.header, p.stem, reader.bytes_consumed)
-        return removed
+        self._conn()  # an empty store still gets a fresh index
+        return len(files) - len(removed), removed, aside
 
 
 def _check_storable(header: PackHeader, *, delta_ok: bool = False, vocab_size: int | None = None) -> None:

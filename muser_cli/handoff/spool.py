@@ -11,10 +11,11 @@ Two sinks take the payload while the kvpack reader verifies it:
   durable. A failed or cut handoff therefore never ends downstream in something
   decodable. It holds at most one unverified frame.
 
-Spool files are named ``.<final name>.<pid>-<random>.part``: a receiver killed with
-SIGKILL leaves one behind, and :func:`remove_stale_parts` (run when a receiver starts)
-removes it once its owner process is gone, or, whoever the owner, once it is older than
-the longest session could keep one open. A stale part is only ever deleted, never published.
+Spool files are named ``.<final name>.<pid>-<16 hex>.part`` (``fsio.part_name``) and
+flock-held while written: a receiver killed with SIGKILL leaves one behind, and
+:func:`remove_stale_parts` (run when a receiver starts) removes it once its owner
+process is gone, or, whoever the owner, once it is older than the longest session
+could keep one open. A stale part is only ever deleted, never published.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import contextlib
 import os
 import queue
 import re
-import secrets
 import threading
 import time
 from collections import deque
@@ -31,13 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli import fsio
+from muser_cli.errors import DataError, IdentityMismatch
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: the pid/age rule alone decides
+    fcntl = None  # type: ignore[assignment]
 from muser_cli.handoff.payload import PayloadInfo, PayloadInspector
 
 _HANDOFF_NAME = r"[0-9a-f]{32}\.kvpack"
-_OWNED_PART = re.compile(r"^\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})-[0-9a-f]{16}\.part$")
-_LEGACY_PART = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{6,16}\.part$")  # tempfile.mkstemp names (V2)
 
 
 @dataclass
@@ -77,57 +80,16 @@ class DownstreamGone(OSError):
 
 
 # ----------------------------------------------------------------------------- stale parts
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    except OSError:
-        return False
-    return True
-
-
 def remove_stale_parts(directory: Path, final_name: re.Pattern[str], *, max_age_s: float,
                        now: float | None = None) -> list[Path]:
-    """Delete spool parts for ``final_name`` in ``directory`` left by dead receivers.
+    """Delete spool parts for ``final_name`` in ``directory`` that no live receiver owns.
 
-    A part whose recorded owner pid is not running is stale at once (never ours: we
-    have not spooled yet); any part -- an owned one whose pid is running (perhaps
-    reused), or an old-style one without a pid -- is stale when untouched for longer
-    than ``max_age_s``. Returns what was removed.
+    The rule is :func:`muser_cli.fsio.sweep_stale_parts`' (one rule for every writer of
+    ``.part`` files): a part whose lock is held is kept; otherwise it is stale when its
+    recorded owner pid is not running, or when untouched for longer than ``max_age_s``.
+    Returns what was removed.
     """
-    removed: list[Path] = []
-    now = time.time() if now is None else now
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _OWNED_PART.match(entry.name) or _LEGACY_PART.match(entry.name)
-        if m is None or not final_name.fullmatch(m.group("name")):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not entry.is_file(follow_symlinks=False):
-            continue
-        owned = m.re is _OWNED_PART
-        stale = (owned and int(m.group("pid")) != os.getpid() and not _pid_alive(int(m.group("pid")))) or (
-            now - st.st_mtime > max_age_s
-        )
-        if stale:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-    if removed:
-        with contextlib.suppress(OSError):
-            fsio.fsync_dir(directory)
-    return removed
+    return fsio.sweep_stale_parts(directory, final_name, max_age_s=max_age_s, now=now)
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -140,8 +102,11 @@ class FileSink:
         directory = final.parent if str(final.parent) else Path(".")
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
-        self.part = directory / f".{final.name}.{os.getpid()}-{secrets.token_hex(8)}.part"
+        self.part = directory / fsio.part_name(final.name)
         fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        if fcntl is not None:  # held while we write: no sweeper ever deletes a live receiver's part
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._f: BinaryIO | None = os.fdopen(fd, "wb")
         self.forwarded = 0  # nothing leaves a file sink before publication
 

@@ -1,4 +1,4 @@
-"""Handoff V3 streaming (RELIABILITY.md H41-H43, B15, H50): real processes, real pipes, TLS on 127.0.0.1.
+"""Handoff V3 streaming (docs/reliability.md H41-H43, B15, H50): real processes, real pipes, TLS on 127.0.0.1.
 
 The producer is ``tests/stream_producer.py``: it writes a kvpack frame by frame, flushing
 each, and can stop after k frames until a gate file appears -- so a test knows exactly

@@ -21,7 +21,12 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the summary (needs -o FILE; with the kvpack on stdout, a one-line note goes to stderr instead), or with --info the description."),
         show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
     ) -> None:
-        """Re-encode a kvpack frame by frame; every input frame is verified first."""
+        """Re-encode a kvpack frame by frame; every input frame is verified first.
+
+        In a pipe each frame moves on as soon as it verified (`prefill | pack | send`
+        streams); a cut or damaged input never ends in an end frame, and -o FILE is
+        written only when the whole pack verified.
+        """
         from muser_cli.pack import pack
 
         if show_info:

@@ -96,6 +96,7 @@ def test_export_join_and_keyring(tmp_path):
         (lambda o, other: o.update(ca_cert=other["ca_cert"]), "not signed"),
         (lambda o, other: o.update(key=other["key"]), "does not match"),
         (lambda o, other: o.update(version=9), "version"),
+        (lambda o, other: o.update(version=1), "version 1 carries no checksum"),
         (lambda o, other: o.update(extra=1), "fields"),
         (lambda o, other: o["hmac"].update(key_id="bad id!"), "key id"),
         (lambda o, other: o["hmac"].update(secret="c2hvcnQ="), "shorter"),
@@ -108,9 +109,42 @@ def test_join_refuses_tampered_bundles(tmp_path, tamper, match):
     good = json.loads(node.export_producer(tmp_path / "c", producer="gx10")[0])
     other = json.loads(node.export_producer(tmp_path / "x", producer="gx10")[0])
     tamper(good, other)
+    # re-sealed (a checksum that fits the edit): the deeper checks must still refuse it
     with pytest.raises((DataError, ConfigError), match=match):
-        node.join_node(tmp_path / "p", json.dumps(good).encode())
+        node.join_node(tmp_path / "p", json.dumps(node.seal_bundle(good)).encode())
     assert not (tmp_path / "p" / "node.json").exists()
+
+
+def _flip(text: str, at: int) -> str:
+    """Change one character (staying in the same alphabet, so the field stays well-formed)."""
+    c = text[at]
+    return text[:at] + ("B" if c != "B" else "C") + text[at + 1 :]
+
+
+@pytest.mark.parametrize("field", ["secret", "key_id", "consumer", "created"])
+def test_join_refuses_a_damaged_bundle_by_its_checksum(tmp_path, runner, field):
+    """One changed character that every other check would accept (the HMAC secret still
+    base64 of 32 bytes, the key id still a key id) is refused at join, exit 65, one line."""
+    node.init_node(tmp_path / "c", name="consumer")
+    obj = json.loads(node.export_producer(tmp_path / "c", producer="gx10")[0])
+    assert obj["version"] == 2 and obj["checksum"] == node.bundle_checksum(obj)
+    if field in ("secret", "key_id"):
+        obj["hmac"][field] = _flip(obj["hmac"][field], 3)
+    else:
+        obj[field] = _flip(obj[field], 1)
+    damaged = tmp_path / "gx10.bundle"
+    damaged.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    with pytest.raises(DataError, match="checksum mismatch"):
+        node.join_node(tmp_path / "p", damaged.read_bytes())
+    ph = tmp_path / "p-home"
+    r = cli(runner, ph, "node", "join", str(damaged))
+    assert r.exit_code == 65 and r.stderr.count("\n") == 1, r.output
+    assert "checksum mismatch" in r.stderr and "internal error" not in r.stderr
+    assert not list(ph.rglob("node.json"))  # nothing installed
+    # the undamaged bundle, reformatted (whitespace only), still joins: the checksum is over the content
+    good = json.loads(node.export_producer(tmp_path / "c", producer="gx10")[0])
+    node.join_node(tmp_path / "p", json.dumps(good, separators=(",", ":")).encode())
+    assert node.load_identity(tmp_path / "p").signing_key().key_id == good["hmac"]["key_id"]
 
 
 def test_join_refuses_duplicate_keys_and_non_json(tmp_path):

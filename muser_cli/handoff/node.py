@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -45,6 +47,8 @@ NODE_FORMAT = "muser-node"
 KEYRING_FORMAT = "muser-keyring"
 BUNDLE_FORMAT = "muser-node-bundle"
 FORMAT_VERSION = 1
+# Bundle version 2 carries a checksum over its content (version 1 had none: refused, see parse_bundle).
+BUNDLE_VERSION = 2
 DEFAULT_CA_DAYS = 3650
 DEFAULT_CERT_DAYS = 825
 SECRET_BYTES = 32
@@ -353,7 +357,7 @@ def export_producer(
     _write_keyring(directory, keys)
     bundle = {
         "format": BUNDLE_FORMAT,
-        "version": FORMAT_VERSION,
+        "version": BUNDLE_VERSION,
         "consumer": identity.name,
         "producer": producer,
         "created": _iso(t),
@@ -362,23 +366,51 @@ def export_producer(
         "key": key_pem(key).decode("ascii"),
         "hmac": {"key_id": entry.key_id, "secret": base64.b64encode(entry.secret).decode("ascii")},
     }
-    data = json.dumps(bundle, indent=1, sort_keys=True).encode("utf-8") + b"\n"
+    data = json.dumps(seal_bundle(bundle), indent=1, sort_keys=True).encode("utf-8") + b"\n"
     return data, {"producer": producer, "consumer": identity.name, "key_id": entry.key_id, "cert_serial": entry.cert_serial}
 
 
-_BUNDLE_KEYS = {"format", "version", "consumer", "producer", "created", "ca_cert", "cert", "key", "hmac"}
+_BUNDLE_KEYS = {"format", "version", "consumer", "producer", "created", "ca_cert", "cert", "key", "hmac", "checksum"}
+_REEXPORT = "export a fresh bundle on the consumer: muser node export --producer NAME"
+
+
+def bundle_checksum(obj: dict[str, Any]) -> str:
+    """sha256 over the canonical JSON of every bundle field but ``checksum`` itself.
+
+    An integrity check against damage in transit (a changed character of the HMAC secret
+    or key id, which nothing else in the bundle could reveal), not a signature: the
+    bundle travels over a channel the operator trusts, because it carries secrets."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return "sha256:" + hashlib.sha256(b"muser-node-bundle-v2\0" + canonical).hexdigest()
+
+
+def seal_bundle(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with its checksum (re)computed."""
+    return {**{k: v for k, v in obj.items() if k != "checksum"}, "checksum": bundle_checksum(obj)}
 
 
 def parse_bundle(data: bytes) -> dict[str, Any]:
-    """Validate a bundle completely (structure, PEMs, chain, key match) before anything is stored."""
+    """Validate a bundle completely (checksum, structure, PEMs, chain, key match) before anything is stored.
+
+    Version 1 bundles (no checksum) are refused: a damaged secret in one could not be
+    told from a good one, and would surface only as a refused first handoff."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
     obj = _strict_json(data, "bundle", MAX_BUNDLE_BYTES)
     if not isinstance(obj, dict) or obj.get("format") != BUNDLE_FORMAT:
         raise DataError("not a muser node bundle")
-    if obj.get("version") != FORMAT_VERSION:
-        raise DataError(f"bundle version {obj.get('version')!r} is not supported (this muser reads {FORMAT_VERSION})")
+    if obj.get("version") == 1:
+        raise DataError("bundle version 1 carries no checksum, so damage to its HMAC key cannot be detected",
+                        hint=_REEXPORT)
+    if obj.get("version") != BUNDLE_VERSION:
+        raise DataError(f"bundle version {obj.get('version')!r} is not supported (this muser reads {BUNDLE_VERSION})")
+    checksum = obj.get("checksum")
+    if not isinstance(checksum, str) or not hmac.compare_digest(checksum.encode("ascii", "replace"),
+                                                                bundle_checksum(obj).encode("ascii")):
+        raise DataError("bundle checksum mismatch: the bundle was damaged or edited after export",
+                        hint="copy it again byte for byte, or " + _REEXPORT)
     if set(obj) != _BUNDLE_KEYS:
         raise DataError(f"bundle fields differ from the expected set: {sorted(set(obj) ^ _BUNDLE_KEYS)}")
     for k in ("consumer", "producer", "ca_cert", "cert", "key"):

@@ -425,3 +425,40 @@ def test_131k_token_stream_exact_and_bounded(nodes, consumer_home):
     print(f"\n[stream] 131k tokens ({size / 1e6:.0f} MB): peak RSS send {d_send / 1024:.0f} MiB, "
           f"receive {d_recv / 1024:.0f} MiB")
     assert d_send < 160 * 1024 and d_recv < 160 * 1024
+
+
+# ----------------------------------------------------------------------------- the user's lane, tiny model
+LANE_PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+               "After a long debate about costs, traffic and the river's spring floods, they chose "
+               "the northern site, close to the old mill and the school.")
+
+
+def test_prefill_send_receive_lane_tiny(nodes, consumer_home, tiny_llama, tmp_path):
+    """``prefill | send`` -> ``receive``: a real model's streamed pack arrives as the file lane's bytes
+    exactly (so any decode of it is the file lane's decode; decode's own streaming is tested with decode)."""
+    model = str(tiny_llama.path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(LANE_PROMPT)
+    common = ["-m", model, "--threads", "1"]
+    pre = ["prefill", *common, "--chunk", "8", "--dtype", "float32", str(prompt)]
+    pack = tmp_path / "file.kvpack"
+    env = env_for(nodes.producer_home)
+    assert subprocess.run(muser_cmd(*pre, "-o", str(pack)), env=env, capture_output=True, timeout=120).returncode == 0
+
+    recv, to = spawn_receiver(consumer_home, "--once", "--timeout", "60", stdout=subprocess.PIPE)
+    tee = Collector(recv.stdout)  # what receive forwarded
+    prod = subprocess.Popen(muser_cmd(*pre), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    send = subprocess.Popen(muser_cmd("send", "-", "--to", to, "--json"), stdin=prod.stdout, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    prod.stdout.close()
+    try:
+        assert finish(send, 120) == 0, send.stderr.read()
+        assert finish(recv, 60) == 0
+    finally:
+        for p in (prod, send, recv):
+            if p.poll() is None:
+                p.kill()
+    streamed = tee.finish()
+    assert streamed == pack.read_bytes()  # the streamed lane carries the file lane's bytes exactly
+    res = json.loads(send.stdout.read())
+    assert res["frames"] > 4 and res["first_byte_s"] < res["last_byte_s"]

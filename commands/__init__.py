@@ -25,7 +25,10 @@ COMMAND_MODULES = [
     "reuse",
 ]
 
+from muser_cli.commands._common import OneLineErrors  # noqa: E402
+
 app = typer.Typer(
+    cls=OneLineErrors,
     name="muser",
     help="Move a language model's KV cache honestly: prefill here, verify and decode there.",
     no_args_is_help=True,

@@ -190,3 +190,94 @@ def default_threads() -> int:
     if value:
         return max(1, int(value))
     return max(1, min(os.cpu_count() or 1, 8))
+
+
+# --------------------------------------------------------------------------- usage errors
+def _command_path(ctx: Any) -> str:
+    """``muser decode`` (however the program was started: console script or ``python -m``)."""
+    names: list[str] = []
+    while ctx is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    names.reverse()
+    return " ".join(["muser", *[n for n in names[1:] if n]])
+
+
+def _path_from_args(root: Any, args: list[str]) -> str:
+    """The subcommand path the arguments name (for errors raised without a context)."""
+    names, cmd = ["muser"], root
+    for token in args:
+        if token.startswith("-"):
+            continue  # the root's own options take no values
+        sub = getattr(cmd, "commands", {}).get(token)
+        if sub is None:
+            break
+        names.append(token)
+        cmd = sub
+    return " ".join(names)
+
+
+def usage_line(exc: Any, *, root: Any = None, args: list[str] | None = None) -> str:
+    """One line for a click usage error: the message and a hint naming the command's --help."""
+    message = " ".join(str(exc.format_message()).split())  # click messages may span lines
+    ctx = getattr(exc, "ctx", None)
+    path = _command_path(ctx) if ctx is not None else "muser"
+    if path == "muser" and root is not None and args:
+        path = _path_from_args(root, args)
+    return f"muser: error: {message} (hint: {path} --help)"
+
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """``name`` from Typer's own click (typer >= 0.20 vendors it as ``typer._click``) and from click."""
+    import importlib
+
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions", "typer.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+def _one_line_group_class():
+    from typer.core import TyperGroup
+
+    no_args = _click_classes("NoArgsIsHelpError")
+    usage = _click_classes("UsageError")
+    click_error = _click_classes("ClickException")
+    abort = _click_classes("Abort")
+
+    class OneLineErrors(TyperGroup):
+        """The root command: click's usage errors as one line plus a ``--help`` hint, exit 2.
+
+        Runs click in non-standalone mode and renders what it raises itself, so an unknown
+        option or a missing argument never prints click's framed usage panel."""
+
+        def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+            if not standalone_mode:
+                return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            try:
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except BaseException as exc:  # noqa: BLE001 - only click's own kinds are rendered here
+                if no_args and isinstance(exc, no_args):  # `muser` / `muser reuse` alone: the help
+                    exc.show()
+                    sys.exit(exc.exit_code)
+                if usage and isinstance(exc, usage):
+                    err(usage_line(exc, root=self, args=list(sys.argv[1:] if args is None else args)))
+                    sys.exit(exc.exit_code)
+                if click_error and isinstance(exc, click_error):
+                    err(f"muser: error: {' '.join(str(exc.format_message()).split())}")
+                    sys.exit(exc.exit_code)
+                if abort and isinstance(exc, abort):
+                    err("muser: error: aborted")
+                    sys.exit(1)
+                raise
+            sys.exit(rv if isinstance(rv, int) else 0)
+
+    return OneLineErrors
+
+
+OneLineErrors = _one_line_group_class()

@@ -336,3 +336,30 @@ def test_an_unrepairable_store_is_bypassed_with_a_warning(tiny_llama, prompt_fil
     r = muser("decode", "-m", m, "--prompt", prompt_file, "-n", "4", "--json", input=b"")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["source"] == "local" and b"bypassed" in r.stderr
+
+
+# ----------------------------------------------------------------------------- 7. one-line usage errors
+@pytest.mark.parametrize("args, needle, path", [
+    (["decode", "--bogus"], "No such option: --bogus", "muser decode"),
+    (["decode", "-n"], "'-n' requires an argument", "muser decode"),
+    (["reuse", "get"], "Missing argument", "muser reuse get"),
+    (["node", "join"], "Missing argument", "muser node join"),
+    (["verify", "--audit", "many"], "Invalid value for '--audit'", "muser verify"),
+    (["frobnicate"], "No such command 'frobnicate'", "muser"),
+    (["-q", "prefill", "--chunk", "eight", "x.txt"], "Invalid value for '--chunk'", "muser prefill"),
+])
+def test_usage_errors_are_one_line_with_a_help_hint(args, needle, path):
+    p = muser(*args, input=b"", timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert err.count("\n") == 1 and p.stdout == b"", err  # one line, no framed panel
+    assert err.startswith("muser: error: ") and needle in err and f"(hint: {path} --help)" in err, err
+    assert "╭" not in err and "Usage:" not in err and "internal error" not in err
+    r = run(*args)  # the same through the in-process runner (what the other tests use)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and needle in r.stderr
+
+
+def test_help_and_version_still_exit_0():
+    assert muser("decode", "--help").returncode == 0
+    v = muser("--version")
+    assert v.returncode == 0 and v.stdout.startswith(b"muser ")

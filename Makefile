@@ -5,8 +5,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.muser-installed
 TORCH_PIN := torch==2.13.0
+# vLLM's CPU build lives in a second venv (it pins its own torch/transformers): scripts/vllm-venv.sh.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.muser-installed
+# What runs there: everything that needs vLLM, and the torch engine on vLLM's transformers.
+VLLM_TESTS := tests/test_vllm_layout.py tests/test_vllm_engine.py tests/test_vllm_kernels.py \
+	tests/test_vllm_real.py tests/test_torch_engine.py
 
-.PHONY: demo test venv docs clean bench
+.PHONY: demo test test-main test-vllm venv vllm-venv docs clean bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +29,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash docs/demo.sh
 
-test: $(STAMP)
+$(VLLM_STAMP): pyproject.toml scripts/vllm-venv.sh
+	PYTHON=$(PYTHON) bash scripts/vllm-venv.sh $(VLLM_VENV)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The main suite in .venv (its vLLM tests skip: no vLLM there), then the vLLM tests in .venv-vllm.
+test: test-main test-vllm
+
+test-main: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_HOST_IP=127.0.0.1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
 
 docs: $(STAMP)
 	$(PY) -m muser_cli.commands._gendocs
@@ -33,4 +50,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_spine.py
 
 clean:
-	rm -rf $(VENV) tests/.cache
+	rm -rf $(VENV) $(VLLM_VENV) tests/.cache

@@ -5,6 +5,7 @@ This is the only place that turns library errors into exit statuses (docs/cli-co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -159,11 +160,23 @@ def binary_output(path: str | None) -> Iterator[BinaryIO]:
         out = binary_stdout()
         yield out
         out.flush()
+        end_stdout()
         return
     from muser_cli.fsio import atomic_writer
 
     with atomic_writer(Path(path)) as handle:
         yield handle
+
+
+def end_stdout() -> None:
+    """The kvpack on stdout is complete: close the pipe now, so the next stage sees its end
+    at once instead of when this process has finished tearing down (seconds with torch
+    loaded). Later writes to stdout go to /dev/null."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def progress_callback() -> Callable[[str, int, int], None] | None:

@@ -146,20 +146,27 @@ def decode(
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     t_res1 = time.perf_counter()
+    eng = None
+    if dtype is not None:  # the engine needs no header: load it while the producer still works
+        t_load0 = time.perf_counter()
+        eng = get_engine(engine, info, dtype=dtype, threads=threads)
+        t_load1 = time.perf_counter()
     header = stream.header() if stream is not None else None
     if header is None and prompt is None:
         raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
     ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=engine)
     check_prompt(info, ids, new_tokens=max_new_tokens)
-
-    t_load0 = time.perf_counter()
-    eng = get_engine(engine, info, dtype=dtype, threads=threads)
-    t_load1 = time.perf_counter()
+    if eng is None:
+        t_load0 = time.perf_counter()
+        eng = get_engine(engine, info, dtype=dtype, threads=threads)
+        t_load1 = time.perf_counter()
     load_s = (t_load1 - t_load0) + (t_res1 - t_res0)
 
     got = None
     if header is not None:
         assert stream is not None
+        if not stream.finished:
+            eng.warm_up()  # the rest is still arriving: pay the first-call costs now, not after
         arrived = stream.result()
         if isinstance(arrived, Cut):
             got = _after_cut(stream, arrived, eng, ids, can_fall_back=prompt_ids is not None, progress=progress)

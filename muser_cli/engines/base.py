@@ -112,6 +112,11 @@ class Engine(abc.ABC):
         returns, byte for byte. Only engines with :attr:`resumes_prefill` implement it."""
         raise UsageError(f"the {self.name} engine cannot continue a prefill from stored rows")
 
+    def warm_up(self) -> None:
+        """Run the model once on a throwaway cache, so the first real step pays no
+        first-call costs (allocations, kernel selection). Called while a pack is still
+        arriving; changes no state a decode depends on. Engines may leave it a no-op."""
+
     def producer_info(self) -> dict:
         """What this engine records in a kvpack's ``producer`` field (versions, backend)."""
         return {}

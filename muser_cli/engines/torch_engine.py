@@ -241,6 +241,12 @@ class TorchEngine(Engine):
                 on_chunk(begin + len(chunk), self._rows_of(cache, begin + len(chunk)))
         return cache
 
+    def warm_up(self) -> None:
+        from transformers import DynamicCache
+
+        with self._session():
+            self._forward([0, 0], 0, DynamicCache(config=self.model.config), keep=1)
+
     def _rows_of(self, cache: Any, n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:

@@ -58,6 +58,10 @@ class StreamedPack:
         self._thread.start()
 
     # ------------------------------------------------------------------ consumer side
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
     def header(self) -> PackHeader | None:
         self._header_ready.wait()
         if self._header is None and self._error is not None:

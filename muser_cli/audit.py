@@ -171,3 +171,137 @@ def diagnose(report: AuditReport, pack: KVPack) -> str:
     if len(bad) == len(report.layers):
         return "every layer disagrees: KV from another model, prompt or position, or corrupted before packing"
     return f"layers {', '.join(map(str, idx))} disagree with local recomputation"
+
+
+# --------------------------------------------------------------------------- the spot-check
+# Codecs that return the exact bytes they were given (no numeric risk of their own).
+LOSSLESS_CODECS = frozenset({"none", "zstd+bytegroup"})
+DEFAULT_SPOT_POSITIONS = 1
+
+
+def spot_check_reason(header, *, engine: str, dtype: str | None = None) -> str | None:
+    """Why a pack must be spot-checked before decoding it on ``engine`` (in ``dtype``), or None.
+
+    A pack made the way this consumer would make it (same engine, the storage dtype it
+    decodes in, no quantization, a lossless codec) is not; anything else -- another
+    engine, an unnamed one, another dtype, int8, an unknown codec -- is."""
+    reasons = []
+    made_by = str((header.producer or {}).get("engine") or "")
+    if made_by != engine:
+        reasons.append(f"made by {made_by or 'an unnamed engine'}, decoded on {engine}")
+    if dtype is not None and header.dtype != dtype:
+        reasons.append(f"stored as {header.dtype}, decoded as {dtype}")
+    if header.quant_scheme != "none":
+        reasons.append(f"quantized ({header.quant_scheme})")
+    codec = str(header.codec.get("name", "none"))
+    if codec not in LOSSLESS_CODECS:
+        reasons.append(f"codec {codec}")
+    return "; ".join(reasons) or None
+
+
+@dataclass
+class SpotCheck:
+    """What :func:`spot_check` compared: positions [start, end) of ``checked`` layers."""
+
+    positions: tuple[int, int]
+    tolerance: float
+    layers: list[dict]
+    checked: int  # layers compared (0..checked-1); the rest are named in ``unchecked``
+    unchecked: list[int]
+    reason: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(l["ok"] for l in self.layers)
+
+    @property
+    def worst(self) -> dict | None:
+        return max(self.layers, key=lambda l: l["rel_max"], default=None)
+
+    def to_json(self) -> dict:
+        worst = self.worst or {}
+        return {"ran": True, "ok": self.ok, "reason": self.reason, "positions": list(self.positions),
+                "tolerance": self.tolerance, "layers_checked": self.checked, "layers_unchecked": self.unchecked,
+                "worst_layer": worst.get("layer"), "worst_rel": worst.get("rel_max"),
+                "ms": round(self.seconds * 1e3, 3)}
+
+
+def _spot_prefix(pack: KVPack, start: int) -> tuple[list[LayerKV], int]:
+    """Each layer's rows as of ``start`` positions, as an engine installs them; and the index of
+    the first layer whose rows before ``start`` the pack does not carry (padded with zeros
+    here: its own recomputed rows are still exact, every later layer's are not)."""
+    h = pack.header
+    prefix: list[LayerKV] = []
+    first_incomplete = len(h.layers)
+    for i, (spec, l) in enumerate(zip(h.layers, pack.layers)):
+        want = spec.carried_rows(start)
+        lo = start - want
+        have_lo = max(lo, l.first_row)
+        a, b = have_lo - l.first_row, start - l.first_row
+        keys, values = l.keys[:, a:b], l.values[:, a:b]
+        missing = have_lo - lo
+        if missing > 0:
+            first_incomplete = min(first_incomplete, i)
+            zk = np.zeros((keys.shape[0], missing, keys.shape[2]), dtype=keys.dtype)
+            zv = np.zeros((values.shape[0], missing, values.shape[2]), dtype=values.dtype)
+            keys, values = np.concatenate([zk, keys], axis=1), np.concatenate([zv, values], axis=1)
+        prefix.append(LayerKV(np.ascontiguousarray(keys), np.ascontiguousarray(values), lo))
+    return prefix, first_incomplete
+
+
+def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS, reason: str = "") -> SpotCheck:
+    """Recompute the pack's last ``positions`` position(s) from its own prefix on ``engine`` (a
+    loaded Engine for the pack's model) and compare K/V per layer; raise SpotCheckFailed.
+
+    One recompute step of ``positions`` tokens -- no prefill. Full-attention layers are
+    compared wherever the pack holds the prefix. A sliding-window layer needs the
+    ``window - 1`` rows before the first recomputed position; a pack carries the ``window
+    - 1`` rows before the *next* one, one short, so on such models the layers up to and
+    including the first sliding one are compared exactly and the rest are reported in
+    ``unchecked`` (a pack that carries one more ring row gets every layer checked). The
+    tolerance is :func:`tolerance_for` (the audit's: dtype, cross-engine, int8 error).
+    """
+    from muser_cli.errors import SpotCheckFailed, UsageError
+
+    t0 = time.perf_counter()
+    h = pack.header
+    if h.rows_start != 0:
+        raise UsageError("spot-check a delta pack after merging it with its base (positions must start at 0)")
+    end = h.rows_end
+    n = max(1, min(int(positions), end))
+    start = end - n
+    prefix, first_incomplete = _spot_prefix(pack, start)
+    checked = len(h.layers) if first_incomplete >= len(h.layers) else first_incomplete + 1
+    ids = list(h.token_ids)
+    fresh = engine.recompute(prefix, rows=start, token_ids=ids[start:end])
+    tol = tolerance_for(pack, engine.name)
+    layers = []
+    for i in range(checked):
+        mine, theirs = fresh[i], pack.layers[i]
+        lo = max(start, mine.first_row, theirs.first_row)
+        a = slice(lo - mine.first_row, end - mine.first_row)
+        b = slice(lo - theirs.first_row, end - theirs.first_row)
+        kd, kr = _compare(mine.keys[:, a], theirs.keys[:, b], h.dtype)
+        vd, vr = _compare(mine.values[:, a], theirs.values[:, b], h.dtype)
+        rel = max(kr, vr)
+        layers.append({"layer": i, "kind": h.layers[i].kind, "positions": end - lo, "k_max_abs": kd, "v_max_abs": vd,
+                       "rel_max": rel, "ok": rel <= tol})
+    result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))),
+                       reason or (spot_check_reason(h, engine=engine.name) or ""), time.perf_counter() - t0)
+    if not result.ok:
+        report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers)
+        report.fresh = fresh  # type: ignore[attr-defined]
+        cause = diagnose(report, pack) or "the rows disagree with local recomputation"
+        worst = result.worst or {}
+        made_by = (h.producer or {}).get("engine") or "an unnamed engine"
+        bad = [l["layer"] for l in layers if not l["ok"]]
+        first = f", first layer {bad[0]}" if bad and bad[0] != worst.get("layer") else ""
+        raise SpotCheckFailed(
+            f"pack refused by the spot-check before the first token: {len(bad)} of {checked} layers differ from "
+            f"{engine.name}'s recomputation of positions [{start}, {end}), worst layer {worst.get('layer')} "
+            f"({worst.get('kind')}, rel {worst.get('rel_max', 0.0):.3g} > tolerance {tol:.3g}{first}); "
+            f"likely cause: {cause}",
+            hint=f"the producer ({made_by}) wrote wrong rows; decode with --prompt to prefill locally",
+        )
+    return result

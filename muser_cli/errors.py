@@ -41,6 +41,13 @@ class IdentityMismatch(DataError):
     """A kvpack is valid but was made for another model, tokenizer, prompt or position."""
 
 
+class SpotCheckFailed(DataError):
+    """A pack's rows disagree with this engine's recomputation of its last position(s) (exit 65).
+
+    The pack is self-consistent (digests, fingerprints, ids) but numerically wrong: the
+    producer's engine wrote wrong rows. A caller with the prompt may prefill locally."""
+
+
 class PromptTooShort(DataError):
     """A prompt of under 2 tokens: there is nothing to hand off (exit 65)."""
 

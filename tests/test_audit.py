@@ -126,3 +126,99 @@ def test_a_scaled_layer(tiny_llama, prompt_file, tmp_path):
         layers[2] = LayerKV((l.keys * np.float32(1.5)).astype(l.keys.dtype), (l.values * np.float32(1.5)).astype(l.values.dtype), l.first_row)
     code, audit, _ = _audit(tiny_llama.path, _mutated(tiny_llama, prompt_file, tmp_path, scale))
     assert code == 65 and "layer 2" in audit["detail"] and "scaled by 1.5" in audit["detail"], audit["detail"]
+
+
+# ------------------------------------------------------------------ the spot-check before the first token
+def _engine(kind, info, dtype="float32"):
+    from muser_cli.engines.registry import get_engine
+
+    return get_engine(kind, info, dtype=dtype, threads=1)
+
+
+def _spot(pack_path, eng, **kw):
+    from muser_cli.audit import spot_check
+
+    return spot_check(read_pack_bytes(Path(pack_path).read_bytes()), eng, **kw)
+
+
+def test_spot_check_reason_names_what_differs(tiny_llama, prompt_file, tmp_path):
+    from muser_cli.audit import spot_check_reason
+
+    h = read_pack_bytes(_pack(tiny_llama.path, prompt_file, tmp_path).read_bytes()).header
+    assert h.producer["engine"] == "torch"
+    assert spot_check_reason(h, engine="torch", dtype=h.dtype) is None  # our own engine's pack
+    assert "made by torch, decoded on mlx" in spot_check_reason(h, engine="mlx")
+    assert "stored as float32, decoded as bfloat16" in spot_check_reason(h, engine="torch", dtype="bfloat16")
+    assert "made by an unnamed engine" in spot_check_reason(replace(h, producer={}), engine="torch")
+    assert "quantized (int8)" in spot_check_reason(replace(h, quant={"scheme": "int8"}), engine="torch")
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])
+def test_spot_check_passes_an_honest_pack(request, which, prompt_file, tmp_path):
+    model = request.getfixturevalue(which)
+    res = _spot(_pack(model.path, prompt_file, tmp_path), _engine("torch", model), positions=2)
+    assert res.ok and res.positions[1] - res.positions[0] == 2
+    if which == "tiny_llama":
+        assert res.checked == len(model.layers) and res.unchecked == []
+    else:  # sliding first: the ring is one row short of recomputing all layers exactly
+        assert res.checked == 1 and res.unchecked == [1, 2, 3]
+    assert res.to_json()["ok"] is True and res.to_json()["ms"] > 0
+
+
+def test_spot_check_refuses_swapped_layers_before_any_token(tiny_llama, prompt_file, tmp_path):
+    from muser_cli.errors import SpotCheckFailed
+
+    def swap(layers):
+        layers[1], layers[2] = layers[2], layers[1]
+    bad = _mutated(tiny_llama, prompt_file, tmp_path, swap)
+    with pytest.raises(SpotCheckFailed, match="swapped") as exc:
+        _spot(bad, _engine("torch", tiny_llama))
+    assert exc.value.exit_status == 65 and "layer" in str(exc.value) and "before the first token" in str(exc.value)
+
+
+def test_spot_check_refuses_a_misread_cache_layout(tiny_llama, prompt_file, tmp_path):
+    """What a producer that misreads its backend's block layout writes: each layer's
+    [tokens, heads, dim] memory taken as [heads, tokens, dim] (digests all valid)."""
+    from muser_cli.errors import SpotCheckFailed
+
+    def misread(layers):
+        for i, l in enumerate(layers):
+            heads, rows, dim = l.keys.shape
+            k = np.ascontiguousarray(l.keys.transpose(1, 0, 2)).reshape(heads, rows, dim)
+            v = np.ascontiguousarray(l.values.transpose(1, 0, 2)).reshape(heads, rows, l.values.shape[2])
+            layers[i] = LayerKV(k, v, l.first_row)
+    bad = _mutated(tiny_llama, prompt_file, tmp_path, misread)
+    with pytest.raises(SpotCheckFailed, match="4 of 4 layers differ") as exc:
+        _spot(bad, _engine("torch", tiny_llama))
+    assert "worst layer" in str(exc.value) and "likely cause: every layer disagrees" in str(exc.value)
+
+
+def test_spot_check_on_a_hybrid_model_catches_a_wrong_first_layer(tiny_hybrid, prompt_file, tmp_path):
+    from muser_cli.errors import SpotCheckFailed
+
+    good = _pack(tiny_hybrid.path, prompt_file, tmp_path)
+    pack = read_pack_bytes(good.read_bytes())
+    layers = [LayerKV(l.keys.copy(), l.values.copy(), l.first_row) for l in pack.layers]
+    l0 = layers[0]
+    layers[0] = LayerKV(l0.keys[:, ::-1].copy(), l0.values[:, ::-1].copy(), l0.first_row)  # ring rows reversed
+    bad = _rewrite(good, tmp_path / "reversed.kvpack", layers=layers)
+    with pytest.raises(SpotCheckFailed, match="1 of 1 layers differ.*worst layer 0 \\(sliding"):
+        _spot(bad, _engine("torch", tiny_hybrid))
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])
+@pytest.mark.parametrize("producer, consumer", [("torch", "mlx"), ("mlx", "torch")])
+def test_spot_check_passes_honest_cross_engine_packs(request, which, prompt_file, tmp_path, producer, consumer):
+    model = request.getfixturevalue(which)
+    pytest.importorskip("mlx.core", reason="mlx not installed")
+    pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
+    from muser_cli.audit import spot_check_reason
+
+    out = tmp_path / f"{producer}.kvpack"
+    r = run(["prefill", "-m", model.path, "--engine", producer, "--chunk", "8", prompt_file, "-o", out])
+    assert r.exit_code == 0, r.output
+    h = read_pack_bytes(out.read_bytes()).header
+    assert spot_check_reason(h, engine=consumer, dtype=h.dtype) == f"made by {producer}, decoded on {consumer}"
+    res = _spot(out, _engine(consumer, model), positions=2)
+    assert res.ok, res.layers
+    assert res.checked == (len(model.layers) if which == "tiny_llama" else 1)

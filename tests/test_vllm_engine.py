@@ -26,7 +26,7 @@ from muser_cli.engines.vllm import gather as L
 from muser_cli.engines.vllm import planner as P
 from muser_cli.engines.vllm import sinks as S
 from muser_cli.modelinfo import ModelInfo
-from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.errors import ConfigError, DataError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
 ROPE = RopeSpec(theta=10000.0, dims=8)
@@ -497,9 +497,9 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
         assert workdir is not None and list(workdir.iterdir()) == []  # spools consumed
         with pytest.raises(UsageError, match="producer"):
             eng.decode(layers, rows=50, next_tokens=[1], max_new_tokens=4)
-        with pytest.raises(UsageError, match="at least two tokens"):
+        with pytest.raises(PromptTooShort, match="at least two tokens"):
             eng.prefill([])
-        with pytest.raises(UsageError, match="exceed"):
+        with pytest.raises(PromptTooLong, match="exceed"):
             eng.prefill(list(range(300)))
         assert eng.producer_info()["vllm"] == "0.33.0"
         real = S.read_spool

@@ -125,14 +125,14 @@ def test_vllm_engine_is_reused_and_repeatable(vllm_engine):
 
 def test_vllm_options_are_checked_before_vllm_starts(tiny32, monkeypatch):
     from muser_cli.engines.vllm.engine import VLLMEngine
-    from muser_cli.errors import UsageError
+    from muser_cli.errors import PromptTooLong, UsageError
 
     eng = VLLMEngine(tiny32, dtype="bfloat16", threads=1, vllm_options={"max_model_len": 200, "host": "::1"})
     kw = eng.llm_kwargs(CHUNK)
     assert kw["enforce_eager"] is True and kw["max_model_len"] == 200 and kw["distributed_executor_backend"] == "uni"
     assert kw["kv_cache_memory_bytes"] == 1 << 30 and "host" not in kw
     assert eng.llm_env() == {"VLLM_HOST_IP": "::1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with pytest.raises(UsageError, match="exceed vLLM's max_model_len of 200"):
+    with pytest.raises(PromptTooLong, match="exceed vLLM's max_model_len of 200"):
         eng.prefill(list(range(3, 203)), chunk_tokens=CHUNK)
     monkeypatch.setenv("MUSER_VLLM_OPTS", "in_process=false,kv_cache_space=0.5,block_size=64")
     eng = VLLMEngine(tiny32, dtype="bfloat16", threads=1)

@@ -32,7 +32,7 @@ from muser_cli.engines.base import DecodeResult, Engine, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
-from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.errors import ConfigError, DataError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
 SUPPORTED_MIN = (0, 30)
@@ -237,11 +237,11 @@ class VLLMEngine(Engine):
 
         ids = [int(t) for t in token_ids]
         if not ids:
-            raise UsageError("nothing to prefill: the prompt needs at least two tokens")
+            raise PromptTooShort("nothing to prefill: the prompt needs at least two tokens")
         if any(t < 0 for t in ids):
             raise UsageError("token ids must be non-negative")
         if len(ids) + 1 > self.max_model_len:
-            raise UsageError(f"{len(ids) + 1} prompt tokens exceed vLLM's max_model_len of {self.max_model_len}",
+            raise PromptTooLong(f"{len(ids) + 1} prompt tokens exceed vLLM's max_model_len of {self.max_model_len}",
                              hint="raise it with the vLLM option max_model_len (up to the model's context)")
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")

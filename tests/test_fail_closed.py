@@ -363,3 +363,87 @@ def test_help_and_version_still_exit_0():
     assert muser("decode", "--help").returncode == 0
     v = muser("--version")
     assert v.returncode == 0 and v.stdout.startswith(b"muser ")
+
+
+# ----------------------------------------------------------------------------- every remote exit status
+def _one_line(proc, status: int, needle: str) -> None:
+    err = proc.stderr.decode() if isinstance(proc.stderr, bytes) else proc.stderr
+    assert proc.returncode == status, (proc.returncode, err)
+    lines = [line for line in err.splitlines() if line.startswith("muser: error:")]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "internal error" not in err and "Traceback" not in err
+
+
+def _tls12_server(identity_dir: Path):
+    """A TLS server on loopback that offers only TLS 1.2 (muser speaks 1.3 only)."""
+    import contextlib
+    import socket
+    import ssl
+    import threading
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(identity_dir / "node.pem", identity_dir / "node.key")
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with contextlib.suppress(OSError, ssl.SSLError):
+                with ctx.wrap_socket(conn, server_side=True) as tls:
+                    tls.recv(1)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return srv, stop, thread
+
+
+def test_remote_exit_statuses_75_76_77_78_are_one_line(tmp_path):
+    import socket
+
+    from kvpack_factory import make_pack
+    from test_handoff_kit import env_for, keys_dir_of, make_nodes, muser_cmd, spawn_receiver
+    from muser_cli.handoff import node
+
+    nodes = make_nodes(tmp_path / "nodes")
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(make_pack(40)[0])
+
+    def send(home, to):
+        return subprocess.run(muser_cmd("send", str(src), "--to", to, "--connect-timeout", "5", "--timeout", "30"),
+                              env=env_for(home), capture_output=True, timeout=60)
+
+    # 78: no node identity at all
+    _one_line(send(tmp_path / "empty-home", "127.0.0.1:9"), 78, "muser node init")
+    # 75: nobody listens (the caller should fall back to local prefill)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    closed = s.getsockname()[1]
+    s.close()
+    _one_line(send(nodes.producer_home, f"127.0.0.1:{closed}"), 75, "refused")
+    # 76: the peer speaks another protocol (TLS 1.2 only)
+    srv, stop, thread = _tls12_server(keys_dir_of(nodes.consumer_home))
+    try:
+        _one_line(send(nodes.producer_home, f"127.0.0.1:{srv.getsockname()[1]}"), 76, "TLS")
+    finally:
+        stop.set()
+        thread.join(5)
+        srv.close()
+    # 77: a producer enrolled with another consumer's CA
+    stranger = tmp_path / "stranger"
+    node.init_node(keys_dir_of(stranger / "ca"), name="elsewhere")
+    bundle, _ = node.export_producer(keys_dir_of(stranger / "ca"), producer="gx10")
+    node.join_node(keys_dir_of(stranger / "producer"), bundle)
+    proc, to = spawn_receiver(nodes.consumer_home, "--once", "--timeout", "20", "-o", str(tmp_path / "got.kvpack"))
+    try:
+        _one_line(send(stranger / "producer", to), 77, "certificate")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "got.kvpack").exists()

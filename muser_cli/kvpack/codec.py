@@ -7,6 +7,8 @@ Decompression is bounded: a frame never expands past its declared raw length.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from muser_cli.errors import KVPackError
@@ -20,42 +22,69 @@ def codec_id(name: str) -> int:
     raise KVPackError(f"unknown codec {name!r} (known: {', '.join(CODEC_NAMES.values())})")
 
 
-_UINT = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
-
-
 def group_bytes(raw: bytes | memoryview, elem: int) -> bytes | memoryview:
-    """byte 0 of every element, then byte 1, ... (shifts, not a strided transpose)."""
+    """byte 0 of every element, then byte 1, ... (one strided copy)."""
     if elem == 1:
         return raw
-    words = np.frombuffer(raw, dtype=_UINT[elem])
-    n = words.size
-    out = np.empty(elem * n, dtype=np.uint8)
-    for b in range(elem):
-        out[b * n : (b + 1) * n] = (words >> (8 * b)) & 0xFF
-    return memoryview(out)
+    return group_bytes_parts([raw], elem, len(raw))
+
+
+def group_bytes_parts(parts: list, elem: int, total: int) -> memoryview:
+    """:func:`group_bytes` of the concatenation of ``parts``, written straight from each part."""
+    if elem == 1:
+        if len(parts) == 1:
+            return memoryview(parts[0]).cast("B")
+        return memoryview(np.concatenate([np.frombuffer(p, np.uint8) for p in parts]))
+    n = total // elem
+    out = np.empty((elem, n), dtype=np.uint8)
+    off = 0
+    for part in parts:
+        v = np.frombuffer(part, dtype=np.uint8).reshape(-1, elem)
+        np.copyto(out[:, off : off + v.shape[0]], v.T)
+        off += v.shape[0]
+    return memoryview(out).cast("B")
 
 
 def ungroup_bytes(grouped: bytes | memoryview, elem: int) -> bytes | memoryview:
     if elem == 1:
         return grouped
     planes = np.frombuffer(grouped, dtype=np.uint8).reshape(elem, -1)  # (elem, n)
-    words = planes[0].astype(_UINT[elem])
-    for b in range(1, elem):
-        words |= planes[b].astype(_UINT[elem]) << (8 * b)
-    return memoryview(words).cast("B")
+    out = np.empty((planes.shape[1], elem), dtype=np.uint8)
+    for b in range(elem):
+        out[:, b] = planes[b]
+    return memoryview(out).cast("B")
 
 
-_cctx: dict[int, object] = {}
+# zstandard contexts are not safe to share between threads: one per thread (and level).
+_local = threading.local()
+
+
+def _compressor(level: int):
+    import zstandard
+
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cctx
+
+
+def _decompressor():
+    import zstandard
+
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 def encode_payload(raw: bytes | memoryview, codec: int, *, elem: int, level: int = 1) -> bytes | memoryview:
+    """One frame's stored bytes. Safe to call from several threads (zstandard releases the GIL)."""
     if codec == CODEC_RAW:
         return raw
-    import zstandard
-
-    cctx = _cctx.get(level)
-    if cctx is None:
-        cctx = _cctx[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    cctx = _compressor(level)
     if codec == CODEC_ZSTD:
         return cctx.compress(raw)  # type: ignore[attr-defined]
     if codec == CODEC_ZSTD_GROUPED:
@@ -79,7 +108,7 @@ def decode_payload(stored: bytes | memoryview, codec: int, *, raw_len: int, elem
         declared = zstandard.frame_content_size(stored)
         if declared not in (-1, raw_len):
             raise KVPackError(f"zstd frame declares {declared} bytes, header says {raw_len}")
-        dctx = zstandard.ZstdDecompressor()
+        dctx = _decompressor()
         out = dctx.decompress(stored, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise KVPackError(f"zstd frame does not decode ({exc})") from None

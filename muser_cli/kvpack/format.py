@@ -8,6 +8,9 @@ Rules (docs/kvpack.md is the normative text):
     64-byte digest block (32-byte SHA-256 chain digest + 32 zero bytes);
   * the digest chain starts from the header digest and binds every frame's header
     (with its sequence number) and stored bytes; the end frame carries the root digest.
+    v1.0 chains SHA-256 over header and stored bytes; v1.1 names its digest (``blake3``
+    or ``sha256``) and chains each frame header with the digest of its payload
+    (muser_cli/kvpack/digest.py).
 All lengths are checked against hard limits before anything is allocated.
 """
 
@@ -20,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from muser_cli.errors import KVPackError
+from muser_cli.kvpack.digest import DEFAULT_DIGEST, DIGESTS
 from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
 
 MAGIC = b"\x89KVPACK\n"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # the newest minor this code reads and writes; it reads every 1.y with y <= MINOR
+MINORS = (0, 1)
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header_len
 FRAME_HEADER = struct.Struct("<4sIIIIBBHQQ24x")  # tag, seq, layer, start, count, codec, flags, rsv, raw_len, stored_len
 ALIGN = 64
@@ -53,6 +58,7 @@ HEADER_KEYS_V1_0 = {
     "format", "version", "model", "tokenizer", "tokens", "positions", "schedule",
     "dtype", "layers", "codec", "quant", "producer", "base",
 }
+HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}}
 
 
 def pad_len(n: int) -> int:
@@ -107,6 +113,15 @@ class PackHeader:
     base: dict[str, Any] | None = None
     minor: int = MINOR
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
+    digest: str | None = None  # v1.1: "blake3" (default) or "sha256"; v1.0 is always sha256
+
+    def __post_init__(self) -> None:
+        if self.minor == 0:
+            object.__setattr__(self, "digest", "sha256")
+        elif self.digest is None:
+            object.__setattr__(self, "digest", DEFAULT_DIGEST)
+        if self.digest not in DIGESTS:
+            raise KVPackError(f"digest {self.digest!r} is unknown (known: {', '.join(DIGESTS)})")
 
     @property
     def rows_end(self) -> int:
@@ -178,7 +193,7 @@ class PackHeader:
             c += g
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": "kvpack",
             "version": [MAJOR, self.minor],
             "model": {"fingerprint": self.model_fingerprint, "name": self.model_name, "architecture": self.architecture},
@@ -193,6 +208,9 @@ class PackHeader:
             "producer": self.producer,
             "base": self.base,
         }
+        if self.minor >= 1:
+            out["digest"] = self.digest
+        return out
 
     def encode(self) -> bytes:
         return canonical_json(self.to_json())
@@ -307,8 +325,10 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         raise _fail("not canonical JSON") from None
     if canon != header_json:
         raise _fail("not canonical JSON (duplicate keys, spacing or key order)")
-    unknown = set(obj) - HEADER_KEYS_V1_0
-    if unknown and minor <= MINOR:
+    if minor not in MINORS:  # the preamble check refuses newer minors first; this guards direct calls
+        raise _fail(f"version {major}.{minor} is not one this reader reads (1.0 to {MAJOR}.{MINOR})")
+    unknown = set(obj) - HEADER_KEYS[minor]
+    if unknown:
         raise _fail(f"unknown key(s) {sorted(unknown)} for version {major}.{minor}")
     if obj.get("format") != "kvpack":
         raise _fail("format is not 'kvpack'")
@@ -363,6 +383,11 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise _fail("int8 quant of this dtype is not defined")
     producer = _get(obj, "producer", dict, "header")
+    digest = None
+    if minor >= 1:
+        digest = _get(obj, "digest", str, "header")
+        if digest not in DIGESTS:
+            raise _fail(f"digest {digest!r} is unknown (known: {', '.join(DIGESTS)})")
     base = obj.get("base")
     if base is not None and not isinstance(base, dict):
         raise _fail("base must be an object or null")
@@ -373,7 +398,7 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         model_fingerprint=model_fp, tokenizer_fingerprint=tok_fp, token_ids=tuple(ids), layers=layers,
         dtype=dtype, chunk_tokens=chunk, rows_start=rows_start, frame_tokens=frame_tokens,
         model_name=model_name, architecture=arch, codec=codec, quant=quant, producer=producer,
-        base=base, minor=minor, raw=obj,
+        base=base, minor=minor, raw=obj, digest=digest,
     )
     # Checked sizes: Python ints do not overflow; compare against hard caps.
     total = 0

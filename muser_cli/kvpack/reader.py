@@ -4,20 +4,35 @@ The parser verifies each frame as it arrives (plan position, sequence, lengths, 
 chain, codec bounds) and reports the pack complete only when the end frame's root digest
 verifies and no byte follows. Memory grows with bytes actually received, never with
 sizes a header merely declares. Every failure is a :class:`KVPackError`.
+
+No needless copies:
+  * ``feed`` parses immutable input (``bytes``, read-only views such as a memory map) in
+    place, and input the caller hands over (``owned=True``); a frame that arrives in
+    pieces is gathered once into a buffer of its own;
+  * ``read_pack`` on a regular file memory-maps it, hashes the frames' payloads on a
+    small thread pool (v1.1), checks the chain in order, decompresses zstd frames on the
+    pool, and hands out rows -- views of the map for an uncompressed layer held in one
+    frame -- only after the root digest verified; on a pipe it reads each step with
+    ``readinto`` into a buffer of exactly that step's size.
 """
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
+import stat
 from dataclasses import dataclass
-from typing import BinaryIO, Union
+from typing import Any, BinaryIO, Callable, Union
 
 import numpy as np
 
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.codec import decode_payload
+from muser_cli.kvpack.digest import Chain, pool
 from muser_cli.kvpack.format import (
-    DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE, TAG_DATA, TAG_END,
-    CODEC_NAMES, PackHeader, chain, header_digest, pad_len, parse_header,
+    CODEC_NAMES, DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, MINOR, PREAMBLE, TAG_DATA, TAG_END,
+    PackHeader, header_digest, pad_len, parse_header,
 )
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
@@ -49,28 +64,141 @@ class EndEvent:
 Event = Union[HeaderEvent, FrameEvent, EndEvent]
 
 
+# ---------------------------------------------------------------- checks shared by both readers
+def _check_magic(head: bytes | bytearray | memoryview) -> None:
+    head = bytes(head[: len(MAGIC)])
+    if not MAGIC.startswith(head):
+        raise KVPackError("not a kvpack (bad magic)")
+
+
+def _check_preamble(pre: memoryview | bytes, max_minor: int, max_bytes: int | None) -> tuple[int, int]:
+    _, major, minor, hlen = PREAMBLE.unpack(pre)
+    if major != MAJOR:
+        raise KVPackError(f"kvpack major version {major} is not supported (this reader reads {MAJOR}.x)")
+    if minor > max_minor:
+        raise KVPackError(f"kvpack version {major}.{minor} is newer than this reader's {MAJOR}.{max_minor} "
+                          f"(it reads {MAJOR}.0 to {MAJOR}.{max_minor}): upgrade muser to read it")
+    if not 2 <= hlen <= MAX_HEADER_BYTES:
+        raise KVPackError(f"header length {hlen} outside [2, {MAX_HEADER_BYTES}]")
+    if max_bytes is not None and hlen > max_bytes:
+        raise KVPackError(f"header length {hlen} exceeds the allowed size")
+    return minor, hlen
+
+
+def _header_block_len(hlen: int) -> int:
+    return hlen + pad_len(PREAMBLE.size + hlen)
+
+
+def _check_header(block: memoryview | bytes, pre: bytes, hlen: int, minor: int) -> tuple[PackHeader, bytes]:
+    hjson, padding = bytes(block[:hlen]), block[hlen:]
+    if any(padding):
+        raise KVPackError("non-zero header padding")
+    header = parse_header(hjson, MAJOR, minor)
+    return header, header_digest(pre, hjson)
+
+
+def _check_frame_header(fh: memoryview | bytes, seq: int, plan: list, header: PackHeader, raw_total: int,
+                        pos_after: int, max_bytes: int | None) -> tuple:
+    """('end', raw_len) or ('data', layer, start, count, codec, raw_len, stored_len)."""
+    tag, fseq, layer, start, count, codec, flags, rsv, raw_len, stored_len = FRAME_HEADER.unpack(fh)
+    if any(fh[40:]) or flags or rsv:
+        raise KVPackError(f"frame {seq}: reserved bytes are not zero")
+    if fseq != seq:
+        raise KVPackError(f"frame sequence {fseq} where {seq} was expected (reordered or duplicated)")
+    if tag == TAG_END:
+        if seq != len(plan):
+            raise KVPackError(f"end frame after {seq} of {len(plan)} frames (frames missing)")
+        if (layer, start, count, codec, stored_len) != (0, 0, 0, 0, 0):
+            raise KVPackError("malformed end frame")
+        if raw_len != raw_total or raw_len != header.total_raw_bytes():
+            raise KVPackError("end frame byte count disagrees with the frames")
+        return ("end", raw_len)
+    if tag != TAG_DATA:
+        raise KVPackError(f"frame {seq}: unknown frame tag {tag!r}")
+    if seq >= len(plan):
+        raise KVPackError(f"frame {seq} beyond the {len(plan)} the header plans")
+    exp = plan[seq]
+    if (layer, start, count) != exp:
+        raise KVPackError(f"frame {seq} is (layer {layer}, start {start}, rows {count}); the plan says {exp}")
+    if codec not in CODEC_NAMES:
+        raise KVPackError(f"frame {seq}: unknown codec id {codec}")
+    expect_raw = header.row_bytes(layer) * count
+    if raw_len != expect_raw:
+        raise KVPackError(f"frame {seq}: raw length {raw_len} != {expect_raw} implied by the header")
+    if stored_len > raw_len + 1024 or (codec == 0 and stored_len != raw_len):
+        raise KVPackError(f"frame {seq}: stored length {stored_len} is impossible")
+    if max_bytes is not None and pos_after + stored_len > max_bytes:
+        raise KVPackError(f"pack larger than the allowed {max_bytes} bytes")
+    return ("data", layer, start, count, codec, raw_len, stored_len)
+
+
+def _body_len(stored_len: int) -> int:
+    return stored_len + pad_len(stored_len) + DIGEST_BLOCK
+
+
+def _check_padding(body: memoryview, stored_len: int, seq: int) -> None:
+    if any(body[stored_len : stored_len + pad_len(stored_len)]) or any(body[-32:]):
+        raise KVPackError(f"frame {seq}: non-zero padding")
+
+
+def _decode(header: PackHeader, layer: int, count: int, codec: int, stored: memoryview, raw_len: int,
+            decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    spec = header.layers[layer]
+    np_dtype = np.dtype(DTYPES[header.dtype][1])
+    if not decode:
+        empty = np.empty((0,), dtype=np_dtype)
+        return empty, empty
+    if header.quant_scheme == "int8":
+        from muser_cli.kvpack.quant import decode_int8
+
+        raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)  # int8 payload
+        return decode_int8(raw, spec.kv_heads, count, spec.head_dim, spec.v_head_dim, header.dtype)
+    raw = decode_payload(stored, codec, raw_len=raw_len, elem=np_dtype.itemsize)
+    flat = np.frombuffer(raw, dtype=np_dtype)
+    nk = spec.kv_heads * count * spec.head_dim
+    return (flat[:nk].reshape(spec.kv_heads, count, spec.head_dim),
+            flat[nk:].reshape(spec.kv_heads, count, spec.v_head_dim))
+
+
+def _check_root(block: memoryview, root: bytes) -> None:
+    if bytes(block[:32]) != root or any(block[32:]):
+        raise KVPackError("end frame root digest mismatch (corrupt)")
+
+
+# ---------------------------------------------------------------- the streaming parser
 class PackReader:
     """Feed bytes, get events. ``finish()`` at end of input raises if the pack is incomplete.
 
     ``decode=False`` checks structure and digests without decoding payloads (fast verify
-    for relays); FrameEvent arrays are then empty.
+    for relays); FrameEvent arrays are then empty. ``max_minor`` is the newest minor
+    version accepted (a reader limited to 1.0 refuses 1.1 files by version).
+
+    A FrameEvent is emitted only after that frame's own digest (and the chain up to it)
+    verified; its arrays may be views of the bytes fed (never of a buffer the caller may
+    reuse: writable input is copied unless ``feed(..., owned=True)`` hands it over).
     """
 
-    def __init__(self, *, max_bytes: int | None = None, decode: bool = True) -> None:
-        self._buf = bytearray()
+    def __init__(self, *, max_bytes: int | None = None, decode: bool = True, max_minor: int = MINOR) -> None:
+        self._pend: np.ndarray | None = None  # a step that arrived in pieces, gathered here
+        self._pend_len = 0
+        self._pend_need = 0
         self._pos = 0  # bytes consumed
         self._state = "preamble"
         self._max_bytes = max_bytes
         self._decode = decode
+        self._max_minor = max_minor
         self.header: PackHeader | None = None
         self._plan: list[tuple[int, int, int]] = []
         self._seq = 0
-        self._digest = b""
+        self._chain: Chain | None = None
         self._raw_total = 0
         self._hlen = 0
+        self._minor = 0
         self._pre = b""
         self._frame: tuple | None = None
         self.root_digest: bytes | None = None
+        self._src = memoryview(b"")
+        self._off = 0
 
     @property
     def done(self) -> bool:
@@ -80,42 +208,70 @@ class PackReader:
     def bytes_consumed(self) -> int:
         return self._pos
 
+    def _need(self) -> int:
+        st = self._state
+        if st == "preamble":
+            return PREAMBLE.size
+        if st == "header":
+            return _header_block_len(self._hlen)
+        if st == "frame_body":
+            return _body_len(self._frame[6])  # type: ignore[index]
+        if st in ("frame_header", "end_digest"):
+            return FRAME_HEADER.size
+        return 0
+
     def want(self) -> int:
         """Bytes still needed to complete the current step (0 when done): a pull-based
         caller that reads exactly this much gets zero-copy parsing."""
-        st = self._state
-        if st == "preamble":
-            need = PREAMBLE.size
-        elif st == "header":
-            need = self._hlen + pad_len(PREAMBLE.size + self._hlen)
-        elif st == "frame_body":
-            stored_len = self._frame[6]  # type: ignore[index]
-            need = stored_len + pad_len(stored_len) + DIGEST_BLOCK
-        elif st in ("frame_header", "end_digest"):
-            need = FRAME_HEADER.size
-        else:
+        if self._state == "done":
             return 0
-        return max(0, need - len(self._buf))
+        return max(0, self._need() - self._pend_len)
 
-    def feed(self, data: bytes | memoryview) -> list[Event]:
-        if data and self._state == "done":
+    def feed(self, data: bytes | bytearray | memoryview, *, owned: bool = False) -> list[Event]:
+        """Parse ``data``. ``owned=True``: the caller will never write to this buffer again,
+        so frames may be handed out as views of it."""
+        n = len(data)
+        if n and self._state == "done":
             raise KVPackError("bytes after the end frame")
-        if self._max_bytes is not None and self._pos + len(self._buf) + len(data) > self._max_bytes:
+        if self._max_bytes is not None and self._pos + self._pend_len + n > self._max_bytes:
             raise KVPackError(f"pack larger than the allowed {self._max_bytes} bytes")
-        if self._buf:
-            short = len(data) < self.want()
-            self._buf += data
-            if short:  # still incomplete: keep appending, copy nothing twice
-                if self._state == "preamble":
-                    self._check_magic(self._buf)
-                return []
-            src = bytes(self._buf)
-            self._buf = bytearray()
-        else:
-            src = data if isinstance(data, bytes) else bytes(data)
-        self._src = memoryview(src)
-        self._off = 0
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if not view.readonly and not owned:
+            view = memoryview(bytes(view))  # the caller may reuse its buffer: parse our own copy
         events: list[Event] = []
+        if self._pend is not None:
+            view = self._gather(view, events)
+            if self._pend is not None:  # still incomplete
+                if self._state == "preamble":
+                    _check_magic(self._pend[: self._pend_len])
+                return events
+        if len(view):
+            self._run(view, events)
+        return events
+
+    def _gather(self, view: memoryview, events: list[Event]) -> memoryview:
+        """Copy into the pending step; when it completes, parse it. Returns what is left."""
+        assert self._pend is not None
+        take = min(self._pend_need - self._pend_len, len(view))
+        end = self._pend_len + take
+        if end > len(self._pend):  # grow with what arrived, never to what was merely declared
+            bigger = np.empty(min(self._pend_need, max(2 * len(self._pend), end)), dtype=np.uint8)
+            bigger[: self._pend_len] = self._pend[: self._pend_len]
+            self._pend = bigger
+        self._pend[self._pend_len : end] = np.frombuffer(view[:take], dtype=np.uint8)
+        self._pend_len = end
+        rest = view[take:]
+        if self._pend_len < self._pend_need:
+            return rest
+        step = memoryview(self._pend)[: self._pend_need]
+        self._pend, self._pend_len, self._pend_need = None, 0, 0
+        self._run(step, events)  # exactly one step: nothing is left over
+        return rest
+
+    def _run(self, view: memoryview, events: list[Event]) -> None:
+        self._src, self._off = view, 0
         try:
             while True:
                 ev = self._step()
@@ -125,23 +281,22 @@ class PackReader:
                     events.append(ev)  # type: ignore[arg-type]
         finally:
             rest = self._src[self._off :]
-            if len(rest):
-                self._buf = bytearray(rest)
-            self._src = memoryview(b"")
-            self._off = 0
-        if self._state == "done" and self._buf:
-            raise KVPackError("bytes after the end frame")
-        return events
-
-    def _check_magic(self, head: bytes | bytearray | memoryview) -> None:
-        head = bytes(head[: len(MAGIC)])
-        if not MAGIC.startswith(head):
-            raise KVPackError("not a kvpack (bad magic)")
+            self._src, self._off = memoryview(b""), 0
+        if len(rest):
+            if self._state == "done":
+                raise KVPackError("bytes after the end frame")
+            need = self._need()
+            self._pend_need = need
+            self._pend = np.empty(min(need, max(len(rest), 1 << 20)), dtype=np.uint8)
+            self._pend[: len(rest)] = np.frombuffer(rest, dtype=np.uint8)
+            self._pend_len = len(rest)
+            if self._state == "preamble":
+                _check_magic(rest)
 
     def finish(self) -> None:
         if self._state != "done":
             where = {"preamble": "in the preamble", "header": "in the header"}.get(self._state, f"after {self._seq} frames")
-            if self._pos == 0 and not self._buf:
+            if self._pos == 0 and not self._pend_len:
                 raise KVPackError("empty input: no kvpack")
             raise KVPackError(f"truncated kvpack: input ended {where}")
 
@@ -157,108 +312,53 @@ class PackReader:
     def _step(self) -> Event | bool | None:
         st = self._state
         if st == "preamble":
-            self._check_magic(self._src[self._off :])
+            _check_magic(self._src[self._off :])
             pre = self._take(PREAMBLE.size)
             if pre is None:
                 return None
-            _, major, minor, hlen = PREAMBLE.unpack(pre)
-            if major != MAJOR:
-                raise KVPackError(f"kvpack major version {major} is not supported (this reader reads {MAJOR}.x)")
-            if not 2 <= hlen <= MAX_HEADER_BYTES:
-                raise KVPackError(f"header length {hlen} outside [2, {MAX_HEADER_BYTES}]")
-            if self._max_bytes is not None and hlen > self._max_bytes:
-                raise KVPackError(f"header length {hlen} exceeds the allowed size")
-            self._pre, self._hlen, self._minor = bytes(pre), hlen, minor
+            self._minor, self._hlen = _check_preamble(pre, self._max_minor, self._max_bytes)
+            self._pre = bytes(pre)
             self._state = "header"
             return True
         if st == "header":
-            need = self._hlen + pad_len(PREAMBLE.size + self._hlen)
-            block = self._take(need)
+            block = self._take(_header_block_len(self._hlen))
             if block is None:
                 return None
-            hjson, padding = bytes(block[: self._hlen]), block[self._hlen :]
-            if any(padding):
-                raise KVPackError("non-zero header padding")
-            header = parse_header(hjson, MAJOR, self._minor)
+            header, d_header = _check_header(block, self._pre, self._hlen, self._minor)
             self.header = header
             self._plan = list(header.frame_plan())
-            self._digest = header_digest(self._pre, hjson)
+            self._chain = Chain(self._minor, header.digest or "sha256", d_header)
             self._state = "frame_header"
             return HeaderEvent(header)
         if st == "frame_header":
             fh = self._take(FRAME_HEADER.size)
             if fh is None:
                 return None
-            tag, seq, layer, start, count, codec, flags, rsv, raw_len, stored_len = FRAME_HEADER.unpack(fh)
-            if any(fh[40:]) or flags or rsv:
-                raise KVPackError(f"frame {self._seq}: reserved bytes are not zero")
-            if seq != self._seq:
-                raise KVPackError(f"frame sequence {seq} where {self._seq} was expected (reordered or duplicated)")
-            if tag == TAG_END:
-                if self._seq != len(self._plan):
-                    raise KVPackError(f"end frame after {self._seq} of {len(self._plan)} frames (frames missing)")
-                if (layer, start, count, codec, stored_len) != (0, 0, 0, 0, 0):
-                    raise KVPackError("malformed end frame")
-                assert self.header is not None
-                if raw_len != self._raw_total or raw_len != self.header.total_raw_bytes():
-                    raise KVPackError("end frame byte count disagrees with the frames")
-                self._frame = ("end", fh)
+            assert self.header is not None
+            got = _check_frame_header(fh, self._seq, self._plan, self.header, self._raw_total, self._pos,
+                                      self._max_bytes)
+            if got[0] == "end":
+                self._frame = ("end", bytes(fh))
                 self._state = "end_digest"
                 return True
-            if tag != TAG_DATA:
-                raise KVPackError(f"frame {self._seq}: unknown frame tag {tag!r}")
-            if self._seq >= len(self._plan):
-                raise KVPackError(f"frame {self._seq} beyond the {len(self._plan)} the header plans")
-            exp = self._plan[self._seq]
-            if (layer, start, count) != exp:
-                raise KVPackError(
-                    f"frame {self._seq} is (layer {layer}, start {start}, rows {count}); the plan says {exp}"
-                )
-            if codec not in CODEC_NAMES:
-                raise KVPackError(f"frame {self._seq}: unknown codec id {codec}")
-            assert self.header is not None
-            expect_raw = self.header.row_bytes(layer) * count
-            if raw_len != expect_raw:
-                raise KVPackError(f"frame {self._seq}: raw length {raw_len} != {expect_raw} implied by the header")
-            if stored_len > raw_len + 1024 or (codec == 0 and stored_len != raw_len):
-                raise KVPackError(f"frame {self._seq}: stored length {stored_len} is impossible")
-            if self._max_bytes is not None and self._pos + stored_len > self._max_bytes:
-                raise KVPackError(f"pack larger than the allowed {self._max_bytes} bytes")
-            self._frame = (fh, layer, start, count, codec, raw_len, stored_len)
+            _, layer, start, count, codec, raw_len, stored_len = got
+            self._frame = (bytes(fh), layer, start, count, codec, raw_len, stored_len)
             self._state = "frame_body"
             return True
         if st == "frame_body":
             fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
-            need = stored_len + pad_len(stored_len) + DIGEST_BLOCK
-            body = self._take(need)
+            body = self._take(_body_len(stored_len))
             if body is None:
                 return None
-            assert body is not None
-            stored = memoryview(body)[:stored_len]
-            if any(body[stored_len : stored_len + pad_len(stored_len)]) or any(body[-32:]):
-                raise KVPackError(f"frame {self._seq}: non-zero padding")
-            digest = chain(self._digest, fh, stored)
+            stored = body[:stored_len]
+            _check_padding(body, stored_len, self._seq)
+            assert self._chain is not None and self.header is not None
+            digest = self._chain.compute(fh, (stored,))
             if digest != body[-DIGEST_BLOCK:-32]:
                 raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
-            self._digest = digest
+            self._chain.value = digest
             self._raw_total += raw_len
-            assert self.header is not None
-            spec = self.header.layers[layer]
-            np_dtype = np.dtype(DTYPES[self.header.dtype][1])
-            int8 = self.header.quant_scheme == "int8"
-            if self._decode and int8:
-                from muser_cli.kvpack.quant import decode_int8
-
-                raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)  # int8 payload
-                keys, values = decode_int8(raw, spec.kv_heads, count, spec.head_dim, spec.v_head_dim, self.header.dtype)
-            elif self._decode:
-                raw = decode_payload(stored, codec, raw_len=raw_len, elem=np_dtype.itemsize)
-                flat = np.frombuffer(raw, dtype=np_dtype)
-                nk = spec.kv_heads * count * spec.head_dim
-                keys = flat[:nk].reshape(spec.kv_heads, count, spec.head_dim)
-                values = flat[nk:].reshape(spec.kv_heads, count, spec.v_head_dim)
-            else:
-                keys = values = np.empty((0,), dtype=np_dtype)
+            keys, values = _decode(self.header, layer, count, codec, stored, raw_len, self._decode)
             ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values)
             self._seq += 1
             self._state = "frame_header"
@@ -268,9 +368,9 @@ class PackReader:
             if block is None:
                 return None
             _, fh = self._frame  # type: ignore[misc]
-            root = chain(self._digest, fh, b"")
-            if block[:32] != root or any(block[32:]):
-                raise KVPackError("end frame root digest mismatch (corrupt)")
+            assert self._chain is not None
+            root = self._chain.root(fh)
+            _check_root(block, root)
             self.root_digest = root
             self._state = "done"
             return EndEvent(root, self._pos, self._raw_total)
@@ -290,22 +390,257 @@ class KVPack:
 
 READ_BLOCK = 1 << 20
 MAX_READ = 1 << 30
+PARALLEL_MIN_BYTES = 1 << 20  # below this, a thread pool costs more than it saves
 
 
-def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None) -> KVPack:
+# ---------------------------------------------------------------- whole pack from one buffer
+@dataclass
+class _Scanned:
+    seq: int
+    fh: bytes
+    layer: int
+    start: int
+    count: int
+    codec: int
+    raw_len: int
+    stored: memoryview
+    digest: bytes
+
+
+def _map_file(stream: BinaryIO) -> tuple[memoryview, int] | None:
+    """(a read-only view of the rest of the file, its end offset), when ``stream`` is a
+    plain regular file with bytes left; else None (read it as a stream)."""
+    raw = stream.raw if isinstance(stream, (io.BufferedReader, io.BufferedRandom)) else stream
+    if not isinstance(raw, io.FileIO) or raw.closed:
+        return None
+    try:
+        fd = raw.fileno()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        pos = stream.tell()
+        if pos >= st.st_size:
+            return None
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    except (AttributeError, OSError):
+        pass
+    return memoryview(mm)[pos:], st.st_size
+
+
+def _truncated(where: str) -> KVPackError:
+    return KVPackError(f"truncated kvpack: input ended {where}")
+
+
+def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progress: Callable | None = None,
+                max_minor: int = MINOR) -> KVPack:
+    """Verify and read a whole pack held in memory (or memory-mapped) without copying it.
+
+    Same verdicts as :class:`PackReader` fed the same bytes (the first failure in stream
+    order is the one reported). Payload digests (v1.1) and zstd frames run on the worker
+    pool; nothing is returned unless the root digest verified and nothing follows it.
+    Uncompressed rows of a layer held in one frame are views of ``buf``; other layers are
+    assembled into arrays of their own.
+    """
+    buf = memoryview(buf)
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
+    size = len(buf)
+    if max_bytes is not None and size > max_bytes:
+        raise KVPackError(f"pack larger than the allowed {max_bytes} bytes")
+    if size == 0:
+        raise KVPackError("empty input: no kvpack")
+    _check_magic(buf[:8])
+    if size < PREAMBLE.size:
+        raise _truncated("in the preamble")
+    minor, hlen = _check_preamble(buf[: PREAMBLE.size], max_minor, max_bytes)
+    pos = PREAMBLE.size
+    hblock = _header_block_len(hlen)
+    if size - pos < hblock:
+        raise _truncated("in the header")
+    header, d_header = _check_header(buf[pos : pos + hblock], bytes(buf[: PREAMBLE.size]), hlen, minor)
+    pos += hblock
+    plan = list(header.frame_plan())
+
+    # 1. structure, in stream order, up to the end frame or the first structural failure
+    frames: list[_Scanned] = []
+    failure: KVPackError | None = None
+    end: tuple[bytes, memoryview] | None = None
+    raw_total = 0
+    seq = 0
+    while True:
+        if size - pos < FRAME_HEADER.size:
+            failure = _truncated(f"after {seq} frames")
+            break
+        fh = buf[pos : pos + FRAME_HEADER.size]
+        try:
+            got = _check_frame_header(fh, seq, plan, header, raw_total, pos + FRAME_HEADER.size, max_bytes)
+        except KVPackError as exc:
+            failure = exc
+            break
+        pos += FRAME_HEADER.size
+        if got[0] == "end":
+            if size - pos < DIGEST_BLOCK:
+                failure = _truncated(f"after {seq} frames")
+                break
+            end = (bytes(fh), buf[pos : pos + DIGEST_BLOCK])
+            pos += DIGEST_BLOCK
+            break
+        _, layer, start, count, codec, raw_len, stored_len = got
+        blen = _body_len(stored_len)
+        if size - pos < blen:
+            failure = _truncated(f"after {seq} frames")
+            break
+        body = buf[pos : pos + blen]
+        try:
+            _check_padding(body, stored_len, seq)
+        except KVPackError as exc:
+            failure = exc
+            break
+        frames.append(_Scanned(seq, bytes(fh), layer, start, count, codec, raw_len, body[:stored_len],
+                               bytes(body[-DIGEST_BLOCK:-32])))
+        raw_total += raw_len
+        seq += 1
+        pos += blen
+
+    # 2. digests: payloads (v1.1) on the pool, then the chain in order
+    chain = Chain(minor, header.digest or "sha256", d_header)
+    stored_total = sum(len(f.stored) for f in frames)
+    ex = pool() if stored_total >= PARALLEL_MIN_BYTES else None
+    ps: list[bytes | None] = [None] * len(frames)
+    if chain.parallel:
+        if ex is not None:
+            ps = list(ex.map(lambda f: chain.payload((f.stored,)), frames))
+        else:
+            ps = [chain.payload((f.stored,)) for f in frames]
+    bad: int | None = None
+    for i, f in enumerate(frames):
+        d = chain.compute(f.fh, (f.stored,), ps[i])
+        if d != f.digest:
+            bad = i
+            break
+        chain.value = d
+    good = frames if bad is None else frames[:bad]
+    root_error: KVPackError | None = None
+    root = b""
+    if bad is None and failure is None and end is not None:
+        root = chain.root(end[0])
+        try:
+            _check_root(end[1], root)
+        except KVPackError as exc:
+            root_error = exc
+
+    # 3. decode what verified (zstd on the pool); the first failure in stream order wins
+    def dec(f: _Scanned):
+        return _decode(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
+
+    if ex is not None and any(f.codec != 0 or header.quant_scheme != "none" for f in good):
+        futures = [ex.submit(dec, f) for f in good]
+        decoded = []
+        for fut in futures:
+            try:
+                decoded.append(fut.result())
+            except KVPackError:
+                for rest in futures:
+                    rest.cancel()
+                raise
+    else:
+        decoded = [dec(f) for f in good]
+    if bad is not None:
+        f = frames[bad]
+        raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+    if failure is not None:
+        raise failure
+    if root_error is not None:
+        raise root_error
+    if pos != size:
+        raise KVPackError("bytes after the end frame")
+
+    # 4. verified: hand out the rows
+    layers = _assemble(header, good, decoded, ex, progress, len(plan))
+    return KVPack(header=header, layers=layers, root_digest=root, total_bytes=pos, stored_bytes=stored_total)
+
+
+def _assemble(header: PackHeader, frames: list[_Scanned], decoded: list, ex, progress, nplan: int) -> list[LayerKV]:
+    np_dtype = np.dtype(DTYPES[header.dtype][1])
+    per_layer: list[list[int]] = [[] for _ in header.layers]
+    for i, f in enumerate(frames):
+        per_layer[f.layer].append(i)
+    layers: list[LayerKV] = []
+    copies = []
+    for li, idx in enumerate(per_layer):
+        spec = header.layers[li]
+        first = header.layer_first_row(li)
+        if len(idx) == 1:  # one frame holds the layer: its rows as they are (a view when uncompressed)
+            keys, values = decoded[idx[0]]
+        else:
+            rows = header.layer_rows(li)
+            keys = np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype)
+            values = np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype)
+            for i in idx:
+                a = frames[i].start - first
+                k, v = decoded[i]
+                copies.append((keys[:, a : a + frames[i].count], k))
+                copies.append((values[:, a : a + frames[i].count], v))
+        layers.append(LayerKV(keys=keys, values=values, first_row=first))
+    if ex is not None and len(copies) > 1:
+        list(ex.map(lambda c: np.copyto(c[0], c[1]), copies))  # numpy copies release the GIL
+    else:
+        for dst, src in copies:
+            np.copyto(dst, src)
+    if progress is not None:
+        for f in frames:
+            progress("read", f.seq + 1, nplan)
+    return layers
+
+
+# ---------------------------------------------------------------- streams
+def read_exact_into(stream: BinaryIO, n: int) -> memoryview:
+    """Up to ``n`` bytes (fewer only at end of input) read with ``readinto`` into a fresh
+    buffer of exactly that size; the caller owns it. Streams without readinto use read."""
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:
+        data = stream.read(n)
+        return memoryview(data or b"")
+    buf = np.empty(n, dtype=np.uint8) if n > 4096 else bytearray(n)
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < n:
+        k = readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return view[:got]
+
+
+def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, use_mmap: bool = True) -> KVPack:
     """Read and verify a whole pack from a binary stream. Nothing is returned unless the
-    end frame verifies and nothing follows it."""
+    end frame verifies and nothing follows it. A regular file is memory-mapped (``use_mmap``)
+    and read as :func:`read_buffer`; the stream is then left at its end. Rows may be views
+    of the map: a muser file is never rewritten in place (it is replaced by rename), and
+    a file truncated under a live map would fault the process (see docs/kvpack.md 4.2)."""
+    if use_mmap:
+        mapped = _map_file(stream)
+        if mapped is not None:
+            view, end = mapped
+            try:
+                return read_buffer(view, max_bytes=max_bytes, progress=progress)
+            finally:
+                stream.seek(end)
     reader = PackReader(max_bytes=max_bytes)
     parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
     header: PackHeader | None = None
-    end: EndEvent | None = None
+    end_ev: EndEvent | None = None
     stored = 0
     while True:
-        # Read exactly what the parser needs next: each frame arrives in one piece (no copies).
-        chunk = stream.read(max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
-        if not chunk:
+        # Read exactly what the parser needs next, into a buffer of its own (no copies).
+        chunk = read_exact_into(stream, max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
+        if not len(chunk):
             break
-        for ev in reader.feed(chunk):
+        for ev in reader.feed(chunk, owned=True):
             if isinstance(ev, HeaderEvent):
                 header = ev.header
                 parts = [[] for _ in header.layers]
@@ -315,9 +650,9 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None) 
                 if progress is not None and header is not None:
                     progress("read", ev.seq + 1, len(reader._plan))
             else:
-                end = ev
+                end_ev = ev
     reader.finish()
-    assert header is not None and end is not None
+    assert header is not None and end_ev is not None
     layers: list[LayerKV] = []
     for i, frames in enumerate(parts):
         spec = header.layers[i]
@@ -330,10 +665,13 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None) 
             values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=np_dtype)
         frames.clear()
         layers.append(LayerKV(keys=keys, values=values, first_row=header.layer_first_row(i)))
-    return KVPack(header=header, layers=layers, root_digest=end.root_digest, total_bytes=end.total_bytes, stored_bytes=stored)
+    return KVPack(header=header, layers=layers, root_digest=end_ev.root_digest, total_bytes=end_ev.total_bytes,
+                  stored_bytes=stored)
 
 
-def read_pack_bytes(data: bytes, **kw) -> KVPack:
-    import io
-
-    return read_pack(io.BytesIO(data), **kw)
+def read_pack_bytes(data: bytes | memoryview, **kw: Any) -> KVPack:
+    """A whole pack from bytes in memory, parsed in place (:func:`read_buffer`); a writable
+    buffer is copied first, so no row handed out can change under its reader."""
+    if not isinstance(data, bytes) and not memoryview(data).readonly:
+        data = bytes(data)
+    return read_buffer(data, **kw)

@@ -1,25 +1,129 @@
 """Write a kvpack: whole (``write_pack``) or frame by frame (``PackWriter``), so a producer
-can emit each prefill chunk's frames while the next chunk computes."""
+can emit each prefill chunk's frames while the next chunk computes.
+
+No needless copies: a frame's rows go out as views of the caller's arrays (one per KV head
+when a frame is a slice of a longer cache), gathered with ``os.writev`` when the output is
+a plain file or pipe; zstd frames of a whole pack are compressed (and v1.1 payloads
+hashed) on a small thread pool, written in plan order.
+"""
 
 from __future__ import annotations
 
-from typing import BinaryIO, Sequence
+import io
+import os
+import select
+from collections import deque
+from typing import BinaryIO, Iterable, Sequence
 
 import numpy as np
 
 from muser_cli.errors import KVPackError
-from muser_cli.kvpack.codec import codec_id, encode_payload
+from muser_cli.kvpack.codec import codec_id, encode_payload, group_bytes_parts
+from muser_cli.kvpack.digest import Chain, pool
 from muser_cli.kvpack.format import (
-    ALIGN, CODEC_NAMES, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE, TAG_DATA, TAG_END,
-    PackHeader, chain, header_digest, pad_len,
+    ALIGN, CODEC_NAMES, CODEC_RAW, CODEC_ZSTD_GROUPED, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE,
+    TAG_DATA, TAG_END, PackHeader, header_digest, pad_len,
 )
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
 _ZEROS = bytes(ALIGN)
+_ZERO_HALF = bytes(32)
+IOV_MAX = 512  # well under every platform's limit
+WINDOW = 8  # frames in flight on the pool in write_pack
+
+
+def _raw_fd(stream: object) -> int | None:
+    """The fd of a plain buffered or raw *file* object, else None.
+
+    Only io.FileIO (and buffered writers directly on one) qualify: a socket's or a TLS
+    stream's fileno() is not where its bytes go, nor is a compressor's."""
+    raw = stream
+    if isinstance(stream, (io.BufferedWriter, io.BufferedRandom)):
+        raw = stream.raw
+    if isinstance(raw, io.FileIO) and not raw.closed:
+        try:
+            return raw.fileno()
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+class _Sink:
+    """Writes lists of buffers to ``stream``: ``os.writev`` on a file's fd, else ``write``."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self.fd = _raw_fd(stream)
+        self.written = 0
+
+    def write(self, parts: list) -> None:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return
+        if self.fd is None:
+            for p in parts:
+                self.stream.write(p)
+                self.written += len(p)
+            return
+        self.stream.flush()  # what went through the buffered object first goes out first
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            batch = views[:IOV_MAX]
+            try:
+                n = os.writev(self.fd, batch)
+            except BlockingIOError:
+                select.select([], [self.fd], [])
+                continue
+            except InterruptedError:
+                continue
+            self.written += n
+            # drop what went out; keep the rest of a partly written buffer
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+
+
+def _views(arr: np.ndarray, np_dtype: np.dtype) -> list[memoryview]:
+    """The bytes of ``arr`` (heads, rows, dim) in C order as views: one when it is contiguous,
+    one per head when it is a row range of a longer cache. A copy only when the dtype
+    differs or a head itself is strided."""
+    if arr.dtype != np_dtype:
+        arr = np.ascontiguousarray(arr, dtype=np_dtype)
+    if arr.size == 0:
+        return []
+    if arr.flags.c_contiguous:
+        return [memoryview(arr).cast("B")]
+    out = []
+    for h in range(arr.shape[0]):
+        sub = arr[h]
+        if not sub.flags.c_contiguous:
+            sub = np.ascontiguousarray(sub)
+        out.append(memoryview(sub).cast("B"))
+    return out
+
+
+class _Frame:
+    __slots__ = ("layer", "start", "count", "parts", "raw_len", "elem", "codec", "stored", "p")
+
+    def __init__(self, layer: int, start: int, count: int, parts: list, raw_len: int, elem: int) -> None:
+        self.layer, self.start, self.count = layer, start, count
+        self.parts, self.raw_len, self.elem = parts, raw_len, elem
+        self.codec = CODEC_RAW
+        self.stored: list = parts
+        self.p: bytes | None = None
 
 
 class PackWriter:
-    """Streams a pack to ``stream``. Frames must come in ``header.frame_plan()`` order."""
+    """Streams a pack to ``stream``. Frames must come in ``header.frame_plan()`` order.
+
+    ``write_frame`` has written (and hashed) the frame when it returns: the caller may
+    reuse its arrays. ``write_frames`` takes many frames and keeps a few in flight on the
+    worker pool; their arrays must stay unchanged until it returns.
+    """
 
     def __init__(self, stream: BinaryIO, header: PackHeader, *, codec: str | None = None, level: int = 1) -> None:
         name = codec or header.codec.get("name", "none")
@@ -32,23 +136,21 @@ class PackWriter:
             header = _replace_codec(header, spec)
         self.header = header
         self.stream = stream
+        self._sink = _Sink(stream)
         self._plan = list(header.frame_plan())
         self._next = 0
-        self.bytes_written = 0
         self.raw_bytes = 0
+        self._np_dtype = np.dtype(DTYPES[header.dtype][1])
         hjson = header.encode()
         if len(hjson) > MAX_HEADER_BYTES:
             raise KVPackError(f"header is {len(hjson)} bytes, over the {MAX_HEADER_BYTES}-byte limit")
         pre = PREAMBLE.pack(MAGIC, MAJOR, header.minor, len(hjson))
-        self._digest = header_digest(pre, hjson)
-        self._write(pre)
-        self._write(hjson)
-        self._write(_ZEROS[: pad_len(len(pre) + len(hjson))])
+        self._chain = Chain(header.minor, header.digest or "sha256", header_digest(pre, hjson))
+        self._sink.write([pre, hjson, _ZEROS[: pad_len(len(pre) + len(hjson))]])
 
-    def _write(self, data: bytes | memoryview) -> None:
-        if data:
-            self.stream.write(data)
-            self.bytes_written += len(data)
+    @property
+    def bytes_written(self) -> int:
+        return self._sink.written
 
     @property
     def done(self) -> bool:
@@ -57,14 +159,14 @@ class PackWriter:
     def expected(self) -> tuple[int, int, int] | None:
         return self._plan[self._next] if self._next < len(self._plan) else None
 
-    def write_frame(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """keys (kv_heads, count, head_dim), values (kv_heads, count, v_head_dim), storage dtype."""
-        exp = self.expected()
-        count = keys.shape[1]
+    # ------------------------------------------------------------------ frames
+    def _prepare(self, seq: int, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> _Frame:
+        exp = self._plan[seq] if seq < len(self._plan) else None
+        count = keys.shape[1] if keys.ndim == 3 else -1
         if exp != (layer, start, count):
             raise KVPackError(f"frame (layer {layer}, start {start}, rows {count}) out of plan; expected {exp}")
         spec = self.header.layers[layer]
-        np_dtype = np.dtype(DTYPES[self.header.dtype][1])
+        np_dtype = self._np_dtype
         for name, arr, dim in (("keys", keys, spec.head_dim), ("values", values, spec.v_head_dim)):
             if arr.shape != (spec.kv_heads, count, dim):
                 raise KVPackError(f"layer {layer} {name} shape {arr.shape} != {(spec.kv_heads, count, dim)}")
@@ -76,45 +178,76 @@ class PackWriter:
             parts: list = [encode_int8(keys, values, self.header.dtype)]
             elem = 1
         else:
-            # K then V, written as views: no concatenated copy for uncompressed frames.
-            parts = [_bytes_view(keys, np_dtype), _bytes_view(values, np_dtype)]
-            elem = DTYPES[self.header.dtype][0]
-        raw_len = sum(len(p) for p in parts)
-        codec = self.codec
-        if codec != 0:
-            raw = parts[0] if len(parts) == 1 else np.concatenate([np.frombuffer(p, np.uint8) for p in parts])
-            stored = encode_payload(memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw, codec,
-                                    elem=elem, level=self.level)
-            if len(stored) >= raw_len:  # incompressible: store raw
-                codec = 0
+            # K then V as views of the caller's arrays: nothing is concatenated
+            parts = _views(keys, np_dtype) + _views(values, np_dtype)
+            elem = np_dtype.itemsize
+        return _Frame(layer, start, count, parts, sum(len(p) for p in parts), elem)
+
+    def _encode(self, fr: _Frame) -> _Frame:
+        """Compress (if the pack's codec says so) and, for v1.1, hash the stored payload.
+        Runs on a worker thread in ``write_frames``; touches nothing shared."""
+        if self.codec != CODEC_RAW and fr.raw_len:
+            if self.codec == CODEC_ZSTD_GROUPED:
+                src = group_bytes_parts(fr.parts, fr.elem, fr.raw_len)
+                stored = encode_payload(src, 1, elem=1, level=self.level)  # grouped already: plain zstd of it
             else:
-                parts = [stored]
-        stored_len = sum(len(p) for p in parts)
-        fh = FRAME_HEADER.pack(TAG_DATA, self._next, layer, start, count, codec, 0, 0, raw_len, stored_len)
-        self._digest = chain(self._digest, fh, *parts)
-        self._write(fh)
-        for p in parts:
-            self._write(p)
-        self._write(_ZEROS[: pad_len(stored_len)])
-        self._write(self._digest + bytes(32))
-        self.raw_bytes += raw_len
+                src = fr.parts[0] if len(fr.parts) == 1 else np.concatenate(
+                    [np.frombuffer(p, np.uint8) for p in fr.parts])
+                stored = encode_payload(src, self.codec, elem=fr.elem, level=self.level)
+            if len(stored) < fr.raw_len:  # else incompressible: store raw
+                fr.codec, fr.stored = self.codec, [stored]
+        if self._chain.parallel:
+            fr.p = self._chain.payload(fr.stored)
+        return fr
+
+    def _emit(self, fr: _Frame, seq: int) -> None:
+        stored_len = sum(len(p) for p in fr.stored)
+        fh = FRAME_HEADER.pack(TAG_DATA, seq, fr.layer, fr.start, fr.count, fr.codec, 0, 0, fr.raw_len, stored_len)
+        d = self._chain.compute(fh, fr.stored, fr.p)
+        self._chain.value = d
+        self._sink.write([fh, *fr.stored, _ZEROS[: pad_len(stored_len)], d, _ZERO_HALF])
+        self.raw_bytes += fr.raw_len
+
+    def write_frame(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """keys (kv_heads, count, head_dim), values (kv_heads, count, v_head_dim), storage dtype."""
+        fr = self._prepare(self._next, layer, start, keys, values)
+        self._emit(self._encode(fr), self._next)
         self._next += 1
+
+    def write_frames(self, frames: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
+        """Write many frames in order, compressing and hashing a few ahead on the pool."""
+        ex = pool()
+        if ex is None or (self.codec == CODEC_RAW and not self._chain.parallel):
+            for layer, start, keys, values in frames:
+                self.write_frame(layer, start, keys, values)
+            return
+        flight: deque = deque()
+        seq = self._next
+        try:
+            for layer, start, keys, values in frames:
+                fr = self._prepare(seq, layer, start, keys, values)
+                flight.append(ex.submit(self._encode, fr))
+                seq += 1
+                while len(flight) > WINDOW:
+                    self._emit(flight.popleft().result(), self._next)
+                    self._next += 1
+            while flight:
+                self._emit(flight.popleft().result(), self._next)
+                self._next += 1
+        finally:
+            for fut in flight:  # an error: let the rest finish, write nothing more
+                fut.cancel()
 
     def finish(self) -> bytes:
         """Write the end frame; returns the root digest."""
         if not self.done:
             raise KVPackError(f"pack incomplete: {len(self._plan) - self._next} frames missing")
         fh = FRAME_HEADER.pack(TAG_END, self._next, 0, 0, 0, 0, 0, 0, self.raw_bytes, 0)
-        root = chain(self._digest, fh, b"")
-        self._write(fh)
-        self._write(root + bytes(32))
+        root = self._chain.root(fh)
+        self._sink.write([fh, root, _ZERO_HALF])
         self.stream.flush()
         self.root_digest = root
         return root
-
-
-def _bytes_view(arr: np.ndarray, np_dtype: np.dtype) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr, dtype=np_dtype)).cast("B")
 
 
 def _replace_codec(header: PackHeader, spec: dict) -> PackHeader:
@@ -143,9 +276,13 @@ def write_pack(
                 f"[{header.layer_first_row(i)}, {header.rows_end})"
             )
     writer = PackWriter(stream, header, codec=codec, level=level)
-    for layer, start, count in header.frame_plan():
-        lk = layers[layer]
-        a = start - lk.first_row
-        writer.write_frame(layer, start, lk.keys[:, a : a + count], lk.values[:, a : a + count])
+
+    def frames():
+        for layer, start, count in header.frame_plan():
+            lk = layers[layer]
+            a = start - lk.first_row
+            yield layer, start, lk.keys[:, a : a + count], lk.values[:, a : a + count]
+
+    writer.write_frames(frames())
     writer.finish()
     return writer

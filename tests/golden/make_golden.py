@@ -1,7 +1,10 @@
-"""Write the kvpack v1.0 golden files (run once per format version; never regenerate v1 files).
+"""Write the kvpack golden files of one format version (run once per version; never
+regenerate the files of an earlier one: they pin what every later reader must read).
 
-    python tests/golden/make_golden.py
-One file per layer class x codec (and int8), plus MANIFEST.json with their sha256.
+    python tests/golden/make_golden.py 1.1     # writes the v1_1-* files and MANIFEST-v1_1.json
+The v1.0 files (v1_0-*, MANIFEST.json) were written by this script's v1.0 form on
+2026-11-29 and are never rewritten. One file per layer class x codec (and int8); v1.1
+adds the sha256 digest for the uncompressed files (blake3 is its default).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import hashlib
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,28 +24,37 @@ from golden_rows import CASES, golden_header, golden_rows  # noqa: E402
 from muser_cli.kvpack import write_pack  # noqa: E402
 from muser_cli.pack import pack  # noqa: E402
 
+VARIANTS = {
+    "1.1": [(codec, "blake3") for codec in ("none", "zstd", "zstd+bytegroup", "int8")] + [("none", "sha256")],
+}
 
-def main() -> None:
+
+def main(version: str) -> None:
+    if version not in VARIANTS:
+        raise SystemExit(f"only {', '.join(VARIANTS)} can be written; earlier golden files are never regenerated")
+    minor = int(version.split(".")[1])
+    tag = "v" + version.replace(".", "_")
+    manifest_path = HERE / f"MANIFEST-{tag}.json"
+    if manifest_path.exists():
+        raise SystemExit(f"{manifest_path.name} exists: golden files are written once")
     manifest = {}
     for layer_class in CASES:
-        header = golden_header(layer_class)
-        rows = golden_rows(header)
-        for codec in ("none", "zstd", "zstd+bytegroup"):
+        for codec, digest in VARIANTS[version]:
+            header = replace(golden_header(layer_class), minor=minor, digest=digest)
+            rows = golden_rows(header)
             buf = io.BytesIO()
-            write_pack(buf, header, rows, codec=codec)
-            name = f"v1_0-{layer_class}-{codec.replace('+', '_')}.kvpack"
+            if codec == "int8":
+                src = io.BytesIO()
+                write_pack(src, header, rows)
+                src.seek(0)
+                pack(src, buf, codec="zstd+bytegroup", quant="int8")
+            else:
+                write_pack(buf, header, rows, codec=codec)
+            name = f"{tag}-{layer_class}-{codec.replace('+', '_')}-{digest}.kvpack"
             (HERE / name).write_bytes(buf.getvalue())
             manifest[name] = hashlib.sha256(buf.getvalue()).hexdigest()
-        src = io.BytesIO()
-        write_pack(src, header, rows)
-        src.seek(0)
-        out = io.BytesIO()
-        pack(src, out, codec="zstd+bytegroup", quant="int8")
-        name = f"v1_0-{layer_class}-int8.kvpack"
-        (HERE / name).write_bytes(out.getvalue())
-        manifest[name] = hashlib.sha256(out.getvalue()).hexdigest()
-    (HERE / "MANIFEST.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from muser_cli.modelinfo import ModelInfo, ProgressFn
-from muser_cli.errors import ConfigError, DataError, MissingInput
+from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
 
@@ -339,12 +339,15 @@ def fingerprints(path: Path) -> tuple[str, str]:
     if cached.get("version") == 1 and cached.get("files") == stats:
         model_fp, tok_fp = cached.get("fingerprint"), cached.get("tokenizer_fingerprint")
         if isinstance(model_fp, str) and isinstance(tok_fp, str):
+            if cached.get("path") != str(path.resolve()):  # records of older versions: let known_model find it
+                with contextlib.suppress(OSError, MuserError):
+                    _write_json_atomic(cache_file, {**cached, "path": str(path.resolve())})
             return model_fp, tok_fp
 
     model_fp = model_fingerprint(path, weights)
     tok_fp = _hash_files(b"muser-tokenizer-fp-v1", path, tokenizer)
     if _stats(path, ["config.json", *weights, *tokenizer]) == stats:  # unchanged while hashing
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, MuserError):  # a read-only cache: hash again next time
             ensure_dir(cache_file.parent)
             _write_json_atomic(
                 cache_file, {"version": 1, "files": stats, "fingerprint": model_fp, "tokenizer_fingerprint": tok_fp,
@@ -465,7 +468,7 @@ def gguf_sha256(file: Path) -> str:
     h = hashlib.sha256()
     _hash_stream(h, file)
     digest = h.hexdigest()
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, MuserError):
         ensure_dir(index_file.parent)
         index = _read_cache(index_file)  # re-read: another process may have added entries
         index[str(file)] = {"stat": key, "sha256": digest}

@@ -167,6 +167,20 @@ def test_model_info_carries_the_vocabulary(tiny_llama, tiny_hybrid):
         assert info.vocab_size == json.loads((info.path / "config.json").read_text())["vocab_size"] > 0
 
 
+def test_known_model_finds_an_unchanged_folder_by_fingerprint(tiny_llama, tmp_path):
+    import shutil
+
+    from muser_cli.models import known_model, resolve_model
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_llama.path, folder, ignore=shutil.ignore_patterns(".muser-*"))
+    info = resolve_model(folder)
+    assert known_model(info.fingerprint).path == folder.resolve()
+    assert known_model("sha256:" + "0" * 64) is None
+    (folder / "config.json").write_text((folder / "config.json").read_text() + " ")  # changed since hashed
+    assert known_model(info.fingerprint) is None
+
+
 @pytest.mark.parametrize("where", ["last", "middle"])
 def test_out_of_vocabulary_ids_fail_verify_and_decode(tiny_llama, tiny_pack, tmp_path, where):
     bad = tmp_path / "bad.kvpack"

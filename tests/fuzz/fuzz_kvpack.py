@@ -1,9 +1,14 @@
-"""Coverage-guided fuzzing of the kvpack reader (atheris).
+"""Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 and v1.1.
 
 Contract: any input either parses into a verified pack or raises KVPackError; no other
-exception, no hang. Run (not part of the pytest suite; docs/kvpack.md states the count):
+exception, no hang; and the two readers agree -- the whole-buffer reader (read_buffer:
+parallel payload digests, in-place views) and the sans-IO PackReader fed odd-sized
+pieces give the same verdict on every input: the same root digest, or the same message.
+Run (docs/kvpack.md 4.1 and docs/benchmarks.md state the counts):
 
-    python tests/fuzz/fuzz_kvpack.py -atheris_runs=1000000 -timeout=1 [-max_len=4096]
+    python tests/fuzz/fuzz_kvpack.py -atheris_runs=1000000 -timeout=10 [-max_len=4096]
+
+tests/test_kvpack.py drives :func:`one_input` on a few thousand inputs without atheris.
 """
 
 from __future__ import annotations
@@ -12,33 +17,87 @@ import io
 import os
 import sys
 
-import atheris
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+try:
+    import atheris
+except ImportError:  # the pytest drive needs none of it
+    atheris = None
+
 import json  # noqa: E402,F401  (imported first: only muser's own code is instrumented)
+from dataclasses import replace  # noqa: E402
 
 import numpy  # noqa: E402,F401
 import zstandard  # noqa: E402,F401
 
-with atheris.instrument_imports(include=["muser_cli"]):
+if atheris is not None:
+    with atheris.instrument_imports(include=["muser_cli"]):
+        from muser_cli.errors import KVPackError
+        from muser_cli.kvpack import PackReader, read_pack, read_pack_bytes, write_pack
+else:
     from muser_cli.errors import KVPackError
-    from muser_cli.kvpack import PackReader, read_pack_bytes
+    from muser_cli.kvpack import PackReader, read_pack, read_pack_bytes, write_pack
 
-from kvpack_factory import llama_layers, make_pack  # noqa: E402
+from kvpack_factory import llama_layers, make_header, make_rows  # noqa: E402
 
-SEEDS = [make_pack(5, layers=llama_layers(1), chunk=2, codec=c)[0] for c in ("none", "zstd", "zstd+bytegroup")]
-SEEDS.append(make_pack(11, chunk=4)[0])
+
+def seed_pack(n: int, minor: int, digest: str, codec: str = "none", **kw) -> bytes:
+    header = replace(make_header(n, **kw), minor=minor, digest=digest)
+    buf = io.BytesIO()
+    write_pack(buf, header, make_rows(header), codec=codec)
+    return buf.getvalue()
+
+
+SEEDS = []
+for minor, digest in ((0, "sha256"), (1, "blake3"), (1, "sha256")):
+    SEEDS += [seed_pack(5, minor, digest, c, layers=llama_layers(1), chunk=2) for c in ("none", "zstd", "zstd+bytegroup")]
+    SEEDS.append(seed_pack(11, minor, digest, chunk=4))
+
+
+class _Bytes:
+    """The few FuzzedDataProvider calls one_input makes, over plain bytes (for pytest)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def ConsumeIntInRange(self, lo: int, hi: int) -> int:  # noqa: N802 (atheris' names)
+        span = hi - lo + 1
+        width = max(1, (span.bit_length() + 7) // 8)
+        raw = self.data[self.pos:self.pos + width]
+        self.pos += width
+        return lo + int.from_bytes(raw.ljust(width, b"\0"), "little") % span
+
+    def ConsumeBytes(self, n: int) -> bytes:  # noqa: N802
+        out = self.data[self.pos:self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+def _verdict(fn) -> tuple[str, str]:
+    try:
+        return ("ok", fn())
+    except KVPackError as exc:
+        return ("refused", str(exc))
+
+
+def _pieces(blob: bytes) -> str:
+    reader = PackReader()
+    step = 1 + (len(blob) % 257)
+    for i in range(0, len(blob), step):
+        reader.feed(blob[i:i + step])
+    reader.finish()
+    assert reader.root_digest is not None
+    return reader.root_digest.hex()
 
 
 def one_input(data: bytes) -> None:
-    fdp = atheris.FuzzedDataProvider(data)
-    mode = fdp.ConsumeIntInRange(0, 3)
+    fdp = atheris.FuzzedDataProvider(data) if atheris is not None else _Bytes(data)
+    mode = fdp.ConsumeIntInRange(0, len(SEEDS))
     if mode == 0:
         blob = fdp.ConsumeBytes(len(data))
     else:
         # mutate a valid pack: structured mutations reach deeper than random bytes
-        seed = bytearray(SEEDS[mode % len(SEEDS)])
+        seed = bytearray(SEEDS[mode - 1])
         for _ in range(fdp.ConsumeIntInRange(1, 4)):
             if not seed:
                 break
@@ -51,19 +110,14 @@ def one_input(data: bytes) -> None:
             else:
                 seed[pos:pos] = fdp.ConsumeBytes(fdp.ConsumeIntInRange(1, 8))
         blob = bytes(seed)
-    try:
-        read_pack_bytes(blob)
-    except KVPackError:
-        pass
-    # the sans-IO reader in odd-sized pieces must agree
-    reader = PackReader()
-    try:
-        step = 1 + (len(blob) % 257)
-        for i in range(0, len(blob), step):
-            reader.feed(blob[i : i + step])
-        reader.finish()
-    except KVPackError:
-        pass
+    whole = _verdict(lambda: read_pack_bytes(blob).root_digest.hex())
+    pieces = _verdict(lambda: _pieces(blob))
+    if whole != pieces:
+        raise AssertionError(f"readers disagree: whole {whole} vs pieces {pieces}")
+    if mode and len(blob) % 7 == 0:  # now and then the readinto stream path too
+        streamed = _verdict(lambda: read_pack(io.BytesIO(blob)).root_digest.hex())
+        if streamed != whole:
+            raise AssertionError(f"readers disagree: whole {whole} vs stream {streamed}")
 
 
 def main() -> None:

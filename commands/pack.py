@@ -20,6 +20,11 @@ def register(app: typer.Typer) -> None:
         have: Optional[str] = typer.Option(None, "--have", help="Manifest of what the consumer holds (delta)."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the summary (needs -o FILE; with the kvpack on stdout, a one-line note goes to stderr instead), or with --info the description."),
         show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
+        export_to: Optional[str] = typer.Option(None, "--export", help="mlx-lm: write the pack as an mlx-lm prompt cache (safetensors) that mlx_lm.generate --prompt-cache-file loads; it holds prompt[:-1], so continue with the last prompt token (docs/interop.md)."),
+        import_from: Optional[str] = typer.Option(None, "--import", help="mlx-lm: read an mlx-lm prompt cache (SRC) and write a kvpack bound to -m and --prompt."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="With --import: the model (required); with --export: recorded as the file's model (default: the pack's, if known here)."),
+        prompt: Optional[str] = typer.Option(None, "--prompt", help="With --import: the prompt file the cache was made from (required)."),
+        chat: bool = typer.Option(False, "--chat", help="With --import: the prompt uses the chat template."),
     ) -> None:
         """Re-encode a kvpack frame by frame; every input frame is verified first.
 
@@ -29,6 +34,11 @@ def register(app: typer.Typer) -> None:
         """
         from muser_cli.pack import pack
 
+        if export_to is not None or import_from is not None:
+            with guarded(as_json=as_json):
+                _interop(src, output, export_to=export_to, import_from=import_from, model=model, prompt=prompt,
+                         chat=chat, level=zstd, no_zstd=no_zstd, as_json=as_json)
+            return
         if show_info:
             with guarded(as_json=as_json), open_input(src) as inp:
                 _show_info(inp, as_json=as_json)
@@ -52,6 +62,60 @@ def register(app: typer.Typer) -> None:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 info(f"pack: {res.frames} frames, {res.bytes_in} -> {res.bytes_out} bytes "
                      f"({res.ratio:.2f}x of raw KV, {res.codec}{delta})")
+
+
+def _interop(src: str, output: str, *, export_to: str | None, import_from: str | None, model: str | None,
+             prompt: str | None, chat: bool, level: int, no_zstd: bool, as_json: bool) -> None:
+    """--export / --import: a kvpack to or from another tool's cache file (docs/interop.md)."""
+    from muser_cli.errors import UsageError
+
+    if export_to is not None and import_from is not None:
+        raise UsageError("--export and --import exclude each other")
+    fmt = export_to if export_to is not None else import_from
+    if fmt != "mlx-lm":
+        raise UsageError(f"unknown cache format {fmt!r}", hint="the one format is: mlx-lm")
+    from muser_cli.interop import mlx_lm
+
+    if export_to is not None:
+        with open_input(src) as inp, binary_output(output) as out:
+            res = mlx_lm.export_mlx_lm(inp, out, model=model)
+        summary = {"format": "mlx-lm", "rows": res.rows, "next_token_ids": res.next_token_ids, "model": res.model_ref,
+                   "bytes_in": res.bytes_in, "bytes_out": res.bytes_out, "seconds": round(res.seconds, 4)}
+        if as_json and output not in ("-", None):
+            emit_json(summary)
+            return
+        info(f"pack: exported {res.rows} rows (prompt[:-1]) as an mlx-lm prompt cache, {res.bytes_out} bytes; "
+             f"continue with the last prompt token, id {res.next_token_ids[0]}")
+        if not res.model_resolved:
+            info(f"pack: the file names model {res.model_ref!r}; pass -m FOLDER so that mlx_lm.generate can load it")
+        return
+    if model is None or prompt is None:
+        raise UsageError("--import mlx-lm needs -m MODEL and --prompt FILE",
+                         hint="mlx-lm's file carries no model hash and no token ids")
+    if src in ("-", None):
+        raise UsageError("--import mlx-lm reads a file, not stdin", hint="name the .safetensors file")
+    from pathlib import Path
+
+    from muser_cli.commands._common import read_text_input
+    from muser_cli.errors import MissingInput
+
+    if not Path(src).exists():
+        raise MissingInput(f"no such file: {src}")
+    if Path(src).is_dir():
+        raise UsageError(f"{src} is a directory, not a file")
+    text = read_text_input(prompt)
+    with binary_output(output) as out:
+        res = mlx_lm.import_mlx_lm(src, out, model=model, prompt=text, chat=chat,
+                                   codec="none" if no_zstd else "zstd+bytegroup", level=level)
+    summary = {"format": "mlx-lm", "tokens": res.tokens, "cached_positions": res.cached_positions,
+               "dropped_last_row": res.dropped_last_row, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
+               "seconds": round(res.seconds, 4)}
+    if as_json and output not in ("-", None):
+        emit_json(summary)
+        return
+    note = " (the file held the whole prompt; its last row is left to the consumer)" if res.dropped_last_row else ""
+    info(f"pack: imported an mlx-lm prompt cache of {res.cached_positions} positions as a kvpack of "
+         f"{res.tokens} tokens, {res.bytes_out} bytes{note}")
 
 
 def _show_info(inp, *, as_json: bool) -> None:

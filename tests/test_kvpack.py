@@ -1,10 +1,13 @@
-"""kvpack v1: round trips and the malformed/integrity catalog (docs/reliability.md A1-A9, B11-B13)."""
+"""kvpack v1: round trips and the malformed/integrity catalog (docs/reliability.md A1-A9, B11-B13),
+for every version a writer may produce (v1.0; v1.1 with blake3 and with sha256), and the
+v1.1 readers' no-copy paths: memory maps, readinto, writev, the worker pool."""
 
 from __future__ import annotations
 
 import io
 import json
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +18,20 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack import PackReader, read_pack_bytes
 from muser_cli.kvpack.format import FRAME_HEADER, MAGIC, PREAMBLE, canonical_json, pad_len
 
+import kvpack_factory
 from kvpack_factory import llama_layers, make_pack
+
+VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
+
+
+@pytest.fixture(autouse=True, scope="module", params=sorted(VERSIONS))
+def version(request):
+    """Every test of this module runs once per version: the factory's packs are written as it."""
+    minor, digest = VERSIONS[request.param]
+    plain = kvpack_factory.make_header
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kvpack_factory, "make_header", lambda *a, **kw: replace(plain(*a, **kw), minor=minor, digest=digest))
+        yield request.param
 
 
 def _same(a, b):
@@ -378,3 +394,260 @@ def test_zstd_bomb_is_refused_before_allocation():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 8 << 20
+
+
+# ------------------------------------------------------------------ v1.1 header rules
+def test_pack_is_written_in_the_version_under_test(version):
+    data, header, _ = make_pack(41)
+    minor, digest = VERSIONS[version]
+    _, _, got_minor, _ = PREAMBLE.unpack(data[:16])
+    assert got_minor == minor
+    h = read_pack_bytes(data).header
+    assert (h.minor, h.digest) == (minor, digest)
+    assert ("digest" in json.loads(_split(data)[1])) == (minor >= 1)
+
+
+def test_v1_1_header_must_name_a_known_digest(version):
+    if version == "v1.0":
+        data, _, _ = make_pack(41)
+        with pytest.raises(KVPackError, match="unknown key"):  # a v1.0 header has no digest key
+            read_pack_bytes(_mutate_header(data, lambda o: o.update(digest="sha256")))
+        return
+    data, _, _ = make_pack(41)
+    with pytest.raises(KVPackError, match="md5"):
+        read_pack_bytes(_mutate_header(data, lambda o: o.update(digest="md5")))
+    with pytest.raises(KVPackError, match="missing header.digest"):
+        read_pack_bytes(_mutate_header(data, lambda o: o.pop("digest")))
+
+
+def test_a_digest_swapped_in_the_header_is_refused(version):
+    """Naming the other digest over the same frames breaks the chain from the header on."""
+    if version == "v1.0":
+        return
+    other = {"blake3": "sha256", "sha256": "blake3"}[VERSIONS[version][1]]
+    data, _, _ = make_pack(41)
+    with pytest.raises(KVPackError, match="digest mismatch"):
+        read_pack_bytes(_mutate_header(data, lambda o: o.update(digest=other)))
+
+
+# ------------------------------------------------------------------ the readers agree
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_property_whole_buffer_and_streaming_readers_agree(data):
+    """read_buffer (parallel digests, in place) and PackReader (in pieces) give one verdict."""
+    codec = data.draw(st.sampled_from(["none", "zstd", "zstd+bytegroup"]))
+    blob, _, _ = make_pack(23, codec=codec, layers=llama_layers(2), chunk=4)
+    b = bytearray(blob)
+    for _ in range(data.draw(st.integers(0, 3))):
+        pos = data.draw(st.integers(0, len(b) - 1)) if b else 0
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if not b:
+            break
+        if kind == "flip":
+            b[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "cut":
+            del b[pos:]
+        else:
+            b[pos:pos] = data.draw(st.binary(min_size=1, max_size=70))
+    blob = bytes(b)
+
+    def verdict(fn):
+        try:
+            return "ok", fn()
+        except KVPackError as exc:
+            return "refused", str(exc)
+
+    def pieces():
+        reader = PackReader()
+        step = data.draw(st.integers(1, 300))
+        for i in range(0, len(blob), step):
+            reader.feed(blob[i:i + step])
+        reader.finish()
+        return reader.root_digest
+
+    whole = verdict(lambda: read_pack_bytes(blob).root_digest)
+    assert whole == verdict(pieces)
+    assert whole == verdict(lambda: __import__("muser_cli.kvpack", fromlist=["read_pack"]).read_pack(io.BytesIO(blob)).root_digest)
+
+
+def test_fuzz_harness_short_run():
+    """The atheris harness' own target on 1,500 deterministic inputs (no atheris needed):
+    only KVPackError, and the readers agree on every input."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("fuzz_kvpack", Path(__file__).parent / "fuzz" / "fuzz_kvpack.py")
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)  # type: ignore[union-attr]
+    rng = np.random.default_rng(14)
+    for _ in range(1500):
+        fuzz.one_input(rng.integers(0, 256, int(rng.integers(0, 48)), dtype=np.uint8).tobytes())
+
+
+# ------------------------------------------------------------------ no needless copies, safely
+def _pack_file(tmp_path, **kw):
+    data, header, rows = make_pack(**kw)
+    path = tmp_path / "p.kvpack"
+    with open(path, "wb") as fh:
+        fh.write(data)
+    return path, data, rows
+
+
+def _base_object(arr):
+    while isinstance(arr, np.ndarray) and arr.base is not None:
+        arr = arr.base
+    return arr.obj if isinstance(arr, memoryview) else arr
+
+
+def test_mapped_file_rows_are_read_only_views_of_the_map(tmp_path):
+    import mmap
+
+    from muser_cli.kvpack import read_pack
+
+    # one frame per layer (chunk >= rows): each layer's rows are used in place
+    path, data, rows = _pack_file(tmp_path, n_tokens=41, codec="none", layers=llama_layers(2), chunk=64)
+    with open(path, "rb") as fh:
+        pack = read_pack(fh)
+        assert fh.tell() == len(data)
+    assert _same(pack.layers, rows)
+    for lk in pack.layers:
+        assert isinstance(_base_object(lk.keys), mmap.mmap) and not lk.keys.flags.writeable
+    # several frames per layer: assembled into arrays of their own
+    path, _, rows = _pack_file(tmp_path, n_tokens=41, codec="none", layers=llama_layers(2), chunk=8)
+    with open(path, "rb") as fh:
+        pack = read_pack(fh)
+    assert _same(pack.layers, rows)
+    assert not isinstance(_base_object(pack.layers[0].keys), mmap.mmap)
+
+
+@pytest.mark.parametrize("where", ["payload", "digest", "root", "tail"])
+def test_mapped_views_are_never_handed_out_before_the_root_verified(tmp_path, where):
+    """A flip anywhere, even in the last byte of the root: read_pack raises, and the
+    progress callback (which sees frames) was never called."""
+    from muser_cli.kvpack import read_pack
+
+    path, data, _ = _pack_file(tmp_path, n_tokens=41, codec="none", layers=llama_layers(2), chunk=8)
+    spans = _frame_spans(data)
+    pos = {"payload": spans[0][0] + 64 + 5, "digest": spans[1][1] - 60, "root": len(data) - 33,
+           "tail": len(data) - 1}[where]
+    bad = bytearray(data)
+    bad[pos] ^= 0x10
+    path.write_bytes(bytes(bad))
+    seen = []
+    with open(path, "rb") as fh, pytest.raises(KVPackError):
+        read_pack(fh, progress=lambda *a: seen.append(a))
+    assert seen == []
+
+
+def test_streaming_reader_over_a_map_hands_out_only_verified_frames(tmp_path):
+    """PackReader fed a memory map: frame k's event comes only after frame k's digest verified."""
+    import mmap
+
+    path, data, _ = _pack_file(tmp_path, n_tokens=41, codec="none", layers=llama_layers(2), chunk=8)
+    spans = _frame_spans(data)
+    bad = bytearray(data)
+    bad[spans[3][0] + 64] ^= 1  # first payload byte of frame 3
+    path.write_bytes(bytes(bad))
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    reader = PackReader()
+    view = memoryview(mm)
+    frames = []
+    with pytest.raises(KVPackError, match="frame 3 .*digest mismatch"):
+        for a, b, _ in [(0, spans[0][0], None)] + spans:
+            frames += [ev for ev in reader.feed(view[a:b]) if type(ev).__name__ == "FrameEvent"]
+    assert [ev.seq for ev in frames] == [0, 1, 2]
+    assert all(isinstance(_base_object(ev.keys), mmap.mmap) for ev in frames)  # in place, no copy
+
+
+def test_writable_input_is_copied_unless_handed_over():
+    data, _, rows = make_pack(41, codec="none", layers=llama_layers(1), chunk=64)
+    buf = bytearray(data)
+    events = PackReader().feed(buf)
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer
+    frame = [ev for ev in events if type(ev).__name__ == "FrameEvent"][0]
+    assert np.array_equal(frame.keys, rows[0].keys)
+    owned = bytearray(data)
+    frame = [ev for ev in PackReader().feed(owned, owned=True) if type(ev).__name__ == "FrameEvent"][0]
+    assert np.shares_memory(frame.keys, np.frombuffer(owned, np.uint8))
+
+
+def test_pipe_reads_with_readinto_into_buffers_of_each_step(tmp_path):
+    import os
+    import threading
+
+    from muser_cli.kvpack import read_pack
+
+    data, _, rows = make_pack(41, codec="zstd+bytegroup")
+    r, w = os.pipe()
+
+    def feed():
+        with os.fdopen(w, "wb") as out:
+            for i in range(0, len(data), 777):
+                out.write(data[i:i + 777])
+                out.flush()
+
+    t = threading.Thread(target=feed)
+    t.start()
+    with os.fdopen(r, "rb") as src:
+        pack = read_pack(src)  # a pipe: not mapped, read step by step
+    t.join()
+    assert _same(pack.layers, rows) and pack.total_bytes == len(data)
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd", "zstd+bytegroup"])
+def test_writer_output_is_the_same_to_a_file_a_pipe_and_memory_on_any_pool(tmp_path, codec, monkeypatch):
+    """writev to a file, writes to a pipe, BytesIO; pool of 1 or 4; write_pack or frame by frame."""
+    import os
+    import threading
+
+    from muser_cli.kvpack import PackWriter, write_pack
+    from kvpack_factory import make_header, make_rows
+
+    header = make_header(70, chunk=8, layers=llama_layers(3))
+    rows = make_rows(header, 5)
+    ref = io.BytesIO()
+    monkeypatch.setenv("MUSER_KVPACK_THREADS", "1")
+    write_pack(ref, header, rows, codec=codec)
+    monkeypatch.setenv("MUSER_KVPACK_THREADS", "4")
+    par = io.BytesIO()
+    write_pack(par, header, rows, codec=codec)
+    assert par.getvalue() == ref.getvalue()
+    path = tmp_path / "w.kvpack"
+    with open(path, "wb") as fh:
+        fh.write(b"")  # a buffered file object: the writer flushes it, then writev
+        write_pack(fh, header, rows, codec=codec)
+    assert path.read_bytes() == ref.getvalue()
+    one = io.BytesIO()
+    writer = PackWriter(one, header, codec=codec)
+    for layer, start, count in header.frame_plan():
+        lk = rows[layer]
+        a = start - lk.first_row
+        writer.write_frame(layer, start, lk.keys[:, a:a + count], lk.values[:, a:a + count])
+    writer.finish()
+    assert one.getvalue() == ref.getvalue()
+    r, w = os.pipe()
+    got = bytearray()
+
+    def drain():
+        with os.fdopen(r, "rb") as src:
+            while chunk := src.read(65536):
+                got.extend(chunk)
+
+    t = threading.Thread(target=drain)
+    t.start()
+    with os.fdopen(w, "wb") as out:
+        write_pack(out, header, rows, codec=codec)
+    t.join()
+    assert bytes(got) == ref.getvalue()
+
+
+def test_writer_sends_views_of_the_callers_arrays():
+    from muser_cli.kvpack.writer import _views
+
+    keys = np.arange(2 * 40 * 16, dtype=np.uint16).reshape(2, 40, 16)
+    whole = _views(keys, np.dtype("<u2"))
+    assert len(whole) == 1 and np.shares_memory(np.frombuffer(whole[0], np.uint16), keys)
+    part = _views(keys[:, 8:16], np.dtype("<u2"))  # a frame of a longer cache: one view per head
+    assert len(part) == 2 and all(np.shares_memory(np.frombuffer(v, np.uint16), keys) for v in part)
+    assert b"".join(bytes(v) for v in part) == np.ascontiguousarray(keys[:, 8:16]).tobytes()

@@ -145,6 +145,8 @@ ENVIRONMENT = [
     ("MUSER_THREADS", "Compute threads for `prefill`, `decode` and `verify --audit` when `--threads` is 0 "
      "(its default); recorded in the pack's producer field. An integer; below 1 counts as 1.",
      "the number of CPUs, at most 8"),
+    ("MUSER_KVPACK_THREADS", "Threads the kvpack writer and reader share for payload hashing and zstd (1 = all "
+     "inline, at most 64). Anything but a positive integer is ignored.", "the number of CPUs, at most 4"),
     ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "
      "recently used entries are evicted beyond it. An unreadable size is exit 2.", "`20G`"),
     ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "

@@ -21,7 +21,7 @@ import numpy as np
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.format import PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
-from muser_cli.kvpack.reader import MAX_READ, EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader
+from muser_cli.kvpack.reader import MAX_READ, EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_exact_into
 
 
 @dataclass
@@ -117,12 +117,13 @@ class StreamedPack:
         reader = self._reader
         try:
             while True:
-                chunk = self._src.read(max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
+                # exactly the next step, read into a buffer of its own: parsed in place
+                chunk = read_exact_into(self._src, max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
                 if self.first_byte_t is None:
                     self.first_byte_t = time.perf_counter()
-                if not chunk:
+                if not len(chunk):
                     break
-                for ev in reader.feed(chunk):
+                for ev in reader.feed(chunk, owned=True):
                     self._on_event(ev)
             self.end_t = time.perf_counter()
             if reader.bytes_consumed == 0 and self._header is None:

@@ -516,8 +516,14 @@ def _convert_into(file: Path, out: Path) -> None:
         try:
             model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name)
             tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        except (ImportError, MuserError, MemoryError, KeyboardInterrupt):
+            raise
         except (ValueError, KeyError, RuntimeError) as exc:
             raise DataError(f"cannot convert {file}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - any other reader failure on this input is a malformed file
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise DataError(f"cannot convert {file}: not a readable GGUF file ({detail})",
+                            hint="re-download it; muser reads GGUF files transformers can load") from exc
         # A GGUF-loaded model refuses save_pretrained until its quantizer is cleared.
         model.hf_quantizer = None
         model.config.quantization_config = None

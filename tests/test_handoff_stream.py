@@ -462,3 +462,32 @@ def test_prefill_send_receive_lane_tiny(nodes, consumer_home, tiny_llama, tmp_pa
     assert streamed == pack.read_bytes()  # the streamed lane carries the file lane's bytes exactly
     res = json.loads(send.stdout.read())
     assert res["frames"] > 4 and res["first_byte_s"] < res["last_byte_s"]
+
+
+def test_stream_tail_finds_the_root_only_at_a_real_end(tmp_path):
+    """The sender's structural end check: any chunking gives the reader's root; any early end fails."""
+    import io
+    import random
+
+    from muser_cli.errors import KVPackError
+    from muser_cli.handoff.payload import StreamTail
+    from muser_cli.kvpack import read_pack
+
+    data = stream_producer.pack_bytes(**SMALL)
+    root = read_pack(io.BytesIO(data)).root_digest.hex()
+    source = PackSource(io.BytesIO(data))
+    rng = random.Random(3)
+    for _ in range(20):
+        tail = StreamTail(source.start, source.head)
+        pos = len(source.head)
+        while pos < len(data):
+            n = rng.choice([1, 7, 64, 127, 128, 129, 4096])
+            tail.feed(memoryview(data)[pos : pos + n])
+            pos += n
+        assert tail.finish() == (len(data), root)
+    ends = stream_producer.frame_ends(data)
+    for cut in (len(source.head), ends[1], ends[-1], len(data) - 1, len(data) - 64):
+        tail = StreamTail(source.start, source.head)
+        tail.feed(data[len(source.head) : cut])
+        with pytest.raises(KVPackError, match="end frame"):
+            tail.finish()

@@ -164,6 +164,47 @@ class PayloadInspector:
         )
 
 
+class StreamTail:
+    """The sender's view of the payload after its verified kvpack header: a byte count and
+    the last 128 bytes, where a complete kvpack has its end frame and root digest.
+
+    The sender does not re-hash the frames it forwards -- the receiver verifies every one
+    against the chain, and no trailer is ever accepted for a root it did not compute
+    itself -- so forwarding costs the producer's machine no hashing. What it checks at
+    the end is structural: the input ended on an end frame whose sequence number is the
+    number of data frames the header plans (else the input ended early or is no kvpack).
+    """
+
+    def __init__(self, start: PackStart, head: bytes) -> None:
+        self.start = start
+        self.size = len(head)
+        self._tail = bytearray(head[-END_FRAME_BYTES:])
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self.size += len(data)
+        if len(data) >= END_FRAME_BYTES:
+            self._tail[:] = data[-END_FRAME_BYTES:]
+        else:
+            self._tail += data
+            del self._tail[:-END_FRAME_BYTES]
+
+    def finish(self) -> tuple[int, str]:
+        """(payload size, root digest hex) once the input ended; KVPackError if it ended early."""
+        import struct
+
+        from muser_cli.kvpack.format import FRAME_HEADER, TAG_END
+
+        t = bytes(self._tail)
+        ok = len(t) == END_FRAME_BYTES and self.size >= self.start.head_bytes + END_FRAME_BYTES
+        if ok:
+            tag, seq = struct.unpack_from("<4sI", t)
+            ok = tag == TAG_END and seq == self.start.frames and not any(t[FRAME_HEADER.size + 32 :])
+        if not ok:
+            raise KVPackError(f"input ended after {self.size} bytes without the kvpack's end frame "
+                              f"(of {self.start.frames} planned frames)")
+        return self.size, t[FRAME_HEADER.size : FRAME_HEADER.size + 32].hex()
+
+
 def read_start(read: Callable[[int], bytes], inspector: PayloadInspector) -> bytes:
     """Read (with ``read(n)``, which may return fewer) just the kvpack preamble and header.
 

@@ -8,14 +8,17 @@ Contract of :func:`send` (Handoff V3, docs/handoff.md):
     key; a bad kvpack header fails (exit 65) before any connection is made;
   * then: TCP connect, TLS 1.3 with client certificate, wait for ``Ready`` (or busy),
     ``Header``, wait for ``Go``, then stream ``Data`` frames as input arrives (paced when
-    ``rate`` is given; ``Pulse`` while a slow producer writes nothing), while the
-    sender's own kvpack reader verifies what it sent; at the end of the input, a MAC'd
-    ``Trailer`` with the exact size and root digest; wait for ``Ack``. Returns only
-    after the receiver acknowledged, i.e. after it verified the payload and the trailer
+    ``rate`` is given; ``Pulse`` while a slow producer writes nothing); at the end of the
+    input, a MAC'd ``Trailer`` with the exact size and the root digest of the end frame;
+    wait for ``Ack``. Returns only after the receiver acknowledged, i.e. after it
+    verified every frame against the chain and the trailer against what it computed,
     and recorded the handoff id durably (and published the file, if it writes one);
-  * input that turns out malformed or ends early is reported to the receiver
-    (``Reject``) and raises DataError (65); the receiver then never forwards an end frame;
-  * memory: at most one read block and the reader's one frame, whatever the pack size;
+  * the sender does not re-hash what it forwards (the receiver verifies every frame, so
+    a second hash would only cost the producer's core): a corrupt frame is refused by
+    the receiver (``Reject(data)``, exit 65); input that ends without its end frame is
+    reported to the receiver (``Reject(aborted)``) and raises DataError (65); the
+    receiver then never forwards an end frame;
+  * memory: one read block, whatever the pack size;
   * payload rate = payload bytes / send busy time, where busy time is the time spent
     inside socket writes of payload frames (pacing sleeps excluded);
   * unreachable, busy, reset or timed out raises TempFailure (exit 75).
@@ -44,7 +47,7 @@ from muser_cli.handoff.link import (
     reject_error,
 )
 from muser_cli.handoff.node import Identity
-from muser_cli.handoff.payload import PackStart, PayloadInspector, read_start
+from muser_cli.handoff.payload import PackStart, PayloadInspector, StreamTail, read_start
 from muser_cli.handoff.protocol import (
     ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeEnd,
     ProbeResult, ProbeUp, Pulse, Ready, Reject, Role, State, Trailer,
@@ -297,7 +300,7 @@ def transmit(
         sent = 0
         t_first = t_last = None
         wait_before = source.wait_s
-        inspector = source.inspector
+        tail = StreamTail(source.start, source.head)
         for block in source.blocks(max(chunk, READ_BLOCK if not rate else chunk), pulse_s):
             if block is None:
                 link.send(Pulse(), "keeping the link alive while the producer computes")
@@ -331,22 +334,18 @@ def transmit(
                 if t_first is None:
                     t_first = t_last
                 sent += len(piece)
-            if block is not source.head:  # the header bytes were verified when the source opened
-                try:
-                    inspector.feed(block)
-                except KVPackError as exc:
-                    _abort(link, "data", f"the sender's input is not a valid kvpack: {exc}")
-                    raise
+            if block is not source.head:  # counted already
+                tail.feed(block)
             if progress:
                 progress("send", sent, bound)
         try:
-            info = inspector.finish()
+            size, root = tail.finish()
         except KVPackError as exc:
             _abort(link, "aborted", f"the sender's input ended early: {exc}")
             raise DataError(f"input ended before the kvpack was complete ({exc})") from None
         if key is None:
             raise DataError(f"no HMAC key {prepared.header.key_id!r} to sign the trailer")
-        trailer = HandoffTrailer(prepared.header.handoff_id, info.size, info.root_digest)
+        trailer = HandoffTrailer(prepared.header.handoff_id, size, root)
         traw, tmac = sign_trailer(trailer, key.secret, prepared.mac)
         link.send(Trailer(traw, tmac, trailer), "sending the handoff trailer")
         t_end = time.monotonic()
@@ -357,10 +356,10 @@ def transmit(
     assert t_first is not None and t_last is not None
     return SendResult(
         ok=True, to=to, handoff_id=prepared.header.handoff_id, key_id=prepared.header.key_id,
-        payload_bytes=info.size, root_digest=info.root_digest, frames=inspector.frames, connect_s=connect_time,
+        payload_bytes=size, root_digest=root, frames=source.start.frames, connect_s=connect_time,
         busy_s=busy, paced_s=paced, input_wait_s=source.wait_s - wait_before, stream_s=t_last - t_first,
         ack_wait_s=t_ack - t_end, total_s=t_ack - t_start,
-        payload_rate_Bps=info.size / busy if busy > 0 else 0.0, rate_limit_Bps=rate,
+        payload_rate_Bps=size / busy if busy > 0 else 0.0, rate_limit_Bps=rate,
         first_byte_s=since_start(t_first), last_byte_s=since_start(t_last),
         first_byte_unix=unix_of(t_first), last_byte_unix=unix_of(t_last),
         receiver={k: v for k, v in ack.info.items() if isinstance(v, (str, int, float, bool))},

@@ -31,6 +31,8 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
+        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
+        no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
@@ -52,7 +54,7 @@ def register(app: typer.Typer) -> None:
             out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
-                         progress=progress_callback())
+                         progress=progress_callback(), audit=0 if no_audit else audit)
             for line in out.store_problems:
                 err(f"decode: store: {line}")
             held = out.held_tokens
@@ -70,6 +72,12 @@ def register(app: typer.Typer) -> None:
             elif out.fallback:
                 info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
                      f"in {out.prefill_s:.2f}s")
+            spot = out.spot_check or {}
+            if spot.get("skipped") and spot.get("reason"):
+                err(f"decode: spot-check skipped (--no-audit) on a pack {spot['reason']}")
+            elif spot.get("ran"):
+                info(f"decode: spot-check passed ({spot['reason']}): worst layer {spot['worst_layer']} rel "
+                     f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}, {spot['ms']:.0f} ms")
             if as_json:
                 emit_json(out.to_json())
             else:

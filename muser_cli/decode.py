@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
+from muser_cli.audit import spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
@@ -73,6 +74,7 @@ class DecodeOutcome:
     first_byte_s: float | None = None  # since muser started: the first input byte
     last_frame_s: float | None = None  # since muser started: the last data frame verified
     tail_s: float | None = None  # the last frame's arrival -> the first token
+    spot_check: dict | None = None  # the numeric gate on a foreign pack (None: no pack)
     first_token_s: float | None = None  # since muser started: the first new token
 
     @property
@@ -107,6 +109,8 @@ class DecodeOutcome:
         if self.handoff_rows is not None:
             out["handoff_rows"], out["local_rows"] = self.handoff_rows, self.local_rows
         out["started_unix"] = round(STARTED_UNIX, 6)
+        if self.spot_check is not None:
+            out["spot_check"] = self.spot_check
         for key in ("first_byte_s", "last_frame_s", "tail_s", "first_token_s"):
             value = getattr(self, key)
             out[key] = round(value, 6) if value is not None else None
@@ -130,14 +134,23 @@ def decode(
     store: bool = False,
     on_token: Callable[[int], None] | None = None,
     progress: ProgressFn | None = None,
+    audit: int | None = None,
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
     needs no prefill at all, a partial hit prefills only the suffix), else a local prefill
     on the canonical schedule. ``chunk_tokens`` None: any stored schedule, else 512.
-    ``store``: keep the prompt's whole cache in the store afterwards."""
+    ``store``: keep the prompt's whole cache in the store afterwards.
+
+    ``audit``: a pack made by another engine, in another dtype, quantized or with an
+    unknown codec gets a numeric spot-check before its first token (its last position
+    recomputed here from its own prefix; :func:`muser_cli.audit.spot_check`). None: that
+    default (1 position, only when needed); N > 0: N positions, always; 0: skipped (said
+    so in the outcome)."""
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
+    if audit is not None and audit < 0:
+        raise UsageError("--audit must be >= 0")
     t_begin = time.perf_counter()
     # The pack is read and verified on a thread from the first byte on, while the model loads.
     stream = StreamedPack(src) if src is not None else None
@@ -179,6 +192,7 @@ def decode(
     if got is None:
         got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
                        reuse=reuse, progress=progress)
+    spot = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit)
     prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
     t_dec = time.perf_counter()
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
@@ -203,8 +217,26 @@ def decode(
         last_frame_s=_since_start(stream.last_frame_t if stream is not None else None),
         tail_s=(t_first_token - stream.last_frame_t) if stream is not None and stream.last_frame_t is not None
         and got.pack is not None else None,
-        first_token_s=_since_start(t_first_token),
+        first_token_s=_since_start(t_first_token), spot_check=spot,
     )
+
+
+def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None) -> dict | None:
+    """The numeric gate before the first token of a pack this consumer would not have made
+    itself; raises SpotCheckFailed (65) naming the worst layer and the likely cause."""
+    if got.pack is None:
+        return None
+    header = got.pack.header
+    reason = spot_check_reason(header, engine=engine, dtype=dtype)
+    if audit == 0:
+        return {"ran": False, "skipped": True, "reason": reason or ""}
+    if reason is None and audit is None:
+        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}
+    pack = got.pack if header.rows_start == 0 else KVPack(
+        header=replace(header, rows_start=0, base=None), layers=got.layers, root_digest=got.pack.root_digest,
+        total_bytes=got.pack.total_bytes, stored_bytes=got.pack.stored_bytes)
+    result = spot_check(pack, eng, positions=audit or 1, reason=reason or "asked for (--audit)")
+    return result.to_json()
 
 
 def _since_start(t: float | None) -> float | None:

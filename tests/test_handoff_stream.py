@@ -491,3 +491,24 @@ def test_stream_tail_finds_the_root_only_at_a_real_end(tmp_path):
         tail.feed(data[len(source.head) : cut])
         with pytest.raises(KVPackError, match="end frame"):
             tail.finish()
+
+
+def test_slow_producer_pulses_through_idle_and_receive_timeout(nodes, receivers, tmp_path):
+    """A producer silent for longer than the receiver's idle timeout (a long prefill chunk):
+    Pulse keeps the link alive, and ``--timeout`` does not cut a handoff already streaming."""
+    run = receivers(nodes.consumer, tmp_path, once=True, idle_s=2.0, timeout=1.0)
+    gate = tmp_path / "gate"
+    prod = subprocess.Popen(producer_cmd(**SMALL, gate_after=3, gate=gate), stdout=subprocess.PIPE)
+    timer = threading.Timer(4.5, gate.touch)  # silent for over twice the idle timeout
+    timer.start()
+    try:
+        source = PackSource(prod.stdout)
+        res = transmit(prepare_handoff(source, nodes.producer), to=run.to, identity=nodes.producer)
+    finally:
+        timer.cancel()
+        prod.kill()
+        prod.wait(5)
+    assert res.ok and res.input_wait_s >= 4.0
+    run.wait_done()
+    assert run.error is None and len(run.accepted) == 1
+    assert run.published()[0].read_bytes() == stream_producer.pack_bytes(**SMALL)

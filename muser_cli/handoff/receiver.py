@@ -235,7 +235,7 @@ class Receiver:
                 except queue.Empty:
                     if deadline is not None and time.monotonic() >= deadline:
                         with self._finish_lock:
-                            if self._committed == 0 and self._streaming == 0:
+                            if self._committed == 0 and self._streaming == 0 and self._results.empty():
                                 self._closed_for_new = True
                                 if accepted:  # serving: the time is up, and it was not wasted
                                     return accepted

@@ -506,95 +506,75 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
         seq += 1
         pos += blen
 
-    # 2. digests: payloads (v1.1) on the pool, then the chain in order
+    # 2. one task a frame, on the pool: its payload digest (v1.1), its decoding, and --
+    #    for a layer spread over several frames -- the copy of its rows into that layer's
+    #    own arrays, while the frame is hot in cache. Nothing of it is handed out yet: the
+    #    chain is checked in stream order below, and rows leave only after the root.
     chain = Chain(minor, header.digest or "sha256", d_header)
     stored_total = sum(len(f.stored) for f in frames)
     ex = pool() if stored_total >= PARALLEL_MIN_BYTES else None
-    ps: list[bytes | None] = [None] * len(frames)
-    if chain.parallel:
-        if ex is not None:
-            ps = list(ex.map(lambda f: chain.payload((f.stored,)), frames))
-        else:
-            ps = [chain.payload((f.stored,)) for f in frames]
-    bad: int | None = None
-    for i, f in enumerate(frames):
-        d = chain.compute(f.fh, (f.stored,), ps[i])
-        if d != f.digest:
-            bad = i
-            break
-        chain.value = d
-    good = frames if bad is None else frames[:bad]
-    root_error: KVPackError | None = None
-    root = b""
-    if bad is None and failure is None and end is not None:
-        root = chain.root(end[0])
+    np_dtype = np.dtype(DTYPES[header.dtype][1])
+    layer_frames = [0] * len(header.layers)
+    for f in frames:
+        layer_frames[f.layer] += 1
+    dest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for li, n in enumerate(layer_frames):
+        if n > 1:
+            spec, rows = header.layers[li], header.layer_rows(li)
+            dest[li] = (np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype),
+                        np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
+
+    def work(f: _Scanned):
+        p = chain.payload((f.stored,))
         try:
-            _check_root(end[1], root)
+            keys, values = _decode(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
         except KVPackError as exc:
-            root_error = exc
+            return p, exc
+        if f.layer in dest:
+            a = f.start - header.layer_first_row(f.layer)
+            dk, dv = dest[f.layer]
+            np.copyto(dk[:, a : a + f.count], keys)
+            np.copyto(dv[:, a : a + f.count], values)
+            return p, None
+        return p, (keys, values)
 
-    # 3. decode what verified (zstd on the pool); the first failure in stream order wins
-    def dec(f: _Scanned):
-        return _decode(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
-
-    if ex is not None and any(f.codec != 0 or header.quant_scheme != "none" for f in good):
-        futures = [ex.submit(dec, f) for f in good]
-        decoded = []
-        for fut in futures:
-            try:
-                decoded.append(fut.result())
-            except KVPackError:
-                for rest in futures:
-                    rest.cancel()
-                raise
-    else:
-        decoded = [dec(f) for f in good]
-    if bad is not None:
-        f = frames[bad]
-        raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+    results = ex.map(work, frames) if ex is not None else map(work, frames)
+    held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        for f, (p, got) in zip(frames, results):
+            d = chain.compute(f.fh, (f.stored,), p)
+            if d != f.digest:
+                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+            chain.value = d
+            if isinstance(got, KVPackError):
+                raise got
+            if got is not None:
+                held[f.layer] = got
+    finally:
+        del results  # an error: the rest is cancelled or finishes unseen
     if failure is not None:
         raise failure
-    if root_error is not None:
-        raise root_error
+    assert end is not None
+    root = chain.root(end[0])
+    _check_root(end[1], root)
     if pos != size:
         raise KVPackError("bytes after the end frame")
 
-    # 4. verified: hand out the rows
-    layers = _assemble(header, good, decoded, ex, progress, len(plan))
-    return KVPack(header=header, layers=layers, root_digest=root, total_bytes=pos, stored_bytes=stored_total)
-
-
-def _assemble(header: PackHeader, frames: list[_Scanned], decoded: list, ex, progress, nplan: int) -> list[LayerKV]:
-    np_dtype = np.dtype(DTYPES[header.dtype][1])
-    per_layer: list[list[int]] = [[] for _ in header.layers]
-    for i, f in enumerate(frames):
-        per_layer[f.layer].append(i)
+    # 3. verified: hand out the rows (a layer in one uncompressed frame: a view of buf)
     layers: list[LayerKV] = []
-    copies = []
-    for li, idx in enumerate(per_layer):
-        spec = header.layers[li]
-        first = header.layer_first_row(li)
-        if len(idx) == 1:  # one frame holds the layer: its rows as they are (a view when uncompressed)
-            keys, values = decoded[idx[0]]
+    for li, spec in enumerate(header.layers):
+        if li in dest:
+            keys, values = dest[li]
+        elif li in held:
+            keys, values = held[li]
         else:
-            rows = header.layer_rows(li)
-            keys = np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype)
-            values = np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype)
-            for i in idx:
-                a = frames[i].start - first
-                k, v = decoded[i]
-                copies.append((keys[:, a : a + frames[i].count], k))
-                copies.append((values[:, a : a + frames[i].count], v))
-        layers.append(LayerKV(keys=keys, values=values, first_row=first))
-    if ex is not None and len(copies) > 1:
-        list(ex.map(lambda c: np.copyto(c[0], c[1]), copies))  # numpy copies release the GIL
-    else:
-        for dst, src in copies:
-            np.copyto(dst, src)
+            keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=np_dtype)
+            values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=np_dtype)
+        layers.append(LayerKV(keys=keys, values=values, first_row=header.layer_first_row(li)))
     if progress is not None:
         for f in frames:
-            progress("read", f.seq + 1, nplan)
-    return layers
+            progress("read", f.seq + 1, len(plan))
+    return KVPack(header=header, layers=layers, root_digest=root, total_bytes=pos, stored_bytes=stored_total)
 
 
 # ---------------------------------------------------------------- streams

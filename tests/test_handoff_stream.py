@@ -512,3 +512,24 @@ def test_slow_producer_pulses_through_idle_and_receive_timeout(nodes, receivers,
     run.wait_done()
     assert run.error is None and len(run.accepted) == 1
     assert run.published()[0].read_bytes() == stream_producer.pack_bytes(**SMALL)
+
+
+def test_rate_caps_a_stream_after_a_producer_pause(nodes, receivers, tmp_path):
+    """--rate is a cap on the stream, not an average: a pause of the producer earns no burst."""
+    run = receivers(nodes.consumer, tmp_path)
+    data = stream_producer.pack_bytes(**SMALL)
+    ends = stream_producer.frame_ends(data)
+    gate = tmp_path / "gate"
+    prod = subprocess.Popen(producer_cmd(**SMALL, gate_after=3, gate=gate), stdout=subprocess.PIPE)
+    timer = threading.Timer(1.0, gate.touch)
+    timer.start()
+    rate = 100e3
+    try:
+        res = transmit(prepare_handoff(PackSource(prod.stdout), nodes.producer), to=run.to,
+                       identity=nodes.producer, rate=rate)
+    finally:
+        timer.cancel()
+        prod.kill()
+        prod.wait(5)
+    after_pause = len(data) - ends[3]
+    assert res.ok and res.paced_s >= 0.8 * after_pause / rate - 0.1, res  # ~0.5 s of pacing after the pause

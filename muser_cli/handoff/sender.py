@@ -55,6 +55,7 @@ from muser_cli.handoff.protocol import (
 
 DEFAULT_TOTAL_S = 3600.0
 DEFAULT_PULSE_S = 5.0
+PACE_SLACK_S = 0.05  # a paced stream that fell this far behind (a producer pause) restarts its clock
 READ_BLOCK = 1 << 20
 ProgressFn = Callable[[str, int, int], None]
 
@@ -299,6 +300,8 @@ def transmit(
         busy = paced = 0.0
         sent = 0
         t_first = t_last = None
+        pace_t0: float | None = None  # the pacing clock: bytes since pace_t0 may not pass rate
+        pace_sent = 0
         wait_before = source.wait_s
         tail = StreamTail(source.start, source.head)
         for block in source.blocks(max(chunk, READ_BLOCK if not rate else chunk), pulse_s):
@@ -317,10 +320,14 @@ def transmit(
                     _abort(link, "data", f"payload exceeds its declared bound of {bound} bytes")
                     raise DataError(f"the kvpack is longer than the {bound} bytes its header allows")
                 if rate:
-                    wait = (t_first or time.monotonic()) + sent / rate - time.monotonic()
+                    now = time.monotonic()
+                    if pace_t0 is None or pace_t0 + pace_sent / rate < now - PACE_SLACK_S:
+                        pace_t0, pace_sent = now, 0  # start, or the producer paused: no catch-up burst
+                    wait = pace_t0 + pace_sent / rate - now
                     if wait > 0:
                         time.sleep(wait)
                         paced += wait
+                    pace_sent += len(piece)
                 t0 = time.perf_counter()
                 try:
                     link.send(Data(bytes(piece)), f"streaming the payload ({sent} bytes sent)")

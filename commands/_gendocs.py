@@ -164,7 +164,7 @@ ENVIRONMENT = [
     ("MUSER_TEST_MODELS", "Tests only: folder where the test suite keeps the embedded model converted once "
      "across runs (each test still gets its own `MUSER_HOME`).", "`tests/.cache/models`"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "
-     "configurations are skipped, and said so, once it is spent.", "`480`"),
+     "configurations are skipped, and said so, once it is spent.", "`900`"),
     ("MUSER_CHECK_ONLY", "`benchmarks/gpu_vllm_check.sh` only: comma-separated configuration names to run.",
      "unset: all"),
     ("MUSER_CHECK_OUT", "`benchmarks/gpu_vllm_check.sh` only, set by the script itself for its Python part: "

@@ -201,7 +201,13 @@ def progress_callback() -> Callable[[str, int, int], None] | None:
 def default_threads() -> int:
     value = os.environ.get("MUSER_THREADS")
     if value:
-        return max(1, int(value))
+        try:
+            return max(1, int(value))
+        except ValueError:
+            from muser_cli.errors import ConfigError
+
+            raise ConfigError(f"MUSER_THREADS={value!r} is not a whole number",
+                              hint="set it to a thread count such as 2, or unset it") from None
     return max(1, min(os.cpu_count() or 1, 8))
 
 

@@ -143,7 +143,8 @@ ENVIRONMENT = [
      "once into it, ~20 s). Must be writable (exit 78 otherwise).", "`$MUSER_HOME/cache/models`, else the user "
      "cache folder's `models/`"),
     ("MUSER_THREADS", "Compute threads for `prefill`, `decode` and `verify --audit` when `--threads` is 0 "
-     "(its default); recorded in the pack's producer field. An integer; below 1 counts as 1.",
+     "(its default); recorded in the pack's producer field. A whole number (below 1 counts as 1); anything "
+     "else is exit 78.",
      "the number of CPUs, at most 8"),
     ("MUSER_KVPACK_THREADS", "Threads the kvpack writer and reader share for payload hashing and zstd (1 = all "
      "inline, at most 64). Anything but a positive integer is ignored.", "the number of CPUs, at most 4"),

@@ -1,0 +1,31 @@
+"""The MUSER_* environment variables as docs/cli.md documents them: bad values are one
+line and a documented exit status, never an internal error."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from muser_cli.commands import app
+from muser_cli.commands._common import default_threads
+
+
+def test_muser_threads_is_read_and_clamped(monkeypatch):
+    monkeypatch.setenv("MUSER_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.setenv("MUSER_THREADS", "0")
+    assert default_threads() == 1
+    monkeypatch.delenv("MUSER_THREADS")
+    assert 1 <= default_threads() <= 8
+
+
+@pytest.mark.parametrize("value", ["abc", "2.5", "two"])
+def test_a_non_integer_muser_threads_is_a_configuration_error(tiny_llama, tmp_path, value):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The bridge was built in the spring.")
+    r = CliRunner().invoke(app, ["decode", "-m", str(tiny_llama.path), "--prompt", str(prompt), "-n", "1"],
+                           env={"MUSER_THREADS": value}, input=b"")
+    assert r.exit_code == 78, r.output
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("muser: error: MUSER_THREADS=") and "internal error" not in r.stderr
+    assert r.stdout == ""

@@ -12,6 +12,10 @@ from muser_cli.commands._common import (
 )
 
 
+class _Refused(Exception):
+    """Raised inside the output block so a refused stream is never published."""
+
+
 def _render(report) -> str:
     lines = []
     for c in report.checks:
@@ -45,7 +49,7 @@ def register(app: typer.Typer) -> None:
         stderr. With -o FILE the verified pack is written there.
         """
         from muser_cli.errors import DataError
-        from muser_cli.verify import verify
+        from muser_cli.verify import verify, verify_stream
 
         with guarded(as_json=as_json):
             if output not in (None, "-"):
@@ -55,6 +59,26 @@ def register(app: typer.Typer) -> None:
             prompt_text = read_text_input(prompt) if prompt is not None else None
             # In the middle of a pipe (reading stdin, writing a pipe) verify passes the pack on.
             passthrough = output is not None or (src == "-" and not as_json and not sys.stdout.isatty())
+            if passthrough and not audit:
+                # Streaming: each frame moves on once verified; a bad one ends the output
+                # before it (no end frame, and -o FILE is never published).
+                with open_input(src) as inp:
+                    try:
+                        with binary_output(output) as out:
+                            report = verify_stream(inp, out, model=model, prompt=prompt_text, chat=chat)
+                            if not report.ok:
+                                raise _Refused()
+                    except _Refused:
+                        pass
+                if as_json:
+                    emit_json(report.to_json())
+                else:
+                    err(_render(report))
+                if not report.ok:
+                    bad = report.first_failure()
+                    err(f"muser: error: verify failed: {bad.name}: {bad.detail}")
+                    raise typer.Exit(DataError.exit_status)
+                return
             with open_input(src) as inp:
                 report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit, engine=engine,
                                 threads=threads or default_threads(), keep_bytes=passthrough)

@@ -11,7 +11,7 @@ from muser_cli.errors import KVPackError, UsageError
 from muser_cli.identity import Check, identity_checks
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
-from muser_cli.kvpack.summary import summarize
+from muser_cli.kvpack.summary import summarize, summarize_header
 from muser_cli.models import resolve_model
 from muser_cli.tokens import encode_prompt
 
@@ -117,7 +117,9 @@ def verify_stream(
     frame's only once the root digest verified and the input ended right after it. On the
     first failure nothing more is written, so ``out`` never ends in something decodable.
 
-    Delta packs (whose base must be merged) and audits need the whole pack: use :func:`verify`.
+    A delta pack (whose base must be merged from the store) is checked whole: its bytes are
+    spooled, verified by :func:`verify`, and passed on only if every check passed. Audits
+    need the whole pack too: use :func:`verify` with ``keep_bytes``.
     """
     t0 = time.perf_counter()
     info = resolve_model(model)
@@ -126,7 +128,7 @@ def verify_stream(
     pending: list[bytes] = []
     checks: list[Check] = []
     end: EndEvent | None = None
-    frames = 0
+    frames = stored = 0
     try:
         while True:
             # Exactly what the parser needs next (so each frame arrives in one piece).
@@ -139,14 +141,14 @@ def verify_stream(
             for ev in reader.feed(chunk):
                 if isinstance(ev, HeaderEvent):
                     if ev.header.rows_start > 0:
-                        raise UsageError("a delta pack is checked against its stored base as a whole",
-                                         hint="verify it from a file, or with -o FILE")
+                        return _verify_whole(b"".join(pending), src, out, model=model, prompt=prompt, chat=chat)
                     checks += identity_checks(ev.header, info, prompt_ids=prompt_ids)
                     if not all(c.ok for c in checks):
                         return VerifyReport([Check("integrity", True, "header verified"), *checks], None,
                                             time.perf_counter() - t0)
                 elif isinstance(ev, FrameEvent):
                     frames += 1
+                    stored += ev.stored_bytes
                 elif isinstance(ev, EndEvent):
                     end = ev
                     continue  # held back until the input is seen to end here
@@ -163,9 +165,22 @@ def verify_stream(
     h = reader.header
     head = Check("integrity", True, f"{frames} frames, root digest {end.root_digest.hex()[:16]}…, "
                                     f"codec {h.codec.get('name', CODEC_NAMES[0])}, streamed")
-    summary = {"tokens": len(h.token_ids), "rows": [h.rows_start, h.rows_end], "dtype": h.dtype,
-               "codec": h.codec.get("name"), "pack_bytes": end.total_bytes, "root_digest": end.root_digest.hex()}
+    summary = summarize_header(h, total_bytes=end.total_bytes, stored_bytes=stored, root_digest=end.root_digest)
     return VerifyReport([head, *checks], None, time.perf_counter() - t0, summary)
+
+
+def _verify_whole(head: bytes, src: BinaryIO, out: BinaryIO, **kw) -> VerifyReport:
+    """Spool ``head`` + the rest of ``src``, verify it whole, pass it on only if it passed."""
+    spool = tempfile.SpooledTemporaryFile(max_size=256 << 20)
+    spool.write(head)
+    while block := src.read(1 << 20):
+        spool.write(block)
+    spool.seek(0)
+    report = verify(spool, keep_bytes=True, **kw)
+    if report.ok:
+        report.copy_verified(out)
+        out.flush()
+    return report
 
 
 def _check_base(pack: KVPack) -> tuple[Check, tuple | None]:

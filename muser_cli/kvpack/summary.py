@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from muser_cli.kvpack.format import PackHeader
 from muser_cli.kvpack.reader import KVPack
 
 
 def summarize(pack: KVPack) -> dict:
-    h = pack.header
+    return summarize_header(pack.header, total_bytes=pack.total_bytes, stored_bytes=pack.stored_bytes,
+                            root_digest=pack.root_digest)
+
+
+def summarize_header(h: PackHeader, *, total_bytes: int, stored_bytes: int, root_digest: bytes) -> dict:
+    """The same description from a header and what the reader counted (a streamed pack)."""
     kinds: dict[str, int] = {}
     bytes_by_kind: dict[str, int] = {}
     for i, spec in enumerate(h.layers):
@@ -18,8 +24,8 @@ def summarize(pack: KVPack) -> dict:
         "tokenizer_fingerprint": h.tokenizer_fingerprint, "tokens": len(h.token_ids),
         "token_digest": h.token_digest, "rows": [h.rows_start, h.rows_end], "dtype": h.dtype,
         "chunk_tokens": h.chunk_tokens, "layers": kinds, "kv_bytes_by_kind": bytes_by_kind,
-        "kv_bytes": raw, "pack_bytes": pack.total_bytes, "codec": h.codec.get("name"),
-        "ratio": round(raw / pack.stored_bytes, 4) if pack.stored_bytes else None,
-        "producer": h.producer, "root_digest": pack.root_digest.hex(),
+        "kv_bytes": raw, "pack_bytes": total_bytes, "codec": h.codec.get("name"),
+        "ratio": round(raw / stored_bytes, 4) if stored_bytes else None,
+        "producer": h.producer, "root_digest": root_digest.hex(),
         "version": f"{h.raw.get('version', [1, 0])[0]}.{h.minor}",
     }

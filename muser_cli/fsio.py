@@ -149,7 +149,7 @@ def check_output_path(path: Path | str) -> Path:
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
-        raise UsageError(f"cannot write {path}: it is a directory", hint=f"name a file, e.g. {path / 'out.kvpack'}")
+        raise UsageError(f"cannot write {path}: it is a directory", hint="name a file inside it")
     if not directory.exists():
         raise MissingInput(f"cannot write {path}: folder {directory} does not exist", hint="create it first")
     if not directory.is_dir():

@@ -533,3 +533,41 @@ def test_rate_caps_a_stream_after_a_producer_pause(nodes, receivers, tmp_path):
         prod.wait(5)
     after_pause = len(data) - ends[3]
     assert res.ok and res.paced_s >= 0.8 * after_pause / rate - 0.1, res  # ~0.5 s of pacing after the pause
+
+
+def test_stuck_downstream_fails_the_handoff_within_the_idle_timeout(nodes, tmp_path):
+    """``receive | X`` where X stops reading: the handoff is refused after idle_s, never hangs,
+    and no end frame is written."""
+    data = stream_producer.pack_bytes(tokens=1200, layers=2)  # ~330 KB: more than a pipe and the queue hold
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(data)
+    rfd, wfd = os.pipe()  # nobody reads rfd
+    out = os.fdopen(wfd, "wb")
+    r = Receiver(nodes.consumer, ReceiveConfig(port=0, once=True, idle_s=1.0, handshake_s=2.0),
+                 ledger_dir=tmp_path / "ledger", out_stream=out)
+    host, port = r.bind()
+    errors: list[BaseException] = []
+
+    def serve():
+        try:
+            r.serve()
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TempFailure):
+            transmit(prepare_handoff(src, nodes.producer), to=f"{host}:{port}", identity=nodes.producer,
+                     chunk=4096, idle_s=5)
+        t.join(10)
+        assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], TempFailure), errors
+        assert "not drained" in str(errors[0]) and time.monotonic() - t0 < 8
+    finally:
+        r.close()
+        os.close(rfd)  # the stuck write fails with EPIPE now
+        try:
+            out.close()
+        except OSError:
+            pass

@@ -463,7 +463,7 @@ class Receiver:
             sink: FileSink | StreamSink = StreamSink(self.out_stream) if final is None else FileSink(final)
         except OSError as exc:
             raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
-        worker = SpoolWorker(PayloadInspector(expect=h), sink)
+        worker = SpoolWorker(PayloadInspector(expect=h), sink, stall_s=self.config.idle_s)
         published = False
         t_first = t_last = None
         commit_s = 0.0

@@ -207,9 +207,11 @@ class SpoolWorker:
     stream sink forwards every good frame and nothing after.
     """
 
-    def __init__(self, inspector: PayloadInspector, sink: FileSink | StreamSink, depth: int = 16) -> None:
+    def __init__(self, inspector: PayloadInspector, sink: FileSink | StreamSink, depth: int = 16,
+                 stall_s: float | None = None) -> None:
         self.inspector = inspector
         self.sink = sink
+        self.stall_s = stall_s  # longest the sink may block (a downstream that stopped reading)
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
         self._error: Refusal | None = None
         self._thread = threading.Thread(target=self._run, name="muser-spool", daemon=True)
@@ -242,15 +244,32 @@ class SpoolWorker:
             except BaseException as exc:  # noqa: BLE001 - reported to the session thread
                 self._error = Refusal("data", f"{type(exc).__name__}: {exc}")
 
+    def _stalled(self) -> Refusal:
+        self._error = self._error or Refusal(
+            "timeout", f"the receiver's output has not drained for {self.stall_s:g} s (is its reader stuck?)")
+        return self._error
+
     def put(self, data: bytes) -> None:
         if self._error is not None:
             raise self._error
-        self._queue.put(data)
+        try:
+            self._queue.put(data, timeout=self.stall_s)
+        except queue.Full:
+            raise self._stalled() from None
 
     def stop(self) -> None:
+        """Let the thread finish what is queued; a sink stuck past ``stall_s`` is abandoned
+        (the error set first, so nothing queued after it is written)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._queue.put(None, timeout=self.stall_s)
+        except queue.Full:
+            self._stalled()
+            return
+        self._thread.join(self.stall_s)
         if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
+            self._stalled()
 
     def finish(self) -> PayloadInfo:
         """Wait for every frame; return the verified payload info."""

@@ -1,0 +1,117 @@
+"""The house rules of the tree, checked on the source (docs/design.md, "Layers"):
+
+* no import cycles among the library's modules, counting imports inside functions too (a
+  cycle hidden behind a lazy import is still a cycle); the package root's lazy
+  conveniences aside, since every module is inside that package anyway;
+* the kvpack format, the handoff protocol, the store and the strict-input toolkit import no
+  ML framework, anywhere (not even lazily);
+* the library never imports the command layer, and commands never import each other
+  (only their shared ``_common``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FRAMEWORKS = ("torch", "transformers", "mlx", "mlx_lm", "vllm", "accelerate")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for base, prefix in ((ROOT / "muser_cli", "muser_cli"), (ROOT / "commands", "muser_cli.commands")):
+        for p in base.rglob("*.py"):
+            parts = p.relative_to(base).with_suffix("").parts
+            name = ".".join((prefix, *parts))
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path, name: str) -> tuple[set[str], set[str], set[str]]:
+    """(muser modules imported at module level, inside functions, every imported top-level package)."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    top: set[str] = set()
+    lazy: set[str] = set()
+    anywhere: set[str] = set()
+
+    def targets(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        assert isinstance(node, ast.ImportFrom)
+        base = node.module or ""
+        if node.level:
+            pkg = name.split(".")
+            pkg = pkg if is_pkg else pkg[:-1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join([*pkg, base] if base else pkg)
+        return [base, *(f"{base}.{a.name}" for a in node.names)]
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
+                continue
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for t in targets(child):
+                    anywhere.add(t.split(".")[0])
+                    r = _resolve(t) if t.startswith("muser_cli") else None
+                    if r and r != name:
+                        (lazy if inner else top).add(r)
+            visit(child, inner)
+
+    visit(tree, False)
+    return top, lazy, anywhere
+
+
+GRAPH = {name: _imports(path, name) for name, path in MODULES.items()}
+
+
+def test_no_import_cycles():
+    graph = {k: {t for t in v[0] | v[1] if t != "muser_cli"} for k, v in GRAPH.items() if k != "muser_cli"}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(v: str) -> None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(w):] + [w]))
+            if w not in state:
+                walk(w)
+        stack.pop()
+        state[v] = 2
+
+    for v in sorted(graph):
+        if v not in state:
+            walk(v)
+
+
+def test_framework_free_layers():
+    free = ("muser_cli.kvpack", "muser_cli.handoff", "muser_cli.reuse", "muser_cli.strict", "muser_cli.errors",
+            "muser_cli.modelinfo", "muser_cli.schedule", "muser_cli.fsio")
+    for name, (_, _, anywhere) in GRAPH.items():
+        if name.startswith(free):
+            heavy = sorted(anywhere & set(FRAMEWORKS))
+            assert not heavy, f"{name} imports {heavy}"
+
+
+def test_library_never_imports_commands_and_commands_not_each_other():
+    for name, (top, lazy, _) in GRAPH.items():
+        top = top | lazy
+        if not name.startswith("muser_cli.commands"):
+            assert not any(t.startswith("muser_cli.commands") for t in top), name
+        elif name != "muser_cli.commands":
+            others = {t for t in top if t.startswith("muser_cli.commands.") and not t.endswith("._common")}
+            assert not others, f"{name} imports {sorted(others)}"

@@ -317,3 +317,36 @@ def test_real_model_export_continues_in_mlx_lm(real_model, tmp_path):
         out = decode(src, model=str(info.path), engine="mlx", max_new_tokens=NEW)
     assert out.token_ids and out.token_ids == theirs[: len(out.token_ids)]
     assert decode_text(info, out.token_ids).strip()
+
+
+def test_cli_usage_errors_exit_2(tiny_llama, tmp_path):
+    f = tmp_path / "c.safetensors"
+    f.write_bytes(b"\0" * 16)
+    for args, needle in (
+        (["--import", "mlx-lm", str(f), "-m", str(tiny_llama.path)], b"--prompt"),
+        (["--export", "gguf", str(f)], b"unknown cache format 'gguf'"),
+        (["--export", "mlx-lm", "--import", "mlx-lm", str(f)], b"exclude each other"),
+    ):
+        r = muser("pack", *args, "-o", str(tmp_path / "out"))
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "out").exists()
+
+
+def test_bfloat16_rows_export_as_bf16_bits_and_come_back(tiny_hybrid, tmp_path):
+    info = tiny_hybrid
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), engine="torch", dtype="bfloat16", chunk_tokens=CHUNK)
+    pack = read_pack_bytes(out.getvalue())
+    f = tmp_path / "bf16.safetensors"
+    with open(f, "wb") as o:
+        interop.export_mlx_lm(pack, o, model=str(info.path))
+    cache = load_prompt_cache(str(f))
+    assert all(c.keys.dtype == mx.bfloat16 for c in cache)
+    full = info.layers.index(next(s for s in info.layers if s.kind == "full"))
+    assert np.array_equal(np.array(cache[full].keys[0].view(mx.uint16)), pack.layers[full].keys)
+    back = io.BytesIO()
+    interop.import_mlx_lm(str(f), back, model=str(info.path), token_ids=list(pack.header.token_ids), chunk_tokens=CHUNK)
+    again = read_pack_bytes(back.getvalue())
+    assert again.header.dtype == "bfloat16"
+    assert all(x.keys.tobytes() == y.keys.tobytes() and x.values.tobytes() == y.values.tobytes()
+               for x, y in zip(pack.layers, again.layers))

@@ -201,12 +201,18 @@ def test_kvpack_to_mlx_lm_to_kvpack_keeps_the_bytes(tiny_hybrid, tmp_path):
         assert x.keys.tobytes() == y.keys.tobytes() and x.values.tobytes() == y.values.tobytes()
 
 
-def test_cli_import_then_verify_audit(tiny_llama, tmp_path):
+def test_mlx_lm_cache_prompt_cli_file_imports_and_passes_verify_audit(tiny_llama, tmp_path):
+    """A file from mlx-lm's own ``cache_prompt`` command (chat template, as it renders it)."""
     info = tiny_llama
-    ids = encode_prompt(info, PROMPT)
-    mlx_lm_file(info, ids, tmp_path / "c.safetensors", whole=True)
-    (tmp_path / "doc.txt").write_text(PROMPT)
-    r = muser("pack", "--import", "mlx-lm", str(tmp_path / "c.safetensors"), "--prompt", str(tmp_path / "doc.txt"),
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **mlx_blas.preload_env()}
+    src = tmp_path / "c.safetensors"
+    r = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(info.path), "--prompt", PROMPT,
+                        "--prompt-cache-file", str(src)], capture_output=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    rendered = tokenizer_for(info).apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                                       add_generation_prompt=False, continue_final_message=True)
+    (tmp_path / "doc.txt").write_text(rendered)
+    r = muser("pack", "--import", "mlx-lm", str(src), "--prompt", str(tmp_path / "doc.txt"),
               "-m", str(info.path), "-o", str(tmp_path / "doc.kvpack"))
     assert r.returncode == 0, r.stderr.decode()
     assert b"its last row is left to the consumer" in r.stderr

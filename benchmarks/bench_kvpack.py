@@ -114,6 +114,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--synthetic", action="store_true", help="random bf16 rows of the real model's shape")
     ap.add_argument("--no-cli", action="store_true", help="skip muser pack vs cat")
+    ap.add_argument("--kv-cache", default="", help="an .npz of the prefilled KV: read if present, else written")
     args = ap.parse_args()
 
     from muser_cli.kvpack import read_pack, read_pack_bytes, write_pack
@@ -130,7 +131,21 @@ def main() -> int:
 
     depths = [int(d) for d in args.depths.split(",")]
     info = resolve_model("default")
-    ids_all, kv_all, threads = (synthetic_kv if args.synthetic else real_kv)(info, max(depths))
+    cache = Path(args.kv_cache) if args.kv_cache else None
+    if cache is not None and cache.exists() and not args.synthetic:
+        from muser_cli.kvpack import LayerKV
+
+        z = np.load(cache)
+        ids_all = z["ids"].tolist()
+        kv_all = [LayerKV(z[f"k{i}"], z[f"v{i}"], 0) for i in range(len(info.layers))]
+        threads = int(z["threads"])
+        if len(ids_all) < max(depths):
+            raise SystemExit(f"{cache} holds {len(ids_all)} tokens, fewer than {max(depths)}")
+    else:
+        ids_all, kv_all, threads = (synthetic_kv if args.synthetic else real_kv)(info, max(depths))
+        if cache is not None and not args.synthetic:
+            np.savez(cache, ids=np.array(ids_all), threads=threads,
+                     **{f"k{i}": l.keys for i, l in enumerate(kv_all)}, **{f"v{i}": l.values for i, l in enumerate(kv_all)})
     tmp = Path(tempfile.mkdtemp(prefix="muser-bench-"))
     rows_out = []
     for depth in depths:

@@ -651,3 +651,32 @@ def test_writer_sends_views_of_the_callers_arrays():
     part = _views(keys[:, 8:16], np.dtype("<u2"))  # a frame of a longer cache: one view per head
     assert len(part) == 2 and all(np.shares_memory(np.frombuffer(v, np.uint16), keys) for v in part)
     assert b"".join(bytes(v) for v in part) == np.ascontiguousarray(keys[:, 8:16]).tobytes()
+
+
+def test_big_frames_hashed_while_written_give_the_same_bytes(tmp_path, monkeypatch):
+    """Frames over the overlap threshold are hashed on the pool while their bytes go out
+    (write_frame), or ahead of them (write_pack): same bytes as one thread, and they read."""
+    from muser_cli.kvpack import LayerSpec, PackWriter, RopeSpec, read_pack, write_pack
+    from muser_cli.kvpack.writer import OVERLAP_MIN_BYTES
+    from kvpack_factory import make_header, make_rows
+
+    header = make_header(1100, chunk=512, layers=(LayerSpec("full", 4, 128, 128, rope=RopeSpec(1e4, 128)),) * 2)
+    rows = make_rows(header, 9)
+    assert header.row_bytes(0) * 512 > OVERLAP_MIN_BYTES
+    monkeypatch.setenv("MUSER_KVPACK_THREADS", "1")
+    ref = io.BytesIO()
+    write_pack(ref, header, rows)
+    monkeypatch.setenv("MUSER_KVPACK_THREADS", "3")
+    path = tmp_path / "big.kvpack"
+    with open(path, "wb") as fh:
+        writer = PackWriter(fh, header)
+        for layer, start, count in header.frame_plan():
+            writer.write_frame(layer, start, rows[layer].keys[:, start:start + count],
+                               rows[layer].values[:, start:start + count])
+        writer.finish()
+    assert path.read_bytes() == ref.getvalue()
+    par = io.BytesIO()
+    write_pack(par, header, rows)
+    assert par.getvalue() == ref.getvalue()
+    with open(path, "rb") as fh:
+        assert _same(read_pack(fh).layers, rows)

@@ -30,6 +30,7 @@ _ZEROS = bytes(ALIGN)
 _ZERO_HALF = bytes(32)
 IOV_MAX = 512  # well under every platform's limit
 WINDOW = 8  # frames in flight on the pool in write_pack
+OVERLAP_MIN_BYTES = 256 << 10  # a frame this big is hashed on the pool while it is written
 
 
 def _raw_fd(stream: object) -> int | None:
@@ -183,7 +184,7 @@ class PackWriter:
             elem = np_dtype.itemsize
         return _Frame(layer, start, count, parts, sum(len(p) for p in parts), elem)
 
-    def _encode(self, fr: _Frame) -> _Frame:
+    def _encode(self, fr: _Frame, hash_payload: bool = True) -> _Frame:
         """Compress (if the pack's codec says so) and, for v1.1, hash the stored payload.
         Runs on a worker thread in ``write_frames``; touches nothing shared."""
         if self.codec != CODEC_RAW and fr.raw_len:
@@ -196,22 +197,29 @@ class PackWriter:
                 stored = encode_payload(src, self.codec, elem=fr.elem, level=self.level)
             if len(stored) < fr.raw_len:  # else incompressible: store raw
                 fr.codec, fr.stored = self.codec, [stored]
-        if self._chain.parallel:
+        if hash_payload and self._chain.parallel:
             fr.p = self._chain.payload(fr.stored)
         return fr
 
     def _emit(self, fr: _Frame, seq: int) -> None:
         stored_len = sum(len(p) for p in fr.stored)
         fh = FRAME_HEADER.pack(TAG_DATA, seq, fr.layer, fr.start, fr.count, fr.codec, 0, 0, fr.raw_len, stored_len)
-        d = self._chain.compute(fh, fr.stored, fr.p)
+        ex = pool() if stored_len >= OVERLAP_MIN_BYTES and (fr.p is None) else None
+        if ex is not None:  # hash on the pool while the frame's bytes go out: d_k is only needed after them
+            fut = ex.submit(self._chain.compute, fh, fr.stored, fr.p)
+            self._sink.write([fh, *fr.stored, _ZEROS[: pad_len(stored_len)]])
+            d = fut.result()
+            self._sink.write([d, _ZERO_HALF])
+        else:
+            d = self._chain.compute(fh, fr.stored, fr.p)
+            self._sink.write([fh, *fr.stored, _ZEROS[: pad_len(stored_len)], d, _ZERO_HALF])
         self._chain.value = d
-        self._sink.write([fh, *fr.stored, _ZEROS[: pad_len(stored_len)], d, _ZERO_HALF])
         self.raw_bytes += fr.raw_len
 
     def write_frame(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """keys (kv_heads, count, head_dim), values (kv_heads, count, v_head_dim), storage dtype."""
         fr = self._prepare(self._next, layer, start, keys, values)
-        self._emit(self._encode(fr), self._next)
+        self._emit(self._encode(fr, hash_payload=False), self._next)  # _emit hashes while it writes
         self._next += 1
 
     def write_frames(self, frames: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> None:

@@ -32,7 +32,7 @@ def make_header(tokens: int, layers: int, heads: int, head_dim: int, frame: int)
 
 
 def write(out, header: PackHeader, *, seed: int = 0, gate_after: int | None = None, gate: str | None = None,
-          delay: float = 0.0) -> None:
+          delay: float = 0.0, stamp: str | None = None) -> None:
     w = PackWriter(out, header, codec="none")
     out.flush()
     for n, (layer, start, count) in enumerate(header.frame_plan()):
@@ -49,6 +49,8 @@ def write(out, header: PackHeader, *, seed: int = 0, gate_after: int | None = No
             time.sleep(delay)
     w.finish()
     out.flush()
+    if stamp:  # when the last byte left the producer (Unix time), for tail measurements
+        Path(stamp).write_text(repr(time.time()))
 
 
 def pack_bytes(tokens: int, layers: int, heads: int = 2, head_dim: int = 16, frame: int = 16, seed: int = 0) -> bytes:
@@ -86,10 +88,12 @@ def main() -> int:
     ap.add_argument("--gate-after", type=int)
     ap.add_argument("--gate")
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--stamp")
     a = ap.parse_args()
     header = make_header(a.tokens, a.layers, a.heads, a.head_dim, a.frame)
     try:
-        write(sys.stdout.buffer, header, seed=a.seed, gate_after=a.gate_after, gate=a.gate, delay=a.delay)
+        write(sys.stdout.buffer, header, seed=a.seed, gate_after=a.gate_after, gate=a.gate, delay=a.delay,
+              stamp=a.stamp)
     except BrokenPipeError:
         return 1
     return 0

@@ -165,44 +165,75 @@ class PayloadInspector:
 
 
 class StreamTail:
-    """The sender's view of the payload after its verified kvpack header: a byte count and
-    the last 128 bytes, where a complete kvpack has its end frame and root digest.
+    """The sender's view of the payload after its verified kvpack header: it follows the
+    frame layout (each 64-byte frame header's tag and stored length) without hashing, so
+    it knows the moment the end frame is complete -- the trailer can go out then, not
+    when the producer's process finally closes its output -- and where the root digest is.
 
     The sender does not re-hash the frames it forwards -- the receiver verifies every one
-    against the chain, and no trailer is ever accepted for a root it did not compute
-    itself -- so forwarding costs the producer's machine no hashing. What it checks at
-    the end is structural: the input ended on an end frame whose sequence number is the
-    number of data frames the header plans (else the input ended early or is no kvpack).
+    against the chain, and accepts no trailer for a root it did not compute itself -- so
+    forwarding costs the producer's machine no hashing. What is checked here is
+    structural: frames in sequence, an end frame whose sequence number is the number of
+    data frames the header plans, zero padding after the root, nothing after it.
     """
 
     def __init__(self, start: PackStart, head: bytes) -> None:
         self.start = start
         self.size = len(head)
-        self._tail = bytearray(head[-END_FRAME_BYTES:])
+        self.frames = 0  # data frames seen
+        self.complete = False
+        self._hdr = bytearray()  # the frame header being collected
+        self._skip = 0  # bytes left of the current frame after its header
+        self._in_end = False
+        self._digest = bytearray()  # the end frame's digest block
 
     def feed(self, data: bytes | memoryview) -> None:
-        self.size += len(data)
-        if len(data) >= END_FRAME_BYTES:
-            self._tail[:] = data[-END_FRAME_BYTES:]
-        else:
-            self._tail += data
-            del self._tail[:-END_FRAME_BYTES]
-
-    def finish(self) -> tuple[int, str]:
-        """(payload size, root digest hex) once the input ended; KVPackError if it ended early."""
+        """Account for ``data``; KVPackError for bytes after the end frame or a bad frame tag."""
         import struct
 
-        from muser_cli.kvpack.format import FRAME_HEADER, TAG_END
+        from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, TAG_DATA, TAG_END, pad_len
 
-        t = bytes(self._tail)
-        ok = len(t) == END_FRAME_BYTES and self.size >= self.start.head_bytes + END_FRAME_BYTES
-        if ok:
-            tag, seq = struct.unpack_from("<4sI", t)
-            ok = tag == TAG_END and seq == self.start.frames and not any(t[FRAME_HEADER.size + 32 :])
-        if not ok:
+        view = memoryview(data)
+        off, n = 0, len(view)
+        while off < n:
+            if self.complete:
+                raise KVPackError("bytes after the kvpack's end frame")
+            if self._skip == 0 and not self._in_end:  # at a frame boundary: collect its header
+                take = min(FRAME_HEADER.size - len(self._hdr), n - off)
+                self._hdr += view[off : off + take]
+                off += take
+                if len(self._hdr) < FRAME_HEADER.size:
+                    continue
+                tag, seq = struct.unpack_from("<4sI", self._hdr)
+                if seq != self.frames:
+                    raise KVPackError(f"frame {self.frames}: sequence number {seq}")
+                if tag == TAG_DATA:
+                    stored = struct.unpack_from("<Q", self._hdr, 32)[0]
+                    self._skip = stored + pad_len(stored) + DIGEST_BLOCK
+                    self.frames += 1
+                elif tag == TAG_END:
+                    if seq != self.start.frames:
+                        raise KVPackError(f"end frame after {seq} of {self.start.frames} planned frames")
+                    self._in_end, self._skip = True, DIGEST_BLOCK
+                else:
+                    raise KVPackError(f"frame {self.frames}: unknown frame tag {bytes(tag)!r}")
+                self._hdr.clear()
+                continue
+            take = min(self._skip, n - off)
+            if self._in_end:
+                self._digest += view[off : off + take]
+            off += take
+            self._skip -= take
+            if self._in_end and self._skip == 0:
+                self.complete = True
+        self.size += n
+
+    def finish(self) -> tuple[int, str]:
+        """(payload size, root digest hex) once the end frame is in; KVPackError if the input ended early."""
+        if not self.complete or any(self._digest[32:]):
             raise KVPackError(f"input ended after {self.size} bytes without the kvpack's end frame "
-                              f"(of {self.start.frames} planned frames)")
-        return self.size, t[FRAME_HEADER.size : FRAME_HEADER.size + 32].hex()
+                              f"({self.frames} of {self.start.frames} planned frames)")
+        return self.size, bytes(self._digest[:32]).hex()
 
 
 def read_start(read: Callable[[int], bytes], inspector: PayloadInspector) -> bytes:

@@ -8,9 +8,10 @@ Contract of :func:`send` (Handoff V3, docs/handoff.md):
     key; a bad kvpack header fails (exit 65) before any connection is made;
   * then: TCP connect, TLS 1.3 with client certificate, wait for ``Ready`` (or busy),
     ``Header``, wait for ``Go``, then stream ``Data`` frames as input arrives (paced when
-    ``rate`` is given; ``Pulse`` while a slow producer writes nothing); at the end of the
-    input, a MAC'd ``Trailer`` with the exact size and the root digest of the end frame;
-    wait for ``Ack``. Returns only after the receiver acknowledged, i.e. after it
+    ``rate`` is given; ``Pulse`` while a slow producer writes nothing); as soon as the
+    kvpack's end frame is in (the sender follows the frame layout, without hashing), a
+    MAC'd ``Trailer`` with the exact size and the root digest of the end frame; wait for
+    ``Ack``. Returns only after the receiver acknowledged, i.e. after it
     verified every frame against the chain and the trailer against what it computed,
     and recorded the handoff id durably (and published the file, if it writes one);
   * the sender does not re-hash what it forwards (the receiver verifies every frame, so
@@ -308,6 +309,12 @@ def transmit(
             if block is None:
                 link.send(Pulse(), "keeping the link alive while the producer computes")
                 continue
+            if block is not source.head:  # the head was accounted for when the source opened
+                try:
+                    tail.feed(block)  # layout only, no hashing: knows when the end frame is in
+                except KVPackError as exc:
+                    _abort(link, "data", f"the sender's input is not a valid kvpack: {exc}")
+                    raise
             view = memoryview(block)
             for i in range(0, len(view), chunk):
                 piece = view[i : i + chunk]
@@ -341,10 +348,10 @@ def transmit(
                 if t_first is None:
                     t_first = t_last
                 sent += len(piece)
-            if block is not source.head:  # counted already
-                tail.feed(block)
             if progress:
                 progress("send", sent, bound)
+            if tail.complete:
+                break  # the end frame is in: the trailer goes now, not when the producer exits
         try:
             size, root = tail.finish()
         except KVPackError as exc:

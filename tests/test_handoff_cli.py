@@ -38,7 +38,7 @@ def test_pipeline_receive_stdout_send_json(nodes, consumer_home, pack_file, tmp_
     assert proc.wait(20) == 0
     out.close()
     assert (tmp_path / "got.kvpack").read_bytes() == pack_file.read_bytes()
-    assert list((consumer_home / "data" / "inbox").glob("*")) == []  # handed to stdout, then removed
+    assert list((consumer_home / "data" / "inbox").glob("*")) == []  # streamed to stdout: nothing spooled
 
 
 def test_receive_timeout_exits_75_for_fallback(consumer_home, tmp_path):

@@ -356,3 +356,15 @@ def test_bfloat16_rows_export_as_bf16_bits_and_come_back(tiny_hybrid, tmp_path):
     assert again.header.dtype == "bfloat16"
     assert all(x.keys.tobytes() == y.keys.tobytes() and x.values.tobytes() == y.values.tobytes()
                for x, y in zip(pack.layers, again.layers))
+
+
+def test_a_file_muser_exported_is_bound_to_its_prompt(tiny_llama, tmp_path):
+    info = tiny_llama
+    pack_path = make_pack(info, tmp_path)
+    export(pack_path, tmp_path / "doc.safetensors", info)
+    ids = list(read_pack(open(pack_path, "rb")).header.token_ids)
+    other = ids[:-1] + [(ids[-1] + 1) % 500 + 3]  # same length, another last token
+    from muser_cli.errors import IdentityMismatch
+
+    with pytest.raises(IdentityMismatch, match="another prompt"):
+        interop.import_mlx_lm(str(tmp_path / "doc.safetensors"), io.BytesIO(), model=str(info.path), token_ids=other)

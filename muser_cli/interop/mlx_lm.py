@@ -302,6 +302,7 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
         cache, size, mapping = read_prompt_cache_file(src)
         name = src
     try:
+        _check_muser_record(cache, info, ids, name)
         layers, dropped = cache_to_layers(cache, info, ids, name=name)
     finally:
         del cache
@@ -318,6 +319,29 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
     return ImportResult(header=writer.header, tokens=len(ids), cached_positions=len(ids) - (0 if dropped else 1),
                         dropped_last_row=dropped, bytes_in=size, bytes_out=writer.bytes_written,
                         seconds=time.perf_counter() - t0)
+
+
+def _check_muser_record(cache: MlxPromptCache, info: ModelInfo, ids: Sequence[int], name: str) -> None:
+    """A file muser exported names its model and prompt (``muser_kvpack``): they must be these."""
+    from muser_cli.errors import IdentityMismatch
+    from muser_cli.kvpack import token_digest
+
+    raw = cache.metadata.get(METADATA_KEY)
+    if raw is None:
+        return  # a file mlx-lm wrote itself: nothing to compare
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError:
+        raise DataError(f"{name}: its {METADATA_KEY} metadata is not JSON") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{name}: its {METADATA_KEY} metadata is not a JSON object")
+    for key, mine in (("model_fingerprint", info.fingerprint), ("tokenizer_fingerprint", info.tokenizer_fingerprint),
+                      ("token_digest", token_digest(list(ids)))):
+        theirs = record.get(key)
+        if theirs is not None and theirs != mine:
+            what = "prompt" if key == "token_digest" else key.split("_")[0]
+            raise IdentityMismatch(f"{name}: exported by muser for another {what} ({key} {str(theirs)[:23]}, "
+                                   f"here {mine[:23]})")
 
 
 def layers_dtype(layers: Sequence[LayerKV]) -> str:

@@ -368,3 +368,31 @@ def test_a_file_muser_exported_is_bound_to_its_prompt(tiny_llama, tmp_path):
 
     with pytest.raises(IdentityMismatch, match="another prompt"):
         interop.import_mlx_lm(str(tmp_path / "doc.safetensors"), io.BytesIO(), model=str(info.path), token_ids=other)
+
+
+def test_any_corruption_of_a_file_is_a_data_error(tiny_hybrid, tmp_path):
+    """Flipped bytes anywhere in the header or data, and cuts: parsing either succeeds or
+    raises DataError (one line), never anything else."""
+    info = tiny_hybrid
+    good = tmp_path / "good.safetensors"
+    mlx_lm_file(info, encode_prompt(info, PROMPT), good, whole=True)
+    data = good.read_bytes()
+    hlen = int.from_bytes(data[:8], "little")
+    rng = np.random.default_rng(16)
+    outcomes = {"ok": 0, "refused": 0}
+    for trial in range(400):
+        b = bytearray(data)
+        if trial % 4 == 3:
+            b = b[: int(rng.integers(0, len(b)))]
+        else:
+            for _ in range(int(rng.integers(1, 4))):
+                at = int(rng.integers(0, 8 + hlen)) if trial % 2 else int(rng.integers(0, len(b)))
+                b[at] = int(rng.integers(0, 256))
+        try:
+            cache = interop.parse_prompt_cache(bytes(b))
+            interop.cache_to_layers(cache, info, encode_prompt(info, PROMPT))
+            outcomes["ok"] += 1
+        except DataError as exc:
+            assert 0 < len(exc.message) < 400 and "\n" not in exc.message
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 100

@@ -8,12 +8,12 @@ disk but the ledger; ``inbox_dir``/``spool_dir`` remain for callers that name th
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
 from muser_cli.errors import UsageError
+from muser_cli.strict import parse_size as strict_parse_size
 
 
 def ledger_dir() -> Path:
@@ -28,15 +28,9 @@ def spool_dir() -> Path:
     return paths.cache_dir() / "spool"
 
 
-_SIZE_RE = re.compile(r"^([0-9]+)\s*([kmgt]?)(i?b)?$")
-
-
 def parse_size(text: str) -> int:
-    """Bytes from ``1048576``, ``512K``, ``64M``, ``2G``, ``1T`` (powers of 1024)."""
-    m = _SIZE_RE.match(text.strip().lower())
-    if not m:
-        raise UsageError(f"bad size {text!r}", hint="e.g. 512M, 64G")
-    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    """Bytes from ``64G``, ``512M``, ``1048576`` (muser_cli.strict's one size grammar)."""
+    return strict_parse_size(text)
 
 
 # ----------------------------------------------------------------------------- node
@@ -81,7 +75,7 @@ def repair_ledger(key_id: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- wire
 def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, timeout: float,
          connect_timeout: float, idle_timeout: float, progress=None) -> dict[str, Any]:
-    from muser_cli.handoff.link import parse_rate
+    from muser_cli.strict import parse_rate
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.sender import send as send_
 
@@ -127,7 +121,7 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
 
 
 def probe_link(*, to: str, seconds: float, floor: str | None, connect_timeout: float) -> dict[str, Any]:
-    from muser_cli.handoff.link import parse_rate
+    from muser_cli.strict import parse_rate
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.sender import probe_link as probe_
 

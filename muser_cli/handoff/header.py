@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 import secrets
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from muser_cli.errors import AuthError, ProtocolError
+from muser_cli.strict import canonical_json, loads
 
 HEADER_VERSION = 3
 MAC_CONTEXT = b"muser-handoff-v3\x00"
@@ -35,6 +35,7 @@ TRAILER_CONTEXT = b"muser-handoff-v3-trailer\x00"
 MAC_BYTES = 32
 MAX_HEADER_BYTES = 8 * 1024
 MAX_TRAILER_BYTES = 1024
+MAX_STRICT_BYTES = 1 << 20  # no JSON body the protocol carries is larger (a Data frame's limit)
 DEFAULT_WINDOW_S = 120.0
 MAX_PAYLOAD_BYTES = 1 << 40
 
@@ -91,29 +92,14 @@ _DIGEST_RE = re.compile(r"^[0-9a-f]{32,128}$")
 
 
 def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    """Canonical JSON (muser_cli.strict): what the MAC covers."""
+    return canonical_json(obj)
 
 
 def strict_json(data: bytes, what: str) -> Any:
-    """Parse JSON refusing duplicate keys, NaN/Infinity, non-UTF-8 and runaway nesting."""
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise ProtocolError(f"{what}: duplicate key {k!r}")
-            out[k] = v
-        return out
-
-    def no_constants(name: str) -> Any:
-        raise ProtocolError(f"{what}: {name} is not allowed")
-
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs, parse_constant=no_constants)
-    except ProtocolError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProtocolError(f"{what} is not valid JSON ({type(exc).__name__})") from None
+    """Parse JSON refusing duplicate keys, NaN/Infinity, non-UTF-8 and runaway nesting
+    (muser_cli.strict.loads; frames are bounded by the protocol before they get here)."""
+    return loads(data, what, limit=MAX_STRICT_BYTES, error=ProtocolError)
 
 
 def new_handoff_id() -> str:

@@ -10,8 +10,6 @@ anything else the peer does wrong -> ProtocolError (76).
 
 from __future__ import annotations
 
-import math
-import re
 import select
 import socket
 import ssl
@@ -88,22 +86,6 @@ def parse_hostport(text: str, *, default_port: int | None = None, listen: bool =
 
 def format_hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-_RATE_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|b)?(/s|ps)?$")
-
-
-def parse_rate(text: str) -> float:
-    """Bytes per second from ``500M``, ``20MB/s``, ``1.5G`` (bytes) or ``800Mbit``/``100Mbps`` (bits)."""
-    m = _RATE_RE.match(text.strip().lower())
-    if not m:
-        raise UsageError(f"bad rate {text!r}", hint="e.g. 100M (bytes/s), 800Mbit, 1.5G")
-    value = float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    if m.group(3) == "bit" or (m.group(3) == "b" and m.group(4) == "ps"):  # 800Mbit, 100Mbps
-        value /= 8
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"rate must be positive: {text!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- errors

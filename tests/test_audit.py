@@ -222,3 +222,26 @@ def test_spot_check_passes_honest_cross_engine_packs(request, which, prompt_file
     res = _spot(out, _engine(consumer, model), positions=2)
     assert res.ok, res.layers
     assert res.checked == (len(model.layers) if which == "tiny_llama" else 1)
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])
+def test_int8_packs_pass_honestly_and_wrong_ones_do_not(request, which, prompt_file, tmp_path):
+    """A quantized prefix perturbs every later layer's recomputation (a depth allowance on
+    top of the quantization error); wrong rows are still far outside it."""
+    from muser_cli.errors import SpotCheckFailed
+
+    model = request.getfixturevalue(which)
+    full = _pack(model.path, prompt_file, tmp_path)
+    q8 = tmp_path / "q8.kvpack"
+    assert run(["pack", "--quant", "int8", full, "-o", q8]).exit_code == 0
+    code, audit, _ = _audit(model.path, q8, n=2)
+    assert code == 0 and audit["ok"], audit
+    res = _spot(q8, _engine("torch", model), positions=2)
+    assert res.ok and all(l["tolerance"] >= res.tolerance for l in res.layers)
+    pack = read_pack_bytes(q8.read_bytes())
+    layers = list(pack.layers)
+    layers[0] = LayerKV(layers[0].keys[:, ::-1].copy(), layers[0].values[:, ::-1].copy(), layers[0].first_row)
+    from muser_cli.audit import spot_check
+
+    with pytest.raises(SpotCheckFailed):
+        spot_check(replace(pack, layers=layers), _engine("torch", model), positions=2)

@@ -8,7 +8,7 @@ Run (docs/kvpack.md 4.1 and docs/benchmarks.md state the counts):
 
     python tests/fuzz/fuzz_kvpack.py -atheris_runs=1000000 -timeout=10 [-max_len=4096]
 
-tests/test_kvpack.py drives :func:`one_input` on a few thousand inputs without atheris.
+tests/test_kvpack.py drives :func:`one_input` on 1,500 inputs without atheris (in each version pass).
 """
 
 from __future__ import annotations

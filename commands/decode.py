@@ -34,6 +34,8 @@ def register(app: typer.Typer) -> None:
         audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
+        producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; falls back to local prefill by itself."),
+        timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
         from muser_cli.decode import decode
@@ -42,7 +44,18 @@ def register(app: typer.Typer) -> None:
         with guarded(as_json=as_json):
             prompt_text = read_text_input(prompt) if prompt is not None else None
             reason = ""
-            if src != "-" and not Path(src).exists() and prompt_text is not None:
+            pulling = None
+            if producer is not None:
+                from muser_cli.errors import UsageError
+                from muser_cli.serve import start_pull_pipe
+
+                if prompt_text is None or src != "-":
+                    raise UsageError("--producer needs --prompt FILE and no kvpack argument")
+                pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
+                                          dtype=dtype, engine=engine, timeout=timeout)
+                inp = pulling.reader
+                reason = f"nothing from {producer}"
+            elif src != "-" and not Path(src).exists() and prompt_text is not None:
                 inp = None
                 reason = f"no kvpack at {src}"
             else:
@@ -55,6 +68,13 @@ def register(app: typer.Typer) -> None:
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
                          progress=progress_callback(), audit=0 if no_audit else audit)
+            if pulling is not None:
+                pulling.join(timeout=5)
+                why = pulling.reason()
+                if why and out.source == "partial+local":
+                    out.reason = f"{out.reason}; {why}"
+                elif why and out.fallback:
+                    out.reason = why
             for line in out.store_problems:
                 err(f"decode: store: {line}")
             held = out.held_tokens

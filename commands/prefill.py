@@ -32,6 +32,8 @@ def register(app: typer.Typer) -> None:
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary: on stdout with -o FILE; on stderr when the kvpack goes to stdout."),
         vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
+        serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (port 0 picks one): answer enrolled consumers' `receive --from` / `decode --producer` requests, model loaded once."),
+        max_queue: int = typer.Option(4, "--max-queue", help="With --serve: requests that may wait while one computes; more are told busy at once."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
 
@@ -46,6 +48,11 @@ def register(app: typer.Typer) -> None:
                 from muser_cli.engines.vllm.options import parse_options
 
                 options = parse_options(vllm_opt, source="--vllm-opt")
+            if serve is not None:
+                _serve(serve, prompt=prompt, model=model, engine=engine, dtype=dtype, threads=threads,
+                       max_queue=max_queue, as_json=as_json, options=options,
+                       others=(chat, chunk, zstd, have, reuse, store, output))
+                return
             text = read_text_input(prompt)
             manifest = None
             if have is not None:
@@ -74,3 +81,37 @@ def register(app: typer.Typer) -> None:
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
                 info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes{delta}{reused}, "
                      f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")
+
+
+def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
+           max_queue: int, as_json: bool, options: Optional[dict], others: tuple) -> None:
+    """``prefill --serve``: the resident producer; SIGTERM finishes the running request and exits 0."""
+    import signal
+    import threading
+
+    from muser_cli.errors import UsageError
+    from muser_cli.serve import serve
+
+    chat, chunk, zstd, have, reuse, store, output = others
+    if prompt != "-" or chat or chunk is not None or zstd or have or reuse or store or output not in ("-", None):
+        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse, --store or -o",
+                         hint="each request names its prompt, chunk size and dtype")
+    if engine != "torch":
+        raise UsageError("--serve runs the torch engine in this version")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+
+    def on_event(kind: str, f: dict) -> None:
+        if kind == "listening":
+            info(f"prefill: listening on {f['address']}")
+        elif kind in ("request", "tls_failed", "admitted") and as_json:
+            sys.stderr.write(json.dumps({"event": kind, **f}, sort_keys=True, default=str) + "\n")
+            sys.stderr.flush()
+        elif kind == "request":
+            what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
+            info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
+        elif kind == "tls_failed":
+            info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
+
+    serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
+          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop)

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from muser_cli.errors import UsageError
+
 from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet
 
 
@@ -29,7 +31,13 @@ def _render(kind: str, f: dict) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("receive")
     def receive_cmd(
-        listen: str = typer.Option(..., "--listen", help="HOST:PORT to listen on (:PORT for all addresses)."),
+        prompt: Optional[str] = typer.Argument(None, help="With --from: the prompt file to ask the producer for (- for stdin)."),
+        listen: Optional[str] = typer.Option(None, "--listen", help="HOST:PORT to listen on (:PORT for all addresses)."),
+        pull_from: Optional[str] = typer.Option(None, "--from", help="Pull instead: ask the resident producer at HOST:PORT (`prefill --serve`) for PROMPT's KV."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", help="With --from: this consumer's model (its tokenization and fingerprints are authoritative)."),
+        chat: bool = typer.Option(False, "--chat", help="With --from: the prompt uses the chat template."),
+        chunk: Optional[int] = typer.Option(None, "--chunk", help="With --from: canonical chunk size to ask for (default 512)."),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="With --from: KV dtype to ask for (default float32)."),
         once: bool = typer.Option(False, "--once", help="Exit after the first accepted handoff."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="Give up when no handoff started streaming within S seconds (exit 75)."),
         output: str = typer.Option("-", "--output", "-o", help="Output file (or a folder), - for stdout."),
@@ -47,10 +55,17 @@ def register(app: typer.Typer) -> None:
         durably; a failed or cut handoff ends the stream without an end frame (exit 65, 75
         or 77). To a file or folder the payload is published atomically, then acknowledged.
         """
-        from muser_cli.errors import UsageError
         from muser_cli.handoff.api import receive
 
         with guarded(as_json=as_json):
+            if (listen is None) == (pull_from is None):
+                raise UsageError("give exactly one of --listen HOST:PORT or --from HOST:PORT PROMPT")
+            if pull_from is not None:
+                _pull(pull_from, prompt, model=model, chat=chat, chunk=chunk, dtype=dtype, timeout=timeout,
+                      output=output, as_json=as_json)
+                return
+            if prompt is not None:
+                raise UsageError("a PROMPT argument needs --from HOST:PORT")
             to_stdout = output in ("-", None)
             if as_json and to_stdout:
                 raise UsageError("--json needs -o FILE or -o DIR (stdout carries the kvpack)")
@@ -59,3 +74,33 @@ def register(app: typer.Typer) -> None:
                     max_size=max_size, window=window, idle_timeout=idle_timeout,
                     handshake_timeout=handshake_timeout, queue=queue, on_event=_render,
                     on_accept=emit_json if as_json else None)
+
+
+def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: bool, chunk: Optional[int],
+          dtype: Optional[str], timeout: Optional[float], output: str, as_json: bool) -> None:
+    """``receive --from``: one request to a resident producer; the verified pack to stdout or -o."""
+    from pathlib import Path
+
+    from muser_cli.commands._common import read_text_input
+    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.serve import ask_for, pull_prompt
+
+    if prompt is None:
+        raise UsageError("--from needs a PROMPT file (or - for stdin)")
+    parse_hostport(producer)
+    to_stdout = output in ("-", None)
+    if as_json and to_stdout:
+        raise UsageError("--json needs -o FILE (stdout carries the kvpack)")
+    ask = ask_for(read_text_input(prompt), model=model, chat=chat, chunk_tokens=chunk, dtype=dtype, engine="torch")
+
+    def on_event(kind: str, f: dict) -> None:
+        if kind == "queued":
+            info(f"receive: queued at {f['producer']}, place {f['place']}")
+
+    got = pull_prompt(producer, ask, out_stream=binary_stdout() if to_stdout else None,
+                      output=None if to_stdout else Path(output), timeout=timeout, on_event=on_event)
+    if as_json:
+        emit_json(got)
+    else:
+        info(f"receive: pulled {got['handoff_id']} from {got['sender']} ({got['payload_bytes']} bytes, "
+             f"{got['frames']} frames)")

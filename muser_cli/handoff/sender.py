@@ -34,7 +34,7 @@ import select
 import socket
 import stat
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
@@ -274,97 +274,110 @@ def transmit(
 ) -> SendResult:
     """Send one prepared handoff, streaming its input as it arrives; return after the receiver's Ack."""
     t_start = time.monotonic()
-    key = identity.key(prepared.header.key_id)  # signs the trailer (the header is signed already)
     with contextlib.ExitStack() as stack:
-        if prepared.source is not None:
-            source = prepared.source
-        else:
+        if prepared.source is None:
             assert prepared.path is not None
-            source = PackSource(stack.enter_context(open(prepared.path, "rb")))
+            prepared = replace(prepared, source=PackSource(stack.enter_context(open(prepared.path, "rb"))))
         link, ready, connect_time = open_link(
             to, identity, connect_s=connect_s, idle_s=idle_s, total_s=total_s, server_name=server_name
         )
         stack.callback(link.close)
-        bound = prepared.header.size_bound
-        max_data = ready.get("max_data")
-        if isinstance(max_data, int) and max_data > 0:
-            chunk = min(chunk, max_data)
-        if rate:
-            chunk = max(4096, min(chunk, int(rate / 50)))  # ~20 ms of data per frame when paced
-        peer_idle = ready.get("idle_s")
-        if pulse_s is None:
-            pulse_s = DEFAULT_PULSE_S
-            if isinstance(peer_idle, (int, float)) and peer_idle > 0:
-                pulse_s = min(pulse_s, peer_idle / 3)
-        link.send(Header(prepared.raw, prepared.mac, prepared.header), "sending the handoff header")
-        _expect(link, Go, "waiting for the receiver to accept the header")
-        busy = paced = 0.0
-        sent = 0
-        t_first = t_last = None
-        pace_t0: float | None = None  # the pacing clock: bytes since pace_t0 may not pass rate
-        pace_sent = 0
-        wait_before = source.wait_s
-        tail = StreamTail(source.start, source.head)
-        for block in source.blocks(max(chunk, READ_BLOCK if not rate else chunk), pulse_s):
-            if block is None:
-                link.send(Pulse(), "keeping the link alive while the producer computes")
-                continue
-            if block is not source.head:  # the head was accounted for when the source opened
-                try:
-                    tail.feed(block)  # layout only, no hashing: knows when the end frame is in
-                except KVPackError as exc:
-                    _abort(link, "data", f"the sender's input is not a valid kvpack: {exc}")
-                    raise
-            view = memoryview(block)
-            for i in range(0, len(view), chunk):
-                piece = view[i : i + chunk]
-                early = link.poll_event()
-                if isinstance(early, Reject):
-                    raise reject_error(early)
-                if early is not None:
-                    raise ProtocolError(f"unexpected {type(early).__name__} while streaming")
-                if sent + len(piece) > bound:
-                    _abort(link, "data", f"payload exceeds its declared bound of {bound} bytes")
-                    raise DataError(f"the kvpack is longer than the {bound} bytes its header allows")
-                if rate:
-                    now = time.monotonic()
-                    if pace_t0 is None or pace_t0 + pace_sent / rate < now - PACE_SLACK_S:
-                        pace_t0, pace_sent = now, 0  # start, or the producer paused: no catch-up burst
-                    wait = pace_t0 + pace_sent / rate - now
-                    if wait > 0:
-                        time.sleep(wait)
-                        paced += wait
-                    pace_sent += len(piece)
-                t0 = time.perf_counter()
-                try:
-                    link.send(Data(bytes(piece)), f"streaming the payload ({sent} bytes sent)")
-                except TempFailure as exc:
-                    reject = link.drain_for_reject()
-                    if reject is not None:
-                        raise reject_error(reject) from None
-                    raise exc from None
-                busy += time.perf_counter() - t0
-                t_last = time.monotonic()
-                if t_first is None:
-                    t_first = t_last
-                sent += len(piece)
-            if progress:
-                progress("send", sent, bound)
-            if tail.complete:
-                break  # the end frame is in: the trailer goes now, not when the producer exits
-        try:
-            size, root = tail.finish()
-        except KVPackError as exc:
-            _abort(link, "aborted", f"the sender's input ended early: {exc}")
-            raise DataError(f"input ended before the kvpack was complete ({exc})") from None
-        if key is None:
-            raise DataError(f"no HMAC key {prepared.header.key_id!r} to sign the trailer")
-        trailer = HandoffTrailer(prepared.header.handoff_id, size, root)
-        traw, tmac = sign_trailer(trailer, key.secret, prepared.mac)
-        link.send(Trailer(traw, tmac, trailer), "sending the handoff trailer")
-        t_end = time.monotonic()
-        ack = _expect(link, Ack, "waiting for the receiver's acknowledgement")
-        t_ack = time.monotonic()
+        return transmit_over(link, ready, prepared, to=to, identity=identity, rate=rate, chunk=chunk,
+                             progress=progress, pulse_s=pulse_s, connect_time=connect_time, t_start=t_start)
+
+
+def transmit_over(
+    link: Link, ready: dict[str, Any], prepared: PreparedHandoff, *, to: str, identity: Identity,
+    rate: float | None = None, chunk: int = DEFAULT_DATA_CHUNK, progress: ProgressFn | None = None,
+    pulse_s: float | None = None, connect_time: float = 0.0, t_start: float | None = None,
+) -> SendResult:
+    """Run one handoff on a link already past ``Ready`` (``send``'s own connection, or a pull
+    lane's after ``Serving``), streaming ``prepared.source``; return after the receiver's Ack."""
+    if t_start is None:
+        t_start = time.monotonic()
+    key = identity.key(prepared.header.key_id)  # signs the trailer (the header is signed already)
+    source = prepared.source
+    assert source is not None
+    bound = prepared.header.size_bound
+    max_data = ready.get("max_data")
+    if isinstance(max_data, int) and max_data > 0:
+        chunk = min(chunk, max_data)
+    if rate:
+        chunk = max(4096, min(chunk, int(rate / 50)))  # ~20 ms of data per frame when paced
+    peer_idle = ready.get("idle_s")
+    if pulse_s is None:
+        pulse_s = DEFAULT_PULSE_S
+        if isinstance(peer_idle, (int, float)) and peer_idle > 0:
+            pulse_s = min(pulse_s, peer_idle / 3)
+    link.send(Header(prepared.raw, prepared.mac, prepared.header), "sending the handoff header")
+    _expect(link, Go, "waiting for the receiver to accept the header")
+    busy = paced = 0.0
+    sent = 0
+    t_first = t_last = None
+    pace_t0: float | None = None  # the pacing clock: bytes since pace_t0 may not pass rate
+    pace_sent = 0
+    wait_before = source.wait_s
+    tail = StreamTail(source.start, source.head)
+    for block in source.blocks(max(chunk, READ_BLOCK if not rate else chunk), pulse_s):
+        if block is None:
+            link.send(Pulse(), "keeping the link alive while the producer computes")
+            continue
+        if block is not source.head:  # the head was accounted for when the source opened
+            try:
+                tail.feed(block)  # layout only, no hashing: knows when the end frame is in
+            except KVPackError as exc:
+                _abort(link, "data", f"the sender's input is not a valid kvpack: {exc}")
+                raise
+        view = memoryview(block)
+        for i in range(0, len(view), chunk):
+            piece = view[i : i + chunk]
+            early = link.poll_event()
+            if isinstance(early, Reject):
+                raise reject_error(early)
+            if early is not None:
+                raise ProtocolError(f"unexpected {type(early).__name__} while streaming")
+            if sent + len(piece) > bound:
+                _abort(link, "data", f"payload exceeds its declared bound of {bound} bytes")
+                raise DataError(f"the kvpack is longer than the {bound} bytes its header allows")
+            if rate:
+                now = time.monotonic()
+                if pace_t0 is None or pace_t0 + pace_sent / rate < now - PACE_SLACK_S:
+                    pace_t0, pace_sent = now, 0  # start, or the producer paused: no catch-up burst
+                wait = pace_t0 + pace_sent / rate - now
+                if wait > 0:
+                    time.sleep(wait)
+                    paced += wait
+                pace_sent += len(piece)
+            t0 = time.perf_counter()
+            try:
+                link.send(Data(bytes(piece)), f"streaming the payload ({sent} bytes sent)")
+            except TempFailure as exc:
+                reject = link.drain_for_reject()
+                if reject is not None:
+                    raise reject_error(reject) from None
+                raise exc from None
+            busy += time.perf_counter() - t0
+            t_last = time.monotonic()
+            if t_first is None:
+                t_first = t_last
+            sent += len(piece)
+        if progress:
+            progress("send", sent, bound)
+        if tail.complete:
+            break  # the end frame is in: the trailer goes now, not when the producer exits
+    try:
+        size, root = tail.finish()
+    except KVPackError as exc:
+        _abort(link, "aborted", f"the sender's input ended early: {exc}")
+        raise DataError(f"input ended before the kvpack was complete ({exc})") from None
+    if key is None:
+        raise DataError(f"no HMAC key {prepared.header.key_id!r} to sign the trailer")
+    trailer = HandoffTrailer(prepared.header.handoff_id, size, root)
+    traw, tmac = sign_trailer(trailer, key.secret, prepared.mac)
+    link.send(Trailer(traw, tmac, trailer), "sending the handoff trailer")
+    t_end = time.monotonic()
+    ack = _expect(link, Ack, "waiting for the receiver's acknowledgement")
+    t_ack = time.monotonic()
     if ack.info.get("handoff_id") != prepared.header.handoff_id:
         raise ProtocolError("the receiver acknowledged a different handoff id")
     assert t_first is not None and t_last is not None

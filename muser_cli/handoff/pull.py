@@ -1,0 +1,295 @@
+"""The pull lane's request/answer core: a consumer asks a resident producer for a prompt's KV.
+No I/O whatsoever (like :mod:`muser_cli.handoff.protocol`).
+
+Over one TLS 1.3 connection (ALPN ``muser-pull/1``; the CONSUMER dials, the PRODUCER
+listens; both present certificates from the consumer's private CA):
+
+  * the consumer sends one ``Request`` frame: ``MAC ‖ request JSON`` where
+    ``MAC = HMAC-SHA256(secret[key_id], "muser-pull-v1-request\\x00" ‖ request_bytes)``;
+    the request names the prompt (token ids, tokenizer fingerprint: the consumer's
+    tokenization is authoritative), the model fingerprint it expects, chunk size and
+    dtype, and carries a fresh ``issued_at_ms`` and a new 128-bit ``request_id``;
+  * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, ...),
+    or ``Queued {"place": N}`` (zero or more times, while another request computes),
+    then ``Serving {}``;
+  * after ``Serving`` the same connection carries one Handoff V3 session with the roles
+    of docs/handoff.md: the consumer is the RECEIVER (it sends ``Ready``, verifies the
+    MAC'd header, ``Go``, every frame, the MAC'd trailer, records the handoff id in its
+    own ledger, ``Ack``), the producer the SENDER. No byte follows ``Serving`` until the
+    consumer's ``Ready``, so the bytes after ``Serving`` belong to the V3 connection.
+
+The frame layout is V3's (``type u8 | length u32 BE | body``); each type's maximum body
+is checked at the 5-byte prefix, before one body byte is buffered.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Union
+
+from muser_cli.errors import AuthError, ProtocolError
+from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
+from muser_cli.handoff.protocol import (
+    MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
+    _NeedData, decode_body, encode_event,
+)
+
+ALPN_PULL = "muser-pull/1"
+PULL_VERSION = 1
+MAC_CONTEXT = b"muser-pull-v1-request\x00"
+MAX_REQUEST_BYTES = 4 << 20  # JSON; ~400k token ids
+MAX_TOKENS = 1 << 20
+DTYPES = ("float32", "bfloat16", "float16")
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9.-]{1,253}$")
+_FP_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "token_ids", "tokenizer_fingerprint",
+         "model_fingerprint", "chunk_tokens", "dtype"}
+
+
+# ----------------------------------------------------------------------------- the request
+@dataclass(frozen=True)
+class PullRequest:
+    key_id: str
+    request_id: str
+    issued_at_ms: int
+    consumer: str  # the consumer's node name = its certificate's CN
+    token_ids: tuple[int, ...]
+    tokenizer_fingerprint: str
+    model_fingerprint: str
+    chunk_tokens: int
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": PULL_VERSION, "key_id": self.key_id, "request_id": self.request_id,
+                "issued_at_ms": self.issued_at_ms, "consumer": self.consumer, "token_ids": list(self.token_ids),
+                "tokenizer_fingerprint": self.tokenizer_fingerprint, "model_fingerprint": self.model_fingerprint,
+                "chunk_tokens": self.chunk_tokens, "dtype": self.dtype}
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _int(obj: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    v = obj.get(key)
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolError(f"request field {key!r} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _str(obj: dict[str, Any], key: str, pattern: re.Pattern[str]) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not pattern.match(v):
+        raise ProtocolError(f"request field {key!r} is malformed")
+    return v
+
+
+def parse_request(raw: bytes) -> PullRequest:
+    """Parse canonical request JSON; every malformation is a :class:`ProtocolError`."""
+    obj = strict_json(raw, "pull request")
+    if not isinstance(obj, dict):
+        raise ProtocolError("pull request is not a JSON object")
+    if set(obj) != _KEYS:
+        raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)}")
+    if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
+        raise ProtocolError(f"pull request version {obj['v']!r} is not {PULL_VERSION}")
+    ids = obj["token_ids"]
+    if (not isinstance(ids, list) or not 2 <= len(ids) <= MAX_TOKENS
+            or any(type(t) is not int or not 0 <= t < 1 << 32 for t in ids)):
+        raise ProtocolError("request field 'token_ids' must be 2 or more token ids")
+    dtype = obj["dtype"]
+    if dtype not in DTYPES:
+        raise ProtocolError(f"request dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    req = PullRequest(
+        key_id=_str(obj, "key_id", _KEY_ID_RE), request_id=_str(obj, "request_id", _ID_RE),
+        issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53), consumer=_str(obj, "consumer", _NAME_RE),
+        token_ids=tuple(ids), tokenizer_fingerprint=_str(obj, "tokenizer_fingerprint", _FP_RE),
+        model_fingerprint=_str(obj, "model_fingerprint", _FP_RE), chunk_tokens=_int(obj, "chunk_tokens", 1, 1 << 20),
+        dtype=dtype,
+    )
+    if canonical(obj) != raw:
+        raise ProtocolError("pull request bytes are not canonical JSON")
+    return req
+
+
+def sign_request(req: PullRequest, secret: bytes) -> tuple[bytes, bytes]:
+    raw = canonical(req.to_json())
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise LocalProtocolError(f"request of {len(raw)} bytes exceeds {MAX_REQUEST_BYTES}")
+    return raw, hmac.new(secret, MAC_CONTEXT + raw, hashlib.sha256).digest()
+
+
+def verify_request_mac(secret: bytes, raw: bytes, mac: bytes) -> None:
+    want = hmac.new(secret, MAC_CONTEXT + raw, hashlib.sha256).digest()
+    if not hmac.compare_digest(want, mac):
+        raise AuthError("pull request MAC does not verify")
+
+
+def check_fresh(req: PullRequest, *, now_ms: int, window_s: float) -> None:
+    skew = abs(now_ms - req.issued_at_ms) / 1000
+    if skew > window_s:
+        raise AuthError(f"request issued {skew:.0f} s away from this producer's clock (window ±{window_s:g} s)")
+
+
+# ----------------------------------------------------------------------------- frames
+@dataclass(frozen=True)
+class Request:
+    raw: bytes
+    mac: bytes
+    request: PullRequest | None = None
+
+
+@dataclass(frozen=True)
+class Queued:
+    place: int
+
+
+@dataclass(frozen=True)
+class Serving:
+    pass
+
+
+PullEvent = Union[Request, Queued, Serving, Reject]
+FRAME_TYPES: dict[type, int] = {Request: 0x50, Queued: 0x51, Serving: 0x52, Reject: 0x3F}
+_BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
+MAX_BODY: dict[type, int] = {Request: MAC_BYTES + MAX_REQUEST_BYTES, Queued: 64, Serving: 2,
+                             Reject: MAX_CONTROL_BYTES}
+
+
+class Side(enum.Enum):
+    CONSUMER = "consumer"
+    PRODUCER = "producer"
+
+
+class PullState(enum.Enum):
+    START = "start"  # the consumer owes its Request
+    REQUESTED = "requested"  # the producer owes Queued*, then Serving or Reject
+    SERVING = "serving"  # hand the connection over to a V3 Connection
+    CLOSED = "closed"
+
+
+C, P = Side.CONSUMER, Side.PRODUCER
+TRANSITIONS: dict[tuple[PullState, Side, type], PullState] = {
+    (PullState.START, C, Request): PullState.REQUESTED,
+    (PullState.REQUESTED, P, Queued): PullState.REQUESTED,
+    (PullState.REQUESTED, P, Serving): PullState.SERVING,
+}
+
+
+def encode(event: PullEvent) -> bytes:
+    if isinstance(event, Reject):
+        return encode_event(event)
+    if isinstance(event, Request):
+        if len(event.mac) != MAC_BYTES:
+            raise LocalProtocolError("MAC must be 32 bytes")
+        body = event.mac + event.raw
+    elif isinstance(event, Queued):
+        body = canonical({"place": int(event.place)})
+    elif isinstance(event, Serving):
+        body = b"{}"
+    else:
+        raise LocalProtocolError(f"not a pull event: {event!r}")
+    if len(body) > MAX_BODY[type(event)]:
+        raise LocalProtocolError(f"{type(event).__name__} body too large")
+    return PREFIX.pack(FRAME_TYPES[type(event)], len(body)) + body
+
+
+def _decode(cls: type, body: bytes) -> PullEvent:
+    if cls is Reject:
+        ev = decode_body(Reject, body)
+        assert isinstance(ev, Reject)
+        return ev
+    if cls is Request:
+        if len(body) <= MAC_BYTES:
+            raise ProtocolError("Request frame too short")
+        raw = body[MAC_BYTES:]
+        return Request(raw=raw, mac=body[:MAC_BYTES], request=parse_request(raw))
+    if cls is Queued:
+        obj = strict_json(body, "Queued")
+        if not isinstance(obj, dict) or set(obj) != {"place"} or type(obj["place"]) is not int or obj["place"] < 0:
+            raise ProtocolError("malformed Queued frame")
+        return Queued(obj["place"])
+    if body != b"{}":
+        raise ProtocolError("malformed Serving frame")
+    return Serving()
+
+
+class PullConnection:
+    """One side of the request/answer exchange. Bytes in, events out, bytes out."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        self.their = P if side is C else C
+        self.state = PullState.START
+        self.reject: Reject | None = None
+        self._buf = bytearray()
+        self._eof = False
+
+    def _advance(self, who: Side, event: PullEvent, error: type[Exception]) -> None:
+        if self.state in (PullState.SERVING, PullState.CLOSED):
+            raise error(f"{type(event).__name__} after the exchange is {self.state.value}")
+        if isinstance(event, Reject):
+            self.reject, self.state = event, PullState.CLOSED
+            return
+        nxt = TRANSITIONS.get((self.state, who, type(event)))
+        if nxt is None:
+            raise error(f"{who.value} may not send {type(event).__name__} in state {self.state.value}")
+        self.state = nxt
+
+    def send(self, event: PullEvent) -> bytes:
+        data = encode(event)
+        self._advance(self.side, event, LocalProtocolError)
+        return data
+
+    def receive_data(self, data: bytes) -> None:
+        if not data:
+            self._eof = True
+        else:
+            self._buf += data
+
+    def next_event(self) -> PullEvent | ConnectionClosed | _NeedData:
+        if self.state in (PullState.SERVING, PullState.CLOSED):
+            return NEED_DATA  # what follows is not ours to parse
+        if len(self._buf) < PREFIX.size:
+            if self._eof:
+                if self._buf:
+                    raise ProtocolError("connection closed in the middle of a frame prefix")
+                return ConnectionClosed()
+            return NEED_DATA
+        code, length = PREFIX.unpack_from(self._buf)
+        cls = _BY_CODE.get(code)
+        if cls is None:
+            raise ProtocolError(f"unknown pull frame type 0x{code:02x}")
+        if length > MAX_BODY[cls]:
+            raise ProtocolError(f"{cls.__name__} frame of {length} bytes exceeds the {MAX_BODY[cls]}-byte limit")
+        if cls is not Reject and (self.state, self.their, cls) not in TRANSITIONS:
+            raise ProtocolError(f"{self.their.value} may not send {cls.__name__} in state {self.state.value}")
+        end = PREFIX.size + length
+        if len(self._buf) < end:
+            if self._eof:
+                raise ProtocolError(f"connection closed in the middle of a {cls.__name__} frame")
+            return NEED_DATA
+        body = bytes(self._buf[PREFIX.size:end])
+        del self._buf[:end]
+        event = _decode(cls, body)
+        self._advance(self.their, event, ProtocolError)
+        return event
+
+    def leftover(self) -> bytes:
+        """Bytes after ``Serving``: they belong to the V3 connection that follows."""
+        data, self._buf = bytes(self._buf), bytearray()
+        return data
+
+
+__all__ = [
+    "ALPN_PULL", "MAX_REQUEST_BYTES", "PullConnection", "PullRequest", "PullState", "Queued", "REJECT_CODES",
+    "Request", "Serving", "Side", "check_fresh", "encode", "new_request_id", "parse_request", "sign_request",
+    "verify_request_mac",
+]

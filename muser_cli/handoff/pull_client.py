@@ -1,0 +1,210 @@
+"""The consumer side of the pull lane: ask a resident producer for a prompt's KV and receive it
+exactly as ``receive`` does (every frame verified before it is forwarded, the end frame only
+after the MAC'd trailer verified and the handoff id is recorded in this consumer's ledger).
+
+Contract of :func:`pull`:
+  * TCP connect + TLS 1.3 (ALPN ``muser-pull/1``), the producer's certificate checked
+    against this consumer's CA and the name dialled; the HMAC key is the one this consumer
+    issued to that certificate's name (``node export --producer NAME``);
+  * one signed request (fresh issued-at, new request id); ``Queued`` answers are waited
+    through; ``Reject`` ends it (busy, model, timeout -> TempFailure, 75; auth, replay,
+    stale -> AuthError, 77; too_large, data -> DataError, 65);
+  * ``timeout``: the deadline for the producer's first V3 frame (its handoff header),
+    queueing included; after it the stream runs under the idle timeout;
+  * the header must bind the model, tokenizer and token ids this consumer asked for
+    (else DataError, 65, before ``Go``); then the V3 receiver checks of docs/handoff.md;
+  * a failure before any byte was forwarded leaves ``out_stream`` untouched; a failure
+    after leaves it without an end frame. Returns the :class:`Accepted` handoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure
+from muser_cli.handoff.certs import peer_common_name
+from muser_cli.handoff.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.link import (
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
+)
+from muser_cli.handoff.node import Identity, KeyEntry
+from muser_cli.handoff.protocol import (
+    MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, Header, Ready, Reject, Role, State,
+)
+from muser_cli.handoff.pull import (
+    ALPN_PULL, PullConnection, PullRequest, Queued, Request, Serving, Side, new_request_id, sign_request,
+)
+from muser_cli.handoff.receiver import Accepted, Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.spool import Refusal
+
+EventFn = Callable[[str, dict[str, Any]], None]
+_TEMP = ("busy", "timeout", "storage", "aborted", "model")
+_AUTH = ("auth", "replay", "stale")
+
+
+def _refused(reject: Reject, who: str) -> MuserError:
+    text = f"producer {who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
+    if reject.code in _TEMP:
+        return TempFailure(text, hint="fall back to local prefill")
+    if reject.code in _AUTH:
+        return AuthError(text, hint="check `muser node ls` on both sides")
+    if reject.code in ("too_large", "data"):
+        return DataError(text)
+    return ProtocolError(text)
+
+
+def _refusal_error(exc: Refusal) -> MuserError:
+    if exc.fatal is not None and isinstance(exc.fatal, MuserError):
+        return exc.fatal
+    cls = {"auth": AuthError, "replay": AuthError, "stale": AuthError, "data": DataError, "model": DataError,
+           "too_large": DataError, "protocol": ProtocolError}.get(exc.code, TempFailure)
+    return cls(f"{exc.code}: {exc.message}")
+
+
+def key_for(identity: Identity, producer: str) -> KeyEntry:
+    """The newest unrevoked key this consumer issued to ``producer``."""
+    keys = [k for k in identity.keyring().values() if k.peer == producer and not k.revoked]
+    if not keys:
+        raise AuthError(f"no HMAC key for producer {producer!r} in this node's keyring",
+                        hint=f"muser node export --producer {producer}, then node join on the producer")
+    return sorted(keys, key=lambda k: k.created)[-1]
+
+
+def _connect(to: str, identity: Identity, connect_s: float) -> tuple[ssl.SSLSocket, str]:
+    host, port = parse_hostport(to)
+    where = format_hostport(host, port)
+    ctx = client_context(identity)
+    ctx.set_alpn_protocols([ALPN_PULL])
+    t0 = time.monotonic()
+    try:
+        raw = socket.create_connection((host, port), timeout=connect_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, socket.gaierror):
+            raise TempFailure(f"cannot resolve {host!r}") from None
+        raise map_error(exc, f"connecting to {where}") from None
+    try:
+        raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
+        sock = ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False, suppress_ragged_eofs=False)
+        sock.do_handshake()
+    except BaseException as exc:  # noqa: BLE001
+        raw.close()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise map_error(exc, f"in the TLS handshake with {where}") from None
+    if sock.selected_alpn_protocol() != ALPN_PULL:
+        sock.close()
+        raise ProtocolError(f"{where} does not speak {ALPN_PULL} (is it a `prefill --serve` producer?)")
+    return sock, where
+
+
+def pull(
+    to: str, identity: Identity, *, token_ids: list[int], tokenizer_fingerprint: str, model_fingerprint: str,
+    chunk_tokens: int, dtype: str, ledger_dir: Path, out_stream: BinaryIO | None = None,
+    destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
+    idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
+) -> Accepted:
+    """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc)."""
+    t_start = time.monotonic()
+    first_by = None if timeout is None else t_start + timeout
+    sock, where = _connect(to, identity, connect_s if timeout is None else min(connect_s, timeout))
+    link = Link(sock, PullConnection(Side.CONSUMER), idle_s=idle_s if timeout is None else min(idle_s, timeout),
+                deadline=first_by)
+    try:
+        der = sock.getpeercert(binary_form=True) or b""
+        cn = peer_common_name(der) if der else ""
+        key = key_for(identity, cn)
+        req = PullRequest(key_id=key.key_id, request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
+                          consumer=identity.name, token_ids=tuple(token_ids),
+                          tokenizer_fingerprint=tokenizer_fingerprint, model_fingerprint=model_fingerprint,
+                          chunk_tokens=chunk_tokens, dtype=dtype)
+        raw, mac = sign_request(req, key.secret)
+        link.send(Request(raw, mac, req), "sending the request")
+        while True:
+            ev = link.next_event(f"waiting for {where} to answer the request")
+            if isinstance(ev, Reject):
+                raise _refused(ev, where)
+            if isinstance(ev, ConnectionClosed):
+                raise TempFailure(f"{where} closed the connection before answering")
+            if isinstance(ev, Queued):
+                if on_event:
+                    on_event("queued", {"place": ev.place, "producer": where})
+                continue
+            assert isinstance(ev, Serving)
+            break
+        pc = link.conn
+        assert isinstance(pc, PullConnection)
+        v3 = Connection(Role.RECEIVER)
+        left = pc.leftover()
+        if left:
+            v3.receive_data(left)
+        link.conn = v3
+        config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
+        receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
+        try:
+            return _receive(link, receiver, req, where, cn, t_start)
+        finally:
+            receiver.close()
+    finally:
+        link.close()
+
+
+def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float) -> Accepted:
+    from muser_cli.kvpack.format import token_digest
+
+    config = receiver.config
+    info = {"v": PROTOCOL_VERSION, "node": receiver.identity.name, "max_payload": config.max_payload,
+            "window_s": config.window_s, "max_data": MAX_DATA_BYTES, "probe_max_s": config.probe_max_s,
+            "idle_s": config.idle_s}
+    who = f"{where} ({cn})"
+    try:
+        link.send(Ready(info), "sending Ready")
+        ev = link.next_event(f"waiting for {where}'s handoff header")
+        if isinstance(ev, Reject):
+            raise _refused(ev, where)
+        if isinstance(ev, ConnectionClosed):
+            raise TempFailure(f"{where} closed the connection before its handoff header")
+        if not isinstance(ev, Header):
+            raise ProtocolError(f"expected the handoff header, got {type(ev).__name__}")
+        h = ev.header
+        assert h is not None
+        # The consumer's request is authoritative: a pack for anything else is refused before Go.
+        for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
+                                ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
+                                ("token ids", h.token_digest, token_digest(list(req.token_ids))),
+                                ("first position", h.rows_start, 0)):
+            if got != want:
+                raise Refusal("model", f"the producer's pack has another {what} ({got}) than asked for ({want})")
+        link.deadline = t_start + config.session_s  # the first frame is in: the stream runs on idle deadlines
+        link.idle_s = config.idle_s
+        receiver._handoff(link, ev, who, cn, t_start)
+    except Refusal as exc:
+        with contextlib.suppress(MuserError, OSError):
+            if link.conn.state not in (State.DONE, State.CLOSED):
+                link.send(Reject(exc.code, exc.message), "refusing the handoff")
+        failure = receiver._stream_failure
+        if failure is not None:
+            raise failure from None
+        raise _refusal_error(exc) from None
+    except MuserError as exc:
+        with contextlib.suppress(MuserError, OSError):
+            if link.conn.state not in (State.DONE, State.CLOSED):
+                link.send(Reject("timeout" if isinstance(exc, TempFailure) else "protocol", str(exc)[:200]))
+        failure = receiver._stream_failure
+        if failure is not None:
+            raise failure from None
+        raise
+    item = receiver._results.get_nowait()
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+__all__ = ["key_for", "pull"]

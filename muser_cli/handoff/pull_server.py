@@ -1,0 +1,370 @@
+"""The resident producer's sockets: accept enrolled consumers, check their requests, queue,
+and answer each with a Handoff V3 stream whose frames leave as the chunks are computed.
+
+Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.handoff.pull`):
+  * every TCP connection gets its own thread for the TLS 1.3 handshake (ALPN
+    ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
+    by the handshake timeout; at most ``max_pending`` connections at once;
+  * the consumer's certificate serial must not be revoked and its CN must be the consumer
+    this producer joined; then, within ``request_s``, one ``Request``: key id known, not
+    revoked and issued to this producer -> MAC (constant time) -> the request names the
+    certificate's consumer -> issued-at window -> request id not in the replay ledger
+    (then recorded durably: a request id is served at most once) -> the compute's own
+    checks (model and tokenizer fingerprints, dtype, prompt length) -- all before any
+    prefill work;
+  * admission: ONE request computes at a time; up to ``max_queue`` wait (told their
+    place with ``Queued``); a full queue answers ``Reject(busy)`` at once;
+  * the admitted request gets ``Serving``, then the V3 sender side: its header goes out
+    as soon as the compute has written the kvpack header, each frame as soon as its chunk
+    is written, then the MAC'd trailer; a consumer that goes away costs only its request
+    (the compute's pipe breaks and it stops);
+  * :meth:`serve` runs until :meth:`stop`; the running request finishes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Protocol
+
+from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
+from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.ledger import Ledger, LedgerError, Record
+from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, map_error, server_context
+from muser_cli.handoff.node import Identity
+from muser_cli.handoff.protocol import Connection, ConnectionClosed, Ready, Reject, Role, State
+from muser_cli.handoff.pull import (
+    ALPN_PULL, PullConnection, PullRequest, PullState, Queued, Request, Serving, Side, check_fresh,
+    verify_request_mac,
+)
+from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit_over
+from muser_cli.handoff.spool import Refusal
+
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+class Compute(Protocol):
+    """What the server asks of the engine side (muser_cli.serve)."""
+
+    def check(self, request: PullRequest) -> None:
+        """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve."""
+
+    def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
+        """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats."""
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_queue: int = 4
+    window_s: float = DEFAULT_WINDOW_S
+    handshake_s: float = 10.0
+    request_s: float = 10.0  # TLS up -> the whole Request frame in
+    idle_s: float = DEFAULT_IDLE_S
+    session_s: float = 3600.0
+    max_pending: int = 64
+
+
+def _ctx(identity: Identity) -> ssl.SSLContext:
+    ctx = server_context(identity)
+    ctx.set_alpn_protocols([ALPN_PULL])
+    return ctx
+
+
+class PullServer:
+    def __init__(self, identity: Identity, config: ServeConfig, *, ledger_dir: Path, compute: Compute,
+                 on_event: EventFn | None = None) -> None:
+        self.identity = identity
+        self.config = config
+        self.ledger_dir = ledger_dir
+        self.compute = compute
+        self.on_event = on_event
+        self._ctx = _ctx(identity)
+        self._lsock: socket.socket | None = None
+        self.address: tuple[str, int] | None = None
+        self._ledgers: dict[str, Ledger] = {}
+        self._lock = threading.Lock()
+        self._admit = threading.Lock()
+        self._waiting = 0
+        self._pending = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0}
+        if ledger_dir.exists():  # a torn ledger: refuse to run at all
+            for path in sorted(ledger_dir.glob("*.ledger")):
+                self._ledger(path.name[: -len(".ledger")])
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            with contextlib.suppress(Exception):
+                self.on_event(kind, fields)
+
+    def _ledger(self, key_id: str) -> Ledger:
+        with self._lock:
+            led = self._ledgers.get(key_id)
+            if led is None:
+                led = Ledger(self.ledger_dir, key_id).open()
+                self._ledgers[key_id] = led
+            return led
+
+    def bind(self) -> tuple[str, int]:
+        host, port = self.config.host, self.config.port
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+        except socket.gaierror:
+            from muser_cli.errors import UsageError
+
+            raise UsageError(f"cannot resolve listen address {host!r}") from None
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+            sock.listen(64)
+        except OSError as exc:
+            sock.close()
+            raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
+        self._lsock = sock
+        self.address = sock.getsockname()[:2]
+        return self.address
+
+    def serve(self) -> None:
+        if self._lsock is None:
+            self.bind()
+        assert self.address is not None and self._lsock is not None
+        self._emit("listening", address=format_hostport(*self.address), port=self.address[1])
+        lsock = self._lsock
+        while not self._stop.is_set():
+            try:
+                if not select.select([lsock], [], [], 0.2)[0]:
+                    continue
+                sock, addr = lsock.accept()
+            except (OSError, ValueError):
+                continue
+            with self._lock:
+                self.counters["connections"] += 1
+                if self._pending >= self.config.max_pending:
+                    sock.close()
+                    continue
+                self._pending += 1
+            t = threading.Thread(target=self._handle, args=(sock, addr), name="muser-pull", daemon=True)
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
+        with contextlib.suppress(OSError):
+            lsock.close()
+        for t in self._threads:  # the running request finishes; waiting ones are told busy
+            t.join(timeout=self.config.session_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
+        for led in self._ledgers.values():
+            led.close()
+
+    # -- one connection
+    def _handle(self, sock: socket.socket, addr: tuple) -> None:
+        peer = format_hostport(str(addr[0]), int(addr[1]))
+        try:
+            tls = self._handshake(sock, peer)
+            if tls is not None:
+                link = Link(tls, PullConnection(Side.PRODUCER), idle_s=self.config.request_s,
+                            deadline=time.monotonic() + self.config.session_s)
+                try:
+                    self._session(link, peer)
+                finally:
+                    link.close()
+        except BaseException as exc:  # noqa: BLE001 - a connection thread never dies loudly
+            self._emit("error", peer=peer, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.config.handshake_s)
+            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False,
+                                        suppress_ragged_eofs=False)
+            tls.do_handshake()
+        except BaseException as exc:  # noqa: BLE001
+            sock.close()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._emit("tls_failed", peer=peer, reason=str(map_error(exc, "in the TLS handshake")))
+            return None
+        if tls.selected_alpn_protocol() != ALPN_PULL:
+            self._emit("tls_failed", peer=peer, reason=f"client did not offer ALPN {ALPN_PULL}")
+            tls.close()
+            return None
+        return tls
+
+    def _refuse(self, link: Link, who: str, refusal: Refusal, req: PullRequest | None) -> None:
+        with self._lock:
+            self.counters["refused"] += 1
+        self._emit("request", peer=who, outcome=refusal.code, reason=refusal.message,
+                   request_id=req.request_id if req else None, key_id=req.key_id if req else None,
+                   tokens=len(req.token_ids) if req else None)
+        with contextlib.suppress(MuserError, OSError, AssertionError):
+            conn = link.conn
+            live = (conn.state not in (PullState.SERVING, PullState.CLOSED) if isinstance(conn, PullConnection)
+                    else conn.state not in (State.DONE, State.CLOSED))
+            if live:
+                link.send(Reject(refusal.code, refusal.message), "sending a refusal")
+            end = time.monotonic() + 0.5  # let the consumer read it before our close becomes a reset
+            link.sock.settimeout(0.1)
+            while time.monotonic() < end:
+                try:
+                    if not link.sock.recv(1 << 16):
+                        break
+                except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError):
+                    break
+                except (OSError, ssl.SSLError):
+                    continue
+
+    def _check(self, event: Request, cn: str) -> PullRequest:
+        req = event.request
+        assert req is not None
+        key = self.identity.key(req.key_id)  # exactly one lookup
+        if key is None:
+            raise Refusal("auth", f"unknown key id {req.key_id}")
+        if key.revoked:
+            raise Refusal("auth", f"key id {req.key_id} is revoked")
+        try:
+            verify_request_mac(key.secret, event.raw, event.mac)
+        except AuthError as exc:
+            raise Refusal("auth", str(exc)) from None
+        if key.peer != self.identity.name or cn != self.identity.consumer or req.consumer != cn:
+            raise Refusal("auth", f"key id {req.key_id} is not this producer's key for {cn!r} "
+                                  f"(request names {req.consumer!r})")
+        try:
+            check_fresh(req, now_ms=int(time.time() * 1000), window_s=self.config.window_s)
+        except AuthError as exc:
+            raise Refusal("stale", str(exc)) from None
+        try:
+            ledger = self._ledger(req.key_id)
+            now = int(time.time() * 1000)
+            ledger.commit(Record(req.request_id, req.issued_at_ms, now, len(event.raw), ""))
+        except AuthError:
+            raise Refusal("replay", f"request {req.request_id} was already served") from None
+        except LedgerError as exc:
+            raise Refusal("storage", f"producer's replay ledger is unusable ({exc})") from None
+        return req
+
+    def _session(self, link: Link, peer: str) -> None:
+        der = link.sock.getpeercert(binary_form=True) or b""
+        cn = peer_common_name(der) if der else ""
+        who = f"{peer} ({cn})" if cn else peer
+        req: PullRequest | None = None
+        try:
+            if der and peer_serial_hex(der) in self.identity.revoked_serials():
+                raise Refusal("auth", "this certificate was revoked")
+            event = link.next_event("waiting for the request")
+            if isinstance(event, (Reject, ConnectionClosed)):
+                return
+            assert isinstance(event, Request)
+            req = self._check(event, cn)
+            self.compute.check(req)
+            if self._stop.is_set():
+                raise Refusal("busy", "producer is shutting down")
+            self._admitted(link, who, req)
+        except Refusal as refusal:
+            self._refuse(link, who, refusal, req)
+        except MuserError as exc:
+            self._emit("request", peer=who, outcome="failed", reason=str(exc),
+                       request_id=req.request_id if req else None)
+
+    def _admitted(self, link: Link, who: str, req: PullRequest) -> None:
+        if not self._admit.acquire(blocking=False):
+            with self._lock:
+                place = self._waiting + 1
+                if place > self.config.max_queue:
+                    raise Refusal("busy", f"producer busy: {self._waiting} request(s) already waiting "
+                                          f"(--max-queue {self.config.max_queue})")
+                self._waiting += 1
+            try:
+                link.send(Queued(place), "telling the consumer its place")
+                while not self._admit.acquire(timeout=0.2):
+                    if self._stop.is_set():
+                        raise Refusal("busy", "producer is shutting down")
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+        try:
+            self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids))
+            self._stream(link, who, req)
+        finally:
+            self._admit.release()
+
+    def _stream(self, link: Link, who: str, req: PullRequest) -> None:
+        t0 = time.monotonic()
+        pc = link.conn
+        assert isinstance(pc, PullConnection)
+        link.send(Serving(), "admitting the request")
+        v3 = Connection(Role.SENDER)
+        left = pc.leftover()
+        if left:
+            v3.receive_data(left)
+        link.conn = v3  # the rest of the connection is one V3 handoff, we are its sender
+        link.idle_s = self.config.idle_s
+        ready = link.next_event("waiting for the consumer's Ready")
+        if not isinstance(ready, Ready):
+            return
+        r, w = os.pipe()
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                with open(w, "wb") as out:
+                    box["stats"] = self.compute.run(req, out)
+            except BaseException as exc:  # noqa: BLE001 - reported through the stream's end
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="muser-prefill", daemon=True)
+        worker.start()
+        reader = open(r, "rb")
+        outcome, result, reason = "failed", None, ""
+        try:
+            try:
+                source = PackSource(reader)
+            except KVPackError as exc:
+                worker.join()
+                reason = f"the producer could not start the pack ({box.get('error') or exc})"
+                with contextlib.suppress(MuserError, OSError):
+                    link.send(Reject("aborted", reason), "refusing")
+                return
+            prepared = prepare_handoff(source, self.identity)
+            result = transmit_over(link, ready.info, prepared, to=who, identity=self.identity)
+            outcome = "served"
+        except MuserError as exc:
+            reason = str(exc)
+        finally:
+            reader.close()  # a consumer that went away: the compute's next write breaks, it stops
+            worker.join()
+            with self._lock:
+                self.counters["served" if outcome == "served" else "failed"] += 1
+            stats = box.get("stats") or {}
+            fields: dict[str, Any] = {
+                "peer": who, "outcome": outcome, "request_id": req.request_id, "key_id": req.key_id,
+                "consumer": req.consumer, "tokens": len(req.token_ids), "total_s": round(time.monotonic() - t0, 6),
+                **stats,
+            }
+            if result is not None:
+                fields.update(bytes=result.payload_bytes, frames=result.frames,
+                              payload_rate_Bps=round(result.payload_rate_Bps, 1), handoff_id=result.handoff_id)
+            if reason or box.get("error"):
+                fields["reason"] = reason or f"{type(box['error']).__name__}: {box['error']}"
+            self._emit("request", **fields)
+
+
+__all__ = ["Compute", "PullServer", "ServeConfig"]

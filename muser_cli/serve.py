@@ -1,0 +1,214 @@
+"""The pull lane's two ends above the sockets.
+
+Producer: :class:`ResidentProducer` holds one model and engine, loaded once, and computes a
+consumer's request on the canonical schedule, streaming each chunk's frames through
+prefill's :class:`~muser_cli.prefill.FrameEmitter` as the chunk finishes; :func:`serve`
+runs it behind :class:`muser_cli.handoff.pull_server.PullServer`.
+
+Consumer: :func:`pull_prompt` tokenizes the prompt here (the consumer's tokenization is
+authoritative), asks the producer and receives the verified pack;
+:func:`start_pull_pipe` does that on a thread into a pipe that ``decode`` reads as its
+input, so a failed or cut pull is decode's ordinary empty or cut stream (local fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from muser_cli.errors import MuserError, TempFailure
+from muser_cli.handoff.pull import PullRequest
+from muser_cli.handoff.spool import Refusal
+
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+# ----------------------------------------------------------------------------- producer
+class ResidentProducer:
+    """One model and engine, loaded once; :meth:`check` and :meth:`run` per request."""
+
+    def __init__(self, model: str | None, *, engine: str = "torch", dtype: str | None = None, threads: int = 1,
+                 engine_options: dict | None = None) -> None:
+        from muser_cli.engines.registry import get_engine
+        from muser_cli.models import resolve_model
+        from muser_cli.schedule import default_dtype
+        from muser_cli.tokens import tokenizer_for
+
+        t0 = time.perf_counter()
+        self.info = resolve_model(model)
+        tokenizer_for(self.info)
+        self.engine_name = engine
+        self.dtype = dtype or default_dtype(engine)
+        self.threads = threads
+        self.engine = get_engine(engine, self.info, dtype=self.dtype, threads=threads, options=engine_options)
+        self.load_s = time.perf_counter() - t0
+
+    def check(self, req: PullRequest) -> None:
+        from muser_cli.errors import DataError
+        from muser_cli.schedule import check_chunk, check_prompt
+
+        info = self.info
+        if req.model_fingerprint != info.fingerprint:
+            raise Refusal("model", f"this producer serves model {info.fingerprint}; the request expects "
+                                   f"{req.model_fingerprint}")
+        if req.tokenizer_fingerprint != info.tokenizer_fingerprint:
+            raise Refusal("model", f"this producer's tokenizer is {info.tokenizer_fingerprint}; the request's is "
+                                   f"{req.tokenizer_fingerprint}")
+        if req.dtype != self.dtype:
+            raise Refusal("model", f"this producer serves {self.dtype} KV; the request asks for {req.dtype}")
+        try:
+            check_chunk(req.chunk_tokens)
+            check_prompt(info, list(req.token_ids))
+        except (DataError, MuserError) as exc:
+            raise Refusal("too_large", str(exc)) from None
+        vocab = getattr(info, "vocab_size", None)
+        if isinstance(vocab, int) and vocab > 0 and max(req.token_ids) >= vocab:
+            raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")
+
+    def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
+        from muser_cli.kvpack import PackWriter, write_pack
+        from muser_cli.prefill import FrameEmitter
+        from muser_cli.rows import local_rows
+        from muser_cli.schedule import build_header
+
+        ids = list(req.token_ids)
+        eng = self.engine
+        header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
+                              engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+        t0 = time.perf_counter()
+        writer = PackWriter(out, header) if eng.streams_prefill else None
+        if writer is not None:
+            out.flush()  # the header leaves before the first chunk is computed
+        emitter = FrameEmitter(writer, out) if writer is not None else None
+        made = local_rows(eng, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens, reuse=False, on_chunk=emitter)
+        if writer is None:
+            writer = write_pack(out, header, made.layers)
+        else:
+            writer.finish()
+        out.flush()
+        return {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
+                "held_rows": 0, "shipped_rows": len(ids) - 1}
+
+
+def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
+          on_event: EventFn | None = None, engine_options: dict | None = None,
+          stop: threading.Event | None = None) -> None:
+    """Load the model once, then answer enrolled consumers until ``stop`` is set."""
+    from muser_cli import paths
+    from muser_cli.errors import UsageError
+    from muser_cli.handoff.api import ledger_dir
+    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.pull_server import PullServer, ServeConfig
+
+    if max_queue < 0:
+        raise UsageError("--max-queue must be >= 0")
+    host, port = parse_hostport(listen, listen=True)
+    identity = load_identity(paths.keys_dir())
+    if identity.consumer is None or identity.consumer == identity.name:
+        raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
+    producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options)
+    server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
+                        ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    try:
+        server.bind()
+        if stop is not None:
+            threading.Thread(target=lambda: (stop.wait(), server.stop()), daemon=True).start()
+        server.serve()
+    finally:
+        server.close()
+
+
+# ----------------------------------------------------------------------------- consumer
+@dataclass
+class PullAsk:
+    token_ids: list[int]
+    tokenizer_fingerprint: str
+    model_fingerprint: str
+    chunk_tokens: int
+    dtype: str
+
+
+def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | None, dtype: str | None,
+            engine: str) -> PullAsk:
+    """What to request: this consumer's own tokenization and model, on the canonical schedule."""
+    from muser_cli.models import resolve_model
+    from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
+    from muser_cli.tokens import encode_prompt
+
+    check_chunk(chunk_tokens)
+    info = resolve_model(model)
+    ids = encode_prompt(info, prompt, chat=chat)
+    check_prompt(info, ids)
+    return PullAsk(list(ids), info.tokenizer_fingerprint, info.fingerprint, chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                   dtype or default_dtype(engine))
+
+
+def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
+                timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
+    from muser_cli import paths
+    from muser_cli.handoff.api import ledger_dir
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.pull_client import pull
+    from muser_cli.handoff.receiver import Destination
+
+    identity = load_identity(paths.keys_dir())
+    destination = Destination(file=output) if output is not None else None
+    accepted = pull(producer, identity, token_ids=ask.token_ids, tokenizer_fingerprint=ask.tokenizer_fingerprint,
+                    model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
+                    ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
+                    on_event=on_event)
+    return accepted.to_json()
+
+
+class PipePull:
+    """A pull on a thread, into a pipe: :attr:`reader` is decode's input; :attr:`error` says
+    why nothing (or not all) arrived, once the reader saw its end."""
+
+    def __init__(self, producer: str, make_ask: Callable[[], PullAsk], *, timeout: float | None) -> None:
+        r, w = os.pipe()
+        self.reader: BinaryIO = open(r, "rb")
+        self._w = w
+        self.error: BaseException | None = None
+        self.accepted: dict[str, Any] | None = None
+        self.producer = producer
+        self._thread = threading.Thread(target=self._run, args=(make_ask, timeout), name="muser-pull", daemon=True)
+        self._thread.start()
+
+    def _run(self, make_ask: Callable[[], PullAsk], timeout: float | None) -> None:
+        try:
+            with open(self._w, "wb") as out:
+                try:
+                    self.accepted = pull_prompt(self.producer, make_ask(), out_stream=out, timeout=timeout)
+                except BaseException as exc:  # noqa: BLE001 - decode falls back; the reason is reported
+                    self.error = exc
+        except OSError as exc:  # decode stopped reading
+            self.error = self.error or exc
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def reason(self) -> str:
+        exc = self.error
+        if exc is None:
+            return ""
+        if isinstance(exc, MuserError):
+            return f"pull from {self.producer} failed: {exc}"
+        return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
+
+
+def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
+                    dtype: str | None, engine: str, timeout: float | None) -> PipePull:
+    from muser_cli.handoff.link import parse_hostport
+
+    parse_hostport(producer)  # a bad address is a usage error, not a fallback
+    return PipePull(producer, lambda: ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens,
+                                              dtype=dtype, engine=engine), timeout=timeout)
+
+
+__all__ = ["PipePull", "PullAsk", "ResidentProducer", "ask_for", "pull_prompt", "serve", "start_pull_pipe",
+           "TempFailure"]

@@ -1,0 +1,315 @@
+"""The pull lane (issue 12, first cut) as a user runs it: real processes, mutual TLS on 127.0.0.1.
+
+    producer$ muser prefill --serve 127.0.0.1:0 -m MODEL --json
+    consumer$ muser receive --from HOST:PORT doc.txt -m MODEL | muser decode --prompt doc.txt
+    consumer$ muser decode --producer HOST:PORT --prompt doc.txt     # falls back by itself
+
+One resident producer serves most tests of this module (its model loaded once, as in use).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from muser_cli.handoff import node
+from test_handoff_kit import copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
+
+PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+          "After a long debate about costs, traffic and the river's spring floods, they chose "
+          "the northern site, close to the old mill and the school.")
+CHUNK = 8
+_LISTEN_RE = re.compile(r"listening on (\S+)")
+
+
+class Producer:
+    """``muser prefill --serve 127.0.0.1:0 --json``; its stderr lines collected on a thread."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args),
+                                     env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        got = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stderr is not None
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                m = _LISTEN_RE.search(line)
+                if m and self.address is None:
+                    self.address = m.group(1)
+                    got.set()
+            got.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        got.wait(120)
+        if self.address is None:
+            self.proc.kill()
+            raise AssertionError(f"producer did not start: {''.join(self.lines)}")
+
+    def events(self, kind: str = "request") -> list[dict]:
+        out = []
+        for line in list(self.lines):
+            if line.startswith("{"):
+                obj = json.loads(line)
+                if obj.get("event") == kind:
+                    out.append(obj)
+        return out
+
+    def wait_events(self, n: int, kind: str = "request", timeout: float = 30) -> list[dict]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and len(self.events(kind)) < n:
+            time.sleep(0.05)
+        return self.events(kind)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def lane(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("pull")
+    nodes = make_nodes(root)
+    prompt = root / "doc.txt"
+    prompt.write_text(PROMPT)
+    model = str(tiny_llama.path)
+    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
+    local = subprocess.run(muser_cmd("decode", *common, "--chunk", str(CHUNK), "--prompt", str(prompt), "-n", "8",
+                                     "--no-reuse", "--json"), env=env_for(nodes.consumer_home), input=b"",
+                           capture_output=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    producer = Producer(nodes.producer_home, *common)
+    yield {"root": root, "nodes": nodes, "prompt": prompt, "model": model, "common": common,
+           "local": json.loads(local.stdout), "producer": producer}
+    assert producer.stop() == 0
+
+
+def decode_pull(lane, to: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(lane["prompt"]),
+                                    "-n", "8", "--no-reuse", "--json", "--producer", to, *extra),
+                          env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=timeout)
+
+
+def receive_from(lane, to: str, home: Path | None = None, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(muser_cmd("receive", "--from", to, str(lane["prompt"]), "-m", lane["model"],
+                                      "--chunk", str(CHUNK), *extra),
+                            env=env_for(home or lane["nodes"].consumer_home), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_pull_lane_tokens_equal_the_local_fallback(lane):
+    p = lane["producer"]
+    before = len(p.events())
+    r = decode_pull(lane, p.address)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["source"] == "handoff" and not got["fallback"], got
+    assert got["token_ids"] == lane["local"]["token_ids"]
+    served = p.wait_events(before + 1)[before:]
+    assert [e["outcome"] for e in served] == ["served"]
+    assert served[0]["tokens"] == got["prompt_tokens"] and served[0]["bytes"] > 0
+
+
+def test_receive_from_pipes_a_verified_pack_into_decode(lane):
+    p = lane["producer"]
+    recv = receive_from(lane, p.address)
+    dec = subprocess.Popen(muser_cmd("decode", *lane["common"], "--prompt", str(lane["prompt"]), "-n", "8", "--json"),
+                           env=env_for(lane["nodes"].consumer_home), stdin=recv.stdout, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    recv.stdout.close()
+    out, err = dec.communicate(timeout=120)
+    _, rerr = recv.communicate(timeout=60)
+    assert recv.returncode == 0 and dec.returncode == 0, (rerr, err)
+    got = json.loads(out)
+    assert got["source"] == "handoff" and got["token_ids"] == lane["local"]["token_ids"]
+
+
+def test_a_stranger_is_refused_77_before_any_prefill(lane):
+    p = lane["producer"]
+    before = len(p.events())
+    stranger = lane["root"] / "stranger"
+    node.init_node(keys_dir_of(stranger), name="consumer")  # same name, another CA
+    recv = receive_from(lane, p.address, stranger)
+    out, err = recv.communicate(timeout=60)
+    assert recv.returncode == 77, err
+    assert out == b""
+    time.sleep(0.3)
+    assert len(p.events()) == before  # no request was even read, let alone computed
+    assert p.wait_events(1, "tls_failed")
+
+
+def test_a_replayed_request_is_refused(lane):
+    """The same signed request bytes sent twice: the second is refused (replay) before any work."""
+    from muser_cli.handoff.link import client_context
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.pull import ALPN_PULL, PullConnection, PullRequest, Request, Side, new_request_id, sign_request
+    from muser_cli.handoff.pull_client import key_for
+    from muser_cli.handoff.protocol import Reject
+    from muser_cli.serve import ask_for
+    import socket
+
+    os.environ["MUSER_HOME"] = str(lane["nodes"].consumer_home)
+    try:
+        ident = load_identity(keys_dir_of(lane["nodes"].consumer_home))
+        ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
+    finally:
+        del os.environ["MUSER_HOME"]
+    host, port = lane["producer"].address.rsplit(":", 1)
+    key = key_for(ident, "gx10")
+    req = PullRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, tuple(ask.token_ids),
+                      ask.tokenizer_fingerprint, ask.model_fingerprint, CHUNK, "float32")
+    raw, mac = sign_request(req, key.secret)
+
+    def first_answer() -> object:
+        ctx = client_context(ident)
+        ctx.set_alpn_protocols([ALPN_PULL])
+        with socket.create_connection((host, int(port)), timeout=30) as s, \
+                ctx.wrap_socket(s, server_hostname=host) as tls:
+            pc = PullConnection(Side.CONSUMER)
+            tls.sendall(pc.send(Request(raw, mac, req)))
+            while True:
+                pc.receive_data(tls.recv(65536))
+                ev = pc.next_event()
+                if ev is not None and type(ev).__name__ != "_NeedData":
+                    return ev
+
+    p = lane["producer"]
+    before = len(p.events())
+    first = first_answer()  # Serving (then we hang up: the producer gives up the request)
+    assert type(first).__name__ == "Serving"
+    second = first_answer()
+    assert isinstance(second, Reject) and second.code == "replay", second
+    events = p.wait_events(before + 2)[before:]
+    assert any(e["outcome"] == "replay" for e in events)
+
+
+def test_another_model_is_refused_naming_both(lane, tiny_hybrid):
+    p = lane["producer"]
+    recv = subprocess.Popen(muser_cmd("receive", "--from", p.address, str(lane["prompt"]), "-m", str(tiny_hybrid.path)),
+                            env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = recv.communicate(timeout=60)
+    assert recv.returncode == 75, err
+    assert out == b""
+    text = err.decode()
+    assert "model" in text and tiny_hybrid.fingerprint in text and lane["local"] is not None
+
+
+def test_two_consumers_with_no_queue_one_is_told_busy_at_once(lane, tmp_path):
+    """--max-queue 0: while one request is being served, a second is refused busy at once (75).
+    The first consumer is paused (SIGSTOP) once admitted, so the producer is surely still busy."""
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0")
+    try:
+        env = env_for(lane["nodes"].consumer_home)
+        args = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
+        a = subprocess.Popen(muser_cmd(*args, "-o", str(tmp_path / "a.kvpack")), env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert prod.wait_events(1, "admitted", timeout=60)
+        a.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            b = subprocess.run(muser_cmd(*args, "-o", str(tmp_path / "b.kvpack")), env=env, capture_output=True,
+                               timeout=60)
+            b_s = time.monotonic() - t0
+        finally:
+            a.send_signal(signal.SIGCONT)
+        assert b.returncode == 75 and b"busy" in b.stderr, b.stderr
+        assert not (tmp_path / "b.kvpack").exists()
+        assert a.wait(60) == 0, a.stderr.read()
+        assert (tmp_path / "a.kvpack").stat().st_size > 0
+        outcomes = sorted(e["outcome"] for e in prod.wait_events(2))
+        assert outcomes == ["busy", "served"]
+        assert b_s < 30  # told at once: well under the idle and queue deadlines (the time is process start)
+    finally:
+        assert prod.stop() == 0
+
+
+def test_producer_down_receive_75_and_decode_falls_back(lane):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    to = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()  # nothing listens there now
+    recv = receive_from(lane, to)
+    out, err = recv.communicate(timeout=60)
+    assert recv.returncode == 75 and out == b"", err
+    r = decode_pull(lane, to)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["fallback"] and "refused" in got["reason"], got
+    assert got["token_ids"] == lane["local"]["token_ids"]
+
+
+def test_producer_killed_once_admitted_decode_falls_back_with_the_same_tokens(lane):
+    """SIGKILL of the producer after it admitted the request: decode falls back by itself."""
+    prod = Producer(lane["nodes"].producer_home, *lane["common"])
+    try:
+        proc = subprocess.Popen(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
+                                          str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
+                                          prod.address),
+                                env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert prod.wait_events(1, "admitted", timeout=60)
+        prod.proc.kill()
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        got = json.loads(out)
+        assert got["fallback"] and got["reason"], got
+        assert got["token_ids"] == lane["local"]["token_ids"]
+    finally:
+        prod.proc.kill()
+        prod.proc.wait()
+
+
+def test_producer_killed_mid_stream_keeps_verified_chunks_and_the_tokens(lane, tmp_path):
+    """SIGKILL while frames flow: receive --from exits 75 with no end frame; what it forwarded
+    decodes (verified chunks kept, the rest prefilled) to the local fallback's tokens."""
+    prod = Producer(lane["nodes"].producer_home, *lane["common"])
+    try:
+        recv = subprocess.Popen(muser_cmd("receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"],
+                                          "--chunk", "1"),
+                                env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        got = b""
+        end = time.monotonic() + 90
+        while len(got) < 4 * 4096 and time.monotonic() < end:
+            if select.select([recv.stdout], [], [], 0.5)[0]:
+                block = os.read(recv.stdout.fileno(), 4096)
+                if not block:
+                    break
+                got += block
+        prod.proc.kill()
+        rest, err = recv.communicate(timeout=60)
+        got += rest
+        assert recv.returncode == 75, err
+        cut = tmp_path / "cut.kvpack"
+        cut.write_bytes(got)
+        dec = subprocess.run(muser_cmd("decode", *lane["common"], str(cut), "--prompt", str(lane["prompt"]), "-n", "8",
+                                       "--no-reuse", "--json"), env=env_for(lane["nodes"].consumer_home),
+                             capture_output=True, timeout=120)
+        assert dec.returncode == 0, dec.stderr
+        out = json.loads(dec.stdout)
+        assert out["source"] == "partial+local" and out["handoff_rows"] > 0, out
+        local = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", "1", "--prompt", str(lane["prompt"]),
+                                         "-n", "8", "--no-reuse", "--json"), env=env_for(lane["nodes"].consumer_home),
+                               input=b"", capture_output=True, timeout=120)
+        assert out["token_ids"] == json.loads(local.stdout)["token_ids"]
+    finally:
+        prod.proc.kill()
+        prod.proc.wait()

@@ -1,0 +1,127 @@
+"""The pull lane's request/answer core (muser_cli/handoff/pull.py): no sockets, bytes only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from muser_cli.errors import AuthError, ProtocolError
+from muser_cli.handoff.header import canonical
+from muser_cli.handoff.protocol import PREFIX, LocalProtocolError, NEED_DATA, Reject
+from muser_cli.handoff.pull import (
+    MAX_REQUEST_BYTES, PullConnection, PullRequest, PullState, Queued, Request, Serving, Side, check_fresh,
+    new_request_id, parse_request, sign_request, verify_request_mac,
+)
+
+SECRET = bytes(range(32))
+
+
+def make_request(**over) -> PullRequest:
+    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
+                  token_ids=(1, 2, 3, 4), tokenizer_fingerprint="sha256:" + "b" * 64,
+                  model_fingerprint="sha256:" + "a" * 64, chunk_tokens=8, dtype="float32")
+    fields.update(over)
+    return PullRequest(**fields)
+
+
+def test_request_round_trips_and_its_mac_binds_every_byte():
+    req = make_request()
+    raw, mac = sign_request(req, SECRET)
+    assert parse_request(raw) == req
+    verify_request_mac(SECRET, raw, mac)
+    tampered = raw.replace(b'"chunk_tokens":8', b'"chunk_tokens":9')
+    assert tampered != raw
+    with pytest.raises(AuthError):
+        verify_request_mac(SECRET, tampered, mac)
+    with pytest.raises(AuthError):
+        verify_request_mac(bytes(32), raw, mac)
+
+
+@pytest.mark.parametrize("change", [
+    lambda o: o.update(extra=1),
+    lambda o: o.pop("dtype"),
+    lambda o: o.update(v=2),
+    lambda o: o.update(dtype="int8"),
+    lambda o: o.update(token_ids=[1]),
+    lambda o: o.update(token_ids=[1, -2]),
+    lambda o: o.update(token_ids=[1, 2.0]),
+    lambda o: o.update(request_id="XYZ"),
+    lambda o: o.update(chunk_tokens=0),
+    lambda o: o.update(key_id="bad key"),
+])
+def test_malformed_requests_are_protocol_errors(change):
+    obj = make_request().to_json()
+    change(obj)
+    with pytest.raises(ProtocolError):
+        parse_request(canonical(obj))
+
+
+def test_non_canonical_request_bytes_are_refused():
+    raw, _ = sign_request(make_request(), SECRET)
+    spaced = json.dumps(json.loads(raw), indent=1).encode()
+    with pytest.raises(ProtocolError):
+        parse_request(spaced)
+
+
+def test_freshness_window():
+    req = make_request(issued_at_ms=1_000_000)
+    check_fresh(req, now_ms=1_000_000 + 119_000, window_s=120)
+    with pytest.raises(AuthError):
+        check_fresh(req, now_ms=1_000_000 + 121_000, window_s=120)
+    with pytest.raises(AuthError):
+        check_fresh(req, now_ms=1_000_000 - 121_000, window_s=120)
+
+
+def test_exchange_request_queued_serving_then_bytes_belong_to_v3():
+    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
+    req = make_request()
+    raw, mac = sign_request(req, SECRET)
+    producer.receive_data(consumer.send(Request(raw, mac, req)))
+    got = producer.next_event()
+    assert isinstance(got, Request) and got.request == req and got.mac == mac
+    consumer.receive_data(producer.send(Queued(1)) + producer.send(Serving()) + b"\x01\x00\x00\x00\x02{}")
+    assert consumer.next_event() == Queued(1)
+    assert isinstance(consumer.next_event(), Serving)
+    assert consumer.state is PullState.SERVING
+    assert consumer.next_event() is NEED_DATA  # the V3 Ready after Serving is not ours to parse
+    assert consumer.leftover() == b"\x01\x00\x00\x00\x02{}"
+
+
+def test_reject_closes_and_busy_is_readable():
+    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
+    req = make_request()
+    producer.receive_data(consumer.send(Request(*sign_request(req, SECRET), req)))
+    producer.next_event()
+    consumer.receive_data(producer.send(Reject("busy", "one at a time")))
+    ev = consumer.next_event()
+    assert isinstance(ev, Reject) and ev.code == "busy" and consumer.state is PullState.CLOSED
+
+
+def test_oversized_and_out_of_turn_frames_are_refused_at_the_prefix():
+    producer = PullConnection(Side.PRODUCER)
+    producer.receive_data(PREFIX.pack(0x50, 32 + MAX_REQUEST_BYTES + 1))  # no body byte needed to refuse
+    with pytest.raises(ProtocolError, match="exceeds"):
+        producer.next_event()
+    producer = PullConnection(Side.PRODUCER)
+    producer.receive_data(PREFIX.pack(0x52, 2))  # the consumer may not send Serving
+    with pytest.raises(ProtocolError, match="may not send"):
+        producer.next_event()
+    consumer = PullConnection(Side.CONSUMER)
+    consumer.receive_data(PREFIX.pack(0x51, 11))  # Queued before any Request
+    with pytest.raises(ProtocolError, match="may not send"):
+        consumer.next_event()
+    with pytest.raises(LocalProtocolError):
+        PullConnection(Side.PRODUCER).send(Serving())  # our own illegal send is a bug
+
+
+def test_unknown_frame_type_and_cut_prefix():
+    producer = PullConnection(Side.PRODUCER)
+    producer.receive_data(PREFIX.pack(0x99, 0))
+    with pytest.raises(ProtocolError, match="unknown"):
+        producer.next_event()
+    producer = PullConnection(Side.PRODUCER)
+    producer.receive_data(b"\x50\x00")
+    producer.receive_data(b"")
+    with pytest.raises(ProtocolError):
+        producer.next_event()

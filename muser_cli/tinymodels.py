@@ -118,6 +118,20 @@ def make_tiny_llama(directory: Path | str, seed: int = 0) -> Path:
     return _write(LlamaForCausalLM, LlamaConfig(**_common()), Path(directory), seed)
 
 
+LONG_POSITIONS = 131_072 + 1_024  # the depth of the system we follow, plus room to decode
+
+
+def make_tiny_long_llama(directory: Path | str, seed: int = 0) -> Path:
+    """A 1-layer Llama (hidden 32, 2 heads, 1 KV head, head_dim 16) with 132k positions: a
+    131,072-token lane on a CPU in about a minute (attention is the cost at that depth)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**_common(), "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                            "max_position_embeddings": LONG_POSITIONS})
+    return _write(LlamaForCausalLM, config, Path(directory), seed)
+
+
 def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
     """A 4-layer Cohere2: sliding (window 8) x3, then full attention without RoPE (NoPE)."""
     from transformers import Cohere2Config, Cohere2ForCausalLM

@@ -442,7 +442,7 @@ def test_remote_exit_statuses_75_76_77_78_are_one_line(tmp_path):
     import socket
 
     from kvpack_factory import make_pack
-    from test_handoff_kit import env_for, keys_dir_of, make_nodes, muser_cmd, spawn_receiver
+    from handoff_kit import env_for, keys_dir_of, make_nodes, muser_cmd, spawn_receiver
     from muser_cli.handoff import node
 
     nodes = make_nodes(tmp_path / "nodes")

@@ -17,7 +17,7 @@ from muser_cli.handoff import node, receiver as receiver_mod
 from muser_cli.handoff.node import load_identity
 from muser_cli.handoff.sender import PreparedHandoff, prepare_handoff, transmit
 
-from test_handoff_kit import (  # noqa: F401 - fixtures
+from handoff_kit import (  # noqa: F401 - fixtures
     copy_home, keys_dir_of, ledger_records, make_nodes, nodes, pack_bytes, pack_file, receivers, spawn_receiver,
 )
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from muser_cli.commands import app
 
 from kvpack_factory import make_pack
-from test_handoff_kit import (  # noqa: F401 - fixtures
+from handoff_kit import (  # noqa: F401 - fixtures
     copy_home, env_for, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
 )
 

@@ -15,7 +15,7 @@ from muser_cli.errors import TempFailure
 from muser_cli.handoff.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
-from test_handoff_kit import (  # noqa: F401 - fixtures
+from handoff_kit import (  # noqa: F401 - fixtures
     port_of,
     wait_for,
     Relay, copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,

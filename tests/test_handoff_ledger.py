@@ -19,7 +19,7 @@ from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
 from muser_cli.handoff.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
-from test_handoff_kit import (  # noqa: F401 - fixtures
+from handoff_kit import (  # noqa: F401 - fixtures
     copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,
 )
 
@@ -208,7 +208,7 @@ def test_e32_disk_full_on_spool(nodes, tmp_path):
     with tiny_fs(tmp_path / "fs") as fs:
         r = Receiver(nodes.consumer, ReceiveConfig(port=0, once=False, idle_s=3), ledger_dir=tmp_path / "ledger",
                      destination=Destination(directory=fs))
-        from test_handoff_kit import RunningReceiver  # noqa: F401
+        from handoff_kit import RunningReceiver  # noqa: F401
         import threading
 
         r.bind()

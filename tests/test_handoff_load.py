@@ -13,7 +13,7 @@ from muser_cli.errors import DataError, TempFailure
 from muser_cli.handoff.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
-from test_handoff_kit import ledger_records, nodes, pack_bytes, pack_file, receivers  # noqa: F401
+from handoff_kit import ledger_records, nodes, pack_bytes, pack_file, receivers  # noqa: F401
 
 
 def settle(run, n: int, timeout: float = 5.0) -> None:

@@ -29,7 +29,7 @@ from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit
 from muser_cli.handoff.spool import remove_stale_parts
 
 import stream_producer
-from test_handoff_kit import (  # noqa: F401 - fixtures
+from handoff_kit import (  # noqa: F401 - fixtures
     Relay, copy_home, env_for, muser_cmd, nodes, receivers, spawn_receiver, wait_for,
 )
 

@@ -17,7 +17,7 @@ from muser_cli.handoff.node import load_identity
 from muser_cli.handoff.protocol import ALPN, Connection, Role
 from muser_cli.handoff.sender import prepare_handoff, transmit
 
-from test_handoff_kit import port_of, wait_for, keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
+from handoff_kit import port_of, wait_for, keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
 
 LOOP = ("127.0.0.1",)
 

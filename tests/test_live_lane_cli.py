@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from test_handoff_kit import copy_home, env_for, muser_cmd, nodes, spawn_receiver  # noqa: F401 - fixtures
+from handoff_kit import copy_home, env_for, muser_cmd, nodes, spawn_receiver  # noqa: F401 - fixtures
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "

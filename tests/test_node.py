@@ -17,7 +17,7 @@ from muser_cli.commands import app
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.handoff import node
 
-from test_handoff_kit import keys_dir_of
+from handoff_kit import keys_dir_of
 
 
 @pytest.fixture

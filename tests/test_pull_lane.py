@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from muser_cli.handoff import node
-from test_handoff_kit import copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "

@@ -380,17 +380,47 @@ class HashSink:
         pass
 
 
+class HighWater:
+    """A process's own peak RSS (VmHWM, KiB), sampled from /proc until it exits.
+
+    Not ``wait4``'s ru_maxrss: Linux folds the parent's high-water mark into a child's at
+    exec, so with a test process that holds models (GBs) every child would look that big."""
+
+    def __init__(self, pid: int) -> None:
+        self.kib = 0
+        self._path = f"/proc/{pid}/status"
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                with open(self._path) as f:
+                    line = next((ln for ln in f if ln.startswith("VmHWM:")), None)
+            except OSError:
+                return
+            if line is None:  # a zombie: its memory is gone, the last sample stands
+                return
+            self.kib = max(self.kib, int(line.split()[1]))
+            time.sleep(0.005)
+
+    def result(self) -> int:
+        self._thread.join(5)
+        return self.kib
+
+
 def peak_rss_lane(nodes, home: Path, spec: dict) -> tuple[int, int, str, int]:
     """(send peak RSS, receive peak RSS, sha256 of what receive forwarded, bytes) in KiB."""
     recv, to = spawn_receiver(home, "--once", "--timeout", "60", stdout=subprocess.PIPE)
+    recv_hwm = HighWater(recv.pid)
     out = Collector(recv.stdout, keep=False)
     prod, send = lane(producer_cmd(**spec), nodes.producer_home, to)
+    send_hwm = HighWater(send.pid)
     rss = {}
-    for name, p in (("send", send), ("recv", recv)):
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
+    for name, p, hwm in (("send", send, send_hwm), ("recv", recv, recv_hwm)):
+        p.wait(120)
         assert p.returncode == 0, (name, p.stderr.read())
-        rss[name] = usage.ru_maxrss  # KiB on Linux
+        rss[name] = hwm.result()
     prod.wait(10)
     out.finish()
     return rss["send"], rss["recv"], out.sha.hexdigest(), out.size

@@ -16,7 +16,7 @@ from muser_cli.audit import spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
-from muser_cli.errors import KVPackError, MissingInput, UsageError
+from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
 from muser_cli.identity import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.stream import Cut, StreamedPack
@@ -151,6 +151,9 @@ def decode(
         raise UsageError("-n must be at least 1")
     if audit is not None and audit < 0:
         raise UsageError("--audit must be >= 0")
+    if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1:
+        raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {sampling.temperature}, "
+                         f"{sampling.top_p})")
     t_begin = time.perf_counter()
     # The pack is read and verified on a thread from the first byte on, while the model loads.
     stream = StreamedPack(src) if src is not None else None
@@ -204,7 +207,12 @@ def decode(
     overlap = sum(max(0.0, min(b, t_first_token) - max(a, t_req)) for a, b in ((t_res0, t_res1), (t_load0, t_load1)))
     ttft = t_first_token - t_req - overlap
     t_read = stream.end_t if stream is not None and stream.end_t is not None else t_req
-    stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng) if store else None
+    stored = None
+    if store:
+        try:
+            stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng)
+        except DataError as exc:  # the store is a cache: failing to keep the answer is not failing it
+            got.problems.append(f"not stored: {exc}")
     return DecodeOutcome(
         text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,
         load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),

@@ -65,7 +65,7 @@ def loads(data: bytes | str, what: str, *, limit: int, error: type[MuserError] =
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise error(f"{what} is not UTF-8") from None
+        raise error(f"{what} is not UTF-8 JSON") from None
     if not depth_ok(text, max_depth):
         raise error(f"{what}: JSON nested deeper than {max_depth}")
 

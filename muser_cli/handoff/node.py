@@ -39,6 +39,7 @@ from typing import Any, Iterable
 
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.fsio import write_bytes_atomic
+from muser_cli.strict import canonical_json, loads
 from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers and tests
     NAME_RE, cert_pem, issue_cert, key_pem, make_ca, peer_common_name, peer_serial_hex, serial_hex,
 )
@@ -143,23 +144,7 @@ def _iso(t: dt.datetime) -> str:
 
 
 def _strict_json(data: bytes, what: str, limit: int) -> Any:
-    if len(data) > limit:
-        raise DataError(f"{what} is {len(data)} bytes, over the {limit}-byte limit")
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise DataError(f"{what}: duplicate key {k!r}")
-            out[k] = v
-        return out
-
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=pairs)
-    except DataError:
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DataError(f"{what} is not valid JSON ({type(exc).__name__})") from None
+    return loads(data, what, limit=limit)
 
 
 def _check_name(name: str, what: str = "node name") -> str:
@@ -381,7 +366,7 @@ def bundle_checksum(obj: dict[str, Any]) -> str:
     or key id, which nothing else in the bundle could reveal), not a signature: the
     bundle travels over a channel the operator trusts, because it carries secrets."""
     body = {k: v for k, v in obj.items() if k != "checksum"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    canonical = canonical_json(body)
     return "sha256:" + hashlib.sha256(b"muser-node-bundle-v2\0" + canonical).hexdigest()
 
 

@@ -16,6 +16,7 @@ from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.reuse.chain import Scope, chain_at, scope_of_header, servable
+from muser_cli.strict import loads
 
 MANIFEST_FORMAT = "muser-have"
 MANIFEST_VERSION = (1, 0)
@@ -86,12 +87,8 @@ class HaveManifest:
 
     @classmethod
     def loads(cls, data: bytes | str) -> "HaveManifest":
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise DataError(f"have manifest larger than {MAX_MANIFEST_BYTES} bytes")
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError):
-            raise DataError("have manifest is not JSON", hint="make it with `muser reuse have`") from None
+        # It crosses machines: read as strictly as every other untrusted input.
+        obj = loads(data, "have manifest", limit=MAX_MANIFEST_BYTES)
         if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
             raise DataError("not a have manifest (format is not 'muser-have')", hint="make it with `muser reuse have`")
         version = obj.get("version")

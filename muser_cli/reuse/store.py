@@ -37,6 +37,7 @@ from muser_cli.paths import ensure_dir, store_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
 from muser_cli.reuse.delta import resolve_delta
+from muser_cli.strict import parse_size
 
 DEFAULT_MAX_BYTES = 20 << 30
 ENV_MAX_BYTES = "MUSER_STORE_MAX"
@@ -64,25 +65,6 @@ PRAGMA user_version = 1;
 """
 SCHEMA_VERSION = 1
 _ENTRY_COLS = "id, model, tokenizer, dtype, chunk, model_name, tokens, rows, token_digest, bytes, codec, created, last_used"
-
-
-def parse_size(text: str | int) -> int:
-    """``20G``, ``512M``, ``1.5GiB``, ``4096`` -> bytes (powers of 1024)."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
-        if s.endswith(suffix):
-            s, mult = s[:-1], m
-            break
-    try:
-        value = float(s)
-    except ValueError:
-        raise UsageError(f"cannot read size {text!r}", hint="write it like 20G, 512M or 1048576") from None
-    if value < 0:
-        raise UsageError(f"size {text!r} is negative")
-    return int(value * mult)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
-from muser_cli.identity import require_identity
+from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.modelinfo import ModelInfo, ProgressFn

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
 from muser_cli.errors import KVPackError, UsageError
-from muser_cli.identity import Check, identity_checks
+from muser_cli.binding import Check, identity_checks
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.summary import summarize, summarize_header

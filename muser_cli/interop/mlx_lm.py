@@ -278,7 +278,7 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
     """Turn an mlx-lm prompt cache (a path, or the file's bytes) into a kvpack on ``out``,
     bound to ``model`` and the prompt (text, or its ``token_ids``). mlx-lm's file carries
     neither token ids nor a model hash, so both are required."""
-    from muser_cli.identity import require_identity
+    from muser_cli.binding import require_identity
     from muser_cli.models import resolve_model
     from muser_cli.schedule import build_header, check_chunk, check_prompt
     from muser_cli.tokens import encode_prompt
@@ -442,7 +442,7 @@ def export_mlx_lm(src: BinaryIO | KVPack, out: BinaryIO, *, model: str | None = 
     or name muser resolves) is checked against the pack and recorded as the file's
     ``model``, which ``mlx_lm.generate --prompt-cache-file`` loads (and compares with its
     ``--model``); without it the pack's model is looked up among the models muser knows."""
-    from muser_cli.identity import require_identity
+    from muser_cli.binding import require_identity
     from muser_cli.models import known_model, resolve_model
 
     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     from transformers import DynamicCache
 
     from muser_cli.engines.torch_engine import _to_torch
-    from muser_cli.identity import require_identity
+    from muser_cli.binding import require_identity
 
     p = _read(pack)
     header = p.header
@@ -173,7 +173,7 @@ def from_transformers(cache: Any, token_ids: Any, model: Any, *, info: ModelInfo
     ``out`` and returns None. ``chunk_tokens`` is recorded as the schedule (the frame grid)."""
     import torch
 
-    from muser_cli.identity import require_identity
+    from muser_cli.binding import require_identity
     from muser_cli.kvpack import write_pack
     from muser_cli.schedule import build_header, check_chunk, check_prompt
 

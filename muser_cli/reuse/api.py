@@ -59,7 +59,7 @@ def put(src: BinaryIO, *, store: Store | None = None, model: str | None = None) 
     already knows by the pack's model fingerprint. A pack for a model it cannot find is
     refused (exit 65): its ids cannot be checked."""
     from muser_cli.errors import DataError, IdentityMismatch
-    from muser_cli.identity import _short
+    from muser_cli.binding import _short
     from muser_cli.models import known_model
 
     head = _Peek(src)

@@ -575,7 +575,7 @@ class Store:
 
 def _check_storable(header: PackHeader, *, delta_ok: bool = False, vocab_size: int | None = None) -> None:
     if vocab_size is not None:
-        from muser_cli.identity import out_of_vocabulary
+        from muser_cli.binding import out_of_vocabulary
 
         bad = out_of_vocabulary(header.token_ids, vocab_size)
         if bad is not None:

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.digest import DEFAULT_DIGEST, DIGESTS
 from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
+from muser_cli.strict import canonical_json  # noqa: F401 - the one canonical JSON; kvpack callers import it here
 
 MAGIC = b"\x89KVPACK\n"
 MAJOR = 1
@@ -88,10 +89,6 @@ def chain(prev: bytes, frame_header: bytes | memoryview, *stored: bytes | memory
     for part in stored:
         h.update(part)
     return h.digest()
-
-
-def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
 
 
 @dataclass(frozen=True)

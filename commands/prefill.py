@@ -96,8 +96,8 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
     if prompt != "-" or chat or chunk is not None or zstd or have or reuse or store or output not in ("-", None):
         raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse, --store or -o",
                          hint="each request names its prompt, chunk size and dtype")
-    if engine != "torch":
-        raise UsageError("--serve runs the torch engine in this version")
+    if engine not in ("torch", "vllm"):
+        raise UsageError("--serve runs the torch or the vllm engine in this version")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 

@@ -85,7 +85,9 @@ class ResidentProducer:
             out.flush()  # the header leaves before the first chunk is computed
         emitter = FrameEmitter(writer, out) if writer is not None else None
         made = local_rows(eng, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens, reuse=False, on_chunk=emitter)
-        if writer is None:
+        if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
+            header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
+                                  engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
             writer = write_pack(out, header, made.layers)
         else:
             writer.finish()

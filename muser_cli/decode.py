@@ -201,6 +201,8 @@ def decode(
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
     t_first_token = t_dec + result.ttft_s
+    if stream is not None and got.pack is not None:
+        stream.confirm_end()  # bytes after the end frame: refused before anything is returned
     # TTFT: from the first input byte (or the start, with none) to the first token, model
     # load excluded: the load overlapped the read, so its overlap with that span is taken out.
     t_req = stream.first_byte_t if stream is not None and stream.first_byte_t is not None else t_begin

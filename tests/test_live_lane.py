@@ -228,3 +228,33 @@ def test_pack_in_a_pipe_passes_each_frame_on_as_it_arrives(tiny_llama, streamed)
     assert got and whole.getvalue().startswith(got)
     _, out_ends = _frame_ends(whole.getvalue())
     assert len(got) == out_ends[6]  # the 7 frames that arrived, all passed on
+
+
+def test_decode_starts_at_the_end_frame_but_refuses_bytes_after_it(tiny_llama, streamed):
+    """decode does not wait for the producer to close its output before the first step, yet
+    a pack followed by anything is still refused before anything is returned."""
+    import os
+    import threading
+    import time
+
+    from muser_cli.errors import KVPackError
+
+    r, w = os.pipe()
+
+    def producer() -> None:  # the whole pack, then the writer stays open a while
+        with os.fdopen(w, "wb") as f:
+            f.write(streamed)
+            f.flush()
+            time.sleep(3.0)
+
+    threading.Thread(target=producer, daemon=True).start()
+    t0 = time.perf_counter()
+    with os.fdopen(r, "rb") as src:
+        from muser_cli.decode import decode
+
+        out = decode(src, model=str(tiny_llama.path), max_new_tokens=4, dtype="float32")
+    assert out.source == "handoff" and out.first_token_s is not None
+    assert time.perf_counter() - t0 >= 2.5  # it returned only once the input was seen to end
+    assert out.tail_s is not None and out.tail_s < 2.0  # ... but its first token came before that
+    with pytest.raises(KVPackError, match="after the end frame"):
+        _decode(tiny_llama, streamed + b"\0", None)

@@ -42,6 +42,7 @@ class StreamedPack:
         self._reader = PackReader(max_bytes=max_bytes)
         self._header_ready = threading.Event()
         self._done = threading.Event()
+        self._ready = threading.Event()  # the end frame verified, or the stream ended
         self._header: PackHeader | None = None
         self._error: KVPackError | None = None
         self._cut: Cut | None = None
@@ -69,7 +70,10 @@ class StreamedPack:
         return self._header
 
     def result(self) -> KVPack | Cut:
-        self._done.wait()
+        """The pack as soon as its end frame (root digest) verified — not when the input
+        ends, which in a pipe is when the upstream process exits; :meth:`confirm_end`
+        then checks that nothing followed. A Cut when the input ended first."""
+        self._ready.wait()
         if self._error is not None:
             raise self._error
         if self._cut is not None:
@@ -80,6 +84,13 @@ class StreamedPack:
                   for i, (k, v) in enumerate(zip(self._keys, self._values))]
         return KVPack(header=h, layers=layers, root_digest=end.root_digest, total_bytes=end.total_bytes,
                       stored_bytes=self._stored)
+
+    def confirm_end(self) -> None:
+        """Wait for the end of input and raise :class:`KVPackError` if any byte followed the
+        end frame (a pack is whole only if it ends where its end frame says)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
 
     def prefix(self, chunk_tokens: int) -> tuple[int, list[LayerKV]]:
         """After a cut: the deepest chunk boundary ``r`` at which every layer's cache as of
@@ -125,7 +136,8 @@ class StreamedPack:
                     break
                 for ev in reader.feed(chunk, owned=True):
                     self._on_event(ev)
-            self.end_t = time.perf_counter()
+            if self.end_t is None:
+                self.end_t = time.perf_counter()
             if reader.bytes_consumed == 0 and self._header is None:
                 self.first_byte_t = None  # empty input: no handoff
                 return
@@ -146,6 +158,7 @@ class StreamedPack:
             self.end_t = time.perf_counter()
         finally:
             self._header_ready.set()
+            self._ready.set()
             self._done.set()
 
     def _on_event(self, ev: object) -> None:
@@ -172,3 +185,5 @@ class StreamedPack:
             self.last_frame_t = time.perf_counter()
         elif isinstance(ev, EndEvent):
             self._end = ev
+            self.end_t = time.perf_counter()
+            self._ready.set()

@@ -84,6 +84,34 @@ def parse_hostport(text: str, *, default_port: int | None = None, listen: bool =
     return host, int(port_s)
 
 
+def listen_socket(host: str, port: int, *, backlog: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` ("" or "*": every address, IPv6 and IPv4
+    where the system allows); one line and exit 75 when the address is taken."""
+    if host in ("", "*"):
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            bind_to: tuple = ("::", port)
+        except OSError:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            bind_to = ("0.0.0.0", port)
+    else:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror:
+            raise UsageError(f"cannot resolve listen address {host!r}") from None
+        family, _, _, _, bind_to = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(bind_to)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
+    return sock
+
+
 def format_hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

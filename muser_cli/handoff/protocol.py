@@ -34,7 +34,7 @@ import enum
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from muser_cli.errors import ProtocolError
 from muser_cli.handoff.header import (
@@ -268,6 +268,35 @@ def decode_body(cls: type, body: bytes) -> Event:
 
 
 # ----------------------------------------------------------------------------- connection
+def take_frame(buf: bytearray, eof: bool, by_code: dict[int, type], max_body: dict[type, int], what: str,
+               admit: Callable[[type, int], None]) -> "tuple[type, bytes] | ConnectionClosed | _NeedData":
+    """The next whole frame of ``buf`` as (class, body), removed from it; NEED_DATA; or
+    ConnectionClosed at a clean end. ``admit(cls, length)`` may refuse a frame as soon as
+    its prefix is in, before its body is read. Shared by every sans-IO core here."""
+    if len(buf) < PREFIX.size:
+        if eof:
+            if buf:
+                raise ProtocolError("connection closed in the middle of a frame prefix")
+            return ConnectionClosed()
+        return NEED_DATA
+    code, length = PREFIX.unpack_from(buf)
+    cls = by_code.get(code)
+    if cls is None:
+        raise ProtocolError(f"unknown {what} type 0x{code:02x}")
+    if length > max_body[cls]:
+        raise ProtocolError(f"{cls.__name__} frame of {length} bytes exceeds the {max_body[cls]}-byte limit")
+    admit(cls, length)
+    end = PREFIX.size + length
+    if len(buf) < end:
+        if eof:
+            raise ProtocolError(f"connection closed in the middle of a {cls.__name__} frame")
+        return NEED_DATA
+    with memoryview(buf) as view:
+        body = bytes(view[PREFIX.size : end])  # one copy, even for a 1 MiB Data frame
+    del buf[:end]
+    return cls, body
+
+
 class Connection:
     """One side of one handoff connection. Pure state: bytes in, events out, bytes out."""
 
@@ -328,34 +357,19 @@ class Connection:
             self._buf += data
 
     def next_event(self) -> Event | ConnectionClosed | _NeedData:
-        if len(self._buf) < PREFIX.size:
-            if self._eof:
-                if self._buf:
-                    raise ProtocolError("connection closed in the middle of a frame prefix")
-                return ConnectionClosed()
-            return NEED_DATA
-        code, length = PREFIX.unpack_from(self._buf)
-        cls = _BY_CODE.get(code)
-        if cls is None:
-            raise ProtocolError(f"unknown frame type 0x{code:02x}")
-        if length > MAX_BODY[cls]:
-            raise ProtocolError(f"{cls.__name__} frame of {length} bytes exceeds the {MAX_BODY[cls]}-byte limit")
+        frame = take_frame(self._buf, self._eof, _BY_CODE, MAX_BODY, "frame", self._admit)
+        if not isinstance(frame, tuple):
+            return frame
+        event = decode_body(*frame)
+        self._advance(self.their_role, event, ProtocolError)
+        return event
+
+    def _admit(self, cls: type, length: int) -> None:
         # Refuse a frame the state forbids as soon as its prefix is in, before its body.
         if cls is not Reject and (self.state in TERMINAL or (self.state, self.their_role, cls) not in TRANSITIONS):
             raise ProtocolError(f"{self.their_role.value} may not send {cls.__name__} in state {self.state.value}")
         if cls is Data and self.state is State.STREAMING and self.payload_seen + length > self.size_bound:
             raise ProtocolError(f"payload exceeds the declared bound of {self.size_bound} bytes")
-        end = PREFIX.size + length
-        if len(self._buf) < end:
-            if self._eof:
-                raise ProtocolError(f"connection closed in the middle of a {cls.__name__} frame")
-            return NEED_DATA
-        with memoryview(self._buf) as view:
-            body = bytes(view[PREFIX.size : end])  # one copy, even for a 1 MiB Data frame
-        del self._buf[:end]
-        event = decode_body(cls, body)
-        self._advance(self.their_role, event, ProtocolError)
-        return event
 
     @property
     def buffered(self) -> int:

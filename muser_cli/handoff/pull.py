@@ -36,7 +36,7 @@ from muser_cli.errors import AuthError, ProtocolError
 from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
 from muser_cli.handoff.protocol import (
     MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
-    _NeedData, decode_body, encode_event,
+    _NeedData, decode_body, encode_event, take_frame,
 )
 
 ALPN_PULL = "muser-pull/1"
@@ -257,30 +257,16 @@ class PullConnection:
     def next_event(self) -> PullEvent | ConnectionClosed | _NeedData:
         if self.state in (PullState.SERVING, PullState.CLOSED):
             return NEED_DATA  # what follows is not ours to parse
-        if len(self._buf) < PREFIX.size:
-            if self._eof:
-                if self._buf:
-                    raise ProtocolError("connection closed in the middle of a frame prefix")
-                return ConnectionClosed()
-            return NEED_DATA
-        code, length = PREFIX.unpack_from(self._buf)
-        cls = _BY_CODE.get(code)
-        if cls is None:
-            raise ProtocolError(f"unknown pull frame type 0x{code:02x}")
-        if length > MAX_BODY[cls]:
-            raise ProtocolError(f"{cls.__name__} frame of {length} bytes exceeds the {MAX_BODY[cls]}-byte limit")
-        if cls is not Reject and (self.state, self.their, cls) not in TRANSITIONS:
-            raise ProtocolError(f"{self.their.value} may not send {cls.__name__} in state {self.state.value}")
-        end = PREFIX.size + length
-        if len(self._buf) < end:
-            if self._eof:
-                raise ProtocolError(f"connection closed in the middle of a {cls.__name__} frame")
-            return NEED_DATA
-        body = bytes(self._buf[PREFIX.size:end])
-        del self._buf[:end]
-        event = _decode(cls, body)
+        frame = take_frame(self._buf, self._eof, _BY_CODE, MAX_BODY, "pull frame", self._admit)
+        if not isinstance(frame, tuple):
+            return frame
+        event = _decode(*frame)
         self._advance(self.their, event, ProtocolError)
         return event
+
+    def _admit(self, cls: type, length: int) -> None:
+        if cls is not Reject and (self.state, self.their, cls) not in TRANSITIONS:
+            raise ProtocolError(f"{self.their.value} may not send {cls.__name__} in state {self.state.value}")
 
     def leftover(self) -> bytes:
         """Bytes after ``Serving``: they belong to the V3 connection that follows."""

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
 
-from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
+from muser_cli.errors import AuthError, KVPackError, MuserError
 from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.ledger import Ledger, LedgerError, Record
-from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, map_error, server_context
+from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, server_context
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.protocol import Connection, ConnectionClosed, Ready, Reject, Role, State
 from muser_cli.handoff.pull import (
@@ -117,24 +117,8 @@ class PullServer:
             return led
 
     def bind(self) -> tuple[str, int]:
-        host, port = self.config.host, self.config.port
-        try:
-            family, _, _, _, addr = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
-                                                       flags=socket.AI_PASSIVE)[0]
-        except socket.gaierror:
-            from muser_cli.errors import UsageError
-
-            raise UsageError(f"cannot resolve listen address {host!r}") from None
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-            sock.listen(64)
-        except OSError as exc:
-            sock.close()
-            raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
-        self._lsock = sock
-        self.address = sock.getsockname()[:2]
+        self._lsock = listen_socket(self.config.host, self.config.port, backlog=64)
+        self.address = self._lsock.getsockname()[:2]
         return self.address
 
     def serve(self) -> None:

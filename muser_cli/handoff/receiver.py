@@ -47,7 +47,7 @@ from muser_cli.handoff.clock import since_start, unix_of
 from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac, verify_trailer_mac
 from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
 from muser_cli.handoff.link import (
-    DEFAULT_IDLE_S, Link, format_hostport, map_error, reject_error, server_context,
+    DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, reject_error, server_context,
 )
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.payload import PayloadInspector
@@ -188,31 +188,8 @@ class Receiver:
             return led
 
     def bind(self) -> tuple[str, int]:
-        host, port = self.config.host, self.config.port
-        if host in ("", "*"):
-            try:
-                sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                bind_to: tuple = ("::", port)
-            except OSError:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                bind_to = ("0.0.0.0", port)
-        else:
-            try:
-                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-            except socket.gaierror:
-                raise UsageError(f"cannot resolve listen address {host!r}") from None
-            family, _, _, _, bind_to = infos[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(bind_to)
-            sock.listen(128)
-        except OSError as exc:
-            sock.close()
-            raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
-        self._lsock = sock
-        self.address = sock.getsockname()[:2]
+        self._lsock = listen_socket(self.config.host, self.config.port, backlog=128)
+        self.address = self._lsock.getsockname()[:2]
         return self.address
 
     # -- main loop

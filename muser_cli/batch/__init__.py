@@ -1,0 +1,1 @@
+"""``muser batch``: a JSONL of prompts on resident engines (docs/batch.md)."""

@@ -1,0 +1,1 @@
+"""``muser bench``: the lane, pack and wire benchmarks as a command, with receipts (docs/benchmarking.md)."""

@@ -1,0 +1,227 @@
+"""A whole kvpack held in memory (or memory-mapped), verified and read in place.
+
+:func:`read_buffer` hashes the frames' payloads on a small thread pool (v1.1), checks the
+chain in order, decompresses zstd frames on the pool, and hands out rows -- views of the
+buffer for an uncompressed layer held in one frame -- only after the root digest
+verified. Its verdicts are those of :class:`~muser_cli.kvpack.parser.PackReader` fed the
+same bytes (both use :mod:`muser_cli.kvpack.checks`).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from typing import BinaryIO, Callable
+
+import numpy as np
+
+from muser_cli.errors import KVPackError
+from muser_cli.kvpack.checks import (
+    body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
+    header_block_len,
+)
+from muser_cli.kvpack.digest import Chain, pool
+from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
+from muser_cli.kvpack.layers import DTYPES, LayerKV
+
+
+@dataclass
+class KVPack:
+    """A verified pack in memory."""
+
+    header: PackHeader
+    layers: list[LayerKV]
+    root_digest: bytes
+    total_bytes: int
+    stored_bytes: int = 0
+
+
+PARALLEL_MIN_BYTES = 1 << 20  # below this, a thread pool costs more than it saves
+
+
+# ---------------------------------------------------------------- whole pack from one buffer
+@dataclass
+class _Scanned:
+    seq: int
+    fh: bytes
+    layer: int
+    start: int
+    count: int
+    codec: int
+    raw_len: int
+    stored: memoryview
+    digest: bytes
+
+
+def map_file(stream: BinaryIO) -> tuple[memoryview, int] | None:
+    """(a read-only view of the rest of the file, its end offset), when ``stream`` is a
+    plain regular file with bytes left; else None (read it as a stream)."""
+    raw = stream.raw if isinstance(stream, (io.BufferedReader, io.BufferedRandom)) else stream
+    if not isinstance(raw, io.FileIO) or raw.closed:
+        return None
+    try:
+        fd = raw.fileno()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        pos = stream.tell()
+        if pos >= st.st_size:
+            return None
+        mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    except (AttributeError, OSError):
+        pass
+    return memoryview(mm)[pos:], st.st_size
+
+
+def _truncated(where: str) -> KVPackError:
+    return KVPackError(f"truncated kvpack: input ended {where}")
+
+
+def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progress: Callable | None = None,
+                max_minor: int = MINOR) -> KVPack:
+    """Verify and read a whole pack held in memory (or memory-mapped) without copying it.
+
+    Same verdicts as :class:`PackReader` fed the same bytes (the first failure in stream
+    order is the one reported). Payload digests (v1.1) and zstd frames run on the worker
+    pool; nothing is returned unless the root digest verified and nothing follows it.
+    Uncompressed rows of a layer held in one frame are views of ``buf``; other layers are
+    assembled into arrays of their own.
+    """
+    buf = memoryview(buf)
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
+    size = len(buf)
+    if max_bytes is not None and size > max_bytes:
+        raise KVPackError(f"pack larger than the allowed {max_bytes} bytes")
+    if size == 0:
+        raise KVPackError("empty input: no kvpack")
+    check_magic(buf[:8])
+    if size < PREAMBLE.size:
+        raise _truncated("in the preamble")
+    minor, hlen = check_preamble(buf[: PREAMBLE.size], max_minor, max_bytes)
+    pos = PREAMBLE.size
+    hblock = header_block_len(hlen)
+    if size - pos < hblock:
+        raise _truncated("in the header")
+    header, d_header = check_header(buf[pos : pos + hblock], bytes(buf[: PREAMBLE.size]), hlen, minor)
+    pos += hblock
+    plan = list(header.frame_plan())
+
+    # 1. structure, in stream order, up to the end frame or the first structural failure
+    frames: list[_Scanned] = []
+    failure: KVPackError | None = None
+    end: tuple[bytes, memoryview] | None = None
+    raw_total = 0
+    seq = 0
+    while True:
+        if size - pos < FRAME_HEADER.size:
+            failure = _truncated(f"after {seq} frames")
+            break
+        fh = buf[pos : pos + FRAME_HEADER.size]
+        try:
+            got = check_frame_header(fh, seq, plan, header, raw_total, pos + FRAME_HEADER.size, max_bytes)
+        except KVPackError as exc:
+            failure = exc
+            break
+        pos += FRAME_HEADER.size
+        if got[0] == "end":
+            if size - pos < DIGEST_BLOCK:
+                failure = _truncated(f"after {seq} frames")
+                break
+            end = (bytes(fh), buf[pos : pos + DIGEST_BLOCK])
+            pos += DIGEST_BLOCK
+            break
+        _, layer, start, count, codec, raw_len, stored_len = got
+        blen = body_len(stored_len)
+        if size - pos < blen:
+            failure = _truncated(f"after {seq} frames")
+            break
+        body = buf[pos : pos + blen]
+        try:
+            check_padding(body, stored_len, seq)
+        except KVPackError as exc:
+            failure = exc
+            break
+        frames.append(_Scanned(seq, bytes(fh), layer, start, count, codec, raw_len, body[:stored_len],
+                               bytes(body[-DIGEST_BLOCK:-32])))
+        raw_total += raw_len
+        seq += 1
+        pos += blen
+
+    # 2. one task a frame, on the pool: its payload digest (v1.1), its decoding, and --
+    #    for a layer spread over several frames -- the copy of its rows into that layer's
+    #    own arrays, while the frame is hot in cache. Nothing of it is handed out yet: the
+    #    chain is checked in stream order below, and rows leave only after the root.
+    chain = Chain(minor, header.digest or "sha256", d_header)
+    stored_total = sum(len(f.stored) for f in frames)
+    ex = pool() if stored_total >= PARALLEL_MIN_BYTES else None
+    np_dtype = np.dtype(DTYPES[header.dtype][1])
+    layer_frames = [0] * len(header.layers)
+    for f in frames:
+        layer_frames[f.layer] += 1
+    dest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for li, n in enumerate(layer_frames):
+        if n > 1:
+            spec, rows = header.layers[li], header.layer_rows(li)
+            dest[li] = (np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype),
+                        np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
+
+    def work(f: _Scanned):
+        p = chain.payload((f.stored,))
+        try:
+            keys, values = decode_frame(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
+        except KVPackError as exc:
+            return p, exc
+        if f.layer in dest:
+            a = f.start - header.layer_first_row(f.layer)
+            dk, dv = dest[f.layer]
+            np.copyto(dk[:, a : a + f.count], keys)
+            np.copyto(dv[:, a : a + f.count], values)
+            return p, None
+        return p, (keys, values)
+
+    results = ex.map(work, frames) if ex is not None else map(work, frames)
+    held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    try:
+        for f, (p, got) in zip(frames, results):
+            d = chain.compute(f.fh, (f.stored,), p)
+            if d != f.digest:
+                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+            chain.value = d
+            if isinstance(got, KVPackError):
+                raise got
+            if got is not None:
+                held[f.layer] = got
+    finally:
+        del results  # an error: the rest is cancelled or finishes unseen
+    if failure is not None:
+        raise failure
+    assert end is not None
+    root = chain.root(end[0])
+    check_root(end[1], root)
+    if pos != size:
+        raise KVPackError("bytes after the end frame")
+
+    # 3. verified: hand out the rows (a layer in one uncompressed frame: a view of buf)
+    layers: list[LayerKV] = []
+    for li, spec in enumerate(header.layers):
+        if li in dest:
+            keys, values = dest[li]
+        elif li in held:
+            keys, values = held[li]
+        else:
+            keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=np_dtype)
+            values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=np_dtype)
+        layers.append(LayerKV(keys=keys, values=values, first_row=header.layer_first_row(li)))
+    if progress is not None:
+        for f in frames:
+            progress("read", f.seq + 1, len(plan))
+    return KVPack(header=header, layers=layers, root_digest=root, total_bytes=pos, stored_bytes=stored_total)
+

@@ -1,0 +1,265 @@
+"""The sans-IO streaming kvpack parser: feed bytes, get verified events.
+
+Each frame is verified as it arrives (plan position, sequence, lengths, digest chain,
+codec bounds, see :mod:`muser_cli.kvpack.checks`); the pack is complete only when the end
+frame's root digest verifies and no byte follows. Memory grows with bytes actually
+received, never with sizes a header merely declares. Immutable input (``bytes``,
+read-only views such as a memory map) and input the caller hands over (``owned=True``)
+are parsed in place; a frame that arrives in pieces is gathered once into a buffer of its
+own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from muser_cli.errors import KVPackError
+from muser_cli.kvpack.checks import (
+    body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
+    header_block_len,
+)
+from muser_cli.kvpack.digest import Chain
+from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
+
+
+@dataclass(frozen=True)
+class HeaderEvent:
+    header: PackHeader
+
+
+@dataclass(frozen=True)
+class FrameEvent:
+    seq: int
+    layer: int
+    start: int
+    count: int
+    codec: int
+    stored_bytes: int
+    keys: np.ndarray  # (kv_heads, count, head_dim), storage dtype
+    values: np.ndarray  # (kv_heads, count, v_head_dim)
+
+
+@dataclass(frozen=True)
+class EndEvent:
+    root_digest: bytes
+    total_bytes: int  # bytes of the whole pack as received
+    raw_bytes: int  # decoded KV bytes
+
+
+Event = Union[HeaderEvent, FrameEvent, EndEvent]
+
+
+
+class PackReader:
+    """Feed bytes, get events. ``finish()`` at end of input raises if the pack is incomplete.
+
+    ``decode=False`` checks structure and digests without decoding payloads (fast verify
+    for relays); FrameEvent arrays are then empty. ``max_minor`` is the newest minor
+    version accepted (a reader limited to 1.0 refuses 1.1 files by version).
+
+    A FrameEvent is emitted only after that frame's own digest (and the chain up to it)
+    verified; its arrays may be views of the bytes fed (never of a buffer the caller may
+    reuse: writable input is copied unless ``feed(..., owned=True)`` hands it over).
+    """
+
+    def __init__(self, *, max_bytes: int | None = None, decode: bool = True, max_minor: int = MINOR) -> None:
+        self._pend: np.ndarray | None = None  # a step that arrived in pieces, gathered here
+        self._pend_len = 0
+        self._pend_need = 0
+        self._pos = 0  # bytes consumed
+        self._state = "preamble"
+        self._max_bytes = max_bytes
+        self._decode = decode
+        self._max_minor = max_minor
+        self.header: PackHeader | None = None
+        self._plan: list[tuple[int, int, int]] = []
+        self._seq = 0
+        self._chain: Chain | None = None
+        self._raw_total = 0
+        self._hlen = 0
+        self._minor = 0
+        self._pre = b""
+        self._frame: tuple | None = None
+        self.root_digest: bytes | None = None
+        self._src = memoryview(b"")
+        self._off = 0
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    @property
+    def bytes_consumed(self) -> int:
+        return self._pos
+
+    def _need(self) -> int:
+        st = self._state
+        if st == "preamble":
+            return PREAMBLE.size
+        if st == "header":
+            return header_block_len(self._hlen)
+        if st == "frame_body":
+            return body_len(self._frame[6])  # type: ignore[index]
+        if st in ("frame_header", "end_digest"):
+            return FRAME_HEADER.size
+        return 0
+
+    def want(self) -> int:
+        """Bytes still needed to complete the current step (0 when done): a pull-based
+        caller that reads exactly this much gets zero-copy parsing."""
+        if self._state == "done":
+            return 0
+        return max(0, self._need() - self._pend_len)
+
+    def feed(self, data: bytes | bytearray | memoryview, *, owned: bool = False) -> list[Event]:
+        """Parse ``data``. ``owned=True``: the caller will never write to this buffer again,
+        so frames may be handed out as views of it."""
+        n = len(data)
+        if n and self._state == "done":
+            raise KVPackError("bytes after the end frame")
+        if self._max_bytes is not None and self._pos + self._pend_len + n > self._max_bytes:
+            raise KVPackError(f"pack larger than the allowed {self._max_bytes} bytes")
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if not view.readonly and not owned:
+            view = memoryview(bytes(view))  # the caller may reuse its buffer: parse our own copy
+        events: list[Event] = []
+        if self._pend is not None:
+            view = self._gather(view, events)
+            if self._pend is not None:  # still incomplete
+                if self._state == "preamble":
+                    check_magic(self._pend[: self._pend_len])
+                return events
+        if len(view):
+            self._run(view, events)
+        return events
+
+    def _gather(self, view: memoryview, events: list[Event]) -> memoryview:
+        """Copy into the pending step; when it completes, parse it. Returns what is left."""
+        assert self._pend is not None
+        take = min(self._pend_need - self._pend_len, len(view))
+        end = self._pend_len + take
+        if end > len(self._pend):  # grow with what arrived, never to what was merely declared
+            bigger = np.empty(min(self._pend_need, max(2 * len(self._pend), end)), dtype=np.uint8)
+            bigger[: self._pend_len] = self._pend[: self._pend_len]
+            self._pend = bigger
+        self._pend[self._pend_len : end] = np.frombuffer(view[:take], dtype=np.uint8)
+        self._pend_len = end
+        rest = view[take:]
+        if self._pend_len < self._pend_need:
+            return rest
+        step = memoryview(self._pend)[: self._pend_need]
+        self._pend, self._pend_len, self._pend_need = None, 0, 0
+        self._run(step, events)  # exactly one step: nothing is left over
+        return rest
+
+    def _run(self, view: memoryview, events: list[Event]) -> None:
+        self._src, self._off = view, 0
+        try:
+            while True:
+                ev = self._step()
+                if ev is None:
+                    break
+                if ev is not True:
+                    events.append(ev)  # type: ignore[arg-type]
+        finally:
+            rest = self._src[self._off :]
+            self._src, self._off = memoryview(b""), 0
+        if len(rest):
+            if self._state == "done":
+                raise KVPackError("bytes after the end frame")
+            need = self._need()
+            self._pend_need = need
+            self._pend = np.empty(min(need, max(len(rest), 1 << 20)), dtype=np.uint8)
+            self._pend[: len(rest)] = np.frombuffer(rest, dtype=np.uint8)
+            self._pend_len = len(rest)
+            if self._state == "preamble":
+                check_magic(rest)
+
+    def finish(self) -> None:
+        if self._state != "done":
+            where = {"preamble": "in the preamble", "header": "in the header"}.get(self._state, f"after {self._seq} frames")
+            if self._pos == 0 and not self._pend_len:
+                raise KVPackError("empty input: no kvpack")
+            raise KVPackError(f"truncated kvpack: input ended {where}")
+
+    # -------------------------------------------------------------- internals
+    def _take(self, n: int) -> memoryview | None:
+        if len(self._src) - self._off < n:
+            return None
+        out = self._src[self._off : self._off + n]
+        self._off += n
+        self._pos += n
+        return out
+
+    def _step(self) -> Event | bool | None:
+        st = self._state
+        if st == "preamble":
+            check_magic(self._src[self._off :])
+            pre = self._take(PREAMBLE.size)
+            if pre is None:
+                return None
+            self._minor, self._hlen = check_preamble(pre, self._max_minor, self._max_bytes)
+            self._pre = bytes(pre)
+            self._state = "header"
+            return True
+        if st == "header":
+            block = self._take(header_block_len(self._hlen))
+            if block is None:
+                return None
+            header, d_header = check_header(block, self._pre, self._hlen, self._minor)
+            self.header = header
+            self._plan = list(header.frame_plan())
+            self._chain = Chain(self._minor, header.digest or "sha256", d_header)
+            self._state = "frame_header"
+            return HeaderEvent(header)
+        if st == "frame_header":
+            fh = self._take(FRAME_HEADER.size)
+            if fh is None:
+                return None
+            assert self.header is not None
+            got = check_frame_header(fh, self._seq, self._plan, self.header, self._raw_total, self._pos,
+                                      self._max_bytes)
+            if got[0] == "end":
+                self._frame = ("end", bytes(fh))
+                self._state = "end_digest"
+                return True
+            _, layer, start, count, codec, raw_len, stored_len = got
+            self._frame = (bytes(fh), layer, start, count, codec, raw_len, stored_len)
+            self._state = "frame_body"
+            return True
+        if st == "frame_body":
+            fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
+            body = self._take(body_len(stored_len))
+            if body is None:
+                return None
+            stored = body[:stored_len]
+            check_padding(body, stored_len, self._seq)
+            assert self._chain is not None and self.header is not None
+            digest = self._chain.compute(fh, (stored,))
+            if digest != body[-DIGEST_BLOCK:-32]:
+                raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
+            self._chain.value = digest
+            self._raw_total += raw_len
+            keys, values = decode_frame(self.header, layer, count, codec, stored, raw_len, self._decode)
+            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values)
+            self._seq += 1
+            self._state = "frame_header"
+            return ev
+        if st == "end_digest":
+            block = self._take(DIGEST_BLOCK)
+            if block is None:
+                return None
+            _, fh = self._frame  # type: ignore[misc]
+            assert self._chain is not None
+            root = self._chain.root(fh)
+            check_root(block, root)
+            self.root_digest = root
+            self._state = "done"
+            return EndEvent(root, self._pos, self._raw_total)
+        return None
+

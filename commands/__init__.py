@@ -23,6 +23,8 @@ COMMAND_MODULES = [
     "probe_link",
     "node",
     "reuse",
+    "batch",
+    "bench",
 ]
 
 from muser_cli.commands._common import OneLineErrors  # noqa: E402

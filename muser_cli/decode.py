@@ -135,6 +135,8 @@ def decode(
     on_token: Callable[[int], None] | None = None,
     progress: ProgressFn | None = None,
     audit: int | None = None,
+    resident: Engine | None = None,
+    on_rows: Callable[[Rows], None] | None = None,
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
@@ -146,7 +148,12 @@ def decode(
     unknown codec gets a numeric spot-check before its first token (its last position
     recomputed here from its own prefix; :func:`muser_cli.audit.spot_check`). None: that
     default (1 position, only when needed); N > 0: N positions, always; 0: skipped (said
-    so in the outcome)."""
+    so in the outcome).
+
+    ``resident``: an engine already loaded (``muser batch``: one model load for many
+    prompts); it must be ``engine``'s, for the same model, in the dtype decoded.
+    ``on_rows``: called once the rows are final (verified and spot-checked), before the
+    first token is decoded (``store`` keeps them after the last)."""
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
     if audit is not None and audit < 0:
@@ -162,8 +169,10 @@ def decode(
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     t_res1 = time.perf_counter()
-    eng = None
-    if dtype is not None:  # the engine needs no header: load it while the producer still works
+    eng = resident
+    if eng is not None and eng.info.fingerprint != info.fingerprint:
+        raise UsageError("the resident engine holds another model than the one asked for")
+    if eng is None and dtype is not None:  # the engine needs no header: load it while the producer still works
         t_load0 = time.perf_counter()
         eng = get_engine(engine, info, dtype=dtype, threads=threads)
         t_load1 = time.perf_counter()
@@ -176,6 +185,11 @@ def decode(
         t_load0 = time.perf_counter()
         eng = get_engine(engine, info, dtype=dtype, threads=threads)
         t_load1 = time.perf_counter()
+    elif resident is not None:
+        t_load0 = t_load1 = time.perf_counter()
+        if eng.dtype != dtype:
+            raise UsageError(f"the resident engine decodes {eng.dtype}; this input needs {dtype}",
+                             hint=f"use --dtype {dtype}")
     load_s = (t_load1 - t_load0) + (t_res1 - t_res0)
 
     got = None
@@ -197,6 +211,8 @@ def decode(
                        reuse=reuse, progress=progress)
     spot = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit)
     prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
+    if on_rows is not None:
+        on_rows(got)
     t_dec = time.perf_counter()
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -46,6 +46,8 @@ class ResidentProducer:
         self.threads = threads
         self.engine = get_engine(engine, self.info, dtype=self.dtype, threads=threads, options=engine_options)
         self.load_s = time.perf_counter() - t0
+        self.keep_last = True  # keep the last request's rows to continue a prompt that shares its prefix
+        self._last: tuple[list[int], tuple[int, str], list] | None = None
 
     def check(self, req: PullRequest) -> None:
         from muser_cli.errors import DataError
@@ -70,30 +72,75 @@ class ResidentProducer:
             raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")
 
     def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
+        """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
+        consumer holds a prefix. The rows of the previous request are kept: a prompt that
+        shares whole chunks with it is continued from there (same bytes, less compute)."""
         from muser_cli.kvpack import PackWriter, write_pack
         from muser_cli.prefill import FrameEmitter
-        from muser_cli.rows import local_rows
+        from muser_cli.reuse.chain import chain_at, scope_of_header
+        from muser_cli.reuse.delta import delta_header
         from muser_cli.schedule import build_header
 
         ids = list(req.token_ids)
         eng = self.engine
         header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                               engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+        scope = scope_of_header(header)
+        if req.have_tokens:
+            if chain_at(scope, ids, req.have_tokens) != req.have_chain:
+                raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
+                                      "tokens on its schedule")
+            header = delta_header(header, scope, req.have_tokens, req.have_chain)
         t0 = time.perf_counter()
         writer = PackWriter(out, header) if eng.streams_prefill else None
         if writer is not None:
             out.flush()  # the header leaves before the first chunk is computed
         emitter = FrameEmitter(writer, out) if writer is not None else None
-        made = local_rows(eng, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens, reuse=False, on_chunk=emitter)
+        layers, reused = self._rows(ids, req, on_chunk=emitter)
         if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
-            header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                                  engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
-            writer = write_pack(out, header, made.layers)
+            full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
+                                engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+            header = replace(full, rows_start=header.rows_start, base=header.base)
+            writer = write_pack(out, header, layers)
         else:
             writer.finish()
         out.flush()
         return {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
-                "held_rows": 0, "shipped_rows": len(ids) - 1}
+                "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
+                "reused_rows": reused}
+
+    def _rows(self, ids: list[int], req: PullRequest, *, on_chunk) -> tuple[list, int]:
+        """The rows of ``ids[:-1]`` and how many came from the previous request's."""
+        from muser_cli.reuse.chain import resumable
+        from muser_cli.reuse.delta import layers_at
+        from muser_cli.rows import local_rows
+
+        eng = self.engine
+        rows = len(ids) - 1
+        last = self._last
+        held = 0
+        if last is not None and eng.resumes_prefill and last[1] == (req.chunk_tokens, req.dtype):
+            common = 0
+            for a, b in zip(last[0], ids[:rows]):
+                if a != b:
+                    break
+                common += 1
+            held = min(common, len(last[0]) - 1, rows) // req.chunk_tokens * req.chunk_tokens
+            specs = self.info.layers
+            while held > 0 and not resumable(specs, len(last[0]) - 1, held):
+                held -= req.chunk_tokens
+        self._last = None  # dropped before the next prefill: at most one prompt's rows held
+        if held > 0:
+            assert last is not None
+            prefix = layers_at(last[2], self.info.layers, held)
+            kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
+            layers = eng.prefill_from(prefix, rows=held, token_ids=ids[held:-1], chunk_tokens=req.chunk_tokens, **kw)
+        else:
+            layers = local_rows(eng, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens, reuse=False,
+                                on_chunk=on_chunk).layers
+        if self.keep_last and eng.resumes_prefill:
+            self._last = (list(ids[:rows]), (req.chunk_tokens, req.dtype), list(layers))
+        return layers, held
 
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
@@ -133,6 +180,23 @@ class PullAsk:
     model_fingerprint: str
     chunk_tokens: int
     dtype: str
+    have_tokens: int = 0  # this consumer's store holds rows [0, have_tokens) ...
+    have_chain: str | None = None  # ... with this chain hash: ask for a delta
+
+
+def with_have(ask: PullAsk, store=None) -> PullAsk:
+    """``ask`` with what this machine's store holds of the prompt (on the ask's schedule), so
+    the producer ships only the rest."""
+    from muser_cli.reuse import Store
+
+    store = store or Store()
+    ids = ask.token_ids
+    if len(ids) < 3:
+        return ask
+    for point in store.points(ask.model_fingerprint, ask.tokenizer_fingerprint, ids, len(ids) - 2, dtype=ask.dtype,
+                              chunk_tokens=ask.chunk_tokens):
+        return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
+    return ask
 
 
 def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | None, dtype: str | None,
@@ -163,7 +227,7 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
     accepted = pull(producer, identity, token_ids=ask.token_ids, tokenizer_fingerprint=ask.tokenizer_fingerprint,
                     model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
                     ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
-                    on_event=on_event)
+                    on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain)
     return accepted.to_json()
 
 

@@ -9,6 +9,10 @@ listens; both present certificates from the consumer's private CA):
     the request names the prompt (token ids, tokenizer fingerprint: the consumer's
     tokenization is authoritative), the model fingerprint it expects, chunk size and
     dtype, and carries a fresh ``issued_at_ms`` and a new 128-bit ``request_id``;
+    optionally ``have`` ``{"held_tokens": N, "chain": C}``: the consumer's store holds the
+    prompt's first N rows on that schedule (C = their chain hash, docs/reuse.md), so the
+    producer answers with a delta pack from position N (it refuses a chain that is not
+    this prompt's);
   * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, ...),
     or ``Queued {"place": N}`` (zero or more times, while another request computes),
     then ``Serving {}``;
@@ -29,7 +33,7 @@ import hashlib
 import hmac
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from muser_cli.errors import AuthError, ProtocolError
@@ -51,6 +55,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9.-]{1,253}$")
 _FP_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 _KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "token_ids", "tokenizer_fingerprint",
          "model_fingerprint", "chunk_tokens", "dtype"}
+_HAVE_KEYS = {"held_tokens", "chain"}
 
 
 # ----------------------------------------------------------------------------- the request
@@ -65,12 +70,18 @@ class PullRequest:
     model_fingerprint: str
     chunk_tokens: int
     dtype: str
+    have_tokens: int = 0  # the consumer holds rows [0, have_tokens): answer with a delta from there
+    have_chain: str | None = None  # their chain hash (on this request's schedule)
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": PULL_VERSION, "key_id": self.key_id, "request_id": self.request_id,
-                "issued_at_ms": self.issued_at_ms, "consumer": self.consumer, "token_ids": list(self.token_ids),
-                "tokenizer_fingerprint": self.tokenizer_fingerprint, "model_fingerprint": self.model_fingerprint,
-                "chunk_tokens": self.chunk_tokens, "dtype": self.dtype}
+        out: dict[str, Any] = {
+            "v": PULL_VERSION, "key_id": self.key_id, "request_id": self.request_id,
+            "issued_at_ms": self.issued_at_ms, "consumer": self.consumer, "token_ids": list(self.token_ids),
+            "tokenizer_fingerprint": self.tokenizer_fingerprint, "model_fingerprint": self.model_fingerprint,
+            "chunk_tokens": self.chunk_tokens, "dtype": self.dtype}
+        if self.have_tokens:
+            out["have"] = {"held_tokens": self.have_tokens, "chain": self.have_chain}
+        return out
 
 
 def new_request_id() -> str:
@@ -96,8 +107,8 @@ def parse_request(raw: bytes) -> PullRequest:
     obj = strict_json(raw, "pull request")
     if not isinstance(obj, dict):
         raise ProtocolError("pull request is not a JSON object")
-    if set(obj) != _KEYS:
-        raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)}")
+    if set(obj) != _KEYS and set(obj) != _KEYS | {"have"}:
+        raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)} (and an optional 'have')")
     if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
         raise ProtocolError(f"pull request version {obj['v']!r} is not {PULL_VERSION}")
     ids = obj["token_ids"]
@@ -114,6 +125,13 @@ def parse_request(raw: bytes) -> PullRequest:
         model_fingerprint=_str(obj, "model_fingerprint", _FP_RE), chunk_tokens=_int(obj, "chunk_tokens", 1, 1 << 20),
         dtype=dtype,
     )
+    if "have" in obj:
+        have = obj["have"]
+        if not isinstance(have, dict) or set(have) != _HAVE_KEYS:
+            raise ProtocolError(f"request field 'have' must be an object with keys {sorted(_HAVE_KEYS)}")
+        held = _int(have, "held_tokens", 1, len(ids) - 1)
+        chain = _str(have, "chain", _FP_RE)
+        req = replace(req, have_tokens=held, have_chain=chain)
     if canonical(obj) != raw:
         raise ProtocolError("pull request bytes are not canonical JSON")
     return req

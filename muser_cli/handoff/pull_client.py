@@ -110,8 +110,12 @@ def pull(
     chunk_tokens: int, dtype: str, ledger_dir: Path, out_stream: BinaryIO | None = None,
     destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
     idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
+    have_tokens: int = 0, have_chain: str | None = None,
 ) -> Accepted:
-    """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc)."""
+    """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc).
+
+    ``have_tokens``/``have_chain``: this consumer's store holds the first rows already; the
+    producer answers with a delta pack from there (or, its choice, a full one)."""
     t_start = time.monotonic()
     first_by = None if timeout is None else t_start + timeout
     sock, where = _connect(to, identity, connect_s if timeout is None else min(connect_s, timeout))
@@ -124,7 +128,8 @@ def pull(
         req = PullRequest(key_id=key.key_id, request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
                           consumer=identity.name, token_ids=tuple(token_ids),
                           tokenizer_fingerprint=tokenizer_fingerprint, model_fingerprint=model_fingerprint,
-                          chunk_tokens=chunk_tokens, dtype=dtype)
+                          chunk_tokens=chunk_tokens, dtype=dtype, have_tokens=have_tokens,
+                          have_chain=have_chain if have_tokens else None)
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
         while True:
@@ -179,7 +184,8 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
         for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
                                 ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
                                 ("token ids", h.token_digest, token_digest(list(req.token_ids))),
-                                ("first position", h.rows_start, 0)):
+                                ("first position", h.rows_start, h.rows_start if h.rows_start in
+                                 (0, req.have_tokens) else req.have_tokens)):
             if got != want:
                 raise Refusal("model", f"the producer's pack has another {what} ({got}) than asked for ({want})")
         link.deadline = t_start + config.session_s  # the first frame is in: the stream runs on idle deadlines

@@ -1,0 +1,91 @@
+"""A pool of resident producers (``prefill --serve``): each request goes to the least busy
+healthy one; one that failed is skipped for a while (doubling back-off) and tried again
+later; one that refused us for good (authentication, another model) is dropped for the
+rest of the batch. With none left, jobs prefill locally and still complete."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from muser_cli.errors import MuserError, TempFailure, UsageError
+
+
+@dataclass
+class ProducerState:
+    address: str
+    busy: int = 0  # requests in flight
+    served: int = 0
+    failures: int = 0  # in a row
+    down_until: float = 0.0
+    gone: str | None = None  # why it is dropped for good
+    last_error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"address": self.address, "served": self.served, "failures": self.failures,
+                "gone": self.gone, "last_error": self.last_error}
+
+
+def temporary(exc: BaseException) -> bool:
+    """Worth trying that producer again later (busy, down, timed out, cut), or not (refused us)."""
+    if isinstance(exc, MuserError):
+        return isinstance(exc, TempFailure)
+    return isinstance(exc, OSError)
+
+
+class ProducerPool:
+    def __init__(self, addresses: Sequence[str], *, backoff_s: float = 2.0, max_backoff_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from muser_cli.handoff.link import parse_hostport
+
+        seen: list[str] = []
+        for a in addresses:
+            parse_hostport(a)  # a bad address is a usage error before any job runs
+            if a in seen:
+                raise UsageError(f"--producer {a} is given twice")
+            seen.append(a)
+        self.states = [ProducerState(a) for a in seen]
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self.states)
+
+    def pick(self, exclude: Sequence[str] = ()) -> str | None:
+        """The least busy producer that is up (and not in ``exclude``); None: none is. Counts it busy."""
+        now = self._clock()
+        with self._lock:
+            up = [s for s in self.states if s.gone is None and s.down_until <= now and s.address not in exclude]
+            if not up:
+                return None
+            best = min(up, key=lambda s: (s.busy, s.failures, s.served))
+            best.busy += 1
+            return best.address
+
+    def done(self, address: str, error: BaseException | None = None) -> None:
+        with self._lock:
+            s = next(s for s in self.states if s.address == address)
+            s.busy -= 1
+            if error is None:
+                s.served += 1
+                s.failures = 0
+                s.down_until = 0.0
+                return
+            s.last_error = str(error)[:300]
+            if temporary(error):
+                s.failures += 1
+                s.down_until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** (s.failures - 1))
+            else:
+                s.gone = s.last_error
+
+    def any_left(self) -> bool:
+        with self._lock:
+            return any(s.gone is None for s in self.states)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [s.to_json() for s in self.states]

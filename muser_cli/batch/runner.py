@@ -1,0 +1,371 @@
+"""``muser batch``: many prompts on one resident consumer engine.
+
+* One model load for the whole batch (:func:`muser_cli.decode.decode` with ``resident=``).
+* Jobs naming the same document (or sharing their first chunk) run one after another, so
+  the shared prefix is hot: the first is prefilled — here or by a producer — and kept in
+  the store; the next ones compute (or ship: a delta from the pull lane) only their own
+  suffix. Results still come out in input order.
+* With producers, while job i decodes the KV of job i+1 is already being pulled (its
+  ``have``: what the store holds, plus what job i's rows will add once stored).
+* Every correctness gate is decode's: a pulled pack is verified, bound to the prompt and
+  spot-checked when foreign; whatever fails falls back to local prefill, same tokens.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Sequence
+
+from muser_cli.batch.jobs import BadJob, Job
+from muser_cli.batch.pool import ProducerPool
+from muser_cli.batch.results import Results
+from muser_cli.errors import MuserError
+
+ResultFn = Callable[[dict[str, Any], "Summary"], None]
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    model: str | None = None
+    engine: str = "torch"
+    dtype: str | None = None
+    threads: int = 1
+    chunk_tokens: int | None = None
+    producers: tuple[str, ...] = ()
+    timeout: float | None = None  # per pull: seconds to the producer's first frame
+    audit: int | None = None
+    reuse: bool = True  # the store: look there first, keep shared prefixes there
+
+
+@dataclass
+class Planned:
+    job: Job
+    ids: list[int]
+    group: Any
+    store: bool = False  # keep this job's cache: the next job shares a prefix it adds
+    shares_next: int = 0  # whole-chunk prefix shared with the next job in run order
+
+
+@dataclass
+class Summary:
+    jobs: int = 0
+    done: int = 0  # succeeded in this run
+    skipped: int = 0  # done already (--resume)
+    failed: int = 0
+    sources: Counter = field(default_factory=Counter)
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    shipped_bytes: int = 0
+    wall_s: float = 0.0
+    load_s: float = 0.0
+    interrupted: bool = False
+    producers: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # id, exit, message (first 20)
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+    def to_json(self) -> dict[str, Any]:
+        wall = self.wall_s
+        return {"jobs": self.jobs, "done": self.done, "skipped": self.skipped, "failed": self.failed,
+                "sources": dict(self.sources), "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
+                "shipped_bytes": self.shipped_bytes, "wall_s": round(wall, 3), "load_s": round(self.load_s, 3),
+                "tokens_per_s": round(self.new_tokens / wall, 3) if wall > 0 else 0.0,
+                "jobs_per_min": round(60 * self.done / wall, 3) if wall > 0 else 0.0,
+                "interrupted": self.interrupted, "producers": self.producers, "failures": self.failures,
+                "ok": self.failed == 0 and not self.interrupted}
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, Any]:
+    """The result line of a job that failed: the exit status ``muser decode`` would have had."""
+    if isinstance(exc, MuserError):
+        err = {"message": str(exc), "exit": exc.exit_status}
+        if exc.hint:
+            err["hint"] = exc.hint
+    else:  # a bug: the batch goes on, the line says what broke
+        err = {"message": f"internal error: {type(exc).__name__}: {exc}", "exit": 1}
+    return {"id": item.id, "line": item.line, "model": model,
+            "job": item.digest if isinstance(item, Job) else None, "error": err, "text": None, "token_ids": None,
+            "source": None, "producer": None}
+
+
+class _Fetch:
+    """A pull on a thread into a file: the next job's KV, while this one decodes."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.producer: str | None = None
+        self.accepted: dict[str, Any] | None = None
+        self.errors: list[str] = []
+        self.thread: threading.Thread | None = None
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.errors) or "no producer up"
+
+
+class Batch:
+    """Load once (:meth:`load`), then :meth:`run` a list of jobs into a :class:`Results`."""
+
+    def __init__(self, config: BatchConfig, *, on_result: ResultFn | None = None,
+                 stop: threading.Event | None = None) -> None:
+        from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk
+
+        check_chunk(config.chunk_tokens)
+        self.config = config
+        self.chunk = config.chunk_tokens or DEFAULT_CHUNK_TOKENS
+        self.pool = ProducerPool(config.producers)
+        self.on_result = on_result
+        self.stop = stop or threading.Event()
+        self.info = None
+        self.engine = None
+        self.dtype = ""
+        self._spool: Path | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def load(self) -> float:
+        """The model and engine, once for the batch; returns the seconds it took."""
+        from muser_cli.engines.registry import get_engine
+        from muser_cli.models import resolve_model
+        from muser_cli.schedule import default_dtype
+        from muser_cli.tokens import tokenizer_for
+
+        t0 = time.perf_counter()
+        c = self.config
+        self.info = resolve_model(c.model)
+        tokenizer_for(self.info)
+        self.dtype = c.dtype or default_dtype(c.engine)
+        self.engine = get_engine(c.engine, self.info, dtype=self.dtype, threads=c.threads)
+        return time.perf_counter() - t0
+
+    @property
+    def model_fingerprint(self) -> str:
+        assert self.info is not None
+        return self.info.fingerprint
+
+    def plan(self, jobs: Sequence[Job]) -> tuple[list[Planned], list[tuple[Job, MuserError]]]:
+        """Tokenize, check, and order the jobs so shared prefixes are hot: groups (one document,
+        or one first chunk) in order of first appearance, input order inside a group."""
+        from muser_cli.schedule import check_prompt
+        from muser_cli.tokens import encode_prompt
+
+        assert self.info is not None
+        groups: dict[Any, list[Planned]] = {}
+        bad: list[tuple[Job, MuserError]] = []
+        for job in jobs:
+            try:
+                ids = encode_prompt(self.info, job.text, chat=job.chat)
+                check_prompt(self.info, ids, new_tokens=job.max_tokens)
+            except MuserError as exc:
+                bad.append((job, exc))
+                continue
+            key = ("doc", job.document, job.chat) if job.document else ("ids", tuple(ids[: self.chunk]))
+            groups.setdefault(key, []).append(Planned(job, ids, key))
+        order = [p for g in groups.values() for p in g]
+        chunk = self.chunk
+        prev_shared = 0
+        for i, p in enumerate(order):
+            nxt = order[i + 1] if i + 1 < len(order) else None
+            shared = 0
+            if nxt is not None:
+                shared = common_prefix(p.ids[:-1], nxt.ids[:-1]) // chunk * chunk
+            p.shares_next = shared
+            # Keep it when the next job gains from it and the previous one did not keep it already.
+            p.store = self.config.reuse and shared > prev_shared
+            prev_shared = shared
+        return order, bad
+
+    # ------------------------------------------------------------------ the run
+    def run(self, items: Sequence[Job | BadJob], results: Results) -> Summary:
+        t0 = time.perf_counter()
+        summary = Summary(jobs=len(items))
+        if self.engine is None:
+            summary.load_s = self.load()
+        model = self.model_fingerprint
+        jobs = [j for j in items if isinstance(j, Job)]
+        done = results.done(model=model, jobs={j.id: j.digest for j in jobs})
+        results.open([j.id for j in items])
+
+        def emit(result: dict[str, Any]) -> None:
+            results.write(result)
+            if result.get("error") is None:
+                summary.done += 1
+                summary.sources[result["source"]] += 1
+                summary.new_tokens += len(result["token_ids"])
+                summary.prompt_tokens += result.get("prompt_tokens", 0)
+                summary.shipped_bytes += result.get("shipped_bytes", 0)
+            else:
+                summary.failed += 1
+                if len(summary.failures) < 20:
+                    summary.failures.append({"id": result["id"], **result["error"]})
+            summary.wall_s = time.perf_counter() - t0
+            if self.on_result is not None:
+                self.on_result(result, summary)
+
+        todo: list[Job] = []
+        for item in items:
+            prior = done.get(item.id)
+            if isinstance(item, Job) and prior is not None and prior.get("error") is None:
+                summary.skipped += 1
+                results.skip(item.id)
+            elif isinstance(item, BadJob):
+                emit(failure(item, item.error, model=model))
+            else:
+                todo.append(item)
+        order, bad = self.plan(todo)
+        for job, exc in bad:
+            emit(failure(job, exc, model=model))
+        self._spool = Path(tempfile.mkdtemp(prefix="muser-batch-"))
+        fetches: dict[int, _Fetch] = {}
+        try:
+            for i, p in enumerate(order):
+                if self.stop.is_set():
+                    summary.interrupted = True
+                    break
+                nxt = order[i + 1] if i + 1 < len(order) else None
+                try:
+                    result = self._one(p, nxt, fetches)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - one job's failure is its result line
+                    result = failure(p.job, exc, model=model)
+                emit(result)
+        finally:
+            for f in fetches.values():
+                f.wait()
+            shutil.rmtree(self._spool, ignore_errors=True)
+            summary.wall_s = time.perf_counter() - t0
+            summary.producers = self.pool.to_json()
+            results.close(complete=not summary.interrupted)
+        return summary
+
+    def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "_Fetch"]) -> dict[str, Any]:
+        from muser_cli.decode import decode
+        from muser_cli.engines.base import Sampling
+
+        c, job = self.config, p.job
+        src: BinaryIO | None = None
+        producer: str | None = None
+        reason = "local: no producer given" if not self.pool else ""
+        shipped = 0
+        live = None
+        fetch = fetches.pop(id(p), None)
+        if fetch is not None:
+            fetch.wait()
+            if fetch.path is not None:
+                src, producer = open(fetch.path, "rb"), fetch.producer  # noqa: SIM115 - closed below
+                shipped = int((fetch.accepted or {}).get("payload_bytes", 0))
+            else:
+                reason = f"no handoff: {fetch.reason}"
+        elif self.pool:
+            live = self._live(p)
+            if live is None:
+                reason = "no handoff: no producer up"
+            else:
+                src, producer = live.reader, live.producer
+
+        def rows_ready(got) -> None:  # the next job's pull starts while this one decodes
+            if nxt is not None and self.pool and id(nxt) not in fetches:
+                fetches[id(nxt)] = self._prefetch(nxt, after=p, schedule=got.schedule)
+
+        try:
+            out = decode(src, model=c.model, prompt=job.text, chat=job.chat, max_new_tokens=job.max_tokens,
+                         engine=c.engine, dtype=self.dtype, threads=c.threads,
+                         sampling=Sampling(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
+                         chunk_tokens=self.chunk, fallback_reason=reason or "empty input", reuse=c.reuse,
+                         store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready)
+        finally:
+            if src is not None:
+                src.close()
+            if live is not None:
+                live.join(timeout=30)
+                self.pool.done(live.producer, live.error)
+                if live.error is None and live.accepted:
+                    shipped = int(live.accepted.get("payload_bytes", 0))
+            if fetch is not None and fetch.path is not None:
+                fetch.path.unlink(missing_ok=True)
+        if live is not None and live.error is not None and out.fallback:
+            out.reason = live.reason()
+        result = out.to_json()
+        result.pop("engine_stats", None)
+        if out.fallback:
+            producer, shipped = None, 0 if out.source != "partial+local" else shipped
+        result.update({"id": job.id, "line": job.line, "model": self.model_fingerprint, "job": job.digest,
+                       "error": None, "producer": producer, "shipped_bytes": shipped})
+        return result
+
+    # ------------------------------------------------------------------ pulls
+    def _ask(self, p: Planned, *, after: Planned | None = None, schedule: int | None = None):
+        """What to ask a producer for ``p``: its ids on the batch's schedule, with what the store
+        holds — or will hold once ``after`` (the job decoding now) is stored."""
+        from muser_cli.reuse.chain import Scope, chain_at
+        from muser_cli.serve import PullAsk, with_have
+
+        assert self.info is not None
+        ask = PullAsk(list(p.ids), self.info.tokenizer_fingerprint, self.info.fingerprint, self.chunk, self.dtype)
+        if not self.config.reuse:
+            return ask
+        ask = with_have(ask)
+        if after is not None and after.store and schedule == self.chunk:
+            held = min(after.shares_next, len(p.ids) - 2)
+            held = held // self.chunk * self.chunk
+            if held > ask.have_tokens:
+                scope = Scope(self.info.fingerprint, self.info.tokenizer_fingerprint, self.dtype, self.chunk)
+                ask = replace(ask, have_tokens=held, have_chain=chain_at(scope, p.ids, held))
+        return ask
+
+    def _live(self, p: Planned):
+        """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched)."""
+        from muser_cli.serve import PipePull
+
+        addr = self.pool.pick()
+        if addr is None:
+            return None
+        return PipePull(addr, lambda: self._ask(p), timeout=self.config.timeout)
+
+    def _prefetch(self, p: Planned, *, after: Planned, schedule: int | None) -> _Fetch:
+        from muser_cli.serve import pull_prompt
+
+        fetch = _Fetch()
+        assert self._spool is not None
+        target = self._spool / f"job-{p.job.line}.kvpack"
+        ask = self._ask(p, after=after, schedule=schedule)
+
+        def work() -> None:
+            tried: list[str] = []
+            while (addr := self.pool.pick(exclude=tried)) is not None:
+                tried.append(addr)
+                try:
+                    fetch.accepted = pull_prompt(addr, ask, output=target, timeout=self.config.timeout)
+                except BaseException as exc:  # noqa: BLE001 - the next producer, or local prefill
+                    self.pool.done(addr, exc)
+                    fetch.errors.append(f"pull from {addr} failed: {exc}")
+                    continue
+                self.pool.done(addr)
+                fetch.path, fetch.producer = target, addr
+                return
+
+        fetch.thread = threading.Thread(target=work, name="muser-batch-prefetch", daemon=True)
+        fetch.thread.start()
+        return fetch
+

@@ -148,6 +148,8 @@ ENVIRONMENT = [
      "the number of CPUs, at most 8"),
     ("MUSER_KVPACK_THREADS", "Threads the kvpack writer and reader share for payload hashing and zstd (1 = all "
      "inline, at most 64). Anything but a positive integer is ignored.", "the number of CPUs, at most 4"),
+    ("MUSER_STORE", "Folder of the reuse store, instead of `$MUSER_HOME/data/store` (each `batch --ray` worker "
+     "sets its own).", "`data/store` under `MUSER_HOME`, else the user data folder"),
     ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "
      "recently used entries are evicted beyond it. An unreadable size is exit 2.", "`20G`"),
     ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "

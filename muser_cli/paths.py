@@ -49,6 +49,10 @@ def models_dir() -> Path:
 
 
 def store_dir() -> Path:
+    """The reuse store. ``MUSER_STORE`` overrides (each ``batch --ray`` worker keeps its own)."""
+    value = os.environ.get("MUSER_STORE")
+    if value:
+        return Path(value).expanduser()
     return data_dir() / "store"
 
 

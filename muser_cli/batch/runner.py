@@ -105,6 +105,38 @@ def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, 
             "source": None, "producer": None}
 
 
+class Tally:
+    """Results written as they come, and the summary counted from them."""
+
+    def __init__(self, summary: Summary, results: Results, on_result: ResultFn | None) -> None:
+        self.summary = summary
+        self.results = results
+        self.on_result = on_result
+        self.t0 = time.perf_counter()
+
+    def emit(self, result: dict[str, Any]) -> None:
+        s = self.summary
+        self.results.write(result)
+        if result.get("error") is None:
+            s.done += 1
+            s.sources[result["source"]] += 1
+            s.new_tokens += len(result["token_ids"])
+            s.prompt_tokens += result.get("prompt_tokens", 0)
+            s.shipped_bytes += result.get("shipped_bytes", 0)
+        else:
+            s.failed += 1
+            if len(s.failures) < 20:
+                s.failures.append({"id": result["id"], **result["error"]})
+        s.wall_s = time.perf_counter() - self.t0
+        if self.on_result is not None:
+            self.on_result(result, s)
+
+    def finish(self, producers: list[dict[str, Any]]) -> None:
+        self.summary.wall_s = time.perf_counter() - self.t0
+        self.summary.producers = producers
+        self.results.close(complete=not self.summary.interrupted)
+
+
 class _Fetch:
     """A pull on a thread into a file: the next job's KV, while this one decodes."""
 
@@ -141,20 +173,27 @@ class Batch:
         self.engine = None
         self.dtype = ""
         self._spool: Path | None = None
+        self._fetches: dict[int, _Fetch] = {}  # by job line: pulls started ahead
 
     # ------------------------------------------------------------------ set-up
-    def load(self) -> float:
-        """The model and engine, once for the batch; returns the seconds it took."""
-        from muser_cli.engines.registry import get_engine
+    def load_info(self) -> None:
+        """The model's description and tokenizer (no weights): enough to plan."""
         from muser_cli.models import resolve_model
         from muser_cli.schedule import default_dtype
         from muser_cli.tokens import tokenizer_for
 
+        if self.info is None:
+            self.info = resolve_model(self.config.model)
+            tokenizer_for(self.info)
+            self.dtype = self.config.dtype or default_dtype(self.config.engine)
+
+    def load(self) -> float:
+        """The model and engine, once for the batch; returns the seconds it took."""
+        from muser_cli.engines.registry import get_engine
+
         t0 = time.perf_counter()
+        self.load_info()
         c = self.config
-        self.info = resolve_model(c.model)
-        tokenizer_for(self.info)
-        self.dtype = c.dtype or default_dtype(c.engine)
         self.engine = get_engine(c.engine, self.info, dtype=self.dtype, threads=c.threads)
         return time.perf_counter() - t0
 
@@ -197,67 +236,63 @@ class Batch:
 
     # ------------------------------------------------------------------ the run
     def run(self, items: Sequence[Job | BadJob], results: Results) -> Summary:
-        t0 = time.perf_counter()
-        summary = Summary(jobs=len(items))
+        tally = Tally(Summary(jobs=len(items)), results, self.on_result)
         if self.engine is None:
-            summary.load_s = self.load()
+            tally.summary.load_s = self.load()
+        order = self.prepare(items, tally)
+        try:
+            for i, p in enumerate(order):
+                if self.stop.is_set():
+                    tally.summary.interrupted = True
+                    break
+                tally.emit(self.run_one(p, order[i + 1] if i + 1 < len(order) else None))
+        finally:
+            self.close()
+            tally.finish(self.pool.to_json())
+        return tally.summary
+
+    def prepare(self, items: Sequence[Job | BadJob], tally: "Tally") -> list[Planned]:
+        """Resume (skip what is done), report bad lines, and plan the rest (in run order)."""
+        self.load_info()
         model = self.model_fingerprint
+        results = tally.results
         jobs = [j for j in items if isinstance(j, Job)]
         done = results.done(model=model, jobs={j.id: j.digest for j in jobs})
         results.open([j.id for j in items])
-
-        def emit(result: dict[str, Any]) -> None:
-            results.write(result)
-            if result.get("error") is None:
-                summary.done += 1
-                summary.sources[result["source"]] += 1
-                summary.new_tokens += len(result["token_ids"])
-                summary.prompt_tokens += result.get("prompt_tokens", 0)
-                summary.shipped_bytes += result.get("shipped_bytes", 0)
-            else:
-                summary.failed += 1
-                if len(summary.failures) < 20:
-                    summary.failures.append({"id": result["id"], **result["error"]})
-            summary.wall_s = time.perf_counter() - t0
-            if self.on_result is not None:
-                self.on_result(result, summary)
-
         todo: list[Job] = []
         for item in items:
             prior = done.get(item.id)
             if isinstance(item, Job) and prior is not None and prior.get("error") is None:
-                summary.skipped += 1
+                tally.summary.skipped += 1
                 results.skip(item.id)
             elif isinstance(item, BadJob):
-                emit(failure(item, item.error, model=model))
+                tally.emit(failure(item, item.error, model=model))
             else:
                 todo.append(item)
         order, bad = self.plan(todo)
         for job, exc in bad:
-            emit(failure(job, exc, model=model))
-        self._spool = Path(tempfile.mkdtemp(prefix="muser-batch-"))
-        fetches: dict[int, _Fetch] = {}
+            tally.emit(failure(job, exc, model=model))
+        return order
+
+    def run_one(self, p: Planned, nxt: Planned | None) -> dict[str, Any]:
+        """One job's result line (its failure is its line too); ``nxt``: the job that runs next
+        here, whose pull starts while this one decodes."""
+        if self._spool is None:
+            self._spool = Path(tempfile.mkdtemp(prefix="muser-batch-"))
         try:
-            for i, p in enumerate(order):
-                if self.stop.is_set():
-                    summary.interrupted = True
-                    break
-                nxt = order[i + 1] if i + 1 < len(order) else None
-                try:
-                    result = self._one(p, nxt, fetches)
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - one job's failure is its result line
-                    result = failure(p.job, exc, model=model)
-                emit(result)
-        finally:
-            for f in fetches.values():
-                f.wait()
+            return self._one(p, nxt, self._fetches)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - one job's failure is its result line
+            return failure(p.job, exc, model=self.model_fingerprint)
+
+    def close(self) -> None:
+        for f in self._fetches.values():
+            f.wait()
+        self._fetches.clear()
+        if self._spool is not None:
             shutil.rmtree(self._spool, ignore_errors=True)
-            summary.wall_s = time.perf_counter() - t0
-            summary.producers = self.pool.to_json()
-            results.close(complete=not summary.interrupted)
-        return summary
+            self._spool = None
 
     def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "_Fetch"]) -> dict[str, Any]:
         from muser_cli.decode import decode
@@ -269,7 +304,7 @@ class Batch:
         reason = "local: no producer given" if not self.pool else ""
         shipped = 0
         live = None
-        fetch = fetches.pop(id(p), None)
+        fetch = fetches.pop(p.job.line, None)
         if fetch is not None:
             fetch.wait()
             if fetch.path is not None:
@@ -285,8 +320,8 @@ class Batch:
                 src, producer = live.reader, live.producer
 
         def rows_ready(got) -> None:  # the next job's pull starts while this one decodes
-            if nxt is not None and self.pool and id(nxt) not in fetches:
-                fetches[id(nxt)] = self._prefetch(nxt, after=p, schedule=got.schedule)
+            if nxt is not None and self.pool and nxt.job.line not in fetches:
+                fetches[nxt.job.line] = self._prefetch(nxt, after=p, schedule=got.schedule)
 
         try:
             out = decode(src, model=c.model, prompt=job.text, chat=job.chat, max_new_tokens=job.max_tokens,

@@ -1,0 +1,93 @@
+"""One entry point per benchmark: check every input first, measure, keep the receipt, draw the chart.
+
+Every input is checked before anything is measured (a bad ``--depths``, ``--reps`` or
+``--plot`` path costs nothing), the receipt is written atomically, and the chart (when
+asked for) is drawn from the receipt's own payload, so the picture shows exactly the
+figures the file keeps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from muser_cli.bench.common import (
+    BenchResult, Progress, check_depths, check_receipt_path, check_reps, no_progress, parse_ints,
+    resolve_bench_model, write_receipt,
+)
+from muser_cli.errors import UsageError
+
+DEFAULT_DEPTHS = "512,2048,8064"
+DEFAULT_SIZES_MB = "1,8,64"
+
+
+def _prepare(name: str, reps: int, plot: str | os.PathLike | None, receipt: str | os.PathLike | None):
+    check_reps(reps)
+    plot_path = None
+    if plot is not None:
+        from muser_cli.bench.plot import check_plot_path
+
+        plot_path = check_plot_path(plot)
+    return plot_path, check_receipt_path(name, receipt)
+
+
+def _finish(result: BenchResult, receipt_path: Path, plot_path: Path | None) -> BenchResult:
+    write_receipt(result, receipt_path)
+    if plot_path is not None:
+        from muser_cli.bench.plot import plot
+
+        result.plot = plot(result.name, result.payload, plot_path)
+    return result
+
+
+def bench_lane(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, reps: int = 5,
+               dtype: str = "float32", codec: str = "none", threads: int = 0, pin: bool = True,
+               live: bool = False, settle: float = 8.0, plot: str | os.PathLike | None = None,
+               receipt: str | os.PathLike | None = None, progress: Progress = no_progress) -> BenchResult:
+    from muser_cli.bench.lane import run_lane
+
+    ds = parse_ints(depths, what="--depths", low=2)
+    if codec not in ("none", "zstd+bytegroup"):
+        raise UsageError(f"--codec must be none or zstd+bytegroup, not {codec!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if settle < 0:
+        raise UsageError(f"--settle must be 0 or more seconds, not {settle}")
+    plot_path, receipt_path = _prepare("lane", reps, plot, receipt)
+    info = resolve_bench_model(model, progress=progress)
+    check_depths(info, ds)
+    result = run_lane(info, ds, reps=reps, dtype=dtype, codec=codec, threads=threads or None, pin=pin, live=live,
+                      model_ref=None if model in (None, "default") else str(info.path), settle=settle,
+                      progress=progress)
+    if model in (None, "default"):
+        result.payload["model_ref"] = "default"
+    return _finish(result, receipt_path, plot_path)
+
+
+def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, reps: int = 5,
+               synthetic: bool = False, threads: int = 0, peers: bool = True,
+               plot: str | os.PathLike | None = None, receipt: str | os.PathLike | None = None,
+               progress: Progress = no_progress) -> BenchResult:
+    from muser_cli.bench.pack import run_pack
+
+    ds = parse_ints(depths, what="--depths", low=2)
+    plot_path, receipt_path = _prepare("pack", reps, plot, receipt)
+    info = resolve_bench_model(model, progress=progress)
+    check_depths(info, ds)
+    if threads < 1:
+        threads = max(1, min(os.cpu_count() or 1, 8))
+    result = run_pack(info, ds, reps=reps, synthetic=synthetic, threads=threads, peers=peers, progress=progress)
+    return _finish(result, receipt_path, plot_path)
+
+
+def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: float = 1.0, pin: bool = True,
+               plot: str | os.PathLike | None = None, receipt: str | os.PathLike | None = None,
+               progress: Progress = no_progress) -> BenchResult:
+    from muser_cli.bench.wire import run_wire
+
+    mbs = parse_ints(sizes, what="--sizes", low=1, high=4096)
+    if not 0.05 <= probe_seconds <= 60:
+        raise UsageError(f"--probe-seconds must be between 0.05 and 60, not {probe_seconds}")
+    plot_path, receipt_path = _prepare("wire", reps, plot, receipt)
+    result = run_wire(mbs, reps=reps, probe_seconds=probe_seconds, pin=pin, progress=progress)
+    return _finish(result, receipt_path, plot_path)
+

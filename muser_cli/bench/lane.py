@@ -1,0 +1,230 @@
+"""``muser bench lane``: time to first token by prompt depth, local prefill against a handoff.
+
+Per depth, after one uncounted warm-up of each lane, alternated A B (C) A B (C):
+
+  local     the consumer prefills prompt[:-1] itself and takes the first decode step: the
+            fallback lane's TTFT
+  handoff   the producer prefills, writes the kvpack, signs it and sends it over mutual
+            TLS 1.3 to a real ``muser receive`` process on 127.0.0.1 (which verifies every
+            frame, fsyncs its replay ledger and publishes atomically); the consumer reads
+            the published pack and takes the first decode step. Stop-and-wait: one phase
+            after the other.
+  streamed  (``live=True``) the live lane as a user runs it, whole processes:
+            ``receive --once | decode -n 1 --json`` on the consumer's core (started first,
+            its model loaded) and ``prefill --json | send`` on the producer's core, frames
+            leaving per chunk. TTFT = consumer's first token - producer's prefill start, from
+            the Unix times each process reports.
+
+Two machines on one host (docs/benchmarking.md): with two or more cores, the producer's
+phases run on one core and the consumer's (the local baseline included) on another, one
+compute thread each; the receiver process runs on the consumer's core. Every lane must
+give the same first token, or the run is refused.
+
+  overhead      = pack + send + read (seconds, and as a fraction of the producer's prefill)
+  exposed       = (lane TTFT - producer prefill) / producer prefill      aim <= 1 % at 8k
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from muser_cli.bench.common import BenchResult, Pinning, Progress, corpus_ids, no_progress, pinning, summarize
+from muser_cli.errors import DataError, MuserError
+
+
+def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float32", codec: str = "none",
+             threads: int | None = None, pin: bool = True, live: bool = False, model_ref: str | None = None,
+             settle: float = 8.0, progress: Progress = no_progress) -> BenchResult:
+    from muser_cli.bench.loopback import make_nodes, receiver
+    from muser_cli.engines.registry import get_engine
+    from muser_cli.handoff.sender import prepare_handoff, transmit
+    from muser_cli.kvpack import read_pack, write_pack
+    from muser_cli.schedule import build_header
+
+    pins = pinning(pin)
+    if threads is None or threads < 1:
+        threads = 1 if pins.pinned else max(1, min(len(pins.original) or 1, 8))
+    work = Path(tempfile.mkdtemp(prefix="muser-bench-lane-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        nodes = make_nodes(work)
+        inbox = work / "inbox"
+        progress("lane: loading the model")
+        eng = get_engine("torch", info, dtype=dtype, threads=threads)
+        with receiver(nodes, inbox, pins) as to:
+            for depth in depths:
+                ids = corpus_ids(info, depth)
+                header = build_header(info, ids, dtype=dtype, chunk_tokens=512, engine="torch", threads=threads)
+                doc = None
+                if live:
+                    from muser_cli.tokens import decode_text
+
+                    doc = work / f"doc-{depth}.txt"
+                    doc.write_text(decode_text(info, ids), encoding="utf-8")
+
+                def first_token(layers) -> tuple[int, float]:
+                    t0 = time.perf_counter()
+                    out = eng.decode(layers, rows=depth - 1, next_tokens=[ids[-1]], max_new_tokens=1,
+                                     stop_on_eos=False)
+                    return out.token_ids[0], time.perf_counter() - t0
+
+                def local() -> dict[str, Any]:
+                    pins.enter("consumer")
+                    t0 = time.perf_counter()
+                    layers = eng.prefill(ids[:-1], chunk_tokens=512)
+                    t_pre = time.perf_counter() - t0
+                    tok, t_first = first_token(layers)
+                    return {"prefill": t_pre, "first": t_first, "ttft": t_pre + t_first, "token": tok}
+
+                def handoff() -> dict[str, Any]:
+                    pins.enter("producer")
+                    t0 = time.perf_counter()
+                    layers = eng.prefill(ids[:-1], chunk_tokens=512)
+                    t_pre = time.perf_counter() - t0
+                    src = work / "out.kvpack"
+                    t1 = time.perf_counter()
+                    with open(src, "wb") as f:
+                        write_pack(f, header, layers, codec=codec)
+                    t_pack = time.perf_counter() - t1
+                    t2 = time.perf_counter()
+                    prep = prepare_handoff(src, nodes.producer)
+                    res = transmit(prep, to=to, identity=nodes.producer)
+                    t_send = time.perf_counter() - t2
+                    pins.enter("consumer")
+                    got = inbox / f"{prep.header.handoff_id}.kvpack"
+                    t3 = time.perf_counter()
+                    with open(got, "rb") as f:
+                        pack = read_pack(f)
+                    t_read = time.perf_counter() - t3
+                    tok, t_first = first_token(pack.layers)
+                    got.unlink()
+                    overhead = t_pack + t_send + t_read
+                    return {"prefill": t_pre, "pack": t_pack, "send": t_send, "read": t_read, "first": t_first,
+                            "ttft": t_pre + overhead + t_first, "consumer_ttft": t_read + t_first,
+                            "overhead": overhead, "overhead_frac": overhead / t_pre if t_pre else None,
+                            "bytes": res.payload_bytes, "payload_rate_Bps": res.payload_rate_Bps,
+                            "ack_wait": res.ack_wait_s, "token": tok}
+
+                def streamed() -> dict[str, Any]:
+                    return streamed_lane(doc, nodes, pins, model_ref or str(info.path), dtype, settle)
+
+                lanes = {"local": local, "handoff": handoff}
+                if live:
+                    lanes["streamed"] = streamed
+                got: dict[str, list[dict[str, Any]]] = {k: [] for k in lanes}
+                for rnd in range(reps + 1):  # round 0 warms up; then A B (C) A B (C)
+                    progress(f"lane {depth} tok: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
+                    for name, fn in lanes.items():
+                        r = fn()
+                        if rnd:
+                            got[name].append(r)
+                pins.release()
+                tokens = {r["token"] for rs in got.values() for r in rs}
+                if len(tokens) != 1:
+                    raise DataError(f"the lanes disagree on the first token at {depth} tokens: {sorted(tokens)}")
+
+                def s(rs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+                    return summarize([r[key] for r in rs if r.get(key) is not None])
+
+                row: dict[str, Any] = {
+                    "depth": depth, "bytes": got["handoff"][0]["bytes"], "token": tokens.pop(),
+                    "local": {k: s(got["local"], k) for k in ("prefill", "first", "ttft")},
+                    "handoff": {k: s(got["handoff"], k) for k in (
+                        "prefill", "pack", "send", "read", "first", "ttft", "consumer_ttft", "overhead",
+                        "overhead_frac", "payload_rate_Bps", "ack_wait")},
+                }
+                loc = row["local"]["ttft"]["reps"]
+                row["handoff_over_local"] = summarize([h / l for h, l in zip(row["handoff"]["ttft"]["reps"], loc)])
+                if live:
+                    row["streamed"] = {k: s(got["streamed"], k) for k in (
+                        "prefill", "ttft", "exposed", "tail", "first_frame_after_start", "consumer_ttft")}
+                    row["streamed_over_local"] = summarize(
+                        [a / b for a, b in zip(row["streamed"]["ttft"]["reps"], loc)])
+                rows.append(row)
+    finally:
+        pins.release()
+        shutil.rmtree(work, ignore_errors=True)
+    payload = {"model": info.name, "fingerprint": info.fingerprint, "dtype": dtype, "codec": codec,
+               "threads": threads, "pinning": pins.describe(), "reps": reps, "warmup": 1,
+               "link": "loopback mutual TLS 1.3 (Handoff V3), receiver a separate muser receive process",
+               "lanes": ["local", "handoff"] + (["streamed"] if live else []),
+               "settle_s": settle if live else None, "rows": rows}
+    return BenchResult("lane", payload, lane_table(rows))
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    raise MuserError(f"bench lane: no JSON from a lane process: {text[-300:]}")
+
+
+def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settle: float) -> dict[str, Any]:
+    """One run of the live lane: consumer pipeline first (resident), then the producer's."""
+    from muser_cli.bench.loopback import MUSER, node_env, wait_listening
+
+    cons, prod = node_env(nodes.consumer_home, threads=1), node_env(nodes.producer_home, threads=1)
+    recv = subprocess.Popen(pins.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once",
+                                                      "--timeout", "600"]),
+                            env=cons, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    dec = subprocess.Popen(pins.command("consumer", [*MUSER, "decode", "-m", model, "-n", "1", "--json", "--dtype",
+                                                     dtype, "--threads", "1"]),
+                           env=cons, stdin=recv.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    recv.stdout.close()
+    try:
+        addr = wait_listening(recv, "bench lane (streamed)")
+        time.sleep(settle)  # the consumer is resident: its model is loaded before the producer starts
+        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", "1",
+                                                         "--dtype", dtype, "--json"]),
+                               env=prod, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        snd = subprocess.run(pins.command("producer", [*MUSER, "send", "--to", addr, "--json"]), env=prod,
+                             stdin=pre.stdout, capture_output=True)
+        pre.stdout.close()
+        pre_err = pre.stderr.read().decode(errors="replace")
+        pre.wait()
+        out, err = dec.communicate(timeout=600)
+        recv.wait(timeout=60)
+    finally:
+        for proc in (recv, dec):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if pre.returncode or snd.returncode or dec.returncode:
+        raise MuserError(f"bench lane: the streamed lane failed (prefill {pre.returncode}, send {snd.returncode}, "
+                         f"decode {dec.returncode}): {err.decode(errors='replace')[-300:].strip()}")
+    p, d = _last_json(pre_err), json.loads(out)
+    start = p["started_unix"] + p["prefill_start_s"]
+    ttft = d["started_unix"] + d["first_token_s"] - start
+    return {"prefill": p["prefill_s"], "ttft": ttft, "exposed": (ttft - p["prefill_s"]) / p["prefill_s"],
+            "tail": d.get("tail_s"), "first_frame_after_start": (p["first_frame_s"] - p["prefill_start_s"])
+            if p.get("first_frame_s") is not None else None,
+            "consumer_ttft": d["ttft_s"], "token": d["token_ids"][0], "tokens": d["prompt_tokens"],
+            "bytes": p["bytes"]}
+
+
+def lane_table(rows: list[dict]) -> list[str]:
+    live = any("streamed" in r for r in rows)
+    head = f"{'depth':>6} | {'kvpack':>9} | {'local TTFT':>18} | {'handoff TTFT':>18} | {'overhead':>20}"
+    if live:
+        head += f" | {'streamed TTFT':>18} | exposed"
+    out = [head]
+    for r in rows:
+        lo, h = r["local"], r["handoff"]
+        line = (f"{r['depth']:>6} | {r['bytes'] / 1e6:>6.2f} MB | {lo['ttft']['median'] * 1e3:>9.1f} ms cv {lo['ttft']['cv']:>4.1%}"
+                f" | {h['ttft']['median'] * 1e3:>9.1f} ms cv {h['ttft']['cv']:>4.1%} | "
+                f"{h['overhead']['median'] * 1e3:>7.1f} ms = {h['overhead_frac']['median']:>6.2%}")
+        if live:
+            st = r["streamed"]
+            line += (f" | {st['ttft']['median'] * 1e3:>9.1f} ms cv {st['ttft']['cv']:>4.1%} | "
+                     f"{st['exposed']['median']:+.2%}")
+        out.append(line)
+    return out

@@ -1,0 +1,102 @@
+"""Two enrolled nodes on one host and a real ``muser receive`` process between them.
+
+The consumer node (a private CA, a receiver certificate) and the producer node (joined
+from the consumer's bundle) live in their own ``MUSER_HOME`` folders under a temporary
+work folder; the receiver is a separate process listening on 127.0.0.1 with mutual TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from muser_cli.bench.common import Pinning
+from muser_cli.errors import TempFailure
+
+MUSER = [sys.executable, "-m", "muser_cli.commands"]
+
+
+@dataclass
+class Nodes:
+    work: Path
+    consumer_home: Path
+    producer_home: Path
+    producer: object  # muser_cli.handoff.node.Identity
+
+
+def make_nodes(work: Path) -> Nodes:
+    from muser_cli.handoff import node
+
+    consumer_home, producer_home = work / "consumer", work / "producer"
+    node.init_node(consumer_home / "config" / "node", name="consumer")
+    bundle, _ = node.export_producer(consumer_home / "config" / "node", producer="producer")
+    node.join_node(producer_home / "config" / "node", bundle)
+    producer = node.load_identity(producer_home / "config" / "node")
+    return Nodes(work, consumer_home, producer_home, producer)
+
+
+def node_env(home: Path, *, threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ, MUSER_HOME=str(home), PYTHONUNBUFFERED="1")
+    if threads is not None:
+        env.update(MUSER_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    return env
+
+
+def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 120.0) -> str:
+    """The address a starting ``muser receive`` prints on stderr ("listening on HOST:PORT")."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            line = proc.stderr.readline().decode(errors="replace")
+            m = re.search(r"listening on (\S+)", line)
+            if m:
+                return m.group(1)
+            if not line:
+                break
+            seen.append(line.strip())
+        elif proc.poll() is not None:
+            break
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.wait()
+    tail = " / ".join(seen[-2:])
+    raise TempFailure(f"{what}: the receiver did not start" + (f": {tail}" if tail else ""))
+
+
+@contextlib.contextmanager
+def receiver(nodes: Nodes, out_dir: Path, pin: Pinning):
+    """A resident ``muser receive --listen 127.0.0.1:0 -o OUT_DIR`` on the consumer's core; yields its address."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    argv = pin.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "-o", str(out_dir)])
+    proc = subprocess.Popen(argv, env=node_env(nodes.consumer_home), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        addr = wait_listening(proc, "bench")
+        _drain_in_background(proc)
+        yield addr
+    finally:
+        with contextlib.suppress(OSError):
+            proc.kill()
+        proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            proc.stderr.close()
+
+
+def _drain_in_background(proc: subprocess.Popen) -> None:
+    """Keep reading the receiver's stderr so a chatty receiver never blocks on a full pipe."""
+    import threading
+
+    def drain() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while proc.stderr.read(65536):
+                pass
+
+    threading.Thread(target=drain, daemon=True).start()

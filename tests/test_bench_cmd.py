@@ -1,0 +1,180 @@
+"""``muser bench lane|pack|wire`` through the command line, on tiny settings.
+
+Real parts only: a tiny random model prefilled by the torch engine, a real ``muser
+receive`` process on 127.0.0.1 over mutual TLS, real files with fsync, matplotlib's own
+PNG opened back with Pillow. Nothing here asserts on speed: the figures are checked for
+shape (medians, every rep, CV, the machine), never for value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from muser_cli.commands import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory) -> Path:
+    from muser_cli.tinymodels import make_tiny_long_llama
+
+    return make_tiny_long_llama(tmp_path_factory.mktemp("bench-models") / "tiny-long")
+
+
+def bench(*args: str):
+    return runner.invoke(app, ["bench", *args])
+
+
+def check_png(path: Path) -> None:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        w, h = im.size
+        assert w >= 600 and h >= 300, im.size
+        colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colours is not None and len(colours) > 10, "a blank chart"
+        # Not just a white page with a frame: a fair share of pixels are not background.
+        inked = sum(n for n, c in colours if c != (255, 255, 255))
+        assert inked > 0.02 * w * h
+
+
+def check_stats(s: dict, reps: int) -> None:
+    assert set(s) >= {"median", "cv", "min", "max", "reps"}
+    assert len(s["reps"]) == reps
+    assert all(isinstance(v, float) and math.isfinite(v) for v in s["reps"])
+    assert min(s["reps"]) == s["min"] <= s["median"] <= s["max"] == max(s["reps"])
+    assert s["cv"] >= 0
+
+
+def check_machine(receipt: dict) -> None:
+    m = receipt["machine"]
+    assert {"python", "platform", "cpus", "numpy", "date", "git", "loadavg"} <= set(m)
+    assert m["cpus"] >= 1
+
+
+def only_file(folder: Path, pattern: str) -> Path:
+    found = sorted(folder.glob(pattern))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_bench_pack_receipt_and_chart(tmp_path):
+    png = tmp_path / "pack.png"
+    res = bench("pack", "-m", "tiny", "--reps", "2", "--depths", "64", "--plot", str(png), "--receipt",
+                str(tmp_path), "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    path = only_file(tmp_path, "pack-*.json")
+    assert out["receipt"] == str(path) and out["plot"] == str(png)
+    receipt = json.loads(path.read_text())
+    check_machine(receipt)
+    assert receipt["benchmark"] == "pack" and receipt["reps"] == 2 and receipt["warmup"] == 1
+    (row,) = receipt["rows"]
+    assert row["depth"] == 64
+    for name in ("memcpy", "pack none", "unpack none", "pack zstd+bytegroup", "unpack zstd+bytegroup",
+                 "save kvpack none", "load kvpack none"):
+        check_stats(row["seconds"][name], 2)
+        check_stats(row["GBps"][name], 2)
+    assert row["vs_memcpy"]["memcpy"] == 1.0
+    # The uncompressed pack holds every raw byte of the KV, plus its header and digests.
+    assert row["bytes"]["pack none"] > row["raw_kv_bytes"] > 0
+    assert row["bytes"]["file kvpack none"] == row["bytes"]["pack none"]
+    if receipt["mlx_lm"]:
+        check_stats(row["seconds"]["save mlx-lm prompt cache"], 2)
+        assert row["bytes_vs_mlx_lm"]["mlx-lm prompt cache"] == 1.0
+    check_png(png)
+
+
+def test_bench_lane_table_receipt_and_chart(tiny_long, tmp_path):
+    png, rec = tmp_path / "lane.png", tmp_path / "lane.json"
+    res = bench("lane", "-m", str(tiny_long), "--reps", "2", "--depths", "32,96", "--plot", str(png),
+                "--receipt", str(rec))
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.strip().splitlines()
+    assert "local TTFT" in lines[0] and len(lines) == 3
+    assert lines[1].split("|")[0].strip() == "32" and lines[2].split("|")[0].strip() == "96"
+    receipt = json.loads(rec.read_text())
+    check_machine(receipt)
+    assert receipt["lanes"] == ["local", "handoff"]
+    assert "cpu" in receipt["pinning"] or "not pinned" in receipt["pinning"]
+    for row in receipt["rows"]:
+        for key in ("prefill", "first", "ttft"):
+            check_stats(row["local"][key], 2)
+        for key in ("prefill", "pack", "send", "read", "ttft", "overhead", "overhead_frac"):
+            check_stats(row["handoff"][key], 2)
+        check_stats(row["handoff_over_local"], 2)
+        assert row["bytes"] > 0 and isinstance(row["token"], int)
+    check_png(png)
+
+
+def test_bench_wire_receipt_and_chart(tmp_path):
+    png = tmp_path / "wire.png"
+    res = bench("wire", "--sizes", "1,2", "--reps", "2", "--probe-seconds", "0.1", "--plot", str(png),
+                "--receipt", str(tmp_path), "--json")
+    assert res.exit_code == 0, res.output
+    receipt = json.loads(only_file(tmp_path, "wire-*.json").read_text())
+    check_machine(receipt)
+    assert [r["megabytes"] for r in receipt["rows"]] == [1, 2]
+    for row in receipt["rows"]:
+        for key in ("probe_up_Bps", "payload_rate_Bps", "end_to_end_Bps", "ratio"):
+            check_stats(row[key], 2)
+        assert row["bytes"] > 0.9e6 * row["megabytes"]
+    check_png(png)
+
+
+@pytest.mark.parametrize(("args", "status", "words"), [
+    (["pack", "--depths", "abc"], 2, "--depths"),
+    (["lane", "--depths", "512,,8"], 2, "--depths"),
+    (["lane", "--reps", "0"], 2, "--reps"),
+    (["wire", "--sizes", "1,x"], 2, "--sizes"),
+    (["lane", "--codec", "lz4"], 2, "--codec"),
+    (["pack", "--plot", "{tmp}/chart.jpg"], 2, ".png"),
+    (["pack", "--plot", "{tmp}"], 2, "directory"),
+    (["lane", "--plot", "{tmp}/no/such/folder/x.png"], 66, "does not exist"),
+    (["wire", "--receipt", "{tmp}/no/such/folder/r.json"], 66, "does not exist"),
+    (["lane", "-m", "tiny", "--depths", "200000"], 2, "context"),
+])
+def test_bad_inputs_one_line_and_nothing_written(tmp_path, args, status, words):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = bench(*args, "--receipt", str(tmp_path)) if "--receipt" not in args else bench(*args)
+    assert res.exit_code == status, res.output
+    lines = [line for line in res.stderr.splitlines() if line.startswith("muser: error:")]
+    assert len(lines) == 1 and words in lines[0], res.stderr
+    assert "Traceback" not in res.output
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "muser-home") == \
+        [n for n in before if n != "muser-home"]
+
+
+def test_plot_without_matplotlib_is_one_line_78_before_measuring(tmp_path):
+    """matplotlib made unimportable in a real process: exit 78 with the install hint, nothing written."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from muser_cli.commands import main; "
+            "sys.argv = ['muser'] + sys.argv[1:]; main()")
+    png = tmp_path / "x.png"
+    p = subprocess.run([sys.executable, "-c", code, "bench", "wire", "--sizes", "1", "--plot", str(png),
+                        "--receipt", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 78, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("muser: error:") and "muser[plot]" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_statistics_are_the_documented_ones():
+    from muser_cli.bench.common import parse_ints, summarize
+
+    s = summarize([3.0, 1.0, 2.0, 10.0])
+    assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 10.0 and s["reps"] == [3.0, 1.0, 2.0, 10.0]
+    mean = 4.0
+    pstdev = math.sqrt(sum((x - mean) ** 2 for x in (3, 1, 2, 10)) / 4)
+    assert s["cv"] == pytest.approx(pstdev / mean)
+    assert summarize([5.0])["cv"] == 0.0
+    assert parse_ints(" 512, 2048 ,8064", what="--depths") == [512, 2048, 8064]

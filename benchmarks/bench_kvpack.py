@@ -1,5 +1,9 @@
 """kvpack at memory speed, and against the peers, same KV, one run (A B A B ...).
 
+The everyday form of this benchmark is ``muser bench pack`` (muser_cli/bench/pack.py, with
+--plot); this script keeps the longer study: every digest, tmpfs files, GB per CPU-second,
+and ``muser pack --no-zstd`` against ``cat``.
+
     python benchmarks/bench_kvpack.py [--depths 512,2048,8064] [--reps 5] [--synthetic]
 
 Per depth, interleaved in every rep:
@@ -32,52 +36,28 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import corpus_ids, summarize, write_receipt  # noqa: E402
+from _common import summarize, write_receipt  # noqa: E402
+
+from muser_cli.bench import pack as _lib  # noqa: E402
 
 DIGESTS = {"v1.1 blake3": (1, "blake3"), "v1.1 sha256": (1, "sha256"), "v1.0 sha256": (0, "sha256")}
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def fsync_write(path: Path, writer) -> None:
-    with open(path, "wb") as fh:
-        writer(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+# The KV and the file helpers are the library's (muser_cli/bench/pack.py, also `muser bench pack`).
+fsync_write = _lib.fsync_write
+prefix = _lib.prefix
 
 
 def real_kv(info, depth: int):
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import LayerKV
-    from muser_cli.kvpack.quant import from_float32
-
-    ids = corpus_ids(info, depth)
-    eng = get_engine("torch", info, dtype="float32", threads=os.cpu_count() or 1)
-    t0 = time.perf_counter()
-    f32 = eng.prefill(ids[:-1], chunk_tokens=512)
-    print(f"prefill of {depth} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
-    layers = [LayerKV(from_float32(l.keys, "bfloat16"), from_float32(l.values, "bfloat16"), l.first_row) for l in f32]
-    return ids, layers, eng.threads
+    ids, layers, threads, prefill_s = _lib.real_kv(info, depth, threads=os.cpu_count() or 1, progress=print)
+    print(f"prefill of {depth} tokens: {prefill_s:.1f} s", flush=True)
+    return ids, layers, threads
 
 
 def synthetic_kv(info, depth: int):
-    from muser_cli.kvpack import LayerKV
-    from muser_cli.kvpack.quant import from_float32
-
-    rng = np.random.default_rng(0)
-    ids = list(range(1, depth + 1))
-    layers = []
-    for spec in info.layers:
-        k = rng.standard_normal((spec.kv_heads, depth - 1, spec.head_dim), dtype=np.float32)
-        v = rng.standard_normal((spec.kv_heads, depth - 1, spec.v_head_dim), dtype=np.float32)
-        layers.append(LayerKV(from_float32(k, "bfloat16"), from_float32(v, "bfloat16"), 0))
+    ids, layers = _lib.synthetic_kv(info, depth)
     return ids, layers, os.cpu_count() or 1
-
-
-def prefix(layers, rows: int):
-    from muser_cli.kvpack import LayerKV
-
-    return [LayerKV(np.ascontiguousarray(l.keys[:, :rows]), np.ascontiguousarray(l.values[:, :rows]), 0)
-            for l in layers]
 
 
 def timed(fn) -> float:

@@ -14,6 +14,9 @@ Per depth, after one uncounted warm-up of each lane, alternated A B (C) A B (C):
             its model loaded) and ``prefill --json | send`` on the producer's core, frames
             leaving per chunk. TTFT = consumer's first token - producer's prefill start, from
             the Unix times each process reports.
+  file      (``live=True``) the same processes, stop-and-wait: ``prefill -o f && send f``, then
+            ``receive --once -o in && decode in``; the consumer counted resident (its model
+            load taken out).
 
 Two machines on one host (docs/benchmarking.md): with two or more cores, the producer's
 phases run on one core and the consumer's (the local baseline included) on another, one
@@ -112,11 +115,15 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
                             "ack_wait": res.ack_wait_s, "token": tok}
 
                 def streamed() -> dict[str, Any]:
-                    return streamed_lane(doc, nodes, pins, model_ref or str(info.path), dtype, settle)
+                    return streamed_lane(doc, nodes, pins, model_ref or str(info.path), dtype, settle, threads)
+
+                def file() -> dict[str, Any]:
+                    return file_lane(doc, nodes, pins, model_ref or str(info.path), dtype, work, threads)
 
                 lanes = {"local": local, "handoff": handoff}
                 if live:
                     lanes["streamed"] = streamed
+                    lanes["file"] = file
                 got: dict[str, list[dict[str, Any]]] = {k: [] for k in lanes}
                 for rnd in range(reps + 1):  # round 0 warms up; then A B (C) A B (C)
                     progress(f"lane {depth} tok: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
@@ -146,6 +153,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
                         "prefill", "ttft", "exposed", "tail", "first_frame_after_start", "consumer_ttft")}
                     row["streamed_over_local"] = summarize(
                         [a / b for a, b in zip(row["streamed"]["ttft"]["reps"], loc)])
+                    row["file"] = {k: s(got["file"], k) for k in ("prefill", "ttft", "exposed", "consumer_ttft")}
                 rows.append(row)
     finally:
         pins.release()
@@ -153,7 +161,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
     payload = {"model": info.name, "fingerprint": info.fingerprint, "dtype": dtype, "codec": codec,
                "threads": threads, "pinning": pins.describe(), "reps": reps, "warmup": 1,
                "link": "loopback mutual TLS 1.3 (Handoff V3), receiver a separate muser receive process",
-               "lanes": ["local", "handoff"] + (["streamed"] if live else []),
+               "lanes": ["local", "handoff"] + (["streamed", "file"] if live else []),
                "settle_s": settle if live else None, "rows": rows}
     return BenchResult("lane", payload, lane_table(rows))
 
@@ -168,22 +176,23 @@ def _last_json(text: str) -> dict[str, Any]:
     raise MuserError(f"bench lane: no JSON from a lane process: {text[-300:]}")
 
 
-def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settle: float) -> dict[str, Any]:
+def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settle: float,
+                  threads: int = 1) -> dict[str, Any]:
     """One run of the live lane: consumer pipeline first (resident), then the producer's."""
     from muser_cli.bench.loopback import MUSER, node_env, wait_listening
 
-    cons, prod = node_env(nodes.consumer_home, threads=1), node_env(nodes.producer_home, threads=1)
+    cons, prod = node_env(nodes.consumer_home, threads=threads), node_env(nodes.producer_home, threads=threads)
     recv = subprocess.Popen(pins.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once",
                                                       "--timeout", "600"]),
                             env=cons, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     dec = subprocess.Popen(pins.command("consumer", [*MUSER, "decode", "-m", model, "-n", "1", "--json", "--dtype",
-                                                     dtype, "--threads", "1"]),
+                                                     dtype, "--threads", str(threads)]),
                            env=cons, stdin=recv.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     recv.stdout.close()
     try:
         addr = wait_listening(recv, "bench lane (streamed)")
         time.sleep(settle)  # the consumer is resident: its model is loaded before the producer starts
-        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", "1",
+        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", str(threads),
                                                          "--dtype", dtype, "--json"]),
                                env=prod, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         snd = subprocess.run(pins.command("producer", [*MUSER, "send", "--to", addr, "--json"]), env=prod,
@@ -211,11 +220,53 @@ def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settl
             "bytes": p["bytes"]}
 
 
+def file_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, work: Path,
+              threads: int = 1) -> dict[str, Any]:
+    """One run of the stop-and-wait file lane, whole processes: ``prefill -o f && send f`` on the
+    producer's core, ``receive --once -o in.kvpack && decode in.kvpack`` on the consumer's. The
+    consumer is counted as resident: its decode starts when receive exits, its model load is
+    taken out (TTFT = receive's exit + decode's ttft_s - the producer's prefill start)."""
+    from muser_cli.bench.loopback import MUSER, node_env, wait_listening
+
+    cons, prod = node_env(nodes.consumer_home, threads=threads), node_env(nodes.producer_home, threads=threads)
+    inbox, out = work / "in.kvpack", work / "out.kvpack"
+    inbox.unlink(missing_ok=True)
+    recv = subprocess.Popen(pins.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once",
+                                                      "--timeout", "600", "-o", str(inbox)]),
+                            env=cons, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        addr = wait_listening(recv, "bench lane (file)")
+        pre = subprocess.run(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", str(threads),
+                                                       "--dtype", dtype, "-o", str(out), "--json"]),
+                             env=prod, stdin=subprocess.DEVNULL, capture_output=True)
+        snd = subprocess.run(pins.command("producer", [*MUSER, "send", str(out), "--to", addr]), env=prod,
+                             stdin=subprocess.DEVNULL, capture_output=True)
+        recv.wait(timeout=600)
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait()
+    t_received = time.time()
+    dec = subprocess.run(pins.command("consumer", [*MUSER, "decode", str(inbox), "-m", model, "-n", "1", "--json",
+                                                   "--threads", str(threads)]),
+                         env=cons, stdin=subprocess.DEVNULL, capture_output=True)
+    if pre.returncode or snd.returncode or dec.returncode or recv.returncode:
+        raise MuserError(f"bench lane: the file lane failed (prefill {pre.returncode}, send {snd.returncode}, "
+                         f"receive {recv.returncode}, decode {dec.returncode}): "
+                         f"{(pre.stderr + snd.stderr + dec.stderr).decode(errors='replace')[-300:].strip()}")
+    p, d = json.loads(pre.stdout), json.loads(dec.stdout)
+    start = p["started_unix"] + p["prefill_start_s"]
+    ttft = t_received + d["ttft_s"] - start
+    return {"prefill": p["prefill_s"], "ttft": ttft, "exposed": (ttft - p["prefill_s"]) / p["prefill_s"],
+            "consumer_ttft": d["ttft_s"], "token": d["token_ids"][0], "tokens": d["prompt_tokens"],
+            "bytes": p["bytes"]}
+
+
 def lane_table(rows: list[dict]) -> list[str]:
     live = any("streamed" in r for r in rows)
     head = f"{'depth':>6} | {'kvpack':>9} | {'local TTFT':>18} | {'handoff TTFT':>18} | {'overhead':>20}"
     if live:
-        head += f" | {'streamed TTFT':>18} | exposed"
+        head += f" | {'streamed TTFT':>18} | exposed | {'file lane TTFT':>18} | exposed"
     out = [head]
     for r in rows:
         lo, h = r["local"], r["handoff"]
@@ -224,7 +275,9 @@ def lane_table(rows: list[dict]) -> list[str]:
                 f"{h['overhead']['median'] * 1e3:>7.1f} ms = {h['overhead_frac']['median']:>6.2%}")
         if live:
             st = r["streamed"]
+            fl = r["file"]
             line += (f" | {st['ttft']['median'] * 1e3:>9.1f} ms cv {st['ttft']['cv']:>4.1%} | "
-                     f"{st['exposed']['median']:+.2%}")
+                     f"{st['exposed']['median']:+.2%} | {fl['ttft']['median'] * 1e3:>9.1f} ms cv {fl['ttft']['cv']:>4.1%}"
+                     f" | {fl['exposed']['median']:+.2%}")
         out.append(line)
     return out

@@ -35,7 +35,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _fsync_write(path: Path, writer) -> None:
+def fsync_write(path: Path, writer) -> None:
     with open(path, "wb") as fh:
         writer(fh)
         fh.flush()
@@ -72,7 +72,7 @@ def synthetic_kv(info, depth: int):
     return corpus_ids(info, depth), layers
 
 
-def _prefix(layers, rows: int):
+def prefix(layers, rows: int):
     import numpy as np
 
     from muser_cli.kvpack import LayerKV
@@ -114,7 +114,7 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
     try:
         for depth in depths:
             ids = ids_all[:depth]
-            layers = _prefix(kv_all, depth - 1)
+            layers = prefix(kv_all, depth - 1)
             header = build_header(info, ids, dtype="bfloat16", chunk_tokens=512, engine="torch", threads=threads)
             raw = sum(l.keys.nbytes + l.values.nbytes for l in layers)
             flat = np.concatenate([np.concatenate([l.keys.ravel(), l.values.ravel()]) for l in layers])
@@ -136,7 +136,7 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
             savers: dict[str, tuple[Any, Any, str]] = {}
 
             def kv_save(codec):
-                return lambda path: _fsync_write(path, lambda fh: write_pack(fh, header, layers, codec=codec))
+                return lambda path: fsync_write(path, lambda fh: write_pack(fh, header, layers, codec=codec))
 
             def kv_load(path):
                 with open(path, "rb") as fh:

@@ -77,17 +77,24 @@ def plot_lane(payload: dict[str, Any], path: Path) -> Path:
     unit, scale = ("s", 1.0) if deep >= 2.0 else ("ms", 1e3)
     fig, (ax, bx) = _figure(11, 4.6, 2)
     series = [("local", "local prefill (fallback)", "o-"), ("handoff", "handoff, stop-and-wait", "s-"),
-              ("streamed", "live lane, streamed", "^-")]
+              ("streamed", "live lane, streamed (processes)", "^-"),
+              ("file", "live lane, stop-and-wait file (processes)", "v--")]
     for key, label, style in series:
         if key not in rows[0]:
             continue
         stats = [r[key]["ttft"] for r in rows]
         ax.errorbar(depths, [s["median"] * scale for s in stats], yerr=_errs(stats, scale), fmt=style, capsize=3,
                     label=label)
+    medians = [r[k]["ttft"]["median"] for r in rows for k, _, _ in series if k in r]
+    if min(medians) > 0 and max(medians) / min(medians) > 20:
+        ax.set_yscale("log")
+        ax.set_ylabel(f"time to first token ({unit}, log)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(depths, [str(d) for d in depths])
+    ax.minorticks_off()
     ax.set_xlabel("prompt depth (tokens)")
-    ax.set_ylabel(f"time to first token ({unit})")
+    if ax.get_yscale() != "log":
+        ax.set_ylabel(f"time to first token ({unit})")
     ax.set_title(f"TTFT by depth: {payload.get('model')}, {payload.get('dtype')}, {payload.get('threads')} thread(s)",
                  fontsize=10)
     ax.grid(True, alpha=0.3)

@@ -15,9 +15,10 @@ raises :class:`~muser_cli.errors.IdentityMismatch` naming the field: a lost
 Cache layout. Full layers are mlx-lm ``KVCache``; sliding layers ``RotatingKVCache``
 (``max_size == window``, ``keep == 0``) whose ring is stored in physical order. A kvpack
 carries a sliding layer's last ``window - 1`` rows in temporal order. Installing them
-reproduces the state mlx-lm itself reaches after a prefill (:func:`_install_rotating`),
-so the first decode step overwrites the oldest slot, not a newer one; extraction
-un-rotates the ring (:func:`_temporal`).
+reproduces the state mlx-lm itself reaches after a prefill
+(:func:`~muser_cli.engines.mlx_cache.install_rotating`), so the first decode step
+overwrites the oldest slot, not a newer one; extraction un-rotates the ring
+(:func:`~muser_cli.engines.mlx_cache.temporal`).
 
 Schedule. :meth:`MLXEngine.prefill` runs token_ids in fixed chunks of ``chunk_tokens``
 into one set of caches (the same schedule as ``mlx_lm.generate_step`` with
@@ -32,7 +33,9 @@ BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
 
 from __future__ import annotations
 
+import os
 import time
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,8 +45,10 @@ from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampli
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
+from muser_cli.engines.mlx_cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
+from muser_cli.engines.mlx_cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
 from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides  # noqa: F401
-from muser_cli.kvpack.layers import LayerKV, LayerSpec
+from muser_cli.kvpack.layers import LayerKV
 
 MLX_DTYPES = ("float32", "bfloat16")
 _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
@@ -212,7 +217,7 @@ class MLXEngine(Engine):
             raise UsageError(f"positions up to {start + len(ids)} exceed the model's context of {self.info.max_positions}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
-        caches = self._install(_cut(self.info.layers, layers, rows, start), start)
+        caches = self._install(cut_rows(self.info.layers, layers, rows, start), start)
         keys: list[list[Any]] = [[] for _ in caches]
         values: list[list[Any]] = [[] for _ in caches]
         position = start
@@ -223,7 +228,7 @@ class MLXEngine(Engine):
             self.model(self.mx.array([ids[position - start : end - start]]), cache=caches)
             n = end - position
             for index, cache in enumerate(caches):
-                k, v = _temporal(cache)  # (1, kv_heads, held, head_dim)
+                k, v = temporal(cache)  # (1, kv_heads, held, head_dim)
                 keys[index].append(k[0, :, -n:, :])
                 values[index].append(v[0, :, -n:, :])
             self.mx.eval(keys, values)
@@ -307,7 +312,7 @@ class MLXEngine(Engine):
     def _rows_of(self, caches: list[Any], n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer's cache as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-            k, v = _temporal(caches[index])  # (1, kv_heads, held, head_dim), oldest first; row n-1 last
+            k, v = temporal(caches[index])  # (1, kv_heads, held, head_dim), oldest first; row n-1 last
             held = k.shape[2]
             if hi > n or lo < n - held:
                 raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{n - held}, {n})")
@@ -324,7 +329,7 @@ class MLXEngine(Engine):
                 keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=_np_storage(self.dtype))
                 values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=_np_storage(self.dtype))
             else:
-                k, v = _temporal(cache)  # (1, kv_heads, held, head_dim), oldest first
+                k, v = temporal(cache)  # (1, kv_heads, held, head_dim), oldest first
                 if cache.offset != n or k.shape[2] < carried:
                     raise DataError(f"layer {index}: the live cache holds {k.shape[2]} rows at offset {cache.offset}, "
                                     f"expected {carried} of {n}")
@@ -358,7 +363,7 @@ class MLXEngine(Engine):
             keys = self._to_mx(kv.keys)[None]  # (1, kv_heads, carried, head_dim)
             values = self._to_mx(kv.values)[None]
             if spec.kind == "sliding":
-                _install_rotating(self.mx, cache, keys, values, rows, chunk_tokens or DEFAULT_CHUNK_TOKENS)
+                install_rotating(self.mx, cache, keys, values, rows, chunk_tokens or DEFAULT_CHUNK_TOKENS)
             else:
                 cache.update_and_fetch(keys, values)
         return caches
@@ -421,92 +426,10 @@ class MLXEngine(Engine):
         raise DataError(f"unexpected cache dtype {x.dtype}")
 
 
-# --------------------------------------------------------------------------- cache helpers
-
-
-def ring_slot(rows: int, window: int, chunk_tokens: int) -> int:
-    """The slot mlx-lm's RotatingKVCache writes next after prefilling ``rows >= window`` tokens
-    in chunks of ``chunk_tokens``; the ``window - 1`` rows it keeps follow that slot, oldest first.
-
-    Multi-token chunks leave the rows in temporal order and the next write trims to the window
-    and wraps to slot 0. A last chunk of one token was itself written at slot 0, so the next
-    write goes to slot 1. One-token chunks throughout put position p at slot p % window.
-    """
-    if chunk_tokens == 1:
-        return rows % window
-    if rows % chunk_tokens == 1 and rows - 1 >= window:
-        return 1
-    return 0
-
-
-def _install_rotating(mx: Any, cache: Any, keys: Any, values: Any, rows: int, chunk_tokens: int) -> None:
-    """Put a sliding layer's last ``window - 1`` rows (temporal order) into a RotatingKVCache
-    in the physical state mlx-lm reaches itself after prefilling ``rows`` tokens.
-
-    Not yet wrapped (rows < window): rows in order, next write at slot ``rows``. Wrapped: a
-    ring of ``window`` slots whose next-write slot (:func:`ring_slot`) holds a spare row and
-    is followed by the carried rows, oldest first: a single-token write replaces the spare,
-    then the oldest row, and so on, exactly as in the producer's own cache.
-    """
-    window = cache.max_size
-    held = keys.shape[2]
-    if rows < window:
-        cache.state = (keys, values, rows, 0, window, held)
-        return
-    slot = ring_slot(rows, window, chunk_tokens)
-    spare_k = mx.zeros((*keys.shape[:2], 1, keys.shape[3]), keys.dtype)
-    spare_v = mx.zeros((*values.shape[:2], 1, values.shape[3]), values.dtype)
-    ring_k = mx.concatenate([spare_k, keys], axis=2)  # temporal ring starting at the spare
-    ring_v = mx.concatenate([spare_v, values], axis=2)
-    if slot:  # rotate so that the spare sits at ``slot``
-        ring_k = mx.concatenate([ring_k[..., window - slot :, :], ring_k[..., : window - slot, :]], axis=2)
-        ring_v = mx.concatenate([ring_v[..., window - slot :, :], ring_v[..., : window - slot, :]], axis=2)
-    cache.state = (ring_k, ring_v, rows, 0, window, slot or window)
-
-
-def _temporal(cache: Any) -> tuple[Any, Any]:
-    """(keys, values) of an mlx-lm cache, oldest row first: (1, kv_heads, held, head_dim)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import RotatingKVCache
-
-    if not isinstance(cache, RotatingKVCache):
-        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-    keys, values, offset, keep, _, idx = cache.state
-    if keep:
-        raise DataError("a rotating cache with kept sink rows is not a sliding window")
-    size = keys.shape[2]
-    if idx == size:
-        return keys, values
-    if idx < offset:  # wrapped: slots [idx, size) are older than [0, idx)
-        return (mx.concatenate([keys[..., idx:, :], keys[..., :idx, :]], axis=2),
-                mx.concatenate([values[..., idx:, :], values[..., :idx, :]], axis=2))
-    return keys[..., :idx, :], values[..., :idx, :]
-
-
-def _cut(specs: Sequence[LayerSpec], layers: Sequence[LayerKV], rows: int, start: int) -> list[LayerKV]:
-    """``layers`` (covering [0, rows)) reduced to what a pack of [0, start) would carry."""
-    if len(layers) != len(specs):
-        raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
-    out = []
-    for index, (spec, kv) in enumerate(zip(specs, layers)):
-        begin = start - spec.carried_rows(start)
-        held = int(np.shape(kv.keys)[1])
-        if begin < kv.first_row or start > kv.first_row + held:
-            raise DataError(
-                f"layer {index} ({spec.kind}): recomputing from position {start} needs rows [{begin}, {start}), "
-                f"the KV holds [{kv.first_row}, {kv.first_row + held})",
-                hint="a sliding layer carries only its last window - 1 rows; start at the end of the KV")
-        a, b = begin - kv.first_row, start - kv.first_row
-        out.append(LayerKV(keys=np.asarray(kv.keys)[:, a:b], values=np.asarray(kv.values)[:, a:b], first_row=begin))
-    return out
-
-
 def _sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
     """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,)."""
     if sampling.temperature <= 0:
         return lambda logits: mx.argmax(logits, axis=-1)
-    import os
-
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
     state = {"key": mx.random.key(int(seed))}
     temperature, top_p = float(sampling.temperature), float(sampling.top_p)
@@ -543,8 +466,6 @@ def _kind_text(kind: str, window: int | None) -> str:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for name in ("mlx", "mlx-lm"):
         try:

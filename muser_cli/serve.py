@@ -70,6 +70,13 @@ class ResidentProducer:
         vocab = getattr(info, "vocab_size", None)
         if isinstance(vocab, int) and vocab > 0 and max(req.token_ids) >= vocab:
             raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")
+        if req.have_tokens:
+            from muser_cli.reuse.chain import Scope, chain_at
+
+            scope = Scope(info.fingerprint, info.tokenizer_fingerprint, req.dtype, req.chunk_tokens)
+            if chain_at(scope, list(req.token_ids), req.have_tokens) != req.have_chain:
+                raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
+                                      "tokens on its schedule")
 
     def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
@@ -77,7 +84,7 @@ class ResidentProducer:
         shares whole chunks with it is continued from there (same bytes, less compute)."""
         from muser_cli.kvpack import PackWriter, write_pack
         from muser_cli.prefill import FrameEmitter
-        from muser_cli.reuse.chain import chain_at, scope_of_header
+        from muser_cli.reuse.chain import scope_of_header
         from muser_cli.reuse.delta import delta_header
         from muser_cli.schedule import build_header
 
@@ -85,12 +92,8 @@ class ResidentProducer:
         eng = self.engine
         header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                               engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
-        scope = scope_of_header(header)
-        if req.have_tokens:
-            if chain_at(scope, ids, req.have_tokens) != req.have_chain:
-                raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
-                                      "tokens on its schedule")
-            header = delta_header(header, scope, req.have_tokens, req.have_chain)
+        if req.have_tokens:  # its chain was checked before admission (check)
+            header = delta_header(header, scope_of_header(header), req.have_tokens, req.have_chain)
         t0 = time.perf_counter()
         writer = PackWriter(out, header) if eng.streams_prefill else None
         if writer is not None:

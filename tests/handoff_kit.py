@@ -7,11 +7,13 @@ Everything listens and connects on 127.0.0.1 or ::1 only. Imported by the other
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -322,3 +324,55 @@ def wait_for(pred, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return pred()
+
+
+class Producer:
+    """``muser prefill --serve 127.0.0.1:0 --json``; its stderr lines collected on a thread."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args),
+                                     env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        got = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stderr is not None
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                m = _LISTEN_RE.search(line)
+                if m and self.address is None:
+                    self.address = m.group(1)
+                    got.set()
+            got.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        got.wait(120)
+        if self.address is None:
+            self.proc.kill()
+            raise AssertionError(f"producer did not start: {''.join(self.lines)}")
+
+    def events(self, kind: str = "request") -> list[dict]:
+        out = []
+        for line in list(self.lines):
+            if line.startswith("{"):
+                obj = json.loads(line)
+                if obj.get("event") == kind:
+                    out.append(obj)
+        return out
+
+    def wait_events(self, n: int, kind: str = "request", timeout: float = 30) -> list[dict]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and len(self.events(kind)) < n:
+            time.sleep(0.05)
+        return self.events(kind)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()

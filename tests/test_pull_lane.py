@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -22,65 +21,12 @@ from pathlib import Path
 import pytest
 
 from muser_cli.handoff import node
-from handoff_kit import copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import Producer, copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
           "the northern site, close to the old mill and the school.")
 CHUNK = 8
-_LISTEN_RE = re.compile(r"listening on (\S+)")
-
-
-class Producer:
-    """``muser prefill --serve 127.0.0.1:0 --json``; its stderr lines collected on a thread."""
-
-    def __init__(self, home: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args),
-                                     env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.lines: list[str] = []
-        self.address: str | None = None
-        got = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stderr is not None
-            for raw in self.proc.stderr:
-                line = raw.decode(errors="replace")
-                self.lines.append(line)
-                m = _LISTEN_RE.search(line)
-                if m and self.address is None:
-                    self.address = m.group(1)
-                    got.set()
-            got.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        got.wait(120)
-        if self.address is None:
-            self.proc.kill()
-            raise AssertionError(f"producer did not start: {''.join(self.lines)}")
-
-    def events(self, kind: str = "request") -> list[dict]:
-        out = []
-        for line in list(self.lines):
-            if line.startswith("{"):
-                obj = json.loads(line)
-                if obj.get("event") == kind:
-                    out.append(obj)
-        return out
-
-    def wait_events(self, n: int, kind: str = "request", timeout: float = 30) -> list[dict]:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end and len(self.events(kind)) < n:
-            time.sleep(0.05)
-        return self.events(kind)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
 
 
 @pytest.fixture(scope="module")

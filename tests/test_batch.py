@@ -1,0 +1,265 @@
+"""``muser batch`` (issue 15) as a user runs it: real processes, a real resident producer over
+mutual TLS on 127.0.0.1, real files with fsync, SIGKILL, and a local Ray instance.
+
+Every result is compared with what ``muser decode`` gives for that job alone (the library
+call the command makes, on a fresh store, no reuse): same tokens, whatever path the job's
+KV took (local, the store, a handoff, a delta, a fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from handoff_kit import Producer, env_for, make_nodes, muser_cmd
+
+CHUNK = 32
+DOC = " ".join(f"Line {i}: the committee chose the northern site near the old mill and the school." for i in range(14))
+QUESTIONS = ["Where is the mill?", "Who chose the site?", "Why the north?", "When did they meet?",
+             "What is near the school?", "How long was the debate?"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from muser_cli.tinymodels import make_tiny_long_llama
+
+    return str(make_tiny_long_llama(tmp_path_factory.mktemp("batch-models") / "tiny-long"))
+
+
+def write_jobs(folder: Path, questions=QUESTIONS, *, extra: list[str] = (), n: int = 5) -> Path:
+    (folder / "doc.txt").write_text(DOC)
+    lines = [json.dumps({"id": f"q{i}", "prompt_file": "doc.txt", "question": q, "max_tokens": n})
+             for i, q in enumerate(questions)]
+    lines[1:1] = list(extra)  # between the first two questions of the document
+    path = folder / "jobs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def reference(model: str, text: str, n: int, home: Path) -> list[int]:
+    """``muser decode --prompt`` for one job, no store: the tokens every path must give."""
+    from muser_cli.decode import decode
+
+    old = os.environ.get("MUSER_HOME")
+    os.environ["MUSER_HOME"] = str(home)
+    try:
+        out = decode(None, model=model, prompt=text, max_new_tokens=n, dtype="float32", threads=1,
+                     chunk_tokens=CHUNK, reuse=False)
+    finally:
+        if old is None:
+            del os.environ["MUSER_HOME"]
+        else:
+            os.environ["MUSER_HOME"] = old
+    return out.token_ids
+
+
+@pytest.fixture(scope="module")
+def expected(model, tmp_path_factory) -> dict[str, list[int]]:
+    home = tmp_path_factory.mktemp("ref-home")
+    out = {f"q{i}": reference(model, f"{DOC}\n\n{q}", 5, home) for i, q in enumerate(QUESTIONS)}
+    out["solo"] = reference(model, "Hello there, how are you today?", 4, home)
+    return out
+
+
+def batch(home: Path, *args: str, timeout: float = 300, input: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(muser_cmd("batch", *args), env=env_for(home), capture_output=True, timeout=timeout,
+                          input=input)
+
+
+def lines_of(data: bytes) -> list[dict]:
+    return [json.loads(raw) for raw in data.splitlines() if raw.strip()]
+
+
+def common(model: str) -> list[str]:
+    return ["-m", model, "--chunk", str(CHUNK), "--threads", "1", "--dtype", "float32"]
+
+
+# ----------------------------------------------------------------------------- local
+def test_local_batch_equals_decode_per_job_in_input_order(model, expected, tmp_path):
+    solo = json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4})
+    bad = '{"id": "typo", "promt": "x"}'
+    jobs = write_jobs(tmp_path, QUESTIONS[:3], extra=[solo, bad, "not json"])
+    r = batch(tmp_path / "home", str(jobs), *common(model))
+    assert r.returncode == 1, r.stderr  # two bad lines: exit 1, a summary on stderr
+    got = lines_of(r.stdout)
+    assert [g["id"] for g in got] == ["q0", "solo", "typo", "line-4", "q1", "q2"]  # input order
+    by = {g["id"]: g for g in got}
+    for rid in ("q0", "q1", "q2", "solo"):
+        assert by[rid]["error"] is None and by[rid]["token_ids"] == expected[rid], by[rid]
+    # The document is paid once: q0 computed it, q1 and q2 only their own suffix.
+    assert by["q0"]["source"] == "local" and by["q0"]["stored"]
+    for rid in ("q1", "q2"):
+        assert by[rid]["source"] == "store+local" and by[rid]["reuse"]["held_tokens"] >= CHUNK, by[rid]
+        assert by[rid]["reuse"]["computed_tokens"] < by[rid]["prompt_tokens"] - CHUNK
+    assert by["typo"]["error"]["exit"] == 65 and "promt" in by["typo"]["error"]["message"]
+    assert by["line-4"]["error"]["exit"] == 65 and by["line-4"]["token_ids"] is None
+    assert "2 failed" in r.stderr.decode() and "typo: exit 65" in r.stderr.decode()
+
+
+def test_jobs_from_stdin_and_a_missing_document_is_that_jobs_exit_66(model, expected, tmp_path):
+    lines = [json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4}),
+             json.dumps({"id": "gone", "prompt_file": str(tmp_path / "nope.txt"), "question": "?"})]
+    r = batch(tmp_path / "home", "-", *common(model), "--json", input=("\n".join(lines) + "\n").encode())
+    assert r.returncode == 1
+    got = lines_of(r.stdout)
+    assert got[0]["token_ids"] == expected["solo"]
+    assert got[1]["error"]["exit"] == 66 and "nope.txt" in got[1]["error"]["message"]
+    summary = json.loads(r.stderr.decode().strip().splitlines()[-1])  # --json with results on stdout: stderr
+    assert summary["done"] == 1 and summary["failed"] == 1 and not summary["ok"]
+
+
+# ----------------------------------------------------------------------------- resume
+def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, tmp_path):
+    jobs = write_jobs(tmp_path)
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None:
+        if res.exists() and res.read_bytes().count(b"\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = lines_of(res.read_bytes())
+    assert 2 <= len(before) < len(QUESTIONS)
+    with open(res, "ab") as fh:  # as if killed in the middle of writing a line
+        fh.write(b'{"id": "q5", "text": "half a li')
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped"] == len(before) and summary["done"] == len(QUESTIONS) - len(before)
+    final = lines_of(res.read_bytes())
+    assert [g["id"] for g in final] == [f"q{i}" for i in range(len(QUESTIONS))]  # once each, input order
+    for g in final:
+        assert g["error"] is None and g["token_ids"] == expected[g["id"]], g
+
+
+def test_resume_refuses_another_model_or_jobs_file_and_a_fresh_run_keeps_old_results(model, tmp_path,
+                                                                                        tmp_path_factory):
+    from muser_cli.tinymodels import make_tiny_llama
+
+    jobs = write_jobs(tmp_path, QUESTIONS[:2])
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    r = batch(home, str(jobs), *common(model), "-o", str(res))
+    assert r.returncode == 0, r.stderr
+    kept = res.read_bytes()
+    other = str(make_tiny_llama(tmp_path_factory.mktemp("other") / "tiny"))
+    r = batch(home, str(jobs), *common(other), "-o", str(res), "--resume")
+    assert r.returncode == 65 and b"another model" in r.stderr, r.stderr
+    write_jobs(tmp_path, ["Where is the mill?", "A different question?"])
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume")
+    assert r.returncode == 65 and b"another job line" in r.stderr, r.stderr
+    r = batch(home, str(jobs), *common(model), "-o", str(res))
+    assert r.returncode == 2 and b"--resume" in r.stderr, r.stderr
+    assert res.read_bytes() == kept
+
+
+# ----------------------------------------------------------------------------- the pull lane
+@pytest.fixture(scope="module")
+def lane(tmp_path_factory, model):
+    root = tmp_path_factory.mktemp("batch-pull")
+    nodes = make_nodes(root)
+    producer = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32")
+    yield {"nodes": nodes, "producer": producer, "root": root}
+    producer.stop()
+
+
+def test_pull_lane_batch_ships_the_document_once_then_deltas(model, expected, lane, tmp_path):
+    jobs = write_jobs(tmp_path, QUESTIONS[:4])
+    p = lane["producer"]
+    before = len(p.events())
+    r = batch(lane["nodes"].consumer_home, str(jobs), *common(model), "--producer", p.address, "-o",
+              str(tmp_path / "res.jsonl"), "--json")
+    assert r.returncode == 0, r.stderr
+    got = lines_of((tmp_path / "res.jsonl").read_bytes())
+    for g in got:
+        assert g["token_ids"] == expected[g["id"]] and g["producer"] == p.address, g
+    assert got[0]["source"] == "handoff"
+    assert [g["source"] for g in got[1:]] == ["delta"] * 3, [g["source"] for g in got]
+    full = got[0]["shipped_bytes"]
+    assert all(0 < g["shipped_bytes"] < full / 2 for g in got[1:]), [g["shipped_bytes"] for g in got]
+    served = p.wait_events(before + 4)[before:]
+    assert [e["outcome"] for e in served] == ["served"] * 4
+    assert served[0]["held_rows"] == 0 and all(e["held_rows"] >= CHUNK for e in served[1:]), served
+    # The producer kept the last prompt's rows: the next question continued from them.
+    assert all(e["reused_rows"] >= CHUNK for e in served[1:]), served
+    summary = json.loads(r.stdout)
+    assert summary["sources"] == {"handoff": 1, "delta": 3} and summary["shipped_bytes"] == sum(
+        g["shipped_bytes"] for g in got)
+
+
+def _dead_address() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"127.0.0.1:{port}"
+
+
+def test_a_dead_producer_in_the_pool_is_skipped(model, expected, lane, tmp_path):
+    jobs = write_jobs(tmp_path, QUESTIONS[:3])
+    dead = _dead_address()
+    r = batch(lane["nodes"].consumer_home, str(jobs), *common(model), "--producer", dead, "--producer",
+              lane["producer"].address, "-o", str(tmp_path / "res.jsonl"), "--json", "--no-reuse")
+    assert r.returncode == 0, r.stderr
+    got = lines_of((tmp_path / "res.jsonl").read_bytes())
+    assert all(g["token_ids"] == expected[g["id"]] for g in got)
+    assert sum(g["producer"] == lane["producer"].address for g in got) >= 2  # the live one did the work
+    summary = json.loads(r.stdout)
+    state = {s["address"]: s for s in summary["producers"]}
+    assert state[dead]["failures"] >= 1 and state[dead]["served"] == 0
+
+
+def test_producer_killed_mid_batch_every_job_still_completes(model, expected, lane, tmp_path):
+    prod = Producer(lane["nodes"].producer_home, "-m", model, "--threads", "1", "--dtype", "float32")
+    jobs = write_jobs(tmp_path)
+    res = tmp_path / "res.jsonl"
+    try:
+        proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "--producer", prod.address, "-o",
+                                          str(res), "--timeout", "20"),
+                                env=env_for(lane["nodes"].consumer_home), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        end = time.monotonic() + 240
+        while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
+            time.sleep(0.05)
+        prod.proc.kill()
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    finally:
+        prod.proc.kill()
+        prod.proc.wait()
+    got = lines_of(res.read_bytes())
+    assert [g["id"] for g in got] == [f"q{i}" for i in range(len(QUESTIONS))]
+    for g in got:
+        assert g["error"] is None and g["token_ids"] == expected[g["id"]], g
+    assert got[0]["source"] in ("handoff", "delta")  # the store may hold the document from an earlier test
+    assert any(g["producer"] is None for g in got[1:]), [g["source"] for g in got]  # after the kill: local
+
+
+# ----------------------------------------------------------------------------- Ray
+def test_ray_batch_equals_the_local_batch(model, expected, tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'muser[ray]')")
+    solo = json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4})
+    jobs = write_jobs(tmp_path, QUESTIONS[:3], extra=[solo])
+    res = tmp_path / "res.jsonl"
+    r = batch(tmp_path / "home", str(jobs), *common(model), "--ray", "local", "--ray-workers", "2", "-o", str(res),
+              "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = lines_of(res.read_bytes())
+    assert [g["id"] for g in got] == ["q0", "solo", "q1", "q2"]
+    for g in got:
+        assert g["error"] is None and g["token_ids"] == expected[g["id"]], g
+    doc_workers = {g["worker"] for g in got if g["id"].startswith("q")}
+    assert len(doc_workers) == 1  # one document, one worker: its prefix paid once
+    assert [g["source"] for g in got if g["id"] != "solo"] == ["local", "store+local", "store+local"]

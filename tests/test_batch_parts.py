@@ -1,0 +1,215 @@
+"""The batch's parts without processes: job lines, the results file, the producer pool, the
+pull request's ``have`` and the resident producer's check of it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from muser_cli.batch.jobs import BadJob, Defaults, Job, read_jobs
+from muser_cli.batch.pool import ProducerPool
+from muser_cli.batch.results import Results
+from muser_cli.errors import AuthError, DataError, MissingInput, ProtocolError, TempFailure, UsageError
+from muser_cli.handoff.pull import PullRequest, new_request_id, parse_request, sign_request
+
+
+def jobs_of(tmp_path, *lines: str, defaults=Defaults()):
+    return read_jobs([ln.encode() for ln in lines], base_dir=tmp_path, defaults=defaults)
+
+
+# ----------------------------------------------------------------------------- job lines
+def test_a_job_line_takes_the_batch_defaults_and_a_document_comes_first(tmp_path):
+    (tmp_path / "doc.txt").write_text("The document.\n\n")
+    [a, b] = jobs_of(tmp_path, '{"id": "a", "prompt": "hi there"}',
+                     '{"id": "b", "prompt_file": "doc.txt", "question": "Why?", "max_tokens": 9, "seed": 3}',
+                     defaults=Defaults(max_tokens=7, temperature=0.5))
+    assert isinstance(a, Job) and a.text == "hi there" and a.max_tokens == 7 and a.temperature == 0.5
+    assert a.document is None
+    assert isinstance(b, Job) and b.text == "The document.\n\nWhy?" and b.max_tokens == 9 and b.seed == 3
+    assert b.document == str((tmp_path / "doc.txt").resolve())
+    assert a.digest != b.digest and a.digest.startswith("sha256:")
+
+
+def test_the_digest_follows_the_document_bytes(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("one")
+    line = '{"id": "a", "prompt_file": "doc.txt"}'
+    [first] = jobs_of(tmp_path, line)
+    doc.write_text("two")
+    [second] = jobs_of(tmp_path, line)
+    assert first.digest != second.digest  # a resumed batch notices a changed document
+
+
+@pytest.mark.parametrize("line, status, words", [
+    ('{"id": "a", "promt": "x"}', 65, "unknown field 'promt'"),
+    ('{"id": "a"}', 65, "exactly one of"),
+    ('{"id": "a", "prompt": "x", "prompt_file": "d"}', 65, "exactly one of"),
+    ('{"id": "a", "prompt": ""}', 65, "non-empty"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 0}', 65, "max_tokens"),
+    ('{"id": "a", "prompt": "x", "max_tokens": 2.5}', 65, "max_tokens"),
+    ('{"id": "a", "prompt": "x", "top_p": 0}', 65, "top_p"),
+    ('{"id": "a", "prompt": "x", "question": "q"}', 65, "question"),
+    ('{"id": "a", "prompt": "x", "chat": "yes"}', 65, "chat"),
+    ('{"id": "a", "prompt": "x", "seed": -1}', 65, "seed"),
+    ('{"id": 7, "prompt": "x"}', 65, "'id'"),
+    ('{"id": "a", "prompt_file": "missing.txt"}', 66, "missing.txt"),
+    ('[1, 2]', 65, "not a JSON object"),
+    ('{"id": "a", "prompt": "x", "prompt": "y"}', 65, ""),
+    ('{"id": "a", "prompt": NaN}', 65, ""),
+])
+def test_a_bad_line_is_a_failed_job_with_its_exit_status(tmp_path, line, status, words):
+    [bad] = jobs_of(tmp_path, line)
+    assert isinstance(bad, BadJob) and bad.error.exit_status == status, bad
+    assert words in str(bad.error) and "\n" not in str(bad.error)
+
+
+def test_a_repeated_id_is_refused_on_the_later_line_and_blank_lines_are_skipped(tmp_path):
+    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', "", '{"id": "a", "prompt": "y"}')
+    assert isinstance(got[0], Job) and isinstance(got[1], BadJob) and got[1].line == 3
+    assert "used by an earlier line" in str(got[1].error)
+
+
+def test_a_bad_line_keeps_the_id_it_meant(tmp_path):
+    [bad] = jobs_of(tmp_path, '{"id": "q7", "max_tokens": "many", "prompt": "x"}')
+    assert bad.id == "q7"
+    [bad] = jobs_of(tmp_path, "{{{")
+    assert bad.id == "line-1"
+
+
+# ----------------------------------------------------------------------------- results
+def result(rid: str, *, model="m", job="j", error=None) -> dict:
+    return {"id": rid, "model": model, "job": job, "error": error, "token_ids": [1]}
+
+
+def test_results_are_durable_lines_rewritten_in_input_order_at_the_end(tmp_path):
+    path = tmp_path / "res.jsonl"
+    r = Results(path)
+    r.open(["a", "b", "c"])
+    r.write(result("c"))
+    r.write(result("a"))
+    assert [json.loads(x)["id"] for x in path.read_bytes().splitlines()] == ["c", "a"]  # as they finished
+    r.write(result("b"))
+    r.close(complete=True)
+    assert [json.loads(x)["id"] for x in path.read_bytes().splitlines()] == ["a", "b", "c"]
+
+
+def test_resume_cuts_a_torn_line_and_keeps_the_latest_per_id(tmp_path):
+    path = tmp_path / "res.jsonl"
+    path.write_bytes(b"\n".join(json.dumps(x).encode() for x in (
+        result("a", error={"message": "x", "exit": 75}), result("a"), result("b"))) + b'\n{"id": "c", "te')
+    r = Results(path, resume=True)
+    done = r.done(model="m", jobs={"a": "j", "b": "j", "c": "j"})
+    assert set(done) == {"a", "b"} and done["a"]["error"] is None
+    assert path.read_bytes().endswith(b"\n")  # the torn line is gone
+    with pytest.raises(DataError, match="another model"):
+        Results(path, resume=True).done(model="other", jobs={})
+    with pytest.raises(DataError, match="another job line"):
+        Results(path, resume=True).done(model="m", jobs={"b": "changed"})
+
+
+def test_results_file_guards(tmp_path):
+    path = tmp_path / "res.jsonl"
+    path.write_text(json.dumps(result("a")) + "\n")
+    with pytest.raises(UsageError, match="already holds results") as info:
+        Results(path)
+    assert "--resume" in info.value.hint
+    with pytest.raises(UsageError):
+        Results(stream=open(os.devnull, "wb"), resume=True)
+    with pytest.raises(MissingInput):
+        Results(tmp_path / "no" / "res.jsonl")
+    Results(path, force=True)  # allowed: starts over
+
+
+def test_results_on_a_stream_come_out_in_input_order(tmp_path):
+    out = tmp_path / "out"
+    with open(out, "wb") as fh:
+        r = Results(stream=fh)
+        r.open(["a", "b", "c"])
+        r.write(result("b"))
+        assert out.read_bytes() == b""  # held until a's
+        r.skip("a")
+        r.write(result("c"))
+        r.close(complete=True)
+    assert [json.loads(x)["id"] for x in out.read_bytes().splitlines()] == ["b", "c"]
+
+
+# ----------------------------------------------------------------------------- the pool
+def test_the_pool_picks_the_least_busy_and_backs_off_a_failed_producer():
+    now = [100.0]
+    pool = ProducerPool(["127.0.0.1:1", "127.0.0.1:2"], backoff_s=2, clock=lambda: now[0])
+    first = pool.pick()
+    second = pool.pick()
+    assert {first, second} == {"127.0.0.1:1", "127.0.0.1:2"}  # the idle one, not the busy one
+    pool.done(first, TempFailure("connection refused"))
+    pool.done(second)
+    assert pool.pick() == second and pool.pick() == second  # first is backing off
+    pool.done(second)
+    pool.done(second)
+    assert pool.pick(exclude=[second]) is None  # first still backing off
+    now[0] += 2.1
+    assert pool.pick(exclude=[second]) == first  # tried again after its back-off
+    pool.done(first, AuthError("certificate refused"))
+    now[0] += 1000
+    assert pool.pick(exclude=[second]) is None  # refused us for good: dropped
+    assert [s["gone"] for s in pool.to_json()] == ["certificate refused", None]
+
+
+def test_the_pool_refuses_a_bad_or_repeated_address():
+    with pytest.raises(UsageError):
+        ProducerPool(["no-port"])
+    with pytest.raises(UsageError, match="twice"):
+        ProducerPool(["127.0.0.1:7070", "127.0.0.1:7070"])
+
+
+# ----------------------------------------------------------------------------- have
+def make_request(**over) -> PullRequest:
+    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
+                  token_ids=tuple(range(1, 40)), tokenizer_fingerprint="sha256:" + "b" * 64,
+                  model_fingerprint="sha256:" + "a" * 64, chunk_tokens=8, dtype="float32")
+    fields.update(over)
+    return PullRequest(**fields)
+
+
+def test_a_request_with_have_round_trips_and_without_it_is_unchanged():
+    plain = make_request()
+    raw, _ = sign_request(plain, bytes(32))
+    assert b"have" not in raw and parse_request(raw) == plain
+    req = make_request(have_tokens=16, have_chain="c1:" + "f" * 64)
+    raw, _ = sign_request(req, bytes(32))
+    assert parse_request(raw) == req
+
+
+@pytest.mark.parametrize("have", [
+    {"held_tokens": 0, "chain": "x"}, {"held_tokens": 39, "chain": "x"}, {"held_tokens": 8},
+    {"held_tokens": 8, "chain": "x", "more": 1}, {"held_tokens": "8", "chain": "x"}, [8, "x"],
+    {"held_tokens": 8, "chain": "bad chain"},
+])
+def test_a_malformed_have_is_a_protocol_error(have):
+    obj = make_request().to_json()
+    obj["have"] = have
+    from muser_cli.handoff.header import canonical
+
+    with pytest.raises(ProtocolError):
+        parse_request(canonical(obj))
+
+
+def test_the_resident_producer_refuses_a_have_chain_that_is_not_the_prompts(tiny_llama):
+    from muser_cli.handoff.spool import Refusal
+    from muser_cli.reuse.chain import Scope, chain_at
+    from muser_cli.serve import ResidentProducer
+
+    prod = ResidentProducer(str(tiny_llama.path), dtype="float32")
+    ids = tuple(range(5, 45))
+    scope = Scope(tiny_llama.fingerprint, tiny_llama.tokenizer_fingerprint, "float32", 8)
+    good = make_request(token_ids=ids, model_fingerprint=tiny_llama.fingerprint,
+                        tokenizer_fingerprint=tiny_llama.tokenizer_fingerprint, have_tokens=16,
+                        have_chain=chain_at(scope, list(ids), 16))
+    prod.check(good)
+    other = chain_at(scope, [9] + list(ids[1:]), 16)
+    with pytest.raises(Refusal) as info:
+        prod.check(make_request(token_ids=ids, model_fingerprint=tiny_llama.fingerprint,
+                                tokenizer_fingerprint=tiny_llama.tokenizer_fingerprint, have_tokens=16,
+                                have_chain=other))
+    assert info.value.code == "data"

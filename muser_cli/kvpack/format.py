@@ -21,9 +21,9 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from muser_cli.errors import KVPackError
+from muser_cli.errors import KVPackError, MuserError
 from muser_cli.kvpack.digest import DEFAULT_DIGEST, DIGESTS
 from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
 from muser_cli.strict import canonical_json  # noqa: F401 - the one canonical JSON; kvpack callers import it here
@@ -219,23 +219,23 @@ def _fail(msg: str) -> KVPackError:
     return KVPackError(f"bad kvpack header: {msg}")
 
 
-def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str, fail: Callable[[str], MuserError] = _fail) -> Any:
     if not isinstance(obj, dict):
-        raise _fail(f"{where} is not an object")
+        raise fail(f"{where} is not an object")
     if key not in obj:
-        raise _fail(f"missing {where}.{key}")
+        raise fail(f"missing {where}.{key}")
     value = obj[key]
     if kind is int and isinstance(value, bool):
-        raise _fail(f"{where}.{key} must be an integer")
+        raise fail(f"{where}.{key} must be an integer")
     if not isinstance(value, kind):
-        raise _fail(f"{where}.{key} has the wrong type")
+        raise fail(f"{where}.{key} has the wrong type")
     return value
 
 
-def _int(obj: Any, key: str, where: str, lo: int, hi: int) -> int:
-    value = _get(obj, key, int, where)
+def _int(obj: Any, key: str, where: str, lo: int, hi: int, fail: Callable[[str], MuserError] = _fail) -> int:
+    value = _get(obj, key, int, where, fail)
     if not lo <= value <= hi:
-        raise _fail(f"{where}.{key}={value} outside [{lo}, {hi}]")
+        raise fail(f"{where}.{key}={value} outside [{lo}, {hi}]")
     return value
 
 
@@ -271,33 +271,35 @@ def _json_depth_ok(data: bytes) -> bool:
     return True
 
 
-def _parse_layer(obj: Any, i: int) -> LayerSpec:
-    where = f"layers[{i}]"
-    kind = _get(obj, "kind", str, where)
+def parse_layer_spec(obj: Any, where: str, fail: Callable[[str], MuserError] = _fail) -> LayerSpec:
+    """A :class:`LayerSpec` from its ``to_json()`` form, strictly: the one layer-spec parser
+    (a pack header's ``layers[i]``, and the vLLM connector's config). Every refusal is
+    ``fail(message)`` naming ``where``; by default a :class:`KVPackError` about the header."""
+    kind = _get(obj, "kind", str, where, fail)
     if kind not in LAYER_KINDS:
-        raise _fail(f"{where}.kind {kind!r} is unknown (known: {', '.join(LAYER_KINDS)})")
-    kv_heads = _int(obj, "kv_heads", where, 1, MAX_HEADS)
-    head_dim = _int(obj, "head_dim", where, 1, MAX_HEAD_DIM)
-    v_head_dim = _int(obj, "v_head_dim", where, 1, MAX_HEAD_DIM)
+        raise fail(f"{where}.kind {kind!r} is unknown (known: {', '.join(LAYER_KINDS)})")
+    kv_heads = _int(obj, "kv_heads", where, 1, MAX_HEADS, fail)
+    head_dim = _int(obj, "head_dim", where, 1, MAX_HEAD_DIM, fail)
+    v_head_dim = _int(obj, "v_head_dim", where, 1, MAX_HEAD_DIM, fail)
     window = obj.get("window") if isinstance(obj, dict) else None
     if kind == "sliding":
-        window = _int(obj, "window", where, 2, MAX_TOKENS)
+        window = _int(obj, "window", where, 2, MAX_TOKENS, fail)
     elif window is not None:
-        raise _fail(f"{where}.window must be null for a full layer")
+        raise fail(f"{where}.window must be null for a full layer")
     rope_obj = obj.get("rope")
     rope = None
     if rope_obj is not None:
         w = f"{where}.rope"
-        theta = _get(rope_obj, "theta", (int, float), w)
+        theta = _get(rope_obj, "theta", (int, float), w, fail)
         if isinstance(theta, bool) or not (0 < float(theta) < 1e12):
-            raise _fail(f"{w}.theta out of range")
-        dims = _int(rope_obj, "dims", w, 2, head_dim)
-        style = _get(rope_obj, "style", str, w)
+            raise fail(f"{w}.theta out of range")
+        dims = _int(rope_obj, "dims", w, 2, head_dim, fail)
+        style = _get(rope_obj, "style", str, w, fail)
         if style not in ROPE_STYLES:
-            raise _fail(f"{w}.style {style!r} is unknown (known: {', '.join(ROPE_STYLES)})")
+            raise fail(f"{w}.style {style!r} is unknown (known: {', '.join(ROPE_STYLES)})")
         scaling = rope_obj.get("scaling")
         if scaling is not None and not isinstance(scaling, dict):
-            raise _fail(f"{w}.scaling must be an object or null")
+            raise fail(f"{w}.scaling must be an object or null")
         rope = RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
     return LayerSpec(kind=kind, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, window=window, rope=rope)
 
@@ -366,7 +368,7 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
     layers_obj = _get(obj, "layers", list, "header")
     if not 1 <= len(layers_obj) <= MAX_LAYERS:
         raise _fail(f"{len(layers_obj)} layers outside [1, {MAX_LAYERS}]")
-    layers = tuple(_parse_layer(layer, i) for i, layer in enumerate(layers_obj))
+    layers = tuple(parse_layer_spec(layer, f"layers[{i}]") for i, layer in enumerate(layers_obj))
 
     codec = _get(obj, "codec", dict, "header")
     if codec.get("name") not in CODEC_NAMES.values():

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.errors import ConfigError, UsageError
-from muser_cli.kvpack.layers import DTYPES, LayerSpec, RopeSpec
+from muser_cli.kvpack.format import parse_layer_spec
+from muser_cli.kvpack.layers import DTYPES, LayerSpec
 
 CONNECTOR_CLASS = "MuserConnector"
 CONNECTOR_MODULE = "muser_cli.engines.vllm.connector"
@@ -43,29 +44,9 @@ _CACHE_DTYPES: dict[str, tuple[str, str | None]] = {
 
 
 def layer_spec_from_json(obj: Any, i: int = 0) -> LayerSpec:
-    """A :class:`LayerSpec` from its ``to_json()`` form (strict; ConfigError on anything odd)."""
-    if not isinstance(obj, dict):
-        raise ConfigError(f"connector layers[{i}] is not an object")
-    try:
-        rope = obj.get("rope")
-        rope_spec = None
-        if rope is not None:
-            rope_spec = RopeSpec(
-                theta=float(rope["theta"]), dims=int(rope["dims"]),
-                style=str(rope.get("style", "rotate_half")), scaling=rope.get("scaling"),
-            )
-        spec = LayerSpec(
-            kind=str(obj["kind"]), kv_heads=int(obj["kv_heads"]), head_dim=int(obj["head_dim"]),
-            v_head_dim=int(obj.get("v_head_dim", obj["head_dim"])),
-            window=None if obj.get("window") is None else int(obj["window"]), rope=rope_spec,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"connector layers[{i}] is malformed ({type(exc).__name__}: {exc})") from None
-    if spec.kind not in ("full", "sliding") or spec.kv_heads < 1 or spec.head_dim < 1 or spec.v_head_dim < 1:
-        raise ConfigError(f"connector layers[{i}] is malformed")
-    if spec.kind == "sliding" and (spec.window is None or spec.window < 1):
-        raise ConfigError(f"connector layers[{i}] is sliding without a positive window")
-    return spec
+    """A :class:`LayerSpec` from its ``to_json()`` form, by the kvpack header's own strict
+    parser (:func:`muser_cli.kvpack.format.parse_layer_spec`); ConfigError on anything odd."""
+    return parse_layer_spec(obj, f"connector layers[{i}]", fail=ConfigError)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
-        producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; falls back to local prefill by itself."),
+        producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
                 if prompt_text is None or src != "-":
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
                 pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
-                                          dtype=dtype, engine=engine, timeout=timeout)
+                                          dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse)
                 inp = pulling.reader
                 reason = f"nothing from {producer}"
             elif src != "-" and not Path(src).exists() and prompt_text is not None:

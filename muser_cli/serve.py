@@ -271,13 +271,19 @@ class PipePull:
 
 
 def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
-                    dtype: str | None, engine: str, timeout: float | None) -> PipePull:
+                    dtype: str | None, engine: str, timeout: float | None, have: bool = True) -> PipePull:
+    """``have``: tell the producer what this machine's store holds of the prompt, so only the
+    rest is computed there and shipped (a delta pack; decode merges it with the stored prefix)."""
     from muser_cli.handoff.link import parse_hostport
 
     parse_hostport(producer)  # a bad address is a usage error, not a fallback
-    return PipePull(producer, lambda: ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens,
-                                              dtype=dtype, engine=engine), timeout=timeout)
+
+    def make_ask() -> PullAsk:
+        ask = ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens, dtype=dtype, engine=engine)
+        return with_have(ask) if have else ask
+
+    return PipePull(producer, make_ask, timeout=timeout)
 
 
 __all__ = ["PipePull", "PullAsk", "ResidentProducer", "ask_for", "pull_prompt", "serve", "start_pull_pipe",
-           "TempFailure"]
+           "TempFailure", "with_have"]

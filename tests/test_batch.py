@@ -263,3 +263,25 @@ def test_ray_batch_equals_the_local_batch(model, expected, tmp_path):
     doc_workers = {g["worker"] for g in got if g["id"].startswith("q")}
     assert len(doc_workers) == 1  # one document, one worker: its prefix paid once
     assert [g["source"] for g in got if g["id"] != "solo"] == ["local", "store+local", "store+local"]
+
+
+def test_decode_producer_asks_only_for_what_the_store_lacks(model, expected, lane, tmp_path):
+    """``decode --producer`` (not only batch) sends its have: a stored document -> a delta."""
+    home = tmp_path / "consumer"
+    import shutil
+
+    shutil.copytree(lane["nodes"].consumer_home, home)
+    shutil.rmtree(home / "data" / "store", ignore_errors=True)  # what earlier tests stored: not this one's
+    p = lane["producer"]
+    runs = []
+    for i, q in enumerate(QUESTIONS[:2]):
+        prompt = tmp_path / f"p{i}.txt"
+        prompt.write_text(f"{DOC}\n\n{q}")
+        r = subprocess.run(muser_cmd("decode", *common(model), "--prompt", str(prompt), "-n", "5", "--json",
+                                     "--producer", p.address, "--store"),
+                           env=env_for(home), capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout))
+    assert runs[0]["source"] == "handoff" and runs[1]["source"] == "delta", [x["source"] for x in runs]
+    assert runs[1]["reuse"]["held_tokens"] >= CHUNK
+    assert [x["token_ids"] for x in runs] == [expected["q0"], expected["q1"]]

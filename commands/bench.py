@@ -109,5 +109,17 @@ def wire_cmd(
         _report(res, as_json)
 
 
+@bench_app.command("chart")
+def chart_cmd(
+    receipt: str = typer.Argument(..., help="A receipt that bench lane, pack or wire wrote (JSON)."),
+    plot: str = typer.Option(..., "--plot", help="The .png to draw (needs matplotlib: pip install 'muser[plot]')."),
+) -> None:
+    """Draw the chart of an earlier receipt: the picture --plot would have drawn from it."""
+    from muser_cli.bench.api import chart
+
+    with guarded():
+        info(f"bench: chart {chart(receipt, plot)}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")

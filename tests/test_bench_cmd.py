@@ -92,6 +92,19 @@ def test_bench_pack_receipt_and_chart(tmp_path):
         check_stats(row["seconds"]["save mlx-lm prompt cache"], 2)
         assert row["bytes_vs_mlx_lm"]["mlx-lm prompt cache"] == 1.0
     check_png(png)
+    # The same chart again from the receipt alone; a receipt of something else is refused.
+    again = tmp_path / "again.png"
+    res = bench("chart", str(path), "--plot", str(again))
+    assert res.exit_code == 0, res.output
+    check_png(again)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**receipt, "benchmark": "os.system"}))
+    res = bench("chart", str(other), "--plot", str(tmp_path / "no.png"))
+    assert res.exit_code == 65 and not (tmp_path / "no.png").exists()
+    assert len(res.stderr.strip().splitlines()) == 1
+    other.write_text(json.dumps({"benchmark": "lane", "rows": [{"depth": 8}]}))
+    res = bench("chart", str(other), "--plot", str(tmp_path / "no.png"))
+    assert res.exit_code == 65 and not (tmp_path / "no.png").exists(), res.output
 
 
 def test_bench_lane_table_receipt_and_chart(tiny_long, tmp_path):

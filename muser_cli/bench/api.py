@@ -91,3 +91,29 @@ def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: f
     result = run_wire(mbs, reps=reps, probe_seconds=probe_seconds, pin=pin, progress=progress)
     return _finish(result, receipt_path, plot_path)
 
+
+
+def chart(receipt: str | os.PathLike, plot: str | os.PathLike) -> Path:
+    """Draw the chart of a receipt written by ``bench lane|pack|wire`` (the same picture ``--plot`` draws)."""
+    import json
+
+    from muser_cli.bench.plot import PLOTTERS, check_plot_path
+    from muser_cli.bench.plot import plot as draw
+    from muser_cli.errors import DataError, MissingInput
+
+    plot_path = check_plot_path(plot)
+    src = Path(receipt)
+    if not src.is_file():
+        raise MissingInput(f"no such receipt: {receipt}")
+    try:
+        payload = json.loads(src.read_bytes()[: 64 << 20])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DataError(f"{receipt} is not a JSON receipt: {exc}") from None
+    name = payload.get("benchmark") if isinstance(payload, dict) else None
+    if name not in PLOTTERS:  # a closed set: never dispatch on a name from the file otherwise
+        raise DataError(f"{receipt} is not a receipt of muser bench lane, pack or wire",
+                        hint="receipts of the older benchmark scripts have no chart")
+    try:
+        return draw(name, payload, plot_path)
+    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError) as exc:
+        raise DataError(f"{receipt}: a {name} receipt without the figures its chart needs ({exc!r})") from None

@@ -169,8 +169,8 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
                 savers["mlx-lm prompt cache"] = (mlx_save, mlx_load, ".safetensors")
 
             times: dict[str, list[float]] = {k: [] for k in cases}
-            for name in savers:
-                times[f"save {name}"], times[f"load {name}"] = [], []
+            times.update({f"save {name}": [] for name in savers})  # saves side by side, then loads
+            times.update({f"load {name}": [] for name in savers})
             sizes: dict[str, int] = {}
             for rnd in range(reps + 1):  # round 0 warms up
                 progress(f"pack {depth} tok: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
@@ -191,7 +191,7 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
             gbps = {k: summarize([raw / t / 1e9 for t in v if t > 0]) for k, v in times.items()}
             mc = gbps["memcpy"]["median"]
             row: dict[str, Any] = {
-                "depth": depth, "raw_kv_bytes": raw, "seconds": stats, "GBps": gbps,
+                "depth": depth, "cases": list(times), "raw_kv_bytes": raw, "seconds": stats, "GBps": gbps,
                 "vs_memcpy": {k: v["median"] / mc for k, v in gbps.items()},
                 "bytes": {"raw KV": raw, **{f"pack {c}": len(b) for c, b in blobs.items()},
                           **{f"file {k}": v for k, v in sizes.items()}},

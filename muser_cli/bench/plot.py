@@ -57,6 +57,14 @@ def _footer(fig, payload: dict[str, Any]) -> None:
     fig.supxlabel(" · ".join(b for b in bits if b), fontsize=7, color="0.35")
 
 
+def _plain_log(axis) -> None:
+    """Decade ticks as plain numbers (0.1, 1, 10, 100), no minor labels."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _errs(stats: list[dict[str, Any]], scale: float) -> list[list[float]]:
     return [[(s["median"] - s["min"]) * scale for s in stats], [(s["max"] - s["median"]) * scale for s in stats]]
 
@@ -88,6 +96,7 @@ def plot_lane(payload: dict[str, Any], path: Path) -> Path:
     medians = [r[k]["ttft"]["median"] for r in rows for k, _, _ in series if k in r]
     if min(medians) > 0 and max(medians) / min(medians) > 20:
         ax.set_yscale("log")
+        _plain_log(ax.yaxis)
         ax.set_ylabel(f"time to first token ({unit}, log)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(depths, [str(d) for d in depths])
@@ -122,7 +131,7 @@ def plot_lane(payload: dict[str, Any], path: Path) -> Path:
 
 def plot_pack(payload: dict[str, Any], path: Path) -> Path:
     rows = payload["rows"]
-    names = list(rows[0]["seconds"])
+    names = rows[0].get("cases") or list(rows[0]["seconds"])  # the receipt's JSON keys are sorted
     fig, (ax, bx) = _figure(12, max(4.6, 0.32 * len(names) * len(rows) + 1.5), 2)
     height = 0.8 / len(rows)
     for i, r in enumerate(rows):
@@ -130,21 +139,31 @@ def plot_pack(payload: dict[str, Any], path: Path) -> Path:
         ys = [j + i * height for j in range(len(names))]
         ax.barh(ys, [s["median"] * 1e3 for s in stats], height=height, xerr=_errs(stats, 1e3), capsize=2,
                 label=f"{r['depth']} tokens ({r['raw_kv_bytes'] / 1e6:.1f} MB KV)")
+        for y, st in zip(ys, stats):
+            ax.annotate(f" {st['median'] * 1e3:.3g} ms", (st["max"] * 1e3, y), va="center", fontsize=7)
     ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    _plain_log(ax.xaxis)
+    lo, hi = ax.get_xlim()
+    ax.set_xlim(lo, hi * 3)  # room for the labels
     ax.set_xlabel("time (ms, log)")
     ax.set_title(f"kvpack vs mlx-lm and memcpy: {payload.get('model')}, bf16", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=8)
-    bnames = list(rows[0]["bytes"])
+    order = ["raw KV", "pack none", "pack zstd+bytegroup"]
+    bnames = [n for n in order if n in rows[0]["bytes"]] + sorted(n for n in rows[0]["bytes"] if n not in order)
     biggest = max(max(r["bytes"].values()) for r in rows)
     bunit, bscale = ("MB", 1e-6) if biggest >= 1e6 else ("kB", 1e-3)
     for i, r in enumerate(rows):
         ys = [j + i * height for j in range(len(bnames))]
-        bx.barh(ys, [r["bytes"][n] * bscale for n in bnames], height=height, label=f"{r['depth']} tokens")
+        bars = [r["bytes"][n] * bscale for n in bnames]
+        bx.barh(ys, bars, height=height, label=f"{r['depth']} tokens")
+        for y, b in zip(ys, bars):
+            bx.annotate(f" {b:.4g}", (b, y), va="center", fontsize=7)
     bx.set_yticks([j + 0.4 - height / 2 for j in range(len(bnames))], bnames, fontsize=8)
     bx.invert_yaxis()
+    bx.set_xlim(0, biggest * bscale * 1.15)  # room for the labels
     bx.set_xlabel(f"bytes ({bunit})")
     bx.set_title("size", fontsize=10)
     bx.grid(True, axis="x", alpha=0.3)

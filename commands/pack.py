@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, emit_json, guarded, info, open_input
+from muser_cli.commands._common import binary_output, emit_json, guarded, info, open_input, read_text_input
 
 
 def register(app: typer.Typer) -> None:
@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         streams); a cut or damaged input never ends in an end frame, and -o FILE is
         written only when the whole pack verified.
         """
-        from muser_cli.pack import pack
+        from muser_cli import pack as packing
 
         if export_to is not None or import_from is not None:
             with guarded(as_json=as_json):
@@ -41,23 +41,17 @@ def register(app: typer.Typer) -> None:
             return
         if show_info:
             with guarded(as_json=as_json), open_input(src) as inp:
-                _show_info(inp, as_json=as_json)
+                _show_info(packing.pack_info(inp), as_json=as_json)
             return
         with guarded():
             manifest = None
             if have is not None:
-                from muser_cli.reuse import HaveManifest
-
                 with open_input(have) as f:
-                    manifest = HaveManifest.loads(f.read(1 << 20 | 1))
-            codec = "none" if no_zstd else "zstd+bytegroup"
+                    manifest = packing.read_have(f)
             with open_input(src) as inp, binary_output(output) as out:
-                res = pack(inp, out, codec=codec, level=zstd, quant=quant, have=manifest)
-            summary = {"frames": res.frames, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
-                       "kv_bytes": res.raw_bytes, "ratio": round(res.ratio, 4), "codec": res.codec,
-                       "seconds": round(res.seconds, 4), "held_tokens": res.held_tokens}
+                res = packing.pack(inp, out, codec=packing.codec_for(no_zstd), level=zstd, quant=quant, have=manifest)
             if as_json and output not in ("-", None):
-                emit_json(summary)
+                emit_json(res.to_json())
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 info(f"pack: {res.frames} frames, {res.bytes_in} -> {res.bytes_out} bytes "
@@ -67,61 +61,36 @@ def register(app: typer.Typer) -> None:
 def _interop(src: str, output: str, *, export_to: str | None, import_from: str | None, model: str | None,
              prompt: str | None, chat: bool, level: int, no_zstd: bool, as_json: bool) -> None:
     """--export / --import: a kvpack to or from another tool's cache file (docs/interop.md)."""
-    from muser_cli.errors import UsageError
+    from muser_cli import pack as packing
 
-    if export_to is not None and import_from is not None:
-        raise UsageError("--export and --import exclude each other")
-    fmt = export_to if export_to is not None else import_from
-    if fmt != "mlx-lm":
-        raise UsageError(f"unknown cache format {fmt!r}", hint="the one format is: mlx-lm")
+    packing.interop_format(export_to, import_from)
     from muser_cli.interop import mlx_lm
 
     if export_to is not None:
         with open_input(src) as inp, binary_output(output) as out:
             res = mlx_lm.export_mlx_lm(inp, out, model=model)
-        summary = {"format": "mlx-lm", "rows": res.rows, "next_token_ids": res.next_token_ids, "model": res.model_ref,
-                   "bytes_in": res.bytes_in, "bytes_out": res.bytes_out, "seconds": round(res.seconds, 4)}
         if as_json and output not in ("-", None):
-            emit_json(summary)
+            emit_json(packing.export_summary(res))
             return
         info(f"pack: exported {res.rows} rows (prompt[:-1]) as an mlx-lm prompt cache, {res.bytes_out} bytes; "
              f"continue with the last prompt token, id {res.next_token_ids[0]}")
         if not res.model_resolved:
             info(f"pack: the file names model {res.model_ref!r}; pass -m FOLDER so that mlx_lm.generate can load it")
         return
-    if model is None or prompt is None:
-        raise UsageError("--import mlx-lm needs -m MODEL and --prompt FILE",
-                         hint="mlx-lm's file carries no model hash and no token ids")
-    if src in ("-", None):
-        raise UsageError("--import mlx-lm reads a file, not stdin", hint="name the .safetensors file")
-    from pathlib import Path
-
-    from muser_cli.commands._common import read_text_input
-    from muser_cli.errors import MissingInput
-
-    if not Path(src).exists():
-        raise MissingInput(f"no such file: {src}")
-    if Path(src).is_dir():
-        raise UsageError(f"{src} is a directory, not a file")
+    packing.check_import(src, model=model, prompt=prompt)
     text = read_text_input(prompt)
     with binary_output(output) as out:
-        res = mlx_lm.import_mlx_lm(src, out, model=model, prompt=text, chat=chat,
-                                   codec="none" if no_zstd else "zstd+bytegroup", level=level)
-    summary = {"format": "mlx-lm", "tokens": res.tokens, "cached_positions": res.cached_positions,
-               "dropped_last_row": res.dropped_last_row, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
-               "seconds": round(res.seconds, 4)}
+        res = mlx_lm.import_mlx_lm(src, out, model=model, prompt=text, chat=chat, codec=packing.codec_for(no_zstd),
+                                   level=level)
     if as_json and output not in ("-", None):
-        emit_json(summary)
+        emit_json(packing.import_summary(res))
         return
     note = " (the file held the whole prompt; its last row is left to the consumer)" if res.dropped_last_row else ""
     info(f"pack: imported an mlx-lm prompt cache of {res.cached_positions} positions as a kvpack of "
          f"{res.tokens} tokens, {res.bytes_out} bytes{note}")
 
 
-def _show_info(inp, *, as_json: bool) -> None:
-    from muser_cli.pack import pack_info
-
-    d = pack_info(inp)
+def _show_info(d: dict, *, as_json: bool) -> None:
     if as_json:
         emit_json(d)
         return

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, BinaryIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from muser_cli.errors import DataError, IdentityMismatch, KVPackError, UsageError
+from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
 from muser_cli.kvpack.summary import summarize
 from muser_cli.reuse.chain import scope_of_header
 from muser_cli.reuse.delta import cut_frame, delta_header
+from muser_cli.reuse.manifest import HaveManifest
 
 if TYPE_CHECKING:
     from muser_cli.kvpack import PackHeader
-    from muser_cli.reuse.manifest import HaveManifest
 
 READ_BLOCK = 1 << 20
 
@@ -54,8 +55,23 @@ class PackResult:
     def ratio(self) -> float:
         return self.raw_bytes / self.bytes_out if self.bytes_out else 0.0
 
+    def to_json(self) -> dict[str, Any]:
+        return {"frames": self.frames, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "kv_bytes": self.raw_bytes, "ratio": round(self.ratio, 4), "codec": self.codec,
+                "seconds": round(self.seconds, 4), "held_tokens": self.held_tokens}
 
-def delta_for(header: "PackHeader", have: "HaveManifest") -> "PackHeader":
+
+def codec_for(no_zstd: bool) -> str:
+    """The output codec ``pack`` and ``--import`` write: uncompressed, or byte-grouped zstd."""
+    return "none" if no_zstd else "zstd+bytegroup"
+
+
+def read_have(src: BinaryIO) -> HaveManifest:
+    """A consumer's have manifest from ``src``, read no further than one byte past its size limit."""
+    return HaveManifest.loads(src.read(1 << 20 | 1))
+
+
+def delta_for(header: "PackHeader", have: HaveManifest) -> "PackHeader":
     """``header`` cut to what the consumer of ``have`` lacks; refuses another model, prompt or schedule."""
     have.check_model(header.model_fingerprint, header.tokenizer_fingerprint, what="this pack's model")
     have.check_prompt(list(header.token_ids))
@@ -76,7 +92,7 @@ def delta_for(header: "PackHeader", have: "HaveManifest") -> "PackHeader":
 
 
 def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: int = 1, quant: str = "none",
-         have: "HaveManifest | None" = None) -> PackResult:
+         have: HaveManifest | None = None) -> PackResult:
     if codec not in CODEC_NAMES.values():
         raise UsageError(f"unknown codec {codec!r}", hint="one of: " + ", ".join(CODEC_NAMES.values()))
     if quant not in QUANT_SCHEMES:
@@ -121,7 +137,7 @@ def _cut(header: "PackHeader", ev: FrameEvent):
 
 
 def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0: float,
-                    have: "HaveManifest | None" = None) -> PackResult:
+                    have: HaveManifest | None = None) -> PackResult:
     """int8: the measured error goes in the header, so every frame is read (and verified) first."""
     reader = PackReader()
     frames: list[FrameEvent] = []
@@ -184,3 +200,43 @@ def pack_info(src: BinaryIO) -> dict:
         "seconds": round(time.perf_counter() - t0, 6),
     })
     return info
+
+
+# ---------------------------------------------------------------- another tool's cache file (--export / --import)
+INTEROP_FORMATS = ("mlx-lm",)
+
+
+def interop_format(export_to: str | None, import_from: str | None) -> str:
+    """The one cache format named by ``--export`` or ``--import`` (not both)."""
+    if export_to is not None and import_from is not None:
+        raise UsageError("--export and --import exclude each other")
+    fmt = export_to if export_to is not None else import_from
+    if fmt not in INTEROP_FORMATS:
+        raise UsageError(f"unknown cache format {fmt!r}", hint="the one format is: mlx-lm")
+    return fmt
+
+
+def check_import(src: str | None, *, model: str | None, prompt: str | None) -> None:
+    """What ``--import mlx-lm`` needs: a model, a prompt, and an existing file (not stdin)."""
+    if model is None or prompt is None:
+        raise UsageError("--import mlx-lm needs -m MODEL and --prompt FILE",
+                         hint="mlx-lm's file carries no model hash and no token ids")
+    if src in ("-", None):
+        raise UsageError("--import mlx-lm reads a file, not stdin", hint="name the .safetensors file")
+    if not Path(src).exists():
+        raise MissingInput(f"no such file: {src}")
+    if Path(src).is_dir():
+        raise UsageError(f"{src} is a directory, not a file")
+
+
+def export_summary(res: Any) -> dict[str, Any]:
+    """The JSON summary of an :class:`~muser_cli.interop.mlx_lm.ExportResult`."""
+    return {"format": "mlx-lm", "rows": res.rows, "next_token_ids": res.next_token_ids, "model": res.model_ref,
+            "bytes_in": res.bytes_in, "bytes_out": res.bytes_out, "seconds": round(res.seconds, 4)}
+
+
+def import_summary(res: Any) -> dict[str, Any]:
+    """The JSON summary of an :class:`~muser_cli.interop.mlx_lm.ImportResult`."""
+    return {"format": "mlx-lm", "tokens": res.tokens, "cached_positions": res.cached_positions,
+            "dropped_last_row": res.dropped_last_row, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
+            "seconds": round(res.seconds, 4)}

@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from muser_cli.commands._common import binary_output, emit_json, err, guarded, info, open_input, read_text_input
+from muser_cli.fsio import write_bytes_atomic
 
 reuse_app = typer.Typer(help="The prefix store: what KV this machine holds, for warm starts and delta handoffs.",
                         no_args_is_help=True)
@@ -36,19 +37,17 @@ def have_cmd(
     output: str = typer.Option("-", "--output", "-o", help="Write the manifest here (default stdout)."),
 ) -> None:
     """Print the have manifest (JSON): how many of the prompt's tokens the store holds, and where."""
-    from muser_cli.reuse import Store
-    from muser_cli.reuse.api import have
+    from muser_cli.reuse import api
 
     with guarded():
-        store = Store()
-        manifest = have(read_text_input(prompt), model=model, chat=chat, dtype=dtype, chunk_tokens=chunk, store=store)
+        store = api.Store()
+        manifest = api.have(read_text_input(prompt), model=model, chat=chat, dtype=dtype, chunk_tokens=chunk,
+                            store=store)
         _notes(store)
         text = manifest.dumps()
         if output in ("-", None):
             typer.echo(text, nl=False)
         else:
-            from muser_cli.fsio import write_bytes_atomic
-
             write_bytes_atomic(output, text.encode())
         info(f"reuse: {manifest.held_tokens} of {manifest.prompt_tokens} prompt tokens held"
              + (" (complete: no producer needed)" if manifest.complete else ""))
@@ -67,17 +66,16 @@ def put_cmd(
     Every token id is checked against the model's vocabulary; a pack whose model is
     neither given nor known here is refused (exit 65).
     """
-    from muser_cli.reuse import Store
-    from muser_cli.reuse.api import put
+    from muser_cli.reuse import api
 
     with guarded(as_json=as_json):
-        store = Store()
+        store = api.Store()
         with open_input(src) as inp:
-            res = put(inp, store=store, model=model)
+            res = api.put(inp, store=store, model=model)
         _notes(store)
         e = res.entry
         if as_json:
-            emit_json({"entry": e.to_json(), "new": res.new, "points": res.points, "evicted": res.evicted})
+            emit_json(res.to_json())
         else:
             info(f"reuse: {'stored' if res.new else 'already held'} {e.id[:12]} ({e.tokens} tokens, {_size(e.bytes)}, "
                  f"chunk {e.chunk_tokens}, {e.dtype})" + (f"; evicted {len(res.evicted)}" if res.evicted else ""))
@@ -89,13 +87,12 @@ def get_cmd(
     output: str = typer.Option("-", "--output", "-o", help="Output kvpack, or - for stdout."),
 ) -> None:
     """Write a stored kvpack, verified, byte for byte."""
-    from muser_cli.reuse import Store
-    from muser_cli.reuse.api import get
+    from muser_cli.reuse import api
 
     with guarded():
-        store = Store()
+        store = api.Store()
         with binary_output(output) as out:
-            get(entry, out, store=store)
+            api.get(entry, out, store=store)
         _notes(store)
 
 
@@ -105,16 +102,14 @@ def ls_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """List entries: id, model, tokens, bytes, schedule, last use (most recent first)."""
-    from muser_cli.reuse.api import ls
-
-    from muser_cli.reuse import Store
+    from muser_cli.reuse import api
 
     with guarded(as_json=as_json):
-        store = Store()
-        entries = ls(model=model, store=store)
+        store = api.Store()
+        entries = api.ls(model=model, store=store)
         _notes(store)
         if as_json:
-            emit_json({"entries": [e.to_json() for e in entries], "bytes": sum(e.bytes for e in entries)})
+            emit_json(api.listing(entries))
             return
         typer.echo(f"{'ENTRY':<12}  {'MODEL':<24} {'TOKENS':>7} {'BYTES':>10} {'CHUNK':>5} {'DTYPE':<8} LAST USE")
         for e in entries:
@@ -130,10 +125,10 @@ def rm_cmd(
     everything: bool = typer.Option(False, "--all", help="Remove every entry."),
 ) -> None:
     """Remove entries from the store."""
-    from muser_cli.reuse.api import rm
+    from muser_cli.reuse import api
 
     with guarded():
-        gone = rm(entries or [], everything=everything)
+        gone = api.rm(entries or [], everything=everything)
         info(f"reuse: removed {len(gone)} entr{'y' if len(gone) == 1 else 'ies'}")
 
 
@@ -145,16 +140,14 @@ def gc_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Sweep leftovers and orphans, optionally verify or rebuild, then evict to the size cap."""
-    from muser_cli.reuse import Store, parse_size
-    from muser_cli.reuse.api import gc
+    from muser_cli.reuse import api
 
     with guarded(as_json=as_json):
-        store = Store()
-        res = gc(max_bytes=parse_size(max_size) if max_size else None, verify=verify, rebuild=rebuild, store=store)
+        store = api.Store()
+        res = api.gc(max_size=max_size, verify=verify, rebuild=rebuild, store=store)
         _notes(store)
         if as_json:
-            emit_json({"evicted": res.evicted, "removed": res.removed, "tmp_removed": res.tmp_removed,
-                       "entries": res.entries, "bytes": res.bytes})
+            emit_json(res.to_json())
         else:
             info(f"reuse: {res.entries} entries, {_size(res.bytes)}; evicted {len(res.evicted)}, "
                  f"removed {len(res.removed)} broken, {res.tmp_removed} temporaries")

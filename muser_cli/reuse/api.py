@@ -6,11 +6,13 @@ import shutil
 from dataclasses import replace
 from typing import BinaryIO, Sequence
 
-from muser_cli.errors import MuserError, PromptTooShort, UsageError
-from muser_cli.kvpack import token_digest
-from muser_cli.models import resolve_model
+from muser_cli.binding import _short
+from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MuserError, PromptTooShort, UsageError
+from muser_cli.kvpack import PackReader, token_digest
+from muser_cli.models import known_model, resolve_model
 from muser_cli.reuse.manifest import HaveManifest
 from muser_cli.reuse.store import Entry, GCResult, PutResult, Store
+from muser_cli.strict import parse_size
 from muser_cli.tokens import encode_prompt
 
 
@@ -58,10 +60,6 @@ def put(src: BinaryIO, *, store: Store | None = None, model: str | None = None) 
     model reference, which the pack must then be for), or else the folder this machine
     already knows by the pack's model fingerprint. A pack for a model it cannot find is
     refused (exit 65): its ids cannot be checked."""
-    from muser_cli.errors import DataError, IdentityMismatch
-    from muser_cli.binding import _short
-    from muser_cli.models import known_model
-
     head = _Peek(src)
     header = head.header()
     if model is not None:
@@ -87,9 +85,6 @@ class _Peek:
         self._buffered = b""
 
     def header(self):
-        from muser_cli.errors import KVPackError
-        from muser_cli.kvpack import PackReader
-
         reader = PackReader(decode=False)
         chunks = []
         while reader.header is None:
@@ -125,9 +120,9 @@ def get(entry: str, out: BinaryIO, *, store: Store | None = None) -> Entry:
 
 
 def ls(*, store: Store | None = None, model: str | None = None) -> list[Entry]:
+    """The store's entries (of ``model`` only, when given), most recently used first."""
     fingerprint = None
     if model is not None:
-    
         fingerprint = resolve_model(model).fingerprint
     return (store or Store()).entries(model=fingerprint)
 
@@ -143,6 +138,18 @@ def rm(entries: Sequence[str], *, store: Store | None = None, everything: bool =
     return store.remove(ids)
 
 
+def listing(entries: Sequence[Entry]) -> dict:
+    """``reuse ls --json``: the entries and their total size."""
+    return {"entries": [e.to_json() for e in entries], "bytes": sum(e.bytes for e in entries)}
+
+
 def gc(*, max_bytes: int | None = None, verify: bool = False, rebuild: bool = False,
-       store: Store | None = None) -> GCResult:
+       store: Store | None = None, max_size: str | None = None) -> GCResult:
+    """Sweep, optionally verify or rebuild, then evict to ``max_bytes`` (or ``max_size``, a
+    size such as 20G or 512M; a bad one is a UsageError)."""
+    if max_size:
+        max_bytes = parse_size(max_size)
     return (store or Store()).gc(max_bytes=max_bytes, verify=verify, rebuild=rebuild)
+
+
+__all__ = ["Entry", "GCResult", "HaveManifest", "PutResult", "Store", "gc", "get", "have", "listing", "ls", "put", "rm"]

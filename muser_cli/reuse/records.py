@@ -55,6 +55,9 @@ class PutResult:
     new: bool
     evicted: list[str] = field(default_factory=list)
 
+    def to_json(self) -> dict:
+        return {"entry": self.entry.to_json(), "new": self.new, "points": self.points, "evicted": self.evicted}
+
 
 @dataclass
 class GCResult:
@@ -63,3 +66,7 @@ class GCResult:
     tmp_removed: int = 0
     entries: int = 0
     bytes: int = 0
+
+    def to_json(self) -> dict:
+        return {"evicted": self.evicted, "removed": self.removed, "tmp_removed": self.tmp_removed,
+                "entries": self.entries, "bytes": self.bytes}

@@ -285,3 +285,18 @@ def test_decode_producer_asks_only_for_what_the_store_lacks(model, expected, lan
     assert runs[0]["source"] == "handoff" and runs[1]["source"] == "delta", [x["source"] for x in runs]
     assert runs[1]["reuse"]["held_tokens"] >= CHUNK
     assert [x["token_ids"] for x in runs] == [expected["q0"], expected["q1"]]
+
+
+def test_an_mlx_consumer_batch_equals_mlx_decode_per_job(model, tmp_path):
+    pytest.importorskip("mlx.core", reason="MLX is not installed on this machine")
+    from muser_cli.decode import decode
+
+    jobs = write_jobs(tmp_path, QUESTIONS[:2])
+    r = batch(tmp_path / "home", str(jobs), *common(model), "--engine", "mlx")
+    assert r.returncode == 0, r.stderr
+    got = lines_of(r.stdout)
+    assert [g["source"] for g in got] == ["local", "store+local"] and {g["engine"] for g in got} == {"mlx"}
+    for g, q in zip(got, QUESTIONS):
+        want = decode(None, model=model, prompt=f"{DOC}\n\n{q}", max_new_tokens=5, engine="mlx", dtype="float32",
+                      threads=1, chunk_tokens=CHUNK, reuse=False)
+        assert g["token_ids"] == want.token_ids, g

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 from muser_cli.errors import KVPackError, MuserError
 from muser_cli.kvpack.digest import DEFAULT_DIGEST, DIGESTS
 from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
+from muser_cli.kvpack.quant import int8_row_bytes
 from muser_cli.strict import canonical_json  # noqa: F401 - the one canonical JSON; kvpack callers import it here
 
 MAGIC = b"\x89KVPACK\n"
@@ -158,8 +159,6 @@ class PackHeader:
     def row_bytes(self, index: int) -> int:
         """Bytes of one row of layer ``index`` in a frame's decoded payload (after the codec)."""
         if self.quant_scheme == "int8":
-            from muser_cli.kvpack.quant import int8_row_bytes
-
             spec = self.layers[index]
             return int8_row_bytes(spec.kv_heads, spec.head_dim, spec.v_head_dim)
         return self.logical_row_bytes(index)

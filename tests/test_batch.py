@@ -144,6 +144,29 @@ def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, 
         assert g["error"] is None and g["token_ids"] == expected[g["id"]], g
 
 
+def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected, tmp_path):
+    jobs = write_jobs(tmp_path)
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err
+    assert b"stopping after the current job" in err
+    partial = lines_of(res.read_bytes())
+    assert 1 <= len(partial) < len(QUESTIONS) and all(g["error"] is None for g in partial)
+    assert res.read_bytes().endswith(b"\n")  # whole lines only
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume")
+    assert r.returncode == 0, r.stderr
+    final = lines_of(res.read_bytes())
+    assert [g["id"] for g in final] == [f"q{i}" for i in range(len(QUESTIONS))]
+    assert all(g["token_ids"] == expected[g["id"]] for g in final)
+
+
 def test_resume_refuses_another_model_or_jobs_file_and_a_fresh_run_keeps_old_results(model, tmp_path,
                                                                                         tmp_path_factory):
     from muser_cli.tinymodels import make_tiny_llama

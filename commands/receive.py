@@ -47,6 +47,7 @@ def register(app: typer.Typer) -> None:
         idle_timeout: float = typer.Option(30.0, "--idle-timeout", help="Longest silence tolerated, seconds."),
         handshake_timeout: float = typer.Option(10.0, "--handshake-timeout", help="TLS handshake deadline."),
         queue: int = typer.Option(16, "--queue", help="Producers that may wait while one is admitted."),
+        no_reuse: bool = typer.Option(False, "--no-reuse", help="With --from: ask for the whole pack, not only the suffix this machine's store lacks (default: a delta when the store holds a prefix)."),
     ) -> None:
         """Receive kvpacks as they stream: TLS 1.3 with client certificates, HMAC header and trailer, replay ledger.
 
@@ -62,7 +63,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("give exactly one of --listen HOST:PORT or --from HOST:PORT PROMPT")
             if pull_from is not None:
                 _pull(pull_from, prompt, model=model, chat=chat, chunk=chunk, dtype=dtype, timeout=timeout,
-                      output=output, as_json=as_json)
+                      output=output, as_json=as_json, have=not no_reuse)
                 return
             if prompt is not None:
                 raise UsageError("a PROMPT argument needs --from HOST:PORT")
@@ -77,13 +78,15 @@ def register(app: typer.Typer) -> None:
 
 
 def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: bool, chunk: Optional[int],
-          dtype: Optional[str], timeout: Optional[float], output: str, as_json: bool) -> None:
-    """``receive --from``: one request to a resident producer; the verified pack to stdout or -o."""
+          dtype: Optional[str], timeout: Optional[float], output: str, as_json: bool, have: bool) -> None:
+    """``receive --from``: one request to a resident producer; the verified pack to stdout or -o.
+    ``have``: ask only for what this machine's store lacks (a delta pack that `decode --prompt`
+    merges with the stored prefix)."""
     from pathlib import Path
 
     from muser_cli.commands._common import read_text_input
     from muser_cli.handoff.link import parse_hostport
-    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.serve import ask_for, pull_prompt, with_have
 
     if prompt is None:
         raise UsageError("--from needs a PROMPT file (or - for stdin)")
@@ -92,6 +95,8 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
     if as_json and to_stdout:
         raise UsageError("--json needs -o FILE (stdout carries the kvpack)")
     ask = ask_for(read_text_input(prompt), model=model, chat=chat, chunk_tokens=chunk, dtype=dtype, engine="torch")
+    if have:
+        ask = with_have(ask)
 
     def on_event(kind: str, f: dict) -> None:
         if kind == "queued":
@@ -102,5 +107,6 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
     if as_json:
         emit_json(got)
     else:
+        delta = f", a delta from token {got['held_tokens']} (this store holds the rest)" if got["held_tokens"] else ""
         info(f"receive: pulled {got['handoff_id']} from {got['sender']} ({got['payload_bytes']} bytes, "
-             f"{got['frames']} frames)")
+             f"{got['frames']} frames{delta})")

@@ -231,7 +231,7 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
                     model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
                     ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
                     on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain)
-    return accepted.to_json()
+    return {**accepted.to_json(), "held_tokens": ask.have_tokens}
 
 
 class PipePull:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import threading
@@ -259,3 +260,46 @@ def test_producer_killed_mid_stream_keeps_verified_chunks_and_the_tokens(lane, t
     finally:
         prod.proc.kill()
         prod.proc.wait()
+
+
+def test_receive_from_asks_only_for_what_the_store_lacks(lane, tmp_path):
+    """A stored document: ``receive --from`` for a follow-up question on it ships a delta pack
+    (positions from the stored prefix) that ``decode --prompt`` merges to the local tokens;
+    ``--no-reuse`` asks for the whole pack."""
+    from muser_cli.kvpack import read_pack
+
+    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
+    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    env = env_for(home)
+    stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
+                                      "--store", "-o", str(tmp_path / "doc.kvpack")),
+                            env=env, capture_output=True, timeout=120)
+    assert stored.returncode == 0, stored.stderr
+    follow = tmp_path / "follow.txt"
+    follow.write_text(PROMPT + "\n\nWhere did they put the bridge?")
+    ask = ["receive", "--from", lane["producer"].address, str(follow), "-m", lane["model"], "--chunk", str(CHUNK)]
+    delta = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "delta.kvpack"), "--json"), env=env,
+                           capture_output=True, timeout=120)
+    assert delta.returncode == 0, delta.stderr
+    got = json.loads(delta.stdout)
+    full = subprocess.run(muser_cmd(*ask, "--no-reuse", "-o", str(tmp_path / "full.kvpack"), "--json"), env=env,
+                          capture_output=True, timeout=120)
+    assert full.returncode == 0, full.stderr
+    def header_of(path: Path):
+        with open(path, "rb") as f:
+            return read_pack(f).header
+
+    head = header_of(tmp_path / "delta.kvpack")
+    assert got["held_tokens"] >= CHUNK and head.rows_start == got["held_tokens"], (got, head.rows_start)
+    assert header_of(tmp_path / "full.kvpack").rows_start == 0
+    assert json.loads(full.stdout)["held_tokens"] == 0
+    assert got["payload_bytes"] < json.loads(full.stdout)["payload_bytes"]
+    common = [*lane["common"], "--chunk", str(CHUNK), "--prompt", str(follow), "-n", "8", "--json"]
+    merged = subprocess.run(muser_cmd("decode", str(tmp_path / "delta.kvpack"), *common), env=env,
+                            capture_output=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    local = subprocess.run(muser_cmd("decode", *common, "--no-reuse"), env=env, input=b"", capture_output=True,
+                           timeout=120)
+    assert local.returncode == 0, local.stderr
+    out = json.loads(merged.stdout)
+    assert out["source"] == "delta" and out["token_ids"] == json.loads(local.stdout)["token_ids"], out

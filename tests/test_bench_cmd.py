@@ -59,6 +59,7 @@ def check_machine(receipt: dict) -> None:
     m = receipt["machine"]
     assert {"python", "platform", "cpus", "numpy", "date", "git", "loadavg"} <= set(m)
     assert m["cpus"] >= 1
+    assert {"git", "loadavg", "date"} <= set(receipt["started"])
 
 
 def only_file(folder: Path, pattern: str) -> Path:

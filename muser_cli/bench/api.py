@@ -20,6 +20,15 @@ DEFAULT_DEPTHS = "512,2048,8064"
 DEFAULT_SIZES_MB = "1,8,64"
 
 
+def _started() -> dict:
+    """The commit, load and time when measuring began (the receipt's machine is taken at the end)."""
+    import time
+
+    from muser_cli.bench.common import git_commit, load_average
+
+    return {"git": git_commit(), "loadavg": load_average(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def _prepare(name: str, reps: int, plot: str | os.PathLike | None, receipt: str | os.PathLike | None):
     check_reps(reps)
     plot_path = None
@@ -30,7 +39,8 @@ def _prepare(name: str, reps: int, plot: str | os.PathLike | None, receipt: str 
     return plot_path, check_receipt_path(name, receipt)
 
 
-def _finish(result: BenchResult, receipt_path: Path, plot_path: Path | None) -> BenchResult:
+def _finish(result: BenchResult, receipt_path: Path, plot_path: Path | None, started: dict) -> BenchResult:
+    result.payload["started"] = started
     write_receipt(result, receipt_path)
     if plot_path is not None:
         from muser_cli.bench.plot import plot
@@ -53,6 +63,7 @@ def bench_lane(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
     if settle < 0:
         raise UsageError(f"--settle must be 0 or more seconds, not {settle}")
     plot_path, receipt_path = _prepare("lane", reps, plot, receipt)
+    started = _started()
     info = resolve_bench_model(model, progress=progress)
     check_depths(info, ds)
     result = run_lane(info, ds, reps=reps, dtype=dtype, codec=codec, threads=threads or None, pin=pin, live=live,
@@ -60,7 +71,7 @@ def bench_lane(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
                       progress=progress)
     if model in (None, "default"):
         result.payload["model_ref"] = "default"
-    return _finish(result, receipt_path, plot_path)
+    return _finish(result, receipt_path, plot_path, started)
 
 
 def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, reps: int = 5,
@@ -71,12 +82,13 @@ def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
 
     ds = parse_ints(depths, what="--depths", low=2)
     plot_path, receipt_path = _prepare("pack", reps, plot, receipt)
+    started = _started()
     info = resolve_bench_model(model, progress=progress)
     check_depths(info, ds)
     if threads < 1:
         threads = max(1, min(os.cpu_count() or 1, 8))
     result = run_pack(info, ds, reps=reps, synthetic=synthetic, threads=threads, peers=peers, progress=progress)
-    return _finish(result, receipt_path, plot_path)
+    return _finish(result, receipt_path, plot_path, started)
 
 
 def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: float = 1.0, pin: bool = True,
@@ -88,8 +100,9 @@ def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: f
     if not 0.05 <= probe_seconds <= 60:
         raise UsageError(f"--probe-seconds must be between 0.05 and 60, not {probe_seconds}")
     plot_path, receipt_path = _prepare("wire", reps, plot, receipt)
+    started = _started()
     result = run_wire(mbs, reps=reps, probe_seconds=probe_seconds, pin=pin, progress=progress)
-    return _finish(result, receipt_path, plot_path)
+    return _finish(result, receipt_path, plot_path, started)
 
 
 

@@ -51,8 +51,10 @@ def _figure(width: float, height: float, ncols: int = 1):
 
 def _footer(fig, payload: dict[str, Any]) -> None:
     m = payload.get("machine", {})
-    bits = [f"muser {m.get('git') or ''}".strip(), m.get("date", ""), f"{m.get('cpus_allowed', '?')} cores",
-            f"load {m['loadavg'][0]:.1f}" if m.get("loadavg") else "",
+    st = payload.get("started") or {}
+    load = " → ".join(f"{x['loadavg'][0]:.1f}" for x in (st, m) if x.get("loadavg"))
+    bits = [f"muser {st.get('git') or m.get('git') or ''}".strip(), m.get("date", ""),
+            f"{m.get('cpus_allowed', '?')} cores", f"load {load}" if load else "",
             f"median of {payload.get('reps')} reps after 1 warm-up; bars min..max"]
     fig.supxlabel(" · ".join(b for b in bits if b), fontsize=7, color="0.35")
 

@@ -139,7 +139,7 @@ def test_bench_wire_receipt_and_chart(tmp_path):
     check_machine(receipt)
     assert [r["megabytes"] for r in receipt["rows"]] == [1, 2]
     for row in receipt["rows"]:
-        for key in ("probe_up_Bps", "payload_rate_Bps", "end_to_end_Bps", "ratio"):
+        for key in ("probe_up_Bps", "payload_rate_Bps", "end_to_end_Bps", "ratio", "end_to_end_ratio"):
             check_stats(row[key], 2)
         assert row["bytes"] > 0.9e6 * row["megabytes"]
     check_png(png)

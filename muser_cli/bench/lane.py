@@ -192,8 +192,8 @@ def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settl
     try:
         addr = wait_listening(recv, "bench lane (streamed)")
         time.sleep(settle)  # the consumer is resident: its model is loaded before the producer starts
-        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", str(threads),
-                                                         "--dtype", dtype, "--json"]),
+        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads",
+                                                         str(threads), "--dtype", dtype, "--json"]),
                                env=prod, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         snd = subprocess.run(pins.command("producer", [*MUSER, "send", "--to", addr, "--json"]), env=prod,
                              stdin=pre.stdout, capture_output=True)
@@ -236,8 +236,8 @@ def file_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, work: Pat
                             env=cons, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         addr = wait_listening(recv, "bench lane (file)")
-        pre = subprocess.run(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", str(threads),
-                                                       "--dtype", dtype, "-o", str(out), "--json"]),
+        pre = subprocess.run(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads",
+                                                       str(threads), "--dtype", dtype, "-o", str(out), "--json"]),
                              env=prod, stdin=subprocess.DEVNULL, capture_output=True)
         snd = subprocess.run(pins.command("producer", [*MUSER, "send", str(out), "--to", addr]), env=prod,
                              stdin=subprocess.DEVNULL, capture_output=True)
@@ -262,22 +262,26 @@ def file_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, work: Pat
             "bytes": p["bytes"]}
 
 
+def _t(stats: dict) -> str:
+    """A median time with its CV, in ms below 10 s, else in s."""
+    m = stats["median"]
+    value = f"{m * 1e3:8.1f} ms" if m < 10 else f"{m:8.2f} s "
+    return f"{value} cv {stats['cv']:>5.1%}"
+
+
 def lane_table(rows: list[dict]) -> list[str]:
     live = any("streamed" in r for r in rows)
-    head = f"{'depth':>6} | {'kvpack':>9} | {'local TTFT':>18} | {'handoff TTFT':>18} | {'overhead':>20}"
+    head = f"{'depth':>6} | {'kvpack':>9} | {'local TTFT':>20} | {'handoff TTFT':>20} | {'overhead':>22}"
     if live:
-        head += f" | {'streamed TTFT':>18} | exposed | {'file lane TTFT':>18} | exposed"
+        head += f" | {'streamed TTFT':>20} | {'exposed':>8} | {'file lane TTFT':>20} | {'exposed':>8}"
     out = [head]
     for r in rows:
         lo, h = r["local"], r["handoff"]
-        line = (f"{r['depth']:>6} | {r['bytes'] / 1e6:>6.2f} MB | {lo['ttft']['median'] * 1e3:>9.1f} ms cv {lo['ttft']['cv']:>4.1%}"
-                f" | {h['ttft']['median'] * 1e3:>9.1f} ms cv {h['ttft']['cv']:>4.1%} | "
-                f"{h['overhead']['median'] * 1e3:>7.1f} ms = {h['overhead_frac']['median']:>6.2%}")
+        line = (f"{r['depth']:>6} | {r['bytes'] / 1e6:>6.2f} MB | {_t(lo['ttft'])} | {_t(h['ttft'])} | "
+                f"{h['overhead']['median'] * 1e3:>8.1f} ms = {h['overhead_frac']['median']:>7.2%}")
         if live:
-            st = r["streamed"]
-            fl = r["file"]
-            line += (f" | {st['ttft']['median'] * 1e3:>9.1f} ms cv {st['ttft']['cv']:>4.1%} | "
-                     f"{st['exposed']['median']:+.2%} | {fl['ttft']['median'] * 1e3:>9.1f} ms cv {fl['ttft']['cv']:>4.1%}"
-                     f" | {fl['exposed']['median']:+.2%}")
+            st, fl = r["streamed"], r["file"]
+            line += (f" | {_t(st['ttft'])} | {st['exposed']['median']:>+8.2%} | {_t(fl['ttft'])} | "
+                     f"{fl['exposed']['median']:>+8.2%}")
         out.append(line)
     return out

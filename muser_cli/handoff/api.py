@@ -14,6 +14,12 @@ from typing import Any, BinaryIO, Callable
 from muser_cli import paths
 from muser_cli.errors import UsageError
 from muser_cli.strict import parse_size as strict_parse_size
+from muser_cli.handoff.ledger import repair
+from muser_cli.handoff.link import parse_hostport
+from muser_cli.handoff.node import describe_node, export_producer, init_node, join_node, load_identity, revoke_key
+from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
+from muser_cli.handoff.sender import probe_link as probe_, send as send_
+from muser_cli.strict import parse_rate
 
 
 def ledger_dir() -> Path:
@@ -35,25 +41,21 @@ def parse_size(text: str) -> int:
 
 # ----------------------------------------------------------------------------- node
 def node_init(*, name: str | None, hosts: list[str], force: bool) -> dict[str, Any]:
-    from muser_cli.handoff.node import init_node
 
     return init_node(paths.keys_dir(), name=name, hosts=hosts, force=force)
 
 
 def node_export(*, producer: str, hosts: list[str]) -> tuple[bytes, dict[str, Any]]:
-    from muser_cli.handoff.node import export_producer
 
     return export_producer(paths.keys_dir(), producer=producer, hosts=hosts)
 
 
 def node_join(data: bytes, *, force: bool) -> dict[str, Any]:
-    from muser_cli.handoff.node import join_node
 
     return join_node(paths.keys_dir(), data, force=force)
 
 
 def node_ls() -> dict[str, Any]:
-    from muser_cli.handoff.node import describe_node
 
     out = describe_node(paths.keys_dir())
     out["ledger_dir"] = str(ledger_dir())
@@ -61,13 +63,11 @@ def node_ls() -> dict[str, Any]:
 
 
 def node_revoke(key_id: str) -> dict[str, Any]:
-    from muser_cli.handoff.node import revoke_key
 
     return revoke_key(paths.keys_dir(), key_id).public()
 
 
 def repair_ledger(key_id: str) -> dict[str, Any]:
-    from muser_cli.handoff.ledger import repair
 
     return repair(ledger_dir(), key_id)
 
@@ -75,9 +75,6 @@ def repair_ledger(key_id: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- wire
 def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, timeout: float,
          connect_timeout: float, idle_timeout: float, progress=None) -> dict[str, Any]:
-    from muser_cli.strict import parse_rate
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.sender import send as send_
 
     rate_bps = parse_rate(rate) if rate else None
     identity = load_identity(paths.keys_dir())
@@ -90,9 +87,6 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
             out_stream: BinaryIO | None, max_size: str, window: float, idle_timeout: float,
             handshake_timeout: float, queue: int, on_event: Callable[[str, dict], None] | None,
             on_accept: Callable[[dict], None] | None) -> list[dict[str, Any]]:
-    from muser_cli.handoff.link import parse_hostport
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
 
     host, port = parse_hostport(listen, listen=True)
     destination: Destination | None
@@ -121,9 +115,6 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
 
 
 def probe_link(*, to: str, seconds: float, floor: str | None, connect_timeout: float) -> dict[str, Any]:
-    from muser_cli.strict import parse_rate
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.sender import probe_link as probe_
 
     identity = load_identity(paths.keys_dir())
     floor_bps = parse_rate(floor) if floor else None

@@ -6,6 +6,10 @@ Contract: every input either parses or raises a MuserError (one line, a document
 status); no other exception, no hang. Run (docs/benchmarks.md states the counts):
 
     python tests/fuzz/fuzz_handoff.py -atheris_runs=1000000 -timeout=10 -max_len=4096
+    python tests/fuzz/fuzz_handoff.py --only=request -atheris_runs=1000000 ...   # one surface
+
+``--only=header|trailer|request|v3|pull`` fuzzes one surface alone (every input goes to
+it), so each gets its own count of executions.
 
 tests/test_fuzz_handoff.py drives :func:`one_input` on mutated valid inputs without atheris.
 """
@@ -60,10 +64,17 @@ def _drain(conn, data: bytes) -> None:
             return
 
 
+SURFACES = ("header", "trailer", "request", "v3", "pull")
+ONLY: int | None = None  # --only=NAME: the index of the one surface fuzzed
+
+
 def one_input(data: bytes) -> None:
     if not data:
         return
-    target, body = data[0] % 5, data[1:]
+    if ONLY is not None:
+        target, body = ONLY, data
+    else:
+        target, body = data[0] % 5, data[1:]
     try:
         if target == 0:
             parse_header(body)
@@ -81,5 +92,9 @@ def one_input(data: bytes) -> None:
 
 if __name__ == "__main__":
     assert atheris is not None, "pip install atheris"
+    for arg in list(sys.argv[1:]):
+        if arg.startswith("--only="):
+            ONLY = SURFACES.index(arg.split("=", 1)[1])
+            sys.argv.remove(arg)
     atheris.Setup(sys.argv, one_input)
     atheris.Fuzz()

@@ -108,11 +108,28 @@ def test_bench_pack_receipt_and_chart(tmp_path):
     assert res.exit_code == 65 and not (tmp_path / "no.png").exists(), res.output
 
 
+def thread_affinities() -> set[frozenset[int]]:
+    import os
+
+    out = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out.add(frozenset(os.sched_getaffinity(int(tid))))
+        except OSError:
+            pass
+    return out
+
+
 def test_bench_lane_table_receipt_and_chart(tiny_long, tmp_path):
+    import os
+
     png, rec = tmp_path / "lane.png", tmp_path / "lane.json"
+    before = os.sched_getaffinity(0)
     res = bench("lane", "-m", str(tiny_long), "--reps", "2", "--depths", "32,96", "--plot", str(png),
                 "--receipt", str(rec))
     assert res.exit_code == 0, res.output
+    # Pinned phase by phase, then every thread of this process (workers it started included) let go.
+    assert thread_affinities() == {frozenset(before)}
     lines = res.stdout.strip().splitlines()
     assert "local TTFT" in lines[0] and len(lines) == 3
     assert lines[1].split("|")[0].strip() == "32" and lines[2].split("|")[0].strip() == "96"

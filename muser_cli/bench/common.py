@@ -179,9 +179,22 @@ class Pinning:
             os.sched_setaffinity(0, {cpu})
 
     def release(self) -> None:
-        """Give the calling thread back every core it had before."""
-        if self.pinned and self.original:
-            os.sched_setaffinity(0, set(self.original))
+        """Give every thread of this process back the cores the process had before: the
+        calling thread, and the worker threads (hashing, zstd) it started while pinned,
+        which inherited its core."""
+        if not (self.pinned and self.original):
+            return
+        cpus = set(self.original)
+        os.sched_setaffinity(0, cpus)
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            return
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # a thread that has ended meanwhile
+                pass
 
 
 def pinning(enabled: bool = True) -> Pinning:

@@ -16,6 +16,8 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import typer
 
+from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
+
 from muser_cli.errors import MissingInput, MuserError, UsageError
 
 EXIT_OK = 0
@@ -196,19 +198,6 @@ def progress_callback() -> Callable[[str, int, int], None] | None:
             console.print("")
 
     return report
-
-
-def default_threads() -> int:
-    value = os.environ.get("MUSER_THREADS")
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            from muser_cli.errors import ConfigError
-
-            raise ConfigError(f"MUSER_THREADS={value!r} is not a whole number",
-                              hint="set it to a thread count such as 2, or unset it") from None
-    return max(1, min(os.cpu_count() or 1, 8))
 
 
 # --------------------------------------------------------------------------- usage errors

@@ -209,3 +209,37 @@ def test_statistics_are_the_documented_ones():
     assert s["cv"] == pytest.approx(pstdev / mean)
     assert summarize([5.0])["cv"] == 0.0
     assert parse_ints(" 512, 2048 ,8064", what="--depths") == [512, 2048, 8064]
+
+
+def test_pinning_moves_every_thread_phase_by_phase():
+    """A consumer phase runs with the worker threads on the consumer's core too, and release
+    gives them all back (real threads, real affinity; skipped on one core)."""
+    import os
+    import threading
+
+    from muser_cli.bench.common import pinning
+
+    pins = pinning()
+    if not pins.pinned:
+        pytest.skip("one core: nothing is pinned")
+    go, done, seen = threading.Event(), threading.Event(), {}
+
+    def worker():
+        go.wait(10)
+        seen["in phase"] = os.sched_getaffinity(0)
+        done.wait(10)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    try:
+        pins.enter("producer")
+        pins.enter("consumer")
+        go.set()
+        while "in phase" not in seen and t.is_alive():
+            t.join(0.01)
+    finally:
+        pins.release()
+        done.set()
+        t.join(10)
+    assert seen == {"in phase": {pins.consumer}, "after": set(pins.original)}

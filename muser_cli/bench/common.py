@@ -173,28 +173,30 @@ class Pinning:
         return [self.taskset, "-c", str(cpu), *argv]
 
     def enter(self, role: str) -> None:
-        """Move the calling thread onto ``role``'s core (in-process phases)."""
+        """Move this process onto ``role``'s core for an in-process phase: the calling thread
+        and every worker thread (the kvpack writer's and reader's hashing and zstd pool), so a
+        consumer phase never borrows the producer's core."""
         cpu = self.producer if role == "producer" else self.consumer
         if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
+            _set_all_threads({cpu})
 
     def release(self) -> None:
-        """Give every thread of this process back the cores the process had before: the
-        calling thread, and the worker threads (hashing, zstd) it started while pinned,
-        which inherited its core."""
-        if not (self.pinned and self.original):
-            return
-        cpus = set(self.original)
-        os.sched_setaffinity(0, cpus)
+        """Give every thread of this process back the cores the process had before."""
+        if self.pinned and self.original:
+            _set_all_threads(set(self.original))
+
+
+def _set_all_threads(cpus: set[int]) -> None:
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
         try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:
-            return
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:  # a thread that has ended meanwhile
-                pass
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that has ended meanwhile
+            pass
 
 
 def pinning(enabled: bool = True) -> Pinning:

@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
         zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames at zstd LEVEL, byte-grouped first (default: uncompressed)."),
         have: Optional[str] = typer.Option(None, "--have", help="Consumer's manifest (`muser reuse have`): write a delta of only what it lacks."),
         reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),
-        store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store."),
+        store: bool = typer.Option(False, "--store", help="Also keep the result in this machine's store (with --serve: every request's, and continue from the store's deepest prefix)."),
         output: str = typer.Option("-", "--output", "-o", help="Output kvpack file, or - for stdout."),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON summary: on stdout with -o FILE; on stderr when the kvpack goes to stdout."),
         vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
@@ -93,9 +93,9 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
     from muser_cli.serve import serve
 
     chat, chunk, zstd, have, reuse, store, output = others
-    if prompt != "-" or chat or chunk is not None or zstd or have or reuse or store or output not in ("-", None):
-        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse, --store or -o",
-                         hint="each request names its prompt, chunk size and dtype")
+    if prompt != "-" or chat or chunk is not None or zstd or have or reuse or output not in ("-", None):
+        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
+                         hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
     if engine not in ("torch", "vllm"):
         raise UsageError("--serve runs the torch or the vllm engine in this version")
     stop = threading.Event()
@@ -109,9 +109,11 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             sys.stderr.flush()
         elif kind == "request":
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
+            if f.get("outcome") == "served" and f.get("reused_rows"):
+                what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
         elif kind == "tls_failed":
             info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 
     serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop)
+          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store)

@@ -32,7 +32,7 @@ class ResidentProducer:
     """One model and engine, loaded once; :meth:`check` and :meth:`run` per request."""
 
     def __init__(self, model: str | None, *, engine: str = "torch", dtype: str | None = None, threads: int = 1,
-                 engine_options: dict | None = None) -> None:
+                 engine_options: dict | None = None, store: bool = False) -> None:
         from muser_cli.engines.registry import get_engine
         from muser_cli.models import resolve_model
         from muser_cli.schedule import default_dtype
@@ -48,6 +48,10 @@ class ResidentProducer:
         self.load_s = time.perf_counter() - t0
         self.keep_last = True  # keep the last request's rows to continue a prompt that shares its prefix
         self._last: tuple[list[int], tuple[int, str], list] | None = None
+        # ``store``: also continue from this machine's reuse store, and keep every result there
+        # (put after the stream ended: :meth:`after_stream`, so the consumer never waits on it).
+        self.store = store
+        self._put: tuple[Any, list] | None = None
 
     def check(self, req: PullRequest) -> None:
         from muser_cli.errors import DataError
@@ -98,8 +102,10 @@ class ResidentProducer:
         writer = PackWriter(out, header) if eng.streams_prefill else None
         if writer is not None:
             out.flush()  # the header leaves before the first chunk is computed
+        full = header if not req.have_tokens else None
         emitter = FrameEmitter(writer, out) if writer is not None else None
-        layers, reused = self._rows(ids, req, on_chunk=emitter)
+        self._put = None
+        layers, reused, source = self._rows(ids, req, on_chunk=emitter)
         if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
             full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                                 engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
@@ -108,20 +114,42 @@ class ResidentProducer:
         else:
             writer.finish()
         out.flush()
+        if self.store and not (source == "store" and reused == len(ids) - 1):  # a full hit is held already
+            if full is None:
+                full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
+                                    engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+            self._put = (full, layers)
         return {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
                 "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
-                "reused_rows": reused}
+                "reused_rows": reused, "reused_from": source if reused else None}
 
-    def _rows(self, ids: list[int], req: PullRequest, *, on_chunk) -> tuple[list, int]:
-        """The rows of ``ids[:-1]`` and how many came from the previous request's."""
+    def after_stream(self, stats: dict[str, Any]) -> None:
+        """Once the request's pack is written and its pipe closed: keep the whole result in
+        this machine's store (``store``); the entry id, or why not, goes into ``stats``."""
+        put, self._put = self._put, None
+        if put is None:
+            return
+        from muser_cli.reuse import Store
+
+        t0 = time.perf_counter()
+        try:
+            stats["stored"] = Store().put_layers(*put).entry.id
+        except MuserError as exc:  # the store is a cache: failing to keep the rows is not failing the request
+            stats["store_error"] = str(exc)
+        stats["store_s"] = round(time.perf_counter() - t0, 6)
+
+    def _rows(self, ids: list[int], req: PullRequest, *, on_chunk) -> tuple[list, int, str]:
+        """The rows of ``ids[:-1]``, how many were not computed and where they came from: the
+        previous request's rows (``memory``) or, with ``store``, this machine's store
+        (``store``), whichever holds the deeper exact prefix on the request's schedule."""
         from muser_cli.reuse.chain import resumable
         from muser_cli.reuse.delta import layers_at
-        from muser_cli.rows import local_rows
+        from muser_cli.rows import _rows_of
 
         eng = self.engine
         rows = len(ids) - 1
         last = self._last
-        held = 0
+        held, prefix, source = 0, None, "local"
         if last is not None and eng.resumes_prefill and last[1] == (req.chunk_tokens, req.dtype):
             common = 0
             for a, b in zip(last[0], ids[:rows]):
@@ -132,24 +160,51 @@ class ResidentProducer:
             specs = self.info.layers
             while held > 0 and not resumable(specs, len(last[0]) - 1, held):
                 held -= req.chunk_tokens
+            source = "memory" if held else "local"
         self._last = None  # dropped before the next prefill: at most one prompt's rows held
-        if held > 0:
+        if self.store and eng.resumes_prefill and held < rows:
+            found = self._from_store(ids, req, deeper_than=held)
+            if found is not None:
+                held, prefix, source = found.held, found.layers, "store"
+        if source == "memory":
             assert last is not None
             prefix = layers_at(last[2], self.info.layers, held)
+        if held == 0:
+            layers = eng.prefill(ids[:-1], chunk_tokens=req.chunk_tokens,
+                                 **({"on_chunk": on_chunk} if on_chunk is not None else {}))
+        elif held == rows:
+            layers = list(prefix)
+            if on_chunk is not None:
+                on_chunk(rows, _rows_of(layers))
+        else:
             kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
             layers = eng.prefill_from(prefix, rows=held, token_ids=ids[held:-1], chunk_tokens=req.chunk_tokens, **kw)
-        else:
-            layers = local_rows(eng, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens, reuse=False,
-                                on_chunk=on_chunk).layers
         if self.keep_last and eng.resumes_prefill:
             self._last = (list(ids[:rows]), (req.chunk_tokens, req.dtype), list(layers))
-        return layers, held
+        return layers, held, source
+
+    def _from_store(self, ids: list[int], req: PullRequest, *, deeper_than: int):
+        """The deepest exact prefix of ``ids`` this machine's store holds on the request's
+        schedule, when it is deeper than ``deeper_than`` rows (else None: nothing is read)."""
+        from muser_cli.reuse import Store
+        from muser_cli.reuse.delta import find_resume
+
+        store = Store()  # one per request: its index connection belongs to this thread
+        info = self.info
+        points = [p for p in store.points(info.fingerprint, info.tokenizer_fingerprint, ids, len(ids) - 1,
+                                          dtype=req.dtype, chunk_tokens=req.chunk_tokens) if p.resumable]
+        if not points or max(p.held for p in points) <= deeper_than:
+            return None
+        found = find_resume(store, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=req.dtype,
+                            chunk_tokens=req.chunk_tokens)
+        return found if found is not None and found.held > deeper_than else None
 
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None) -> None:
-    """Load the model once, then answer enrolled consumers until ``stop`` is set."""
+          stop: threading.Event | None = None, store: bool = False) -> None:
+    """Load the model once, then answer enrolled consumers until ``stop`` is set. ``store``:
+    continue from this machine's reuse store too and keep every result there."""
     from muser_cli import paths
     from muser_cli.errors import UsageError
     from muser_cli.handoff.api import ledger_dir
@@ -163,7 +218,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     identity = load_identity(paths.keys_dir())
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
-    producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options)
+    producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
+                                store=store)
     server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
                         ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
     try:

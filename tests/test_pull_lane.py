@@ -262,7 +262,19 @@ def test_producer_killed_mid_stream_keeps_verified_chunks_and_the_tokens(lane, t
         prod.proc.wait()
 
 
-def test_receive_from_asks_only_for_what_the_store_lacks(lane, tmp_path):
+@pytest.fixture(scope="module")
+def follow(lane):
+    """A follow-up question on the lane's document, and its local tokens (no store)."""
+    path = lane["root"] / "follow.txt"
+    path.write_text(PROMPT + "\n\nWhere did they put the bridge?")
+    common = [*lane["common"], "--chunk", str(CHUNK), "--prompt", str(path), "-n", "8", "--json"]
+    local = subprocess.run(muser_cmd("decode", *common, "--no-reuse"), env=env_for(lane["nodes"].consumer_home),
+                           input=b"", capture_output=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    return {"path": path, "decode": common, "tokens": json.loads(local.stdout)["token_ids"]}
+
+
+def test_receive_from_asks_only_for_what_the_store_lacks(lane, follow, tmp_path):
     """A stored document: ``receive --from`` for a follow-up question on it ships a delta pack
     (positions from the stored prefix) that ``decode --prompt`` merges to the local tokens;
     ``--no-reuse`` asks for the whole pack."""
@@ -275,9 +287,8 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, tmp_path):
                                       "--store", "-o", str(tmp_path / "doc.kvpack")),
                             env=env, capture_output=True, timeout=120)
     assert stored.returncode == 0, stored.stderr
-    follow = tmp_path / "follow.txt"
-    follow.write_text(PROMPT + "\n\nWhere did they put the bridge?")
-    ask = ["receive", "--from", lane["producer"].address, str(follow), "-m", lane["model"], "--chunk", str(CHUNK)]
+    ask = ["receive", "--from", lane["producer"].address, str(follow["path"]), "-m", lane["model"],
+           "--chunk", str(CHUNK)]
     delta = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "delta.kvpack"), "--json"), env=env,
                            capture_output=True, timeout=120)
     assert delta.returncode == 0, delta.stderr
@@ -294,12 +305,44 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, tmp_path):
     assert header_of(tmp_path / "full.kvpack").rows_start == 0
     assert json.loads(full.stdout)["held_tokens"] == 0
     assert got["payload_bytes"] < json.loads(full.stdout)["payload_bytes"]
-    common = [*lane["common"], "--chunk", str(CHUNK), "--prompt", str(follow), "-n", "8", "--json"]
-    merged = subprocess.run(muser_cmd("decode", str(tmp_path / "delta.kvpack"), *common), env=env,
+    merged = subprocess.run(muser_cmd("decode", str(tmp_path / "delta.kvpack"), *follow["decode"]), env=env,
                             capture_output=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
-    local = subprocess.run(muser_cmd("decode", *common, "--no-reuse"), env=env, input=b"", capture_output=True,
-                           timeout=120)
-    assert local.returncode == 0, local.stderr
     out = json.loads(merged.stdout)
-    assert out["source"] == "delta" and out["token_ids"] == json.loads(local.stdout)["token_ids"], out
+    assert out["source"] == "delta" and out["token_ids"] == follow["tokens"], out
+
+
+def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp_path):
+    """``prefill --serve --store``: the document's rows outlive the producer; restarted, it
+    continues the follow-up from its store (``reused_from`` store) and the pack decodes to
+    the local tokens."""
+    home = copy_home(lane["nodes"].producer_home, tmp_path / "producer")
+    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    env = env_for(lane["nodes"].consumer_home)
+
+    def pull(prod: Producer, prompt: Path, out: Path) -> dict:
+        r = subprocess.run(muser_cmd("receive", "--from", prod.address, str(prompt), "-m", lane["model"], "--chunk",
+                                     str(CHUNK), "--no-reuse", "-o", str(out)), env=env, capture_output=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        served = prod.wait_events(1)
+        assert [e["outcome"] for e in served] == ["served"], served
+        return served[0]
+
+    prod = Producer(home, *lane["common"], "--store")
+    try:
+        first = pull(prod, lane["prompt"], tmp_path / "doc.kvpack")
+    finally:
+        assert prod.stop() == 0
+    assert first["stored"] and first["reused_rows"] == 0, first
+    prod = Producer(home, *lane["common"], "--store")
+    try:
+        second = pull(prod, follow["path"], tmp_path / "follow.kvpack")
+    finally:
+        assert prod.stop() == 0
+    assert second["reused_from"] == "store" and second["reused_rows"] >= CHUNK, second
+    assert second["held_rows"] == 0 and second["stored"] != first["stored"], second
+    dec = subprocess.run(muser_cmd("decode", str(tmp_path / "follow.kvpack"), *follow["decode"]), env=env,
+                         capture_output=True, timeout=120)
+    assert dec.returncode == 0, dec.stderr
+    assert json.loads(dec.stdout)["token_ids"] == follow["tokens"]

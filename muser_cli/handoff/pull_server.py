@@ -58,7 +58,9 @@ class Compute(Protocol):
         """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve."""
 
     def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
-        """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats."""
+        """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
+        A compute may also have ``after_stream(stats)``: called once ``out`` is closed (work the
+        consumer should not wait for, such as keeping the rows); it may add to ``stats``."""
 
 
 @dataclass
@@ -311,6 +313,9 @@ class PullServer:
             try:
                 with open(w, "wb") as out:
                     box["stats"] = self.compute.run(req, out)
+                after = getattr(self.compute, "after_stream", None)
+                if after is not None:  # the pipe is closed: the consumer does not wait on this
+                    after(box["stats"])
             except BaseException as exc:  # noqa: BLE001 - reported through the stream's end
                 box["error"] = exc
 

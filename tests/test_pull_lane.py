@@ -346,3 +346,143 @@ def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp
                          capture_output=True, timeout=120)
     assert dec.returncode == 0, dec.stderr
     assert json.loads(dec.stdout)["token_ids"] == follow["tokens"]
+
+
+def test_a_revoked_key_is_refused_77_before_any_prefill(lane, tmp_path):
+    """``muser node revoke KEY`` on a running producer: the consumer's next request is refused
+    (auth, 77) before admission, nothing on stdout, no output file."""
+    nodes = make_nodes(tmp_path / "nodes")
+    prod = Producer(nodes.producer_home, *lane["common"])
+    try:
+        ask = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
+        ok = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "ok.kvpack")), env=env_for(nodes.consumer_home),
+                            capture_output=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        rv = subprocess.run(muser_cmd("node", "revoke", nodes.producer_key_id), env=env_for(nodes.producer_home),
+                            capture_output=True, timeout=60)
+        assert rv.returncode == 0, rv.stderr
+        refused = subprocess.run(muser_cmd(*ask), env=env_for(nodes.consumer_home), capture_output=True, timeout=60)
+        assert refused.returncode == 77, refused.stderr
+        assert refused.stdout == b"" and b"revoked" in refused.stderr, refused.stderr
+        assert len(refused.stderr.decode().strip().splitlines()) <= 2  # one line (and its hint)
+        events = prod.wait_events(2)
+        assert [e["outcome"] for e in events] == ["served", "auth"], events
+        assert "revoked" in events[1]["reason"]
+        assert len(prod.events("admitted")) == 1  # the refused one never reached the engine
+    finally:
+        assert prod.stop() == 0
+
+
+def test_silent_and_half_open_clients_are_dropped_without_delaying_others(lane):
+    """A TCP connection that never starts TLS, and a TLS one that never sends its request:
+    another consumer is served meanwhile at once, and both are closed by the producer's
+    deadlines (handshake, request: 10 s each)."""
+    import socket
+    import ssl
+
+    from muser_cli.handoff.link import client_context
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.pull import ALPN_PULL
+
+    p = lane["producer"]
+    host, port = p.address.rsplit(":", 1)
+    before, tls_before = len(p.events()), len(p.events("tls_failed"))
+    half_open = socket.create_connection((host, int(port)), timeout=30)
+    ctx = client_context(load_identity(keys_dir_of(lane["nodes"].consumer_home)))
+    ctx.set_alpn_protocols([ALPN_PULL])
+    silent = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=30), server_hostname=host)
+    t0 = time.monotonic()
+    try:
+        r = decode_pull(lane, p.address)
+        served_s = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got["source"] == "handoff" and got["token_ids"] == lane["local"]["token_ids"], got
+        for s in (half_open, silent):  # the producer hangs up on both by its deadlines
+            s.settimeout(30)
+            try:
+                while s.recv(4096):
+                    pass
+            except (ssl.SSLError, ConnectionError):
+                pass
+        closed_s = time.monotonic() - t0
+    finally:
+        half_open.close()
+        silent.close()
+    assert closed_s < 30, closed_s
+    events = p.wait_events(before + 2)[before:]
+    outcomes = sorted(e["outcome"] for e in events)
+    assert outcomes == ["failed", "served"], events
+    assert p.wait_events(tls_before + 1, "tls_failed")[tls_before:], "the half-open client was not dropped"
+    print(f"served in {served_s:.1f} s while two clients stayed silent; both dropped after {closed_s:.1f} s")
+
+
+def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane, tmp_path, monkeypatch):
+    """--max-queue 1 while a request holds the engine (its consumer paused): four consumers
+    ask at the same instant (threads of this process, each its own TLS connection, what
+    ``receive --from`` runs): one waits its turn and is served, three are told busy at once
+    (75); a ``decode --producer`` asking meanwhile is told busy too and prefills locally,
+    with the local tokens. None hangs."""
+    from muser_cli.errors import TempFailure
+    from muser_cli.serve import ask_for, pull_prompt
+
+    monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
+    ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1")
+    env = env_for(lane["nodes"].consumer_home)
+    blocker = subprocess.Popen(muser_cmd("receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"],
+                                         "--chunk", str(CHUNK), "-o", str(tmp_path / "a.kvpack")),
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    results: dict[int, object] = {}
+    took: dict[int, float] = {}
+    gate = threading.Barrier(4)
+
+    def consumer(i: int) -> None:
+        gate.wait()
+        t0 = time.monotonic()
+        try:
+            results[i] = pull_prompt(prod.address, ask, output=tmp_path / f"c{i}.kvpack", timeout=90)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            results[i] = exc
+        took[i] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=consumer, args=(i,), daemon=True) for i in range(4)]
+    try:
+        assert prod.wait_events(1, "admitted", timeout=90)
+        blocker.send_signal(signal.SIGSTOP)  # it holds the engine until it goes on
+        try:
+            for t in threads:
+                t.start()
+            busy = [e for e in prod.wait_events(3, timeout=20) if e["outcome"] == "busy"]
+            dec = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
+                                           str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
+                                           prod.address, "--timeout", "60"),
+                                 env=env, capture_output=True, timeout=120)
+        finally:
+            blocker.send_signal(signal.SIGCONT)
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a consumer hangs"
+        assert blocker.wait(60) == 0, blocker.stderr.read()
+    finally:
+        if blocker.poll() is None:
+            blocker.kill()
+        assert prod.stop() == 0
+    assert len(busy) == 3, prod.events()
+    refused = [i for i, r in results.items() if isinstance(r, TempFailure) and "busy" in str(r)]
+    served = [i for i, r in results.items() if isinstance(r, dict)]
+    assert len(refused) == 3 and len(served) == 1, results
+    assert all(took[i] < 10 for i in refused), took  # told at once, not after a deadline
+    assert not any((tmp_path / f"c{i}.kvpack").exists() for i in refused)
+    from muser_cli.kvpack import read_pack
+
+    def layers(path: Path) -> list[bytes]:
+        with open(path, "rb") as f:
+            return [lk.keys.tobytes() + lk.values.tobytes() for lk in read_pack(f).layers]
+
+    assert layers(tmp_path / f"c{served[0]}.kvpack") == layers(tmp_path / "a.kvpack")  # the queued one: the same rows
+    assert dec.returncode == 0, dec.stderr
+    out = json.loads(dec.stdout)
+    assert out["fallback"] and "busy" in out["reason"], out
+    assert out["token_ids"] == lane["local"]["token_ids"]
+    assert sorted(e["outcome"] for e in prod.wait_events(6)) == ["busy"] * 4 + ["served"] * 2

@@ -52,3 +52,39 @@ same = h["token_ids"] == f["token_ids"]
 print("   tokens identical:", same)
 sys.exit(0 if same else 1)
 PY
+
+# The pull lane: the producer stays resident (model loaded once) and the consumer asks it.
+cat > "$work/follow.txt" <<'TXT'
+The Rhine is a European river that begins in the Swiss canton of Graubünden in the
+southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austrian and
+Swiss-German borders, then flows through Germany and the Netherlands into the North Sea.
+Question: into which sea does the Rhine flow?
+TXT
+echo "== producer: prefill --serve (resident); consumer: decode --producer, twice on one document"
+MUSER_HOME="$producer" muser prefill --serve 127.0.0.1:0 -m default --json 2> "$work/serve.log" &
+serving=$!
+for _ in $(seq 300); do grep -q "listening on" "$work/serve.log" 2>/dev/null && break; sleep 0.2; done
+paddr="$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/serve.log")"
+pull=(-m default --chat --chunk 32 -n 32 --json --producer "$paddr")
+MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/doc.txt" --store > "$work/pull1.json"
+MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull2.json"
+kill -TERM "$serving"
+status=0; wait "$serving" || status=$?
+echo "   producer stopped (SIGTERM), exit status $status"
+test "$status" = 0
+echo "== producer gone: decode --producer falls back by itself"
+MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull3.json"
+python - "$work/serve.log" "$work/pull1.json" "$work/pull2.json" "$work/pull3.json" <<'PY'
+import json, sys
+served = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+served = [e for e in served if e.get("event") == "request"]
+first, second, gone = (json.load(open(p)) for p in sys.argv[2:5])
+for name, run, ev in (("request 1", first, served[0]), ("request 2", second, served[1])):
+    print(f"   {name}: source {run['source']:<7} {ev['bytes']:>8} bytes, {ev['shipped_rows']} rows shipped "
+          f"({ev['held_rows']} held here), TTFT {run['ttft_s']*1000:.0f} ms | {run['text'].strip()[:60]!r}")
+print(f"   fallback : source {gone['source']} ({gone['reason']}), TTFT {gone['ttft_s']*1000:.0f} ms")
+same = second["token_ids"] == gone["token_ids"]
+print("   follow-up tokens identical (delta vs fallback):", same)
+ok = first["source"] == "handoff" and second["source"] == "delta" and gone["fallback"] and same
+sys.exit(0 if ok else 1)
+PY

@@ -80,7 +80,7 @@ def test_bench_pack_receipt_and_chart(tmp_path):
     check_machine(receipt)
     assert receipt["benchmark"] == "pack" and receipt["reps"] == 2 and receipt["warmup"] == 1
     (row,) = receipt["rows"]
-    assert row["depth"] == 64
+    assert row["depth"] == 64 and row["prompt_digest"].startswith("sha256:")
     for name in ("memcpy", "pack none", "unpack none", "pack zstd+bytegroup", "unpack zstd+bytegroup",
                  "save kvpack none", "load kvpack none"):
         check_stats(row["seconds"][name], 2)
@@ -144,6 +144,7 @@ def test_bench_lane_table_receipt_and_chart(tiny_long, tmp_path):
             check_stats(row["handoff"][key], 2)
         check_stats(row["handoff_over_local"], 2)
         assert row["bytes"] > 0 and isinstance(row["token"], int)
+        assert row["prompt_digest"].startswith("sha256:")
     check_png(png)
 
 

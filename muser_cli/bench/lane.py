@@ -141,6 +141,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
 
                 row: dict[str, Any] = {
                     "depth": depth, "bytes": got["handoff"][0]["bytes"], "token": tokens.pop(),
+                    "prompt_digest": header.token_digest,  # the prompt is the docs: it changes with them
                     "local": {k: s(got["local"], k) for k in ("prefill", "first", "ttft")},
                     "handoff": {k: s(got["handoff"], k) for k in (
                         "prefill", "pack", "send", "read", "first", "ttft", "consumer_ttft", "overhead",

@@ -191,7 +191,7 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
             gbps = {k: summarize([raw / t / 1e9 for t in v if t > 0]) for k, v in times.items()}
             mc = gbps["memcpy"]["median"]
             row: dict[str, Any] = {
-                "depth": depth, "cases": list(times), "raw_kv_bytes": raw, "seconds": stats, "GBps": gbps,
+                "depth": depth, "cases": list(times), "prompt_digest": header.token_digest, "raw_kv_bytes": raw, "seconds": stats, "GBps": gbps,
                 "vs_memcpy": {k: v["median"] / mc for k, v in gbps.items()},
                 "bytes": {"raw KV": raw, **{f"pack {c}": len(b) for c, b in blobs.items()},
                           **{f"file {k}": v for k, v in sizes.items()}},

@@ -9,7 +9,7 @@ import typer
 
 from muser_cli.commands._common import emit_json, err, guarded, info
 
-node_app = typer.Typer(help="Node identity: init, export a producer bundle, join, list, revoke.",
+node_app = typer.Typer(help="Node identity: init, export a producer bundle, join, list, revoke, check a producer.",
                        no_args_is_help=True)
 
 
@@ -107,6 +107,39 @@ def repair_cmd(key_id: str = typer.Argument(..., help="Key id whose replay ledge
     with guarded():
         res = repair_ledger(key_id)
         err(f"node: ledger {res['path']}: {res['records']} records kept, {res['dropped_bytes']} torn bytes removed")
+
+
+@node_app.command("check")
+def check_cmd(
+    producer: str = typer.Argument(..., help="The producer's HOST:PORT (`prefill --serve`)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="This consumer's model (default: the default model)."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the producer's answer."),
+    threads: int = typer.Option(0, "--threads", help="Compute threads for the spot-check (0 = default)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
+) -> None:
+    """On a consumer: is this producer ready to serve me? One table, one exit status.
+
+    Reachable, mutual authentication, a signed test request, clock skew against the issued-at
+    window, the producer serves this consumer's model, and one tiny test prefill whose KV is
+    spot-checked here. Exit status: the first failed check's (75, 77, 65, ...), else 0.
+    """
+    from muser_cli.commands._common import default_threads
+    from muser_cli.node_check import check_producer
+
+    with guarded(as_json=as_json):
+        report = check_producer(producer, model=model, timeout=timeout, threads=threads or default_threads())
+        if as_json:  # the report is the one object; its exit_status is the command's
+            emit_json(report.to_json())
+            if report.error is not None:
+                raise typer.Exit(report.error.exit_status)
+        else:
+            width = max(len(r.name) for r in report.rows)
+            typer.echo(f"node check {report.producer}")
+            for r in report.rows:
+                mark = "ok" if r.ok else ("FAIL" if r.ok is False else "-")
+                typer.echo(f"  {r.name:<{width}}  {mark:<4}  {r.detail}")
+        if report.error is not None:
+            raise report.error
 
 
 def register(app: typer.Typer) -> None:

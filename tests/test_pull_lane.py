@@ -486,3 +486,59 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
     assert out["fallback"] and "busy" in out["reason"], out
     assert out["token_ids"] == lane["local"]["token_ids"]
     assert sorted(e["outcome"] for e in prod.wait_events(6)) == ["busy"] * 4 + ["served"] * 2
+
+
+def node_check(lane, to: str, *extra: str, home: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(muser_cmd("node", "check", to, "-m", lane["model"], "--threads", "1", *extra),
+                          env=env_for(home or lane["nodes"].consumer_home), capture_output=True, timeout=180)
+
+
+def test_node_check_says_the_producer_is_ready(lane, tiny_llama):
+    """``muser node check HOST:PORT``: one table, every check ok, exit 0; --json: the same as
+    one object (clock skew measured from the producer's handoff header, the KV spot-checked)."""
+    p = lane["producer"]
+    before = len(p.events())
+    r = node_check(lane, p.address)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    lines = r.stdout.decode().splitlines()
+    assert lines[0] == f"node check {p.address}"
+    assert [ln.split()[0] for ln in lines[1:]] == ["reachable", "mutual", "request", "clock", "model", "audit"]
+    assert all("  ok  " in ln for ln in lines[1:]), lines
+    t0 = time.monotonic()
+    j = node_check(lane, p.address, "--json")
+    check_s = time.monotonic() - t0
+    assert j.returncode == 0, j.stderr
+    got = json.loads(j.stdout)
+    assert got["ok"] and got["exit_status"] == 0 and all(c["ok"] for c in got["checks"]), got
+    checks = {c["check"]: c for c in got["checks"]}
+    assert abs(checks["clock"]["skew_s"]) < 5 and checks["clock"]["window_s"] == 120
+    assert checks["model"]["model_fingerprint"] == tiny_llama.fingerprint
+    assert checks["audit"]["spot_check"]["ok"] and checks["audit"]["spot_check"]["layers_checked"] > 0
+    served = p.wait_events(before + 2)[before:]
+    assert [e["outcome"] for e in served] == ["served", "served"], served  # the two test prefills, nothing else
+    print(f"node check --json took {check_s:.1f} s (process start and model load included)")
+
+
+def test_node_check_names_the_first_failure_and_its_status(lane, tiny_hybrid, tmp_path):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    down = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    r = node_check(lane, down)
+    assert r.returncode == 75, r.stderr
+    rows = r.stdout.decode().splitlines()[1:]
+    assert "FAIL" in rows[0] and all(ln.split()[-2:] == ["-", "not"] or "not run" in ln for ln in rows[1:]), rows
+    assert len(r.stderr.decode().strip().splitlines()) == 1  # one line: the first failure
+    stranger = tmp_path / "stranger"
+    node.init_node(keys_dir_of(stranger), name="consumer")  # another CA
+    r = node_check(lane, lane["producer"].address, home=stranger)
+    assert r.returncode == 77, r.stderr
+    assert "mutual auth" in r.stdout.decode().splitlines()[2] and "FAIL" in r.stdout.decode().splitlines()[2]
+    other = subprocess.run(muser_cmd("node", "check", lane["producer"].address, "-m", str(tiny_hybrid.path), "--json"),
+                           env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=180)
+    assert other.returncode == 65, other.stderr
+    got = json.loads(other.stdout)
+    failed = [c for c in got["checks"] if c["ok"] is False]
+    assert [c["check"] for c in failed] == ["model"] and tiny_hybrid.fingerprint in failed[0]["detail"], got

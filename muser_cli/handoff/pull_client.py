@@ -154,14 +154,15 @@ def pull(
         config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
         receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
         try:
-            return _receive(link, receiver, req, where, cn, t_start)
+            return _receive(link, receiver, req, where, cn, t_start, on_event)
         finally:
             receiver.close()
     finally:
         link.close()
 
 
-def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float) -> Accepted:
+def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float,
+             on_event: EventFn | None = None) -> Accepted:
     from muser_cli.kvpack.format import token_digest
 
     config = receiver.config
@@ -180,6 +181,9 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
             raise ProtocolError(f"expected the handoff header, got {type(ev).__name__}")
         h = ev.header
         assert h is not None
+        if on_event:  # the producer's clock as its header states it, and ours when it arrived
+            on_event("header", {"issued_at_ms": h.issued_at_ms, "received_ms": int(time.time() * 1000),
+                                "producer": where, "model_fingerprint": h.model_fingerprint})
         # The consumer's request is authoritative: a pack for anything else is refused before Go.
         for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
                                 ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
@@ -213,4 +217,6 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
     return item
 
 
-__all__ = ["key_for", "pull"]
+connect = _connect  # TCP + TLS 1.3 + ALPN to a producer, nothing sent (``muser node check``)
+
+__all__ = ["connect", "key_for", "pull"]

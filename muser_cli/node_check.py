@@ -1,0 +1,183 @@
+"""``muser node check HOST:PORT``: is this resident producer ready to serve me?
+
+Run on a consumer after a producer joined it. Each check runs only if the ones before it
+passed (a later one would only repeat the first failure), in this order:
+
+  reachable   a TCP connection to HOST:PORT opens (else 75)
+  mutual auth TLS 1.3 with ALPN ``muser-pull/1``: the producer's certificate is from this
+              consumer's CA and names the host dialled, ours is accepted (else 77)
+  request     a signed test request is accepted: key id, MAC, replay ledger (else 77)
+  clock       the producer's clock, as its handoff header states it, is within the
+              issued-at window of ours (a producer refusing our issued-at as stale: 77)
+  model       the producer serves this consumer's model and tokenizer (fingerprints; else 65)
+  audit       one tiny test prefill: its pack verified on the wire, then spot-checked
+              numerically here (the last position recomputed on this machine's engine; else 65)
+
+The result is one table and one exit status: that of the first failed check.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from muser_cli.errors import AuthError, DataError, MuserError
+
+TEST_PROMPT = ("muser node check: a short test prompt whose KV cache the consumer recomputes and compares, "
+               "position by position, before it trusts this producer.")
+
+
+@dataclass
+class Row:
+    name: str
+    ok: bool | None  # None: not run (an earlier check failed)
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"check": self.name, "ok": self.ok, "detail": self.detail, **self.data}
+
+
+@dataclass
+class CheckReport:
+    producer: str
+    rows: list[Row]
+    error: MuserError | None = None  # the first failure (its exit status is the command's)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"producer": self.producer, "ok": self.ok, "exit_status": 0 if self.ok else self.error.exit_status,
+                "error": None if self.ok else str(self.error), "checks": [r.to_json() for r in self.rows]}
+
+
+NAMES = ("reachable", "mutual auth", "request", "clock", "model", "audit")
+
+
+def check_producer(producer: str, *, model: str | None = None, timeout: float = 30.0, threads: int = 1,
+                   chunk_tokens: int | None = None) -> CheckReport:
+    """Run the checks of the module doc against ``producer`` (HOST:PORT); never raises for a
+    failed check: the report holds it."""
+    from muser_cli import paths
+    from muser_cli.handoff.header import DEFAULT_WINDOW_S
+    from muser_cli.handoff.link import format_hostport, map_error, parse_hostport
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.pull_client import connect
+
+    host, port = parse_hostport(producer)  # a bad address is a usage error, raised
+    where = format_hostport(host, port)
+    identity = load_identity(paths.keys_dir())
+    rows: list[Row] = []
+    report = CheckReport(where, rows)
+
+    def fail(name: str, exc: MuserError, detail: str | None = None) -> CheckReport:
+        rows.append(Row(name, False, detail or str(exc)))
+        for rest in NAMES[len(rows):]:
+            rows.append(Row(rest, None, "not run"))
+        report.error = exc
+        return report
+
+    # reachable
+    t0 = time.monotonic()
+    try:
+        socket.create_connection((host, port), timeout=min(timeout, 10.0)).close()
+    except OSError as exc:
+        return fail("reachable", map_error(exc, f"connecting to {where}"))
+    rows.append(Row("reachable", True, f"TCP connect in {(time.monotonic() - t0) * 1000:.1f} ms",
+                    {"connect_ms": round((time.monotonic() - t0) * 1000, 3)}))
+    # mutual auth (a handshake alone: the producer sees a connection that sends no request)
+    try:
+        sock, _ = connect(where, identity, min(timeout, 10.0))
+    except MuserError as exc:
+        return fail("mutual auth", exc)
+    try:
+        from muser_cli.handoff.certs import peer_common_name
+
+        der = sock.getpeercert(binary_form=True) or b""
+        cn = peer_common_name(der) if der else ""
+        version = sock.version()
+        try:
+            sock.settimeout(2.0)
+            sock.unwrap()  # close_notify: the producer sees a clean end, not a failed request
+        except (OSError, ValueError):
+            pass
+    finally:
+        sock.close()
+    rows.append(Row("mutual auth", True, f"{version}, producer certificate {cn!r} from this node's CA",
+                    {"producer_name": cn, "tls": version}))
+    # the test request: request -> clock -> model -> audit
+    from muser_cli.serve import ask_for, pull_prompt
+
+    try:
+        ask = ask_for(TEST_PROMPT, model=model, chat=False, chunk_tokens=chunk_tokens, dtype=None, engine="torch")
+    except MuserError as exc:
+        return fail("request", exc, f"this consumer cannot make the test request: {exc}")
+    seen: dict[str, Any] = {}
+
+    def on_event(kind: str, f: dict[str, Any]) -> None:
+        if kind == "header":
+            seen.update(f)
+
+    with tempfile.TemporaryDirectory(prefix="muser-check-") as tmp:
+        out = Path(tmp) / "check.kvpack"
+        t1 = time.monotonic()
+        try:
+            got = pull_prompt(where, ask, output=out, timeout=timeout, on_event=on_event)
+        except MuserError as exc:
+            text = str(exc)
+            if "refused: stale" in text:
+                rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
+                return fail("clock", exc, f"the producer refused our issued-at: clocks differ by more than "
+                                          f"its window ({text})")
+            if "refused: model" in text:
+                rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
+                rows.append(Row("clock", True, "issued-at accepted by the producer (within its window)"))
+                return fail("model", DataError(text.replace(" (hint: fall back to local prefill)", "")))
+            if not seen:
+                return fail("request", exc)
+            rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
+            return fail("clock" if "issued" in text and isinstance(exc, AuthError) else "audit", exc)
+        pull_s = time.monotonic() - t1
+        rows.append(Row("request", True, f"signed request authenticated and served ({got['payload_bytes']} bytes "
+                                         f"in {pull_s * 1000:.0f} ms)", {"bytes": got["payload_bytes"],
+                                                                          "pull_s": round(pull_s, 6)}))
+        skew_s = (seen["issued_at_ms"] - seen["received_ms"]) / 1000 if seen else 0.0
+        rows.append(Row("clock", True, f"producer clock {skew_s:+.3f} s from ours (window ±{DEFAULT_WINDOW_S:g} s)",
+                        {"skew_s": round(skew_s, 3), "window_s": DEFAULT_WINDOW_S}))
+        fp = ask.model_fingerprint
+        rows.append(Row("model", True, f"serves this consumer's model {fp[:23]}... and tokenizer",
+                        {"model_fingerprint": fp, "tokenizer_fingerprint": ask.tokenizer_fingerprint}))
+        try:
+            spot = _audit(out, model=model, threads=threads)
+        except MuserError as exc:
+            return fail("audit", exc)
+    rows.append(Row("audit", True, f"{len(ask.token_ids)}-token test prefill: positions {spot['positions'][0]}.."
+                                   f"{spot['positions'][1]} recomputed here, worst layer {spot['worst_layer']} rel "
+                                   f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}", {"spot_check": spot}))
+    return report
+
+
+def _audit(path: Path, *, model: str | None, threads: int) -> dict[str, Any]:
+    """Spot-check the test pack on this machine's engine (its last position recomputed)."""
+    from muser_cli.audit import spot_check
+    from muser_cli.engines.registry import get_engine
+    from muser_cli.kvpack import read_pack
+    from muser_cli.models import resolve_model
+
+    with open(path, "rb") as f:
+        pack = read_pack(f)
+    info = resolve_model(model)
+    eng = get_engine("torch", info, dtype=pack.header.dtype, threads=threads)
+    res = spot_check(pack, eng, reason="node check")
+    if not res.ok:  # spot_check raises SpotCheckFailed itself; this is belt and braces
+        raise DataError(f"the producer's KV disagrees with this machine's recomputation: {res.to_json()}")
+    return res.to_json()
+
+
+__all__ = ["CheckReport", "Row", "TEST_PROMPT", "check_producer"]

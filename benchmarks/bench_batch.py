@@ -54,9 +54,14 @@ def pinned(core: int | None, cmd: list[str]) -> list[str]:
     return (["taskset", "-c", str(core)] + cmd) if core is not None else cmd
 
 
+MODELS: str | None = None  # one converted-models folder for every process (converted before timing)
+
+
 def env_for(home: Path) -> dict[str, str]:
     env = dict(os.environ, MUSER_HOME=str(home), MUSER_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MUSER_STORE", None)
+    if MODELS:
+        env["MUSER_MODELS"] = MODELS
     return env
 
 
@@ -144,6 +149,8 @@ def main() -> None:
     bundle, _ = node.export_producer(keys(ch), producer="bench-producer")
     node.join_node(keys(ph), bundle)
     os.environ.pop("MUSER_HOME", None)
+    global MODELS
+    MODELS = str(paths.models_dir())  # make_document converts the model here, once, untimed
     doc = make_document(args.model, args.doc_tokens)
     (root / "doc.txt").write_text(doc)
     qs = QUESTION_TEXTS[: args.questions]

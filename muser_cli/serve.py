@@ -158,7 +158,7 @@ class ResidentProducer:
                 common += 1
             held = min(common, len(last[0]) - 1, rows) // req.chunk_tokens * req.chunk_tokens
             specs = self.info.layers
-            while held > 0 and not resumable(specs, len(last[0]) - 1, held):
+            while held > 0 and not resumable(specs, len(last[0]), held):
                 held -= req.chunk_tokens
             source = "memory" if held else "local"
         self._last = None  # dropped before the next prefill: at most one prompt's rows held
@@ -316,6 +316,9 @@ class PipePull:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def reason(self) -> str:
         exc = self.error

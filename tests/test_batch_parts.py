@@ -213,3 +213,52 @@ def test_the_resident_producer_refuses_a_have_chain_that_is_not_the_prompts(tiny
                                 tokenizer_fingerprint=tiny_llama.tokenizer_fingerprint, have_tokens=16,
                                 have_chain=other))
     assert info.value.code == "data"
+
+
+# ----------------------------------------------------------------------------- review fixes
+def test_a_bad_line_never_takes_the_id_of_a_good_one(tmp_path):
+    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "b", "prompt": "y"}', '{"id": "a", "prompt": "z"}',
+                  '{"id": "b", "max_tokens": "many", "prompt": "w"}')
+    assert [g.id for g in got] == ["a", "b", "line-3", "line-4"]
+    assert len({g.id for g in got}) == len(got)  # one result line per id, in input order
+
+
+def test_resume_checks_the_schedule_and_not_a_failed_lines_digest(tmp_path):
+    path = tmp_path / "res.jsonl"
+    ok = {**result("a"), "engine": "torch", "dtype": "float32", "chunk": 512}
+    failed = {**result("b", error={"message": "x", "exit": 65}), "job": None}
+    path.write_text(json.dumps(ok) + "\n" + json.dumps(failed) + "\n")
+    same = {"engine": "torch", "dtype": "float32", "chunk": 512}
+    done = Results(path, resume=True).done(model="m", jobs={"a": "j", "b": "other"}, schedule=same)
+    assert set(done) == {"a", "b"} and done["b"]["error"] is not None  # b is rerun, not refused
+    with pytest.raises(DataError, match="chunk 512"):
+        Results(path, resume=True).done(model="m", jobs={"a": "j"}, schedule={**same, "chunk": 128})
+
+
+def test_results_to_a_fifo_are_written_once_and_never_read_back(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    import threading
+
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    r = Results(fifo)
+    r.open(["a", "b"])
+    r.write(result("b"))
+    r.write(result("a"))
+    r.close(complete=True)  # no rewrite: reading a pipe back would block forever
+    reader.join(10)
+    assert [json.loads(x)["id"] for x in got[0].splitlines()] == ["b", "a"]
+
+
+def test_the_pool_keeps_a_producer_that_refused_one_request_and_drops_one_that_wrote_wrong_kv():
+    from muser_cli.errors import SpotCheckFailed
+
+    pool = ProducerPool(["127.0.0.1:1"])
+    addr = pool.pick()
+    pool.done(addr, DataError("prompt too long for this producer"))
+    assert pool.pick() == addr  # not held against it
+    pool.done(addr)
+    pool.blame(addr, SpotCheckFailed("layer 3 differs"))
+    assert pool.pick() is None and "refused" in pool.to_json()[0]["gone"]

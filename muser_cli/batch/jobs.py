@@ -163,6 +163,11 @@ def read_jobs(lines: Iterable[bytes], *, base_dir: Path, defaults: Defaults = De
             continue
         seen.add(job.id)
         out.append(job)
+    # A bad line's result needs an id of its own: the one it meant only if no other line has it.
+    taken = [item.id for item in out]
+    for i, item in enumerate(out):
+        if isinstance(item, BadJob) and (taken.count(item.id) > 1 or item.id in seen):
+            out[i] = BadJob(item.line, f"line-{item.line}", item.error)
     return out
 
 

@@ -13,15 +13,15 @@ Ray is imported only here, and only when ``--ray`` is given (``pip install 'muse
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.results import Results
-from muser_cli.batch.runner import Batch, BatchConfig, Planned, ResultFn, Summary, Tally, failure
+from muser_cli.batch.runner import Batch, BatchConfig, Planned, ResultFn, Summary, Tally, failure, mark_sharing, one_line
 from muser_cli.errors import TempFailure, UsageError
 
 IN_FLIGHT_PER_WORKER = 2  # the next job is queued at its worker while this one runs: no idle gap
@@ -42,9 +42,11 @@ def _job_data(p: Planned) -> dict[str, Any]:
 class Worker:
     """The body of one Ray actor: a resident consumer (see module doc)."""
 
-    def __init__(self, config: dict[str, Any], store_dir: str | None) -> None:
-        if store_dir:
-            os.environ["MUSER_STORE"] = store_dir
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        from muser_cli import paths
+
+        base = paths.store_dir()  # this node's, beside its own store
+        os.environ["MUSER_STORE"] = str(base.parent / f"{base.name}-{name}")
         self.batch = Batch(BatchConfig(**{**config, "producers": tuple(config["producers"])}))
         self.load_s = self.batch.load()
 
@@ -89,54 +91,76 @@ def _assign(order: Sequence[Planned], workers: int) -> list[list[Planned]]:
 
 
 def run_on_ray(config: BatchConfig, items: Sequence[Job | BadJob], results: Results, *, address: str,
-               workers: int = 0, on_result: ResultFn | None = None, stop: threading.Event | None = None,
-               store_root: Path | None = None) -> Summary:
+               workers: int = 0, on_result: ResultFn | None = None, stop: threading.Event | None = None) -> Summary:
     """Run ``items`` on Ray (``address``: a cluster address, ``auto``, or ``local`` to start
     one here with ``workers`` CPUs)."""
     ray = _import_ray()
     stop = stop or threading.Event()
     if workers < 0:
         raise UsageError("--ray-workers must be >= 0")
-    planner = Batch(config)
-    tally = Tally(Summary(jobs=len(items)), results, on_result)
-    order = planner.prepare(items, tally)
+    threads = max(1, config.threads)
     started = False
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # before anything is written: a missing cluster leaves the results as they were
         try:
             if address == "local":
-                ray.init(num_cpus=max(1, workers or os.cpu_count() or 1), include_dashboard=False,
+                ray.init(num_cpus=max(1, workers or os.cpu_count() or 1) * threads, include_dashboard=False,
                          log_to_driver=False, configure_logging=False)
             else:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
         except ConnectionError as exc:
-            raise TempFailure(f"no Ray cluster at {address}: {exc}",
+            raise TempFailure(one_line(f"no Ray cluster at {address}: {exc}"),
                               hint="start one (ray start --head), or use --ray local") from None
         started = True
     try:
-        if workers == 0:
-            cpus = int(ray.cluster_resources().get("CPU", 1))
-            workers = max(1, cpus // max(1, config.threads))
-        workers = max(1, min(workers, len(order))) if order else 0
-        if workers:
-            _dispatch(ray, config, order, workers, tally, stop, store_root, planner.model_fingerprint)
+        planner = Batch(config)
+        tally = Tally(Summary(jobs=len(items)), results, on_result)
+        ran_all = False
+        try:
+            order = planner.prepare(items, tally)
+            fits = max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
+            workers = min(workers or fits, fits)  # more actors than the cluster can place would wait forever
+            groups = len({p.group for p in order})
+            workers = max(1, min(workers, groups)) if order else 0
+            if workers:
+                ran_all = _dispatch(ray, config, order, workers, tally, stop, planner.model_fingerprint, planner.chunk)
+            else:
+                ran_all = True
+        finally:
+            tally.finish([], complete=ran_all)
     finally:
-        tally.finish([])
         if started:
             ray.shutdown()
     return tally.summary
 
 
 def _dispatch(ray, config: BatchConfig, order: list[Planned], workers: int, tally: Tally, stop: threading.Event,
-              store_root: Path | None, model: str) -> None:
-    from muser_cli import paths
-
+              model: str, chunk: int) -> bool:
+    """Run the lanes; True when every job ran."""
     # The workers see this process's MUSER_* settings (models folder, node keys), on any cluster.
     env = {k: v for k, v in os.environ.items() if k.startswith("MUSER_") and k != "MUSER_STORE"}
-    remote = ray.remote(num_cpus=config.threads)(Worker).options(runtime_env={"env_vars": env})
+    remote = ray.remote(num_cpus=max(1, config.threads))(Worker).options(runtime_env={"env_vars": env})
     cfg = {**asdict(config), "producers": list(config.producers)}
-    base = store_root or paths.store_dir()
-    actors = [remote.remote(cfg, str(base.parent / f"{base.name}-ray-{i}")) for i in range(workers)]
+    actors = [remote.remote(cfg, f"ray-{i}") for i in range(workers)]
+    try:
+        return _lanes(ray, actors, order, tally, stop, model, chunk, config.reuse)
+    finally:
+        with contextlib.suppress(Exception):  # temp folders and prefetches of each worker
+            ray.get([a.close.remote() for a in actors], timeout=60)
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+
+
+def _lanes(ray, actors: list, order: list[Planned], tally: Tally, stop: threading.Event, model: str, chunk: int,
+           reuse: bool) -> bool:
+    workers = len(actors)
+    try:  # a worker that cannot load the model says why once, instead of failing every job silently
+        ray.get([a.ready.remote() for a in actors], timeout=600)
+    except Exception as exc:  # noqa: BLE001
+        raise TempFailure(one_line(f"a Ray worker did not start: {type(exc).__name__}: {exc}")) from None
     lanes = _assign(order, workers)
+    for lane in lanes:
+        mark_sharing(lane, chunk, reuse)  # what each worker shares with its own next job
     nxt_of = {id(p): (lane[j + 1] if j + 1 < len(lane) else None) for lane in lanes for j, p in enumerate(lane)}
     pos = [0] * workers
     pending: dict[Any, tuple[int, Planned]] = {}
@@ -160,7 +184,7 @@ def _dispatch(ray, config: BatchConfig, order: list[Planned], workers: int, tall
         try:
             result = ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - a worker died: that job failed, the batch goes on
-            result = failure(p.job, TempFailure(f"Ray worker failed: {type(exc).__name__}: {exc}"[:500]), model=model)
+            result = failure(p.job, TempFailure(f"Ray worker failed: {type(exc).__name__}: {exc}"), model=model)
         tally.emit(result)
         if stop.is_set():
             tally.summary.interrupted = True
@@ -168,5 +192,5 @@ def _dispatch(ray, config: BatchConfig, order: list[Planned], workers: int, tall
             submit(w)
     if any(pos[w] < len(lanes[w]) for w in range(workers)):
         tally.summary.interrupted = True
-    for a in actors:
-        ray.kill(a)
+        return False
+    return True

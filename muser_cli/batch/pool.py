@@ -35,6 +35,14 @@ def temporary(exc: BaseException) -> bool:
     return isinstance(exc, OSError)
 
 
+def about_the_job(exc: BaseException) -> bool:
+    """A refusal of this one request (a prompt too long, a have it would not serve) or a local
+    failure (our disk): says nothing against the producer."""
+    from muser_cli.errors import DataError, OutputError, SpotCheckFailed
+
+    return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, SpotCheckFailed)
+
+
 class ProducerPool:
     def __init__(self, addresses: Sequence[str], *, backoff_s: float = 2.0, max_backoff_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -75,12 +83,20 @@ class ProducerPool:
                 s.failures = 0
                 s.down_until = 0.0
                 return
-            s.last_error = str(error)[:300]
+            s.last_error = " ".join(str(error).split())[:300]
+            if about_the_job(error):
+                return
             if temporary(error):
                 s.failures += 1
                 s.down_until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** (s.failures - 1))
             else:
                 s.gone = s.last_error
+
+    def blame(self, address: str, error: BaseException) -> None:
+        """A pack from ``address`` failed the consumer's checks: it writes wrong KV; dropped."""
+        with self._lock:
+            s = next(s for s in self.states if s.address == address)
+            s.gone = s.last_error = " ".join(f"its pack was refused: {error}".split())[:300]
 
     def any_left(self) -> bool:
         with self._lock:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from muser_cli.errors import DataError, OutputError, UsageError
-from muser_cli.fsio import atomic_writer, check_output_path, fsync_dir
+from muser_cli.fsio import _is_special, atomic_writer, check_output_path, fsync_dir
 from muser_cli.strict import loads
 
 MAX_RESULT_LINE = 64 << 20
@@ -39,18 +39,21 @@ class Results:
         self.stream = stream
         self.resume = resume
         self._fh: BinaryIO | None = None
+        self._special = False
         self._order: list[str] = []
         self._pending: dict[str, bytes] = {}  # stdout: results waiting for those before them
         self._next = 0
-        if self.path is not None and self.path.exists() and self.path.stat().st_size > 0 and not (resume or force):
+        if (self.path is not None and self.path.is_file() and self.path.stat().st_size > 0
+                and not (resume or force)):
             raise UsageError(f"{self.path} already holds results",
                              hint="--resume to continue that batch, --force to start over")
 
     # ------------------------------------------------------------------ resume
-    def done(self, *, model: str, jobs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    def done(self, *, model: str, jobs: dict[str, str], schedule: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
         """The results already in the file (``--resume``): id -> its latest line. ``jobs``: id ->
-        job digest of this run. A torn last line (a kill mid-write) is cut off."""
-        if not self.resume or self.path is None or not self.path.exists():
+        job digest of this run; ``schedule``: engine, dtype and chunk, which a resumed run must
+        share (tokens of two schedules never mix in one file). A torn last line is cut off."""
+        if not self.resume or self.path is None or not self.path.exists() or _is_special(self.path):
             return {}
         data = self.path.read_bytes()
         cut = data.rfind(b"\n") + 1
@@ -71,9 +74,14 @@ class Results:
                 raise DataError(f"{self.path.name} holds results of another model ({obj.get('model')!s:.40})",
                                 hint="resume with the -m it was made with, or write to another file")
             rid = obj["id"]
-            if rid in jobs and obj.get("job") != jobs[rid]:
+            ok = obj.get("error") is None
+            if ok and rid in jobs and obj.get("job") != jobs[rid]:
                 raise DataError(f"{self.path.name}: the result for {rid!r} answers another job line than this "
                                 "jobs file's", hint="resume with the jobs file it was made for, or --force")
+            for key, want in (schedule or {}).items():
+                if ok and key in obj and obj[key] != want:
+                    raise DataError(f"{self.path.name} was made with {key} {obj[key]!r}, this run uses {want!r}",
+                                    hint=f"resume with the same --{key}, or write to another file")
             out[rid] = obj
         return out
 
@@ -81,11 +89,13 @@ class Results:
     def open(self, order: Sequence[str]) -> None:
         """``order``: every id in input order (stdout is written in that order)."""
         self._order = list(order)
+        self._special = self.path is not None and _is_special(self.path)
         if self.path is not None:
             try:
                 flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if self.resume else os.O_TRUNC)
                 self._fh = os.fdopen(os.open(self.path, flags, 0o644), "ab" if self.resume else "wb")
-                fsync_dir(self.path.parent if str(self.path.parent) else Path("."))  # the file itself survives
+                if not self._special:
+                    fsync_dir(self.path.parent if str(self.path.parent) else Path("."))  # the file itself survives
             except OSError as exc:
                 raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
 
@@ -100,7 +110,8 @@ class Results:
             try:
                 self._fh.write(line)
                 self._fh.flush()
-                os.fsync(self._fh.fileno())
+                if not self._special:  # a pipe or device has nothing to make durable
+                    os.fsync(self._fh.fileno())
             except OSError as exc:
                 raise OutputError(f"cannot write {self.path}: {exc.strerror or exc}") from None
             return
@@ -131,8 +142,8 @@ class Results:
                     self.stream.write(line)
             self.stream.flush()
             return
-        if not complete or self.path is None:
-            return
+        if not complete or self.path is None or _is_special(self.path):
+            return  # a pipe or device (-o /dev/stdout) is written once, in finishing order
         latest: dict[str, bytes] = {}
         for raw in self.path.read_bytes().splitlines(keepends=True):
             if raw.strip():

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
-from muser_cli.errors import MuserError
+from muser_cli.errors import DataError, MuserError
 
 ResultFn = Callable[[dict[str, Any], "Summary"], None]
 
@@ -92,14 +92,31 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def mark_sharing(order: Sequence["Planned"], chunk: int, reuse: bool) -> None:
+    """For jobs run in this order on one consumer: the whole-chunk prefix each shares with the
+    next, and whether to keep it in the store (the next gains from it, the previous did not
+    keep it already)."""
+    prev_shared = 0
+    for i, p in enumerate(order):
+        nxt = order[i + 1] if i + 1 < len(order) else None
+        shared = common_prefix(p.ids[:-1], nxt.ids[:-1]) // chunk * chunk if nxt is not None else 0
+        p.shares_next = shared
+        p.store = reuse and shared > prev_shared
+        prev_shared = shared
+
+
 def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, Any]:
     """The result line of a job that failed: the exit status ``muser decode`` would have had."""
     if isinstance(exc, MuserError):
-        err = {"message": str(exc), "exit": exc.exit_status}
+        err = {"message": one_line(str(exc)), "exit": exc.exit_status}
         if exc.hint:
-            err["hint"] = exc.hint
+            err["hint"] = one_line(exc.hint)
     else:  # a bug: the batch goes on, the line says what broke
-        err = {"message": f"internal error: {type(exc).__name__}: {exc}", "exit": 1}
+        err = {"message": one_line(f"internal error: {type(exc).__name__}: {exc}"), "exit": 1}
     return {"id": item.id, "line": item.line, "model": model,
             "job": item.digest if isinstance(item, Job) else None, "error": err, "text": None, "token_ids": None,
             "source": None, "producer": None}
@@ -131,10 +148,11 @@ class Tally:
         if self.on_result is not None:
             self.on_result(result, s)
 
-    def finish(self, producers: list[dict[str, Any]]) -> None:
+    def finish(self, producers: list[dict[str, Any]], *, complete: bool) -> None:
+        """``complete``: every job ran (the file is then rewritten in input order)."""
         self.summary.wall_s = time.perf_counter() - self.t0
         self.summary.producers = producers
-        self.results.close(complete=not self.summary.interrupted)
+        self.results.close(complete=complete and not self.summary.interrupted)
 
 
 class _Fetch:
@@ -198,6 +216,11 @@ class Batch:
         return time.perf_counter() - t0
 
     @property
+    def schedule(self) -> dict[str, Any]:
+        """What a resumed run must share with the results it continues."""
+        return {"engine": self.config.engine, "dtype": self.dtype, "chunk": self.chunk}
+
+    @property
     def model_fingerprint(self) -> str:
         assert self.info is not None
         return self.info.fingerprint
@@ -221,17 +244,7 @@ class Batch:
             key = ("doc", job.document, job.chat) if job.document else ("ids", tuple(ids[: self.chunk]))
             groups.setdefault(key, []).append(Planned(job, ids, key))
         order = [p for g in groups.values() for p in g]
-        chunk = self.chunk
-        prev_shared = 0
-        for i, p in enumerate(order):
-            nxt = order[i + 1] if i + 1 < len(order) else None
-            shared = 0
-            if nxt is not None:
-                shared = common_prefix(p.ids[:-1], nxt.ids[:-1]) // chunk * chunk
-            p.shares_next = shared
-            # Keep it when the next job gains from it and the previous one did not keep it already.
-            p.store = self.config.reuse and shared > prev_shared
-            prev_shared = shared
+        mark_sharing(order, self.chunk, self.config.reuse)
         return order, bad
 
     # ------------------------------------------------------------------ the run
@@ -240,15 +253,20 @@ class Batch:
         if self.engine is None:
             tally.summary.load_s = self.load()
         order = self.prepare(items, tally)
+        ran_all = False
         try:
             for i, p in enumerate(order):
                 if self.stop.is_set():
                     tally.summary.interrupted = True
                     break
                 tally.emit(self.run_one(p, order[i + 1] if i + 1 < len(order) else None))
+            else:
+                ran_all = True
         finally:
-            self.close()
-            tally.finish(self.pool.to_json())
+            try:
+                self.close()
+            finally:
+                tally.finish(self.pool.to_json(), complete=ran_all)
         return tally.summary
 
     def prepare(self, items: Sequence[Job | BadJob], tally: "Tally") -> list[Planned]:
@@ -257,7 +275,7 @@ class Batch:
         model = self.model_fingerprint
         results = tally.results
         jobs = [j for j in items if isinstance(j, Job)]
-        done = results.done(model=model, jobs={j.id: j.digest for j in jobs})
+        done = results.done(model=model, jobs={j.id: j.digest for j in jobs}, schedule=self.schedule)
         results.open([j.id for j in items])
         todo: list[Job] = []
         for item in items:
@@ -321,32 +339,51 @@ class Batch:
 
         def rows_ready(got) -> None:  # the next job's pull starts while this one decodes
             if nxt is not None and self.pool and nxt.job.line not in fetches:
-                fetches[nxt.job.line] = self._prefetch(nxt, after=p, schedule=got.schedule)
+                try:
+                    fetches[nxt.job.line] = self._prefetch(nxt, after=p, schedule=got.schedule)
+                except Exception:  # noqa: BLE001 - no prefetch: the next job pulls (or computes) itself
+                    pass
 
+        def run(inp: BinaryIO | None, why: str):
+            return decode(inp, model=c.model, prompt=job.text, chat=job.chat, max_new_tokens=job.max_tokens,
+                          engine=c.engine, dtype=self.dtype, threads=c.threads,
+                          sampling=Sampling(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
+                          chunk_tokens=self.chunk, fallback_reason=why or "empty input", reuse=c.reuse,
+                          store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready)
+
+        refused: DataError | None = None
         try:
-            out = decode(src, model=c.model, prompt=job.text, chat=job.chat, max_new_tokens=job.max_tokens,
-                         engine=c.engine, dtype=self.dtype, threads=c.threads,
-                         sampling=Sampling(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
-                         chunk_tokens=self.chunk, fallback_reason=reason or "empty input", reuse=c.reuse,
-                         store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready)
+            try:
+                out = run(src, reason)
+            except DataError as exc:  # the pack failed a gate (binding, spot-check, merge): compute it here
+                if src is None:
+                    raise
+                refused = exc
         finally:
             if src is not None:
                 src.close()
             if live is not None:
                 live.join(timeout=30)
-                self.pool.done(live.producer, live.error)
+                if live.is_alive():  # still talking to the producer after decode finished: not a success
+                    self.pool.done(live.producer, TimeoutError("the pull outlived its decode"))
+                else:
+                    self.pool.done(live.producer, live.error)
                 if live.error is None and live.accepted:
                     shipped = int(live.accepted.get("payload_bytes", 0))
             if fetch is not None and fetch.path is not None:
                 fetch.path.unlink(missing_ok=True)
-        if live is not None and live.error is not None and out.fallback:
+        if refused is not None:
+            assert producer is not None
+            self.pool.blame(producer, refused)
+            out = run(None, one_line(f"the pack from {producer} was refused: {refused}"))
+        elif live is not None and live.error is not None and out.fallback:
             out.reason = live.reason()
         result = out.to_json()
         result.pop("engine_stats", None)
         if out.fallback:
             producer, shipped = None, 0 if out.source != "partial+local" else shipped
         result.update({"id": job.id, "line": job.line, "model": self.model_fingerprint, "job": job.digest,
-                       "error": None, "producer": producer, "shipped_bytes": shipped})
+                       "error": None, "producer": producer, "shipped_bytes": shipped, "chunk": self.chunk})
         return result
 
     # ------------------------------------------------------------------ pulls

@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run many prompts with one model load: shared documents paid once, pulls overlapped with decoding, resumable."""
         from muser_cli.batch.jobs import Defaults, read_jobs
+        from muser_cli.batch.pool import read_producers
         from muser_cli.batch.results import Results
         from muser_cli.batch.runner import Batch, BatchConfig
         from muser_cli.errors import MissingInput, UsageError
@@ -51,7 +52,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("-n must be at least 1")
             if not temperature >= 0 or not 0 < top_p <= 1:
                 raise UsageError("--temperature must be >= 0 and --top-p in (0, 1]")
-            addresses = list(producer) + (_read_producers(producers_file) if producers_file else [])
+            addresses = list(producer) + (read_producers(Path(producers_file)) if producers_file else [])
             if jobs == "-":
                 lines = sys.stdin.buffer.read().splitlines()
                 base = Path.cwd()
@@ -91,9 +92,7 @@ def register(app: typer.Typer) -> None:
                 if old is not None:
                     signal.signal(signal.SIGINT, old)
             out = summary.to_json()
-            line = (f"muser batch: {summary.done} done, {summary.failed} failed, {summary.skipped} skipped of "
-                    f"{summary.jobs} in {summary.wall_s:.1f}s ({out['jobs_per_min']:.1f} jobs/min, "
-                    f"{out['tokens_per_s']:.1f} tok/s); " + ", ".join(f"{k} {v}" for k, v in sorted(summary.sources.items())))
+            line = f"muser batch: {summary.line()}"
             if summary.failed or summary.interrupted:
                 err(line)
                 for f in summary.failures[:5]:
@@ -111,20 +110,6 @@ def register(app: typer.Typer) -> None:
                 raise typer.Exit(130)
             if summary.failed:
                 raise typer.Exit(1)
-
-
-def _read_producers(path: str) -> list[str]:
-    from muser_cli.errors import MissingInput
-
-    p = Path(path)
-    if not p.is_file():
-        raise MissingInput(f"no such producers file: {path}")
-    out = []
-    for raw in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            out.append(line)
-    return out
 
 
 class _Progress:

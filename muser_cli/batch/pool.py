@@ -8,9 +8,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from muser_cli.errors import MuserError, TempFailure, UsageError
+from muser_cli.errors import MissingInput, MuserError, TempFailure, UsageError
 
 
 @dataclass
@@ -26,6 +27,18 @@ class ProducerState:
     def to_json(self) -> dict[str, Any]:
         return {"address": self.address, "served": self.served, "failures": self.failures,
                 "gone": self.gone, "last_error": self.last_error}
+
+
+def read_producers(path: Path) -> list[str]:
+    """``--producers-file``: one HOST:PORT per line, ``#`` comments and blank lines ignored."""
+    if not path.is_file():
+        raise MissingInput(f"no such producers file: {path}")
+    out = []
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            out.append(line)
+    return out
 
 
 def temporary(exc: BaseException) -> bool:

@@ -72,6 +72,13 @@ class Summary:
     def finished(self) -> int:
         return self.done + self.failed
 
+    def line(self) -> str:
+        """The one-line summary the command prints at the end."""
+        out = self.to_json()
+        return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped of {self.jobs} in {self.wall_s:.1f}s "
+                f"({out['jobs_per_min']:.1f} jobs/min, {out['tokens_per_s']:.1f} tok/s); "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.sources.items())))
+
     def to_json(self) -> dict[str, Any]:
         wall = self.wall_s
         return {"jobs": self.jobs, "done": self.done, "skipped": self.skipped, "failed": self.failed,

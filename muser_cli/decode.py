@@ -163,7 +163,9 @@ def decode(
                          f"{sampling.top_p})")
     t_begin = time.perf_counter()
     # The pack is read and verified on a thread from the first byte on, while the model loads.
-    stream = StreamedPack(src) if src is not None else None
+    # Each full layer's rows land in an array with room for every new token: the engine's
+    # cache adopts it (no copy at install, none per token).
+    stream = StreamedPack(src, spare_rows=max_new_tokens + 1) if src is not None else None
     t_res0 = time.perf_counter()
     info = resolve_model(model)
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
@@ -215,7 +217,8 @@ def decode(
         on_rows(got)
     t_dec = time.perf_counter()
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
-                        sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
+                        sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
+                        adopt=got.source == "handoff" and stream is not None)
     t_first_token = t_dec + result.ttft_s
     if stream is not None and got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is returned

@@ -80,6 +80,7 @@ class Engine(abc.ABC):
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
+        adopt: bool = False,
     ) -> DecodeResult:
         """Install ``layers`` (covering positions [0, rows)) and decode.
 
@@ -87,6 +88,10 @@ class Engine(abc.ABC):
         positions ``rows, rows+1, ...``; their last logits give the first new token.
         ``chunk_tokens`` is the schedule the rows were computed on (the pack header's);
         an engine whose cache layout depends on it (MLX rotating caches) uses it.
+        ``adopt``: the caller gives up the arrays' spare room (a layer's rows as a view
+        of a larger array, :class:`muser_cli.kvpack.stream.StreamedPack`): an engine that
+        can may use that memory as its cache, writing new rows after ``rows`` without a
+        copy. The rows themselves are never written.
         """
 
 

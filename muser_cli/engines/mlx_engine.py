@@ -149,6 +149,7 @@ class MLXEngine(Engine):
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
+        adopt: bool = False,
     ) -> DecodeResult:
         """See :meth:`Engine.decode`. ``chunk_tokens`` (the pack header's) lets a sliding
         layer's ring be laid out exactly as the producer's own MLX cache would be, so that

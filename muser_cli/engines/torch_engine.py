@@ -4,7 +4,9 @@ Producer side, :meth:`TorchEngine.prefill` runs the canonical schedule (fixed ch
 ``chunk_tokens`` into one ``DynamicCache``) and extracts each layer's rows as numpy
 arrays in the storage dtype (float32, or bfloat16 as its raw uint16 bits).
 
-Consumer side, :meth:`TorchEngine.decode` rebuilds a ``DynamicCache`` from such rows.
+Consumer side, :meth:`TorchEngine.decode` rebuilds a cache from such rows, its
+full-attention layers sized once for the prompt and every new token
+(:mod:`muser_cli.engines.torch_cache`: no generated token copies the cache).
 A sliding layer holds only its last ``window - 1`` rows; transformers tracks the
 absolute length separately (``cumulative_length``), which the rebuild sets to ``rows``
 so that masks and positions match the producer's live cache exactly.
@@ -37,6 +39,9 @@ class TorchEngine(Engine):
     name = "torch"
     resumes_prefill = True
     streams_prefill = True
+    #: full-attention layers in buffers sized once (False: transformers' growing
+    #: ``DynamicLayer``, kept for the A/B in ``benchmarks/bench_decode.py``)
+    sized_cache = True
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -102,7 +107,7 @@ class TorchEngine(Engine):
                 f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._install(layers, rows)
+            cache = self._install(layers, rows, extra=len(ids))
             if progress:
                 progress("prefill", rows, total)
             if on_chunk:
@@ -130,11 +135,12 @@ class TorchEngine(Engine):
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
+        adopt: bool = False,
     ) -> DecodeResult:
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
         with self._session():
-            cache = self._install(layers, rows)
+            cache = self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt)
             return self._generate(
                 cache, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start,
                 stats={"install_s": time.perf_counter() - start},
@@ -155,7 +161,7 @@ class TorchEngine(Engine):
         ids = self._check_ids(token_ids)
         nxt = self._check_decode_args(len(ids), next_tokens, max_new_tokens)
         with self._session():
-            cache = self._prefill_cache(ids, chunk_tokens, None)
+            cache = self._prefill_cache(ids, chunk_tokens, None, extra=len(nxt) + max_new_tokens)
             start = time.perf_counter()
             return self._generate(cache, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None, start, stats={})
 
@@ -165,7 +171,7 @@ class TorchEngine(Engine):
         ids = self._check_ids(token_ids)
         self._check_decode_args(rows, ids, 0)
         with self._session():
-            cache = self._install(layers, rows)
+            cache = self._install(layers, rows, extra=len(ids))
             self._forward(ids, rows, cache, keep=1)
             return self._extract(cache, rows + len(ids))
 
@@ -173,7 +179,7 @@ class TorchEngine(Engine):
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
         nxt = self._check_decode_args(rows, next_tokens, 0)
         with self._session():
-            cache = self._install(layers, rows)
+            cache = self._install(layers, rows, extra=len(nxt))
             logits = self._forward(nxt, rows, cache, keep=0)
             return logits[0].float().numpy()
 
@@ -184,7 +190,7 @@ class TorchEngine(Engine):
         ids = self._check_ids(token_ids)
         nxt = self._check_decode_args(len(ids), next_tokens, 0)
         with self._session():
-            cache = self._prefill_cache(ids, chunk_tokens, None)
+            cache = self._prefill_cache(ids, chunk_tokens, None, extra=len(nxt))
             return self._forward(nxt, len(ids), cache, keep=0)[0].float().numpy()
 
     # ------------------------------------------------------------------ internals
@@ -221,14 +227,23 @@ class TorchEngine(Engine):
         out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits
 
-    def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
-                       on_chunk: ChunkFn | None = None) -> Any:
-        """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one cache."""
+    def _new_cache(self, capacity: int) -> Any:
+        """An empty cache with room for ``capacity`` positions in each full-attention layer."""
+        if self.sized_cache:
+            from muser_cli.engines.torch_cache import sized_cache
+
+            return sized_cache(self.model.config, capacity)
         from transformers import DynamicCache
 
+        return DynamicCache(config=self.model.config)
+
+    def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
+                       on_chunk: ChunkFn | None = None, *, extra: int = 0) -> Any:
+        """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one cache
+        (with room for ``extra`` positions after them)."""
         if chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache(len(ids) + extra)
         total = len(ids)
         if progress:
             progress("prefill", 0, total)
@@ -242,10 +257,8 @@ class TorchEngine(Engine):
         return cache
 
     def warm_up(self) -> None:
-        from transformers import DynamicCache
-
         with self._session():
-            self._forward([0, 0], 0, DynamicCache(config=self.model.config), keep=1)
+            self._forward([0, 0], 0, self._new_cache(2), keep=1)
 
     def _rows_of(self, cache: Any, n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
@@ -280,14 +293,15 @@ class TorchEngine(Engine):
             out.append(LayerKV(keys=_to_numpy(keys), values=_to_numpy(values), first_row=n - carried))
         return out
 
-    def _install(self, layers: Sequence[LayerKV], rows: int) -> Any:
-        """A DynamicCache holding ``layers`` as if ``rows`` tokens had been prefilled here."""
-        from transformers import DynamicCache
-
+    def _install(self, layers: Sequence[LayerKV], rows: int, *, extra: int = 0, adopt: bool = False) -> Any:
+        """A cache holding ``layers`` as if ``rows`` tokens had been prefilled here, with room
+        for ``extra`` more positions. ``adopt``: a full layer whose rows are a view of a
+        larger array in the engine's dtype (see :meth:`Engine.decode`) uses that array as
+        its buffer, without a copy."""
         specs = self.info.layers
         if len(layers) != len(specs):
             raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
-        cache = DynamicCache(config=self.model.config)
+        cache = self._new_cache(rows + extra)
         for index, (spec, kv) in enumerate(zip(specs, layers)):
             carried = spec.carried_rows(rows)
             want_k = (spec.kv_heads, carried, spec.head_dim)
@@ -301,6 +315,12 @@ class TorchEngine(Engine):
                 raise DataError(f"layer {index}: rows start at position {kv.first_row}, expected {rows - carried}")
             if rows == 0:
                 continue
+            if adopt and spec.kind == "full" and hasattr(cache.layers[index], "adopt"):
+                bufs = _adoptable(kv.keys, rows + extra, self.torch_dtype), _adoptable(kv.values, rows + extra,
+                                                                                      self.torch_dtype)
+                if bufs[0] is not None and bufs[1] is not None:
+                    cache.layers[index].adopt(bufs[0], bufs[1], rows)
+                    continue
             keys = _to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
             values = _to_torch(kv.values, self.torch_dtype).unsqueeze(0)
             cache.update(keys, values, index)
@@ -354,6 +374,25 @@ def _to_numpy(t: "torch.Tensor") -> np.ndarray:
     if t.dtype in (torch.float32, torch.float16):
         return t.numpy()
     raise DataError(f"unexpected cache dtype {t.dtype}")
+
+
+def _adoptable(a: Any, need: int, dtype: "torch.dtype") -> "torch.Tensor | None":
+    """``a``'s whole backing array as a ``(1, heads, capacity, dim)`` tensor sharing its
+    memory, when ``a`` is its leading rows, the array is C-contiguous, writable, in the
+    engine's dtype, and has room for ``need`` rows; else None (the caller copies)."""
+    base = getattr(a, "base", None)
+    if not isinstance(a, np.ndarray) or not isinstance(base, np.ndarray) or base.ndim != 3 or a.ndim != 3:
+        return None
+    if not (base.flags.c_contiguous and base.flags.writeable) or base.shape[1] < need:
+        return None
+    if (base.shape[0], base.shape[2]) != (a.shape[0], a.shape[2]) or a.strides != base.strides:
+        return None
+    if a.__array_interface__["data"][0] != base.__array_interface__["data"][0] or _FROM_NUMPY.get(base.dtype) != dtype:
+        return None
+    t = torch.from_numpy(base)
+    if dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    return t.unsqueeze(0)
 
 
 def _to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":

@@ -4,7 +4,9 @@ soon as the end frame verifies — or, when the stream is cut, keep what verifie
 
 Rows are placed into one array per layer, allocated when the header arrives (from sizes
 the header declares, bounded by the format's limits), so a finished stream needs no
-concatenation. Nothing is handed out as a whole pack unless the end frame's root digest
+concatenation; with ``spare_rows`` each full layer's array has that much room after its
+rows, so an engine can use it as its cache without a copy (the rows are handed out as a
+view of it). Nothing is handed out as a whole pack unless the end frame's root digest
 verified and no byte followed it; a cut stream hands out only :meth:`StreamedPack.prefix`,
 whole chunks whose every frame verified.
 """
@@ -37,8 +39,9 @@ class StreamedPack:
     ``result()`` waits for the end: a verified :class:`KVPack`, or a :class:`Cut`.
     A corrupt frame raises :class:`KVPackError` from both (nothing of it is handed out)."""
 
-    def __init__(self, src: BinaryIO, *, max_bytes: int | None = None) -> None:
+    def __init__(self, src: BinaryIO, *, max_bytes: int | None = None, spare_rows: int = 0) -> None:
         self._src = src
+        self._spare = max(0, int(spare_rows))
         self._reader = PackReader(max_bytes=max_bytes)
         self._header_ready = threading.Event()
         self._done = threading.Event()
@@ -80,7 +83,8 @@ class StreamedPack:
             return self._cut
         h, end = self._header, self._end
         assert h is not None and end is not None
-        layers = [LayerKV(keys=k, values=v, first_row=h.layer_first_row(i))
+        layers = [LayerKV(keys=k[:, : h.layer_rows(i)], values=v[:, : h.layer_rows(i)],
+                          first_row=h.layer_first_row(i))
                   for i, (k, v) in enumerate(zip(self._keys, self._values))]
         return KVPack(header=h, layers=layers, root_digest=end.root_digest, total_bytes=end.total_bytes,
                       stored_bytes=self._stored)
@@ -166,7 +170,7 @@ class StreamedPack:
             h = ev.header
             np_dtype = np.dtype(DTYPES[h.dtype][1])
             for i, spec in enumerate(h.layers):
-                rows = h.layer_rows(i)
+                rows = h.layer_rows(i) + (self._spare if spec.kind == "full" and h.layer_first_row(i) == 0 else 0)
                 self._keys.append(np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype))
                 self._values.append(np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
                 self._got.append(0)

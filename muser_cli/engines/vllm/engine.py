@@ -301,6 +301,7 @@ class VLLMEngine(Engine):
         stop_on_eos: bool = True,
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
+        adopt: bool = False,
     ) -> DecodeResult:
         raise UsageError(
             "the vllm engine is a producer: it prefills and ships KV, it does not decode from a kvpack",

@@ -1,0 +1,105 @@
+"""A transformers cache whose full-attention layers are sized once.
+
+transformers' ``DynamicLayer`` grows by ``torch.cat`` on every update, so each generated
+token copies the layer's whole K and V: at 8,064 tokens of context on the embedded model
+that is ~370 MB moved per token, more than the attention itself reads. A
+:class:`SizedLayer` holds one buffer per K and V with room for the prompt and every token
+decode may add, writes each update in place, and hands attention a view of the rows held
+so far — the same values, in the same ``(batch, heads, rows, head_dim)`` shape, so the
+model computes the same numbers (``tests/test_torch_cache.py`` checks the bits).
+
+A buffer can also be *adopted*: rows that already sit in a numpy array with spare room
+after them (a streamed pack's rows, placed frame by frame as they verified) become the
+cache without a copy. Sliding-window layers keep transformers' own layer: they hold at
+most ``window - 1`` rows, so their growth is bounded.
+
+This module imports transformers at the top; :mod:`muser_cli.engines.torch_engine`
+imports it only when a cache is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class SizedLayer(DynamicLayer):
+    """A full-attention layer backed by buffers of ``capacity`` rows (grown by doubling only
+    if a caller writes past them, which :func:`sized_cache` callers never do)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, rows: int) -> None:
+        """Use ``keys``/``values`` (``(1, heads, capacity, dim)``, the first ``rows`` rows
+        filled) as this layer's buffers, without copying them."""
+        self.device = keys.device
+        self._k, self._v = keys, values
+        self.capacity = keys.shape[-2]
+        self.length = rows
+        self.keys, self.values = keys[..., :rows, :], values[..., :rows, :]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        if self._k is None or end > self._k.shape[-2]:
+            self._grow(key_states, value_states, end)
+        assert self._k is not None and self._v is not None
+        self._k[..., start:end, :].copy_(key_states)
+        self._v[..., start:end, :].copy_(value_states)
+        self.length = end
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+        cap = max(need, self.capacity if self._k is None else 2 * self._k.shape[-2])
+        k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
+        v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+        if self._k is not None and self.length:
+            k[..., : self.length, :].copy_(self._k[..., : self.length, :])
+            v[..., : self.length, :].copy_(self._v[..., : self.length, :])  # type: ignore[index]
+        self._k, self._v = k, v
+        self.capacity = cap
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.length = max(0, self.length + tokens_to_remove)
+        assert self._k is not None and self._v is not None
+        self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self.length = 0
+        super().reset()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:  # not used by muser; kept honest
+        raise NotImplementedError("a sized cache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a sized cache holds one sequence")
+
+
+def sized_cache(config: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`SizedLayer`
+    of ``capacity`` rows; sliding layers stay transformers' own."""
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = SizedLayer(capacity)
+    return cache

@@ -115,19 +115,26 @@ def check_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="This consumer's model (default: the default model)."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the producer's answer."),
     threads: int = typer.Option(0, "--threads", help="Compute threads for the spot-check (0 = default)."),
+    probe_seconds: float = typer.Option(1.0, "--probe-seconds", help="Seconds per direction of the link-rate probe (0: not measured)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
 ) -> None:
     """On a consumer: is this producer ready to serve me? One table, one exit status.
 
     Reachable, mutual authentication, a signed test request, clock skew against the issued-at
-    window, the producer serves this consumer's model, and one tiny test prefill whose KV is
-    spot-checked here. Exit status: the first failed check's (75, 77, 65, ...), else 0.
+    window, the producer serves this consumer's model, the link rate both ways (MB/s), and one
+    tiny test prefill whose KV is spot-checked here. Exit status: the first failed check's
+    (75, 77, 65, ...), else 0.
     """
     from muser_cli.commands._common import default_threads
     from muser_cli.node_check import check_producer
 
     with guarded(as_json=as_json):
-        report = check_producer(producer, model=model, timeout=timeout, threads=threads or default_threads())
+        if probe_seconds < 0:
+            from muser_cli.errors import UsageError
+
+            raise UsageError("--probe-seconds must be >= 0")
+        report = check_producer(producer, model=model, timeout=timeout, threads=threads or default_threads(),
+                                probe_s=probe_seconds)
         if as_json:  # the report is the one object; its exit_status is the command's
             emit_json(report.to_json())
             if report.error is not None:

@@ -104,7 +104,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
     def on_event(kind: str, f: dict) -> None:
         if kind == "listening":
             info(f"prefill: listening on {f['address']}")
-        elif kind in ("request", "tls_failed", "admitted") and as_json:
+        elif kind in ("request", "probe", "tls_failed", "admitted") and as_json:
             sys.stderr.write(json.dumps({"event": kind, **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
@@ -112,6 +112,10 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             if f.get("outcome") == "served" and f.get("reused_rows"):
                 what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
+        elif kind == "probe":
+            rates = " ".join(f"{d} {f[d + '_bytes'] / f[d + '_s'] / 1e6:.0f} MB/s" for d in ("up", "down")
+                             if f.get(d + "_s"))
+            info(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
         elif kind == "tls_failed":
             info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 

@@ -12,21 +12,26 @@ from muser_cli.commands._common import emit_json, err, guarded, info
 def register(app: typer.Typer) -> None:
     @app.command("probe-link")
     def probe_link_cmd(
-        to: str = typer.Argument(..., help="Receiver as HOST:PORT."),
+        to: str = typer.Argument(..., help="A receiver (`receive --listen`) or a resident producer (`prefill --serve`) as HOST:PORT."),
         seconds: float = typer.Option(2.0, "--seconds", help="Seconds per direction."),
         floor: Optional[str] = typer.Option(None, "--floor", help="Fail (exit 75) below this rate: 100M, 800Mbit."),
         as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
         connect_timeout: float = typer.Option(10.0, "--connect-timeout", help="TCP + TLS handshake deadline."),
     ) -> None:
-        """Measure the link both ways over the handoff's own TLS; exit 75 below --floor."""
-        from muser_cli.handoff.api import probe_link
+        """Measure the link both ways over the handoff's own TLS; exit 75 below --floor.
+
+        Up is from this node to HOST:PORT, down back. Against a resident producer the probe is
+        a signed request, admitted as a pull request is (it waits for a running prefill).
+        """
+        from muser_cli.handoff.probes import probe_link
 
         with guarded(as_json=as_json):
             res = probe_link(to=to, seconds=seconds, floor=floor, connect_timeout=connect_timeout)
             if as_json:
                 emit_json(res)
             else:
-                info(f"probe-link {to}: up {res['up_Mbit']:.0f} Mbit/s, down {res['down_Mbit']:.0f} Mbit/s, "
+                who = " (producer)" if res["listener"] == "producer" else ""
+                info(f"probe-link {to}{who}: up {res['up_Mbit']:.0f} Mbit/s, down {res['down_Mbit']:.0f} Mbit/s, "
                      f"connect {res['connect_s'] * 1000:.1f} ms")
             if not res["passed"]:
                 err(f"muser: error: link below the floor of {floor} "

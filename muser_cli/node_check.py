@@ -10,6 +10,9 @@ passed (a later one would only repeat the first failure), in this order:
   clock       the producer's clock, as its handoff header states it, is within the
               issued-at window of ours (a producer refusing our issued-at as stale: 77)
   model       the producer serves this consumer's model and tokenizer (fingerprints; else 65)
+  link        the link rate both ways, MB/s: a signed link probe answered by the producer
+              (``muser probe-link``'s, ``probe_s`` seconds each way; a failure: its status,
+              75 for a cut or a busy producer)
   audit       one tiny test prefill: its pack verified on the wire, then spot-checked
               numerically here (the last position recomputed on this machine's engine; else 65)
 
@@ -57,11 +60,11 @@ class CheckReport:
                 "error": None if self.ok else str(self.error), "checks": [r.to_json() for r in self.rows]}
 
 
-NAMES = ("reachable", "mutual auth", "request", "clock", "model", "audit")
+NAMES = ("reachable", "mutual auth", "request", "clock", "model", "link", "audit")
 
 
 def check_producer(producer: str, *, model: str | None = None, timeout: float = 30.0, threads: int = 1,
-                   chunk_tokens: int | None = None) -> CheckReport:
+                   chunk_tokens: int | None = None, probe_s: float = 1.0) -> CheckReport:
     """Run the checks of the module doc against ``producer`` (HOST:PORT); never raises for a
     failed check: the report holds it."""
     from muser_cli import paths
@@ -153,6 +156,20 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
         fp = ask.model_fingerprint
         rows.append(Row("model", True, f"serves this consumer's model {fp[:23]}... and tokenizer",
                         {"model_fingerprint": fp, "tokenizer_fingerprint": ask.tokenizer_fingerprint}))
+        if probe_s > 0:
+            from muser_cli.handoff.probes import probe_peer
+
+            try:
+                rate = probe_peer(where, identity, seconds=probe_s, connect_s=min(timeout, 10.0))
+            except MuserError as exc:
+                return fail("link", exc)
+            up, down = rate["up_Bps"] / 1e6, rate["down_Bps"] / 1e6
+            rows.append(Row("link", True, f"consumer->producer {up:,.1f} MB/s, producer->consumer {down:,.1f} MB/s "
+                                          f"({probe_s:g} s each way)",
+                            {"consumer_to_producer_MBps": round(up, 3), "producer_to_consumer_MBps": round(down, 3),
+                             "probe_s": probe_s}))
+        else:
+            rows.append(Row("link", None, "not measured (probe seconds 0)"))
         try:
             spot = _audit(out, model=model, threads=threads)
         except MuserError as exc:

@@ -502,7 +502,8 @@ def test_node_check_says_the_producer_is_ready(lane, tiny_llama):
     assert r.returncode == 0, (r.stdout, r.stderr)
     lines = r.stdout.decode().splitlines()
     assert lines[0] == f"node check {p.address}"
-    assert [ln.split()[0] for ln in lines[1:]] == ["reachable", "mutual", "request", "clock", "model", "audit"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["reachable", "mutual", "request", "clock", "model", "link", "audit"]
+    assert "consumer->producer" in lines[6] and "MB/s" in lines[6], lines[6]
     assert all("  ok  " in ln for ln in lines[1:]), lines
     t0 = time.monotonic()
     j = node_check(lane, p.address, "--json")
@@ -513,6 +514,9 @@ def test_node_check_says_the_producer_is_ready(lane, tiny_llama):
     checks = {c["check"]: c for c in got["checks"]}
     assert abs(checks["clock"]["skew_s"]) < 5 and checks["clock"]["window_s"] == 120
     assert checks["model"]["model_fingerprint"] == tiny_llama.fingerprint
+    assert checks["link"]["consumer_to_producer_MBps"] > 0 and checks["link"]["producer_to_consumer_MBps"] > 0
+    probes = p.wait_events(2, "probe")
+    assert [e["outcome"] for e in probes[-2:]] == ["probed", "probed"], probes  # one per check run
     assert checks["audit"]["spot_check"]["ok"] and checks["audit"]["spot_check"]["layers_checked"] > 0
     served = p.wait_events(before + 2)[before:]
     assert [e["outcome"] for e in served] == ["served", "served"], served  # the two test prefills, nothing else

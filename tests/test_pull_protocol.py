@@ -125,3 +125,67 @@ def test_unknown_frame_type_and_cut_prefix():
     producer.receive_data(b"")
     with pytest.raises(ProtocolError):
         producer.next_event()
+
+
+# ----------------------------------------------------------------------------- the link probe request
+from muser_cli.handoff.pull import (  # noqa: E402
+    MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, parse_probe, sign_probe,
+)
+
+
+def make_probe(**over) -> ProbeRequest:
+    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
+                  probe_ms=1000)
+    fields.update(over)
+    return ProbeRequest(**fields)
+
+
+def test_probe_request_round_trips_and_its_mac_is_not_a_requests():
+    probe = make_probe()
+    raw, mac = sign_probe(probe, SECRET)
+    assert parse_probe(raw) == probe
+    verify_request_mac(SECRET, raw, mac, context=PROBE_MAC_CONTEXT)
+    with pytest.raises(AuthError):  # a probe's MAC never verifies as a request's (nor the other way)
+        verify_request_mac(SECRET, raw, mac, context=MAC_CONTEXT)
+    rraw, rmac = sign_request(make_request(), SECRET)
+    with pytest.raises(AuthError):
+        verify_request_mac(SECRET, rraw, rmac, context=PROBE_MAC_CONTEXT)
+    with pytest.raises(AuthError):
+        verify_request_mac(SECRET, raw.replace(b'"probe_ms":1000', b'"probe_ms":1001'), mac,
+                           context=PROBE_MAC_CONTEXT)
+
+
+@pytest.mark.parametrize("change", [
+    lambda o: o.update(extra=1),
+    lambda o: o.pop("probe_ms"),
+    lambda o: o.update(probe_ms=0),
+    lambda o: o.update(probe_ms=60_001),
+    lambda o: o.update(probe_ms=1.5),
+    lambda o: o.update(v=2),
+    lambda o: o.update(token_ids=[1, 2]),
+])
+def test_malformed_probe_requests_are_protocol_errors(change):
+    obj = make_probe().to_json()
+    change(obj)
+    with pytest.raises(ProtocolError):
+        parse_probe(canonical(obj))
+
+
+def test_exchange_probe_then_serving_and_limits_at_the_prefix():
+    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
+    probe = make_probe()
+    raw, mac = sign_probe(probe, SECRET)
+    producer.receive_data(consumer.send(Probe(raw, mac, probe)))
+    got = producer.next_event()
+    assert isinstance(got, Probe) and got.probe == probe and got.mac == mac
+    consumer.receive_data(producer.send(Queued(1)) + producer.send(Serving()) + b"\x01\x00\x00\x00\x02{}")
+    assert consumer.next_event() == Queued(1) and isinstance(consumer.next_event(), Serving)
+    assert consumer.leftover() == b"\x01\x00\x00\x00\x02{}"
+    big = PullConnection(Side.PRODUCER)
+    big.receive_data(PREFIX.pack(0x53, 32 + 1024 + 1))  # refused before one body byte
+    with pytest.raises(ProtocolError, match="exceeds"):
+        big.next_event()
+    late = PullConnection(Side.CONSUMER)
+    late.receive_data(PREFIX.pack(0x53, 40))  # a producer may not send a Probe
+    with pytest.raises(ProtocolError, match="may not send"):
+        late.next_event()

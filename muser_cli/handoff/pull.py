@@ -13,6 +13,12 @@ listens; both present certificates from the consumer's private CA):
     prompt's first N rows on that schedule (C = their chain hash, docs/reuse.md), so the
     producer answers with a delta pack from position N (it refuses a chain that is not
     this prompt's);
+  * or, to measure the link (``muser probe-link``, ``node check``), one ``Probe`` frame:
+    ``MAC ‖ probe JSON`` (its own MAC context ``"muser-pull-v1-probe\x00"``; the same
+    key id, issued-at, request id and replay ledger as a request, and ``probe_ms``, the
+    longest the consumer will measure each way); once admitted the V3 roles are swapped
+    for the probe: the PRODUCER is the V3 receiver (it sends ``Ready`` and answers
+    ``ProbeUp``/``ProbeDown`` as ``receive --listen`` does), the consumer the sender;
   * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, ...),
     or ``Queued {"place": N}`` (zero or more times, while another request computes),
     then ``Serving {}``;
@@ -46,6 +52,9 @@ from muser_cli.handoff.protocol import (
 ALPN_PULL = "muser-pull/1"
 PULL_VERSION = 1
 MAC_CONTEXT = b"muser-pull-v1-request\x00"
+PROBE_MAC_CONTEXT = b"muser-pull-v1-probe\x00"
+MAX_PROBE_BYTES = 1024
+MAX_PROBE_MS = 60_000
 MAX_REQUEST_BYTES = 4 << 20  # JSON; ~400k token ids
 MAX_TOKENS = 1 << 20
 DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +65,7 @@ _FP_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 _KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "token_ids", "tokenizer_fingerprint",
          "model_fingerprint", "chunk_tokens", "dtype"}
 _HAVE_KEYS = {"held_tokens", "chain"}
+_PROBE_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "probe_ms"}
 
 
 # ----------------------------------------------------------------------------- the request
@@ -144,13 +154,50 @@ def sign_request(req: PullRequest, secret: bytes) -> tuple[bytes, bytes]:
     return raw, hmac.new(secret, MAC_CONTEXT + raw, hashlib.sha256).digest()
 
 
-def verify_request_mac(secret: bytes, raw: bytes, mac: bytes) -> None:
-    want = hmac.new(secret, MAC_CONTEXT + raw, hashlib.sha256).digest()
+def verify_request_mac(secret: bytes, raw: bytes, mac: bytes, *, context: bytes = MAC_CONTEXT) -> None:
+    want = hmac.new(secret, context + raw, hashlib.sha256).digest()
     if not hmac.compare_digest(want, mac):
-        raise AuthError("pull request MAC does not verify")
+        what = "pull request" if context == MAC_CONTEXT else "link probe request"
+        raise AuthError(f"{what} MAC does not verify")
 
 
-def check_fresh(req: PullRequest, *, now_ms: int, window_s: float) -> None:
+# ----------------------------------------------------------------------------- the link probe
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Ask the producer to answer a link probe (no prefill): authenticated like a request."""
+
+    key_id: str
+    request_id: str
+    issued_at_ms: int
+    consumer: str
+    probe_ms: int  # the consumer measures at most this long each way; the producer may cap it
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": PULL_VERSION, "key_id": self.key_id, "request_id": self.request_id,
+                "issued_at_ms": self.issued_at_ms, "consumer": self.consumer, "probe_ms": self.probe_ms}
+
+
+def parse_probe(raw: bytes) -> ProbeRequest:
+    """Parse canonical probe-request JSON; every malformation is a :class:`ProtocolError`."""
+    obj = strict_json(raw, "probe request")
+    if not isinstance(obj, dict) or set(obj) != _PROBE_KEYS:
+        raise ProtocolError(f"probe request keys differ from {sorted(_PROBE_KEYS)}")
+    if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
+        raise ProtocolError(f"probe request version {obj['v']!r} is not {PULL_VERSION}")
+    req = ProbeRequest(key_id=_str(obj, "key_id", _KEY_ID_RE), request_id=_str(obj, "request_id", _ID_RE),
+                       issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53), consumer=_str(obj, "consumer", _NAME_RE),
+                       probe_ms=_int(obj, "probe_ms", 1, MAX_PROBE_MS))
+    if canonical(obj) != raw:
+        raise ProtocolError("probe request bytes are not canonical JSON")
+    return req
+
+
+def sign_probe(req: ProbeRequest, secret: bytes) -> tuple[bytes, bytes]:
+    raw = canonical(req.to_json())
+    return raw, hmac.new(secret, PROBE_MAC_CONTEXT + raw, hashlib.sha256).digest()
+
+
+def check_fresh(req: PullRequest | ProbeRequest, *, now_ms: int, window_s: float) -> None:
     skew = abs(now_ms - req.issued_at_ms) / 1000
     if skew > window_s:
         raise AuthError(f"request issued {skew:.0f} s away from this producer's clock (window ±{window_s:g} s)")
@@ -174,11 +221,18 @@ class Serving:
     pass
 
 
-PullEvent = Union[Request, Queued, Serving, Reject]
-FRAME_TYPES: dict[type, int] = {Request: 0x50, Queued: 0x51, Serving: 0x52, Reject: 0x3F}
+@dataclass(frozen=True)
+class Probe:
+    raw: bytes
+    mac: bytes
+    probe: ProbeRequest | None = None
+
+
+PullEvent = Union[Request, Probe, Queued, Serving, Reject]
+FRAME_TYPES: dict[type, int] = {Request: 0x50, Queued: 0x51, Serving: 0x52, Probe: 0x53, Reject: 0x3F}
 _BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
 MAX_BODY: dict[type, int] = {Request: MAC_BYTES + MAX_REQUEST_BYTES, Queued: 64, Serving: 2,
-                             Reject: MAX_CONTROL_BYTES}
+                             Probe: MAC_BYTES + MAX_PROBE_BYTES, Reject: MAX_CONTROL_BYTES}
 
 
 class Side(enum.Enum):
@@ -196,6 +250,7 @@ class PullState(enum.Enum):
 C, P = Side.CONSUMER, Side.PRODUCER
 TRANSITIONS: dict[tuple[PullState, Side, type], PullState] = {
     (PullState.START, C, Request): PullState.REQUESTED,
+    (PullState.START, C, Probe): PullState.REQUESTED,
     (PullState.REQUESTED, P, Queued): PullState.REQUESTED,
     (PullState.REQUESTED, P, Serving): PullState.SERVING,
 }
@@ -204,7 +259,7 @@ TRANSITIONS: dict[tuple[PullState, Side, type], PullState] = {
 def encode(event: PullEvent) -> bytes:
     if isinstance(event, Reject):
         return encode_event(event)
-    if isinstance(event, Request):
+    if isinstance(event, (Request, Probe)):
         if len(event.mac) != MAC_BYTES:
             raise LocalProtocolError("MAC must be 32 bytes")
         body = event.mac + event.raw
@@ -229,6 +284,11 @@ def _decode(cls: type, body: bytes) -> PullEvent:
             raise ProtocolError("Request frame too short")
         raw = body[MAC_BYTES:]
         return Request(raw=raw, mac=body[:MAC_BYTES], request=parse_request(raw))
+    if cls is Probe:
+        if len(body) <= MAC_BYTES:
+            raise ProtocolError("Probe frame too short")
+        raw = body[MAC_BYTES:]
+        return Probe(raw=raw, mac=body[:MAC_BYTES], probe=parse_probe(raw))
     if cls is Queued:
         obj = strict_json(body, "Queued")
         if not isinstance(obj, dict) or set(obj) != {"place"} or type(obj["place"]) is not int or obj["place"] < 0:
@@ -293,7 +353,7 @@ class PullConnection:
 
 
 __all__ = [
-    "ALPN_PULL", "MAX_REQUEST_BYTES", "PullConnection", "PullRequest", "PullState", "Queued", "REJECT_CODES",
-    "Request", "Serving", "Side", "check_fresh", "encode", "new_request_id", "parse_request", "sign_request",
-    "verify_request_mac",
+    "ALPN_PULL", "MAX_REQUEST_BYTES", "PROBE_MAC_CONTEXT", "Probe", "ProbeRequest", "PullConnection", "PullRequest",
+    "PullState", "Queued", "REJECT_CODES", "Request", "Serving", "Side", "check_fresh", "encode", "new_request_id",
+    "parse_probe", "parse_request", "sign_probe", "sign_request", "verify_request_mac",
 ]

@@ -37,7 +37,8 @@ from muser_cli.handoff.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.pull import (
-    ALPN_PULL, PullConnection, PullRequest, Queued, Request, Serving, Side, new_request_id, sign_request,
+    ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
+    new_request_id, sign_probe, sign_request,
 )
 from muser_cli.handoff.receiver import Accepted, Destination, ReceiveConfig, Receiver
 from muser_cli.handoff.spool import Refusal
@@ -75,11 +76,13 @@ def key_for(identity: Identity, producer: str) -> KeyEntry:
     return sorted(keys, key=lambda k: k.created)[-1]
 
 
-def _connect(to: str, identity: Identity, connect_s: float) -> tuple[ssl.SSLSocket, str]:
+def _connect(to: str, identity: Identity, connect_s: float,
+             alpns: tuple[str, ...] = (ALPN_PULL,)) -> tuple[ssl.SSLSocket, str]:
+    """TCP + TLS 1.3 to ``to``, offering ``alpns``: the listener must select one of them."""
     host, port = parse_hostport(to)
     where = format_hostport(host, port)
     ctx = client_context(identity)
-    ctx.set_alpn_protocols([ALPN_PULL])
+    ctx.set_alpn_protocols(list(alpns))
     t0 = time.monotonic()
     try:
         raw = socket.create_connection((host, port), timeout=connect_s)
@@ -99,10 +102,49 @@ def _connect(to: str, identity: Identity, connect_s: float) -> tuple[ssl.SSLSock
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise map_error(exc, f"in the TLS handshake with {where}") from None
-    if sock.selected_alpn_protocol() != ALPN_PULL:
+    if sock.selected_alpn_protocol() not in alpns:
         sock.close()
-        raise ProtocolError(f"{where} does not speak {ALPN_PULL} (is it a `prefill --serve` producer?)")
+        if alpns == (ALPN_PULL,):
+            raise ProtocolError(f"{where} does not speak {ALPN_PULL} (is it a `prefill --serve` producer?)")
+        raise ProtocolError(f"{where} speaks none of {', '.join(alpns)}")
     return sock, where
+
+
+def request_probe(link: Link, identity: Identity, cn: str, where: str, *, seconds: float,
+                  on_event: EventFn | None = None) -> ProbeRequest:
+    """Over a fresh pull connection: ask the producer ``cn`` to answer a link probe (a signed
+    ``Probe`` request), wait through ``Queued`` until ``Serving``; then ``link`` is a V3
+    SENDER whose next event is the producer's ``Ready`` (:mod:`muser_cli.handoff.probes`)."""
+    key = key_for(identity, cn)
+    probe = ProbeRequest(key_id=key.key_id, request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
+                         consumer=identity.name, probe_ms=max(1, min(MAX_PROBE_MS, int(seconds * 1000) + 1)))
+    raw, mac = sign_probe(probe, key.secret)
+    link.send(Probe(raw, mac, probe), "sending the probe request")
+    _await_serving(link, where, on_event)
+    pc = link.conn
+    assert isinstance(pc, PullConnection)
+    v3 = Connection(Role.SENDER)
+    left = pc.leftover()
+    if left:
+        v3.receive_data(left)
+    link.conn = v3
+    return probe
+
+
+def _await_serving(link: Link, where: str, on_event: EventFn | None) -> None:
+    while True:
+        ev = link.next_event(f"waiting for {where} to answer the request")
+        if isinstance(ev, Reject):
+            raise _refused(ev, where)
+        if isinstance(ev, ConnectionClosed):
+            raise TempFailure(f"{where} closed the connection before answering")
+        if isinstance(ev, Queued):
+            if on_event:
+                on_event("queued", {"place": ev.place, "producer": where})
+            continue
+        if not isinstance(ev, Serving):
+            raise ProtocolError(f"expected Serving from {where}, got {type(ev).__name__}")
+        return
 
 
 def pull(
@@ -132,18 +174,7 @@ def pull(
                           have_chain=have_chain if have_tokens else None)
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
-        while True:
-            ev = link.next_event(f"waiting for {where} to answer the request")
-            if isinstance(ev, Reject):
-                raise _refused(ev, where)
-            if isinstance(ev, ConnectionClosed):
-                raise TempFailure(f"{where} closed the connection before answering")
-            if isinstance(ev, Queued):
-                if on_event:
-                    on_event("queued", {"place": ev.place, "producer": where})
-                continue
-            assert isinstance(ev, Serving)
-            break
+        _await_serving(link, where, on_event)
         pc = link.conn
         assert isinstance(pc, PullConnection)
         v3 = Connection(Role.RECEIVER)
@@ -219,4 +250,4 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
 
 connect = _connect  # TCP + TLS 1.3 + ALPN to a producer, nothing sent (``muser node check``)
 
-__all__ = ["connect", "key_for", "pull"]
+__all__ = ["connect", "key_for", "pull", "request_probe"]

@@ -18,6 +18,11 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     as soon as the compute has written the kvpack header, each frame as soon as its chunk
     is written, then the MAC'd trailer; a consumer that goes away costs only its request
     (the compute's pipe breaks and it stops);
+  * a ``Probe`` request (``muser probe-link``, ``node check``) passes the same checks up to
+    the replay ledger (its own MAC context) and the same admission; then this producer is
+    the V3 receiver for the probes: ``Ready``, then ``ProbeUp``/``ProbeDown`` answered as
+    ``receive --listen`` answers them (each capped at ``probe_max_s``), until the consumer
+    closes; anything else on it is refused (``protocol``);
   * :meth:`serve` runs until :meth:`stop`; the running request finishes first.
 """
 
@@ -34,16 +39,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
 
-from muser_cli.errors import AuthError, KVPackError, MuserError
+from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
 from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.ledger import Ledger, LedgerError, Record
 from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, server_context
 from muser_cli.handoff.node import Identity
-from muser_cli.handoff.protocol import Connection, ConnectionClosed, Ready, Reject, Role, State
+from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
+from muser_cli.handoff.protocol import (
+    MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
+)
 from muser_cli.handoff.pull import (
-    ALPN_PULL, PullConnection, PullRequest, PullState, Queued, Request, Serving, Side, check_fresh,
-    verify_request_mac,
+    ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
+    Request, Serving, Side, check_fresh, verify_request_mac,
 )
 from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit_over
 from muser_cli.handoff.spool import Refusal
@@ -74,6 +82,7 @@ class ServeConfig:
     idle_s: float = DEFAULT_IDLE_S
     session_s: float = 3600.0
     max_pending: int = 64
+    probe_max_s: float = 10.0  # the longest one probe direction runs, whatever the consumer asks
 
 
 def _ctx(identity: Identity) -> ssl.SSLContext:
@@ -195,12 +204,17 @@ class PullServer:
             return None
         return tls
 
-    def _refuse(self, link: Link, who: str, refusal: Refusal, req: PullRequest | None) -> None:
+    def _refuse(self, link: Link, who: str, refusal: Refusal, req: PullRequest | ProbeRequest | None,
+                probe: bool = False) -> None:
         with self._lock:
             self.counters["refused"] += 1
-        self._emit("request", peer=who, outcome=refusal.code, reason=refusal.message,
-                   request_id=req.request_id if req else None, key_id=req.key_id if req else None,
-                   tokens=len(req.token_ids) if req else None)
+        fields: dict[str, Any] = {"request_id": req.request_id if req else None,
+                                  "key_id": req.key_id if req else None}
+        if probe or isinstance(req, ProbeRequest):
+            self._emit("probe", peer=who, outcome=refusal.code, reason=refusal.message, **fields)
+        else:
+            self._emit("request", peer=who, outcome=refusal.code, reason=refusal.message, **fields,
+                       tokens=len(req.token_ids) if req else None)
         with contextlib.suppress(MuserError, OSError, AssertionError):
             conn = link.conn
             live = (conn.state not in (PullState.SERVING, PullState.CLOSED) if isinstance(conn, PullConnection)
@@ -218,8 +232,8 @@ class PullServer:
                 except (OSError, ssl.SSLError):
                     continue
 
-    def _check(self, event: Request, cn: str) -> PullRequest:
-        req = event.request
+    def _check(self, event: Request | Probe, cn: str) -> PullRequest | ProbeRequest:
+        req = event.request if isinstance(event, Request) else event.probe
         assert req is not None
         key = self.identity.key(req.key_id)  # exactly one lookup
         if key is None:
@@ -227,7 +241,8 @@ class PullServer:
         if key.revoked:
             raise Refusal("auth", f"key id {req.key_id} is revoked")
         try:
-            verify_request_mac(key.secret, event.raw, event.mac)
+            verify_request_mac(key.secret, event.raw, event.mac,
+                               context=MAC_CONTEXT if isinstance(event, Request) else PROBE_MAC_CONTEXT)
         except AuthError as exc:
             raise Refusal("auth", str(exc)) from None
         if key.peer != self.identity.name or cn != self.identity.consumer or req.consumer != cn:
@@ -251,26 +266,29 @@ class PullServer:
         der = link.sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
         who = f"{peer} ({cn})" if cn else peer
-        req: PullRequest | None = None
+        req: PullRequest | ProbeRequest | None = None
+        probe = False
         try:
             if der and peer_serial_hex(der) in self.identity.revoked_serials():
                 raise Refusal("auth", "this certificate was revoked")
             event = link.next_event("waiting for the request")
             if isinstance(event, (Reject, ConnectionClosed)):
                 return
-            assert isinstance(event, Request)
+            assert isinstance(event, (Request, Probe))
+            probe = isinstance(event, Probe)
             req = self._check(event, cn)
-            self.compute.check(req)
+            if isinstance(req, PullRequest):
+                self.compute.check(req)
             if self._stop.is_set():
                 raise Refusal("busy", "producer is shutting down")
             self._admitted(link, who, req)
         except Refusal as refusal:
-            self._refuse(link, who, refusal, req)
+            self._refuse(link, who, refusal, req, probe)
         except MuserError as exc:
-            self._emit("request", peer=who, outcome="failed", reason=str(exc),
+            self._emit("probe" if probe else "request", peer=who, outcome="failed", reason=str(exc),
                        request_id=req.request_id if req else None)
 
-    def _admitted(self, link: Link, who: str, req: PullRequest) -> None:
+    def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest) -> None:
         if not self._admit.acquire(blocking=False):
             with self._lock:
                 place = self._waiting + 1
@@ -287,10 +305,60 @@ class PullServer:
                 with self._lock:
                     self._waiting -= 1
         try:
+            if isinstance(req, ProbeRequest):
+                self._probe(link, who, req)
+                return
             self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids))
             self._stream(link, who, req)
         finally:
             self._admit.release()
+
+    def _probe(self, link: Link, who: str, req: ProbeRequest) -> None:
+        """Answer the consumer's link probes as a V3 receiver (module doc)."""
+        t0 = time.monotonic()
+        pc = link.conn
+        assert isinstance(pc, PullConnection)
+        link.send(Serving(), "admitting the probe")
+        v3 = Connection(Role.RECEIVER)
+        left = pc.leftover()
+        if left:
+            v3.receive_data(left)
+        link.conn = v3
+        link.idle_s = self.config.idle_s
+        cap = min(self.config.probe_max_s, req.probe_ms / 1000)
+        info = {"v": PROTOCOL_VERSION, "node": self.identity.name, "max_payload": 0, "window_s": self.config.window_s,
+                "max_data": MAX_DATA_BYTES, "probe_max_s": cap, "idle_s": self.config.idle_s}
+        fields: dict[str, Any] = {"peer": who, "request_id": req.request_id, "key_id": req.key_id,
+                                  "consumer": req.consumer}
+        outcome, reason, done = "failed", "", 0
+        try:
+            link.send(Ready(info), "sending Ready for the probe")
+            while True:
+                try:
+                    event = link.next_event("waiting for a probe")
+                except TempFailure:
+                    if not done:
+                        raise
+                    event = ConnectionClosed()  # a consumer that left between probes ended them
+                done += 1
+                if isinstance(event, (ConnectionClosed, Reject)):
+                    outcome = "probed"
+                    break
+                if isinstance(event, ProbeUp):
+                    got = serve_probe_up(link, min(event.seconds, cap))
+                    fields.update(up_bytes=got["bytes"], up_s=round(got["seconds"], 6))
+                elif isinstance(event, ProbeDown):
+                    got = serve_probe_down(link, min(event.seconds, cap))
+                    fields.update(down_bytes=got["bytes"], down_s=round(got["seconds"], 6))
+                else:
+                    reason = f"a {type(event).__name__} on a connection admitted for a link probe"
+                    with contextlib.suppress(MuserError, OSError):
+                        link.send(Reject("protocol", reason), "refusing")
+                    break
+        except MuserError as exc:
+            reason = str(exc)
+        self._emit("probe", outcome=outcome, total_s=round(time.monotonic() - t0, 6), **fields,
+                   **({"reason": reason} if reason else {}))
 
     def _stream(self, link: Link, who: str, req: PullRequest) -> None:
         t0 = time.monotonic()

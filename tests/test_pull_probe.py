@@ -1,0 +1,109 @@
+"""``muser probe-link`` against a resident producer (issue 12): real processes, mutual TLS on 127.0.0.1.
+
+    producer$ muser prefill --serve 127.0.0.1:0 -m MODEL
+    consumer$ muser probe-link HOST:PORT [--json]     # up = consumer->producer, down = back
+
+The producer answers a signed probe request (key id, MAC, issued-at, replay ledger) over its
+own ``muser-pull/1`` listener; each direction is counted at its receiving end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from muser_cli.handoff import node
+from handoff_kit import Producer, env_for, keys_dir_of, make_nodes, muser_cmd
+
+import subprocess
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("probe")
+    nodes = make_nodes(root)
+    producer = Producer(nodes.producer_home, "-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32")
+    yield {"root": root, "nodes": nodes, "producer": producer}
+    assert producer.stop() == 0
+
+
+def probe(home, to: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(muser_cmd("probe-link", to, *extra), env=env_for(home), capture_output=True, timeout=120)
+
+
+def test_probe_link_measures_a_serving_producer_both_ways(served):
+    p = served["producer"]
+    before = len(p.events("probe"))
+    r = probe(served["nodes"].consumer_home, p.address, "--seconds", "0.3", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["listener"] == "producer" and got["passed"]
+    assert got["up_bytes"] > 0 and got["down_bytes"] > 0 and got["up_Bps"] > 0 and got["down_Bps"] > 0
+    assert got["receiver"]["node"] == "gx10"  # the producer's Ready: its node name
+    events = p.wait_events(before + 1, "probe")[before:]
+    ev = events[0] if events else {}
+    assert [e["outcome"] for e in events] == ["probed"], ev.get("reason")
+    # Each direction is counted at its receiving end: the consumer's up figure is the producer's
+    # count, and the consumer counted exactly the bytes the producer sent down.
+    assert ev["up_bytes"] == got["up_bytes"] and ev["down_bytes"] == got["down_bytes"], (ev, got)
+    assert ev["consumer"] == "consumer" and ev["key_id"]
+    assert p.events("request") == [] or all(e["outcome"] != "probed" for e in p.events("request"))
+    text = probe(served["nodes"].consumer_home, p.address, "--seconds", "0.2")
+    assert text.returncode == 0, text.stderr
+    assert "(producer): up" in text.stderr.decode() and "Mbit/s" in text.stderr.decode()
+    floor = probe(served["nodes"].consumer_home, p.address, "--seconds", "0.2", "--floor", "1000T")
+    assert floor.returncode == 75 and "below the floor" in floor.stderr.decode()
+
+
+def test_a_stranger_cannot_probe_the_producer(served, tmp_path):
+    p = served["producer"]
+    stranger = tmp_path / "stranger"
+    node.init_node(keys_dir_of(stranger), name="consumer")  # another CA
+    before = len(p.events("probe"))
+    r = probe(stranger, p.address, "--seconds", "0.2")
+    assert r.returncode == 77, r.stderr
+    assert len(r.stderr.decode().strip().splitlines()) == 1
+    time.sleep(0.3)
+    assert len(p.events("probe")) == before  # refused in the handshake: no probe request was read
+
+
+def test_a_replayed_probe_request_is_refused(served):
+    """The same signed probe bytes twice: the first is answered, the second refused (replay)."""
+    from muser_cli.handoff.link import client_context
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.protocol import Reject
+    from muser_cli.handoff.pull import ALPN_PULL, Probe, ProbeRequest, PullConnection, Side, new_request_id, sign_probe
+    from muser_cli.handoff.pull_client import key_for
+
+    ident = load_identity(keys_dir_of(served["nodes"].consumer_home))
+    key = key_for(ident, "gx10")
+    req = ProbeRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, 200)
+    raw, mac = sign_probe(req, key.secret)
+    host, port = served["producer"].address.rsplit(":", 1)
+
+    def first_answer() -> object:
+        ctx = client_context(ident)
+        ctx.set_alpn_protocols([ALPN_PULL])
+        with socket.create_connection((host, int(port)), timeout=30) as s, \
+                ctx.wrap_socket(s, server_hostname=host) as tls:
+            pc = PullConnection(Side.CONSUMER)
+            tls.sendall(pc.send(Probe(raw, mac, req)))
+            while True:
+                pc.receive_data(tls.recv(65536))
+                ev = pc.next_event()
+                if type(ev).__name__ != "_NeedData":
+                    return ev
+
+    p = served["producer"]
+    before = len(p.events("probe"))
+    assert type(first_answer()).__name__ == "Serving"
+    second = first_answer()
+    assert isinstance(second, Reject) and second.code == "replay", second
+    events = p.wait_events(before + 2, "probe")[before:]
+    # the first was admitted (then we left without probing), the second refused before admission
+    assert sorted(e["outcome"] for e in events) == ["failed", "replay"], events
+    assert next(e for e in events if e["outcome"] == "replay")["request_id"] is None  # refused as it was read

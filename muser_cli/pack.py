@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter, read_pack
-from muser_cli.kvpack.format import CODEC_NAMES
+from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
+from muser_cli.kvpack.reader import MAX_READ, read_exact_into
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
 from muser_cli.kvpack.summary import summarize
 from muser_cli.reuse.chain import scope_of_header
@@ -25,20 +26,20 @@ from muser_cli.reuse.manifest import HaveManifest
 if TYPE_CHECKING:
     from muser_cli.kvpack import PackHeader
 
-READ_BLOCK = 1 << 20
-
-
 def _events(src: BinaryIO, reader: PackReader):
-    """Feed ``src`` to ``reader`` block by block, yielding each event as it verifies.
+    """Feed ``src`` to ``reader`` one parser step at a time, yielding each event as it verifies.
 
-    ``read1`` where the stream has it: a pipe's bytes are handled as they arrive, never
-    held back until a whole block has come."""
-    read = getattr(src, "read1", src.read)
+    Each step (preamble, header, frame header, frame body, end digest) is read with
+    ``readinto`` into a buffer of exactly its size that the reader then owns: frames parse
+    in place, nothing is gathered or copied again, and a pipe's frame moves on as soon as
+    its last byte arrived (never held back for a larger block). Past the end frame one
+    more byte is asked for, so trailing bytes are refused."""
     while True:
-        block = read(READ_BLOCK)
-        if not block:
+        need = 1 if reader.done else max(1, min(reader.want(), MAX_READ))
+        chunk = read_exact_into(src, need)
+        if not len(chunk):
             return
-        yield from reader.feed(block)
+        yield from reader.feed(chunk, owned=True)
 
 
 @dataclass
@@ -116,7 +117,13 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
                 raise UsageError("this pack is already quantized; re-encode it with its own --quant")
             part = _cut(writer.header, ev)
             if part is not None:
-                writer.write_frame(ev.layer, *part)
+                if ev.codec == CODEC_RAW and ev.stored is not None and part[0] == ev.start and part[1].shape[1] == ev.count:
+                    # the frame whole and uncompressed: its verified payload goes on as it is,
+                    # and its payload digest (v1.1) is linked, not computed a second time
+                    writer.write_stored(ev.layer, ev.start, ev.count, ev.stored, payload_digest=ev.payload_digest,
+                                        digest=reader.digest)
+                else:
+                    writer.write_frame(ev.layer, *part)
                 out.flush()  # each verified frame moves on at once (a pipe downstream streams)
                 frames += 1
     reader.finish()
@@ -153,7 +160,8 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
             assert header is not None
             part = _cut(header, ev)
             if part is not None:
-                frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2]))
+                frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2],
+                                      stored=None, payload_digest=None))
     reader.finish()
     if header is None:
         raise KVPackError("empty input: no kvpack")

@@ -40,6 +40,12 @@ class FrameEvent:
     stored_bytes: int
     keys: np.ndarray  # (kv_heads, count, head_dim), storage dtype
     values: np.ndarray  # (kv_heads, count, v_head_dim)
+    # The stored payload exactly as it verified (a read-only view, or a buffer the reader
+    # owns) and, for v1.1, p_k = H(stored) as the reader computed it (None for v1.0). A
+    # writer that passes this frame on unchanged links p_k into its own chain instead of
+    # hashing the same bytes again (PackWriter.write_stored).
+    stored: memoryview | None = None
+    payload_digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,11 @@ class PackReader:
     @property
     def bytes_consumed(self) -> int:
         return self._pos
+
+    @property
+    def digest(self) -> str | None:
+        """The digest this pack's chain uses (``sha256`` for v1.0), once the header is in."""
+        return self._chain.name if self._chain is not None else None
 
     def _need(self) -> int:
         st = self._state
@@ -240,13 +251,14 @@ class PackReader:
             stored = body[:stored_len]
             check_padding(body, stored_len, self._seq)
             assert self._chain is not None and self.header is not None
-            digest = self._chain.compute(fh, (stored,))
+            p = self._chain.payload((stored,))
+            digest = self._chain.compute(fh, (stored,), p)
             if digest != body[-DIGEST_BLOCK:-32]:
                 raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
             self._chain.value = digest
             self._raw_total += raw_len
             keys, values = decode_frame(self.header, layer, count, codec, stored, raw_len, self._decode)
-            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values)
+            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values, stored, p)
             self._seq += 1
             self._state = "frame_header"
             return ev

@@ -222,6 +222,34 @@ class PackWriter:
         self._emit(self._encode(fr, hash_payload=False), self._next)  # _emit hashes while it writes
         self._next += 1
 
+    def write_stored(self, layer: int, start: int, count: int, stored: memoryview, *,
+                     payload_digest: bytes | None = None, digest: str | None = None) -> None:
+        """Write a frame from the uncompressed payload of a frame a :class:`PackReader`
+        verified (``FrameEvent.stored``: K then V in storage dtype, exactly the bytes the
+        frame's rows are). Without re-encoding (this pack is uncompressed), ``payload_digest``
+        -- the reader's p = H(stored) under digest ``digest`` -- is linked into this
+        pack's chain as it is, so the same bytes are not hashed twice; the chain is still
+        over exactly the bytes written, since they are those bytes. In every other case
+        (another digest, v1.0, a codec to apply) the payload is encoded and hashed here."""
+        exp = self._plan[self._next] if self._next < len(self._plan) else None
+        if exp != (layer, start, count):
+            raise KVPackError(f"frame (layer {layer}, start {start}, rows {count}) out of plan; expected {exp}")
+        if self.header.quant_scheme != "none":
+            raise KVPackError("write_stored takes unquantized payloads; this pack is quantized")
+        view = memoryview(stored).cast("B") if memoryview(stored).format != "B" else memoryview(stored)
+        raw_len = self.header.row_bytes(layer) * count
+        if len(view) != raw_len:
+            raise KVPackError(f"layer {layer} payload of {len(view)} bytes, {raw_len} expected for {count} rows")
+        fr = _Frame(layer, start, count, [view], raw_len, self._np_dtype.itemsize)
+        reuse = (self.codec == CODEC_RAW and payload_digest is not None and self._chain.parallel
+                 and digest == self._chain.name)
+        if reuse:
+            fr.p = payload_digest
+            self._emit(fr, self._next)
+        else:
+            self._emit(self._encode(fr, hash_payload=False), self._next)
+        self._next += 1
+
     def write_frames(self, frames: Iterable[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
         """Write many frames in order, compressing and hashing a few ahead on the pool."""
         ex = pool()

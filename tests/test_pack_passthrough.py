@@ -1,0 +1,188 @@
+"""``muser pack`` hashes each payload once: a frame passed on unchanged links the payload
+digest its reader verified; a re-encoded frame is hashed once, as written (issue 14).
+
+Every input byte is still verified (a flipped bit is refused and no end frame is
+written), and the output's chain is over the output's bytes: the output verifies on its
+own and equals what the writer makes from the same rows.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvpack_factory import llama_layers, make_header, make_rows
+from muser_cli.errors import KVPackError
+from muser_cli.kvpack import PackWriter, read_pack_bytes, write_pack
+from muser_cli.kvpack import digest as digest_mod
+from muser_cli.kvpack.format import FRAME_HEADER, PREAMBLE, TAG_DATA, pad_len
+from muser_cli.pack import pack
+
+VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
+
+
+def _header(version: str, n: int = 70, chunk: int = 16):
+    minor, digest = VERSIONS[version]
+    return replace(make_header(n, chunk=chunk, layers=llama_layers(3)), minor=minor, digest=digest)
+
+
+def _compressible(rows):
+    """Rows zstd shrinks (random rows are stored raw even in a zstd pack)."""
+    from muser_cli.kvpack import LayerKV
+
+    return [LayerKV(l.keys % 8, l.values % 8, l.first_row) for l in rows]
+
+
+def _written(header, rows, codec: str) -> bytes:
+    buf = io.BytesIO()
+    write_pack(buf, header, rows, codec=codec)
+    return buf.getvalue()
+
+
+def _packed(data: bytes, codec: str) -> bytes:
+    out = io.BytesIO()
+    pack(io.BytesIO(data), out, codec=codec)
+    return out.getvalue()
+
+
+class _Counter:
+    """Bytes hashed as payloads (p = H(payload), v1.1) while it is installed."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.bytes = 0
+        real = digest_mod.payload_digest
+
+        def counting(h, parts):
+            parts = list(parts)
+            self.bytes += sum(len(memoryview(p).cast("B")) for p in parts)
+            return real(h, parts)
+
+        monkeypatch.setattr(digest_mod, "payload_digest", counting)
+
+
+def _stored_total(data: bytes) -> int:
+    return read_pack_bytes(data).stored_bytes
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("codec_in,codec_out", [("none", "none"), ("zstd+bytegroup", "none"),
+                                                ("none", "zstd+bytegroup"), ("zstd", "zstd+bytegroup")])
+def test_output_is_what_the_writer_makes_and_verifies(version, codec_in, codec_out):
+    header = _header(version)
+    rows = _compressible(make_rows(header, 3))
+    data = _written(header, rows, codec_in)
+    got = _packed(data, codec_out)
+    assert got == _written(replace(header, codec={"name": codec_out}), rows, codec_out)  # pack names no level
+    back = read_pack_bytes(got)  # the output's own chain, over its own bytes
+    assert all(np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values) for a, b in zip(back.layers, rows))
+    if codec_in == codec_out == "none":
+        assert got == data and back.root_digest == read_pack_bytes(data).root_digest
+
+
+@pytest.mark.parametrize("digest", ["blake3", "sha256"])
+def test_an_unchanged_frame_is_hashed_once(monkeypatch, digest):
+    header = replace(_header("v1.1-blake3"), digest=digest)
+    data = _written(header, make_rows(header, 1), "none")
+    stored = _stored_total(data)
+    count = _Counter(monkeypatch)
+    assert _packed(data, "none") == data
+    assert count.bytes == stored  # the reader's verification only; the writer linked its digests
+
+
+def test_a_re_encoded_frame_is_hashed_once_on_each_side(monkeypatch):
+    header = _header("v1.1-blake3")
+    rows = _compressible(make_rows(header, 2))
+    zdata = _written(header, rows, "zstd+bytegroup")
+    raw = _written(header, rows, "none")
+    assert _stored_total(zdata) < _stored_total(raw) // 2  # the frames really were compressed
+    count = _Counter(monkeypatch)
+    assert _packed(zdata, "none") == raw
+    assert count.bytes == _stored_total(zdata) + _stored_total(raw)  # input as stored, output as written
+
+
+def _payload_offsets(data: bytes) -> list[int]:
+    """Offset of the first stored byte of every data frame."""
+    hlen = PREAMBLE.unpack_from(data)[3]
+    pos = PREAMBLE.size + hlen + pad_len(PREAMBLE.size + hlen)
+    out = []
+    while True:
+        tag, *_rest, stored = FRAME_HEADER.unpack_from(data, pos)
+        if tag != TAG_DATA:
+            return out
+        out.append(pos + FRAME_HEADER.size)
+        pos += FRAME_HEADER.size + stored + pad_len(stored) + 64
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_a_flipped_payload_bit_is_refused_and_no_end_frame_written(version):
+    header = _header(version)
+    data = _written(header, make_rows(header, 4), "none")
+    offsets = _payload_offsets(data)
+    assert len(offsets) == len(list(header.frame_plan()))
+    for at in (offsets[0], offsets[len(offsets) // 2] + 5, offsets[-1] + 31):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        out = io.BytesIO()
+        with pytest.raises(KVPackError, match="digest mismatch"):
+            pack(io.BytesIO(bytes(bad)), out, codec="none")
+        with pytest.raises(KVPackError):
+            read_pack_bytes(out.getvalue())  # what was written before the bad frame never ends
+
+
+def test_a_pipe_in_pieces_streams_the_same_bytes():
+    header = _header("v1.1-blake3", n=90, chunk=8)
+    data = _written(header, make_rows(header, 6), "none")
+    r, w = os.pipe()
+
+    def feed():
+        with os.fdopen(w, "wb") as out:
+            for i in range(0, len(data), 1000):
+                out.write(data[i:i + 1000])
+                out.flush()
+
+    t = threading.Thread(target=feed)
+    t.start()
+    out = io.BytesIO()
+    with os.fdopen(r, "rb") as src:
+        res = pack(src, out, codec="none")
+    t.join()
+    assert out.getvalue() == data and res.bytes_in == len(data) and res.bytes_out == len(data)
+
+
+def test_trailing_bytes_after_the_end_frame_are_refused():
+    header = _header("v1.1-blake3")
+    data = _written(header, make_rows(header, 7), "none")
+    with pytest.raises(KVPackError, match="after the end frame"):
+        pack(io.BytesIO(data + b"\0"), io.BytesIO(), codec="none")
+
+
+@pytest.mark.parametrize("name", ["sha256", None])
+def test_write_stored_hashes_itself_unless_the_digest_is_this_packs(monkeypatch, name):
+    """A digest under another hash (or none) is never linked: the writer hashes the payload."""
+    header = _header("v1.1-blake3", n=20, chunk=32)
+    rows = make_rows(header, 8)
+    ref = _written(header, rows, "none")
+    buf = io.BytesIO()
+    w = PackWriter(buf, header, codec="none")
+    for layer, start, count in header.frame_plan():
+        lk = rows[layer]
+        stored = memoryview(np.concatenate([lk.keys.ravel(), lk.values.ravel()]).view(np.uint8))
+        w.write_stored(layer, start, count, stored, payload_digest=b"\0" * 32, digest=name)
+    w.finish()
+    assert buf.getvalue() == ref  # the bogus digest was not used
+
+
+def test_write_stored_refuses_a_payload_of_the_wrong_size():
+    header = _header("v1.1-blake3", n=20, chunk=32)
+    w = PackWriter(io.BytesIO(), header, codec="none")
+    layer, start, count = next(iter(header.frame_plan()))
+    with pytest.raises(KVPackError, match="expected"):
+        w.write_stored(layer, start, count, memoryview(b"\0" * 10))
+    with pytest.raises(KVPackError, match="out of plan"):
+        w.write_stored(layer + 1, start, count, memoryview(b"\0" * 10))
+

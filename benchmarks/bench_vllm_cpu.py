@@ -8,7 +8,7 @@ prefills the same tokens in bfloat16 (the torch fallback). Reported: per-layer r
 KV error (max |a - b| / max |b|, K and V, every row: what `verify --audit` measures, on all
 rows instead of a suffix), greedy agreement of 32 tokens decoded by torch from vLLM's KV
 vs from its own (free running: equal positions and common prefix; teacher forced: same
-history, first 16 positions), and vs vLLM's own greedy generation. Prefill time at 2048 tokens (torch first:
+history, first 16 positions, fed in one step), and vs vLLM's own greedy generation. Prefill time at 2048 tokens (torch first:
 vLLM in-process binds and cuts torch's threads): torch float32 (muser's torch default),
 torch bfloat16, vLLM bfloat16 on a warm engine; one warm-up, --reps counted.
 Torch decodes after vLLM started run on the thread(s) vLLM left (slower, same tokens).
@@ -42,6 +42,16 @@ QUESTIONS = [
     "Write a haiku about the sea in autumn.",
     "What is the difference between weather and climate?",
     "Suggest a name for a small bakery and explain it.",
+    "Why does ice float on water?",
+    "List three ways to save energy at home.",
+    "What is a prime number? Give two examples.",
+    "Describe how a bicycle stays upright when it moves.",
+    "What are the main parts of a plant cell?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Why is it important to back up your files?",
+    "Explain what an API is in one short paragraph.",
+    "What causes the seasons on Earth?",
+    "Give a short recipe for a simple tomato soup.",
 ]
 
 
@@ -76,10 +86,11 @@ def long_prompts(info, n: int, length: int) -> list[list[int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--short", type=int, default=10)
-    ap.add_argument("--long", type=int, default=3)
+    ap.add_argument("--short", type=int, default=20)
+    ap.add_argument("--long", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-torch-bf16-timing", action="store_true", help="torch bf16 at 2048 takes minutes on 2 cores")
+    ap.add_argument("--no-timing", action="store_true", help="skip the prefill timings at 2048 (agreement only)")
     args = ap.parse_args()
     from muser_cli.engines.torch_engine import TorchEngine
     from muser_cli.engines.vllm.engine import VLLMEngine
@@ -103,16 +114,18 @@ def main() -> int:
         print(f"prefill 2048 {name}: median {timing[name]['median']:.2f}s cv {timing[name]['cv']:.3f}",
               file=sys.stderr, flush=True)
 
-    tf = TorchEngine(info, dtype="float32", threads=os.cpu_count() or 1)
     te = TorchEngine(info, dtype="bfloat16", threads=os.cpu_count() or 1)
-    timed("torch_f32", lambda: tf.prefill(ids2048[:-1], chunk_tokens=CHUNK))
-    if not args.no_torch_bf16_timing:
+    if not args.no_timing:
+        tf = TorchEngine(info, dtype="float32", threads=os.cpu_count() or 1)
+        timed("torch_f32", lambda: tf.prefill(ids2048[:-1], chunk_tokens=CHUNK))
+    if not args.no_torch_bf16_timing and not args.no_timing:
         timed("torch_bf16", lambda: te.prefill(ids2048[:-1], chunk_tokens=CHUNK))
     t = time.perf_counter()
     eng = VLLMEngine(info, dtype="bfloat16", threads=1)
     eng.prefill(ids2048[:10], chunk_tokens=CHUNK)
     start_s = time.perf_counter() - t
-    timed("vllm_bf16", lambda: eng.prefill(ids2048[:-1], chunk_tokens=CHUNK))
+    if not args.no_timing:
+        timed("vllm_bf16", lambda: eng.prefill(ids2048[:-1], chunk_tokens=CHUNK))
     prompts = [("short", encode_prompt(info, q, chat=True)) for q in QUESTIONS[: args.short]]
     prompts += [("long", p) for p in long_prompts(info, args.long, 1500)]
     rows = []
@@ -125,8 +138,10 @@ def main() -> int:
         mine = te.decode(ref, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=N_NEW, stop_on_eos=False).token_ids
         theirs = te.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=N_NEW,
                            stop_on_eos=False).token_ids
-        forced = [te.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1], *mine[:k]], max_new_tokens=1,
-                            stop_on_eos=False).token_ids[0] for k in range(N_FORCED)]
+        # Teacher forced: torch's own first N_FORCED - 1 tokens fed after vLLM's rows in one
+        # step; position k's argmax is the token vLLM's KV predicts given torch's history.
+        logits = te.step_logits(layers, rows=len(ids) - 1, next_tokens=[ids[-1], *mine[: N_FORCED - 1]])
+        forced = [int(i) for i in logits.argmax(axis=-1)]
         row = {"kind": kind, "tokens": len(ids), "rel_per_layer": [round(r, 5) for r in rel],
                "worst_rel": round(max(rel), 5), "worst_layer": int(np.argmax(rel)),
                "vs_torch_free": agreement(theirs, mine),

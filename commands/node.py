@@ -72,7 +72,7 @@ def join_cmd(
 
 @node_app.command("ls")
 def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
-    """Show this node's identity and keys (never secrets)."""
+    """Show this node's identity, keys (never secrets) and peers: each one's role and when it last authenticated here."""
     from muser_cli.handoff.api import node_ls
 
     with guarded(as_json=as_json):
@@ -87,6 +87,10 @@ def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
             mark = "*" if k["key_id"] == res["send_key"] else " "
             state = f"revoked {k['revoked']}" if k["revoked"] else "active"
             typer.echo(f"{mark} {k['key_id']}  peer {k['peer']:<20} {state}")
+        for p in res.get("peers", []):
+            seen = (f"last seen {p['last_seen']} from {p['address']} ({p['via']})" if p["last_seen"]
+                    else "never seen")
+            typer.echo(f"peer {p['name']:<20} {p['role']:<8}  {seen}")
 
 
 @node_app.command("revoke")

@@ -1,4 +1,5 @@
-"""``muser probe-link`` against a resident producer (issue 12): real processes, mutual TLS on 127.0.0.1.
+"""``muser probe-link`` against a resident producer, and ``node ls`` last-seen (issue 12): real
+processes, mutual TLS on 127.0.0.1.
 
     producer$ muser prefill --serve 127.0.0.1:0 -m MODEL
     consumer$ muser probe-link HOST:PORT [--json]     # up = consumer->producer, down = back
@@ -27,6 +28,7 @@ def served(tmp_path_factory, tiny_llama):
     root = tmp_path_factory.mktemp("probe")
     nodes = make_nodes(root)
     producer = Producer(nodes.producer_home, "-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32")
+    producer.model = str(tiny_llama.path)
     yield {"root": root, "nodes": nodes, "producer": producer}
     assert producer.stop() == 0
 
@@ -107,3 +109,36 @@ def test_a_replayed_probe_request_is_refused(served):
     # the first was admitted (then we left without probing), the second refused before admission
     assert sorted(e["outcome"] for e in events) == ["failed", "replay"], events
     assert next(e for e in events if e["outcome"] == "replay")["request_id"] is None  # refused as it was read
+
+
+def node_ls(home) -> dict:
+    r = subprocess.run(muser_cmd("node", "ls", "--json"), env=env_for(home), capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return {p["name"]: p for p in json.loads(r.stdout)["peers"]}
+
+
+def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
+    """Producer side: recorded when the consumer's request verified; consumer side: when the
+    producer's answer verified (a pulled pack, an answered probe). A stranger is not recorded."""
+    nodes, p = served["nodes"], served["producer"]
+    r = probe(nodes.consumer_home, p.address, "--seconds", "0.1")
+    assert r.returncode == 0, r.stderr
+    mine, theirs = node_ls(nodes.consumer_home)["gx10"], node_ls(nodes.producer_home)["consumer"]
+    assert (mine["role"], mine["via"], mine["address"]) == ("producer", "probe", p.address) and mine["last_seen"]
+    assert (theirs["role"], theirs["via"], theirs["key_id"]) == ("consumer", "probe", nodes.producer_key_id)
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text("The committee met on a grey Tuesday to decide where the new bridge would go.")
+    out = tmp_path / "got.kvpack"
+    pulled = subprocess.run(muser_cmd("receive", "--from", p.address, str(prompt), "-m", p.model, "--chunk", "8",
+                                      "--dtype", "float32", "--no-reuse", "-o", str(out)),
+                            env=env_for(nodes.consumer_home), capture_output=True, timeout=120)
+    assert pulled.returncode == 0, pulled.stderr
+    mine2, theirs2 = node_ls(nodes.consumer_home)["gx10"], node_ls(nodes.producer_home)["consumer"]
+    assert mine2["via"] == "pull" and mine2["last_seen"] > mine["last_seen"]
+    assert theirs2["via"] == "pull" and theirs2["last_seen"] > theirs["last_seen"]
+    stranger = tmp_path / "stranger"
+    node.init_node(keys_dir_of(stranger), name="consumer")  # same name, another CA
+    assert probe(stranger, p.address, "--seconds", "0.1").returncode == 77
+    assert node_ls(nodes.producer_home)["consumer"] == theirs2  # the stranger never authenticated
+    text = subprocess.run(muser_cmd("node", "ls"), env=env_for(nodes.producer_home), capture_output=True, timeout=60)
+    assert f"peer consumer" in text.stdout.decode() and f"last seen {theirs2['last_seen']}" in text.stdout.decode()

@@ -35,7 +35,8 @@ from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers an
 )
 from muser_cli.handoff.nodedir import (  # noqa: F401 - importable from here
     FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity, KeyEntry,
-    ensure_private_dir, load_identity, read_keyring, read_private, write_keyring, write_node_json, write_private,
+    ensure_private_dir, load_identity, peer_table, read_keyring, read_private, write_keyring, write_node_json,
+    write_private,
 )
 
 DEFAULT_CA_DAYS = 3650
@@ -221,6 +222,7 @@ def describe_node(directory: Path) -> dict[str, Any]:
             "not_after": _iso(cert.not_valid_after_utc),
         },
         "keys": [e.public() for e in identity.keyring().values()],
+        "peers": peer_table(directory, identity),  # role and when each last authenticated here
     }
 
 

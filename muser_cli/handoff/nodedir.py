@@ -9,6 +9,9 @@ Layout (``muser_cli.paths.keys_dir()``):
     ca.key      the CA private key (only where ``init`` ran)
     node.pem    this node's certificate        node.key   its private key
     keys.json   {"format": "muser-keyring", "version": 1, "keys": [KeyEntry...]}
+    peers.json  {"format": "muser-peers", "version": 1, "peers": {NAME: {"role", "last_seen",
+                 "address", "key_id", "via"}}}: when each peer last authenticated to this node
+                 (:func:`record_peer`; read by :func:`peer_table` for ``node ls``)
 
 Every failure is a :class:`~muser_cli.errors.ConfigError`. The verbs that make and change
 a node directory are in :mod:`muser_cli.handoff.node`.
@@ -17,10 +20,13 @@ a node directory are in :mod:`muser_cli.handoff.node`.
 from __future__ import annotations
 
 import base64
+import contextlib
+import datetime as dt
 import json
 import os
 import re
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,10 @@ from muser_cli.strict import loads
 
 NODE_FORMAT = "muser-node"
 KEYRING_FORMAT = "muser-keyring"
+PEERS_FORMAT = "muser-peers"
+MAX_PEERS_BYTES = 1024 * 1024
+PEER_ROLES = ("consumer", "producer")
+_PEERS_LOCK = threading.Lock()  # the threads of one process; flock on peers.lock between processes
 FORMAT_VERSION = 1
 MAX_KEYRING_BYTES = 4 * 1024 * 1024
 KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -174,6 +184,92 @@ def write_keyring(directory: Path, keys: dict[str, KeyEntry]) -> None:
 def write_node_json(directory: Path, meta: dict[str, Any]) -> None:
     body = {"format": NODE_FORMAT, "version": FORMAT_VERSION, **meta}
     write_private(directory / "node.json", json.dumps(body, indent=1, sort_keys=True).encode("utf-8"))
+
+
+# ----------------------------------------------------------------------------- peers
+def _utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def read_peers(directory: Path) -> dict[str, dict[str, Any]]:
+    """When each peer last authenticated to this node: ``{name: {"role", "last_seen", ...}}``."""
+    path = directory / "peers.json"
+    if not path.exists():
+        return {}
+    obj = loads(read_private(path, "peer record"), "peers.json", limit=MAX_PEERS_BYTES)
+    if (not isinstance(obj, dict) or obj.get("format") != PEERS_FORMAT or obj.get("version") != FORMAT_VERSION
+            or not isinstance(obj.get("peers"), dict)):
+        raise ConfigError(f"{path} is not a muser peer record (version {FORMAT_VERSION})",
+                          hint=f"remove {path}: it only records when peers were last seen")
+    out: dict[str, dict[str, Any]] = {}
+    for name, rec in obj["peers"].items():
+        if not isinstance(rec, dict) or rec.get("role") not in PEER_ROLES or not isinstance(rec.get("last_seen"), str):
+            raise ConfigError(f"{path}: the record of peer {name!r} is malformed",
+                              hint=f"remove {path}: it only records when peers were last seen")
+        out[str(name)] = rec
+    return out
+
+
+def record_peer(directory: Path, name: str, *, role: str, address: str | None = None, key_id: str | None = None,
+                via: str = "pull", now: str | None = None) -> dict[str, Any]:
+    """Note that peer ``name`` (its certificate's name) just authenticated to this node as a
+    ``role`` ("consumer": its request verified here; "producer": its answer verified here).
+    Read, update and replace ``peers.json`` atomically (fsynced, 0600), serialised between the
+    threads of a process and between processes (an flock on ``peers.lock``)."""
+    import fcntl
+
+    if role not in PEER_ROLES:
+        raise ValueError(f"peer role {role!r} is not one of {PEER_ROLES}")
+    rec: dict[str, Any] = {"role": role, "last_seen": now or _utc_now(), "address": address, "key_id": key_id,
+                           "via": via}
+    with _PEERS_LOCK:
+        fd = os.open(directory / "peers.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                peers = read_peers(directory)
+            except ConfigError:  # a damaged record only loses sightings: start it again
+                peers = {}
+            peers[name] = rec
+            body = {"format": PEERS_FORMAT, "version": FORMAT_VERSION, "peers": peers}
+            write_private(directory / "peers.json", json.dumps(body, indent=1, sort_keys=True).encode("utf-8"))
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+    return rec
+
+
+def note_peer(identity: "Identity", name: str, **fields: Any) -> str | None:
+    """:func:`record_peer` for a live lane: never fails it (a sighting is bookkeeping); the
+    reason when it could not be written, else None."""
+    try:
+        record_peer(identity.directory, name, **fields)
+    except (OSError, ConfigError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def peer_table(directory: Path, identity: "Identity") -> list[dict[str, Any]]:
+    """Every peer of this node, with its role and when it was last seen (``None``: never).
+
+    The peers are those of the keyring (on a consumer: each producer it exported a bundle for;
+    on a producer: the consumer it joined) and any other that was seen."""
+    seen = read_peers(directory)
+    names: dict[str, str] = {}
+    if identity.consumer and identity.consumer != identity.name:
+        names[identity.consumer] = "consumer"
+    for key in read_keyring(directory).values():
+        if key.peer != identity.name:
+            names.setdefault(key.peer, "producer")
+    for name, rec in seen.items():
+        names.setdefault(name, rec["role"])
+    out = []
+    for name, role in names.items():
+        rec = seen.get(name, {})
+        out.append({"name": name, "role": rec.get("role", role), "last_seen": rec.get("last_seen"),
+                    "address": rec.get("address"), "key_id": rec.get("key_id"), "via": rec.get("via")})
+    return sorted(out, key=lambda r: r["name"])
 
 
 def load_identity(directory: Path) -> Identity:

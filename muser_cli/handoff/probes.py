@@ -130,11 +130,12 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
     deadline = t0 + 4 * seconds + 60
     link = Link(sock, PullConnection(Side.CONSUMER) if pull else Connection(Role.SENDER), idle_s=idle_s,
                 deadline=deadline)
+    der = sock.getpeercert(binary_form=True) or b""
+    cn = peer_common_name(der) if der else ""
+    probe_req = None
     try:
         if pull:
-            der = sock.getpeercert(binary_form=True) or b""
-            request_probe(link, identity, peer_common_name(der) if der else "", where, seconds=seconds,
-                          on_event=on_event)
+            probe_req = request_probe(link, identity, cn, where, seconds=seconds, on_event=on_event)
         event = link.next_event(f"waiting for {where} to be ready")
         if isinstance(event, Reject):
             raise reject_error(event, "producer" if pull else "receiver")
@@ -151,6 +152,10 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
             pass
     finally:
         link.close()
+    if probe_req is not None:  # the producer admitted our signed probe and answered it
+        from muser_cli.handoff.nodedir import note_peer
+
+        note_peer(identity, cn, role="producer", address=where, key_id=probe_req.key_id, via="probe")
     up_rate = got["up_bytes"] / got["up_s"] if got["up_s"] > 0 else 0.0
     down_rate = got["down_bytes"] / got["down_s"] if got["down_s"] > 0 else 0.0
     passed = floor is None or min(up_rate, down_rate) >= floor

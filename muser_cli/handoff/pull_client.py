@@ -33,6 +33,7 @@ from muser_cli.handoff.link import (
     DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
 )
 from muser_cli.handoff.node import Identity, KeyEntry
+from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
@@ -185,9 +186,11 @@ def pull(
         config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
         receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
         try:
-            return _receive(link, receiver, req, where, cn, t_start, on_event)
+            accepted = _receive(link, receiver, req, where, cn, t_start, on_event)
         finally:
             receiver.close()
+        note_peer(identity, cn, role="producer", address=where, key_id=key.key_id, via="pull")  # its pack verified
+        return accepted
     finally:
         link.close()
 

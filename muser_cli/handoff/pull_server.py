@@ -45,6 +45,7 @@ from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.ledger import Ledger, LedgerError, Record
 from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, server_context
 from muser_cli.handoff.node import Identity
+from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
@@ -232,7 +233,7 @@ class PullServer:
                 except (OSError, ssl.SSLError):
                     continue
 
-    def _check(self, event: Request | Probe, cn: str) -> PullRequest | ProbeRequest:
+    def _check(self, event: Request | Probe, cn: str, peer: str = "") -> PullRequest | ProbeRequest:
         req = event.request if isinstance(event, Request) else event.probe
         assert req is not None
         key = self.identity.key(req.key_id)  # exactly one lookup
@@ -260,6 +261,11 @@ class PullServer:
             raise Refusal("replay", f"request {req.request_id} was already served") from None
         except LedgerError as exc:
             raise Refusal("storage", f"producer's replay ledger is unusable ({exc})") from None
+        # The consumer authenticated (a fresh, verified, first-time request): when it was last seen.
+        failed = note_peer(self.identity, cn, role="consumer", address=peer, key_id=req.key_id,
+                           via="pull" if isinstance(req, PullRequest) else "probe")
+        if failed:
+            self._emit("error", peer=peer, error=f"could not record when {cn} was seen: {failed}")
         return req
 
     def _session(self, link: Link, peer: str) -> None:
@@ -276,7 +282,7 @@ class PullServer:
                 return
             assert isinstance(event, (Request, Probe))
             probe = isinstance(event, Probe)
-            req = self._check(event, cn)
+            req = self._check(event, cn, peer)
             if isinstance(req, PullRequest):
                 self.compute.check(req)
             if self._stop.is_set():

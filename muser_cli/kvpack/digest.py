@@ -116,3 +116,32 @@ class Chain:
 
     def root(self, end_header: bytes | memoryview) -> bytes:
         return root_of(self.h, self.value, end_header)
+
+    def running(self, frame_header: bytes) -> "Running":
+        """d_k computed as the payload arrives in pieces (``update``), without holding it."""
+        return Running(self, frame_header)
+
+
+class Running:
+    """One frame's digest fed piece by piece: v1.0 hashes d_{k-1} || frame header || payload
+    in one SHA-256; v1.1 hashes the payload alone (p_k), then links it. Same values as
+    :meth:`Chain.compute` over the whole payload."""
+
+    def __init__(self, chain: Chain, frame_header: bytes) -> None:
+        self._chain = chain
+        self._fh = frame_header
+        if chain.v1_0:
+            self._m = hashlib.sha256(chain.value)
+            self._m.update(frame_header)
+        else:
+            self._m = chain.h()
+
+    def update(self, piece: bytes | memoryview) -> None:
+        self._m.update(piece)
+
+    def finish(self) -> tuple[bytes, bytes | None]:
+        """(d_k, p_k); p_k is None for v1.0."""
+        if self._chain.v1_0:
+            return self._m.digest(), None
+        p = self._m.digest()
+        return link(self._chain.h, self._chain.value, self._fh, p), p

@@ -21,8 +21,8 @@ from muser_cli.kvpack.checks import (
     body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
     header_block_len,
 )
-from muser_cli.kvpack.digest import Chain
-from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
+from muser_cli.kvpack.digest import Chain, Running
+from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader, pad_len
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ class PackReader:
     """Feed bytes, get events. ``finish()`` at end of input raises if the pack is incomplete.
 
     ``decode=False`` checks structure and digests without decoding payloads (fast verify
-    for relays); FrameEvent arrays are then empty. ``max_minor`` is the newest minor
+    for relays); FrameEvent arrays are then empty, and a payload is hashed piece by piece
+    as it arrives, never gathered or held: memory stays at a few hundred bytes past the
+    header however large a frame is, and nothing fed is kept after ``feed`` returns. ``max_minor`` is the newest minor
     version accepted (a reader limited to 1.0 refuses 1.1 files by version).
 
     A FrameEvent is emitted only after that frame's own digest (and the chain up to it)
@@ -92,6 +94,8 @@ class PackReader:
         self.root_digest: bytes | None = None
         self._src = memoryview(b"")
         self._off = 0
+        self._running: Running | None = None  # decode=False: the digest of the frame arriving
+        self._body_seen = 0
 
     @property
     def done(self) -> bool:
@@ -114,6 +118,10 @@ class PackReader:
             return header_block_len(self._hlen)
         if st == "frame_body":
             return body_len(self._frame[6])  # type: ignore[index]
+        if st == "frame_payload":
+            return self._frame[6] - self._body_seen  # type: ignore[index]
+        if st == "frame_tail":
+            return pad_len(self._frame[6]) + DIGEST_BLOCK  # type: ignore[index]
         if st in ("frame_header", "end_digest"):
             return FRAME_HEADER.size
         return 0
@@ -136,8 +144,9 @@ class PackReader:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        if not view.readonly and not owned:
-            view = memoryview(bytes(view))  # the caller may reuse its buffer: parse our own copy
+        if not view.readonly and not owned and self._decode:
+            # the caller may reuse its buffer: parse our own copy (decode=False keeps no view)
+            view = memoryview(bytes(view))
         events: list[Event] = []
         if self._pend is not None:
             view = self._gather(view, events)
@@ -241,8 +250,47 @@ class PackReader:
                 return True
             _, layer, start, count, codec, raw_len, stored_len = got
             self._frame = (bytes(fh), layer, start, count, codec, raw_len, stored_len)
-            self._state = "frame_body"
+            if self._decode:
+                self._state = "frame_body"
+            else:  # hash as it arrives
+                assert self._chain is not None
+                self._running = self._chain.running(self._frame[0])
+                self._body_seen = 0
+                self._state = "frame_payload"
             return True
+        if st == "frame_payload":
+            stored_len = self._frame[6]  # type: ignore[index]
+            take = min(stored_len - self._body_seen, len(self._src) - self._off)
+            if take:
+                assert self._running is not None
+                self._running.update(self._src[self._off : self._off + take])
+                self._off += take
+                self._pos += take
+                self._body_seen += take
+            if self._body_seen < stored_len:
+                return None  # all of the input is consumed: nothing is left to gather
+            self._state = "frame_tail"
+            return True
+        if st == "frame_tail":
+            fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
+            pad = pad_len(stored_len)
+            tail = self._take(pad + DIGEST_BLOCK)
+            if tail is None:
+                return None
+            if any(tail[:pad]) or any(tail[-32:]):
+                raise KVPackError(f"frame {self._seq}: non-zero padding")
+            assert self._running is not None and self._chain is not None and self.header is not None
+            digest, p = self._running.finish()
+            self._running = None
+            if digest != tail[pad : pad + 32]:
+                raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
+            self._chain.value = digest
+            self._raw_total += raw_len
+            keys, values = decode_frame(self.header, layer, count, codec, memoryview(b""), raw_len, False)
+            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values, None, p)
+            self._seq += 1
+            self._state = "frame_header"
+            return ev
         if st == "frame_body":
             fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
             body = self._take(body_len(stored_len))

@@ -80,8 +80,8 @@ def _verdict(fn) -> tuple[str, str]:
         return ("refused", str(exc))
 
 
-def _pieces(blob: bytes) -> str:
-    reader = PackReader()
+def _pieces(blob: bytes, decode: bool = True) -> str:
+    reader = PackReader(decode=decode)
     step = 1 + (len(blob) % 257)
     for i in range(0, len(blob), step):
         reader.feed(blob[i:i + step])
@@ -114,6 +114,9 @@ def one_input(data: bytes) -> None:
     pieces = _verdict(lambda: _pieces(blob))
     if whole != pieces:
         raise AssertionError(f"readers disagree: whole {whole} vs pieces {pieces}")
+    verify_only = _verdict(lambda: _pieces(blob, decode=False))  # payloads hashed as they arrive
+    if verify_only != whole:
+        raise AssertionError(f"readers disagree: whole {whole} vs verify-only {verify_only}")
     if mode and len(blob) % 7 == 0:  # now and then the readinto stream path too
         streamed = _verdict(lambda: read_pack(io.BytesIO(blob)).root_digest.hex())
         if streamed != whole:

@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
         producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
+        send_text: bool = typer.Option(False, "--send-text", help="With --producer: send the prompt as text (and --chat) for the producer to tokenize; a pack with other token ids than this machine's is refused (fallback)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
         from muser_cli.decode import decode
@@ -45,6 +46,10 @@ def register(app: typer.Typer) -> None:
             prompt_text = read_text_input(prompt) if prompt is not None else None
             reason = ""
             pulling = None
+            if send_text and producer is None:
+                from muser_cli.errors import UsageError
+
+                raise UsageError("--send-text needs --producer HOST:PORT")
             if producer is not None:
                 from muser_cli.errors import UsageError
                 from muser_cli.serve import start_pull_pipe
@@ -52,7 +57,8 @@ def register(app: typer.Typer) -> None:
                 if prompt_text is None or src != "-":
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
                 pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
-                                          dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse)
+                                          dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse,
+                                          send_text=send_text)
                 inp = pulling.reader
                 reason = f"nothing from {producer}"
             elif src != "-" and not Path(src).exists() and prompt_text is not None:

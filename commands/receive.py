@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
         handshake_timeout: float = typer.Option(10.0, "--handshake-timeout", help="TLS handshake deadline."),
         queue: int = typer.Option(16, "--queue", help="Producers that may wait while one is admitted."),
         no_reuse: bool = typer.Option(False, "--no-reuse", help="With --from: ask for the whole pack, not only the suffix this machine's store lacks (default: a delta when the store holds a prefix)."),
+        send_text: bool = typer.Option(False, "--send-text", help="With --from: send the prompt as text (and --chat) for the producer to tokenize; the pack must still bind this machine's own token ids (else exit 65)."),
     ) -> None:
         """Receive kvpacks as they stream: TLS 1.3 with client certificates, HMAC header and trailer, replay ledger.
 
@@ -63,10 +64,12 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("give exactly one of --listen HOST:PORT or --from HOST:PORT PROMPT")
             if pull_from is not None:
                 _pull(pull_from, prompt, model=model, chat=chat, chunk=chunk, dtype=dtype, timeout=timeout,
-                      output=output, as_json=as_json, have=not no_reuse)
+                      output=output, as_json=as_json, have=not no_reuse, send_text=send_text)
                 return
             if prompt is not None:
                 raise UsageError("a PROMPT argument needs --from HOST:PORT")
+            if send_text:
+                raise UsageError("--send-text needs --from HOST:PORT PROMPT")
             to_stdout = output in ("-", None)
             if as_json and to_stdout:
                 raise UsageError("--json needs -o FILE or -o DIR (stdout carries the kvpack)")
@@ -78,7 +81,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: bool, chunk: Optional[int],
-          dtype: Optional[str], timeout: Optional[float], output: str, as_json: bool, have: bool) -> None:
+          dtype: Optional[str], timeout: Optional[float], output: str, as_json: bool, have: bool,
+          send_text: bool = False) -> None:
     """``receive --from``: one request to a resident producer; the verified pack to stdout or -o.
     ``have``: ask only for what this machine's store lacks (a delta pack that `decode --prompt`
     merges with the stored prefix)."""
@@ -94,7 +98,8 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
     to_stdout = output in ("-", None)
     if as_json and to_stdout:
         raise UsageError("--json needs -o FILE (stdout carries the kvpack)")
-    ask = ask_for(read_text_input(prompt), model=model, chat=chat, chunk_tokens=chunk, dtype=dtype, engine="torch")
+    ask = ask_for(read_text_input(prompt), model=model, chat=chat, chunk_tokens=chunk, dtype=dtype, engine="torch",
+                  send_text=send_text)
     if have:
         ask = with_have(ask)
 

@@ -6,7 +6,8 @@ prefill's :class:`~muser_cli.prefill.FrameEmitter` as the chunk finishes; :func:
 runs it behind :class:`muser_cli.handoff.pull_server.PullServer`.
 
 Consumer: :func:`pull_prompt` tokenizes the prompt here (the consumer's tokenization is
-authoritative), asks the producer and receives the verified pack;
+authoritative: it sends those token ids, or with ``send_text`` the text for the producer to
+tokenize, and refuses a pack that binds other ids), asks the producer and receives the verified pack;
 :func:`start_pull_pipe` does that on a thread into a pipe that ``decode`` reads as its
 input, so a failed or cut pull is decode's ordinary empty or cut stream (local fallback).
 """
@@ -53,9 +54,13 @@ class ResidentProducer:
         self.store = store
         self._put: tuple[Any, list] | None = None
 
-    def check(self, req: PullRequest) -> None:
-        from muser_cli.errors import DataError
+    def check(self, req: PullRequest) -> PullRequest:
+        """Refuse (:class:`Refusal`) a request this producer will not serve; the request to
+        compute: in text mode, with the token ids of this producer's tokenization filled in
+        (the consumer refuses the pack if they are not its own)."""
+        from muser_cli.errors import ConfigError, DataError
         from muser_cli.schedule import check_chunk, check_prompt
+        from muser_cli.tokens import encode_prompt
 
         info = self.info
         if req.model_fingerprint != info.fingerprint:
@@ -66,6 +71,17 @@ class ResidentProducer:
                                    f"{req.tokenizer_fingerprint}")
         if req.dtype != self.dtype:
             raise Refusal("model", f"this producer serves {self.dtype} KV; the request asks for {req.dtype}")
+        if req.text is not None:
+            try:
+                ids = encode_prompt(info, req.text, chat=req.chat)
+            except ConfigError as exc:  # --chat on a model without a chat template
+                raise Refusal("model", f"this producer cannot apply a chat template: {exc}") from None
+            if len(ids) < 2:
+                raise Refusal("too_large", f"the prompt is {len(ids)} token(s) here; a pack needs 2 or more")
+            if req.have_tokens >= len(ids):
+                raise Refusal("data", f"the request's have ({req.have_tokens} tokens) is not shorter than this "
+                                      f"producer's tokenization of the prompt ({len(ids)} tokens)")
+            req = replace(req, token_ids=tuple(ids))
         try:
             check_chunk(req.chunk_tokens)
             check_prompt(info, list(req.token_ids))
@@ -81,6 +97,7 @@ class ResidentProducer:
             if chain_at(scope, list(req.token_ids), req.have_tokens) != req.have_chain:
                 raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
                                       "tokens on its schedule")
+        return req
 
     def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
@@ -241,6 +258,8 @@ class PullAsk:
     dtype: str
     have_tokens: int = 0  # this consumer's store holds rows [0, have_tokens) ...
     have_chain: str | None = None  # ... with this chain hash: ask for a delta
+    text: str | None = None  # send the prompt as text (the producer tokenizes; token_ids still checks it) ...
+    chat: bool = False  # ... as one user turn of the chat template
 
 
 def with_have(ask: PullAsk, store=None) -> PullAsk:
@@ -259,8 +278,10 @@ def with_have(ask: PullAsk, store=None) -> PullAsk:
 
 
 def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | None, dtype: str | None,
-            engine: str) -> PullAsk:
-    """What to request: this consumer's own tokenization and model, on the canonical schedule."""
+            engine: str, send_text: bool = False) -> PullAsk:
+    """What to request: this consumer's own tokenization and model, on the canonical schedule.
+    ``send_text``: send the text (and ``chat``) for the producer to tokenize; the pack must
+    still bind this consumer's own token ids (else it is refused, 65)."""
     from muser_cli.models import resolve_model
     from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
     from muser_cli.tokens import encode_prompt
@@ -270,7 +291,7 @@ def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | N
     ids = encode_prompt(info, prompt, chat=chat)
     check_prompt(info, ids)
     return PullAsk(list(ids), info.tokenizer_fingerprint, info.fingerprint, chunk_tokens or DEFAULT_CHUNK_TOKENS,
-                   dtype or default_dtype(engine))
+                   dtype or default_dtype(engine), text=prompt if send_text else None, chat=chat and send_text)
 
 
 def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
@@ -286,7 +307,8 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
     accepted = pull(producer, identity, token_ids=ask.token_ids, tokenizer_fingerprint=ask.tokenizer_fingerprint,
                     model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
                     ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
-                    on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain)
+                    on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain, text=ask.text,
+                    chat=ask.chat)
     return {**accepted.to_json(), "held_tokens": ask.have_tokens}
 
 
@@ -330,15 +352,18 @@ class PipePull:
 
 
 def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
-                    dtype: str | None, engine: str, timeout: float | None, have: bool = True) -> PipePull:
+                    dtype: str | None, engine: str, timeout: float | None, have: bool = True,
+                    send_text: bool = False) -> PipePull:
     """``have``: tell the producer what this machine's store holds of the prompt, so only the
-    rest is computed there and shipped (a delta pack; decode merges it with the stored prefix)."""
+    rest is computed there and shipped (a delta pack; decode merges it with the stored prefix).
+    ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`)."""
     from muser_cli.handoff.link import parse_hostport
 
     parse_hostport(producer)  # a bad address is a usage error, not a fallback
 
     def make_ask() -> PullAsk:
-        ask = ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens, dtype=dtype, engine=engine)
+        ask = ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens, dtype=dtype, engine=engine,
+                      send_text=send_text)
         return with_have(ask) if have else ask
 
     return PipePull(producer, make_ask, timeout=timeout)

@@ -6,8 +6,10 @@ listens; both present certificates from the consumer's private CA):
 
   * the consumer sends one ``Request`` frame: ``MAC ‖ request JSON`` where
     ``MAC = HMAC-SHA256(secret[key_id], "muser-pull-v1-request\\x00" ‖ request_bytes)``;
-    the request names the prompt (token ids, tokenizer fingerprint: the consumer's
-    tokenization is authoritative), the model fingerprint it expects, chunk size and
+    the request names the prompt (token ids, or ``prompt`` ``{"text", "chat"}``: text the
+    producer tokenizes, with its chat template or not; either way the consumer's own
+    tokenization is authoritative: it refuses a pack whose token ids differ), the tokenizer
+    fingerprint, the model fingerprint it expects, chunk size and
     dtype, and carries a fresh ``issued_at_ms`` and a new 128-bit ``request_id``;
     optionally ``have`` ``{"held_tokens": N, "chain": C}``: the consumer's store holds the
     prompt's first N rows on that schedule (C = their chain hash, docs/reuse.md), so the
@@ -44,6 +46,7 @@ from typing import Any, Union
 
 from muser_cli.errors import AuthError, ProtocolError
 from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
+from muser_cli.strict import loads
 from muser_cli.handoff.protocol import (
     MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
     _NeedData, decode_body, encode_event, take_frame,
@@ -62,8 +65,9 @@ _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9.-]{1,253}$")
 _FP_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
-_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "token_ids", "tokenizer_fingerprint",
-         "model_fingerprint", "chunk_tokens", "dtype"}
+_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "tokenizer_fingerprint",
+         "model_fingerprint", "chunk_tokens", "dtype"}  # and exactly one of "token_ids", "prompt"
+_PROMPT_KEYS = {"text", "chat"}
 _HAVE_KEYS = {"held_tokens", "chain"}
 _PROBE_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "probe_ms"}
 
@@ -82,13 +86,19 @@ class PullRequest:
     dtype: str
     have_tokens: int = 0  # the consumer holds rows [0, have_tokens): answer with a delta from there
     have_chain: str | None = None  # their chain hash (on this request's schedule)
+    text: str | None = None  # text mode: the producer tokenizes this (token_ids empty until it did) ...
+    chat: bool = False  # ... as one user turn of its chat template, or as is
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "v": PULL_VERSION, "key_id": self.key_id, "request_id": self.request_id,
-            "issued_at_ms": self.issued_at_ms, "consumer": self.consumer, "token_ids": list(self.token_ids),
+            "issued_at_ms": self.issued_at_ms, "consumer": self.consumer,
             "tokenizer_fingerprint": self.tokenizer_fingerprint, "model_fingerprint": self.model_fingerprint,
             "chunk_tokens": self.chunk_tokens, "dtype": self.dtype}
+        if self.text is not None:
+            out["prompt"] = {"text": self.text, "chat": self.chat}
+        else:
+            out["token_ids"] = list(self.token_ids)
         if self.have_tokens:
             out["have"] = {"held_tokens": self.have_tokens, "chain": self.have_chain}
         return out
@@ -114,17 +124,29 @@ def _str(obj: dict[str, Any], key: str, pattern: re.Pattern[str]) -> str:
 
 def parse_request(raw: bytes) -> PullRequest:
     """Parse canonical request JSON; every malformation is a :class:`ProtocolError`."""
-    obj = strict_json(raw, "pull request")
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ProtocolError(f"pull request of {len(raw)} bytes exceeds {MAX_REQUEST_BYTES}")
+    obj = loads(raw, "pull request", limit=MAX_REQUEST_BYTES, error=ProtocolError)
     if not isinstance(obj, dict):
         raise ProtocolError("pull request is not a JSON object")
-    if set(obj) != _KEYS and set(obj) != _KEYS | {"have"}:
-        raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)} (and an optional 'have')")
+    rest = set(obj) - _KEYS - {"have"}
+    if not _KEYS <= set(obj) or rest not in ({"token_ids"}, {"prompt"}):
+        raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)}, one of 'token_ids' or 'prompt', "
+                            "and an optional 'have'")
     if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
         raise ProtocolError(f"pull request version {obj['v']!r} is not {PULL_VERSION}")
-    ids = obj["token_ids"]
-    if (not isinstance(ids, list) or not 2 <= len(ids) <= MAX_TOKENS
-            or any(type(t) is not int or not 0 <= t < 1 << 32 for t in ids)):
-        raise ProtocolError("request field 'token_ids' must be 2 or more token ids")
+    text, chat = None, False
+    if "prompt" in obj:
+        prompt = obj["prompt"]
+        if (not isinstance(prompt, dict) or set(prompt) != _PROMPT_KEYS or not isinstance(prompt["text"], str)
+                or not prompt["text"] or type(prompt["chat"]) is not bool):
+            raise ProtocolError("request field 'prompt' must be {\"text\": non-empty string, \"chat\": true|false}")
+        text, chat, ids = prompt["text"], prompt["chat"], []
+    else:
+        ids = obj["token_ids"]
+        if (not isinstance(ids, list) or not 2 <= len(ids) <= MAX_TOKENS
+                or any(type(t) is not int or not 0 <= t < 1 << 32 for t in ids)):
+            raise ProtocolError("request field 'token_ids' must be 2 or more token ids")
     dtype = obj["dtype"]
     if dtype not in DTYPES:
         raise ProtocolError(f"request dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -133,13 +155,14 @@ def parse_request(raw: bytes) -> PullRequest:
         issued_at_ms=_int(obj, "issued_at_ms", 0, 1 << 53), consumer=_str(obj, "consumer", _NAME_RE),
         token_ids=tuple(ids), tokenizer_fingerprint=_str(obj, "tokenizer_fingerprint", _FP_RE),
         model_fingerprint=_str(obj, "model_fingerprint", _FP_RE), chunk_tokens=_int(obj, "chunk_tokens", 1, 1 << 20),
-        dtype=dtype,
+        dtype=dtype, text=text, chat=chat,
     )
     if "have" in obj:
         have = obj["have"]
         if not isinstance(have, dict) or set(have) != _HAVE_KEYS:
             raise ProtocolError(f"request field 'have' must be an object with keys {sorted(_HAVE_KEYS)}")
-        held = _int(have, "held_tokens", 1, len(ids) - 1)
+        # text mode: the producer checks it against its own tokenization's length
+        held = _int(have, "held_tokens", 1, len(ids) - 1 if text is None else MAX_TOKENS)
         chain = _str(have, "chain", _FP_RE)
         req = replace(req, have_tokens=held, have_chain=chain)
     if canonical(obj) != raw:

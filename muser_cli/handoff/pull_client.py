@@ -11,8 +11,9 @@ Contract of :func:`pull`:
     stale -> AuthError, 77; too_large, data -> DataError, 65);
   * ``timeout``: the deadline for the producer's first V3 frame (its handoff header),
     queueing included; after it the stream runs under the idle timeout;
-  * the header must bind the model, tokenizer and token ids this consumer asked for
-    (else DataError, 65, before ``Go``); then the V3 receiver checks of docs/handoff.md;
+  * the header must bind the model, tokenizer and token ids this consumer asked for --
+    its own tokenization, also when it sent the prompt as text for the producer to
+    tokenize (else DataError, 65, before ``Go``); then the V3 receiver checks of docs/handoff.md;
   * a failure before any byte was forwarded leaves ``out_stream`` untouched; a failure
     after leaves it without an end frame. Returns the :class:`Accepted` handoff.
 """
@@ -153,12 +154,15 @@ def pull(
     chunk_tokens: int, dtype: str, ledger_dir: Path, out_stream: BinaryIO | None = None,
     destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
     idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
-    have_tokens: int = 0, have_chain: str | None = None,
+    have_tokens: int = 0, have_chain: str | None = None, text: str | None = None, chat: bool = False,
 ) -> Accepted:
     """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc).
 
     ``have_tokens``/``have_chain``: this consumer's store holds the first rows already; the
-    producer answers with a delta pack from there (or, its choice, a full one)."""
+    producer answers with a delta pack from there (or, its choice, a full one).
+    ``text``: send the prompt as this text (``chat``: as one user turn of the chat template)
+    and let the producer tokenize it; ``token_ids`` is still this consumer's own tokenization
+    of it, and the pack is refused (DataError, 65, before ``Go``) unless it binds exactly those."""
     t_start = time.monotonic()
     first_by = None if timeout is None else t_start + timeout
     sock, where = _connect(to, identity, connect_s if timeout is None else min(connect_s, timeout))
@@ -169,10 +173,10 @@ def pull(
         cn = peer_common_name(der) if der else ""
         key = key_for(identity, cn)
         req = PullRequest(key_id=key.key_id, request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
-                          consumer=identity.name, token_ids=tuple(token_ids),
+                          consumer=identity.name, token_ids=tuple(token_ids) if text is None else (),
                           tokenizer_fingerprint=tokenizer_fingerprint, model_fingerprint=model_fingerprint,
                           chunk_tokens=chunk_tokens, dtype=dtype, have_tokens=have_tokens,
-                          have_chain=have_chain if have_tokens else None)
+                          have_chain=have_chain if have_tokens else None, text=text, chat=chat if text else False)
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
         _await_serving(link, where, on_event)
@@ -186,7 +190,7 @@ def pull(
         config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
         receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
         try:
-            accepted = _receive(link, receiver, req, where, cn, t_start, on_event)
+            accepted = _receive(link, receiver, req, where, cn, t_start, on_event, expect_ids=list(token_ids))
         finally:
             receiver.close()
         note_peer(identity, cn, role="producer", address=where, key_id=key.key_id, via="pull")  # its pack verified
@@ -196,7 +200,7 @@ def pull(
 
 
 def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float,
-             on_event: EventFn | None = None) -> Accepted:
+             on_event: EventFn | None = None, *, expect_ids: list[int]) -> Accepted:
     from muser_cli.kvpack.format import token_digest
 
     config = receiver.config
@@ -221,7 +225,7 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
         # The consumer's request is authoritative: a pack for anything else is refused before Go.
         for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
                                 ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
-                                ("token ids", h.token_digest, token_digest(list(req.token_ids))),
+                                ("token ids", h.token_digest, token_digest(expect_ids)),
                                 ("first position", h.rows_start, h.rows_start if h.rows_start in
                                  (0, req.have_tokens) else req.have_tokens)):
             if got != want:

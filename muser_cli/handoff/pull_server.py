@@ -63,8 +63,9 @@ EventFn = Callable[[str, dict[str, Any]], None]
 class Compute(Protocol):
     """What the server asks of the engine side (muser_cli.serve)."""
 
-    def check(self, request: PullRequest) -> None:
-        """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve."""
+    def check(self, request: PullRequest) -> PullRequest | None:
+        """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve.
+        May return the request to compute instead (a text request with its token ids filled in)."""
 
     def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
@@ -284,7 +285,11 @@ class PullServer:
             probe = isinstance(event, Probe)
             req = self._check(event, cn, peer)
             if isinstance(req, PullRequest):
-                self.compute.check(req)
+                resolved = self.compute.check(req)
+                if resolved is not None:  # text mode: the request with this producer's token ids
+                    req = resolved
+                if not req.token_ids:
+                    raise Refusal("data", "this producer does not tokenize text prompts; send token ids")
             if self._stop.is_set():
                 raise Refusal("busy", "producer is shutting down")
             self._admitted(link, who, req)
@@ -420,6 +425,7 @@ class PullServer:
             fields: dict[str, Any] = {
                 "peer": who, "outcome": outcome, "request_id": req.request_id, "key_id": req.key_id,
                 "consumer": req.consumer, "tokens": len(req.token_ids), "total_s": round(time.monotonic() - t0, 6),
+                "prompt": "ids" if req.text is None else ("chat" if req.chat else "text"),
                 **stats,
             }
             if result is not None:

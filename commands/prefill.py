@@ -96,8 +96,8 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
     if prompt != "-" or chat or chunk is not None or zstd or have or reuse or output not in ("-", None):
         raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
-    if engine not in ("torch", "vllm"):
-        raise UsageError("--serve runs the torch or the vllm engine in this version")
+    if engine not in ("torch", "mlx", "vllm"):
+        raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
 

@@ -189,3 +189,13 @@ def test_exchange_probe_then_serving_and_limits_at_the_prefix():
     late.receive_data(PREFIX.pack(0x53, 40))  # a producer may not send a Probe
     with pytest.raises(ProtocolError, match="may not send"):
         late.next_event()
+
+
+def test_a_request_past_the_strict_json_default_but_within_its_own_limit_parses():
+    """Token ids for a long context pass 1 MiB of JSON; the request's own limit is 4 MiB."""
+    req = make_request(token_ids=tuple(range(10_000, 10_000 + 200_000)))
+    raw, _ = sign_request(req, SECRET)
+    assert 1 << 20 < len(raw) <= MAX_REQUEST_BYTES
+    assert parse_request(raw).token_ids == req.token_ids
+    with pytest.raises(ProtocolError, match="exceeds"):
+        parse_request(raw[:-1] + b" " * (MAX_REQUEST_BYTES - len(raw) + 2) + b"}")

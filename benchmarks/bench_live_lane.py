@@ -17,6 +17,10 @@ A B C D: the in-process local and stop-and-wait handoff lanes, then
   tail_s    = last frame's arrival -> first token (decode --json)
 
 Receipt: benchmarks/results/lane-*.json (lanes: local, handoff, streamed, file).
+
+``--live-only`` runs just the two whole-process lanes, streamed and file, alternated A B
+(the in-process lanes cost two more prefills a round, which at 8064 tokens on one core
+is minutes); receipt benchmarks/results/live-lane-*.json.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--settle", type=float, default=8.0, help="seconds the consumer gets to load its model")
     ap.add_argument("--plot", default=None, help="a .png chart (needs matplotlib)")
+    ap.add_argument("--live-only", action="store_true", help="only the streamed and file lanes (see above)")
     args = ap.parse_args()
+    if args.live_only:
+        return live_only(args)
 
     from muser_cli.bench.api import bench_lane
     from muser_cli.errors import MuserError
@@ -45,6 +52,63 @@ def main() -> int:
         return exc.exit_status
     print("\n".join(res.table))
     print(f"receipt: {res.receipt}")
+    return 0
+
+
+def live_only(args) -> int:
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from muser_cli.bench.common import corpus_ids, pinning, resolve_bench_model, summarize
+    from muser_cli.bench.lane import file_lane, streamed_lane
+    from muser_cli.bench.loopback import make_nodes
+    from muser_cli.tokens import decode_text
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import write_receipt
+
+    info = resolve_bench_model(args.model)
+    model = "default" if args.model == "default" else str(info.path)
+    pins = pinning(True)
+    work = Path(tempfile.mkdtemp(prefix="muser-live-lane-"))
+    rows = []
+    try:
+        nodes = make_nodes(work)
+        for depth in [int(d) for d in args.depths.split(",")]:
+            doc = work / f"doc-{depth}.txt"
+            doc.write_text(decode_text(info, corpus_ids(info, depth)), encoding="utf-8")
+            got: dict = {"streamed": [], "file": []}
+            for rnd in range(args.reps + 1):
+                print(f"live lane {depth}: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{args.reps}"),
+                      file=sys.stderr, flush=True)
+                for name in ("streamed", "file"):
+                    r = (streamed_lane(doc, nodes, pins, model, "float32", args.settle) if name == "streamed"
+                         else file_lane(doc, nodes, pins, model, "float32", work))
+                    if rnd:
+                        got[name].append(r)
+            tokens = {r["token"] for rs in got.values() for r in rs}
+            if len(tokens) != 1:
+                raise SystemExit(f"the lanes disagree on the first token at {depth} tokens: {sorted(tokens)}")
+            row = {"depth": depth, "tokens": got["streamed"][0]["tokens"], "bytes": got["streamed"][0]["bytes"]}
+            for name, keys in (("streamed", ("prefill", "ttft", "exposed", "tail", "first_frame_after_start",
+                                             "consumer_ttft")), ("file", ("prefill", "ttft", "exposed",
+                                                                          "consumer_ttft"))):
+                row[name] = {k: summarize([r[k] for r in got[name] if r.get(k) is not None]) for k in keys}
+            rows.append(row)
+            st, fl = row["streamed"], row["file"]
+            print(f"{depth}: prefill {st['prefill']['median']:.2f}s streamed exposed {st['exposed']['median']:+.2%} "
+                  f"({st['exposed']['min']:+.2%}..{st['exposed']['max']:+.2%}) tail {st['tail']['median'] * 1e3:.0f} ms"
+                  f" | file exposed {fl['exposed']['median']:+.2%} ({fl['exposed']['min']:+.2%}.."
+                  f"{fl['exposed']['max']:+.2%})", flush=True)
+    finally:
+        pins.release()
+        shutil.rmtree(work, ignore_errors=True)
+    path = write_receipt("live-lane", {"what": "streamed vs file lane, whole processes (bench_live_lane.py "
+                                       "--live-only)", "args": vars(args), "pinning": pins.describe(),
+                                       "load_average": os.getloadavg(), "rows": rows})
+    print(f"receipt: {path}")
     return 0
 
 

@@ -142,3 +142,32 @@ def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
     assert node_ls(nodes.producer_home)["consumer"] == theirs2  # the stranger never authenticated
     text = subprocess.run(muser_cmd("node", "ls"), env=env_for(nodes.producer_home), capture_output=True, timeout=60)
     assert f"peer consumer" in text.stdout.decode() and f"last seen {theirs2['last_seen']}" in text.stdout.decode()
+
+
+def test_a_probe_request_buys_one_up_and_one_down_probe(served):
+    """The probe holds the producer's admission: a third probe on it is refused (protocol)."""
+    from muser_cli.errors import ProtocolError
+    from muser_cli.handoff.certs import peer_common_name
+    from muser_cli.handoff.link import Link
+    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.probes import measure
+    from muser_cli.handoff.protocol import Ready
+    from muser_cli.handoff.pull import PullConnection, Side
+    from muser_cli.handoff.pull_client import connect, request_probe
+
+    p = served["producer"]
+    ident = load_identity(keys_dir_of(served["nodes"].consumer_home))
+    before = len(p.events("probe"))
+    sock, where = connect(p.address, ident, 10.0)
+    link = Link(sock, PullConnection(Side.CONSUMER), idle_s=10.0, deadline=None)
+    try:
+        request_probe(link, ident, peer_common_name(sock.getpeercert(binary_form=True)), where, seconds=0.1)
+        assert isinstance(link.next_event("ready"), Ready)
+        first = measure(link, 0.1)
+        assert first["up_bytes"] > 0 and first["down_bytes"] > 0
+        with pytest.raises(ProtocolError, match="more than one up and one down"):
+            measure(link, 0.1)
+    finally:
+        link.close()
+    events = p.wait_events(before + 1, "probe")[before:]
+    assert [e["outcome"] for e in events] == ["failed"] and "more than one" in events[0]["reason"], events

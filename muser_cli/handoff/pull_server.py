@@ -341,6 +341,8 @@ class PullServer:
                 "max_data": MAX_DATA_BYTES, "probe_max_s": cap, "idle_s": self.config.idle_s}
         fields: dict[str, Any] = {"peer": who, "request_id": req.request_id, "key_id": req.key_id,
                                   "consumer": req.consumer}
+        # The probe holds the admission: it gets one up and one down probe, and a deadline to match.
+        link.deadline = min(link.deadline or float("inf"), time.monotonic() + 2 * cap + 20.0)
         outcome, reason, done = "failed", "", 0
         try:
             link.send(Ready(info), "sending Ready for the probe")
@@ -350,11 +352,17 @@ class PullServer:
                 except TempFailure:
                     if not done:
                         raise
-                    event = ConnectionClosed()  # a consumer that left between probes ended them
-                done += 1
+                    event = ConnectionClosed()  # a consumer that left after probing ended it
                 if isinstance(event, (ConnectionClosed, Reject)):
-                    outcome = "probed"
+                    outcome = "probed" if done else "failed"
+                    reason = "" if done else "the consumer left without probing"
                     break
+                if done >= 2:
+                    reason = "more than one up and one down probe on one probe request"
+                    with contextlib.suppress(MuserError, OSError):
+                        link.send(Reject("protocol", reason), "refusing")
+                    break
+                done += 1
                 if isinstance(event, ProbeUp):
                     got = serve_probe_up(link, min(event.seconds, cap))
                     fields.update(up_bytes=got["bytes"], up_s=round(got["seconds"], 6))

@@ -10,6 +10,9 @@
   reuse    warm TTFT (`decode --prompt`, whole prompt in the store: no prefill) ÷ cold
            local TTFT (`decode --prompt --no-reuse`: canonical prefill), at --depth on
            the embedded model, float32, measured A B A B in one run.
+  --warm-read: only the store's read + the torch engine's install of a stored entry,
+           copying (load, then install copies) against adopting (load with room, the
+           install adopts it), A B A B (see warm_read).
   lookup   store lookup (chain hashes of the --depth prompt + the index query, a fresh
            Store each time, so opening the index is included) with 1, 100 and 10,000
            entries in the store.
@@ -153,6 +156,66 @@ def lookup_rows(info, ids, store_root: Path, *, reps: int) -> list[dict]:
     return out
 
 
+def warm_read(info, depth: int, *, reps: int, threads: int, new_tokens: int = 32) -> dict:
+    """The warm path's read and install, A B A B: a stored entry of ``depth`` tokens
+    (random float32 rows of the model's shape, uncompressed, chunk 512: every layer spread
+    over several frames) read with ``Store.load`` (memory-mapped, every frame verified) and
+    installed by the torch engine with room for ``new_tokens``:
+
+      copy   ``load()``, layers assembled from their frames, then the install copies them
+             into the engine's sized cache (decode's store path today: adopt=False);
+      adopt  ``load(spare_rows=new_tokens + 1)``, each full layer placed once into an array
+             with room, which the install adopts as its cache (adopt=True): no copy after
+             the placement.
+    """
+    import numpy as np
+
+    from muser_cli.engines.registry import get_engine
+    from muser_cli.kvpack import LayerKV
+    from muser_cli.reuse import Store
+    from muser_cli.schedule import build_header
+
+    ids = [int(t) for t in corpus_ids(info, depth)]
+    rows = len(ids) - 1
+    rng = np.random.default_rng(0)
+    layers = [LayerKV(rng.standard_normal((s.kv_heads, rows, s.head_dim), dtype=np.float32),
+                      rng.standard_normal((s.kv_heads, rows, s.v_head_dim), dtype=np.float32), 0) for s in info.layers]
+    header = build_header(info, ids, dtype="float32", chunk_tokens=CHUNK, engine="torch", threads=threads)
+    st = Store()
+    entry = st.put_layers(header, layers).entry
+    del layers
+    eng = get_engine("torch", info, dtype="float32", threads=threads)
+    extra = 1 + new_tokens
+
+    def copy() -> None:
+        eng._install(st.load(entry.id).layers, rows, extra=extra)  # noqa: SLF001 (the engine's real install)
+
+    def adopt() -> None:
+        eng._install(st.load(entry.id, spare_rows=extra).layers, rows, extra=extra, adopt=True)  # noqa: SLF001
+
+    times: dict[str, list[float]] = {"copy": [], "adopt": []}
+    cpu: dict[str, list[float]] = {"copy": [], "adopt": []}
+    load0 = os.getloadavg()
+    for rep in range(reps + 1):  # A B A B, rep 0 uncounted
+        for name, fn in (("copy", copy), ("adopt", adopt)):
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            if rep:
+                times[name].append(t)
+                cpu[name].append(c)
+    out = {"entry_bytes": entry.bytes, "rows": rows, "new_tokens": new_tokens,
+           "wall_s": {k: summarize(v) for k, v in times.items()}, "cpu_s": {k: summarize(v) for k, v in cpu.items()},
+           "adopt_over_copy": summarize([a / c for a, c in zip(times["adopt"], times["copy"]) if c]),
+           "loadavg_before": load0, "loadavg_after": os.getloadavg()}
+    for k in ("copy", "adopt"):
+        w, c = out["wall_s"][k], out["cpu_s"][k]
+        print(f"  warm read + install, {k:5}: {w['median'] * 1e3:7.1f} ms (min {w['min'] * 1e3:.1f}, max "
+              f"{w['max'] * 1e3:.1f}), CPU {c['median'] * 1e3:.1f} ms; {entry.bytes / w['median'] / 1e9:.2f} GB/s",
+              flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--depth", type=int, default=8191, help="prompt tokens (8191 + 1 new token = the context)")
@@ -160,6 +223,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--skip-lookup", action="store_true")
+    ap.add_argument("--warm-read", action="store_true",
+                    help="only the store read + install A/B (copy vs adopt) at --depth, synthetic rows")
     args = ap.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="bench-reuse-"))
@@ -170,6 +235,15 @@ def main() -> int:
     from muser_cli.tinymodels import make_tiny_hybrid
 
     info = resolve_model("default")
+    if args.warm_read:
+        print(f"model {info.name}, warm read of a stored {args.depth}-token entry, float32, threads {args.threads}")
+        res = warm_read(info, args.depth, reps=args.reps, threads=args.threads)
+        path = write_receipt("reuse-warm-read", {"model": info.name, "fingerprint": info.fingerprint, "dtype": "float32",
+                                                 "threads": args.threads, "chunk_tokens": CHUNK, "depth": args.depth,
+                                                 "codec": "none", "kv": "synthetic float32", "warm_read": res,
+                                                 "note": "shared machine: 2 CPUs, other agents' jobs running"})
+        print(f"receipt: {path}")
+        return 0
     text = prompt_text(info, args.depth)
     from muser_cli.tokens import encode_prompt
 

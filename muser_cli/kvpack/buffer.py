@@ -85,7 +85,7 @@ def _truncated(where: str) -> KVPackError:
 
 
 def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progress: Callable | None = None,
-                max_minor: int = MINOR) -> KVPack:
+                max_minor: int = MINOR, spare_rows: int = 0) -> KVPack:
     """Verify and read a whole pack held in memory (or memory-mapped) without copying it.
 
     Same verdicts as :class:`PackReader` fed the same bytes (the first failure in stream
@@ -93,6 +93,12 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     pool; nothing is returned unless the root digest verified and nothing follows it.
     Uncompressed rows of a layer held in one frame are views of ``buf``; other layers are
     assembled into arrays of their own.
+
+    ``spare_rows`` > 0: every full-attention layer that starts at position 0 is placed,
+    frame by frame as it is hashed, into a writable array with that many rows of room
+    after its own, and handed out as the leading rows of it -- the layout an engine may
+    adopt as its cache (``Engine.decode(..., adopt=True)``), so that this one placement
+    is the install and no other copy follows. Other layers are read as without it.
     """
     buf = memoryview(buf)
     if buf.format != "B" or buf.ndim != 1:
@@ -167,11 +173,13 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     for f in frames:
         layer_frames[f.layer] += 1
     dest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    spare = max(0, int(spare_rows))
     for li, n in enumerate(layer_frames):
-        if n > 1:
-            spec, rows = header.layers[li], header.layer_rows(li)
-            dest[li] = (np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype),
-                        np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
+        spec, rows = header.layers[li], header.layer_rows(li)
+        room = spare if spec.kind == "full" and header.layer_first_row(li) == 0 else 0
+        if n > 1 or (n == 1 and room):
+            dest[li] = (np.empty((spec.kv_heads, rows + room, spec.head_dim), dtype=np_dtype),
+                        np.empty((spec.kv_heads, rows + room, spec.v_head_dim), dtype=np_dtype))
 
     def work(f: _Scanned):
         p = chain.payload((f.stored,))
@@ -214,6 +222,9 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     for li, spec in enumerate(header.layers):
         if li in dest:
             keys, values = dest[li]
+            rows = header.layer_rows(li)
+            if keys.shape[1] != rows:  # room after the rows: hand out the rows, a view of the whole
+                keys, values = keys[:, :rows], values[:, :rows]
         elif li in held:
             keys, values = held[li]
         else:

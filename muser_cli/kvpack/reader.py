@@ -59,18 +59,20 @@ def read_exact_into(stream: BinaryIO, n: int) -> memoryview:
     return view[:got]
 
 
-def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, use_mmap: bool = True) -> KVPack:
+def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, use_mmap: bool = True,
+              spare_rows: int = 0) -> KVPack:
     """Read and verify a whole pack from a binary stream. Nothing is returned unless the
     end frame verifies and nothing follows it. A regular file is memory-mapped (``use_mmap``)
     and read as :func:`read_buffer`; the stream is then left at its end. Rows may be views
     of the map: a muser file is never rewritten in place (it is replaced by rename), and
-    a file truncated under a live map would fault the process (see docs/kvpack.md 4.2)."""
+    a file truncated under a live map would fault the process (see docs/kvpack.md 4.2).
+    ``spare_rows``: see :func:`read_buffer` (files only; a stream is read as without it)."""
     if use_mmap:
         mapped = map_file(stream)
         if mapped is not None:
             view, end = mapped
             try:
-                return read_buffer(view, max_bytes=max_bytes, progress=progress)
+                return read_buffer(view, max_bytes=max_bytes, progress=progress, spare_rows=spare_rows)
             finally:
                 stream.seek(end)
     reader = PackReader(max_bytes=max_bytes)

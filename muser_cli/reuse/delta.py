@@ -94,16 +94,18 @@ class Resume:
 
 
 def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype: str,
-                chunk_tokens: int | None = None) -> Resume | None:
+                chunk_tokens: int | None = None, spare_rows: int = 0) -> Resume | None:
     """The deepest stored point from which prompt ``ids`` can be prefilled exactly (rings
-    included): at most len(ids)-1 rows, i.e. a full hit when held == len(ids)-1."""
+    included): at most len(ids)-1 rows, i.e. a full hit when held == len(ids)-1.
+    ``spare_rows``: a full hit's full layers come with that much room after their rows
+    (:meth:`Store.load`), for an engine to adopt."""
     tried: set[str] = set()
     for point in store.points(model, tokenizer, ids, len(ids) - 1, dtype=dtype, chunk_tokens=chunk_tokens):
         if not point.resumable or point.entry in tried:
             continue
         tried.add(point.entry)
         try:
-            stored = store.load(point.entry)
+            stored = store.load(point.entry, spare_rows=spare_rows if point.held == len(ids) - 1 else 0)
         except CorruptEntry:
             continue
         return Resume(point.held, layers_at(stored.layers, stored.header.layers, point.held), point.entry, point.scope)

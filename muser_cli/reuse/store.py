@@ -197,8 +197,13 @@ class Store(StoreIndex):
         found.sort(key=lambda p: (p.held, p.resumable, p.last_used), reverse=True)
         return found
 
-    def load(self, entry_id: str) -> KVPack:
-        """Read and verify an entry's whole pack; on any failure remove it and raise CorruptEntry."""
+    def load(self, entry_id: str, *, spare_rows: int = 0) -> KVPack:
+        """Read and verify an entry's whole pack; on any failure remove it and raise CorruptEntry.
+
+        The file is memory-mapped and verified at hash speed (:func:`read_pack`); nothing is
+        returned before its root digest verified. ``spare_rows`` > 0: each full layer is
+        placed once into an array with that much room after its rows, which an engine
+        may adopt as its cache (the placement is then the install: no copy follows)."""
         try:
             entry = self.entry(entry_id)
         except MissingInput:
@@ -206,7 +211,7 @@ class Store(StoreIndex):
         path = self.pack_path(entry_id)
         try:
             with open(path, "rb") as f:
-                pack = read_pack(f)
+                pack = read_pack(f, spare_rows=spare_rows)
         except FileNotFoundError:
             self._drop(entry_id, "its file is missing")
             raise CorruptEntry(f"store entry {entry_id[:12]} vanished (removed)") from None

@@ -13,7 +13,10 @@ Per depth, interleaved in every rep:
   * save + load of a file (write + fsync / read_pack of the file, memory-mapped): kvpack
     uncompressed and zstd+bytegroup vs mlx-lm save_prompt_cache + load_prompt_cache.
 At the deepest depth, `muser pack --no-zstd < pack > out` throughput vs `cat < pack > out`
-(process start subtracted: the same commands on a 3 KB pack).
+(process start subtracted: the same commands on a 3 KB pack), by wall clock and per CPU
+second of the child (wait4), output on tmpfs. ``--cli-only`` runs just that comparison
+(on ``--cli-pack FILE`` if given); ``--baseline DIR`` times an older tree's ``muser pack``
+in the same rounds (DIR holds its muser_cli/, e.g. ``git archive REV muser_cli | tar -x -C DIR``).
 
 The KV is real unless --synthetic: SmolLM2-135M prefilled once by the torch engine in
 float32 at the deepest depth and carried as bfloat16 (the dtype mlx-lm stores); each
@@ -73,19 +76,41 @@ def timed2(fn) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def cli_rate(cmd: list[str], big: Path, tiny: Path, out: Path, reps: int) -> dict:
-    """Seconds per run on ``big`` minus on ``tiny`` (process start), as GB/s; interleaved."""
-    big_t, tiny_t = [], []
+def _run_child(cmd: list[str], src_path: Path, out: Path, env: dict | None) -> tuple[float, float]:
+    """(wall s, CPU s of the child: user + sys from wait4) of one run of ``cmd < src > out``."""
+    with open(src_path, "rb") as src, open(out, "wb") as dst:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdin=src, stdout=dst, stderr=subprocess.DEVNULL, env=env)
+        _, status, ru = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}")
+    return wall, ru.ru_utime + ru.ru_stime
+
+
+def cli_rates(cmds: dict[str, tuple[list[str], dict | None]], big: Path, tiny: Path, out: Path, reps: int) -> dict:
+    """Per command: seconds per run on ``big`` minus on ``tiny`` (process start), as GB/s,
+    by wall clock and by the child's CPU seconds; every command in turn in every rep
+    (A B C A B C ...), after one uncounted round."""
+    raw: dict[str, dict[str, list[float]]] = {n: {"big": [], "tiny": [], "big_cpu": [], "tiny_cpu": []} for n in cmds}
     for rep in range(reps + 1):
-        for path, sink in ((big, big_t), (tiny, tiny_t)):
-            with open(path, "rb") as src, open(out, "wb") as dst:
-                t = timed(lambda: subprocess.run(cmd, stdin=src, stdout=dst, stderr=subprocess.DEVNULL, check=True))
-            if rep:
-                sink.append(t)
+        for name, (cmd, env) in cmds.items():
+            for path, key in ((big, "big"), (tiny, "tiny")):
+                wall, cpu = _run_child(cmd, path, out, env)
+                if rep:
+                    raw[name][key].append(wall)
+                    raw[name][f"{key}_cpu"].append(cpu)
     size = big.stat().st_size
-    net = [b - t for b, t in zip(big_t, tiny_t)]
-    return {"big_s": summarize(big_t), "start_s": summarize(tiny_t),
-            "GBps": summarize([size / n / 1e9 for n in net if n > 0] or [float("nan")])}
+    result = {}
+    for name, r in raw.items():
+        net = [b - t for b, t in zip(r["big"], r["tiny"])]
+        net_cpu = [b - t for b, t in zip(r["big_cpu"], r["tiny_cpu"])]
+        result[name] = {"big_s": summarize(r["big"]), "start_s": summarize(r["tiny"]),
+                        "big_cpu_s": summarize(r["big_cpu"]), "start_cpu_s": summarize(r["tiny_cpu"]),
+                        "GBps": summarize([size / n / 1e9 for n in net if n > 0] or [float("nan")]),
+                        "GB_per_cpu_s": summarize([size / n / 1e9 for n in net_cpu if n > 0] or [float("nan")])}
+    return result
 
 
 def main() -> int:
@@ -95,6 +120,11 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="random bf16 rows of the real model's shape")
     ap.add_argument("--no-cli", action="store_true", help="skip muser pack vs cat")
     ap.add_argument("--kv-cache", default="", help="an .npz of the prefilled KV: read if present, else written")
+    ap.add_argument("--cli-only", action="store_true", help="only muser pack --no-zstd vs cat")
+    ap.add_argument("--cli-pack", default="", help="the pack to time muser pack and cat on (default: one written here)")
+    ap.add_argument("--baseline", default="", help="a folder holding an older muser_cli/ (git archive REV muser_cli "
+                                                    "| tar -x -C DIR): its muser pack is timed too, in turn")
+    ap.add_argument("--cli-reps", type=int, default=0, help="counted rounds of the CLI comparison (default: reps)")
     args = ap.parse_args()
 
     from muser_cli.kvpack import read_pack, read_pack_bytes, write_pack
@@ -112,7 +142,10 @@ def main() -> int:
     depths = [int(d) for d in args.depths.split(",")]
     info = resolve_model("default")
     cache = Path(args.kv_cache) if args.kv_cache else None
-    if cache is not None and cache.exists() and not args.synthetic:
+    if args.cli_only and args.cli_pack:
+        ids_all, kv_all, threads = [], [], 0
+        depths = []
+    elif cache is not None and cache.exists() and not args.synthetic:
         from muser_cli.kvpack import LayerKV
 
         z = np.load(cache)
@@ -126,9 +159,10 @@ def main() -> int:
         if cache is not None and not args.synthetic:
             np.savez(cache, ids=np.array(ids_all), threads=threads,
                      **{f"k{i}": l.keys for i, l in enumerate(kv_all)}, **{f"v{i}": l.values for i, l in enumerate(kv_all)})
+    depths_timed: list[int] = [] if args.cli_only else depths
     tmp = Path(tempfile.mkdtemp(prefix="muser-bench-"))
     rows_out = []
-    for depth in depths:
+    for depth in depths_timed:
         ids = ids_all[:depth]
         layers = prefix(kv_all, depth - 1)
         base = build_header(info, ids, dtype="bfloat16", chunk_tokens=512, engine="torch", threads=threads)
@@ -245,25 +279,40 @@ def main() -> int:
 
     cli = None
     if not args.no_cli:
-        depth = max(depths)
-        header = replace(build_header(info, ids_all, dtype="bfloat16", chunk_tokens=512, engine="torch",
-                                      threads=threads), minor=1, digest="blake3")
-        big = tmp / "big.kvpack"
-        fsync_write(big, lambda fh: write_pack(fh, header, prefix(kv_all, depth - 1), codec="none"))
+        load_before = os.getloadavg()
+        if args.cli_pack:
+            big = Path(args.cli_pack)
+            depth, digest = None, "as the file's header says"
+        else:
+            depth = max(depths)
+            header = replace(build_header(info, ids_all, dtype="bfloat16", chunk_tokens=512, engine="torch",
+                                          threads=threads), minor=1, digest="blake3")
+            big = tmp / "big.kvpack"
+            fsync_write(big, lambda fh: write_pack(fh, header, prefix(kv_all, depth - 1), codec="none"))
+            digest = "v1.1 blake3"
         tiny = ROOT / "tests" / "golden" / "v1_1-full-rope-none-blake3.kvpack"
-        out = tmp / "out.kvpack"
+        out = (Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp) / f"muser-bench-out-{os.getpid()}.kvpack"
         muser = [str(Path(sys.executable).parent / "muser"), "pack", "--no-zstd"]
-        cli = {"bytes": big.stat().st_size, "depth": depth, "digest": "v1.1 blake3"}
-        for rep in range(2):  # A B A B at the process level too
-            for name, cmd in (("muser pack --no-zstd", muser), ("cat", ["cat"])):
-                cli.setdefault(name, []).append(cli_rate(cmd, big, tiny, out, max(2, args.reps // 2)))
-        for name in ("muser pack --no-zstd", "cat"):
-            rates = [g for r in cli[name] for g in r["GBps"]["reps"]]
-            cli[f"{name} GBps"] = summarize(rates)
-        cli["ratio"] = cli["muser pack --no-zstd GBps"]["median"] / cli["cat GBps"]["median"]
-        print(f"\n== muser pack --no-zstd vs cat, {cli['bytes'] / 1e6:.1f} MB pack: "
-              f"{cli['muser pack --no-zstd GBps']['median']:.2f} vs {cli['cat GBps']['median']:.2f} GB/s "
-              f"= {cli['ratio']:.3f}x")
+        cmds: dict[str, tuple[list[str], dict | None]] = {"muser pack --no-zstd": (muser, None), "cat": (["cat"], None)}
+        if args.baseline:
+            env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
+            cmds = {"muser pack --no-zstd [baseline]": (muser, env), **cmds}
+        rates = cli_rates(cmds, big, tiny, out, args.cli_reps or args.reps)
+        out.unlink(missing_ok=True)
+        cli = {"bytes": big.stat().st_size, "depth": depth, "digest": digest, "pack": str(big),
+               "baseline": args.baseline or None, "out": str(out.parent), **rates,
+               "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+        cat = rates["cat"]
+        for name in cmds:
+            if name == "cat":
+                continue
+            cli[f"ratio {name}"] = rates[name]["GBps"]["median"] / cat["GBps"]["median"]
+            cli[f"cpu ratio {name}"] = rates[name]["GB_per_cpu_s"]["median"] / cat["GB_per_cpu_s"]["median"]
+            print(f"\n== {name} vs cat, {cli['bytes'] / 1e6:.1f} MB pack (process start subtracted): "
+                  f"{rates[name]['GBps']['median']:.2f} vs {cat['GBps']['median']:.2f} GB/s wall = "
+                  f"{cli[f'ratio {name}']:.3f}x; per CPU-second {rates[name]['GB_per_cpu_s']['median']:.2f} vs "
+                  f"{cat['GB_per_cpu_s']['median']:.2f} = {cli[f'cpu ratio {name}']:.3f}x", flush=True)
+        cli["ratio"] = cli["ratio muser pack --no-zstd"]
     load = os.getloadavg()
     path = write_receipt("kvpack-speed", {
         "model": info.name, "fingerprint": info.fingerprint, "kv": "synthetic bf16" if args.synthetic else

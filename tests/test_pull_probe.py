@@ -11,16 +11,14 @@ own ``muser-pull/1`` listener; each direction is counted at its receiving end.
 from __future__ import annotations
 
 import json
-import os
 import socket
+import subprocess
 import time
 
 import pytest
 
 from muser_cli.handoff import node
 from handoff_kit import Producer, env_for, keys_dir_of, make_nodes, muser_cmd
-
-import subprocess
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +139,7 @@ def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
     assert probe(stranger, p.address, "--seconds", "0.1").returncode == 77
     assert node_ls(nodes.producer_home)["consumer"] == theirs2  # the stranger never authenticated
     text = subprocess.run(muser_cmd("node", "ls"), env=env_for(nodes.producer_home), capture_output=True, timeout=60)
-    assert f"peer consumer" in text.stdout.decode() and f"last seen {theirs2['last_seen']}" in text.stdout.decode()
+    assert "peer consumer" in text.stdout.decode() and f"last seen {theirs2['last_seen']}" in text.stdout.decode()
 
 
 def test_a_probe_request_buys_one_up_and_one_down_probe(served):

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any, Callable
 
-from muser_cli.errors import MuserError, ProtocolError, TempFailure
+from muser_cli.errors import ProtocolError, TempFailure
 from muser_cli.handoff.link import DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, reject_error
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.protocol import (

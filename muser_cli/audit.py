@@ -279,7 +279,7 @@ def _spot_prefix(pack: KVPack, start: int) -> tuple[list[LayerKV], int]:
             zk = np.zeros((keys.shape[0], missing, keys.shape[2]), dtype=keys.dtype)
             zv = np.zeros((values.shape[0], missing, values.shape[2]), dtype=values.dtype)
             keys, values = np.concatenate([zk, keys], axis=1), np.concatenate([zv, values], axis=1)
-        prefix.append(LayerKV(np.ascontiguousarray(keys), np.ascontiguousarray(values), lo))
+        prefix.append(LayerKV(keys, values, lo))  # views: the engine's install is the one copy
     return prefix, first_incomplete
 
 

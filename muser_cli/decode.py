@@ -210,7 +210,7 @@ def decode(
     t0 = time.perf_counter()
     if got is None:
         got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
-                       reuse=reuse, progress=progress)
+                       reuse=reuse, progress=progress, spare_rows=max_new_tokens + 1)
     spot = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit)
     prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
     if on_rows is not None:
@@ -218,7 +218,7 @@ def decode(
     t_dec = time.perf_counter()
     result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                        adopt=got.source == "handoff" and stream is not None)
+                        adopt=(got.source == "handoff" and stream is not None) or got.source == "store")
     t_first_token = t_dec + result.ttft_s
     if stream is not None and got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is returned
@@ -311,7 +311,7 @@ def bind(header: PackHeader | None, info: ModelInfo, prompt_ids: list[int] | Non
 
 
 def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back: bool, dtype: str,
-             chunk_tokens: int | None, reuse: bool, progress: ProgressFn | None = None) -> Rows:
+             chunk_tokens: int | None, reuse: bool, progress: ProgressFn | None = None, spare_rows: int = 0) -> Rows:
     """The rows of ``ids[:-1]``: the pack's; a delta pack merged with the stored prefix it
     names; or, with no pack (or a delta whose base is not held, when ``can_fall_back``),
     made here by :func:`muser_cli.rows.local_rows`."""
@@ -329,7 +329,8 @@ def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back:
             reason, problems = str(exc), list(st.problems)
     elif pack is not None:
         return Rows(pack.layers, "handoff", pack.header.chunk_tokens, pack)
-    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse, progress=progress)
+    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse, progress=progress,
+                      spare_rows=spare_rows)
     problems += [p for p in made.problems if p not in problems]
     computed = len(ids) - 1 - made.held if made.source != "local" else None
     return Rows(made.layers, made.source, made.chunk_tokens, None, held=made.held, entry=made.entry,

@@ -40,11 +40,14 @@ def local_rows(
     store: Store | None = None,
     progress: ProgressFn | None = None,
     on_chunk: ChunkFn | None = None,
+    spare_rows: int = 0,
 ) -> LocalRows:
     """The rows of prompt ``ids[:-1]``: from the deepest exact point the store holds
     (``reuse``), else computed from position 0 on ``chunk_tokens`` (None: any stored
     schedule, else the default). ``on_chunk`` (engines that declare ``streams_prefill``)
-    sees the rows as each chunk finishes, stored ones included."""
+    sees the rows as each chunk finishes, stored ones included. ``spare_rows``: a full
+    hit's full layers come with that much room after their rows, for the engine to adopt
+    (``Engine.decode(adopt=True)``)."""
     ids = list(ids)
     rows = len(ids) - 1
     resume = None
@@ -52,7 +55,7 @@ def local_rows(
     if reuse:
         store = store or Store()
         resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
-                             chunk_tokens=chunk_tokens)
+                             chunk_tokens=chunk_tokens, spare_rows=spare_rows)
         problems = list(store.problems)
         if resume is not None and resume.held < rows and not eng.resumes_prefill:
             resume = None  # this engine cannot continue a prefill: only a full hit helps

@@ -125,3 +125,25 @@ def test_no_adoption_without_room_or_in_another_dtype(tiny_llama):
     with sized._session():
         cache = sized._install(other, rows, extra=4, adopt=True)  # keys not a view: copied
     assert cache.layers[0].keys.data_ptr() != other[0].keys.__array_interface__["data"][0]
+
+
+def test_rows_of_another_dtype_and_readonly_views_install_alike(tiny_llama):
+    """float32 rows into a bfloat16 engine (cast on the one copy), read-only strided views
+    (a memory-mapped pack cut to a prefix): the same numbers as transformers' own path."""
+    sized, grown = _pair(tiny_llama, "bfloat16")
+    f32 = TorchEngine(tiny_llama, dtype="float32", threads=1)
+    ids = encode_prompt(tiny_llama, PROMPT)
+    rows = len(ids) - 1
+    layers = f32.prefill(ids[:-1], chunk_tokens=CHUNK)
+    feed = ids[-1:]
+    assert np.array_equal(sized.step_logits(layers, rows=rows, next_tokens=feed),
+                          grown.step_logits(layers, rows=rows, next_tokens=feed))
+    cut = rows - 5
+    views = []
+    for kv in layers:
+        k, v = kv.keys.copy(), kv.values.copy()
+        k.flags.writeable = v.flags.writeable = False
+        views.append(LayerKV(keys=k[:, :cut], values=v[:, :cut], first_row=0))
+    assert not views[0].keys.flags.c_contiguous
+    _same_layers(sized.recompute(views, rows=cut, token_ids=ids[cut:rows]),
+                 grown.recompute(views, rows=cut, token_ids=ids[cut:rows]))

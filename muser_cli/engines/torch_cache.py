@@ -30,9 +30,10 @@ class SizedLayer(DynamicLayer):
     """A full-attention layer backed by buffers of ``capacity`` rows (grown by doubling only
     if a caller writes past them, which :func:`sized_cache` callers never do)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = max(1, int(capacity))
+        self.dtype = dtype  # the buffers' (None: the first update's); updates are cast into it
         self.length = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
@@ -63,8 +64,10 @@ class SizedLayer(DynamicLayer):
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         cap = max(need, self.capacity if self._k is None else 2 * self._k.shape[-2])
-        k = key_states.new_empty((*key_states.shape[:-2], cap, key_states.shape[-1]))
-        v = value_states.new_empty((*value_states.shape[:-2], cap, value_states.shape[-1]))
+        dtype = self.dtype or key_states.dtype
+        k = torch.empty((*key_states.shape[:-2], cap, key_states.shape[-1]), dtype=dtype, device=key_states.device)
+        v = torch.empty((*value_states.shape[:-2], cap, value_states.shape[-1]), dtype=dtype,
+                        device=value_states.device)
         if self._k is not None and self.length:
             k[..., : self.length, :].copy_(self._k[..., : self.length, :])
             v[..., : self.length, :].copy_(self._v[..., : self.length, :])  # type: ignore[index]
@@ -95,11 +98,11 @@ class SizedLayer(DynamicLayer):
         raise NotImplementedError("a sized cache holds one sequence")
 
 
-def sized_cache(config: Any, capacity: int) -> Any:
+def sized_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Any:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`SizedLayer`
-    of ``capacity`` rows; sliding layers stay transformers' own."""
+    of ``capacity`` rows in ``dtype``; sliding layers stay transformers' own."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            cache.layers[i] = SizedLayer(capacity)
+            cache.layers[i] = SizedLayer(capacity, dtype)
     return cache

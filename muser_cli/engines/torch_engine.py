@@ -232,7 +232,7 @@ class TorchEngine(Engine):
         if self.sized_cache:
             from muser_cli.engines.torch_cache import sized_cache
 
-            return sized_cache(self.model.config, capacity)
+            return sized_cache(self.model.config, capacity, dtype=self.torch_dtype)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
@@ -321,8 +321,11 @@ class TorchEngine(Engine):
                 if bufs[0] is not None and bufs[1] is not None:
                     cache.layers[index].adopt(bufs[0], bufs[1], rows)
                     continue
-            keys = _to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
-            values = _to_torch(kv.values, self.torch_dtype).unsqueeze(0)
+            if hasattr(cache.layers[index], "adopt"):  # sized: one copy (and cast) straight into its buffer
+                keys, values = _view_torch(kv.keys).unsqueeze(0), _view_torch(kv.values).unsqueeze(0)
+            else:
+                keys = _to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
+                values = _to_torch(kv.values, self.torch_dtype).unsqueeze(0)
             cache.update(keys, values, index)
             if spec.kind == "sliding":
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
@@ -393,6 +396,23 @@ def _adoptable(a: Any, need: int, dtype: "torch.dtype") -> "torch.Tensor | None"
     if dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
     return t.unsqueeze(0)
+
+
+def _view_torch(a: Any) -> "torch.Tensor":
+    """``a``'s memory as a tensor of the dtype its bytes mean, strides kept (no copy). Never
+    written: the sized layer copies it into its own buffer, casting as it goes."""
+    import warnings
+
+    a = np.asarray(a)
+    source = _FROM_NUMPY.get(a.dtype)
+    if source is None:
+        raise DataError(f"KV arrays of numpy dtype {a.dtype} are not a storage dtype (float32, float16, bfloat16 bits)")
+    if any(st < 0 for st in a.strides):
+        a = np.ascontiguousarray(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (memory-mapped packs): only read here
+        t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if source == torch.bfloat16 else t
 
 
 def _to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":

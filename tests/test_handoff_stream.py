@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -534,9 +535,12 @@ def test_stream_tail_finds_the_root_only_at_a_real_end(tmp_path):
 def test_slow_producer_pulses_through_idle_and_receive_timeout(nodes, receivers, tmp_path):
     """A producer silent for longer than the receiver's idle timeout (a long prefill chunk):
     Pulse keeps the link alive, and ``--timeout`` does not cut a handoff already streaming."""
-    run = receivers(nodes.consumer, tmp_path, once=True, idle_s=2.0, timeout=1.0)
     gate = tmp_path / "gate"
     prod = subprocess.Popen(producer_cmd(**SMALL, gate_after=3, gate=gate), stdout=subprocess.PIPE)
+    # The producer process is writing before the receiver's 1 s connection deadline starts
+    # (a Python start alone can take longer than that on a loaded machine).
+    assert select.select([prod.stdout], [], [], 120)[0], "the producer wrote nothing"
+    run = receivers(nodes.consumer, tmp_path, once=True, idle_s=2.0, timeout=1.0)
     timer = threading.Timer(4.5, gate.touch)  # silent for over twice the idle timeout
     timer.start()
     try:

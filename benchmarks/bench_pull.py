@@ -12,7 +12,7 @@ mutual TLS, the embedded model in float32. Alternated A B C after one warm-up of
          producer$ muser prefill doc | muser send --to ADDR   (one-shot: process start + load)
   local  consumer$ muser decode --prompt doc -n 1 --json       (no producer)
 
-TTFT is from the moment the lane's request begins (pull and local: the consumer's decode
+Every round asks about a new document (the producer holds no rows of it). TTFT is from the moment the lane's request begins (pull and local: the consumer's decode
 process starts; push: the producer's ``prefill`` process starts) to the first token
 (Unix times the processes report). The pull and local consumer pay their own process
 start and model load, overlapped with the producer's work for pull; push's consumer is
@@ -57,7 +57,15 @@ def main() -> int:
     nodes = make_nodes(work)
     cons, prod = node_env(nodes.consumer_home, threads=1), node_env(nodes.producer_home, threads=1)
     doc = work / "doc.txt"
-    doc.write_text(decode_text(info, corpus_ids(info, args.depth)), encoding="utf-8")
+
+    def new_document(rnd: int) -> None:
+        """Each round asks about another document (the corpus from another offset), so the
+        resident producer never holds the rows from an earlier round (its memory of the last
+        request would otherwise serve most of a repeated prompt)."""
+        skip = 211 * rnd
+        doc.write_text(decode_text(info, corpus_ids(info, args.depth + skip)[skip:]), encoding="utf-8")
+
+    new_document(0)
     common = ["-m", "default", "--threads", "1", "--dtype", "float32"]
     server = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "--serve", "127.0.0.1:0", "--json",
                                                         *common]),
@@ -123,13 +131,15 @@ def main() -> int:
         for rnd in range(args.reps + 1):
             print(f"pull bench {args.depth}: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{args.reps}"),
                   file=sys.stderr, flush=True)
+            new_document(rnd)
+            firsts = set()
             for name, fn in lanes.items():
                 r = fn()
+                firsts.add(r["token"])
                 if rnd:
                     got[name].append(r)
-        tokens = {r["token"] for rs in got.values() for r in rs}
-        if len(tokens) != 1:
-            raise SystemExit(f"the lanes decoded different first tokens: {tokens}")
+            if len(firsts) != 1:
+                raise SystemExit(f"round {rnd}: the lanes decoded different first tokens: {firsts}")
         rows = {name: summarize([r["ttft"] for r in rs]) for name, rs in got.items()}
         sources = {name: sorted({r["source"] for r in rs}) for name, rs in got.items()}
         payload = {"what": "pull vs push vs local TTFT, whole processes (bench_pull.py)", "args": vars(args),

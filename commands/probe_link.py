@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         Up is from this node to HOST:PORT, down back. Against a resident producer the probe is
         a signed request, admitted as a pull request is (it waits for a running prefill).
         """
-        from muser_cli.handoff.probes import probe_link
+        from muser_cli.handoff.probe_link import probe_link
 
         with guarded(as_json=as_json):
             res = probe_link(to=to, seconds=seconds, floor=floor, connect_timeout=connect_timeout)

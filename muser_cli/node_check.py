@@ -157,7 +157,7 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
         rows.append(Row("model", True, f"serves this consumer's model {fp[:23]}... and tokenizer",
                         {"model_fingerprint": fp, "tokenizer_fingerprint": ask.tokenizer_fingerprint}))
         if probe_s > 0:
-            from muser_cli.handoff.probes import probe_peer
+            from muser_cli.handoff.probe_link import probe_peer
 
             try:
                 rate = probe_peer(where, identity, seconds=probe_s, connect_s=min(timeout, 10.0))

@@ -33,7 +33,7 @@ class SizedLayer(DynamicLayer):
     def __init__(self, capacity: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = max(1, int(capacity))
-        self.dtype = dtype  # the buffers' (None: the first update's); updates are cast into it
+        self.buffer_dtype = dtype  # the buffers' (None: the first update's); updates are cast into it
         self.length = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
@@ -64,7 +64,7 @@ class SizedLayer(DynamicLayer):
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         cap = max(need, self.capacity if self._k is None else 2 * self._k.shape[-2])
-        dtype = self.dtype or key_states.dtype
+        dtype = self.buffer_dtype or key_states.dtype
         k = torch.empty((*key_states.shape[:-2], cap, key_states.shape[-1]), dtype=dtype, device=key_states.device)
         v = torch.empty((*value_states.shape[:-2], cap, value_states.shape[-1]), dtype=dtype,
                         device=value_states.device)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from muser_cli.errors import ConfigError
+from muser_cli.errors import ConfigError, MuserError
 from muser_cli.fsio import write_bytes_atomic
 from muser_cli.strict import loads
 
@@ -245,7 +245,7 @@ def note_peer(identity: "Identity", name: str, **fields: Any) -> str | None:
     reason when it could not be written, else None."""
     try:
         record_peer(identity.directory, name, **fields)
-    except (OSError, ConfigError, ValueError) as exc:
+    except (OSError, MuserError, ValueError) as exc:  # e.g. a directory at peers.json: a usage error
         return str(exc)
     return None
 

@@ -49,6 +49,7 @@ from muser_cli.handoff.header import check_window, verify_mac, verify_trailer_ma
 from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
 from muser_cli.handoff.link import Link, format_hostport, listen_socket, map_error, reject_error, server_context
 from muser_cli.handoff.node import Identity
+from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.payload import PayloadInspector
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.protocol import (
@@ -282,14 +283,14 @@ class Receiver:
             self._refuse(link, who, Refusal("busy", why))
             return
         try:
-            self._session(link, who, cn, start)
+            self._session(link, who, cn, start, address=peer)
         finally:
             self._admit.release()
             if self._stream_failure is not None:
                 failure, self._stream_failure = self._stream_failure, None
                 self._results.put(failure)
 
-    def _session(self, link: Link, who: str, cn: str, start: float) -> None:
+    def _session(self, link: Link, who: str, cn: str, start: float, *, address: str | None = None) -> None:
         info = {
             "v": PROTOCOL_VERSION, "node": self.identity.name, "max_payload": self.config.max_payload,
             "window_s": self.config.window_s, "max_data": MAX_DATA_BYTES, "probe_max_s": self.config.probe_max_s,
@@ -302,7 +303,7 @@ class Receiver:
                 if isinstance(event, (ConnectionClosed, Reject)):
                     return
                 if isinstance(event, Header):
-                    self._handoff(link, event, who, cn, start)
+                    self._handoff(link, event, who, cn, start, seen_from=address)
                     return
                 if isinstance(event, ProbeUp):
                     self._probe_up(link, event.seconds)
@@ -368,7 +369,11 @@ class Receiver:
             raise Refusal("storage", "receiver's replay ledger is unusable", fatal=exc) from None
         return ledger, key.secret
 
-    def _handoff(self, link: Link, event: Header, who: str, cn: str, start: float) -> None:
+    def _handoff(self, link: Link, event: Header, who: str, cn: str, start: float, *,
+                 seen_from: str | None = None) -> None:
+        """One handoff after its header arrived. ``seen_from`` (the push lane: the sender's
+        address): once it is accepted, the sender is recorded as seen (``node ls``) -- before
+        the record is reported, so a ``--once`` receiver that exits on it has written it."""
         h = event.header
         assert h is not None
         ledger, secret = self._check_header(event, cn)
@@ -465,6 +470,10 @@ class Receiver:
             self._emit("ack_failed", peer=who, handoff_id=h.handoff_id, reason=str(exc))
         with self._state_lock:
             self.counters["accepted"] += 1
+        if seen_from is not None:  # the sender authenticated: its certificate, header and trailer MACs
+            failed = note_peer(self.identity, cn, role="producer", address=seen_from, key_id=h.key_id, via="push")
+            if failed:  # bookkeeping only: the handoff stands
+                self._emit("error", peer=who, error=f"could not record when {cn} was seen: {failed}")
         self._emit("accepted", peer=who, **{k: v for k, v in accepted.to_json().items() if k != "peer"})
         with self._finish_lock:
             self._committed -= 1

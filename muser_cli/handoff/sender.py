@@ -47,7 +47,9 @@ from muser_cli.handoff.link import (
     DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
     reject_error,
 )
+from muser_cli.handoff.certs import peer_common_name
 from muser_cli.handoff.node import Identity
+from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.payload import PackStart, PayloadInspector, StreamTail, read_start
 from muser_cli.handoff.protocol import (
     ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeEnd,
@@ -282,8 +284,15 @@ def transmit(
             to, identity, connect_s=connect_s, idle_s=idle_s, total_s=total_s, server_name=server_name
         )
         stack.callback(link.close)
-        return transmit_over(link, ready, prepared, to=to, identity=identity, rate=rate, chunk=chunk,
-                             progress=progress, pulse_s=pulse_s, connect_time=connect_time, t_start=t_start)
+        result = transmit_over(link, ready, prepared, to=to, identity=identity, rate=rate, chunk=chunk,
+                               progress=progress, pulse_s=pulse_s, connect_time=connect_time, t_start=t_start)
+        # The receiver authenticated (its certificate, its Ack of what it verified): when it was
+        # last seen, for `node ls`. Bookkeeping: a record that cannot be written never fails a send.
+        der = link.sock.getpeercert(binary_form=True) or b""
+        if der:
+            note_peer(identity, peer_common_name(der), role="consumer", address=format_hostport(*parse_hostport(to)),
+                      key_id=prepared.header.key_id, via="push")
+        return result
 
 
 def transmit_over(

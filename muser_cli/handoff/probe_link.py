@@ -61,14 +61,7 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
         from muser_cli.handoff.nodedir import note_peer
 
         note_peer(identity, cn, role="producer", address=where, key_id=probe_req.key_id, via="probe")
-    up_rate = got["up_bytes"] / got["up_s"] if got["up_s"] > 0 else 0.0
-    down_rate = got["down_bytes"] / got["down_s"] if got["down_s"] > 0 else 0.0
-    passed = floor is None or min(up_rate, down_rate) >= floor
-    res = ProbeResultInfo(
-        ok=True, to=to, connect_s=connect_time, up_bytes=got["up_bytes"], up_s=got["up_s"], up_Bps=up_rate,
-        down_bytes=got["down_bytes"], down_s=got["down_s"], down_Bps=down_rate, floor_Bps=floor, passed=passed,
-        receiver={k: v for k, v in event.info.items() if isinstance(v, (str, int, float, bool))},
-    ).to_json()
+    res = ProbeResultInfo.measured(to, connect_time, got, floor, event.info).to_json()
     res["listener"] = "producer" if pull else "receiver"
     return res
 

@@ -69,8 +69,10 @@ def serve_probe_down(link: Link, span: float) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- dialer side
-def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK) -> dict[str, Any]:
-    """Both probes over ``link`` (a V3 sender that has seen the listener's ``Ready``)."""
+def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK, peer: str = "listener") -> dict[str, Any]:
+    """Both probes over ``link`` (a V3 sender that has seen the listener's ``Ready``); ``peer``
+    names the listener in errors (``probe-link`` says "listener", ``sender.probe_link``
+    "receiver")."""
     block = os.urandom(chunk)
     # Up: we stream until the listener has counted for `seconds` and sends its result.
     link.send(ProbeUp(seconds), "starting the upload probe")
@@ -80,9 +82,9 @@ def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK) -> d
         if isinstance(early, ProbeResult):
             result = early
         elif isinstance(early, Reject):
-            raise reject_error(early, "listener")
+            raise reject_error(early, peer)
         elif isinstance(early, ConnectionClosed):
-            raise TempFailure("the listener closed the connection in the upload probe")
+            raise TempFailure(f"the {peer} closed the connection in the upload probe")
         elif early is not None:
             raise ProtocolError(f"unexpected {type(early).__name__} in the upload probe")
         else:
@@ -102,9 +104,9 @@ def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK) -> d
         elif isinstance(event, ProbeEnd):
             break
         elif isinstance(event, Reject):
-            raise reject_error(event, "listener")
+            raise reject_error(event, peer)
         else:
-            raise TempFailure("the listener closed the connection in the download probe")
+            raise TempFailure(f"the {peer} closed the connection in the download probe")
     down_s = time.monotonic() - t_first if t_first is not None else 0.0
     return {"up_bytes": up_bytes, "up_s": up_s, "down_bytes": down_bytes, "down_s": down_s}
 

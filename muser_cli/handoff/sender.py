@@ -51,9 +51,10 @@ from muser_cli.handoff.certs import peer_common_name
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.payload import PackStart, PayloadInspector, StreamTail, read_start
+from muser_cli.handoff.probes import measure
 from muser_cli.handoff.protocol import (
-    ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeEnd,
-    ProbeResult, ProbeUp, Pulse, Ready, Reject, Role, State, Trailer,
+    ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, Pulse, Ready, Reject, Role,
+    State, Trailer,
 )
 
 DEFAULT_TOTAL_S = 3600.0
@@ -437,6 +438,20 @@ class ProbeResultInfo:
     passed: bool
     receiver: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def measured(cls, to: str, connect_s: float, got: dict[str, Any], floor: float | None,
+                 info: dict[str, Any]) -> "ProbeResultInfo":
+        """The result of :func:`~muser_cli.handoff.probes.measure`'s counts; ``info``: what the
+        listener said in its ``Ready`` (its scalar fields are kept)."""
+        up_rate = got["up_bytes"] / got["up_s"] if got["up_s"] > 0 else 0.0
+        down_rate = got["down_bytes"] / got["down_s"] if got["down_s"] > 0 else 0.0
+        return cls(
+            ok=True, to=to, connect_s=connect_s, up_bytes=got["up_bytes"], up_s=got["up_s"], up_Bps=up_rate,
+            down_bytes=got["down_bytes"], down_s=got["down_s"], down_Bps=down_rate, floor_Bps=floor,
+            passed=floor is None or min(up_rate, down_rate) >= floor,
+            receiver={k: v for k, v in info.items() if isinstance(v, (str, int, float, bool))},
+        )
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["up_Mbit"] = self.up_Bps * 8 / 1e6
@@ -448,51 +463,12 @@ def probe_link(
     to: str, identity: Identity, *, seconds: float = 2.0, floor: float | None = None,
     connect_s: float = DEFAULT_CONNECT_S, idle_s: float = DEFAULT_IDLE_S, chunk: int = DEFAULT_DATA_CHUNK,
 ) -> ProbeResultInfo:
-    """Raw TLS throughput to the receiver and back, each measured at its receiving end."""
+    """Raw TLS throughput to the receiver and back, each measured at its receiving end
+    (:func:`muser_cli.handoff.probes.measure`; ``probe-link`` also reaches a serving producer,
+    :mod:`muser_cli.handoff.probe_link`)."""
     link, ready, connect_time = open_link(to, identity, connect_s=connect_s, idle_s=idle_s, total_s=4 * seconds + 60)
-    block = os.urandom(chunk)
     try:
-        # Up: we stream until the receiver has counted for `seconds` and sends its result.
-        link.send(ProbeUp(seconds), "starting the upload probe")
-        result = None
-        while result is None:
-            early = link.poll_event()
-            if isinstance(early, ProbeResult):
-                result = early
-            elif isinstance(early, Reject):
-                raise reject_error(early)
-            elif early is not None:
-                raise ProtocolError(f"unexpected {type(early).__name__} in the upload probe")
-            else:
-                link.send(Data(block), "in the upload probe")
-        link.send(ProbeEnd(), "ending the upload probe")
-        up_bytes = int(result.info.get("bytes", 0))
-        up_s = float(result.info.get("seconds", 0.0))
-        # Down: the receiver streams for `seconds`; we count from the first byte to ProbeEnd.
-        link.send(ProbeDown(seconds), "starting the download probe")
-        down_bytes, t_first = 0, None
-        while True:
-            event = link.next_event("in the download probe")
-            if isinstance(event, Data):
-                if t_first is None:
-                    t_first = time.monotonic()
-                down_bytes += len(event.data)
-            elif isinstance(event, ProbeEnd):
-                break
-            elif isinstance(event, Reject):
-                raise reject_error(event)
-            else:
-                raise TempFailure("the receiver closed the connection in the download probe")
-        down_s = time.monotonic() - t_first if t_first is not None else 0.0
-    except MuserError:
-        raise
+        got = measure(link, seconds, chunk=chunk, peer="receiver")
     finally:
         link.close()
-    up_rate = up_bytes / up_s if up_s > 0 else 0.0
-    down_rate = down_bytes / down_s if down_s > 0 else 0.0
-    passed = floor is None or min(up_rate, down_rate) >= floor
-    return ProbeResultInfo(
-        ok=True, to=to, connect_s=connect_time, up_bytes=up_bytes, up_s=up_s, up_Bps=up_rate,
-        down_bytes=down_bytes, down_s=down_s, down_Bps=down_rate, floor_Bps=floor, passed=passed,
-        receiver={k: v for k, v in ready.items() if isinstance(v, (str, int, float, bool))},
-    )
+    return ProbeResultInfo.measured(to, connect_time, got, floor, ready)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -241,6 +242,7 @@ class SpotCheck:
     unchecked: list[int]
     reason: str
     seconds: float
+    fused: bool = False  # run inside the first decode step (SpotGate), not as a step of its own
 
     @property
     def ok(self) -> bool:
@@ -257,7 +259,7 @@ class SpotCheck:
         return {"ran": True, "ok": self.ok, "reason": self.reason, "positions": list(self.positions),
                 "tolerance": self.tolerance, "layers_checked": self.checked, "layers_unchecked": self.unchecked,
                 "worst_layer": worst.get("layer"), "worst_rel": worst.get("rel_max"),
-                "ms": round(self.seconds * 1e3, 3)}
+                "ms": round(self.seconds * 1e3, 3), "fused": self.fused}
 
 
 def _spot_prefix(pack: KVPack, start: int) -> tuple[list[LayerKV], int]:
@@ -294,8 +296,11 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
     including the first sliding one are compared exactly and the rest are reported in
     ``unchecked`` (a pack that carries one more ring row gets every layer checked). The
     tolerance is :func:`tolerance_for` (the audit's: dtype, cross-engine, int8 error).
+
+    ``decode`` does not call this when it can help it: :class:`SpotGate` runs the same
+    comparison inside the first decode step, at no extra step.
     """
-    from muser_cli.errors import SpotCheckFailed, UsageError
+    from muser_cli.errors import UsageError
 
     t0 = time.perf_counter()
     h = pack.header
@@ -308,7 +313,19 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
     checked = len(h.layers) if first_incomplete >= len(h.layers) else first_incomplete + 1
     ids = list(h.token_ids)
     fresh = engine.recompute(prefix, rows=start, token_ids=ids[start:end])
-    tol = tolerance_for(pack, engine.name)
+    return _judge(pack, fresh, (start, end), checked, engine.name,
+                  reason or (spot_check_reason(h, engine=engine.name) or ""), t0)
+
+
+def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], checked: int, engine: str, reason: str,
+           t0: float) -> SpotCheck:
+    """Compare ``fresh`` (a consumer's recomputation) with ``pack``'s rows over ``positions``
+    for layers [0, checked); the SpotCheck, or SpotCheckFailed naming the likely cause."""
+    from muser_cli.errors import SpotCheckFailed
+
+    h = pack.header
+    start, end = positions
+    tol = tolerance_for(pack, engine)
     layers = []
     for i in range(checked):
         mine, theirs = fresh[i], pack.layers[i]
@@ -321,8 +338,8 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
         lt = layer_tolerance(tol, pack, i)
         layers.append({"layer": i, "kind": h.layers[i].kind, "positions": end - lo, "k_max_abs": kd, "v_max_abs": vd,
                        "rel_max": rel, "tolerance": lt, "ok": rel <= lt})
-    result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))),
-                       reason or (spot_check_reason(h, engine=engine.name) or ""), time.perf_counter() - t0)
+    result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))), reason,
+                       time.perf_counter() - t0)
     if not result.ok:
         report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers)
         report.fresh = fresh  # type: ignore[attr-defined]
@@ -333,9 +350,77 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
         first = f", first layer {bad[0]}" if bad and bad[0] != worst.get("layer") else ""
         raise SpotCheckFailed(
             f"pack refused by the spot-check before the first token: {len(bad)} of {checked} layers differ from "
-            f"{engine.name}'s recomputation of positions [{start}, {end}), worst layer {worst.get('layer')} "
+            f"{engine}'s recomputation of positions [{start}, {end}), worst layer {worst.get('layer')} "
             f"({worst.get('kind')}, rel {worst.get('rel_max', 0.0):.3g}, tolerance {worst.get('tolerance', tol):.3g}{first}); "
             f"likely cause: {cause}",
             hint=f"the producer ({made_by}) wrote wrong rows; decode with --prompt to prefill locally",
         )
     return result
+
+
+class SpotGate:
+    """The spot-check fused into the first decode step.
+
+    Decoding a pack of ``rows`` positions normally installs them all and runs the last
+    prompt token. The gate instead hands the engine the rows of [0, start) -- views, no
+    copy -- and the tokens of [start, rows] as the first step's input: that one forward
+    recomputes positions [start, rows) *and* gives the first token's logits. Before the
+    token is picked the engine calls the gate with its live rows (``check(rows_of)``); the
+    gate compares them with the pack's own (copied out first: an adopting engine writes its
+    recomputation into the pack's memory) and raises SpotCheckFailed on a mismatch, so
+    nothing is emitted from rows that failed. From then on decoding goes on from the
+    consumer's own recomputation of the last ``positions`` rows, which agree with the
+    pack's within the tolerance.
+
+    Only possible when every layer carries the rows it needs before ``start``
+    (:meth:`fusable`); a hybrid model's sliding ring is one row short for that (see
+    :func:`spot_check`), and ``decode`` then runs the separate check.
+    """
+
+    def __init__(self, pack: KVPack, engine: str, *, positions: int = DEFAULT_SPOT_POSITIONS, reason: str = "",
+                 on_pass: Callable[[], None] | None = None) -> None:
+        h = pack.header
+        if h.rows_start != 0:
+            raise ValueError("a spot gate needs a merged pack (positions from 0)")
+        self.pack, self.engine, self.reason, self.on_pass = pack, engine, reason, on_pass
+        self.end = h.rows_end
+        self.start = self.end - max(1, min(int(positions), self.end))
+        prefix, first_incomplete = _spot_prefix(pack, self.start)
+        if first_incomplete < len(h.layers):
+            raise ValueError("this pack cannot be spot-checked in the first step (see SpotGate.fusable)")
+        self.prefix = prefix
+        # The pack's own rows of [start, end), before the engine may overwrite them.
+        self._theirs = [LayerKV(l.keys[:, self.start - l.first_row : self.end - l.first_row].copy(),
+                                l.values[:, self.start - l.first_row : self.end - l.first_row].copy(), self.start)
+                        for l in pack.layers]
+        self.result: SpotCheck | None = None
+
+    @staticmethod
+    def fusable(pack: KVPack, positions: int = DEFAULT_SPOT_POSITIONS) -> bool:
+        h = pack.header
+        if h.rows_start != 0 or h.rows_end < 2:
+            return False
+        start = h.rows_end - max(1, min(int(positions), h.rows_end))
+        for spec, l in zip(h.layers, pack.layers):
+            if start - spec.carried_rows(start) < l.first_row:
+                return False
+        return True
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The pack's tokens of [start, end): fed before the rest of the first step."""
+        return list(self.pack.header.token_ids[self.start : self.end])
+
+    def __call__(self, rows_of) -> None:
+        """``rows_of(layer, lo, hi)``: the engine's live rows after the first forward."""
+        t0 = time.perf_counter()
+        fresh = []
+        for i in range(len(self.pack.layers)):
+            k, v = rows_of(i, self.start, self.end)
+            fresh.append(LayerKV(k, v, self.start))
+        theirs = KVPack(header=self.pack.header, layers=self._theirs, root_digest=self.pack.root_digest,
+                        total_bytes=self.pack.total_bytes, stored_bytes=self.pack.stored_bytes)
+        self.result = _judge(theirs, fresh, (self.start, self.end), len(fresh), self.engine, self.reason, t0)
+        self.result.fused = True
+        if self.on_pass is not None:
+            self.on_pass()

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.audit import spot_check, spot_check_reason
+from muser_cli.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
@@ -146,7 +146,9 @@ def decode(
 
     ``audit``: a pack made by another engine, in another dtype, quantized or with an
     unknown codec gets a numeric spot-check before its first token (its last position
-    recomputed here from its own prefix; :func:`muser_cli.audit.spot_check`). None: that
+    recomputed here from its own prefix, inside the first decode step where every layer
+    holds that prefix: :class:`muser_cli.audit.SpotGate`; else as a step of its own,
+    :func:`muser_cli.audit.spot_check`). None: that
     default (1 position, only when needed); N > 0: N positions, always; 0: skipped (said
     so in the outcome).
 
@@ -211,14 +213,22 @@ def decode(
     if got is None:
         got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
                        reuse=reuse, progress=progress, spare_rows=max_new_tokens + 1)
-    spot = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit)
+    spot, gate = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit,
+                             on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
     prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
-    if on_rows is not None:
+    if on_rows is not None and gate is None:
         on_rows(got)
     t_dec = time.perf_counter()
-    result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
+    layers, rows, first_feed = got.layers, len(ids) - 1, [ids[-1]]
+    if gate is not None:  # the spot-check rides in the first step: its positions are fed again
+        layers, rows, first_feed = gate.prefix, gate.start, gate.token_ids + [ids[-1]]
+    result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=max_new_tokens,
                         sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                        adopt=(got.source == "handoff" and stream is not None) or got.source == "store")
+                        adopt=(got.source == "handoff" and stream is not None) or got.source == "store",
+                        check_first=gate)
+    if gate is not None:
+        assert gate.result is not None  # the engine called it, or raised before any token
+        spot = gate.result.to_json()
     t_first_token = t_dec + result.ttft_s
     if stream is not None and got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is returned
@@ -250,22 +260,31 @@ def decode(
     )
 
 
-def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None) -> dict | None:
+def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None,
+                on_pass: Callable[[], None] | None = None) -> tuple[dict | None, SpotGate | None]:
     """The numeric gate before the first token of a pack this consumer would not have made
-    itself; raises SpotCheckFailed (65) naming the worst layer and the likely cause."""
+    itself: SpotCheckFailed (65) names the worst layer and the likely cause. Where it can,
+    the gate is fused into the first decode step (returned, to be given to the engine;
+    ``on_pass`` runs once it passed); else it runs here, as a step of its own."""
     if got.pack is None:
-        return None
+        return None, None
     header = got.pack.header
     reason = spot_check_reason(header, engine=engine, dtype=dtype)
     if audit == 0:
-        return {"ran": False, "skipped": True, "reason": reason or ""}
+        return {"ran": False, "skipped": True, "reason": reason or ""}, None
     if reason is None and audit is None:
-        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}
+        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}, None
     pack = got.pack if header.rows_start == 0 else KVPack(
         header=replace(header, rows_start=0, base=None), layers=got.layers, root_digest=got.pack.root_digest,
         total_bytes=got.pack.total_bytes, stored_bytes=got.pack.stored_bytes)
-    result = spot_check(pack, eng, positions=audit or 1, reason=reason or "asked for (--audit)")
-    return result.to_json()
+    positions, why = audit or 1, reason or "asked for (--audit)"
+    # Fused, the first token comes from a step of several tokens and the consumer's own
+    # recomputation of the checked rows: equal within the tolerance, not in every bit (in
+    # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps
+    # its bit-exact decode, so a check asked for on one (--audit N) runs as a step of its own.
+    if reason is not None and SpotGate.fusable(pack, positions):
+        return None, SpotGate(pack, engine, positions=positions, reason=why, on_pass=on_pass)
+    return spot_check(pack, eng, positions=positions, reason=why).to_json(), None
 
 
 def _since_start(t: float | None) -> float | None:

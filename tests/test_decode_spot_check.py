@@ -51,6 +51,8 @@ def test_foreign_honest_pack_passes_the_spot_check(tiny_llama):
     assert out.token_ids == same.token_ids
     forced = _decode(tiny_llama, _pack(tiny_llama, engine_name="torch"), audit=3)
     assert forced.spot_check["ran"] and forced.spot_check["positions"][1] - forced.spot_check["positions"][0] == 3
+    # Asked for on a pack this consumer would have made: a step of its own, the decode bit-exact.
+    assert forced.spot_check["fused"] is False and forced.token_ids == same.token_ids
 
 
 def test_foreign_pack_of_swapped_layers_is_refused_before_any_token(tiny_llama):
@@ -62,3 +64,78 @@ def test_foreign_pack_of_swapped_layers_is_refused_before_any_token(tiny_llama):
     # --no-audit skips it, and says so.
     out = _decode(tiny_llama, data, audit=0)
     assert out.spot_check == {"ran": False, "skipped": True, "reason": "made by vllm, decoded on torch"}
+
+
+# ------------------------------------------------------------------ fused into the first step
+def test_the_check_rides_in_the_first_decode_step(tiny_llama):
+    """No step of its own: the first forward recomputes the checked positions and gives the
+    first token; what it compares is what the separate check compares."""
+    from muser_cli.audit import spot_check
+    from muser_cli.engines.registry import get_engine
+
+    data = _pack(tiny_llama, engine_name="vllm")
+    out = _decode(tiny_llama, data)
+    spot = out.spot_check
+    assert spot["fused"] is True and spot["ok"] and spot["layers_checked"] == len(tiny_llama.layers)
+    rows = read_pack(io.BytesIO(data)).header.rows_end
+    assert spot["positions"] == [rows - 1, rows] and spot["layers_unchecked"] == []
+    alone = spot_check(read_pack(io.BytesIO(data)), get_engine("torch", tiny_llama, dtype="float32", threads=1))
+    assert alone.fused is False and alone.positions == tuple(spot["positions"])
+    assert spot["worst_rel"] == pytest.approx(alone.worst["rel_max"], rel=0.5, abs=1e-6)
+    assert out.token_ids == _decode(tiny_llama, data, audit=0).token_ids
+    wide = _decode(tiny_llama, data, audit=4)
+    assert wide.spot_check["fused"] and wide.spot_check["positions"] == [rows - 4, rows]
+    assert wide.token_ids == out.token_ids
+
+
+def test_a_hybrid_pack_past_its_window_gets_the_separate_check(tiny_hybrid):
+    """The sliding ring is one row short of recomputing the last position in every layer:
+    decode runs the check as a step of its own (layers up to the first sliding one)."""
+    data = _pack(tiny_hybrid, engine_name="vllm")
+    assert read_pack(io.BytesIO(data)).header.rows_end > 8  # past the tiny hybrid's window
+    out = _decode(tiny_hybrid, data)
+    spot = out.spot_check
+    assert spot["ran"] and spot["ok"] and spot["fused"] is False
+    assert spot["layers_checked"] == 1 and spot["layers_unchecked"] == [1, 2, 3]
+
+
+def test_a_short_hybrid_prompt_is_fused(tiny_hybrid):
+    """Within the window a sliding layer still holds every row: the fused check covers all layers."""
+    out = io.BytesIO()
+    prefill("The bridge", out, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32")
+    p = read_pack(io.BytesIO(out.getvalue()))
+    assert 2 <= p.header.rows_end <= 7
+    again = io.BytesIO()
+    write_pack(again, replace(p.header, producer={**p.header.producer, "engine": "mlx"}), p.layers)
+    res = _decode(tiny_hybrid, again.getvalue())
+    assert res.spot_check["fused"] and res.spot_check["ok"]
+    assert res.spot_check["layers_checked"] == len(tiny_hybrid.layers)
+
+
+def test_a_refused_fused_check_emits_nothing_and_leaves_the_engine_usable(tiny_llama):
+    from muser_cli.engines.registry import get_engine
+
+    eng = get_engine("torch", tiny_llama, dtype="float32", threads=1)
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="swapped"):
+        _decode(tiny_llama, _pack(tiny_llama, engine_name="vllm", swap=True), on_token=tokens.append, resident=eng,
+                dtype="float32")
+    assert tokens == []
+    good = _decode(tiny_llama, _pack(tiny_llama, engine_name="vllm"), resident=eng, dtype="float32")
+    assert good.spot_check["fused"] and good.spot_check["ok"]
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_fused_check_on_mlx(tiny_llama, swap):
+    pytest.importorskip("mlx.core", reason="mlx not installed")
+    pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
+    data = _pack(tiny_llama, engine_name="torch", swap=swap)  # made by torch, decoded on MLX
+    if swap:
+        tokens: list[int] = []
+        with pytest.raises(SpotCheckFailed, match="before the first token"):
+            _decode(tiny_llama, data, engine="mlx", on_token=tokens.append)
+        assert tokens == []
+        return
+    out = _decode(tiny_llama, data, engine="mlx")
+    assert out.spot_check["fused"] and out.spot_check["ok"] and "decoded on mlx" in out.spot_check["reason"]
+    assert out.token_ids == _decode(tiny_llama, data, engine="mlx", audit=0).token_ids

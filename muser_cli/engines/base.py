@@ -81,6 +81,7 @@ class Engine(abc.ABC):
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
+        check_first: Callable[[RowsOf], None] | None = None,
     ) -> DecodeResult:
         """Install ``layers`` (covering positions [0, rows)) and decode.
 
@@ -92,6 +93,10 @@ class Engine(abc.ABC):
         of a larger array, :class:`muser_cli.kvpack.stream.StreamedPack`): an engine that
         can may use that memory as its cache, writing new rows after ``rows`` without a
         copy. The rows themselves are never written.
+        ``check_first``: called once after the first forward, before its token is picked,
+        with the live rows (a :data:`RowsOf` as of ``rows + len(next_tokens)`` positions);
+        what it raises ends the decode with no token emitted (the fused spot-check,
+        :class:`muser_cli.audit.SpotGate`).
         """
 
 

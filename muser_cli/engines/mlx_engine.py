@@ -150,6 +150,7 @@ class MLXEngine(Engine):
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
+        check_first: Callable[[RowsOf], None] | None = None,
     ) -> DecodeResult:
         """See :meth:`Engine.decode`. ``chunk_tokens`` (the pack header's) lets a sliding
         layer's ring be laid out exactly as the producer's own MLX cache would be, so that
@@ -160,7 +161,8 @@ class MLXEngine(Engine):
         caches = self._install(layers, rows, chunk_tokens)
         self.mx.eval([c.state[:2] for c in caches if not c.empty()])
         stats = {"install_s": time.perf_counter() - start}
-        return self._generate(caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start, stats)
+        return self._generate(caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start, stats,
+                              check_first=check_first)
 
     def generate_reference(
         self,
@@ -372,7 +374,8 @@ class MLXEngine(Engine):
     # ------------------------------------------------------------------ decoding
 
     def _generate(self, caches: list[Any], rows: int, next_tokens: list[int], max_new_tokens: int, sampling: Sampling,
-                  stop_on_eos: bool, on_token: Callable[[int], None] | None, start: float, stats: dict) -> DecodeResult:
+                  stop_on_eos: bool, on_token: Callable[[int], None] | None, start: float, stats: dict, *,
+                  check_first: Callable[[RowsOf], None] | None = None) -> DecodeResult:
         mx = self.mx
         pick = _sampler(mx, sampling)
         eos = set(self.info.eos_token_ids) if stop_on_eos else set()
@@ -384,6 +387,9 @@ class MLXEngine(Engine):
         ttft, first_done, stop = 0.0, start, "length"
         if max_new_tokens > 0:
             y = step(mx.array([next_tokens]))
+            if check_first is not None:  # the first step's rows are judged before anything is queued
+                mx.eval(y)
+                check_first(self._rows_of(caches, rows + len(next_tokens)))
             mx.async_eval(y)
             for n in range(max_new_tokens):
                 if n + 1 < max_new_tokens:  # queue the next step before reading this token

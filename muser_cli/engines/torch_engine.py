@@ -136,6 +136,7 @@ class TorchEngine(Engine):
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
+        check_first: Callable[[RowsOf], None] | None = None,
     ) -> DecodeResult:
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
@@ -143,7 +144,7 @@ class TorchEngine(Engine):
             cache = self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt)
             return self._generate(
                 cache, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start,
-                stats={"install_s": time.perf_counter() - start},
+                stats={"install_s": time.perf_counter() - start}, check_first=check_first,
             )
 
     def generate_reference(
@@ -343,6 +344,7 @@ class TorchEngine(Engine):
         start: float,
         *,
         stats: dict,
+        check_first: Callable[[RowsOf], None] | None = None,
     ) -> DecodeResult:
         generator = _generator(sampling)
         eos = set(self.info.eos_token_ids) if stop_on_eos else set()
@@ -353,6 +355,8 @@ class TorchEngine(Engine):
         stop = "length"
         for step in range(max_new_tokens):
             logits = self._forward(feed, position, cache, keep=1)[0, -1]
+            if step == 0 and check_first is not None:
+                check_first(self._rows_of(cache, position + len(feed)))
             token = _pick(logits, sampling, generator)
             position += len(feed)
             tokens.append(token)

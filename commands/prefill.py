@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (port 0 picks one): answer enrolled consumers' `receive --from` / `decode --producer` requests, model loaded once."),
         max_queue: int = typer.Option(4, "--max-queue", help="With --serve: requests that may wait while one computes; more are told busy at once."),
+        max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
 
@@ -51,7 +52,7 @@ def register(app: typer.Typer) -> None:
             if serve is not None:
                 _serve(serve, prompt=prompt, model=model, engine=engine, dtype=dtype, threads=threads,
                        max_queue=max_queue, as_json=as_json, options=options,
-                       others=(chat, chunk, zstd, have, reuse, store, output))
+                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch)
                 return
             text = read_text_input(prompt)
             manifest = None
@@ -84,7 +85,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
-           max_queue: int, as_json: bool, options: Optional[dict], others: tuple) -> None:
+           max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8) -> None:
     """``prefill --serve``: the resident producer; SIGTERM finishes the running request and exits 0."""
     import signal
     import threading
@@ -111,6 +112,8 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
             if f.get("outcome") == "served" and f.get("reused_rows"):
                 what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
+            if f.get("outcome") == "served" and (f.get("batch") or 1) > 1:
+                what += f", computed in a batch of {f['batch']}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
         elif kind == "probe":
             rates = " ".join(f"{d} {f[d + '_bytes'] / f[d + '_s'] / 1e6:.0f} MB/s" for d in ("up", "down")
@@ -120,4 +123,5 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 
     serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store)
+          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
+          max_batch=max_batch)

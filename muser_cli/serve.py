@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import MuserError, TempFailure
+from muser_cli.errors import MuserError, TempFailure, UsageError
 from muser_cli.handoff.pull import PullRequest
 from muser_cli.handoff.spool import Refusal
 
@@ -29,11 +29,73 @@ EventFn = Callable[[str, dict[str, Any]], None]
 
 
 # ----------------------------------------------------------------------------- producer
+class _Batcher:
+    """An engine with ``prefill_many`` (vLLM) computes concurrent requests together: the
+    prompts waiting when the engine becomes free (up to ``limit``, on one chunk size) run as
+    one batch. Whichever caller finds the engine free runs the batch for all in it (and
+    again while its own prompt is not done); each gets its own rows, or its own error."""
+
+    def __init__(self, engine: Any, limit: int) -> None:
+        self.engine = engine
+        self.limit = limit
+        self._cv = threading.Condition()
+        self._waiting: list[dict[str, Any]] = []
+        self._busy = False
+        self.batches: list[int] = []  # the size of each batch run (tests, stats)
+
+    def prefill(self, ids: list[int], chunk_tokens: int) -> tuple[list, dict[str, Any], int]:
+        """``ids``' rows, the producer record of the batch that computed them, and its size."""
+        job: dict[str, Any] = {"ids": ids, "chunk": chunk_tokens}
+        with self._cv:
+            self._waiting.append(job)
+            while "rows" not in job and "error" not in job:
+                if self._busy:
+                    self._cv.wait()
+                    continue
+                first = self._waiting[0]  # the oldest waiting prompt sets the batch's chunk size
+                batch = [j for j in self._waiting if j["chunk"] == first["chunk"]][: self.limit]
+                self._waiting = [j for j in self._waiting if not any(j is b for b in batch)]
+                self._busy = True
+                self._cv.release()
+                try:
+                    self._run(batch)
+                finally:
+                    self._cv.acquire()
+                    self._busy = False
+                    self._cv.notify_all()
+        if "error" in job:
+            raise job["error"]
+        return job["rows"], job["producer"], job["batch"]
+
+    def _run(self, batch: list[dict[str, Any]]) -> None:
+        try:
+            got = self.engine.prefill_many([j["ids"] for j in batch], chunk_tokens=batch[0]["chunk"],
+                                           return_exceptions=True)
+            producer = self.engine.producer_info()
+        except BaseException as exc:  # noqa: BLE001 - each caller raises it in its own thread
+            for j in batch:
+                j["error"] = exc
+            return
+        self.batches.append(len(batch))
+        for j, rows in zip(batch, got):
+            j.update({"error": rows} if isinstance(rows, BaseException) else
+                     {"rows": rows, "producer": producer, "batch": len(batch)})
+
+
 class ResidentProducer:
-    """One model and engine, loaded once; :meth:`check` and :meth:`run` per request."""
+    """One model and engine, loaded once; :meth:`check` and :meth:`run` per request.
+
+    On torch and MLX one request computes at a time (:attr:`max_concurrent` is 1). An engine
+    with ``prefill_many`` (vLLM) serves up to ``max_batch`` requests at once: those waiting
+    when the engine becomes free are computed in one batch (:class:`_Batcher`), each then
+    streamed to its own consumer."""
 
     def __init__(self, model: str | None, *, engine: str = "torch", dtype: str | None = None, threads: int = 1,
-                 engine_options: dict | None = None, store: bool = False) -> None:
+                 engine_options: dict | None = None, store: bool = False, max_batch: int = 8,
+                 loaded: Any = None) -> None:
+        """``loaded``: an engine already made for ``model`` (named ``engine``) to serve with."""
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise UsageError(f"--max-batch must be a positive integer, got {max_batch!r}")
         from muser_cli.engines.registry import get_engine
         from muser_cli.models import resolve_model
         from muser_cli.schedule import default_dtype
@@ -45,14 +107,21 @@ class ResidentProducer:
         self.engine_name = engine
         self.dtype = dtype or default_dtype(engine)
         self.threads = threads
-        self.engine = get_engine(engine, self.info, dtype=self.dtype, threads=threads, options=engine_options)
+        self.engine = loaded if loaded is not None else get_engine(engine, self.info, dtype=self.dtype,
+                                                                    threads=threads, options=engine_options)
+        self._batcher: _Batcher | None = None
+        self.max_concurrent = 1  # requests the server may run at once (PullServer's admission)
+        if hasattr(self.engine, "prefill_many") and max_batch > 1:
+            self.engine.set_max_batch(max_batch)  # before vLLM starts: its max_num_seqs
+            self._batcher = _Batcher(self.engine, max_batch)
+            self.max_concurrent = max_batch
+        self._local = threading.local()  # per request (a batching engine runs several at once)
         self.load_s = time.perf_counter() - t0
         self.keep_last = True  # keep the last request's rows to continue a prompt that shares its prefix
         self._last: tuple[list[int], tuple[int, str], list] | None = None
         # ``store``: also continue from this machine's reuse store, and keep every result there
         # (put after the stream ended: :meth:`after_stream`, so the consumer never waits on it).
         self.store = store
-        self._put: tuple[Any, list] | None = None
 
     def check(self, req: PullRequest) -> PullRequest:
         """Refuse (:class:`Refusal`) a request this producer will not serve; the request to
@@ -121,11 +190,13 @@ class ResidentProducer:
             out.flush()  # the header leaves before the first chunk is computed
         full = header if not req.have_tokens else None
         emitter = FrameEmitter(writer, out) if writer is not None else None
-        self._put = None
+        self._local.put = None
+        self._local.producer = None
+        self._local.batch = None
         layers, reused, source = self._rows(ids, req, on_chunk=emitter)
         if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
             full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                                engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+                                engine=self.engine_name, threads=self.threads, extra=self._producer_info())
             header = replace(full, rows_start=header.rows_start, base=header.base)
             writer = write_pack(out, header, layers)
         else:
@@ -134,16 +205,24 @@ class ResidentProducer:
         if self.store and not (source == "store" and reused == len(ids) - 1):  # a full hit is held already
             if full is None:
                 full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                                    engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
-            self._put = (full, layers)
-        return {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
-                "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
-                "reused_rows": reused, "reused_from": source if reused else None}
+                                    engine=self.engine_name, threads=self.threads, extra=self._producer_info())
+            self._local.put = (full, layers)
+        stats = {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
+                 "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
+                 "reused_rows": reused, "reused_from": source if reused else None}
+        if self._local.batch is not None:
+            stats["batch"] = self._local.batch  # computed together with batch - 1 other requests
+        return stats
+
+    def _producer_info(self) -> dict[str, Any]:
+        """The producer record of this request's prefill (its batch's, on a batching engine)."""
+        got = getattr(self._local, "producer", None)
+        return dict(got) if got is not None else self.engine.producer_info()
 
     def after_stream(self, stats: dict[str, Any]) -> None:
         """Once the request's pack is written and its pipe closed: keep the whole result in
         this machine's store (``store``); the entry id, or why not, goes into ``stats``."""
-        put, self._put = self._put, None
+        put, self._local.put = getattr(self._local, "put", None), None
         if put is None:
             return
         from muser_cli.reuse import Store
@@ -186,7 +265,9 @@ class ResidentProducer:
         if source == "memory":
             assert last is not None
             prefix = layers_at(last[2], self.info.layers, held)
-        if held == 0:
+        if held == 0 and self._batcher is not None:
+            layers, self._local.producer, self._local.batch = self._batcher.prefill(ids[:-1], req.chunk_tokens)
+        elif held == 0:
             layers = eng.prefill(ids[:-1], chunk_tokens=req.chunk_tokens,
                                  **({"on_chunk": on_chunk} if on_chunk is not None else {}))
         elif held == rows:
@@ -219,11 +300,11 @@ class ResidentProducer:
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False) -> None:
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> None:
     """Load the model once, then answer enrolled consumers until ``stop`` is set. ``store``:
-    continue from this machine's reuse store too and keep every result there."""
+    continue from this machine's reuse store too and keep every result there. ``max_batch``:
+    on vLLM, how many requests run at once (computed as one batch); torch and MLX run one."""
     from muser_cli import paths
-    from muser_cli.errors import UsageError
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import parse_hostport
     from muser_cli.handoff.node import load_identity
@@ -231,12 +312,14 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
 
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
+    if max_batch < 1:
+        raise UsageError("--max-batch must be >= 1")
     host, port = parse_hostport(listen, listen=True)
     identity = load_identity(paths.keys_dir())
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
-                                store=store)
+                                store=store, max_batch=max_batch)
     server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
                         ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
     try:

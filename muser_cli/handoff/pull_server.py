@@ -12,14 +12,17 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     (then recorded durably: a request id is served at most once) -> the compute's own
     checks (model and tokenizer fingerprints, dtype, prompt length) -- all before any
     prefill work;
-  * admission: ONE request computes at a time; up to ``max_queue`` wait (told their
-    place with ``Queued``); a full queue answers ``Reject(busy)`` at once;
+  * admission: ONE request computes at a time -- or, when the compute says it batches
+    (``max_concurrent`` > 1: vLLM), up to that many, which the compute runs together --;
+    up to ``max_queue`` more wait (told their place with ``Queued``); a full queue
+    answers ``Reject(busy)`` at once;
   * the admitted request gets ``Serving``, then the V3 sender side: its header goes out
     as soon as the compute has written the kvpack header, each frame as soon as its chunk
     is written, then the MAC'd trailer; a consumer that goes away costs only its request
     (the compute's pipe breaks and it stops);
   * a ``Probe`` request (``muser probe-link``, ``node check``) passes the same checks up to
-    the replay ledger (its own MAC context) and the same admission; then this producer is
+    the replay ledger (its own MAC context) and the same admission, alone (no request
+    computes while a probe runs); then this producer is
     the V3 receiver for the probes: ``Ready``, then ``ProbeUp``/``ProbeDown`` answered as
     ``receive --listen`` answers them (each capped at ``probe_max_s``), until the consumer
     closes; anything else on it is refused (``protocol``);
@@ -69,6 +72,7 @@ class Compute(Protocol):
 
     def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
+        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once.
         A compute may also have ``after_stream(stats)``: called once ``out`` is closed (work the
         consumer should not wait for, such as keeping the rows); it may add to ``stats``."""
 
@@ -85,6 +89,49 @@ class ServeConfig:
     session_s: float = 3600.0
     max_pending: int = 64
     probe_max_s: float = 10.0  # the longest one probe direction runs, whatever the consumer asks
+
+
+class _Admission:
+    """Who computes now: up to ``slots`` requests at once (1 on torch/MLX; a batching engine's
+    limit on vLLM), or one probe alone (a probe is never measured against a running prefill,
+    nor slows one). ``enter`` returns False when ``timeout`` passed first."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = max(1, int(slots))
+        self._cv = threading.Condition()
+        self._running = 0
+        self._probing = False
+        self._probe_waiting = 0  # a waiting probe holds new requests back, so it is not starved
+
+    def _free(self, probe: bool) -> bool:
+        if probe:
+            return self._running == 0 and not self._probing
+        return not self._probing and not self._probe_waiting and self._running < self.slots
+
+    def enter(self, probe: bool, timeout: float | None = 0.0) -> bool:
+        with self._cv:
+            if probe:
+                self._probe_waiting += 1
+            try:
+                if not self._cv.wait_for(lambda: self._free(probe), timeout=timeout):
+                    return False
+                if probe:
+                    self._probing = True
+                else:
+                    self._running += 1
+                return True
+            finally:
+                if probe:
+                    self._probe_waiting -= 1
+                    self._cv.notify_all()
+
+    def leave(self, probe: bool) -> None:
+        with self._cv:
+            if probe:
+                self._probing = False
+            else:
+                self._running -= 1
+            self._cv.notify_all()
 
 
 def _ctx(identity: Identity) -> ssl.SSLContext:
@@ -106,7 +153,7 @@ class PullServer:
         self.address: tuple[str, int] | None = None
         self._ledgers: dict[str, Ledger] = {}
         self._lock = threading.Lock()
-        self._admit = threading.Lock()
+        self._admit = _Admission(getattr(compute, "max_concurrent", 1))
         self._waiting = 0
         self._pending = 0
         self._stop = threading.Event()
@@ -300,7 +347,8 @@ class PullServer:
                        request_id=req.request_id if req else None)
 
     def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest) -> None:
-        if not self._admit.acquire(blocking=False):
+        probe = isinstance(req, ProbeRequest)
+        if not self._admit.enter(probe):
             with self._lock:
                 place = self._waiting + 1
                 if place > self.config.max_queue:
@@ -309,7 +357,7 @@ class PullServer:
                 self._waiting += 1
             try:
                 link.send(Queued(place), "telling the consumer its place")
-                while not self._admit.acquire(timeout=0.2):
+                while not self._admit.enter(probe, timeout=0.2):
                     if self._stop.is_set():
                         raise Refusal("busy", "producer is shutting down")
             finally:
@@ -322,7 +370,7 @@ class PullServer:
             self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids))
             self._stream(link, who, req)
         finally:
-            self._admit.release()
+            self._admit.leave(probe)
 
     def _probe(self, link: Link, who: str, req: ProbeRequest) -> None:
         """Answer the consumer's link probes as a V3 receiver (module doc)."""

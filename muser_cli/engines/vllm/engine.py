@@ -377,6 +377,7 @@ class VLLMEngine(Engine):
         on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
+        check_first: Any = None,
     ) -> DecodeResult:
         raise UsageError(
             "the vllm engine is a producer: it prefills and ships KV, it does not decode from a kvpack",

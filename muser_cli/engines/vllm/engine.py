@@ -112,6 +112,23 @@ def _on_cpu() -> bool:
     return bool(getattr(current_platform, "is_cpu", lambda: False)())
 
 
+def _align_cpu_threads() -> None:
+    """vLLM-CPU's attention plans its work for the calling thread's OpenMP thread count and
+    runs its kernels on ATen's count; on a thread other than the one that count was set on (a
+    server's request thread, in a process where ``torch.set_num_threads`` ran) the two can
+    differ, and vLLM aborts the step (``Check failed: ... thread_num == thread_num``). Give
+    this thread ATen's count. vLLM replaces ``torch.set_num_threads`` with a no-op once it
+    started; ``torch._C.set_num_threads`` is the setter underneath (absent: nothing done)."""
+    try:
+        import torch
+
+        setter = getattr(torch._C, "set_num_threads", None)
+        if setter is not None:
+            setter(torch.get_num_threads())
+    except Exception:  # best effort: vLLM itself reports what it cannot run
+        pass
+
+
 def _check_chunk(chunk_tokens: Any) -> None:
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
@@ -343,6 +360,8 @@ class VLLMEngine(Engine):
             return []
         llm = self._ensure_llm(chunk_tokens)
         names = [f"muser-{uuid.uuid4().hex}" for _ in batch]
+        if self.on_cpu:
+            _align_cpu_threads()
         try:
             params = [self._params(n) for n in names]
             llm.generate([{"prompt_token_ids": ids} for ids in batch], params if len(params) > 1 else params[0],

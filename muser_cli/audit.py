@@ -272,10 +272,10 @@ def _spot_prefix(pack: KVPack, start: int) -> tuple[list[LayerKV], int]:
     for i, (spec, l) in enumerate(zip(h.layers, pack.layers)):
         want = spec.carried_rows(start)
         lo = start - want
-        have_lo = max(lo, l.first_row)
-        a, b = have_lo - l.first_row, start - l.first_row
-        keys, values = l.keys[:, a:b], l.values[:, a:b]
-        missing = have_lo - lo
+        have_lo = min(max(lo, l.first_row), start)  # a ring may start after ``start``: none held
+        a = max(0, have_lo - l.first_row)
+        keys, values = l.keys[:, a : a + (start - have_lo)], l.values[:, a : a + (start - have_lo)]
+        missing = want - keys.shape[1]
         if missing > 0:
             first_incomplete = min(first_incomplete, i)
             zk = np.zeros((keys.shape[0], missing, keys.shape[2]), dtype=keys.dtype)
@@ -400,11 +400,25 @@ class SpotGate:
         h = pack.header
         if h.rows_start != 0 or h.rows_end < 2:
             return False
-        start = h.rows_end - max(1, min(int(positions), h.rows_end))
+        end = h.rows_end
+        start = end - max(1, min(int(positions), end))
+        after = end + 1  # the engine's rows as of the first step: the checked ones plus the last prompt token
         for spec, l in zip(h.layers, pack.layers):
-            if start - spec.carried_rows(start) < l.first_row:
+            if start - spec.carried_rows(start) < l.first_row:  # the prefix to install
+                return False
+            if start < after - spec.carried_rows(after):  # the checked rows still held after the step
                 return False
         return True
+
+    def restore(self, layers: list[LayerKV]) -> None:
+        """Put the pack's own rows of [start, end) back where an adopting engine wrote its
+        recomputation (``layers``: the rows decode gave, full length), so that what is kept
+        afterwards (``decode --store``) is the pack, bit for bit."""
+        for mine, theirs in zip(layers, self._theirs):
+            for arr, orig in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                view = arr[:, self.start - mine.first_row : self.end - mine.first_row]
+                if not np.array_equal(view, orig):  # only a buffer the engine wrote (so writable) differs
+                    view[...] = orig
 
     @property
     def token_ids(self) -> list[int]:

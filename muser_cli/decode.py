@@ -227,7 +227,10 @@ def decode(
                         adopt=(got.source == "handoff" and stream is not None) or got.source == "store",
                         check_first=gate)
     if gate is not None:
-        assert gate.result is not None  # the engine called it, or raised before any token
+        gate.restore(got.layers)  # an adopting engine wrote its recomputation over the pack's last rows
+        if gate.result is None:  # every engine calls it after its first step; one that did not checked nothing
+            raise DataError(f"the {engine} engine decoded without running the spot-check",
+                            hint="decode with --no-audit to skip it knowingly")
         spot = gate.result.to_json()
     t_first_token = t_dec + result.ttft_s
     if stream is not None and got.pack is not None:

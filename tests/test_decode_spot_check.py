@@ -139,3 +139,41 @@ def test_fused_check_on_mlx(tiny_llama, swap):
     out = _decode(tiny_llama, data, engine="mlx")
     assert out.spot_check["fused"] and out.spot_check["ok"] and "decoded on mlx" in out.spot_check["reason"]
     assert out.token_ids == _decode(tiny_llama, data, engine="mlx", audit=0).token_ids
+
+
+def test_decode_store_keeps_the_packs_own_rows_after_a_fused_check(tiny_llama):
+    """An adopting engine writes its recomputation of the checked rows into the pack's
+    arrays; what decode --store keeps is still the pack, bit for bit."""
+    import numpy as np
+
+    from muser_cli.reuse.store import Store
+
+    data = _pack(tiny_llama, engine_name="vllm")
+    out = _decode(tiny_llama, data, store=True, audit=3)
+    assert out.spot_check["fused"] and out.stored
+    kept = Store().load(out.stored)
+    sent = read_pack(io.BytesIO(data))
+    for a, b in zip(kept.layers, sent.layers):
+        assert np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("rows_wanted, audit", [(7, 6), (7, 7), (7, 100), (None, 100), (None, 9)])
+def test_hybrid_checks_of_every_width_pass_an_honest_pack(tiny_hybrid, rows_wanted, audit):
+    """A ring exactly as long as the prompt and checks wider than the window: fused where the
+    rows allow it, else a step of its own, never an honest pack refused."""
+    prompt = PROMPT
+    if rows_wanted is not None:  # a prompt whose pack holds exactly window - 1 rows
+        from muser_cli.models import resolve_model
+        from muser_cli.tokens import decode_text, encode_prompt
+
+        info = resolve_model(str(tiny_hybrid.path))
+        prompt = decode_text(info, encode_prompt(info, PROMPT)[: rows_wanted + 1])
+    out = io.BytesIO()
+    prefill(prompt, out, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32")
+    p = read_pack(io.BytesIO(out.getvalue()))
+    if rows_wanted is not None and p.header.rows_end != rows_wanted:
+        pytest.skip(f"the text round trip gave {p.header.rows_end} rows")
+    again = io.BytesIO()
+    write_pack(again, replace(p.header, producer={**p.header.producer, "engine": "mlx"}), p.layers)
+    res = _decode(tiny_hybrid, again.getvalue(), audit=audit)
+    assert res.spot_check["ran"] and res.spot_check["ok"], res.spot_check

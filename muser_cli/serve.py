@@ -156,6 +156,10 @@ class ResidentProducer:
             check_prompt(info, list(req.token_ids))
         except (DataError, MuserError) as exc:
             raise Refusal("too_large", str(exc)) from None
+        limit = getattr(self.engine, "max_model_len", None)  # an engine's own limit (vLLM's max_model_len)
+        if isinstance(limit, int) and len(req.token_ids) > limit:
+            raise Refusal("too_large", f"{len(req.token_ids)} prompt tokens exceed this producer's limit of {limit} "
+                                       f"(the {self.engine_name} engine's max_model_len)")
         vocab = getattr(info, "vocab_size", None)
         if isinstance(vocab, int) and vocab > 0 and max(req.token_ids) >= vocab:
             raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")

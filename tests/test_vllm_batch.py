@@ -9,7 +9,6 @@ connector per process), else made here for this module. Runs in .venv-vllm (``ma
 
 from __future__ import annotations
 
-import statistics
 import sys
 import threading
 import time
@@ -91,25 +90,6 @@ def test_prefill_many_rows_equal_single_prefills(engine, capsys):
     twice = engine.prefill_many([ps[0], ps[0]], chunk_tokens=CHUNK)
     assert_rows_equal(twice[0], singles[0], "first copy")
     assert_rows_equal(twice[1], singles[0], "second copy")
-    # What it costs: one batch of three against three prefills one after the other (the step's
-    # token budget is one chunk either way: a batch saves steps where prompts leave room in one).
-    rng = np.random.default_rng(13)
-    short = [[int(t) for t in rng.integers(3, 500, n)] for n in (9, 10, 12)]
-    with capsys.disabled():
-        print()
-        for what, group in (("longer than a chunk", ps), ("shorter than a chunk", short)):
-            seq, bat = [], []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for p in group:
-                    engine.prefill(p, chunk_tokens=CHUNK)
-                seq.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                engine.prefill_many(group, chunk_tokens=CHUNK)
-                bat.append(time.perf_counter() - t0)
-            print(f"vLLM-CPU, tiny model, chunk {CHUNK}, prompts {what} {[len(p) for p in group]}: 3 sequential "
-                  f"prefills median {statistics.median(seq):.3f} s (min {min(seq):.3f}, max {max(seq):.3f}); one "
-                  f"batch median {statistics.median(bat):.3f} s (min {min(bat):.3f}, max {max(bat):.3f})")
 
 
 def test_prefill_many_refuses_a_bad_prompt_before_vllm_runs(engine):
@@ -124,6 +104,34 @@ def test_prefill_many_refuses_a_bad_prompt_before_vllm_runs(engine):
         engine.prefill_many([ps[0]], chunk_tokens=0)
     assert engine.prefill_many([], chunk_tokens=CHUNK) == []
     assert list(engine._spool_dir().iterdir()) == []
+    # As a server batches: a bad prompt gets its error in its place, the others their rows.
+    mixed = engine.prefill_many([ps[0], list(range(3, 3 + engine.max_model_len)), [], ps[1]], chunk_tokens=CHUNK,
+                                return_exceptions=True)
+    assert isinstance(mixed[1], PromptTooLong) and isinstance(mixed[2], PromptTooShort)
+    assert_rows_equal(mixed[0], engine.prefill(ps[0], chunk_tokens=CHUNK), "good prompt beside bad ones")
+    assert_rows_equal(mixed[3], engine.prefill(ps[1], chunk_tokens=CHUNK), "good prompt after bad ones")
+    assert list(engine._spool_dir().iterdir()) == []
+
+
+def test_resident_vllm_producer_refuses_past_max_model_len_at_admission(engine, tiny32, monkeypatch):
+    """A prompt over the engine's max_model_len (the vLLM option; lowered here on our side of
+    the shared engine) is refused when the request is checked, so it never joins (and fails)
+    a batch of others; one within it is admitted."""
+    from muser_cli.handoff.pull import PullRequest, new_request_id
+    from muser_cli.serve import Refusal, ResidentProducer
+
+    rp = ResidentProducer(str(tiny32.path), engine="vllm", dtype=engine.dtype, loaded=engine, max_batch=4)
+    monkeypatch.setattr(engine, "max_model_len", 64)
+
+    def req(n: int) -> PullRequest:
+        return PullRequest(key_id="k1", request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
+                           consumer="consumer", token_ids=tuple(range(3, 3 + n)),
+                           tokenizer_fingerprint=tiny32.tokenizer_fingerprint, model_fingerprint=tiny32.fingerprint,
+                           chunk_tokens=CHUNK, dtype=engine.dtype)
+    assert 80 + 1 <= tiny32.max_positions  # the model's context would take it
+    with pytest.raises(Refusal, match="max_model_len"):
+        rp.check(req(80))
+    assert rp.check(req(60)).token_ids == tuple(range(3, 63))
 
 
 def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny32, tmp_path):

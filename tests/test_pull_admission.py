@@ -46,6 +46,34 @@ def test_a_waiting_probe_is_not_starved_by_new_requests():
     adm.leave(True)
 
 
+def test_a_probe_waiting_the_servers_way_holds_requests_back_between_polls():
+    """``wait`` (what a queued connection runs) keeps the probe's mark for the whole wait:
+    across many short polls no new request gets in, and the probe runs once the running
+    request leaves; a stopping server ends the wait with False."""
+    adm = _Admission(2)
+    assert adm.enter(False)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(adm.wait(True, lambda: False, poll=0.01)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not adm._probe_waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for _ in range(30):  # 0.3 s: some 30 of the probe's polls
+        assert not adm.enter(False)
+        time.sleep(0.01)
+    adm.leave(False)
+    t.join(10)
+    assert got == [True] and adm._probing
+    stopping = threading.Event()
+    t2 = threading.Thread(target=lambda: got.append(adm.wait(False, stopping.is_set, poll=0.01)))
+    t2.start()
+    time.sleep(0.05)
+    stopping.set()
+    t2.join(10)
+    assert got == [True, False]
+    adm.leave(True)
+
+
 def test_torch_producer_computes_one_request_at_a_time(tiny_llama):
     prod = ResidentProducer(str(tiny_llama.path), engine="torch", dtype="float32", max_batch=8)
     assert prod.max_concurrent == 1 and prod._batcher is None

@@ -125,6 +125,27 @@ class _Admission:
                     self._probe_waiting -= 1
                     self._cv.notify_all()
 
+    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2) -> bool:
+        """Wait for a turn until ``stop()`` says the server is stopping (False then). A waiting
+        probe holds new requests back for the whole wait, not only while a poll runs."""
+        with self._cv:
+            if probe:
+                self._probe_waiting += 1
+            try:
+                while not self._free(probe):
+                    if stop():
+                        return False
+                    self._cv.wait(poll)
+                if probe:
+                    self._probing = True
+                else:
+                    self._running += 1
+                return True
+            finally:
+                if probe:
+                    self._probe_waiting -= 1
+                    self._cv.notify_all()
+
     def leave(self, probe: bool) -> None:
         with self._cv:
             if probe:
@@ -357,9 +378,8 @@ class PullServer:
                 self._waiting += 1
             try:
                 link.send(Queued(place), "telling the consumer its place")
-                while not self._admit.enter(probe, timeout=0.2):
-                    if self._stop.is_set():
-                        raise Refusal("busy", "producer is shutting down")
+                if not self._admit.wait(probe, self._stop.is_set):
+                    raise Refusal("busy", "producer is shutting down")
             finally:
                 with self._lock:
                     self._waiting -= 1

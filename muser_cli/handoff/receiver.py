@@ -473,7 +473,7 @@ class Receiver:
         if seen_from is not None:  # the sender authenticated: its certificate, header and trailer MACs
             failed = note_peer(self.identity, cn, role="producer", address=seen_from, key_id=h.key_id, via="push")
             if failed:  # bookkeeping only: the handoff stands
-                self._emit("error", peer=who, error=f"could not record when {cn} was seen: {failed}")
+                self._emit("warning", peer=who, warning=f"could not record when {cn} was seen: {failed}")
         self._emit("accepted", peer=who, **{k: v for k, v in accepted.to_json().items() if k != "peer"})
         with self._finish_lock:
             self._committed -= 1

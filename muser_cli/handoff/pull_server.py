@@ -109,21 +109,10 @@ class _Admission:
         return not self._probing and not self._probe_waiting and self._running < self.slots
 
     def enter(self, probe: bool, timeout: float | None = 0.0) -> bool:
-        with self._cv:
-            if probe:
-                self._probe_waiting += 1
-            try:
-                if not self._cv.wait_for(lambda: self._free(probe), timeout=timeout):
-                    return False
-                if probe:
-                    self._probing = True
-                else:
-                    self._running += 1
-                return True
-            finally:
-                if probe:
-                    self._probe_waiting -= 1
-                    self._cv.notify_all()
+        """A turn within ``timeout`` seconds (None: however long it takes)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        return self.wait(probe, lambda: end is not None and time.monotonic() >= end,
+                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)))
 
     def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2) -> bool:
         """Wait for a turn until ``stop()`` says the server is stopping (False then). A waiting
@@ -135,7 +124,8 @@ class _Admission:
                 while not self._free(probe):
                     if stop():
                         return False
-                    self._cv.wait(poll)
+                    if poll > 0:
+                        self._cv.wait(poll)
                 if probe:
                     self._probing = True
                 else:

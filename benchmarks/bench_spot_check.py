@@ -24,7 +24,7 @@ import io
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,7 +87,7 @@ def main() -> int:
         for rep in range(args.reps + 1):
             for mode in ("fused", "separate", "none"):
                 kw = {"audit": 0} if mode == "none" else {}
-                with separate_check() if mode == "separate" else _nothing():
+                with separate_check() if mode == "separate" else nullcontext():
                     out = decode(io.BytesIO(data), model=args.model, max_new_tokens=args.new, engine="torch",
                                  dtype="bfloat16", threads=args.threads, resident=eng, **kw)
                 spot = out.spot_check or {}
@@ -132,11 +132,6 @@ def main() -> int:
         "rows": rows_out})
     print(path)
     return 0
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 if __name__ == "__main__":

@@ -390,9 +390,11 @@ class SpotGate:
             raise ValueError("this pack cannot be spot-checked in the first step (see SpotGate.fusable)")
         self.prefix = prefix
         # The pack's own rows of [start, end), before the engine may overwrite them.
-        self._theirs = [LayerKV(l.keys[:, self.start - l.first_row : self.end - l.first_row].copy(),
-                                l.values[:, self.start - l.first_row : self.end - l.first_row].copy(), self.start)
-                        for l in pack.layers]
+        self._theirs = KVPack(header=h, root_digest=pack.root_digest, total_bytes=pack.total_bytes,
+                              stored_bytes=pack.stored_bytes, layers=[
+            LayerKV(l.keys[:, self.start - l.first_row : self.end - l.first_row].copy(),
+                    l.values[:, self.start - l.first_row : self.end - l.first_row].copy(), self.start)
+            for l in pack.layers])
         self.result: SpotCheck | None = None
 
     @staticmethod
@@ -414,7 +416,7 @@ class SpotGate:
         """Put the pack's own rows of [start, end) back where an adopting engine wrote its
         recomputation (``layers``: the rows decode gave, full length), so that what is kept
         afterwards (``decode --store``) is the pack, bit for bit."""
-        for mine, theirs in zip(layers, self._theirs):
+        for mine, theirs in zip(layers, self._theirs.layers):
             for arr, orig in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                 view = arr[:, self.start - mine.first_row : self.end - mine.first_row]
                 if not np.array_equal(view, orig):  # only a buffer the engine wrote (so writable) differs
@@ -432,9 +434,7 @@ class SpotGate:
         for i in range(len(self.pack.layers)):
             k, v = rows_of(i, self.start, self.end)
             fresh.append(LayerKV(k, v, self.start))
-        theirs = KVPack(header=self.pack.header, layers=self._theirs, root_digest=self.pack.root_digest,
-                        total_bytes=self.pack.total_bytes, stored_bytes=self.pack.stored_bytes)
-        self.result = _judge(theirs, fresh, (self.start, self.end), len(fresh), self.engine, self.reason, t0)
+        self.result = _judge(self._theirs, fresh, (self.start, self.end), len(fresh), self.engine, self.reason, t0)
         self.result.fused = True
         if self.on_pass is not None:
             self.on_pass()

@@ -339,3 +339,68 @@ def test_spec_test_vectors_match_docs():
     assert encode_event(Ready({"v": 3})).hex() == "01000000077b2276223a337d" and "01 00000007 7b2276223a337d" in doc
     assert encode_event(Go()).hex() == "1100000000" and "11 00000000" in doc
     assert encode_event(Pulse()).hex() == "2100000000" and "21 00000000" in doc
+
+
+# ---------------------------------------------------------------- large Data bodies read in place
+def _streaming_pair(size: int) -> MemoryLink:
+    link = MemoryLink(1 << 20)
+    link.r2s(Ready())
+    link.s2r(header_event(size=size))
+    link.r2s(Go())
+    return link
+
+
+@pytest.mark.parametrize("how", ["body_view", "receive_data", "mixed"])
+def test_large_data_body_is_read_into_its_own_buffer(how):
+    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+
+    n = DIRECT_BODY_MIN + 12345
+    payload = bytes(range(256)) * (n // 256) + b"z" * (n % 256)
+    link = _streaming_pair(n + 10)
+    parts = link.sender.send_parts(Data(memoryview(payload)))
+    assert len(parts) == 2 and len(parts[0]) == PREFIX.size and parts[1].obj is payload  # a view, no copy
+    rx = link.receiver
+    wire = b"".join(bytes(p) for p in parts) + link.sender.send(Data(b"tail!!!!!!"))
+    rx.receive_data(wire[:PREFIX.size + 100])  # the prefix and a little of the body
+    assert rx.next_event() is NEED_DATA
+    pos = PREFIX.size + 100
+    while (view := rx.body_view()) is not None:
+        step = min(len(view), 16384)
+        if how == "receive_data" or (how == "mixed" and pos % 2):
+            rx.receive_data(wire[pos : pos + step + 7])  # overflow past the body is kept for the next frame
+            pos += step + 7
+        else:
+            view[:step] = wire[pos : pos + step]
+            rx.body_received(step)
+            pos += step
+        if rx.body_view() is not None:
+            assert rx.next_event() is NEED_DATA
+    ev = rx.next_event()
+    assert isinstance(ev, Data) and isinstance(ev.data, bytearray) and ev.data == payload
+    rx.receive_data(wire[pos:])
+    assert rx.next_event() == Data(b"tail!!!!!!")
+    assert rx.payload_seen == n + 10 and rx.next_event() is NEED_DATA
+
+
+def test_large_data_body_refused_at_its_prefix_and_eof_in_it():
+    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+
+    n = DIRECT_BODY_MIN * 2
+    link = _streaming_pair(n - 1)  # one byte less declared than the frame claims
+    link.receiver.receive_data(PREFIX.pack(0x20, n))
+    with pytest.raises(ProtocolError, match="exceeds the declared"):
+        link.receiver.next_event()
+    assert link.receiver.body_view() is None  # refused before any body buffer was made
+
+    before_go = MemoryLink()
+    before_go.r2s(Ready())
+    before_go.receiver.receive_data(PREFIX.pack(0x20, n))
+    with pytest.raises(ProtocolError, match="may not send Data"):
+        before_go.receiver.next_event()
+
+    cut = _streaming_pair(n)
+    cut.receiver.receive_data(PREFIX.pack(0x20, n) + b"x" * 1000)
+    assert cut.receiver.next_event() is NEED_DATA and len(cut.receiver.body_view()) == n - 1000
+    cut.receiver.body_received(0)  # the peer closed in the middle of the body
+    with pytest.raises(ProtocolError, match="middle of a Data frame"):
+        cut.receiver.next_event()

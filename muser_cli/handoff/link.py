@@ -192,16 +192,25 @@ class Link:
         self.bytes_out += len(data)
 
     def send(self, event: Any, during: str = "writing") -> None:
-        self.write(self.conn.send(event), during)
+        for part in self.conn.send_parts(event):  # a Data body goes out as a view: no copy
+            self.write(part, during)
 
     def _fill(self, during: str, timeout: float | None = None) -> None:
+        body = self.conn.body_view()  # a large Data body: decrypted straight into its buffer
         try:
             self._arm(during, timeout)
-            data = self.sock.recv(RECV_BYTES)
+            if body is not None:
+                n = self.sock.recv_into(body)
+            else:
+                data = self.sock.recv(RECV_BYTES)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise map_error(exc, during) from None
+        if body is not None:
+            self.bytes_in += n
+            self.conn.body_received(n)
+            return
         self.bytes_in += len(data)
         self.conn.receive_data(data)
 

@@ -47,6 +47,7 @@ PROTOCOL_VERSION = 3
 PREFIX = struct.Struct(">BI")  # type, body length
 MAX_DATA_BYTES = 1 << 20  # one Data frame's body
 DEFAULT_DATA_CHUNK = 256 * 1024
+DIRECT_BODY_MIN = 64 * 1024  # a Data body this large is read straight into a buffer of its own
 MAX_CONTROL_BYTES = 4096
 MAX_MESSAGE_CHARS = 512
 
@@ -93,7 +94,7 @@ class Go:
 
 @dataclass(frozen=True)
 class Data:
-    data: bytes
+    data: bytes | bytearray | memoryview  # a received large body is a bytearray handed over
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,8 @@ class Connection:
         self.reject: Reject | None = None
         self._buf = bytearray()
         self._eof = False
+        self._body: bytearray | None = None  # a large Data body being read in place
+        self._body_have = 0
 
     # -- transitions
     def _advance(self, role: Role, event: Event, error: type[Exception]) -> None:
@@ -342,6 +345,19 @@ class Connection:
         self._advance(self.our_role, event, LocalProtocolError)
         return data
 
+    def send_parts(self, event: Event) -> list[bytes | memoryview]:
+        """As :meth:`send`, as the buffers to write in order: a Data frame is its 5-byte
+        prefix and a view of its body (no copy of the payload is made here)."""
+        if not isinstance(event, Data):
+            return [self.send(event)]
+        n = len(event.data)
+        if n > MAX_DATA_BYTES:
+            raise LocalProtocolError("Data frame too large; split it")
+        if n < DIRECT_BODY_MIN:
+            return [self.send(Data(bytes(event.data)))]
+        self._advance(self.our_role, event, LocalProtocolError)
+        return [PREFIX.pack(FRAME_TYPES[Data], n), memoryview(event.data)]
+
     def send_data(self, payload: bytes | memoryview, chunk: int = DEFAULT_DATA_CHUNK) -> list[bytes]:
         """Split ``payload`` into Data frames (each at most ``chunk`` bytes)."""
         view = memoryview(payload)
@@ -353,10 +369,61 @@ class Connection:
             raise LocalProtocolError("data after EOF")
         if not data:
             self._eof = True
-        else:
-            self._buf += data
+            return
+        if self._body is not None and self._body_have < len(self._body):  # the body comes first
+            take = min(len(self._body) - self._body_have, len(data))
+            self._body[self._body_have : self._body_have + take] = memoryview(data)[:take]
+            self._body_have += take
+            data = memoryview(data)[take:]
+            if not len(data):
+                return
+        self._buf += data
+
+    def body_view(self) -> memoryview | None:
+        """Where the rest of a large Data frame's body goes, when one is being read: the
+        caller fills it (``recv_into``) and reports with :meth:`body_received`, so the
+        payload reaches its own buffer with no intermediate copy. None otherwise."""
+        if self._body is None or self._body_have >= len(self._body):
+            return None
+        return memoryview(self._body)[self._body_have :]
+
+    def body_received(self, n: int) -> None:
+        """``n`` bytes were written into :meth:`body_view`; 0 means the peer closed."""
+        if self._body is None or not 0 <= n <= len(self._body) - self._body_have:
+            raise LocalProtocolError("body_received without a body being read")
+        if n == 0:
+            self._eof = True
+        self._body_have += n
+
+    def _direct_body(self) -> bool:
+        """Start reading a large Data frame's body in place once its prefix is in (and
+        admitted: a frame the state forbids is refused before its body is read)."""
+        buf = self._buf
+        if self._eof or len(buf) < PREFIX.size or buf[0] != FRAME_TYPES[Data]:
+            return False
+        length = PREFIX.unpack_from(buf)[1]
+        if length < DIRECT_BODY_MIN or length > MAX_BODY[Data] or len(buf) >= PREFIX.size + length:
+            return False
+        self._admit(Data, length)
+        body = bytearray(length)
+        have = len(buf) - PREFIX.size
+        body[:have] = memoryview(buf)[PREFIX.size :]
+        buf.clear()
+        self._body, self._body_have = body, have
+        return True
 
     def next_event(self) -> Event | ConnectionClosed | _NeedData:
+        if self._body is None and self._direct_body():
+            return NEED_DATA
+        if self._body is not None:
+            if self._body_have < len(self._body):
+                if self._eof:
+                    raise ProtocolError("connection closed in the middle of a Data frame")
+                return NEED_DATA
+            event = Data(self._body)  # handed over: this connection never writes to it again
+            self._body = None
+            self._advance(self.their_role, event, ProtocolError)
+            return event
         frame = take_frame(self._buf, self._eof, _BY_CODE, MAX_BODY, "frame", self._admit)
         if not isinstance(frame, tuple):
             return frame
@@ -373,4 +440,4 @@ class Connection:
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) + (self._body_have if self._body is not None else 0)

@@ -349,11 +349,18 @@ class PullConnection:
         self._advance(self.side, event, LocalProtocolError)
         return data
 
+    def send_parts(self, event: PullEvent) -> list[bytes]:
+        return [self.send(event)]
+
     def receive_data(self, data: bytes) -> None:
         if not data:
             self._eof = True
         else:
             self._buf += data
+
+    def body_view(self) -> None:
+        """Pull frames are small: none is read in place (see ``Connection.body_view``)."""
+        return None
 
     def next_event(self) -> PullEvent | ConnectionClosed | _NeedData:
         if self.state in (PullState.SERVING, PullState.CLOSED):

@@ -360,7 +360,7 @@ def transmit_over(
                 pace_sent += len(piece)
             t0 = time.perf_counter()
             try:
-                link.send(Data(bytes(piece)), f"streaming the payload ({sent} bytes sent)")
+                link.send(Data(piece), f"streaming the payload ({sent} bytes sent)")
             except TempFailure as exc:
                 reject = link.drain_for_reject()
                 if reject is not None:

@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
@@ -36,6 +37,61 @@ DEFAULT_PART_MAX_AGE_S = 24 * 3600.0
 
 _OWNED_PART = re.compile(r"^\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})-[0-9a-f]{16}\.part$")
 _LEGACY_PART = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{6,16}\.part$")  # tempfile.mkstemp names (older muser)
+
+
+WRITEBACK_STEP = 32 << 20  # start writing back once this much more was written
+
+
+class EarlyWriteback:
+    """Start the disk writing a file's pages while the file is still being written, so
+    the final ``fsync`` waits for the last few megabytes rather than for all of them.
+
+    A background thread watches the file's size; each time ``step`` more bytes are
+    there, it runs ``fdatasync`` (releasing the GIL, while the writer goes on). It only
+    moves work earlier: the caller's final ``fsync`` is still what makes the file
+    durable, and publication still follows it. A failed ``fdatasync`` is kept and
+    raised by :meth:`close` -- after one, the final fsync might report success for pages
+    the kernel already dropped, so the write must fail instead (never retried).
+    """
+
+    def __init__(self, fd: int, *, step: int | None = None, poll_s: float = 0.02) -> None:
+        self._fd = fd
+        self._step = WRITEBACK_STEP if step is None else step
+        self._poll_s = poll_s
+        self._stop = threading.Event()
+        self.error: OSError | None = None
+        self.syncs = 0
+        self._thread = threading.Thread(target=self._run, name="muser-writeback", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        synced = 0
+        while not self._stop.wait(self._poll_s):
+            try:
+                size = os.fstat(self._fd).st_size
+                if size - synced >= self._step:
+                    os.fdatasync(self._fd)
+                    synced = size
+                    self.syncs += 1
+            except OSError as exc:
+                self.error = exc
+                return
+
+    def close(self) -> None:
+        """Stop watching (waiting for a flush under way); raise the OSError one met."""
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> "EarlyWriteback":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Stop watching; an error met is raised by :meth:`close`, which the caller runs
+        where it reports its own fsync errors (a failed write reports its own error)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -238,9 +294,11 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *,
         handle = os.fdopen(fd, "wb")
         try:
             out = _Output(handle, path)
-            yield out  # type: ignore[misc]
-            out.flush()
+            with EarlyWriteback(fd) as early:
+                yield out  # type: ignore[misc]
+                out.flush()
             try:
+                early.close()  # a failed early flush fails the write (never retried)
                 os.fsync(handle.fileno())
             except OSError as exc:
                 raise OutputError(f"cannot write {path}: {_describe(exc)}") from exc

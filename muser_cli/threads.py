@@ -8,8 +8,18 @@ import os
 from muser_cli.errors import ConfigError
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (``taskset`` pins a producer and a
+    consumer to different cores on one host), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def default_threads() -> int:
-    """Compute threads when --threads is 0: ``MUSER_THREADS``, else the cores (at most 8)."""
+    """Compute threads when --threads is 0: ``MUSER_THREADS``, else the cores this process
+    may use (at most 8)."""
     value = os.environ.get("MUSER_THREADS")
     if value:
         try:
@@ -17,4 +27,4 @@ def default_threads() -> int:
         except ValueError:
             raise ConfigError(f"MUSER_THREADS={value!r} is not a whole number",
                               hint="set it to a thread count such as 2, or unset it") from None
-    return max(1, min(os.cpu_count() or 1, 8))
+    return min(usable_cpus(), 8)

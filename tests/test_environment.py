@@ -3,6 +3,9 @@ line and a documented exit status, never an internal error."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 from typer.testing import CliRunner
 
@@ -29,3 +32,19 @@ def test_a_non_integer_muser_threads_is_a_configuration_error(tiny_llama, tmp_pa
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("muser: error: MUSER_THREADS=") and "internal error" not in r.stderr
     assert r.stdout == ""
+
+
+def test_a_pinned_process_uses_only_its_cores():
+    """taskset (how one host stands in for two machines) narrows the default threads and
+    the kvpack pool to the cores the process may run on."""
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None:
+        pytest.skip("no CPU affinity on this platform")
+    code = ("from muser_cli.threads import default_threads; from muser_cli.kvpack.digest import workers; "
+            "print(default_threads(), workers())")
+    env = {k: v for k, v in os.environ.items() if k not in ("MUSER_THREADS", "MUSER_KVPACK_THREADS")}
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True)
+    assert out.stdout.split() == ["1", "1"]

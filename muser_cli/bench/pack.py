@@ -36,10 +36,12 @@ def _timed(fn) -> float:
 
 
 def fsync_write(path: Path, writer) -> None:
-    with open(path, "wb") as fh:
+    """Save as muser saves a pack (``prefill -o``, ``pack -o``): a part file written with
+    early writeback, fsynced, renamed onto ``path``, the folder fsynced."""
+    from muser_cli.fsio import atomic_writer
+
+    with atomic_writer(path) as fh:
         writer(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def real_kv(info, depth: int, *, threads: int, progress: Progress):

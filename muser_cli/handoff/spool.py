@@ -108,6 +108,7 @@ class FileSink:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._f: BinaryIO | None = os.fdopen(fd, "wb")
+        self._early = fsio.EarlyWriteback(fd)  # the disk starts while bytes still arrive
         self.forwarded = 0  # nothing leaves a file sink before publication
 
     def write(self, data: bytes, verified: int) -> None:  # noqa: ARG002 - every byte is spooled
@@ -120,8 +121,10 @@ class FileSink:
         f, self._f = self._f, None
         try:
             f.flush()
+            self._early.close()  # a failed early flush fails the handoff: never retried
             os.fsync(f.fileno())
         finally:
+            self._early.__exit__(None, None, None)
             f.close()
         os.chmod(self.part, self.mode)
         os.replace(self.part, self.final)
@@ -129,6 +132,7 @@ class FileSink:
 
     def discard(self) -> None:
         if self._f is not None:
+            self._early.__exit__(None, None, None)
             with contextlib.suppress(OSError):
                 self._f.close()
             self._f = None

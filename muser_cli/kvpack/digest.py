@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from muser_cli.errors import KVPackError
+from muser_cli.threads import usable_cpus
 
 DIGESTS = ("blake3", "sha256")
 DEFAULT_DIGEST = "blake3"
@@ -64,11 +65,12 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def workers() -> int:
-    """Threads for hashing and zstd: MUSER_KVPACK_THREADS, else min(4, CPUs)."""
+    """Threads for hashing and zstd: MUSER_KVPACK_THREADS, else min(4, usable CPUs). A
+    process pinned to one core hashes inline: a pool there only adds hand-offs."""
     env = os.environ.get("MUSER_KVPACK_THREADS", "")
     if env.isdigit() and int(env) >= 1:
         return min(int(env), 64)
-    return max(1, min(4, os.cpu_count() or 1))
+    return min(4, usable_cpus())
 
 
 def pool() -> ThreadPoolExecutor | None:

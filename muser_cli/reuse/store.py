@@ -34,7 +34,7 @@ from typing import BinaryIO, Sequence
 
 from muser_cli.binding import out_of_vocabulary
 from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
-from muser_cli.fsio import fsync_dir
+from muser_cli.fsio import EarlyWriteback, fsync_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
 from muser_cli.reuse.delta import resolve_delta
@@ -60,7 +60,7 @@ class Store(StoreIndex):
         fd, tmp = self._tmp_file()
         try:
             reader = PackReader(decode=False)  # digests and structure; every later read decodes too
-            with os.fdopen(fd, "wb") as out:
+            with os.fdopen(fd, "wb") as out, EarlyWriteback(out.fileno()) as early:
                 while True:
                     block = src.read(READ_BLOCK)
                     if not block:
@@ -71,6 +71,7 @@ class Store(StoreIndex):
                     out.write(block)
                 reader.finish()
                 out.flush()
+                early.close()
                 os.fsync(out.fileno())
             assert reader.header is not None and reader.root_digest is not None
             if reader.header.rows_start > 0:
@@ -94,8 +95,10 @@ class Store(StoreIndex):
         fd, tmp = self._tmp_file()
         try:
             with os.fdopen(fd, "wb") as out:
-                writer = write_pack(out, header, layers, codec="none")
-                out.flush()
+                with EarlyWriteback(out.fileno()) as early:
+                    writer = write_pack(out, header, layers, codec="none")
+                    out.flush()
+                early.close()
                 os.fsync(out.fileno())
             return self._publish(tmp, writer.header, writer.root_digest.hex(), writer.bytes_written)
         finally:

@@ -50,18 +50,25 @@ def _raw_fd(stream: object) -> int | None:
 
 
 class _Sink:
-    """Writes lists of buffers to ``stream``: ``os.writev`` on a file's fd, else ``write``."""
+    """Writes lists of buffers to ``stream``: ``os.writev`` on a file's fd, the stream's own
+    ``writev(buffers) -> int`` when it has one (``fsio.atomic_writer``'s file: same
+    syscall, its errors named after the user's path), else ``write``."""
 
     def __init__(self, stream: BinaryIO) -> None:
         self.stream = stream
         self.fd = _raw_fd(stream)
+        own = getattr(stream, "writev", None) if self.fd is None else None
+        self._writev = own if callable(own) else (None if self.fd is None else self._fd_writev)
         self.written = 0
+
+    def _fd_writev(self, views: list) -> int:
+        return os.writev(self.fd, views)  # type: ignore[arg-type]
 
     def write(self, parts: list) -> None:
         parts = [p for p in parts if len(p)]
         if not parts:
             return
-        if self.fd is None:
+        if self._writev is None:
             for p in parts:
                 self.stream.write(p)
                 self.written += len(p)
@@ -71,8 +78,10 @@ class _Sink:
         while views:
             batch = views[:IOV_MAX]
             try:
-                n = os.writev(self.fd, batch)
+                n = self._writev(batch)
             except BlockingIOError:
+                if self.fd is None:
+                    raise
                 select.select([], [self.fd], [])
                 continue
             except InterruptedError:

@@ -165,6 +165,7 @@ class Link:
         self.bytes_in = 0
         self.bytes_out = 0
         self._armed: float | None = None
+        self._rbuf: bytearray | None = None
 
     def _timeout(self, during: str) -> float:
         if self.deadline is None:
@@ -197,22 +198,24 @@ class Link:
 
     def _fill(self, during: str, timeout: float | None = None) -> None:
         body = self.conn.body_view()  # a large Data body: decrypted straight into its buffer
+        if body is None:  # anything else: into this link's own read buffer (no allocation per read)
+            if self._rbuf is None:
+                self._rbuf = bytearray(RECV_BYTES)
+            into = memoryview(self._rbuf)
+        else:
+            into = body
         try:
             self._arm(during, timeout)
-            if body is not None:
-                n = self.sock.recv_into(body)
-            else:
-                data = self.sock.recv(RECV_BYTES)
+            n = self.sock.recv_into(into)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             raise map_error(exc, during) from None
+        self.bytes_in += n
         if body is not None:
-            self.bytes_in += n
             self.conn.body_received(n)
-            return
-        self.bytes_in += len(data)
-        self.conn.receive_data(data)
+        else:
+            self.conn.receive_data(into[:n])  # copied into the connection's buffer (b"": EOF)
 
     def next_event(self, during: str = "reading") -> Any:
         while True:

@@ -46,3 +46,17 @@ def test_atomic_writer_publishes_a_large_file_whole(tmp_path, monkeypatch):
             fh.write(data[i : i + (64 << 10)])
     assert out.read_bytes() == data
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+
+
+def test_a_spool_whose_publish_fails_leaves_no_part(tmp_path):
+    """The receiver's spool: a publish that fails before its rename (here the early flush
+    met a closed fd) is refused, and discard removes the part -- nothing unverifiable stays."""
+    from muser_cli.handoff.spool import FileSink
+
+    sink = FileSink(tmp_path / "x.kvpack")
+    sink.write(os.urandom(1 << 16), 0)
+    os.close(sink._f.fileno())  # the fd goes away under the sink
+    with pytest.raises(OSError):
+        sink.publish()
+    sink.discard()
+    assert list(tmp_path.iterdir()) == []

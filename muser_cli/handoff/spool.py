@@ -131,13 +131,15 @@ class FileSink:
         fsio.fsync_dir(self.directory)
 
     def discard(self) -> None:
+        """Drop the spool file -- also after a publish that failed before its rename (a
+        failed fsync), so no unverifiable part is left behind."""
+        self._early.__exit__(None, None, None)
         if self._f is not None:
-            self._early.__exit__(None, None, None)
             with contextlib.suppress(OSError):
                 self._f.close()
             self._f = None
-            with contextlib.suppress(FileNotFoundError):
-                self.part.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.part.unlink()
 
 
 class StreamSink:

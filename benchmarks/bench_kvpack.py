@@ -294,6 +294,8 @@ def main() -> int:
             for name, (save, load, ext) in variants.items():  # interleaved: A B C A B C ...
                 path = tmp / f"{abs(hash(name))}{ext}"
                 ts = timed(lambda: save(path))
+                if have_mlx:  # mlx keeps freed buffers for reuse; a reader in a new process has none, nor has glibc's heap here
+                    mx.clear_cache()
                 tl = timed(lambda: load(path))
                 sizes[name] = path.stat().st_size
                 if rep:

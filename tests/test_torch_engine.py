@@ -52,7 +52,7 @@ def check_exact(info, dtype: str, ids: list[int], new: int = NEW, chunk: int = C
     layers = producer.prefill(ids[:-1], chunk_tokens=chunk, progress=lambda *a: seen.append(a))
     assert seen[-1] == ("prefill", rows, rows) and len(seen) == 1 + -(-rows // chunk)
     for spec, kv in zip(info.layers, layers):
-        carried = spec.carried_rows(rows)
+        carried = spec.carried_rows(rows, producer.ring_extra)  # a sliding layer: one ring row more
         assert kv.keys.shape == (spec.kv_heads, carried, spec.head_dim)
         assert kv.values.shape == (spec.kv_heads, carried, spec.v_head_dim)
         assert kv.first_row == rows - carried
@@ -105,17 +105,20 @@ def test_get_engine_builds_torch(tiny_llama):
         TorchEngine(tiny_llama, dtype="float16", threads=1)
 
 
-def test_sliding_layers_carry_window_minus_one(tiny_hybrid):
+def test_sliding_layers_carry_a_window_of_rows(tiny_hybrid):
+    """window - 1 rows a decoding cache needs, and one more ring row (ring_extra 1) so that a
+    consumer can recompute the last position of every sliding layer."""
     engine = engine_for(tiny_hybrid, "float32")
+    assert engine.ring_extra == 1
     ids = encode_prompt(tiny_hybrid, PROMPT)[:40]
     layers = engine.prefill(ids, chunk_tokens=CHUNK)
-    assert [kv.keys.shape[1] for kv in layers] == [7, 7, 7, 40]
-    assert [kv.first_row for kv in layers] == [33, 33, 33, 0]
+    assert [kv.keys.shape[1] for kv in layers] == [8, 8, 8, 40]
+    assert [kv.first_row for kv in layers] == [32, 32, 32, 0]
     short = engine.prefill(ids[:5], chunk_tokens=CHUNK)  # shorter than the window: every row
     assert [(kv.keys.shape[1], kv.first_row) for kv in short] == [(5, 0)] * 4
     # One more token: the window moves by one; rows of whole chunks are unchanged.
     longer = engine.prefill(encode_prompt(tiny_hybrid, PROMPT)[:41], chunk_tokens=CHUNK)
-    assert [kv.first_row for kv in longer] == [34, 34, 34, 0]
+    assert [kv.first_row for kv in longer] == [33, 33, 33, 0]
     assert np.array_equal(longer[3].keys[:, :32], layers[3].keys[:, :32])
 
 
@@ -164,7 +167,8 @@ def test_install_checks_shapes_and_positions(tiny_hybrid):
         engine.decode(layers[:3], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     with pytest.raises(DataError, match="layer 0"):
         engine.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
-    shifted = [dataclasses.replace(layers[0], first_row=0), *layers[1:]]
+    ring = dataclasses.replace(layers[0], keys=layers[0].keys[:, 1:], values=layers[0].values[:, 1:])  # window - 1
+    shifted = [dataclasses.replace(ring, first_row=0), *layers[1:]]
     with pytest.raises(DataError, match="rows start at position 0, expected 13"):
         engine.decode(shifted, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     ints = [LayerKV(keys=kv.keys.astype(np.int32), values=kv.values, first_row=kv.first_row) for kv in layers]

@@ -86,6 +86,15 @@ class LayerKV:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def ring_extra_held(specs: "tuple[LayerSpec, ...] | list[LayerSpec]", layers: "list[LayerKV]", rows: int) -> int:
+    """The ``ring_extra`` a pack of ``layers`` (each ending at ``rows``) can declare: the
+    fewest rows beyond ``window - 1`` any sliding layer past its window holds (0 when none
+    is past its window, or one holds no more)."""
+    extras = [rows - kv.first_row - (spec.window - 1) for spec, kv in zip(specs, layers)
+              if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
+    return max(0, min(extras)) if extras else 0
+
+
 def ring_tail(kv: LayerKV, first: int, end: int) -> LayerKV:
     """``kv`` (which must end at ``end``) without its rows before ``first``: views, no copy.
 

@@ -230,3 +230,30 @@ def test_cross_dtype_install(tiny_llama):
     layers = engine_for(tiny_llama, "float32").prefill(ids[:-1], chunk_tokens=CHUNK)
     result = engine_for(tiny_llama, "bfloat16").decode(layers, rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=4)
     assert len(result.token_ids) >= 1
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 7, 1])
+def test_the_extra_ring_row_changes_no_number(tiny_hybrid, chunk):
+    """A prefill whose sliding layers keep one row more (RingLayer) gives the rows a plain
+    transformers cache gives, plus one older row, bit for bit; decoding from them (the extra
+    row dropped on install) gives the live cache's logits exactly, in float32."""
+    engine = engine_for(tiny_hybrid, "float32")
+    ids = encode_prompt(tiny_hybrid, PROMPT)[:41]
+    rows = 37
+    layers = engine.prefill(ids[:rows], chunk_tokens=chunk)
+    with engine._session():
+        plain = engine._extract(engine._prefill_cache(ids[:rows], chunk, None), rows)  # window - 1, no ring
+    for spec, a, b in zip(tiny_hybrid.layers, layers, plain):
+        cut = 1 if spec.kind == "sliding" else 0
+        assert a.first_row == b.first_row - cut and a.keys.shape[1] == b.keys.shape[1] + cut
+        assert a.keys[:, cut:].tobytes() == b.keys.tobytes() and a.values[:, cut:].tobytes() == b.values.tobytes()
+    nxt = ids[rows : rows + 3]
+    live = engine.live_logits(ids[:rows], nxt, chunk_tokens=chunk)
+    assert np.array_equal(engine.step_logits(layers, rows=rows, next_tokens=nxt), live)
+    assert np.array_equal(engine.step_logits(plain, rows=rows, next_tokens=nxt), live)
+    # Continuing a prefill from the ring rows gives the same bytes as prefilling it all at once.
+    if chunk == CHUNK:
+        at = 32
+        head = engine.prefill(ids[:at], chunk_tokens=chunk)
+        assert [kv.keys.tobytes() for kv in engine.prefill_from(head, rows=at, token_ids=ids[at:rows],
+                                                                 chunk_tokens=chunk)] == [kv.keys.tobytes() for kv in layers]

@@ -128,6 +128,8 @@ class PackHeader:
             object.__setattr__(self, "minor", 2)
         if self.ring_extra and self.minor < 2:
             raise KVPackError(f"ring_extra needs kvpack 1.2 (this header is 1.{self.minor})")
+        if self.ring_extra and not any(spec.kind == "sliding" for spec in self.layers):
+            raise KVPackError("ring_extra needs a sliding layer")
         if self.minor == 0:
             object.__setattr__(self, "digest", "sha256")
         elif self.digest is None:

@@ -210,9 +210,10 @@ class MLXEngine(Engine):
 
         ``chunk_tokens`` cuts the run at absolute multiples of it (the canonical grid);
         ``None`` runs all of ``token_ids`` at once. A sliding layer needs its
-        ``window - 1`` rows before ``start``; a kvpack carries only those before ``rows``,
-        so on models with sliding layers ``start`` must equal ``rows`` unless ``layers``
-        holds more (else :class:`DataError` naming the layer).
+        ``window - 1`` rows before ``start``; a kvpack carries those before ``rows`` and
+        ``ring_extra`` more, so on models with sliding layers ``start`` may be at most
+        ``ring_extra`` below ``rows`` unless ``layers`` holds more (else
+        :class:`DataError` naming the layer).
         """
         start = rows if start is None else start
         ids = self._check_ids(token_ids)

@@ -47,6 +47,11 @@ class TorchEngine(Engine):
     #: ``DynamicLayer``, kept for the A/B in ``benchmarks/bench_decode.py``)
     sized_cache = True
     RING_EXTRA = 1
+    _ring_ok = True
+
+    @property
+    def ring_extra(self) -> int:
+        return super().ring_extra if self._ring_ok else 0
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -223,6 +228,12 @@ class TorchEngine(Engine):
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
             )
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        # The extra ring row needs transformers' plain sliding layer (RingLayer extends it);
+        # another sliding kind (chunked attention) keeps window - 1 rows and ships none.
+        self._ring_ok = all(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers
+                            if getattr(layer, "is_sliding", False))
 
     def _vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

@@ -291,11 +291,13 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
 
     One recompute step of ``positions`` tokens -- no prefill. Full-attention layers are
     compared wherever the pack holds the prefix. A sliding-window layer needs the
-    ``window - 1`` rows before the first recomputed position; a pack carries the ``window
-    - 1`` rows before the *next* one, one short, so on such models the layers up to and
-    including the first sliding one are compared exactly and the rest are reported in
-    ``unchecked`` (a pack that carries one more ring row gets every layer checked). The
-    tolerance is :func:`tolerance_for` (the audit's: dtype, cross-engine, int8 error).
+    ``window - 1`` rows before the first recomputed position: a v1.2 pack's sliding layers
+    carry ``ring_extra`` rows more than ``window - 1`` (torch and MLX write 1), so up to
+    ``ring_extra`` positions are recomputed exactly in every layer. Asked for more (or a
+    pack without the extra rows: v1.0/v1.1, vLLM's), the layers up to and including the
+    first sliding one short of rows are compared exactly and the rest are reported in
+    ``unchecked``. The tolerance is :func:`tolerance_for` (the audit's: dtype,
+    cross-engine, int8 error).
 
     ``decode`` does not call this when it can help it: :class:`SpotGate` runs the same
     comparison inside the first decode step, at no extra step.
@@ -373,8 +375,9 @@ class SpotGate:
     pack's within the tolerance.
 
     Only possible when every layer carries the rows it needs before ``start``
-    (:meth:`fusable`); a hybrid model's sliding ring is one row short for that (see
-    :func:`spot_check`), and ``decode`` then runs the separate check.
+    (:meth:`fusable`): on a hybrid model past its window, when the pack's ``ring_extra``
+    covers the checked positions (see :func:`spot_check`); else ``decode`` runs the
+    separate check.
     """
 
     def __init__(self, pack: KVPack, engine: str, *, positions: int = DEFAULT_SPOT_POSITIONS, reason: str = "",

@@ -19,6 +19,7 @@ from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
 from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
+from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.models import resolve_model
@@ -368,5 +369,6 @@ def _store(got: Rows, info: ModelInfo, ids: list[int], *, dtype: str, engine: st
         header = replace(got.pack.header, rows_start=0, base=None)
     else:
         header = build_header(info, ids, dtype=dtype, chunk_tokens=got.schedule or 0, engine=engine,
-                              threads=threads, extra=eng.producer_info())
+                              threads=threads, extra=eng.producer_info(),
+                              ring_extra=ring_extra_held(info.layers, got.layers, len(ids) - 1))
     return Store().put_layers(header, got.layers).entry.id

@@ -111,7 +111,7 @@ def prefill(
     eng = get_engine(engine, info, dtype=dtype, threads=threads, options=engine_options)
     t1 = time.perf_counter()
     header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
-                          extra=eng.producer_info())
+                          extra=eng.producer_info(), ring_extra=eng.ring_extra)
     full_header = header
     if have is not None and have.held_tokens:
         header = delta_header(header, scope_of_header(header), have.held_tokens, have.chain)
@@ -123,7 +123,7 @@ def prefill(
     # Rows from this machine's store only on an engine that can continue them (its own kernels).
     made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
                       reuse=(reuse or have is not None) and eng.resumes_prefill, progress=progress,
-                      on_chunk=emitter)
+                      on_chunk=emitter, ring_extra=header.ring_extra)
     t2 = time.perf_counter()
     if writer is None:
         late = eng.producer_info()  # a non-streaming engine (vLLM) learns its backend and layout while prefilling

@@ -41,13 +41,15 @@ def local_rows(
     progress: ProgressFn | None = None,
     on_chunk: ChunkFn | None = None,
     spare_rows: int = 0,
+    ring_extra: int = 0,
 ) -> LocalRows:
     """The rows of prompt ``ids[:-1]``: from the deepest exact point the store holds
     (``reuse``), else computed from position 0 on ``chunk_tokens`` (None: any stored
     schedule, else the default). ``on_chunk`` (engines that declare ``streams_prefill``)
     sees the rows as each chunk finishes, stored ones included. ``spare_rows``: a full
     hit's full layers come with that much room after their rows, for the engine to adopt
-    (``Engine.decode(adopt=True)``)."""
+    (``Engine.decode(adopt=True)``). ``ring_extra``: a full hit must hold that many ring
+    rows beyond ``window - 1`` (the header a producer already wrote promises them)."""
     ids = list(ids)
     rows = len(ids) - 1
     resume = None
@@ -55,7 +57,7 @@ def local_rows(
     if reuse:
         store = store or Store()
         resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
-                             chunk_tokens=chunk_tokens, spare_rows=spare_rows)
+                             chunk_tokens=chunk_tokens, spare_rows=spare_rows, ring_extra=ring_extra)
         problems = list(store.problems)
         if resume is not None and resume.held < rows and not eng.resumes_prefill:
             resume = None  # this engine cannot continue a prefill: only a full hit helps

@@ -48,11 +48,19 @@ def check_prompt(info: ModelInfo, ids: list[int], *, new_tokens: int = 0) -> Non
 
 
 def build_header(
-    info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int, extra: dict | None = None
+    info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int, extra: dict | None = None,
+    ring_extra: int = 0,
 ) -> PackHeader:
-    """The header of a full pack of ``ids`` made on this schedule by ``engine``."""
+    """The header of a full pack of ``ids`` made on this schedule by ``engine``.
+
+    ``ring_extra``: the rows beyond ``window - 1`` the engine's sliding layers hold
+    (``Engine.ring_extra``); written only when a sliding layer is past its window, so that
+    a pack it changes nothing in keeps its old version (1.1)."""
     producer = {"engine": engine, "threads": threads, "muser": __version__}
     producer.update(extra or {})
+    rows = len(ids) - 1
+    if not any(s.kind == "sliding" and s.window is not None and rows > s.window - 1 for s in info.layers):
+        ring_extra = 0
     return PackHeader(
         model_fingerprint=info.fingerprint,
         tokenizer_fingerprint=info.tokenizer_fingerprint,
@@ -63,4 +71,5 @@ def build_header(
         model_name=info.name,
         architecture=info.architecture,
         producer=producer,
+        ring_extra=ring_extra,
     )

@@ -185,7 +185,8 @@ class ResidentProducer:
         ids = list(req.token_ids)
         eng = self.engine
         header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                              engine=self.engine_name, threads=self.threads, extra=eng.producer_info())
+                              engine=self.engine_name, threads=self.threads, extra=eng.producer_info(),
+                              ring_extra=eng.ring_extra)
         if req.have_tokens:  # its chain was checked before admission (check)
             header = delta_header(header, scope_of_header(header), req.have_tokens, req.have_chain)
         t0 = time.perf_counter()
@@ -200,7 +201,8 @@ class ResidentProducer:
         layers, reused, source = self._rows(ids, req, on_chunk=emitter)
         if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
             full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                                engine=self.engine_name, threads=self.threads, extra=self._producer_info())
+                                engine=self.engine_name, threads=self.threads, extra=self._producer_info(),
+                                ring_extra=eng.ring_extra)
             header = replace(full, rows_start=header.rows_start, base=header.base)
             writer = write_pack(out, header, layers)
         else:
@@ -209,7 +211,8 @@ class ResidentProducer:
         if self.store and not (source == "store" and reused == len(ids) - 1):  # a full hit is held already
             if full is None:
                 full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
-                                    engine=self.engine_name, threads=self.threads, extra=self._producer_info())
+                                    engine=self.engine_name, threads=self.threads, extra=self._producer_info(),
+                                    ring_extra=eng.ring_extra)
             self._local.put = (full, layers)
         stats = {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
                  "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
@@ -268,7 +271,7 @@ class ResidentProducer:
                 held, prefix, source = found.held, found.layers, "store"
         if source == "memory":
             assert last is not None
-            prefix = layers_at(last[2], self.info.layers, held)
+            prefix = layers_at(last[2], self.info.layers, held, eng.ring_extra if held == rows else 0)
         if held == 0 and self._batcher is not None:
             layers, self._local.producer, self._local.batch = self._batcher.prefill(ids[:-1], req.chunk_tokens)
         elif held == 0:
@@ -298,7 +301,7 @@ class ResidentProducer:
         if not points or max(p.held for p in points) <= deeper_than:
             return None
         found = find_resume(store, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=req.dtype,
-                            chunk_tokens=req.chunk_tokens)
+                            chunk_tokens=req.chunk_tokens, ring_extra=self.engine.ring_extra)
         return found if found is not None and found.held > deeper_than else None
 
 

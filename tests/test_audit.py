@@ -202,7 +202,8 @@ def test_spot_check_on_a_hybrid_model_catches_a_wrong_first_layer(tiny_hybrid, p
     l0 = layers[0]
     layers[0] = LayerKV(l0.keys[:, ::-1].copy(), l0.values[:, ::-1].copy(), l0.first_row)  # ring rows reversed
     bad = _rewrite(good, tmp_path / "reversed.kvpack", layers=layers)
-    with pytest.raises(SpotCheckFailed, match="1 of 1 layers differ.*worst layer 0 \\(sliding"):
+    assert pack.header.ring_extra == 1  # every layer is checked, not only those up to the first sliding one
+    with pytest.raises(SpotCheckFailed, match=r"of 4 layers differ.*(worst layer 0 \(sliding|first layer 0\))"):
         _spot(bad, _engine("torch", tiny_hybrid))
 
 

@@ -88,15 +88,95 @@ def test_the_check_rides_in_the_first_decode_step(tiny_llama):
     assert wide.token_ids == out.token_ids
 
 
-def test_a_hybrid_pack_past_its_window_gets_the_separate_check(tiny_hybrid):
-    """The sliding ring is one row short of recomputing the last position in every layer:
-    decode runs the check as a step of its own (layers up to the first sliding one)."""
+def _rewrite(data: bytes, *, engine_name: str | None = None, ring_extra: int | None = None, corrupt=None) -> bytes:
+    """``data`` written again, every digest right: relabelled, with its ring rows cut to
+    ``ring_extra``, or with ``corrupt(layer_index, layers)`` applied to copies of its rows."""
+    p = read_pack(io.BytesIO(data))
+    header = p.header
+    if engine_name is not None:
+        header = replace(header, producer={**header.producer, "engine": engine_name})
+    if ring_extra is not None:
+        header = replace(header, ring_extra=ring_extra, minor=2 if ring_extra else 1)
+    layers = [LayerKV(l.keys.copy(), l.values.copy(), l.first_row) for l in p.layers]
+    if corrupt is not None:
+        corrupt(layers)
+    again = io.BytesIO()
+    write_pack(again, header, layers)  # rows before a layer's first carried one are skipped
+    return again.getvalue()
+
+
+def test_a_hybrid_pack_past_its_window_is_checked_in_every_layer(tiny_hybrid):
+    """A v1.2 pack carries one ring row more than window - 1 in each sliding layer: the fused
+    check recomputes the last position of every layer, sliding ones included."""
     data = _pack(tiny_hybrid, engine_name="vllm")
-    assert read_pack(io.BytesIO(data)).header.rows_end > 8  # past the tiny hybrid's window
+    h = read_pack(io.BytesIO(data)).header
+    assert h.rows_end > 8 and h.ring_extra == 1 and h.minor == 2  # past the tiny hybrid's window of 8
+    assert [h.layer_rows(i) for i in range(4)] == [8, 8, 8, h.rows_end]
     out = _decode(tiny_hybrid, data)
     spot = out.spot_check
+    assert spot["ran"] and spot["ok"] and spot["fused"] is True
+    assert spot["layers_checked"] == 4 and spot["layers_unchecked"] == []
+    assert spot["positions"] == [h.rows_end - 1, h.rows_end]
+    own = _decode(tiny_hybrid, _pack(tiny_hybrid, engine_name="torch"))  # no check: the pack's rows as they are
+    assert own.spot_check["ran"] is False and out.token_ids == own.token_ids
+    asked = _decode(tiny_hybrid, _pack(tiny_hybrid, engine_name="torch"), audit=1).spot_check  # a step of its own
+    assert asked["fused"] is False and asked["ok"] and asked["layers_unchecked"] == []
+
+
+def test_without_the_ring_row_only_layers_up_to_the_first_sliding_one_are_checked(tiny_hybrid):
+    """A pack without the extra row (v1.1, or --audit N past what it carries): the check runs as
+    a step of its own and names the layers it could not check."""
+    data = _pack(tiny_hybrid, engine_name="vllm")
+    old = _rewrite(data, ring_extra=0)
+    assert read_pack(io.BytesIO(old)).header.minor == 1
+    spot = _decode(tiny_hybrid, old).spot_check
     assert spot["ran"] and spot["ok"] and spot["fused"] is False
     assert spot["layers_checked"] == 1 and spot["layers_unchecked"] == [1, 2, 3]
+    wide = _decode(tiny_hybrid, data, audit=3).spot_check  # 3 positions need 3 ring rows; it carries 1
+    assert wide["ok"] and wide["fused"] is False and wide["layers_unchecked"] == [1, 2, 3]
+    assert wide["positions"][1] - wide["positions"][0] == 3
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2])
+def test_a_sliding_layer_with_a_wrong_last_row_is_refused_naming_it(tiny_hybrid, layer):
+    data = _pack(tiny_hybrid, engine_name="vllm")
+
+    def corrupt(layers):
+        layers[layer].keys[:, -1] *= 1.5  # the last row of one sliding layer, re-signed
+    bad = _rewrite(data, corrupt=corrupt)
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match=rf"before the first token: 1 of 4 layers differ.*worst layer {layer} "
+                                              r"\(sliding"):
+        _decode(tiny_hybrid, bad, on_token=tokens.append)
+    assert tokens == []
+
+
+def test_a_wrong_extra_ring_row_is_caught_through_the_layers_after_it(tiny_hybrid):
+    """The extra row is the recomputation's prefix, never compared itself: a wrong one makes
+    the later layers' recomputed rows disagree, and the pack is refused before any token."""
+    data = _pack(tiny_hybrid, engine_name="vllm")
+
+    def corrupt(layers):
+        layers[1].keys[:, 0] *= -4.0
+        layers[1].values[:, 0] *= -4.0
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match=r"before the first token: 2 of 4 layers differ.*worst layer [23] "):
+        _decode(tiny_hybrid, _rewrite(data, corrupt=corrupt), on_token=tokens.append)
+    assert tokens == []
+
+
+@pytest.mark.parametrize("producer, consumer", [("torch", "mlx"), ("mlx", "torch")])
+def test_honest_cross_engine_hybrid_packs_pass_in_every_layer(tiny_hybrid, producer, consumer):
+    pytest.importorskip("mlx.core", reason="mlx not installed")
+    pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(tiny_hybrid.path), engine=producer, chunk_tokens=8, dtype="float32")
+    h = read_pack(io.BytesIO(out.getvalue())).header
+    assert h.ring_extra == 1 and h.producer["engine"] == producer
+    res = _decode(tiny_hybrid, out.getvalue(), engine=consumer)
+    spot = res.spot_check
+    assert spot["ran"] and spot["ok"] and spot["fused"] and spot["layers_unchecked"] == []
+    assert f"made by {producer}, decoded on {consumer}" in spot["reason"]
 
 
 def test_a_short_hybrid_prompt_is_fused(tiny_hybrid):

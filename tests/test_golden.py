@@ -22,6 +22,7 @@ from muser_cli.kvpack.quant import to_float32
 GOLDEN = Path(__file__).resolve().parent / "golden"
 MANIFEST = json.loads((GOLDEN / "MANIFEST.json").read_text())  # v1.0
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_1.json").read_text()))
+MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_2.json").read_text()))
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "kvpack.md").read_text()
 
 
@@ -38,7 +39,7 @@ def _parts(name: str) -> tuple[int, str, str, str]:
 
 def _header(name: str):
     minor, layer_class, _, digest = _parts(name)
-    return replace(golden_header(layer_class), minor=minor, digest=digest)
+    return replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=1 if minor >= 2 else 0)
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
@@ -82,11 +83,51 @@ def test_a_reader_limited_to_v1_0_refuses_v1_1_naming_both_versions(name):
         PackReader(max_minor=0).feed(data)
 
 
+@pytest.mark.parametrize("name", sorted(n for n in MANIFEST if n.startswith("v1_2")))
+def test_a_reader_limited_to_v1_1_refuses_v1_2_naming_both_versions(name):
+    data = (GOLDEN / name).read_bytes()
+    with pytest.raises(KVPackError, match=r"version 1\.2 is newer than this reader's 1\.1"):
+        PackReader(max_minor=1).feed(data)
+    with pytest.raises(KVPackError, match=r"version 1\.2 is newer than this reader's 1\.1"):
+        read_pack_bytes(data, max_minor=1)
+
+
+def test_v1_2_sliding_layers_carry_ring_extra_rows_more():
+    """The v1.2 files' sliding layers (window 6) hold 6 rows where v1.1's hold 5."""
+    new = read_pack_bytes((GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes())
+    old = read_pack_bytes((GOLDEN / "v1_1-sliding-rope-none-blake3.kvpack").read_bytes())
+    assert new.header.ring_extra == 1 and new.header.raw["ring_extra"] == 1 and old.header.ring_extra == 0
+    assert "ring_extra" not in old.header.raw
+    for a, b in zip(new.layers, old.layers):
+        assert a.keys.shape[1] == b.keys.shape[1] + 1 == 6 and a.first_row == b.first_row - 1
+        assert np.array_equal(a.keys[:, 1:], b.keys) and np.array_equal(a.values[:, 1:], b.values)
+
+
+def test_ring_extra_is_refused_where_it_has_no_place():
+    """Only a 1.2 header may hold ring_extra, only > 0 (absent means 0), only with a sliding layer."""
+    data = (GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes()
+    hlen = struct.unpack_from("<I", data, 12)[0]
+    obj = json.loads(data[16:16 + hlen])
+    from muser_cli.kvpack.format import parse_header
+
+    def canon(o):
+        return json.dumps(o, sort_keys=True, separators=(",", ":")).encode()
+    assert parse_header(canon(obj), 1, 2).ring_extra == 1
+    as_1_1 = {**obj, "version": [1, 1]}
+    with pytest.raises(KVPackError, match=r"unknown key\(s\) \['ring_extra'\] for version 1\.1"):
+        parse_header(canon(as_1_1), 1, 1)
+    with pytest.raises(KVPackError, match=r"ring_extra=0 outside \[1, "):
+        parse_header(canon({**obj, "ring_extra": 0}), 1, 2)
+    full = {**obj, "layers": [{**l, "kind": "full", "window": None} for l in obj["layers"]]}
+    with pytest.raises(KVPackError, match="ring_extra needs a sliding layer"):
+        parse_header(canon(full), 1, 2)
+
+
 def test_a_newer_minor_is_refused_by_version_not_as_corruption():
-    data = bytearray((GOLDEN / "v1_1-full-rope-none-blake3.kvpack").read_bytes())
-    data[10:12] = struct.pack("<H", 2)
+    data = bytearray((GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes())
+    data[10:12] = struct.pack("<H", 3)
     for read in (read_pack_bytes, lambda d: read_pack(io.BytesIO(d))):
-        with pytest.raises(KVPackError, match=r"version 1\.2 is newer than this reader's 1\.1"):
+        with pytest.raises(KVPackError, match=r"version 1\.3 is newer than this reader's 1\.2"):
             read(bytes(data))
 
 
@@ -97,7 +138,7 @@ def _spec_verify(data: bytes) -> dict:
 
     assert data[:8] == b"\x89KVPACK\n"
     major, minor, hlen = struct.unpack_from("<HHI", data, 8)
-    assert major == 1 and minor in (0, 1)
+    assert major == 1 and minor in (0, 1, 2)
     hjson = data[16:16 + hlen]
     obj = json.loads(hjson)
     assert json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() == hjson

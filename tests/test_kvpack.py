@@ -21,16 +21,23 @@ from muser_cli.kvpack.format import FRAME_HEADER, MAGIC, PREAMBLE, canonical_jso
 import kvpack_factory
 from kvpack_factory import llama_layers, make_pack
 
-VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
+VERSIONS = {"v1.0": (0, "sha256", 0), "v1.1-blake3": (1, "blake3", 0), "v1.1-sha256": (1, "sha256", 0),
+            "v1.2-ring": (2, "blake3", 1)}
+
+
+def _as_version(h, minor: int, digest: str, ring_extra: int):
+    """``h`` written as a version; v1.2 adds ring rows wherever the header has a sliding layer."""
+    ring = ring_extra if any(s.kind == "sliding" for s in h.layers) else 0
+    return replace(h, minor=minor, digest=digest, ring_extra=ring)
 
 
 @pytest.fixture(autouse=True, scope="module", params=sorted(VERSIONS))
 def version(request):
     """Every test of this module runs once per version: the factory's packs are written as it."""
-    minor, digest = VERSIONS[request.param]
+    minor, digest, ring = VERSIONS[request.param]
     plain = kvpack_factory.make_header
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(kvpack_factory, "make_header", lambda *a, **kw: replace(plain(*a, **kw), minor=minor, digest=digest))
+        m.setattr(kvpack_factory, "make_header", lambda *a, **kw: _as_version(plain(*a, **kw), minor, digest, ring))
         yield request.param
 
 
@@ -71,8 +78,9 @@ def test_round_trip_bytes_identical(codec, dtype):
     pack = read_pack_bytes(data)
     assert pack.header == header or pack.header.codec["name"] == codec
     assert _same(pack.layers, rows)
-    # sliding layers carry window-1 rows, full layers every row of prompt[:-1]
-    assert [l.keys.shape[1] for l in pack.layers] == [7, 7, 40]
+    # sliding layers carry window-1 rows (and ring_extra more in v1.2), full layers every row of prompt[:-1]
+    ring = header.ring_extra
+    assert [l.keys.shape[1] for l in pack.layers] == [7 + ring, 7 + ring, 40]
     assert pack.total_bytes == len(data)
 
 
@@ -96,8 +104,9 @@ def test_one_byte_at_a_time_gives_same_events():
 def test_frame_plan_is_chunk_major():
     _, header, _ = make_pack(41)
     plan = list(header.frame_plan())
-    # chunks of 16: [0,16) [16,32) [32,40); sliding layers hold rows 33..39 only
-    assert plan == [(2, 0, 16), (2, 16, 16), (0, 33, 7), (1, 33, 7), (2, 32, 8)]
+    # chunks of 16: [0,16) [16,32) [32,40); sliding layers hold rows 33..39 only (v1.2: from 32)
+    first = 33 - header.ring_extra
+    assert plan == [(2, 0, 16), (2, 16, 16), (0, first, 40 - first), (1, first, 40 - first), (2, 32, 8)]
 
 
 # ------------------------------------------------------------------ A: malformed
@@ -399,12 +408,13 @@ def test_zstd_bomb_is_refused_before_allocation():
 # ------------------------------------------------------------------ v1.1 header rules
 def test_pack_is_written_in_the_version_under_test(version):
     data, header, _ = make_pack(41)
-    minor, digest = VERSIONS[version]
+    minor, digest, ring = VERSIONS[version]
     _, _, got_minor, _ = PREAMBLE.unpack(data[:16])
     assert got_minor == minor
     h = read_pack_bytes(data).header
     assert (h.minor, h.digest) == (minor, digest)
     assert ("digest" in json.loads(_split(data)[1])) == (minor >= 1)
+    assert json.loads(_split(data)[1]).get("ring_extra", 0) == h.ring_extra == ring
 
 
 def test_v1_1_header_must_name_a_known_digest(version):

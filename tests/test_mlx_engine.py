@@ -265,7 +265,7 @@ def test_ring_order_matters_and_is_temporal(tiny_hybrid):
     prefix, nxt = ids[:rows], ids[rows : rows + 3]
     torch_eng, mlx_eng = engine("torch", info), engine("mlx", info)
     layers = torch_eng.prefill(prefix, chunk_tokens=CHUNK)
-    assert [kv.keys.shape[1] for kv in layers] == [7, 7, 7, 40]
+    assert [kv.keys.shape[1] for kv in layers] == [8, 8, 8, 40]  # window - 1 and one ring row (ring_extra)
     reference = torch_eng.decode(layers, rows=rows, next_tokens=nxt[:1], max_new_tokens=NEW, stop_on_eos=False)
     assert mlx_eng.decode(layers, rows=rows, next_tokens=nxt[:1], max_new_tokens=NEW,
                           stop_on_eos=False).token_ids == reference.token_ids
@@ -462,7 +462,8 @@ def test_bad_input_is_refused(tiny_hybrid):
     with pytest.raises(DataError, match="layer 0"):
         eng.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
     with pytest.raises(DataError, match="rows start at position 0, expected 13"):
-        eng.decode([dataclasses.replace(layers[0], first_row=0), *layers[1:]], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
+        ring = dataclasses.replace(layers[0], keys=layers[0].keys[:, 1:], values=layers[0].values[:, 1:])  # window - 1
+        eng.decode([dataclasses.replace(ring, first_row=0), *layers[1:]], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     ints = [LayerKV(kv.keys.astype(np.int32), kv.values, kv.first_row) for kv in layers]
     with pytest.raises(DataError, match="int32"):
         eng.decode(ints, rows=20, next_tokens=ids[-1:], max_new_tokens=1)

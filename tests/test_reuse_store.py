@@ -302,3 +302,50 @@ def test_concurrent_writers(tmp_path):
     res = store.gc(verify=True)
     assert res.removed == [] and res.entries == len(entries) and store.problems == []
     assert not list((store.root / "tmp").iterdir())
+
+
+# ------------------------------------------------------------------ v1.2 ring rows (ring_extra)
+def test_a_full_hit_keeps_the_ring_rows_a_producer_promises():
+    """An entry stored with ring_extra 1 serves a producer that writes it (window rows in each
+    sliding layer); one stored without serves only the consumer's cache (window - 1)."""
+    store = Store()
+    h = replace(header_for(PROMPT), ring_extra=1)
+    assert h.minor == 2 and [h.layer_rows(i) for i in range(3)] == [8, 8, 40]
+    rows = make_rows(h, 1)
+    buf = io.BytesIO()
+    write_pack(buf, h, rows)
+    store.put(io.BytesIO(buf.getvalue()))
+    got = find_resume(store, FP_A, FP_B, PROMPT, dtype="float32", ring_extra=1)
+    assert got is not None and got.held == 40
+    assert [(l.first_row, l.keys.shape[1]) for l in got.layers] == [(32, 8), (32, 8), (0, 40)]
+    assert np.array_equal(got.layers[0].keys, rows[0].keys)
+    plain = find_resume(store, FP_A, FP_B, PROMPT, dtype="float32")  # a consumer: what its cache holds
+    assert [(l.first_row, l.keys.shape[1]) for l in plain.layers] == [(33, 7), (33, 7), (0, 40)]
+    assert np.array_equal(plain.layers[0].keys, rows[0].keys[:, 1:])
+
+    old = Store(store.root.parent / "old")
+    old.put(io.BytesIO(pack_bytes(PROMPT)))  # v1.1: window - 1 rows
+    assert find_resume(old, FP_A, FP_B, PROMPT, dtype="float32", ring_extra=1) is None  # no full hit for it
+    assert find_resume(old, FP_A, FP_B, PROMPT, dtype="float32").held == 40
+
+
+def test_a_delta_of_a_v1_2_pack_carries_the_same_ring_and_merges_back():
+    store = Store()
+    full = replace(header_for(LONGER), ring_extra=1)
+    rows = make_rows(full, 2)
+    prefix = replace(header_for(PROMPT), ring_extra=1)
+    pbuf = io.BytesIO()
+    write_pack(pbuf, prefix, [LayerKV(l.keys[:, :40], l.values[:, :40], 0) if s.kind == "full"
+                              else LayerKV(*(make_rows(prefix, 3)[i].keys,) * 2, prefix.layer_first_row(i))
+                              for i, (s, l) in enumerate(zip(full.layers, rows))])
+    store.put(io.BytesIO(pbuf.getvalue()))
+    fbuf = io.BytesIO()
+    write_pack(fbuf, full, rows)
+    d = io.BytesIO()
+    pack(io.BytesIO(fbuf.getvalue()), d, codec="none", have=manifest_for(store, LONGER))
+    delta = read_pack_bytes(d.getvalue())
+    assert delta.header.rows_start == 40 and delta.header.ring_extra == 1 and delta.header.minor == 2
+    assert [delta.header.layer_rows(i) for i in range(3)] == [8, 8, 40]
+    merged, _ = resolve_delta(delta, store)
+    for m, r in zip(merged, rows):
+        assert m.first_row == r.first_row and np.array_equal(m.keys, r.keys) and np.array_equal(m.values, r.values)

@@ -52,7 +52,7 @@ def check_exact(info, dtype: str, ids: list[int], new: int = NEW, chunk: int = C
     layers = producer.prefill(ids[:-1], chunk_tokens=chunk, progress=lambda *a: seen.append(a))
     assert seen[-1] == ("prefill", rows, rows) and len(seen) == 1 + -(-rows // chunk)
     for spec, kv in zip(info.layers, layers):
-        carried = spec.carried_rows(rows)
+        carried = spec.carried_rows(rows, producer.ring_extra)  # a sliding layer: one ring row more
         assert kv.keys.shape == (spec.kv_heads, carried, spec.head_dim)
         assert kv.values.shape == (spec.kv_heads, carried, spec.v_head_dim)
         assert kv.first_row == rows - carried
@@ -105,17 +105,20 @@ def test_get_engine_builds_torch(tiny_llama):
         TorchEngine(tiny_llama, dtype="float16", threads=1)
 
 
-def test_sliding_layers_carry_window_minus_one(tiny_hybrid):
+def test_sliding_layers_carry_a_window_of_rows(tiny_hybrid):
+    """window - 1 rows a decoding cache needs, and one more ring row (ring_extra 1) so that a
+    consumer can recompute the last position of every sliding layer."""
     engine = engine_for(tiny_hybrid, "float32")
+    assert engine.ring_extra == 1
     ids = encode_prompt(tiny_hybrid, PROMPT)[:40]
     layers = engine.prefill(ids, chunk_tokens=CHUNK)
-    assert [kv.keys.shape[1] for kv in layers] == [7, 7, 7, 40]
-    assert [kv.first_row for kv in layers] == [33, 33, 33, 0]
+    assert [kv.keys.shape[1] for kv in layers] == [8, 8, 8, 40]
+    assert [kv.first_row for kv in layers] == [32, 32, 32, 0]
     short = engine.prefill(ids[:5], chunk_tokens=CHUNK)  # shorter than the window: every row
     assert [(kv.keys.shape[1], kv.first_row) for kv in short] == [(5, 0)] * 4
     # One more token: the window moves by one; rows of whole chunks are unchanged.
     longer = engine.prefill(encode_prompt(tiny_hybrid, PROMPT)[:41], chunk_tokens=CHUNK)
-    assert [kv.first_row for kv in longer] == [34, 34, 34, 0]
+    assert [kv.first_row for kv in longer] == [33, 33, 33, 0]
     assert np.array_equal(longer[3].keys[:, :32], layers[3].keys[:, :32])
 
 
@@ -164,7 +167,8 @@ def test_install_checks_shapes_and_positions(tiny_hybrid):
         engine.decode(layers[:3], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     with pytest.raises(DataError, match="layer 0"):
         engine.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
-    shifted = [dataclasses.replace(layers[0], first_row=0), *layers[1:]]
+    ring = dataclasses.replace(layers[0], keys=layers[0].keys[:, 1:], values=layers[0].values[:, 1:])  # window - 1
+    shifted = [dataclasses.replace(ring, first_row=0), *layers[1:]]
     with pytest.raises(DataError, match="rows start at position 0, expected 13"):
         engine.decode(shifted, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
     ints = [LayerKV(keys=kv.keys.astype(np.int32), values=kv.values, first_row=kv.first_row) for kv in layers]
@@ -226,3 +230,30 @@ def test_cross_dtype_install(tiny_llama):
     layers = engine_for(tiny_llama, "float32").prefill(ids[:-1], chunk_tokens=CHUNK)
     result = engine_for(tiny_llama, "bfloat16").decode(layers, rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=4)
     assert len(result.token_ids) >= 1
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 7, 1])
+def test_the_extra_ring_row_changes_no_number(tiny_hybrid, chunk):
+    """A prefill whose sliding layers keep one row more (RingLayer) gives the rows a plain
+    transformers cache gives, plus one older row, bit for bit; decoding from them (the extra
+    row dropped on install) gives the live cache's logits exactly, in float32."""
+    engine = engine_for(tiny_hybrid, "float32")
+    ids = encode_prompt(tiny_hybrid, PROMPT)[:41]
+    rows = 37
+    layers = engine.prefill(ids[:rows], chunk_tokens=chunk)
+    with engine._session():
+        plain = engine._extract(engine._prefill_cache(ids[:rows], chunk, None), rows)  # window - 1, no ring
+    for spec, a, b in zip(tiny_hybrid.layers, layers, plain):
+        cut = 1 if spec.kind == "sliding" else 0
+        assert a.first_row == b.first_row - cut and a.keys.shape[1] == b.keys.shape[1] + cut
+        assert a.keys[:, cut:].tobytes() == b.keys.tobytes() and a.values[:, cut:].tobytes() == b.values.tobytes()
+    nxt = ids[rows : rows + 3]
+    live = engine.live_logits(ids[:rows], nxt, chunk_tokens=chunk)
+    assert np.array_equal(engine.step_logits(layers, rows=rows, next_tokens=nxt), live)
+    assert np.array_equal(engine.step_logits(plain, rows=rows, next_tokens=nxt), live)
+    # Continuing a prefill from the ring rows gives the same bytes as prefilling it all at once.
+    if chunk == CHUNK:
+        at = 32
+        head = engine.prefill(ids[:at], chunk_tokens=chunk)
+        assert [kv.keys.tobytes() for kv in engine.prefill_from(head, rows=at, token_ids=ids[at:rows],
+                                                                 chunk_tokens=chunk)] == [kv.keys.tobytes() for kv in layers]

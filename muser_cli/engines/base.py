@@ -107,6 +107,16 @@ class Engine(abc.ABC):
     #: True when :meth:`prefill` and :meth:`prefill_from` take ``on_chunk`` (a
     #: :data:`ChunkFn`), so a producer can write each chunk's frames as it finishes.
     streams_prefill: bool = False
+    #: Rows beyond ``window - 1`` that :meth:`prefill` gives each sliding layer (a pack's
+    #: ``ring_extra``, docs/kvpack.md 1.3): with one, a consumer's spot-check recomputes the
+    #: last position of every sliding layer exactly. :meth:`decode` takes rows with or
+    #: without them (the oldest extra rows are dropped: decoding needs ``window - 1``).
+    RING_EXTRA: int = 0
+
+    @property
+    def ring_extra(self) -> int:
+        """:attr:`RING_EXTRA` for a model with a sliding layer, else 0."""
+        return self.RING_EXTRA if any(s.kind == "sliding" for s in self.info.layers) else 0
 
     def prefill_from(
         self,

@@ -14,7 +14,10 @@ raises :class:`~muser_cli.errors.IdentityMismatch` naming the field: a lost
 
 Cache layout. Full layers are mlx-lm ``KVCache``; sliding layers ``RotatingKVCache``
 (``max_size == window``, ``keep == 0``) whose ring is stored in physical order. A kvpack
-carries a sliding layer's last ``window - 1`` rows in temporal order. Installing them
+carries a sliding layer's last ``window - 1`` rows in temporal order (and, from this
+engine, one older ring row, :attr:`MLXEngine.RING_EXTRA`: mlx-lm's ring holds at least
+``window`` rows after a prefill chunk anyway, so nothing computed changes; installing
+drops it). Installing them
 reproduces the state mlx-lm itself reaches after a prefill
 (:func:`~muser_cli.engines.mlx_cache.install_rotating`), so the first decode step
 overwrites the oldest slot, not a newer one; extraction un-rotates the ring
@@ -48,7 +51,7 @@ from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptToo
 from muser_cli.engines.mlx_cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx_cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
 from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides  # noqa: F401
-from muser_cli.kvpack.layers import LayerKV
+from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
 _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
@@ -60,6 +63,7 @@ class MLXEngine(Engine):
     name = "mlx"
     resumes_prefill = True
     streams_prefill = True
+    RING_EXTRA = 1
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -102,7 +106,7 @@ class MLXEngine(Engine):
         if len(ids) >= self.info.max_positions:
             raise PromptTooLong(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk)
-        return self._extract(caches, len(ids))
+        return self._extract(caches, len(ids), self.ring_extra)
 
     def prefill_from(
         self,
@@ -130,7 +134,7 @@ class MLXEngine(Engine):
         if on_chunk:
             on_chunk(rows, self._rows_of(caches, rows))
         self._run_chunks(caches, ids, rows, chunk_tokens, progress, on_chunk)
-        return self._extract(caches, total)
+        return self._extract(caches, total, self.ring_extra)
 
     def producer_info(self) -> dict:
         """Recorded in a kvpack's ``producer`` field by ``prefill``."""
@@ -206,9 +210,10 @@ class MLXEngine(Engine):
 
         ``chunk_tokens`` cuts the run at absolute multiples of it (the canonical grid);
         ``None`` runs all of ``token_ids`` at once. A sliding layer needs its
-        ``window - 1`` rows before ``start``; a kvpack carries only those before ``rows``,
-        so on models with sliding layers ``start`` must equal ``rows`` unless ``layers``
-        holds more (else :class:`DataError` naming the layer).
+        ``window - 1`` rows before ``start``; a kvpack carries those before ``rows`` and
+        ``ring_extra`` more, so on models with sliding layers ``start`` may be at most
+        ``ring_extra`` below ``rows`` unless ``layers`` holds more (else
+        :class:`DataError` naming the layer).
         """
         start = rows if start is None else start
         ids = self._check_ids(token_ids)
@@ -323,11 +328,13 @@ class MLXEngine(Engine):
             return self._to_numpy(k[0, :, a:b, :]), self._to_numpy(v[0, :, a:b, :])
         return rows_of
 
-    def _extract(self, caches: list[Any], n: int) -> list[LayerKV]:
-        """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype."""
+    def _extract(self, caches: list[Any], n: int, ring: int = 0) -> list[LayerKV]:
+        """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype;
+        a sliding layer's last ``window - 1 + ring`` rows (after a prefill chunk mlx-lm's
+        ring holds at least ``window``)."""
         out = []
         for index, (spec, cache) in enumerate(zip(self.info.layers, caches)):
-            carried = spec.carried_rows(n)
+            carried = spec.carried_rows(n, ring)
             if n == 0 or cache.empty():
                 keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=_np_storage(self.dtype))
                 values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=_np_storage(self.dtype))
@@ -354,6 +361,7 @@ class MLXEngine(Engine):
         caches = self._make_cache(self.model)
         for index, (spec, kv, cache) in enumerate(zip(specs, layers, caches)):
             carried = spec.carried_rows(rows)
+            kv = ring_tail(kv, rows - carried, rows)  # a pack's ring_extra rows: not part of a decoding cache
             want_k = (spec.kv_heads, carried, spec.head_dim)
             want_v = (spec.kv_heads, carried, spec.v_head_dim)
             if tuple(np.shape(kv.keys)) != want_k or tuple(np.shape(kv.values)) != want_v:

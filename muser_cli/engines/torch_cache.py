@@ -13,6 +13,10 @@ after them (a streamed pack's rows, placed frame by frame as they verified) beco
 cache without a copy. Sliding-window layers keep transformers' own layer: they hold at
 most ``window - 1`` rows, so their growth is bounded.
 
+A producer's sliding layers are :class:`RingLayer`: transformers' sliding layer that keeps
+``extra`` more of its oldest rows (a kvpack's ``ring_extra``) but hands attention exactly
+the rows transformers' own would, so every number computed is the same.
+
 This module imports transformers at the top; :mod:`muser_cli.engines.torch_engine`
 imports it only when a cache is built.
 """
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class SizedLayer(DynamicLayer):
@@ -98,11 +102,53 @@ class SizedLayer(DynamicLayer):
         raise NotImplementedError("a sized cache holds one sequence")
 
 
-def sized_cache(config: Any, capacity: int, dtype: torch.dtype | None = None) -> Any:
+class RingLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer that keeps its last ``window - 1 + extra`` rows.
+
+    ``update`` hands attention the rows transformers' own layer would (its last ``window -
+    1`` held rows, then the new ones: the same tensors, so the same numbers); only what is
+    kept afterwards is ``extra`` rows longer. Masks come from ``cumulative_length``, which
+    is unchanged. Prefill only: a decoding cache needs no more than ``window - 1``."""
+
+    def __init__(self, sliding_window: int, extra: int) -> None:
+        super().__init__(sliding_window=sliding_window)
+        self.extra = int(extra)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        ring = self.sliding_window - 1
+        held_k, held_v = self.keys, self.values  # an empty 1-D tensor before the first update
+        if held_k.dim() == 4:
+            held_k, held_v = held_k[:, :, -ring:, :], held_v[:, :, -ring:, :]  # what transformers holds
+        full_k = torch.cat([held_k, key_states], dim=-2)
+        full_v = torch.cat([held_v, value_states], dim=-2)
+        keep = ring + self.extra
+        self.keys = torch.cat([self.keys, key_states], dim=-2)[:, :, -keep:, :]
+        self.values = torch.cat([self.values, value_states], dim=-2)[:, :, -keep:, :]
+        return full_k, full_v
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a prefill ring is never cropped")
+
+
+def sized_cache(config: Any, capacity: int, dtype: torch.dtype | None = None, *, ring_extra: int = 0) -> Any:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`SizedLayer`
-    of ``capacity`` rows in ``dtype``; sliding layers stay transformers' own."""
+    of ``capacity`` rows in ``dtype``; sliding layers stay transformers' own, or are
+    :class:`RingLayer` keeping ``ring_extra`` more rows when that is > 0."""
     cache = DynamicCache(config=config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
             cache.layers[i] = SizedLayer(capacity, dtype)
+    return with_ring(cache, ring_extra)
+
+
+def with_ring(cache: Any, ring_extra: int) -> Any:
+    """``cache`` with its sliding layers replaced by :class:`RingLayer` (``ring_extra`` > 0)."""
+    if ring_extra > 0:
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicSlidingWindowLayer:
+                cache.layers[i] = RingLayer(layer.sliding_window, ring_extra)
     return cache

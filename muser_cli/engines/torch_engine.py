@@ -9,7 +9,11 @@ full-attention layers sized once for the prompt and every new token
 (:mod:`muser_cli.engines.torch_cache`: no generated token copies the cache).
 A sliding layer holds only its last ``window - 1`` rows; transformers tracks the
 absolute length separately (``cumulative_length``), which the rebuild sets to ``rows``
-so that masks and positions match the producer's live cache exactly.
+so that masks and positions match the producer's live cache exactly. A producer's sliding
+layers keep one row more (:attr:`TorchEngine.RING_EXTRA`, a pack's ``ring_extra``,
+:class:`muser_cli.engines.torch_cache.RingLayer`) without changing any number computed, so
+that a consumer's spot-check can recompute the last position of every layer; installing
+drops it again.
 
 :meth:`TorchEngine.generate_reference` decodes from the producer's own live cache,
 without extraction: the truth the handed-off path must reproduce bit for bit.
@@ -28,7 +32,7 @@ from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampli
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
-from muser_cli.kvpack.layers import LayerKV
+from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # numpy dtype of the arrays a pack carries -> the torch dtype those bytes mean.
@@ -42,6 +46,12 @@ class TorchEngine(Engine):
     #: full-attention layers in buffers sized once (False: transformers' growing
     #: ``DynamicLayer``, kept for the A/B in ``benchmarks/bench_decode.py``)
     sized_cache = True
+    RING_EXTRA = 1
+    _ring_ok = True
+
+    @property
+    def ring_extra(self) -> int:
+        return super().ring_extra if self._ring_ok else 0
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -79,8 +89,8 @@ class TorchEngine(Engine):
                 f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk)
-            return self._extract(cache, len(ids))
+            cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk, ring=self.ring_extra)
+            return self._extract(cache, len(ids), self.ring_extra)
 
     def prefill_from(
         self,
@@ -107,7 +117,7 @@ class TorchEngine(Engine):
                 f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._install(layers, rows, extra=len(ids))
+            cache = self._install(layers, rows, extra=len(ids), ring=self.ring_extra)
             if progress:
                 progress("prefill", rows, total)
             if on_chunk:
@@ -120,7 +130,7 @@ class TorchEngine(Engine):
                     progress("prefill", done, total)
                 if on_chunk:
                     on_chunk(done, self._rows_of(cache, done))
-            return self._extract(cache, total)
+            return self._extract(cache, total, self.ring_extra)
 
     # ------------------------------------------------------------------ consumer
 
@@ -218,6 +228,12 @@ class TorchEngine(Engine):
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
             )
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        # The extra ring row needs transformers' plain sliding layer (RingLayer extends it);
+        # another sliding kind (chunked attention) keeps window - 1 rows and ships none.
+        self._ring_ok = all(type(layer) is DynamicSlidingWindowLayer for layer in cache.layers
+                            if getattr(layer, "is_sliding", False))
 
     def _vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
@@ -228,23 +244,24 @@ class TorchEngine(Engine):
         out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits
 
-    def _new_cache(self, capacity: int) -> Any:
-        """An empty cache with room for ``capacity`` positions in each full-attention layer."""
-        if self.sized_cache:
-            from muser_cli.engines.torch_cache import sized_cache
+    def _new_cache(self, capacity: int, ring: int = 0) -> Any:
+        """An empty cache with room for ``capacity`` positions in each full-attention layer
+        (``ring`` > 0: its sliding layers keep that many rows more, for a pack)."""
+        from muser_cli.engines.torch_cache import sized_cache, with_ring
 
-            return sized_cache(self.model.config, capacity, dtype=self.torch_dtype)
+        if self.sized_cache:
+            return sized_cache(self.model.config, capacity, dtype=self.torch_dtype, ring_extra=ring)
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.model.config)
+        return with_ring(DynamicCache(config=self.model.config), ring)
 
     def _prefill_cache(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
-                       on_chunk: ChunkFn | None = None, *, extra: int = 0) -> Any:
+                       on_chunk: ChunkFn | None = None, *, extra: int = 0, ring: int = 0) -> Any:
         """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one cache
-        (with room for ``extra`` positions after them)."""
+        (with room for ``extra`` positions after them; ``ring``: see :meth:`_new_cache`)."""
         if chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
-        cache = self._new_cache(len(ids) + extra)
+        cache = self._new_cache(len(ids) + extra, ring)
         total = len(ids)
         if progress:
             progress("prefill", 0, total)
@@ -264,18 +281,20 @@ class TorchEngine(Engine):
     def _rows_of(self, cache: Any, n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-            first = n - self.info.layers[index].carried_rows(n)
+            layer = cache.layers[index]
+            held = layer.keys.shape[-2] if n and getattr(layer, "is_initialized", False) else 0
+            first = n - held  # a prefill ring may hold more than a decoding cache
             if lo < first or hi > n:
                 raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{first}, {n})")
-            layer = cache.layers[index]
             return _to_numpy(layer.keys[0, :, lo - first : hi - first]), _to_numpy(layer.values[0, :, lo - first : hi - first])
         return rows_of
 
-    def _extract(self, cache: Any, n: int) -> list[LayerKV]:
-        """Per layer K and V as (kv_heads, rows, head_dim) arrays in the storage dtype."""
+    def _extract(self, cache: Any, n: int, ring: int = 0) -> list[LayerKV]:
+        """Per layer K and V as (kv_heads, rows, head_dim) arrays in the storage dtype
+        (``ring``: the extra rows the cache's sliding layers keep, :meth:`_new_cache`)."""
         out = []
         for index, spec in enumerate(self.info.layers):
-            carried = spec.carried_rows(n)
+            carried = spec.carried_rows(n, ring)
             layer = cache.layers[index]
             if n == 0 or not getattr(layer, "is_initialized", False):
                 keys = torch.empty((spec.kv_heads, 0, spec.head_dim), dtype=self.torch_dtype)
@@ -294,17 +313,20 @@ class TorchEngine(Engine):
             out.append(LayerKV(keys=_to_numpy(keys), values=_to_numpy(values), first_row=n - carried))
         return out
 
-    def _install(self, layers: Sequence[LayerKV], rows: int, *, extra: int = 0, adopt: bool = False) -> Any:
+    def _install(self, layers: Sequence[LayerKV], rows: int, *, extra: int = 0, adopt: bool = False,
+                 ring: int = 0) -> Any:
         """A cache holding ``layers`` as if ``rows`` tokens had been prefilled here, with room
         for ``extra`` more positions. ``adopt``: a full layer whose rows are a view of a
         larger array in the engine's dtype (see :meth:`Engine.decode`) uses that array as
-        its buffer, without a copy."""
+        its buffer, without a copy. A sliding layer's rows older than its last ``window -
+        1`` (a pack's ``ring_extra``) are dropped; ``ring``: see :meth:`_new_cache`."""
         specs = self.info.layers
         if len(layers) != len(specs):
             raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
-        cache = self._new_cache(rows + extra)
+        cache = self._new_cache(rows + extra, ring)
         for index, (spec, kv) in enumerate(zip(specs, layers)):
             carried = spec.carried_rows(rows)
+            kv = ring_tail(kv, rows - carried, rows)
             want_k = (spec.kv_heads, carried, spec.head_dim)
             want_v = (spec.kv_heads, carried, spec.v_head_dim)
             if tuple(np.shape(kv.keys)) != want_k or tuple(np.shape(kv.values)) != want_v:

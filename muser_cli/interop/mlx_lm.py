@@ -40,7 +40,7 @@ import numpy as np
 from muser_cli.errors import DataError, UsageError
 from muser_cli.interop import safetensors_io as st
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader, read_pack, write_pack
-from muser_cli.kvpack.layers import DTYPES
+from muser_cli.kvpack.layers import DTYPES, ring_tail
 from muser_cli.modelinfo import ModelInfo
 
 #: the cache classes muser reads and writes: name -> (layer kind, number of state fields)
@@ -205,7 +205,9 @@ def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[
     """The rows a kvpack of ``token_ids`` carries, taken from ``cache`` after checking its
     layout against the model: layer count and kinds, windows, KV heads, head dims, and the
     cached length (``len(token_ids) - 1``, or ``len(token_ids)``: then the last row is left
-    out). Returns (layers, whether a last row was left out)."""
+    out). Returns (layers, whether a last row was left out). Sliding layers give their
+    last ``window - 1`` rows (no ``ring_extra``: the pack is a v1.1 one, as mlx-lm's file
+    does not say which extra rows are real after every schedule)."""
     specs = info.layers
     if len(cache.layers) != len(specs):
         raise DataError(f"{name}: {len(cache.layers)} cache layers, model {info.name} has {len(specs)}")
@@ -391,6 +393,9 @@ def prompt_cache_tensors(header: PackHeader, layers: Sequence[LayerKV], *, model
         scalars.append(key)
 
     for index, (spec, kv) in enumerate(zip(header.layers, layers)):
+        # A v1.2 pack's extra ring rows (ring_extra) are dropped: the ring mlx-lm rebuilds holds
+        # window - 1 rows and a spare slot, as after its own prefill.
+        kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)
         keys, values = np.asarray(kv.keys), np.asarray(kv.values)
         if spec.kind == "full":
             classes.append("KVCache")

@@ -71,12 +71,18 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     must be for the model folder ``model`` was loaded from (fingerprints and layer
     descriptions checked; ``info`` names the folder when the model does not). Continue with
     ``model.generate(input_ids=<the whole prompt>, past_key_values=cache, ...)``.
+
+    A v1.2 pack's extra ring rows (``ring_extra``) are dropped: transformers' sliding layer
+    holds ``window - 1`` rows. A pack made by :func:`from_transformers` carries no extra
+    rows (such a cache holds none), so its consumers' spot-check covers the layers up to
+    the first sliding one only.
     """
     import torch
     from transformers import DynamicCache
 
     from muser_cli.engines.torch_engine import _to_torch
     from muser_cli.binding import require_identity
+    from muser_cli.kvpack.layers import ring_tail
 
     p = _read(pack)
     header = p.header
@@ -94,6 +100,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     device = getattr(model, "device", torch.device("cpu"))
     cache = DynamicCache(config=model.config)
     for index, (spec, kv) in enumerate(zip(header.layers, p.layers)):
+        kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
         keys = _to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
         values = _to_torch(kv.values, dtype).unsqueeze(0).to(device)
         cache.update(keys, values, index)

@@ -10,7 +10,9 @@ Rules (docs/kvpack.md is the normative text):
     (with its sequence number) and stored bytes; the end frame carries the root digest.
     v1.0 chains SHA-256 over header and stored bytes; v1.1 names its digest (``blake3``
     or ``sha256``) and chains each frame header with the digest of its payload
-    (muser_cli/kvpack/digest.py).
+    (muser_cli/kvpack/digest.py). v1.2 adds ``ring_extra``: sliding layers carry that
+    many rows more than ``window - 1`` (written only when > 0; a pack without it keeps
+    the minor it had).
 All lengths are checked against hard limits before anything is allocated.
 """
 
@@ -31,8 +33,10 @@ from muser_cli.strict import canonical_json  # noqa: F401 - the one canonical JS
 
 MAGIC = b"\x89KVPACK\n"
 MAJOR = 1
-MINOR = 1  # the newest minor this code reads and writes; it reads every 1.y with y <= MINOR
-MINORS = (0, 1)
+MINOR = 2  # the newest minor this code reads and writes; it reads every 1.y with y <= MINOR
+MINORS = (0, 1, 2)
+WRITE_MINOR = 1  # what a header is written as unless it needs more (ring_extra > 0: 1.2)
+MAX_RING_EXTRA = 1024
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header_len
 FRAME_HEADER = struct.Struct("<4sIIIIBBHQQ24x")  # tag, seq, layer, start, count, codec, flags, rsv, raw_len, stored_len
 ALIGN = 64
@@ -61,7 +65,7 @@ HEADER_KEYS_V1_0 = {
     "format", "version", "model", "tokenizer", "tokens", "positions", "schedule",
     "dtype", "layers", "codec", "quant", "producer", "base",
 }
-HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}}
+HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}, 2: HEADER_KEYS_V1_0 | {"digest", "ring_extra"}}
 
 
 def pad_len(n: int) -> int:
@@ -110,11 +114,22 @@ class PackHeader:
     quant: dict[str, Any] = field(default_factory=lambda: {"scheme": "none"})
     producer: dict[str, Any] = field(default_factory=dict)
     base: dict[str, Any] | None = None
-    minor: int = MINOR
+    minor: int | None = None  # None: WRITE_MINOR (1.1 becomes 1.2 when ring_extra > 0)
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
     digest: str | None = None  # v1.1: "blake3" (default) or "sha256"; v1.0 is always sha256
+    ring_extra: int = 0  # v1.2: rows sliding layers carry beyond window - 1
 
     def __post_init__(self) -> None:
+        if self.minor is None:
+            object.__setattr__(self, "minor", WRITE_MINOR)
+        if not 0 <= self.ring_extra <= MAX_RING_EXTRA:
+            raise KVPackError(f"ring_extra {self.ring_extra} outside [0, {MAX_RING_EXTRA}]")
+        if self.ring_extra and self.minor == 1:  # 1.1 has no such field: the header is 1.2
+            object.__setattr__(self, "minor", 2)
+        if self.ring_extra and self.minor < 2:
+            raise KVPackError(f"ring_extra needs kvpack 1.2 (this header is 1.{self.minor})")
+        if self.ring_extra and not any(spec.kind == "sliding" for spec in self.layers):
+            raise KVPackError("ring_extra needs a sliding layer")
         if self.minor == 0:
             object.__setattr__(self, "digest", "sha256")
         elif self.digest is None:
@@ -138,7 +153,7 @@ class PackHeader:
     def layer_first_row(self, index: int) -> int:
         spec = self.layers[index]
         if spec.kind == "sliding":
-            return self.rows_end - spec.carried_rows(self.rows_end)
+            return self.rows_end - spec.carried_rows(self.rows_end, self.ring_extra)
         return self.rows_start
 
     def layer_rows(self, index: int) -> int:
@@ -207,6 +222,8 @@ class PackHeader:
         }
         if self.minor >= 1:
             out["digest"] = self.digest
+        if self.ring_extra:
+            out["ring_extra"] = self.ring_extra
         return out
 
     def encode(self) -> bytes:
@@ -386,6 +403,11 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         digest = _get(obj, "digest", str, "header")
         if digest not in DIGESTS:
             raise _fail(f"digest {digest!r} is unknown (known: {', '.join(DIGESTS)})")
+    ring_extra = 0
+    if "ring_extra" in obj:  # only 1.2 headers may hold it (HEADER_KEYS); absent means 0
+        ring_extra = _int(obj, "ring_extra", "header", 1, MAX_RING_EXTRA)
+        if not any(spec.kind == "sliding" for spec in layers):
+            raise _fail("ring_extra needs a sliding layer")
     base = obj.get("base")
     if base is not None and not isinstance(base, dict):
         raise _fail("base must be an object or null")
@@ -396,7 +418,7 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         model_fingerprint=model_fp, tokenizer_fingerprint=tok_fp, token_ids=tuple(ids), layers=layers,
         dtype=dtype, chunk_tokens=chunk, rows_start=rows_start, frame_tokens=frame_tokens,
         model_name=model_name, architecture=arch, codec=codec, quant=quant, producer=producer,
-        base=base, minor=minor, raw=obj, digest=digest,
+        base=base, minor=minor, raw=obj, digest=digest, ring_extra=ring_extra,
     )
     # Checked sizes: Python ints do not overflow; compare against hard caps.
     total = 0

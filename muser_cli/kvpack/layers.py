@@ -39,7 +39,8 @@ class LayerSpec:
     """One attention layer's cache description.
 
     ``kind == "sliding"``: the layer attends to the last ``window`` positions including
-    the current token, so a kvpack carries its last ``min(rows, window - 1)`` rows.
+    the current token, so an engine's cache holds its last ``min(rows, window - 1)`` rows;
+    a v1.2 kvpack may carry ``ring_extra`` more (docs/kvpack.md 1.3).
     ``rope is None`` means NoPE: keys carry no positional rotation.
     """
 
@@ -50,11 +51,14 @@ class LayerSpec:
     window: int | None = None
     rope: RopeSpec | None = None
 
-    def carried_rows(self, total_rows: int) -> int:
-        """How many of ``total_rows`` cached positions a pack carries for this layer."""
+    def carried_rows(self, total_rows: int, extra: int = 0) -> int:
+        """How many of ``total_rows`` cached positions this layer holds: every one (full), or
+        the last ``window - 1`` (sliding) plus ``extra`` older ring rows (a pack's
+        ``ring_extra``, which lets a consumer recompute the last ``extra`` positions
+        exactly). ``extra=0`` is what an engine's cache holds for decoding."""
         if self.kind == "sliding":
             assert self.window is not None
-            return min(total_rows, self.window - 1)
+            return min(total_rows, self.window - 1 + extra)
         return total_rows
 
     def to_json(self) -> dict[str, Any]:
@@ -80,3 +84,26 @@ class LayerKV:
     values: Any
     first_row: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def ring_extra_held(specs: "tuple[LayerSpec, ...] | list[LayerSpec]", layers: "list[LayerKV]", rows: int) -> int:
+    """The ``ring_extra`` a pack of ``layers`` (each ending at ``rows``) can declare: the
+    fewest rows beyond ``window - 1`` any sliding layer past its window holds (0 when none
+    is past its window, or one holds no more)."""
+    extras = [rows - kv.first_row - (spec.window - 1) for spec, kv in zip(specs, layers)
+              if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
+    return max(0, min(extras)) if extras else 0
+
+
+def ring_tail(kv: LayerKV, first: int, end: int) -> LayerKV:
+    """``kv`` (which must end at ``end``) without its rows before ``first``: views, no copy.
+
+    Engines call it on install: a pack's sliding layer may carry ``ring_extra`` rows older
+    than the ``window - 1`` a cache holds; those are dropped here. A layer that already
+    starts at or after ``first``, or does not end at ``end``, is returned as it is (the
+    engine's own shape check then names what is wrong)."""
+    held = int(kv.keys.shape[1])
+    if kv.first_row >= first or kv.first_row + held != end:
+        return kv
+    a = first - kv.first_row
+    return LayerKV(keys=kv.keys[:, a:], values=kv.values[:, a:], first_row=first, extra=kv.extra)

@@ -28,4 +28,5 @@ def summarize_header(h: PackHeader, *, total_bytes: int, stored_bytes: int, root
         "ratio": round(raw / stored_bytes, 4) if stored_bytes else None,
         "producer": h.producer, "root_digest": root_digest.hex(),
         "version": f"{h.raw.get('version', [1, 0])[0]}.{h.minor}",
+        **({"ring_extra": h.ring_extra} if h.ring_extra else {}),  # v1.2: sliding rows beyond window - 1
     }

@@ -34,12 +34,13 @@ def delta_header(header: PackHeader, scope: Scope, held: int, chain: str | None)
     return replace(header, rows_start=held, base=base_object(scope, held, chain))
 
 
-def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int) -> list[LayerKV]:
+def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, extra: int = 0) -> list[LayerKV]:
     """The cache as of ``rows`` positions, taken from ``layers`` (which must hold it): full
-    layers rows [0, rows), sliding layers their last window-1 rows before ``rows``."""
+    layers rows [0, rows), sliding layers their last window-1 rows before ``rows`` (and
+    ``extra`` older ones: a pack's ``ring_extra``)."""
     out = []
     for i, (lk, spec) in enumerate(zip(layers, specs)):
-        first = rows - spec.carried_rows(rows)
+        first = rows - spec.carried_rows(rows, extra)
         a, b = first - lk.first_row, rows - lk.first_row
         if a < 0 or b > lk.keys.shape[1]:
             raise DataError(f"layer {i} holds positions [{lk.first_row}, {lk.first_row + lk.keys.shape[1]}), "
@@ -94,21 +95,29 @@ class Resume:
 
 
 def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype: str,
-                chunk_tokens: int | None = None, spare_rows: int = 0) -> Resume | None:
+                chunk_tokens: int | None = None, spare_rows: int = 0, ring_extra: int = 0) -> Resume | None:
     """The deepest stored point from which prompt ``ids`` can be prefilled exactly (rings
     included): at most len(ids)-1 rows, i.e. a full hit when held == len(ids)-1.
     ``spare_rows``: a full hit's full layers come with that much room after their rows
-    (:meth:`Store.load`), for an engine to adopt."""
+    (:meth:`Store.load`), for an engine to adopt. ``ring_extra``: a full hit must hold that
+    many ring rows beyond ``window - 1`` too (a producer about to write a pack that carries
+    them); an entry stored without them serves only shallower points."""
     tried: set[str] = set()
     for point in store.points(model, tokenizer, ids, len(ids) - 1, dtype=dtype, chunk_tokens=chunk_tokens):
         if not point.resumable or point.entry in tried:
             continue
-        tried.add(point.entry)
+        full = point.held == len(ids) - 1
         try:
-            stored = store.load(point.entry, spare_rows=spare_rows if point.held == len(ids) - 1 else 0)
+            stored = store.load(point.entry, spare_rows=spare_rows if full else 0)
         except CorruptEntry:
+            tried.add(point.entry)
             continue
-        return Resume(point.held, layers_at(stored.layers, stored.header.layers, point.held), point.entry, point.scope)
+        try:
+            layers = layers_at(stored.layers, stored.header.layers, point.held, ring_extra if full else 0)
+        except DataError:  # a full hit stored without the ring rows asked for: try a shallower point
+            continue
+        tried.add(point.entry)
+        return Resume(point.held, layers, point.entry, point.scope)
     return None
 
 

@@ -42,14 +42,16 @@ from kvpack_factory import llama_layers, make_header, make_rows  # noqa: E402
 
 
 def seed_pack(n: int, minor: int, digest: str, codec: str = "none", **kw) -> bytes:
-    header = replace(make_header(n, **kw), minor=minor, digest=digest)
+    h = make_header(n, **kw)
+    ring = 1 if minor >= 2 and any(spec.kind == "sliding" for spec in h.layers) else 0  # v1.2: ring_extra rows
+    header = replace(h, minor=minor, digest=digest, ring_extra=ring)
     buf = io.BytesIO()
     write_pack(buf, header, make_rows(header), codec=codec)
     return buf.getvalue()
 
 
 SEEDS = []
-for minor, digest in ((0, "sha256"), (1, "blake3"), (1, "sha256")):
+for minor, digest in ((0, "sha256"), (1, "blake3"), (1, "sha256"), (2, "blake3")):
     SEEDS += [seed_pack(5, minor, digest, c, layers=llama_layers(1), chunk=2) for c in ("none", "zstd", "zstd+bytegroup")]
     SEEDS.append(seed_pack(11, minor, digest, chunk=4))
 

@@ -2,9 +2,12 @@
 regenerate the files of an earlier one: they pin what every later reader must read).
 
     python tests/golden/make_golden.py 1.1     # writes the v1_1-* files and MANIFEST-v1_1.json
+    python tests/golden/make_golden.py 1.2     # writes the v1_2-* files and MANIFEST-v1_2.json
 The v1.0 files (v1_0-*, MANIFEST.json) were written by this script's v1.0 form on
 2026-11-29 and are never rewritten. One file per layer class x codec (and int8); v1.1
-adds the sha256 digest for the uncompressed files (blake3 is its default).
+adds the sha256 digest for the uncompressed files (blake3 is its default). v1.2 differs
+from v1.1 only for sliding layers (``ring_extra``): its files are the sliding class with
+``ring_extra`` 1 (window rows, not window - 1).
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from muser_cli.pack import pack  # noqa: E402
 
 VARIANTS = {
     "1.1": [(codec, "blake3") for codec in ("none", "zstd", "zstd+bytegroup", "int8")] + [("none", "sha256")],
+    "1.2": [(codec, "blake3") for codec in ("none", "zstd+bytegroup", "int8")] + [("none", "sha256")],
 }
+CLASSES = {"1.1": CASES, "1.2": ("sliding-rope",)}
+RING_EXTRA = {"1.1": 0, "1.2": 1}
 
 
 def main(version: str) -> None:
@@ -38,9 +44,9 @@ def main(version: str) -> None:
     if manifest_path.exists():
         raise SystemExit(f"{manifest_path.name} exists: golden files are written once")
     manifest = {}
-    for layer_class in CASES:
+    for layer_class in CLASSES[version]:
         for codec, digest in VARIANTS[version]:
-            header = replace(golden_header(layer_class), minor=minor, digest=digest)
+            header = replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=RING_EXTRA[version])
             rows = golden_rows(header)
             buf = io.BytesIO()
             if codec == "int8":

@@ -148,6 +148,10 @@ ENVIRONMENT = [
      "the number of CPUs, at most 8"),
     ("MUSER_KVPACK_THREADS", "Threads the kvpack writer and reader share for payload hashing and zstd (1 = all "
      "inline, at most 64). Anything but a positive integer is ignored.", "the number of CPUs, at most 4"),
+    ("MUSER_KVPACK_MINOR", "The newest kvpack minor version a producer writes: `2` lets a hybrid model past its "
+     "window ship one more ring row per sliding layer (kvpack 1.2, so that a consumer's spot-check covers every "
+     "layer); `1` leaves it out, for receivers of a muser that reads kvpack 1.1 only (they refuse 1.2 by "
+     "version). Other packs are 1.1 either way. Anything but 1 or 2 is exit 78.", "`2`"),
     ("MUSER_STORE", "Folder of the reuse store, instead of `$MUSER_HOME/data/store` (each `batch --ray` worker "
      "sets its own).", "`data/store` under `MUSER_HOME`, else the user data folder"),
     ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "

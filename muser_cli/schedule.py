@@ -13,7 +13,9 @@ the store, a delta) is :mod:`muser_cli.rows`.
 from __future__ import annotations
 
 from muser_cli import __version__
-from muser_cli.errors import PromptTooLong, PromptTooShort, UsageError
+import os
+
+from muser_cli.errors import ConfigError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.format import MAX_FRAME_ROWS
 from muser_cli.modelinfo import ModelInfo
@@ -47,6 +49,19 @@ def check_prompt(info: ModelInfo, ids: list[int], *, new_tokens: int = 0) -> Non
         )
 
 
+def newest_write_minor() -> int:
+    """The newest kvpack minor a producer here may write: ``MUSER_KVPACK_MINOR`` (``1``:
+    hybrid packs without the extra ring row, for receivers older than kvpack 1.2), else 2.
+    Anything but 1 or 2 is a :class:`ConfigError` (exit 78)."""
+    value = os.environ.get("MUSER_KVPACK_MINOR", "")
+    if not value:
+        return 2
+    if value.strip() not in ("1", "2"):
+        raise ConfigError(f"MUSER_KVPACK_MINOR={value!r} is not a kvpack minor this muser writes (1 or 2)",
+                          hint="unset it, or set 1 for receivers that read kvpack 1.1 only")
+    return int(value)
+
+
 def build_header(
     info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int, extra: dict | None = None,
     ring_extra: int = 0,
@@ -61,6 +76,8 @@ def build_header(
     rows = len(ids) - 1
     if not any(s.kind == "sliding" and s.window is not None and rows > s.window - 1 for s in info.layers):
         ring_extra = 0
+    if ring_extra and newest_write_minor() < 2:
+        ring_extra = 0  # a 1.1 pack: the extra ring row stays out (write_pack skips rows before the header's)
     return PackHeader(
         model_fingerprint=info.fingerprint,
         tokenizer_fingerprint=info.tokenizer_fingerprint,

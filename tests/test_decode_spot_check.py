@@ -257,3 +257,23 @@ def test_hybrid_checks_of_every_width_pass_an_honest_pack(tiny_hybrid, rows_want
     write_pack(again, replace(p.header, producer={**p.header.producer, "engine": "mlx"}), p.layers)
     res = _decode(tiny_hybrid, again.getvalue(), audit=audit)
     assert res.spot_check["ran"] and res.spot_check["ok"], res.spot_check
+
+
+def test_a_producer_asked_for_kvpack_1_1_leaves_the_ring_row_out(tiny_hybrid, monkeypatch):
+    """MUSER_KVPACK_MINOR=1: a hybrid pack past its window is written as 1.1 (window - 1 rows),
+    for receivers that read 1.1 only; its rows are the same as the 1.2 pack's, less the
+    extra one. Any other value is a configuration error (78), before anything is written."""
+    import numpy as np
+
+    from muser_cli.errors import ConfigError
+
+    new = read_pack(io.BytesIO(_pack(tiny_hybrid, engine_name="torch")))
+    monkeypatch.setenv("MUSER_KVPACK_MINOR", "1")
+    old = read_pack(io.BytesIO(_pack(tiny_hybrid, engine_name="torch")))
+    assert new.header.minor == 2 and old.header.minor == 1 and old.header.ring_extra == 0
+    for i, spec in enumerate(old.header.layers):
+        drop = 1 if spec.kind == "sliding" else 0
+        assert np.array_equal(old.layers[i].keys, new.layers[i].keys[:, drop:])
+    monkeypatch.setenv("MUSER_KVPACK_MINOR", "3")
+    with pytest.raises(ConfigError, match="MUSER_KVPACK_MINOR"):
+        _pack(tiny_hybrid, engine_name="torch")

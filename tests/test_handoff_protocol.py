@@ -404,3 +404,20 @@ def test_large_data_body_refused_at_its_prefix_and_eof_in_it():
     cut.receiver.body_received(0)  # the peer closed in the middle of the body
     with pytest.raises(ProtocolError, match="middle of a Data frame"):
         cut.receiver.next_event()
+
+
+def test_send_parts_counts_bytes_of_any_view():
+    """A Data payload given as a view of wider elements (or several dimensions) is framed
+    by its byte length, never its element count."""
+    import array
+
+    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+
+    words = array.array("H", range(DIRECT_BODY_MIN))  # 2 bytes each: 2 x DIRECT_BODY_MIN bytes
+    link = _streaming_pair(2 * DIRECT_BODY_MIN)
+    parts = link.sender.send_parts(Data(memoryview(words)))
+    assert PREFIX.unpack(parts[0])[1] == 2 * DIRECT_BODY_MIN == len(parts[1])
+    rx = link.receiver
+    rx.receive_data(b"".join(bytes(p) for p in parts))
+    ev = rx.next_event()
+    assert isinstance(ev, Data) and bytes(ev.data) == words.tobytes()

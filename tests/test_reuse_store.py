@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -325,7 +326,12 @@ def test_a_full_hit_keeps_the_ring_rows_a_producer_promises():
 
     old = Store(store.root.parent / "old")
     old.put(io.BytesIO(pack_bytes(PROMPT)))  # v1.1: window - 1 rows
+    entry = old.points(FP_A, FP_B, PROMPT, 40, dtype="float32")[0].entry
+    assert old.ring_extra_of(entry) == 0 and store.ring_extra_of(got.entry) == 1  # from the header alone
+    used = old.entry(entry).last_used
+    time.sleep(0.01)
     assert find_resume(old, FP_A, FP_B, PROMPT, dtype="float32", ring_extra=1) is None  # no full hit for it
+    assert old.entry(entry).last_used == used  # not loaded, not marked used: eviction still sees it old
     assert find_resume(old, FP_A, FP_B, PROMPT, dtype="float32").held == 40
 
 

@@ -122,7 +122,8 @@ class RingLayer(DynamicSlidingWindowLayer):
         ring = self.sliding_window - 1
         held_k, held_v = self.keys, self.values  # an empty 1-D tensor before the first update
         if held_k.dim() == 4:
-            held_k, held_v = held_k[:, :, -ring:, :], held_v[:, :, -ring:, :]  # what transformers holds
+            start = max(0, held_k.shape[-2] - ring)  # what transformers holds (none when window is 1)
+            held_k, held_v = held_k[:, :, start:, :], held_v[:, :, start:, :]
         full_k = torch.cat([held_k, key_states], dim=-2)
         full_v = torch.cat([held_v, value_states], dim=-2)
         keep = ring + self.extra

@@ -350,13 +350,14 @@ class Connection:
         prefix and a view of its body (no copy of the payload is made here)."""
         if not isinstance(event, Data):
             return [self.send(event)]
-        n = len(event.data)
+        view = memoryview(event.data).cast("B")  # bytes, whatever the caller's view's shape or format
+        n = view.nbytes
         if n > MAX_DATA_BYTES:
             raise LocalProtocolError("Data frame too large; split it")
         if n < DIRECT_BODY_MIN:
-            return [self.send(Data(bytes(event.data)))]
-        self._advance(self.our_role, event, LocalProtocolError)
-        return [PREFIX.pack(FRAME_TYPES[Data], n), memoryview(event.data)]
+            return [self.send(Data(bytes(view)))]
+        self._advance(self.our_role, Data(view), LocalProtocolError)
+        return [PREFIX.pack(FRAME_TYPES[Data], n), view]
 
     def send_data(self, payload: bytes | memoryview, chunk: int = DEFAULT_DATA_CHUNK) -> list[bytes]:
         """Split ``payload`` into Data frames (each at most ``chunk`` bytes)."""

@@ -384,7 +384,11 @@ class Receiver:
             sink: FileSink | StreamSink = StreamSink(self.out_stream) if final is None else FileSink(final)
         except OSError as exc:
             raise Refusal("storage", f"cannot open a spool file ({exc.strerror or exc})") from None
-        worker = SpoolWorker(PayloadInspector(expect=h), sink, stall_s=self.config.idle_s)
+        try:
+            worker = SpoolWorker(PayloadInspector(expect=h), sink, stall_s=self.config.idle_s)
+        except BaseException:
+            sink.discard()  # no part is left behind by a receiver that could not start its worker
+            raise
         published = False
         t_first = t_last = None
         commit_s = 0.0

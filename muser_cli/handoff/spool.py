@@ -108,11 +108,13 @@ class FileSink:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._f: BinaryIO | None = os.fdopen(fd, "wb")
-        self._early = fsio.EarlyWriteback(fd)  # the disk starts while bytes still arrive
+        self._early: fsio.EarlyWriteback | None = None  # started by the first write
         self.forwarded = 0  # nothing leaves a file sink before publication
 
     def write(self, data: bytes, verified: int) -> None:  # noqa: ARG002 - every byte is spooled
         assert self._f is not None
+        if self._early is None:  # the disk starts while bytes still arrive
+            self._early = fsio.EarlyWriteback(self._f.fileno())
         self._f.write(data)
 
     def publish(self) -> None:
@@ -121,19 +123,24 @@ class FileSink:
         f, self._f = self._f, None
         try:
             f.flush()
-            self._early.close()  # a failed early flush fails the handoff: never retried
+            if self._early is not None:
+                self._early.close()  # a failed early flush fails the handoff: never retried
             os.fsync(f.fileno())
         finally:
-            self._early.__exit__(None, None, None)
+            self._stop_early()
             f.close()
         os.chmod(self.part, self.mode)
         os.replace(self.part, self.final)
         fsio.fsync_dir(self.directory)
 
+    def _stop_early(self) -> None:
+        if self._early is not None:
+            self._early.__exit__(None, None, None)
+
     def discard(self) -> None:
         """Drop the spool file -- also after a publish that failed before its rename (a
         failed fsync), so no unverifiable part is left behind."""
-        self._early.__exit__(None, None, None)
+        self._stop_early()
         if self._f is not None:
             with contextlib.suppress(OSError):
                 self._f.close()

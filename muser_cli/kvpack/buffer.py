@@ -40,6 +40,7 @@ class KVPack:
 
 
 PARALLEL_MIN_BYTES = 1 << 20  # below this, a thread pool costs more than it saves
+POPULATE_MAX_BYTES = 1 << 30  # files up to this are mapped whole at once (MAP_POPULATE)
 
 
 # ---------------------------------------------------------------- whole pack from one buffer
@@ -70,17 +71,20 @@ def map_file(stream: BinaryIO) -> tuple[memoryview, int] | None:
         pos = stream.tell()
         if pos >= st.st_size:
             return None
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # Linux: map every page in one call, not page by page
+        # Linux: map every page in one call, not one fault per page -- for files that fit
+        # easily in memory; a larger one is read ahead in the background while it is hashed.
+        populate = getattr(mmap, "MAP_POPULATE", 0) if st.st_size <= POPULATE_MAX_BYTES else 0
         if populate:
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
         else:
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
     except (OSError, ValueError):
         return None
-    try:
-        mm.madvise(mmap.MADV_SEQUENTIAL)
-    except (AttributeError, OSError):
-        pass
+    for advice in ("MADV_SEQUENTIAL", "MADV_WILLNEED"):
+        try:
+            mm.madvise(getattr(mmap, advice))
+        except (AttributeError, OSError):
+            pass
     return memoryview(mm)[pos:], st.st_size
 
 

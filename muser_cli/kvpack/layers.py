@@ -92,7 +92,7 @@ def ring_extra_held(specs: "tuple[LayerSpec, ...] | list[LayerSpec]", layers: "l
     is past its window, or one holds no more)."""
     extras = [rows - kv.first_row - (spec.window - 1) for spec, kv in zip(specs, layers)
               if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
-    return max(0, min(extras)) if extras else 0
+    return min(max(0, min(extras)), 1024) if extras else 0  # MAX_RING_EXTRA (format.py)
 
 
 def ring_tail(kv: LayerKV, first: int, end: int) -> LayerKV:

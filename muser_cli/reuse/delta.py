@@ -107,6 +107,10 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
         if not point.resumable or point.entry in tried:
             continue
         full = point.held == len(ids) - 1
+        if full and ring_extra:
+            have = store.ring_extra_of(point.entry)  # header only: an entry without the rows is not loaded
+            if have is not None and have < ring_extra:
+                continue  # stored without the ring rows asked for: try a shallower point
         try:
             stored = store.load(point.entry, spare_rows=spare_rows if full else 0)
         except CorruptEntry:
@@ -114,8 +118,10 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
             continue
         try:
             layers = layers_at(stored.layers, stored.header.layers, point.held, ring_extra if full else 0)
-        except DataError:  # a full hit stored without the ring rows asked for: try a shallower point
-            continue
+        except DataError:
+            if not (full and ring_extra):
+                raise  # an entry that disagrees with its own header is not skipped quietly
+            continue  # a full hit stored without the ring rows asked for: try a shallower point
         tried.add(point.entry)
         return Resume(point.held, layers, point.entry, point.scope)
     return None

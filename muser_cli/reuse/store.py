@@ -229,6 +229,23 @@ class Store(StoreIndex):
         self.touch(entry_id)
         return pack
 
+    def ring_extra_of(self, entry_id: str) -> int | None:
+        """The ``ring_extra`` an entry's pack header declares, read from its first bytes
+        only (advisory, for choosing what to load: :meth:`load` still verifies all of
+        it). None when the header cannot be read; the caller then loads as usual."""
+        reader = PackReader(decode=False)
+        try:
+            with open(self.pack_path(entry_id), "rb") as f:
+                while reader.header is None:
+                    want = reader.want()
+                    block = f.read(min(max(want, 1), 1 << 20))
+                    if not block:
+                        return None
+                    reader.feed(block)
+        except (OSError, KVPackError):
+            return None
+        return reader.header.ring_extra
+
     def touch(self, entry_id: str) -> None:
         """Mark an entry used (advisory: a failure to record it never fails a read)."""
         try:

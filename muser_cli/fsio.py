@@ -77,10 +77,14 @@ class EarlyWriteback:
                 self.error = exc
                 return
 
-    def close(self) -> None:
-        """Stop watching (waiting for a flush under way); raise the OSError one met."""
+    def stop(self) -> None:
+        """Stop watching, waiting for a flush under way."""
         self._stop.set()
         self._thread.join()
+
+    def close(self) -> None:
+        """:meth:`stop`; raise the OSError the watcher met."""
+        self.stop()
         if self.error is not None:
             raise self.error
 
@@ -90,8 +94,7 @@ class EarlyWriteback:
     def __exit__(self, exc_type, exc, tb) -> None:
         """Stop watching; an error met is raised by :meth:`close`, which the caller runs
         where it reports its own fsync errors (a failed write reports its own error)."""
-        self._stop.set()
-        self._thread.join()
+        self.stop()
 
 
 def fsync_dir(directory: Path) -> None:

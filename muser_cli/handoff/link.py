@@ -196,6 +196,17 @@ class Link:
         for part in self.conn.send_parts(event):  # a Data body goes out as a view: no copy
             self.write(part, during)
 
+    def send_or_reject(self, event: Any, during: str, peer: str = "receiver") -> None:
+        """:meth:`send`; when the write fails because the peer closed, raise the Reject it
+        sent before closing (if it did) instead of "closed"."""
+        try:
+            self.send(event, during)
+        except TempFailure:
+            reject = self.drain_for_reject()
+            if reject is not None:
+                raise reject_error(reject, peer) from None
+            raise
+
     def _fill(self, during: str, timeout: float | None = None) -> None:
         body = self.conn.body_view()  # a large Data body: decrypted straight into its buffer
         if body is None:  # anything else: into this link's own read buffer (no allocation per read)

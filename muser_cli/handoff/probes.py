@@ -69,18 +69,6 @@ def serve_probe_down(link: Link, span: float) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- dialer side
-def _send(link: Link, event: Any, during: str, peer: str) -> None:
-    """Send; when the write fails because the peer closed, say why if it said so first
-    (a Reject it sent before closing, e.g. a probe over the limit) rather than "closed"."""
-    try:
-        link.send(event, during)
-    except TempFailure:
-        reject = link.drain_for_reject()
-        if reject is not None:
-            raise reject_error(reject, peer) from None
-        raise
-
-
 def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK, peer: str = "listener") -> dict[str, Any]:
     """Both probes over ``link`` (a V3 sender that has seen the listener's ``Ready``); ``peer``
     names the listener in errors (``probe-link`` says "listener", ``sender.probe_link``
@@ -100,8 +88,8 @@ def measure(link: Link, seconds: float, *, chunk: int = DEFAULT_DATA_CHUNK, peer
         elif early is not None:
             raise ProtocolError(f"unexpected {type(early).__name__} in the upload probe")
         else:
-            _send(link, Data(block), "in the upload probe", peer)
-    _send(link, ProbeEnd(), "ending the upload probe", peer)
+            link.send_or_reject(Data(block), "in the upload probe", peer)
+    link.send_or_reject(ProbeEnd(), "ending the upload probe", peer)
     up_bytes = int(result.info.get("bytes", 0))
     up_s = float(result.info.get("seconds", 0.0))
     # Down: the listener streams for `seconds`; we count from the first byte to ProbeEnd.

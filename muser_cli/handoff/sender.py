@@ -359,13 +359,7 @@ def transmit_over(
                     paced += wait
                 pace_sent += len(piece)
             t0 = time.perf_counter()
-            try:
-                link.send(Data(piece), f"streaming the payload ({sent} bytes sent)")
-            except TempFailure as exc:
-                reject = link.drain_for_reject()
-                if reject is not None:
-                    raise reject_error(reject) from None
-                raise exc from None
+            link.send_or_reject(Data(piece), f"streaming the payload ({sent} bytes sent)")
             busy += time.perf_counter() - t0
             t_last = time.monotonic()
             if t_first is None:

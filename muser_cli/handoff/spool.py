@@ -135,7 +135,7 @@ class FileSink:
 
     def _stop_early(self) -> None:
         if self._early is not None:
-            self._early.__exit__(None, None, None)
+            self._early.stop()
 
     def discard(self) -> None:
         """Drop the spool file -- also after a publish that failed before its rename (a

@@ -88,19 +88,31 @@ class MemorySink:
 
 def hash_bound(layers, header) -> None:
     """The floor under any verified pack: every row hashed once with the pack's digest on
-    the worker pool (one task a frame, as write_pack and read_buffer do), nothing copied."""
-    from muser_cli.kvpack.digest import hasher, payload_digest, pool
+    the worker pool, frames in runs of ``task_bytes`` a task (as write_pack and
+    read_buffer hand them out), nothing copied."""
+    from muser_cli.kvpack.digest import hasher, payload_digest, pool, task_bytes
 
     h = hasher(header.digest)
-    tasks = []
+    frames = []
     for layer, start, count in header.frame_plan():
         lk = layers[layer]
         a = start - lk.first_row
         heads = [lk.keys[hd, a : a + count] for hd in range(lk.keys.shape[0])]
         heads += [lk.values[hd, a : a + count] for hd in range(lk.values.shape[0])]
-        tasks.append([memoryview(np.ascontiguousarray(x)).cast("B") for x in heads])  # contiguous already
+        frames.append([memoryview(np.ascontiguousarray(x)).cast("B") for x in heads])  # contiguous already
+    size = sum(len(p) for f in frames for p in f)
+    runs, n = [[]], 0
+    for f in frames:
+        runs[-1].append(f)
+        n += sum(len(p) for p in f)
+        if n >= task_bytes(size):
+            runs.append([])
+            n = 0
     ex = pool()
-    list(ex.map(lambda parts: payload_digest(h, parts), tasks) if ex else map(lambda p: payload_digest(h, p), tasks))
+    if ex is None:
+        [payload_digest(h, f) for f in frames]
+    else:
+        list(ex.map(lambda run: [payload_digest(h, f) for f in run], [r for r in runs if r]))
 
 
 def timed(fn) -> float:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
-from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader, PackWriter, read_pack
+from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, PackWriter, buffer_events, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
-from muser_cli.kvpack.reader import MAX_READ, read_exact_into
+from muser_cli.kvpack.reader import MAX_READ, map_file, read_exact_into
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
 from muser_cli.kvpack.summary import summarize
 from muser_cli.reuse.chain import scope_of_header
@@ -103,17 +103,17 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
     t0 = time.perf_counter()
     if quant == "int8":
         return _pack_quantized(src, out, codec=codec, level=level, t0=t0, have=have)
-    reader = PackReader()
     writer: PackWriter | None = None
     frames = 0
-    for ev in _events(src, reader):
+    source = _Source(src)
+    for ev in source.events():
         if isinstance(ev, HeaderEvent):
             header = delta_for(ev.header, have) if have is not None else ev.header
             header = replace(header, codec={"name": codec})
             writer = PackWriter(out, header, codec=codec, level=level)
         elif isinstance(ev, FrameEvent):
             assert writer is not None
-            if reader.header is not None and reader.header.quant_scheme != "none":
+            if source.header is not None and source.header.quant_scheme != "none":
                 raise UsageError("this pack is already quantized; re-encode it with its own --quant")
             part = _cut(writer.header, ev)
             if part is not None:
@@ -121,18 +121,63 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
                     # the frame whole and uncompressed: its verified payload goes on as it is,
                     # and its payload digest (v1.1) is linked, not computed a second time
                     writer.write_stored(ev.layer, ev.start, ev.count, ev.stored, payload_digest=ev.payload_digest,
-                                        digest=reader.digest)
+                                        digest=source.digest)
                 else:
                     writer.write_frame(ev.layer, *part)
                 out.flush()  # each verified frame moves on at once (a pipe downstream streams)
                 frames += 1
-    reader.finish()
+    source.finish()
     if writer is None:
         raise KVPackError("empty input: no kvpack")
     writer.finish()
-    return PackResult(frames=frames, bytes_in=reader.bytes_consumed, bytes_out=writer.bytes_written,
+    return PackResult(frames=frames, bytes_in=source.bytes_in, bytes_out=writer.bytes_written,
                       raw_bytes=writer.raw_bytes, codec=codec, seconds=time.perf_counter() - t0,
                       held_tokens=writer.header.rows_start)
+
+
+class _Source:
+    """The verified events of the input pack. A regular file is memory-mapped and read as
+    :func:`~muser_cli.kvpack.buffer_events` (payloads hashed on the worker pool ahead of
+    the frame being passed on; a frame goes out as a view of the map); a pipe is read step
+    by step (:func:`_events`). Same verdicts either way."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self._src = src
+        self._reader: PackReader | None = None
+        self._mapped = map_file(src)
+        self.header: "PackHeader | None" = None
+        self.bytes_in = 0
+
+    @property
+    def digest(self) -> str | None:
+        if self._reader is not None:
+            return self._reader.digest
+        h = self.header
+        return None if h is None else ("sha256" if h.minor == 0 else h.digest or "sha256")
+
+    def events(self):
+        if self._mapped is None:
+            self._reader = PackReader()
+            for ev in _events(self._src, self._reader):
+                if isinstance(ev, HeaderEvent):
+                    self.header = ev.header
+                yield ev
+            return
+        view, end = self._mapped
+        try:
+            for ev in buffer_events(view):
+                if isinstance(ev, HeaderEvent):
+                    self.header = ev.header
+                elif isinstance(ev, EndEvent):
+                    self.bytes_in = ev.total_bytes
+                yield ev
+        finally:
+            self._src.seek(end)
+
+    def finish(self) -> None:
+        if self._reader is not None:
+            self._reader.finish()
+            self.bytes_in = self._reader.bytes_consumed
 
 
 def _cut(header: "PackHeader", ev: FrameEvent):

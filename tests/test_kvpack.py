@@ -475,8 +475,14 @@ def test_property_whole_buffer_and_streaming_readers_agree(data):
         reader.finish()
         return reader.root_digest
 
+    def events():
+        from muser_cli.kvpack import EndEvent, buffer_events
+
+        return [ev for ev in buffer_events(blob) if isinstance(ev, EndEvent)][0].root_digest
+
     whole = verdict(lambda: read_pack_bytes(blob).root_digest)
     assert whole == verdict(pieces)
+    assert whole == verdict(events)
     assert whole == verdict(lambda: __import__("muser_cli.kvpack", fromlist=["read_pack"]).read_pack(io.BytesIO(blob)).root_digest)
 
 

@@ -186,3 +186,69 @@ def test_write_stored_refuses_a_payload_of_the_wrong_size():
     with pytest.raises(KVPackError, match="out of plan"):
         w.write_stored(layer + 1, start, count, memoryview(b"\0" * 10))
 
+
+
+# ------------------------------------------------------------------ a regular file is mapped
+def _packed_file(tmp_path, data: bytes, codec: str) -> tuple[bytes, object]:
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(data)
+    out = io.BytesIO()
+    with open(src, "rb") as f:
+        res = pack(f, out, codec=codec)
+        assert f.tell() == len(data)  # the input is left at its end, as a stream read leaves it
+    return out.getvalue(), res
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("codec_in,codec_out", [("none", "none"), ("zstd+bytegroup", "none"), ("none", "zstd+bytegroup")])
+def test_a_file_input_gives_the_bytes_a_stream_input_gives(tmp_path, version, codec_in, codec_out):
+    header = _header(version, n=90, chunk=8)
+    rows = _compressible(make_rows(header, 3))
+    data = _written(header, rows, codec_in)
+    got, res = _packed_file(tmp_path, data, codec_out)
+    assert got == _packed(data, codec_out)
+    assert res.bytes_in == len(data) and res.bytes_out == len(got) and res.frames == len(list(header.frame_plan()))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_file_input_hashes_each_unchanged_payload_once(tmp_path, monkeypatch, threads):
+    monkeypatch.setenv("MUSER_KVPACK_THREADS", threads)
+    header = _header("v1.1-blake3", n=200, chunk=8)
+    data = _written(header, make_rows(header, 1), "none")
+    stored = _stored_total(data)
+    count = _Counter(monkeypatch)
+    got, _ = _packed_file(tmp_path, data, "none")
+    assert got == data and count.bytes == stored
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_a_flipped_bit_in_a_file_input_is_refused_and_no_end_frame_written(tmp_path, version):
+    header = _header(version)
+    data = _written(header, make_rows(header, 4), "none")
+    offsets = _payload_offsets(data)
+    for at in (offsets[0], offsets[len(offsets) // 2] + 5, offsets[-1] + 31):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        src = tmp_path / "bad.kvpack"
+        src.write_bytes(bytes(bad))
+        out = io.BytesIO()
+        with open(src, "rb") as f, pytest.raises(KVPackError, match="digest mismatch"):
+            pack(f, out, codec="none")
+        with pytest.raises(KVPackError):
+            read_pack_bytes(out.getvalue())
+        bad_frame_start = max(o for o in offsets if o <= at) - FRAME_HEADER.size
+        assert len(out.getvalue()) <= bad_frame_start  # nothing of the bad frame went out
+
+
+@pytest.mark.parametrize("cut", ["trailing", "truncated"])
+def test_a_file_input_with_bytes_after_or_missing_is_refused_as_a_stream_is(tmp_path, cut):
+    header = _header("v1.1-blake3")
+    data = _written(header, make_rows(header, 7), "none")
+    bad = data + b"\0" if cut == "trailing" else data[:-70]
+    src = tmp_path / "x.kvpack"
+    src.write_bytes(bad)
+    with pytest.raises(KVPackError) as streamed:
+        pack(io.BytesIO(bad), io.BytesIO(), codec="none")
+    with open(src, "rb") as f, pytest.raises(KVPackError) as mapped:
+        pack(f, io.BytesIO(), codec="none")
+    assert str(mapped.value) == str(streamed.value)

@@ -14,18 +14,20 @@ import mmap
 import os
 import stat
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from muser_cli.errors import KVPackError
+from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.checks import (
     body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
     header_block_len,
 )
-from muser_cli.kvpack.digest import Chain, pool
+from muser_cli.kvpack.digest import Chain, pool, task_bytes
 from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.parser import EndEvent, FrameEvent, HeaderEvent
 
 
 @dataclass
@@ -88,26 +90,45 @@ def map_file(stream: BinaryIO) -> tuple[memoryview, int] | None:
     return memoryview(mm)[pos:], st.st_size
 
 
+def batches(frames: list, min_bytes: int) -> list[list]:
+    """Consecutive runs of ``frames`` of at least ``min_bytes`` stored bytes each (the last may be smaller)."""
+    out: list[list] = [[]]
+    n = 0
+    for f in frames:
+        out[-1].append(f)
+        n += len(f.stored)
+        if n >= min_bytes:
+            out.append([])
+            n = 0
+    return [b for b in out if b]
+
+
 def _truncated(where: str) -> KVPackError:
     return KVPackError(f"truncated kvpack: input ended {where}")
 
 
-def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progress: Callable | None = None,
-                max_minor: int = MINOR, spare_rows: int = 0) -> KVPack:
-    """Verify and read a whole pack held in memory (or memory-mapped) without copying it.
+@dataclass
+class _Scan:
+    """Step 1 of reading a whole buffer: its structure, up to the end frame or the first
+    structural failure (kept, and raised only after every frame before it verified)."""
 
-    Same verdicts as :class:`PackReader` fed the same bytes (the first failure in stream
-    order is the one reported). Payload digests (v1.1) and zstd frames run on the worker
-    pool; nothing is returned unless the root digest verified and nothing follows it.
-    Uncompressed rows of a layer held in one frame are views of ``buf``; other layers are
-    assembled into arrays of their own.
+    buf: memoryview
+    header: PackHeader
+    minor: int
+    d_header: bytes
+    plan: list
+    frames: list[_Scanned]
+    failure: KVPackError | None
+    end: tuple[bytes, memoryview] | None
+    pos: int
+    root: bytes = b""
 
-    ``spare_rows`` > 0: every full-attention layer that starts at position 0 is placed,
-    frame by frame as it is hashed, into a writable array with that many rows of room
-    after its own, and handed out as the leading rows of it -- the layout an engine may
-    adopt as its cache (``Engine.decode(..., adopt=True)``), so that this one placement
-    is the install and no other copy follows. Other layers are read as without it.
-    """
+    @property
+    def stored_total(self) -> int:
+        return sum(len(f.stored) for f in self.frames)
+
+
+def _scan(buf: memoryview | bytes, max_bytes: int | None, max_minor: int) -> _Scan:
     buf = memoryview(buf)
     if buf.format != "B" or buf.ndim != 1:
         buf = buf.cast("B")
@@ -127,8 +148,6 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     header, d_header = check_header(buf[pos : pos + hblock], bytes(buf[: PREAMBLE.size]), hlen, minor)
     pos += hblock
     plan = list(header.frame_plan())
-
-    # 1. structure, in stream order, up to the end frame or the first structural failure
     frames: list[_Scanned] = []
     failure: KVPackError | None = None
     end: tuple[bytes, memoryview] | None = None
@@ -168,26 +187,116 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
         raw_total += raw_len
         seq += 1
         pos += blen
+    return _Scan(buf, header, minor, d_header, plan, frames, failure, end, pos)
 
-    # 2. one task a frame, on the pool: its payload digest (v1.1), its decoding, and --
+
+def _verified(scan: _Scan, work: Callable[[_Scanned], tuple]) -> Iterator[tuple[_Scanned, bytes | None, object]]:
+    """Step 2: ``work(frame) -> (p, got)`` for every frame -- its payload digest (v1.1) and
+    whatever else the caller does with it while it is hot in cache -- on the worker pool,
+    in runs of consecutive frames (``task_bytes`` each); the chain checked in stream order.
+    Yields ``(frame, p, got)`` for each frame as its digest verifies; a ``got`` that is a
+    KVPackError is raised there. Then the structural failure, if any, the root and the
+    end of input; ``scan.root`` is set when all of it verified."""
+    chain = Chain(scan.minor, scan.header.digest or "sha256", scan.d_header)
+    ex = pool() if scan.stored_total >= PARALLEL_MIN_BYTES else None
+    if ex is not None:
+        results = (r for batch in ex.map(lambda fs: [work(f) for f in fs], batches(scan.frames, task_bytes(scan.stored_total)))
+                   for r in batch)
+    else:
+        results = map(work, scan.frames)
+    try:
+        for f, (p, got) in zip(scan.frames, results):
+            d = chain.compute(f.fh, (f.stored,), p)
+            if d != f.digest:
+                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+            chain.value = d
+            if isinstance(got, KVPackError):
+                raise got
+            yield f, p, got
+    finally:
+        del results  # an error: the rest is cancelled or finishes unseen
+    if scan.failure is not None:
+        raise scan.failure
+    assert scan.end is not None
+    root = chain.root(scan.end[0])
+    check_root(scan.end[1], root)
+    if scan.pos != len(scan.buf):
+        raise KVPackError("bytes after the end frame")
+    scan.root = root
+
+
+def buffer_events(buf: memoryview | bytes, *, max_bytes: int | None = None, max_minor: int = MINOR,
+                  decode: bool = True) -> Iterator[HeaderEvent | FrameEvent | EndEvent]:
+    """The events :class:`PackReader` would give for the whole pack in ``buf``, with the
+    same verdicts, but with the payloads hashed (and zstd frames decoded) on the worker
+    pool ahead of the frame being yielded. Each FrameEvent comes once its digest and the
+    chain up to it verified; its ``stored`` is a view of ``buf`` and ``payload_digest``
+    is p_k (v1.1). ``decode=False``: arrays are left empty, as PackReader's. Used to pass
+    a memory-mapped pack on (``muser pack``) at the rate of the pool's hashing."""
+    scan = _scan(buf, max_bytes, max_minor)
+    header = scan.header
+    hashing = Chain(scan.minor, header.digest or "sha256", scan.d_header)  # p_k only: None for v1.0
+    yield HeaderEvent(header)
+    empty = {li: (np.empty((sp.kv_heads, 0, sp.head_dim), np.dtype(DTYPES[header.dtype][1])),
+                  np.empty((sp.kv_heads, 0, sp.v_head_dim), np.dtype(DTYPES[header.dtype][1])))
+             for li, sp in enumerate(header.layers)}
+
+    def work(f: _Scanned):
+        p = hashing.payload((f.stored,))
+        if not decode:
+            return p, empty[f.layer]
+        try:
+            return p, decode_frame(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
+        except KVPackError as exc:
+            return p, exc
+
+    raw = 0
+    for f, p, (keys, values) in _verified(scan, work):
+        raw += f.raw_len
+        yield FrameEvent(f.seq, f.layer, f.start, f.count, f.codec, len(f.stored), keys, values, stored=f.stored,
+                         payload_digest=p)
+    yield EndEvent(scan.root, scan.pos, raw)
+
+
+def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progress: Callable | None = None,
+                max_minor: int = MINOR, spare_rows: int = 0) -> KVPack:
+    """Verify and read a whole pack held in memory (or memory-mapped) without copying it.
+
+    Same verdicts as :class:`PackReader` fed the same bytes (the first failure in stream
+    order is the one reported). Payload digests (v1.1) and zstd frames run on the worker
+    pool; nothing is returned unless the root digest verified and nothing follows it.
+    Uncompressed rows of a layer held in one frame are views of ``buf``; other layers are
+    assembled into arrays of their own.
+
+    ``spare_rows`` > 0: every full-attention layer that starts at position 0 is placed,
+    frame by frame as it is hashed, into a writable array with that many rows of room
+    after its own, and handed out as the leading rows of it -- the layout an engine may
+    adopt as its cache (``Engine.decode(..., adopt=True)``), so that this one placement
+    is the install and no other copy follows. Other layers are read as without it.
+    """
+    # 1. the structure (``_scan``); 2. one task a frame, on the pool: its payload digest (v1.1), its decoding, and --
     #    for a layer spread over several frames -- the copy of its rows into that layer's
     #    own arrays, while the frame is hot in cache. Nothing of it is handed out yet: the
-    #    chain is checked in stream order below, and rows leave only after the root.
-    chain = Chain(minor, header.digest or "sha256", d_header)
-    stored_total = sum(len(f.stored) for f in frames)
-    ex = pool() if stored_total >= PARALLEL_MIN_BYTES else None
+    #    chain is checked in stream order (``_verified``), and rows leave only after the root.
+    scan = _scan(buf, max_bytes, max_minor)
+    header, chain = scan.header, Chain(scan.minor, scan.header.digest or "sha256", scan.d_header)
+    frames, plan = scan.frames, scan.plan
+    stored_total = scan.stored_total
     np_dtype = np.dtype(DTYPES[header.dtype][1])
     layer_frames = [0] * len(header.layers)
     for f in frames:
         layer_frames[f.layer] += 1
     dest: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     spare = max(0, int(spare_rows))
+    shapes: dict[int, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
     for li, n in enumerate(layer_frames):
         spec, rows = header.layers[li], header.layer_rows(li)
         room = spare if spec.kind == "full" and header.layer_first_row(li) == 0 else 0
         if n > 1 or (n == 1 and room):
-            dest[li] = (np.empty((spec.kv_heads, rows + room, spec.head_dim), dtype=np_dtype),
-                        np.empty((spec.kv_heads, rows + room, spec.v_head_dim), dtype=np_dtype))
+            shapes[li] = ((spec.kv_heads, rows + room, spec.head_dim), (spec.kv_heads, rows + room, spec.v_head_dim))
+    if shapes:  # one allocation for every layer assembled here (kvpack/alloc.py says why)
+        carved = iter(slab_arrays([s for pair in shapes.values() for s in pair], np_dtype))
+        dest = {li: (next(carved), next(carved)) for li in shapes}
 
     def work(f: _Scanned):
         p = chain.payload((f.stored,))
@@ -203,27 +312,11 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
             return p, None
         return p, (keys, values)
 
-    results = ex.map(work, frames) if ex is not None else map(work, frames)
     held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    try:
-        for f, (p, got) in zip(frames, results):
-            d = chain.compute(f.fh, (f.stored,), p)
-            if d != f.digest:
-                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
-            chain.value = d
-            if isinstance(got, KVPackError):
-                raise got
-            if got is not None:
-                held[f.layer] = got
-    finally:
-        del results  # an error: the rest is cancelled or finishes unseen
-    if failure is not None:
-        raise failure
-    assert end is not None
-    root = chain.root(end[0])
-    check_root(end[1], root)
-    if pos != size:
-        raise KVPackError("bytes after the end frame")
+    for f, _, got in _verified(scan, work):
+        if got is not None:
+            held[f.layer] = got
+    root, pos = scan.root, scan.pos
 
     # 3. verified: hand out the rows (a layer in one uncompressed frame: a view of buf)
     layers: list[LayerKV] = []

@@ -73,6 +73,13 @@ def workers() -> int:
     return min(4, usable_cpus())
 
 
+def task_bytes(total: int) -> int:
+    """How many bytes of consecutive frames one pool task takes: a few MiB, so that a hand-off
+    (a future, a wake-up, the GIL taken back) is paid per run of frames rather than per
+    frame, yet small enough that every worker gets several tasks of a pack of ``total`` bytes."""
+    return max(256 << 10, min(4 << 20, total // (4 * max(1, workers()))))
+
+
 def pool() -> ThreadPoolExecutor | None:
     """The shared pool, or None when one thread is all there is (work then runs inline)."""
     global _POOL

@@ -26,14 +26,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from muser_cli.kvpack.buffer import PARALLEL_MIN_BYTES, KVPack, map_file, read_buffer
+from muser_cli.kvpack.alloc import slab_arrays
+from muser_cli.kvpack.buffer import PARALLEL_MIN_BYTES, KVPack, buffer_events, map_file, read_buffer
 from muser_cli.kvpack.format import PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.kvpack.parser import EndEvent, Event, FrameEvent, HeaderEvent, PackReader
 
 __all__ = [
     "MAX_READ", "PARALLEL_MIN_BYTES", "READ_BLOCK", "EndEvent", "Event", "FrameEvent", "HeaderEvent", "KVPack",
-    "PackReader", "read_buffer", "read_exact_into", "read_pack", "read_pack_bytes",
+    "PackReader", "buffer_events", "map_file", "read_buffer", "read_exact_into", "read_pack", "read_pack_bytes",
 ]
 
 READ_BLOCK = 1 << 20
@@ -99,12 +100,18 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
     reader.finish()
     assert header is not None and end_ev is not None
     layers: list[LayerKV] = []
+    np_dtype = np.dtype(DTYPES[header.dtype][1])
+    # layers in several frames are joined into views of one allocation (kvpack/alloc.py)
+    joined = {i: (sum(k.shape[1] for k, _ in f), f[0][0].shape, f[0][1].shape) for i, f in enumerate(parts) if len(f) > 1}
+    carved = iter(slab_arrays([(ks[0], n, ks[2]) if j == 0 else (vs[0], n, vs[2])
+                               for n, ks, vs in joined.values() for j in (0, 1)], np_dtype)) if joined else iter(())
     for i, frames in enumerate(parts):
         spec = header.layers[i]
-        np_dtype = np.dtype(DTYPES[header.dtype][1])
-        if frames:
-            keys = np.concatenate([k for k, _ in frames], axis=1) if len(frames) > 1 else frames[0][0]
-            values = np.concatenate([v for _, v in frames], axis=1) if len(frames) > 1 else frames[0][1]
+        if len(frames) > 1:
+            keys = np.concatenate([k for k, _ in frames], axis=1, out=next(carved))
+            values = np.concatenate([v for _, v in frames], axis=1, out=next(carved))
+        elif frames:
+            keys, values = frames[0]
         else:
             keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=np_dtype)
             values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=np_dtype)

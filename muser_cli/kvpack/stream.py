@@ -21,6 +21,7 @@ from typing import BinaryIO
 import numpy as np
 
 from muser_cli.errors import KVPackError
+from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.format import PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.kvpack.reader import MAX_READ, EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_exact_into
@@ -169,11 +170,14 @@ class StreamedPack:
         if isinstance(ev, HeaderEvent):
             h = ev.header
             np_dtype = np.dtype(DTYPES[h.dtype][1])
+            shapes = []
             for i, spec in enumerate(h.layers):
                 rows = h.layer_rows(i) + (self._spare if spec.kind == "full" and h.layer_first_row(i) == 0 else 0)
-                self._keys.append(np.empty((spec.kv_heads, rows, spec.head_dim), dtype=np_dtype))
-                self._values.append(np.empty((spec.kv_heads, rows, spec.v_head_dim), dtype=np_dtype))
+                shapes += [(spec.kv_heads, rows, spec.head_dim), (spec.kv_heads, rows, spec.v_head_dim)]
                 self._got.append(0)
+            carved = slab_arrays(shapes, np_dtype)  # one allocation (kvpack/alloc.py says why)
+            self._keys.extend(carved[0::2])
+            self._values.extend(carved[1::2])
             self._header = h
             self._header_ready.set()
         elif isinstance(ev, FrameEvent):

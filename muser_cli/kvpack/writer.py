@@ -19,7 +19,7 @@ import numpy as np
 
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.codec import codec_id, encode_payload, group_bytes_parts
-from muser_cli.kvpack.digest import Chain, pool
+from muser_cli.kvpack.digest import Chain, pool, task_bytes
 from muser_cli.kvpack.format import (
     ALIGN, CODEC_NAMES, CODEC_RAW, CODEC_ZSTD_GROUPED, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE,
     TAG_DATA, TAG_END, PackHeader, header_digest, pad_len,
@@ -29,7 +29,7 @@ from muser_cli.kvpack.layers import DTYPES, LayerKV
 _ZEROS = bytes(ALIGN)
 _ZERO_HALF = bytes(32)
 IOV_MAX = 512  # well under every platform's limit
-WINDOW = 8  # frames in flight on the pool in write_pack
+WINDOW = 4  # runs of frames in flight on the pool in write_pack
 OVERLAP_MIN_BYTES = 256 << 10  # a frame this big is hashed on the pool while it is written
 
 
@@ -266,19 +266,34 @@ class PackWriter:
             for layer, start, keys, values in frames:
                 self.write_frame(layer, start, keys, values)
             return
-        flight: deque = deque()
+        flight: deque = deque()  # futures of runs of consecutive frames, in plan order
         seq = self._next
+        run: list[_Frame] = []
+        run_bytes = 0
+        run_min = task_bytes(sum(self.header.row_bytes(layer) * count for layer, _, count in self._plan[seq:]))
+
+        def encode_run(frs: list[_Frame]) -> list[_Frame]:
+            return [self._encode(fr) for fr in frs]
+
+        def drain(keep: int) -> None:
+            while len(flight) > keep:
+                for fr in flight.popleft().result():
+                    self._emit(fr, self._next)
+                    self._next += 1
+
         try:
             for layer, start, keys, values in frames:
                 fr = self._prepare(seq, layer, start, keys, values)
-                flight.append(ex.submit(self._encode, fr))
                 seq += 1
-                while len(flight) > WINDOW:
-                    self._emit(flight.popleft().result(), self._next)
-                    self._next += 1
-            while flight:
-                self._emit(flight.popleft().result(), self._next)
-                self._next += 1
+                run.append(fr)
+                run_bytes += fr.raw_len
+                if run_bytes >= run_min:
+                    flight.append(ex.submit(encode_run, run))
+                    run, run_bytes = [], 0
+                    drain(WINDOW)
+            if run:
+                flight.append(ex.submit(encode_run, run))
+            drain(0)
         finally:
             for fut in flight:  # an error: let the rest finish, write nothing more
                 fut.cancel()

@@ -39,7 +39,10 @@ _OWNED_PART = re.compile(r"^\.(?P<name>.+)\.(?P<pid>[0-9]{1,10})-[0-9a-f]{16}\.p
 _LEGACY_PART = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{6,16}\.part$")  # tempfile.mkstemp names (older muser)
 
 
-WRITEBACK_STEP = 32 << 20  # start writing back once this much more was written
+# Start writing back each time this much more was written. 8 MiB measured better than 32 on
+# this machine (2048-token save 127 vs 140 ms, 8064: 467 vs 473; docs/benchmarks.md, session 6):
+# the disk starts sooner, and the final fsync waits for less.
+WRITEBACK_STEP = 8 << 20
 
 
 class EarlyWriteback:

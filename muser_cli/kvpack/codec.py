@@ -39,12 +39,6 @@ def group_bytes_parts(parts: list, elem: int, total: int) -> memoryview:
     out = np.empty((elem, n), dtype=np.uint8)
     off = 0
     for part in parts:
-        if elem == 2:  # whole 16-bit words, shifted: several times faster than a strided byte copy
-            w = np.frombuffer(part, dtype="<u2")
-            np.copyto(out[0, off : off + w.size], w, casting="unsafe")  # the low byte of each
-            np.right_shift(w, 8, out=out[1, off : off + w.size], casting="unsafe")
-            off += w.size
-            continue
         v = np.frombuffer(part, dtype=np.uint8).reshape(-1, elem)
         np.copyto(out[:, off : off + v.shape[0]], v.T)
         off += v.shape[0]
@@ -55,11 +49,8 @@ def ungroup_bytes(grouped: bytes | memoryview, elem: int) -> bytes | memoryview:
     if elem == 1:
         return grouped
     planes = np.frombuffer(grouped, dtype=np.uint8).reshape(elem, -1)  # (elem, n)
-    if elem == 2:  # high byte << 8 | low byte, as little-endian words
-        words = np.empty(planes.shape[1], dtype="<u2")
-        np.left_shift(planes[1], 8, out=words, dtype="<u2")
-        words |= planes[0]
-        return memoryview(words.view(np.uint8))
+    # A strided copy per byte plane. Word shifts (high << 8 | low) ran twice as fast alone,
+    # but slower on the reader's pool: measured and not kept (docs/benchmarks.md, session 6).
     out = np.empty((planes.shape[1], elem), dtype=np.uint8)
     for b in range(elem):
         out[:, b] = planes[b]

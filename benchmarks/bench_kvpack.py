@@ -13,7 +13,11 @@ Per depth, interleaved in every rep:
   * pack / unpack in memory (write_pack to BytesIO / read_pack_bytes), uncompressed and
     zstd+bytegroup, for each digest: v1.1 blake3 (the default), v1.1 sha256, v1.0 sha256;
   * save + load of a file (write + fsync / read_pack of the file, memory-mapped): kvpack
-    uncompressed and zstd+bytegroup vs mlx-lm save_prompt_cache + load_prompt_cache.
+    uncompressed and zstd+bytegroup vs mlx-lm save_prompt_cache + load_prompt_cache;
+    the load also once per rep in a fresh interpreter (what a consumer process pays: no
+    heap or allocator cache left by earlier reads), and save+load with that load.
+Another tree's kvpack is timed by the same script with ``PYTHONPATH=OLD`` (its floor then
+hashes one frame per task, as that tree did).
 At the deepest depth, `muser pack --no-zstd < pack > out` throughput vs `cat < pack > out`
 (process start subtracted: the same commands on a 3 KB pack), by wall clock and per CPU
 second of the child (wait4), output on tmpfs. ``--cli-only`` runs just that comparison
@@ -90,7 +94,13 @@ def hash_bound(layers, header) -> None:
     """The floor under any verified pack: every row hashed once with the pack's digest on
     the worker pool, frames in runs of ``task_bytes`` a task (as write_pack and
     read_buffer hand them out), nothing copied."""
-    from muser_cli.kvpack.digest import hasher, payload_digest, pool, task_bytes
+    from muser_cli.kvpack.digest import hasher, payload_digest, pool
+
+    try:
+        from muser_cli.kvpack.digest import task_bytes
+    except ImportError:  # an older tree (--baseline runs, PYTHONPATH=OLD): one task a frame, as it did
+        def task_bytes(total: int) -> int:
+            return 1
 
     h = hasher(header.digest)
     frames = []
@@ -113,6 +123,37 @@ def hash_bound(layers, header) -> None:
         [payload_digest(h, f) for f in frames]
     else:
         list(ex.map(lambda run: [payload_digest(h, f) for f in run], [r for r in runs if r]))
+
+
+_FRESH_LOAD = """
+import sys, time
+kind, path = sys.argv[1], sys.argv[2]
+if kind == "mlx":
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    def load():
+        mx.eval([c.state for c in load_prompt_cache(path)])
+else:
+    from muser_cli.kvpack import read_pack
+
+    def load():
+        with open(path, "rb") as fh:
+            read_pack(fh)
+t0 = time.perf_counter()
+load()
+print(time.perf_counter() - t0)
+"""
+
+
+def fresh_load(kind: str, path: Path) -> float:
+    """Seconds of one load of ``path`` in a new interpreter, imports done before the clock
+    starts (this tree's muser_cli unless PYTHONPATH names another)."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _FRESH_LOAD, kind, str(path)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
 
 
 def timed(fn) -> float:
@@ -315,12 +356,26 @@ def main() -> int:
                     times[name]["load"].append(tl)
                 path.unlink()
 
+        # the load a consumer pays: one read in a fresh process (imports before the clock),
+        # with no heap or allocator cache left by earlier reads
+        fresh: dict[str, list[float]] = {name: [] for name in variants}
+        kept = {}
+        for name, (save, _load, ext) in variants.items():
+            kept[name] = tmp / f"fresh-{abs(hash(name))}{ext}"
+            save(kept[name])
+        for rep in range(args.reps):
+            for name in variants:
+                fresh[name].append(fresh_load("mlx" if name.startswith("mlx") else "kvpack", kept[name]))
+        for path in kept.values():
+            path.unlink()
+
         row = {"depth": depth, "raw_kv_bytes": raw_kv, "sizes": sizes,
                "pack_bytes": {f"{c} [{n}]": len(b) for (c, n), b in blobs.items()},
                "throughput_GBps": {k: summarize(v) for k, v in ops.items()},
                "GB_per_cpu_second": {k: summarize(v) for k, v in cpu.items()},
                "save": {k: summarize(v["save"]) for k, v in times.items()},
-               "load": {k: summarize(v["load"]) for k, v in times.items()}}
+               "load": {k: summarize(v["load"]) for k, v in times.items()},
+               "load_fresh_process": {k: summarize(v) for k, v in fresh.items()}}
         mc = row["throughput_GBps"]["memcpy"]["median"]
         row["vs_memcpy"] = {k: v["median"] / mc for k, v in row["throughput_GBps"].items()}
         mcc = row["GB_per_cpu_second"]["memcpy"]["median"]
@@ -328,6 +383,9 @@ def main() -> int:
         if have_mlx:
             m = row["save"]["mlx-lm prompt cache"]["median"] + row["load"]["mlx-lm prompt cache"]["median"]
             row["save_load_vs_mlx"] = {k: (row["save"][k]["median"] + row["load"][k]["median"]) / m for k in variants}
+            mf = row["save"]["mlx-lm prompt cache"]["median"] + row["load_fresh_process"]["mlx-lm prompt cache"]["median"]
+            row["save_load_fresh_vs_mlx"] = {k: (row["save"][k]["median"] + row["load_fresh_process"][k]["median"]) / mf
+                                             for k in variants}
         rows_out.append(row)
         print(f"\n== {depth} tokens, raw bf16 KV {raw_kv / 1e6:.2f} MB (pool {workers()} threads)")
         for k, v in row["throughput_GBps"].items():
@@ -338,6 +396,10 @@ def main() -> int:
             rel = f"  save+load {row['save_load_vs_mlx'][name]:.2f}x mlx-lm" if have_mlx else ""
             print(f"  {name:<36} {sizes[name] / 1e6:8.2f} MB  save {s['median'] * 1e3:7.1f} ms (cv {s['cv']:.1%})  "
                   f"load {l['median'] * 1e3:7.1f} ms (cv {l['cv']:.1%}){rel}", flush=True)
+            lf = row["load_fresh_process"][name]
+            relf = f"  save+load {row['save_load_fresh_vs_mlx'][name]:.2f}x mlx-lm" if have_mlx else ""
+            print(f"  {'':<36} {'':>8}     load in a fresh process {lf['median'] * 1e3:7.1f} ms (cv {lf['cv']:.1%}){relf}",
+                  flush=True)
 
     cli = None
     if not args.no_cli:

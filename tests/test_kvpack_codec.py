@@ -1,6 +1,6 @@
 """Byte grouping, as docs/kvpack.md defines it: byte 0 of every element, then byte 1, ...
-The fast 16-bit path and the general path give the definition's bytes, from one buffer
-or from pieces, and ungrouping inverts it."""
+It gives the definition's bytes, from one buffer or from pieces (empty ones too), and
+ungrouping inverts it."""
 
 from __future__ import annotations
 

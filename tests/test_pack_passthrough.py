@@ -189,6 +189,19 @@ def test_write_stored_refuses_a_payload_of_the_wrong_size():
 
 
 # ------------------------------------------------------------------ a regular file is mapped
+@pytest.fixture(params=["inline", "pool"])
+def mapped_path(request, monkeypatch):
+    """Both ways a mapped input is read: inline (small packs), and on the pool in runs of
+    a few frames (the thresholds that keep these small packs inline lowered)."""
+    if request.param == "pool":
+        from muser_cli.kvpack import buffer as buffer_mod
+
+        monkeypatch.setenv("MUSER_KVPACK_THREADS", "2")
+        monkeypatch.setattr(buffer_mod, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(buffer_mod, "task_bytes", lambda total: 2000)
+    return request.param
+
+
 def _packed_file(tmp_path, data: bytes, codec: str) -> tuple[bytes, object]:
     src = tmp_path / "in.kvpack"
     src.write_bytes(data)
@@ -201,7 +214,7 @@ def _packed_file(tmp_path, data: bytes, codec: str) -> tuple[bytes, object]:
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
 @pytest.mark.parametrize("codec_in,codec_out", [("none", "none"), ("zstd+bytegroup", "none"), ("none", "zstd+bytegroup")])
-def test_a_file_input_gives_the_bytes_a_stream_input_gives(tmp_path, version, codec_in, codec_out):
+def test_a_file_input_gives_the_bytes_a_stream_input_gives(tmp_path, version, codec_in, codec_out, mapped_path):
     header = _header(version, n=90, chunk=8)
     rows = _compressible(make_rows(header, 3))
     data = _written(header, rows, codec_in)
@@ -210,9 +223,7 @@ def test_a_file_input_gives_the_bytes_a_stream_input_gives(tmp_path, version, co
     assert res.bytes_in == len(data) and res.bytes_out == len(got) and res.frames == len(list(header.frame_plan()))
 
 
-@pytest.mark.parametrize("threads", ["1", "2"])
-def test_a_file_input_hashes_each_unchanged_payload_once(tmp_path, monkeypatch, threads):
-    monkeypatch.setenv("MUSER_KVPACK_THREADS", threads)
+def test_a_file_input_hashes_each_unchanged_payload_once(tmp_path, monkeypatch, mapped_path):
     header = _header("v1.1-blake3", n=200, chunk=8)
     data = _written(header, make_rows(header, 1), "none")
     stored = _stored_total(data)
@@ -222,7 +233,7 @@ def test_a_file_input_hashes_each_unchanged_payload_once(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))
-def test_a_flipped_bit_in_a_file_input_is_refused_and_no_end_frame_written(tmp_path, version):
+def test_a_flipped_bit_in_a_file_input_is_refused_and_no_end_frame_written(tmp_path, version, mapped_path):
     header = _header(version)
     data = _written(header, make_rows(header, 4), "none")
     offsets = _payload_offsets(data)
@@ -241,7 +252,7 @@ def test_a_flipped_bit_in_a_file_input_is_refused_and_no_end_frame_written(tmp_p
 
 
 @pytest.mark.parametrize("cut", ["trailing", "truncated"])
-def test_a_file_input_with_bytes_after_or_missing_is_refused_as_a_stream_is(tmp_path, cut):
+def test_a_file_input_with_bytes_after_or_missing_is_refused_as_a_stream_is(tmp_path, cut, mapped_path):
     header = _header("v1.1-blake3")
     data = _written(header, make_rows(header, 7), "none")
     bad = data + b"\0" if cut == "trailing" else data[:-70]
@@ -252,3 +263,22 @@ def test_a_file_input_with_bytes_after_or_missing_is_refused_as_a_stream_is(tmp_
     with open(src, "rb") as f, pytest.raises(KVPackError) as mapped:
         pack(f, io.BytesIO(), codec="none")
     assert str(mapped.value) == str(streamed.value)
+
+
+def test_a_quantized_file_input_is_refused_as_a_quantized_stream_is(tmp_path, mapped_path):
+    from muser_cli.errors import UsageError
+
+    header = _header("v1.1-blake3")
+    plain = _written(header, _compressible(make_rows(header, 8)), "none")  # finite values
+    quantized = io.BytesIO()
+    pack(io.BytesIO(plain), quantized, codec="none", quant="int8")
+    src = tmp_path / "q.kvpack"
+    src.write_bytes(quantized.getvalue())
+    with pytest.raises(UsageError, match="already quantized") as streamed:
+        pack(io.BytesIO(quantized.getvalue()), io.BytesIO(), codec="none")
+    out = io.BytesIO()
+    with open(src, "rb") as f, pytest.raises(UsageError, match="already quantized") as mapped:
+        pack(f, out, codec="none")
+    assert str(mapped.value) == str(streamed.value)
+    with pytest.raises(KVPackError):
+        read_pack_bytes(out.getvalue())  # nothing usable was written

@@ -13,8 +13,9 @@ import io
 import mmap
 import os
 import stat
+from collections import deque
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from muser_cli.kvpack.checks import (
     body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
     header_block_len,
 )
-from muser_cli.kvpack.digest import Chain, pool, task_bytes
+from muser_cli.kvpack.digest import Chain, pool, task_bytes, workers
 from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.kvpack.parser import EndEvent, FrameEvent, HeaderEvent
@@ -190,27 +191,55 @@ def _scan(buf: memoryview | bytes, max_bytes: int | None, max_minor: int) -> _Sc
     return _Scan(buf, header, minor, d_header, plan, frames, failure, end, pos)
 
 
+def _pooled(ex, run: Callable[[list], list], runs: Iterable[list], ahead: int) -> Iterator:
+    """The results of ``run`` over ``runs``, in order, computed on ``ex`` with at most
+    ``ahead`` runs submitted beyond the one being consumed: memory stays bounded by a few
+    runs however large the pack, and a consumer that stops early leaves nothing queued."""
+    flight: deque = deque()
+    try:
+        for r in runs:
+            flight.append(ex.submit(run, r))
+            if len(flight) > ahead:
+                yield from flight.popleft().result()
+        while flight:
+            yield from flight.popleft().result()
+    finally:
+        for fut in flight:  # stopped early: what has not started never runs
+            fut.cancel()
+
+
 def _verified(scan: _Scan, work: Callable[[_Scanned], tuple]) -> Iterator[tuple[_Scanned, bytes | None, object]]:
     """Step 2: ``work(frame) -> (p, got)`` for every frame -- its payload digest (v1.1) and
     whatever else the caller does with it while it is hot in cache -- on the worker pool,
-    in runs of consecutive frames (``task_bytes`` each); the chain checked in stream order.
-    Yields ``(frame, p, got)`` for each frame as its digest verifies; a ``got`` that is a
-    KVPackError is raised there. Then the structural failure, if any, the root and the
-    end of input; ``scan.root`` is set when all of it verified."""
+    in runs of consecutive frames (``task_bytes`` each), a few runs ahead of the consumer;
+    the chain checked in stream order. Yields ``(frame, p, got)`` for each frame as its
+    digest verifies; a ``got`` that is an exception (``work`` failed on that frame) is
+    raised there, after the frame's digest was checked, so a corrupt frame is reported as
+    such whatever else went wrong with it. Then the structural failure, if any, the root
+    and the end of input; ``scan.root`` is set when all of it verified."""
     chain = Chain(scan.minor, scan.header.digest or "sha256", scan.d_header)
+
+    def guarded(f: _Scanned) -> tuple:
+        try:
+            return work(f)
+        except Exception as exc:  # noqa: BLE001 -- raised in stream order, after the digest check
+            return None, exc
+
     ex = pool() if scan.stored_total >= PARALLEL_MIN_BYTES else None
     if ex is not None:
-        results = (r for batch in ex.map(lambda fs: [work(f) for f in fs], batches(scan.frames, task_bytes(scan.stored_total)))
-                   for r in batch)
+        results = _pooled(ex, lambda fs: [guarded(f) for f in fs], batches(scan.frames, task_bytes(scan.stored_total)),
+                          2 * workers())
     else:
-        results = map(work, scan.frames)
+        results = map(guarded, scan.frames)
     try:
         for f, (p, got) in zip(scan.frames, results):
+            if p is None and isinstance(got, BaseException):
+                p = chain.payload((f.stored,))  # work failed before its digest: take it here
             d = chain.compute(f.fh, (f.stored,), p)
             if d != f.digest:
                 raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
             chain.value = d
-            if isinstance(got, KVPackError):
+            if isinstance(got, BaseException):
                 raise got
             yield f, p, got
     finally:
@@ -231,22 +260,24 @@ def buffer_events(buf: memoryview | bytes, *, max_bytes: int | None = None, max_
     same verdicts, but with the payloads hashed (and zstd frames decoded) on the worker
     pool ahead of the frame being yielded. Each FrameEvent comes once its digest and the
     chain up to it verified; its ``stored`` is a view of ``buf`` and ``payload_digest``
-    is p_k (v1.1). ``decode=False``: arrays are left empty, as PackReader's. Used to pass
-    a memory-mapped pack on (``muser pack``) at the rate of the pool's hashing."""
+    is p_k (v1.1). One difference, stricter: the EndEvent comes only once nothing follows
+    the end frame (PackReader gives it, then refuses the bytes after it). ``decode=False``:
+    arrays are left empty, as PackReader's. Used to pass
+    a memory-mapped pack on (``muser pack``) at the rate of the pool's hashing.
+
+    ``buf`` must not change until the generator is done: a frame is hashed a few runs
+    ahead of its event, and its ``stored`` view is read again by whoever passes it on
+    (``read_pack_bytes`` copies a writable buffer first; a muser file is never rewritten
+    in place, see docs/kvpack.md 4.2)."""
     scan = _scan(buf, max_bytes, max_minor)
     header = scan.header
     hashing = Chain(scan.minor, header.digest or "sha256", scan.d_header)  # p_k only: None for v1.0
     yield HeaderEvent(header)
-    empty = {li: (np.empty((sp.kv_heads, 0, sp.head_dim), np.dtype(DTYPES[header.dtype][1])),
-                  np.empty((sp.kv_heads, 0, sp.v_head_dim), np.dtype(DTYPES[header.dtype][1])))
-             for li, sp in enumerate(header.layers)}
 
     def work(f: _Scanned):
         p = hashing.payload((f.stored,))
-        if not decode:
-            return p, empty[f.layer]
         try:
-            return p, decode_frame(header, f.layer, f.count, f.codec, f.stored, f.raw_len, True)
+            return p, decode_frame(header, f.layer, f.count, f.codec, f.stored, f.raw_len, decode)
         except KVPackError as exc:
             return p, exc
 

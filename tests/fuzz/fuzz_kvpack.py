@@ -1,12 +1,16 @@
 """Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 and v1.1.
 
 Contract: any input either parses into a verified pack or raises KVPackError; no other
-exception, no hang; and the two readers agree -- the whole-buffer reader (read_buffer:
-parallel payload digests, in-place views) and the sans-IO PackReader fed odd-sized
-pieces give the same verdict on every input: the same root digest, or the same message.
-Run (docs/kvpack.md 4.1 and docs/benchmarks.md state the counts):
+exception, no hang; and the readers agree -- the whole-buffer reader (read_buffer:
+parallel payload digests, in-place views), ``buffer_events`` (the same, as events), and
+the sans-IO PackReader fed odd-sized pieces give the same verdict on every input: the
+same root digest, or the same message. Run (docs/kvpack.md 4.1 and docs/benchmarks.md
+state the counts):
 
     python tests/fuzz/fuzz_kvpack.py -atheris_runs=1000000 -timeout=10 [-max_len=4096]
+
+``MUSER_FUZZ_POOL=1`` sends even these small packs through the worker pool, in runs of a
+few frames (the thresholds that keep small packs inline are lowered).
 
 tests/test_kvpack.py drives :func:`one_input` on 1,500 inputs without atheris (in each version pass).
 """
@@ -33,10 +37,10 @@ import zstandard  # noqa: E402,F401
 if atheris is not None:
     with atheris.instrument_imports(include=["muser_cli"]):
         from muser_cli.errors import KVPackError
-        from muser_cli.kvpack import PackReader, read_pack, read_pack_bytes, write_pack
+        from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 else:
     from muser_cli.errors import KVPackError
-    from muser_cli.kvpack import PackReader, read_pack, read_pack_bytes, write_pack
+    from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 
 from kvpack_factory import llama_layers, make_header, make_rows  # noqa: E402
 
@@ -92,6 +96,24 @@ def _pieces(blob: bytes, decode: bool = True) -> str:
     return reader.root_digest.hex()
 
 
+def _events_root(blob: bytes) -> str:
+    """buffer_events' verdict: the root of its EndEvent (which comes last, or not at all)."""
+    last = None
+    for ev in buffer_events(blob):
+        last = ev
+    assert isinstance(last, EndEvent)
+    return last.root_digest.hex()
+
+
+if os.environ.get("MUSER_FUZZ_POOL") == "1":
+    # the pool path on these small packs: runs of a few frames, hashed ahead of the consumer
+    from muser_cli.kvpack import buffer as _buffer
+
+    os.environ["MUSER_KVPACK_THREADS"] = "2"
+    _buffer.PARALLEL_MIN_BYTES = 0
+    _buffer.task_bytes = lambda total: 700
+
+
 def one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data) if atheris is not None else _Bytes(data)
     mode = fdp.ConsumeIntInRange(0, len(SEEDS))
@@ -116,6 +138,9 @@ def one_input(data: bytes) -> None:
     pieces = _verdict(lambda: _pieces(blob))
     if whole != pieces:
         raise AssertionError(f"readers disagree: whole {whole} vs pieces {pieces}")
+    events = _verdict(lambda: _events_root(blob))
+    if events != whole:
+        raise AssertionError(f"readers disagree: whole {whole} vs buffer_events {events}")
     verify_only = _verdict(lambda: _pieces(blob, decode=False))  # payloads hashed as they arrive
     if verify_only != whole:
         raise AssertionError(f"readers disagree: whole {whole} vs verify-only {verify_only}")

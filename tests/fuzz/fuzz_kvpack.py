@@ -9,7 +9,7 @@ state the counts):
 
     python tests/fuzz/fuzz_kvpack.py -atheris_runs=1000000 -timeout=10 [-max_len=4096]
 
-``MUSER_FUZZ_POOL=1`` sends even these small packs through the worker pool, in runs of a
+``FUZZ_KVPACK_POOL=1`` sends even these small packs through the worker pool, in runs of a
 few frames (the thresholds that keep small packs inline are lowered).
 
 tests/test_kvpack.py drives :func:`one_input` on 1,500 inputs without atheris (in each version pass).
@@ -105,7 +105,7 @@ def _events_root(blob: bytes) -> str:
     return last.root_digest.hex()
 
 
-if os.environ.get("MUSER_FUZZ_POOL") == "1":
+if os.environ.get("FUZZ_KVPACK_POOL") == "1":
     # the pool path on these small packs: runs of a few frames, hashed ahead of the consumer
     from muser_cli.kvpack import buffer as _buffer
 

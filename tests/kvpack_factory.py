@@ -50,3 +50,18 @@ def make_pack(n_tokens: int = 41, *, codec: str = "none", seed: int = 0, **kw) -
     buf = io.BytesIO()
     write_pack(buf, header, rows, codec=codec)
     return buf.getvalue(), header, rows
+
+
+def frame_offsets(data: bytes) -> list[int]:
+    """Offset of every data frame's header in a well-formed pack (walked by the frame lengths)."""
+    from muser_cli.kvpack.format import FRAME_HEADER, PREAMBLE, TAG_DATA, pad_len
+
+    hlen = PREAMBLE.unpack_from(data)[3]
+    pos = PREAMBLE.size + hlen + pad_len(PREAMBLE.size + hlen)
+    out = []
+    while True:
+        tag, *_rest, stored = FRAME_HEADER.unpack_from(data, pos)
+        if tag != TAG_DATA:
+            return out
+        out.append(pos)
+        pos += FRAME_HEADER.size + stored + pad_len(stored) + 64

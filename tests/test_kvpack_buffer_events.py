@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvpack_factory import llama_layers, make_header, make_rows
+from kvpack_factory import frame_offsets, llama_layers, make_header, make_rows
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, buffer_events, write_pack
 from muser_cli.kvpack import buffer as buffer_mod
-from muser_cli.kvpack.format import FRAME_HEADER, PREAMBLE, TAG_DATA, pad_len
+from muser_cli.kvpack.format import FRAME_HEADER
 
 RUN_BYTES = 3000  # a run: a few of the frames below
 
@@ -42,18 +42,6 @@ def _pack(version: str, codec: str = "none", n: int = 120) -> bytes:
     buf = io.BytesIO()
     write_pack(buf, header, rows, codec=codec)
     return buf.getvalue()
-
-
-def _frame_offsets(data: bytes) -> list[int]:
-    hlen = PREAMBLE.unpack_from(data)[3]
-    pos = PREAMBLE.size + hlen + pad_len(PREAMBLE.size + hlen)
-    out = []
-    while True:
-        tag, *_rest, stored = FRAME_HEADER.unpack_from(data, pos)
-        if tag != TAG_DATA:
-            return out
-        out.append(pos)
-        pos += FRAME_HEADER.size + stored + pad_len(stored) + 64
 
 
 def _key(ev) -> tuple:
@@ -95,7 +83,7 @@ def _mapped(data: bytes) -> tuple[list, str | None]:
 @pytest.mark.parametrize("codec", ["none", "zstd+bytegroup"])
 def test_the_events_and_verdict_are_the_streaming_readers(version, codec):
     data = _pack(version, codec)
-    offsets = _frame_offsets(data)
+    offsets = frame_offsets(data)
     assert len(offsets) >= 60
     cases = {"intact": data}
     for name, at in (("a payload bit, mid-run", offsets[len(offsets) // 2] + FRAME_HEADER.size + 3),
@@ -121,7 +109,7 @@ def test_the_events_and_verdict_are_the_streaming_readers(version, codec):
 
 def test_an_unexpected_failure_of_a_frame_is_raised_after_its_digest(monkeypatch):
     data = _pack("v1.1")
-    offsets = _frame_offsets(data)
+    offsets = frame_offsets(data)
     real = buffer_mod.decode_frame
     calls = {"n": 0}
 
@@ -147,7 +135,7 @@ def test_an_unexpected_failure_of_a_frame_is_raised_after_its_digest(monkeypatch
 
 def test_the_pool_runs_only_a_few_runs_ahead_of_the_consumer(monkeypatch):
     data = _pack("v1.1", n=400)
-    total = len(_frame_offsets(data))
+    total = len(frame_offsets(data))
     real = buffer_mod.decode_frame
     decoded = []
 

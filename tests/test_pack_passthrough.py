@@ -16,11 +16,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvpack_factory import llama_layers, make_header, make_rows
+from kvpack_factory import frame_offsets, llama_layers, make_header, make_rows
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack import PackWriter, read_pack_bytes, write_pack
 from muser_cli.kvpack import digest as digest_mod
-from muser_cli.kvpack.format import FRAME_HEADER, PREAMBLE, TAG_DATA, pad_len
+from muser_cli.kvpack.format import FRAME_HEADER
 from muser_cli.pack import pack
 
 VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
@@ -107,15 +107,7 @@ def test_a_re_encoded_frame_is_hashed_once_on_each_side(monkeypatch):
 
 def _payload_offsets(data: bytes) -> list[int]:
     """Offset of the first stored byte of every data frame."""
-    hlen = PREAMBLE.unpack_from(data)[3]
-    pos = PREAMBLE.size + hlen + pad_len(PREAMBLE.size + hlen)
-    out = []
-    while True:
-        tag, *_rest, stored = FRAME_HEADER.unpack_from(data, pos)
-        if tag != TAG_DATA:
-            return out
-        out.append(pos + FRAME_HEADER.size)
-        pos += FRAME_HEADER.size + stored + pad_len(stored) + 64
+    return [o + FRAME_HEADER.size for o in frame_offsets(data)]
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))

@@ -223,6 +223,42 @@ def check_output_path(path: Path | str) -> Path:
     return directory
 
 
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: Path | str) -> int:
+    """A read-only descriptor of the regular file at ``path``; refuse anything else.
+
+    Opened non-blocking, then checked with ``fstat`` before any read: a FIFO that no one
+    writes, a device or a socket is refused at once (:class:`MissingInput`, 66: not a file
+    that can be read) instead of hanging or reading forever. The descriptor is returned in
+    blocking mode; the caller closes it.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise MissingInput(f"no such file: {path}") from None
+    except OSError as exc:
+        raise MissingInput(f"cannot read {path}: {_describe(exc)}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "an unknown kind of file")
+            raise MissingInput(f"cannot read {path}: it is {kind}, not a regular file", hint="name a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def is_special(path: Path | str) -> bool:
+    """A character device or FIFO (``/dev/null``, a named pipe): written in place, never replaced."""
+    return _is_special(Path(path))
+
+
 def _is_special(path: Path) -> bool:
     """A character device or FIFO (``/dev/null``, a named pipe): written in place, never replaced."""
     try:

@@ -262,3 +262,28 @@ def test_the_pool_keeps_a_producer_that_refused_one_request_and_drops_one_that_w
     pool.done(addr)
     pool.blame(addr, SpotCheckFailed("layer 3 differs"))
     assert pool.pick() is None and "refused" in pool.to_json()[0]["gone"]
+
+
+# ----------------------------------------------------------------------------- issue 30
+def _within(seconds: float, fn):
+    """``fn()`` on a thread: its value, or a failure if it is still running after ``seconds``
+    (a read that hangs must fail the test, not hang it)."""
+    import threading
+
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds}s"
+    return box[0]
+
+
+def test_a_prompt_file_that_is_a_fifo_or_a_device_fails_that_job_at_once(tmp_path):
+    """Item 5: a FIFO no one writes hung the whole batch; now that job fails (66), the rest goes on."""
+    os.mkfifo(tmp_path / "pipe")
+    got = _within(30, lambda: jobs_of(tmp_path, '{"id": "p", "prompt_file": "pipe", "question": "?"}',
+                                      '{"id": "z", "prompt_file": "/dev/zero"}', '{"id": "ok", "prompt": "x"}'))
+    assert [type(g) for g in got] == [BadJob, BadJob, Job]
+    assert got[0].error.exit_status == 66 and "named pipe (FIFO), not a regular file" in str(got[0].error)
+    assert got[1].error.exit_status == 66 and "character device" in str(got[1].error)
+    assert "\n" not in str(got[0].error) and str(got[0].error).startswith("job p: ")

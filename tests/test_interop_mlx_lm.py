@@ -33,7 +33,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 from muser_cli.decode import decode  # noqa: E402
 from muser_cli.engines.registry import get_engine  # noqa: E402
-from muser_cli.errors import DataError  # noqa: E402
+from muser_cli.errors import DataError, MissingInput  # noqa: E402
 from muser_cli.interop import mlx_lm as interop  # noqa: E402
 from muser_cli.interop import safetensors_io as st  # noqa: E402
 from muser_cli.kvpack import read_pack, read_pack_bytes  # noqa: E402
@@ -68,9 +68,9 @@ def export(pack_path: Path, out_path: Path, model) -> interop.ExportResult:
         return interop.export_mlx_lm(src, out, model=str(model.path))
 
 
-def muser(*args, input: bytes | None = None):
+def muser(*args, input: bytes | None = None, timeout: float = 600):
     cmd = [sys.executable, "-m", "muser_cli.commands", *args]
-    return subprocess.run(cmd, input=input, capture_output=True, env=dict(os.environ), timeout=600)
+    return subprocess.run(cmd, input=input, capture_output=True, env=dict(os.environ), timeout=timeout)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_hybrid"])
@@ -401,3 +401,19 @@ def test_any_corruption_of_a_file_is_a_data_error(tiny_hybrid, tmp_path):
             assert 0 < len(exc.message) < 400 and "\n" not in exc.message
             outcomes["refused"] += 1
     assert outcomes["refused"] > 100
+
+
+def test_import_of_a_fifo_or_a_device_is_refused_at_once_not_waited_on(tiny_llama, tmp_path):
+    """Issue 30 item 5: ``pack --import mlx-lm FIFO`` (no one writing) hung; it is refused (66)
+    after an fstat of a non-blocking open, in one line, with nothing written."""
+    fifo = tmp_path / "cache.safetensors"
+    os.mkfifo(fifo)
+    (tmp_path / "doc.txt").write_text(PROMPT)
+    for src, kind in ((fifo, b"named pipe (FIFO)"), (Path("/dev/zero"), b"character device")):
+        out = tmp_path / "out.kvpack"
+        r = muser("pack", "--import", "mlx-lm", str(src), "--prompt", str(tmp_path / "doc.txt"),
+                  "-m", str(tiny_llama.path), "-o", str(out), timeout=120)
+        assert r.returncode == 66 and kind in r.stderr and b"not a regular file" in r.stderr, r.stderr
+        assert len(r.stderr.decode().strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(MissingInput, match="named pipe"):
+        interop.read_prompt_cache_file(str(fifo))

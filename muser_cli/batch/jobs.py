@@ -132,13 +132,21 @@ def parse_job(raw: bytes, line: int, *, base_dir: Path, defaults: Defaults) -> J
 
 
 def _read_document(path: Path, job_id: str) -> bytes:
+    """The document's bytes; a FIFO, a device or a socket is refused before any read (a
+    named pipe no one writes would hang the whole batch)."""
+    from muser_cli.fsio import open_regular
+
+    if path.is_dir():
+        raise DataError(f"job {job_id}: {path} is a directory, not a file")
     try:
-        if path.is_dir():
-            raise DataError(f"job {job_id}: {path} is a directory, not a file")
-        with open(path, "rb") as fh:
+        fd = open_regular(path)
+    except MissingInput as exc:
+        if not path.exists():
+            raise MissingInput(f"job {job_id}: no such prompt_file: {path}") from None
+        raise MissingInput(f"job {job_id}: {exc}", hint=exc.hint) from None
+    try:
+        with open(fd, "rb") as fh:
             body = fh.read(MAX_DOC_BYTES + 1)
-    except FileNotFoundError:
-        raise MissingInput(f"job {job_id}: no such prompt_file: {path}") from None
     except OSError as exc:
         raise MissingInput(f"job {job_id}: cannot read {path}: {exc.strerror or exc}") from None
     if len(body) > MAX_DOC_BYTES:

@@ -258,12 +258,9 @@ def read_prompt_cache_file(path: str) -> tuple[MlxPromptCache, int, Any]:
     import mmap
     import os
 
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        from muser_cli.errors import MissingInput
+    from muser_cli.fsio import open_regular
 
-        raise MissingInput(f"no such file: {path}") from None
+    fd = open_regular(path)  # a FIFO or a device is refused before any read (66), never waited on
     try:
         size = os.fstat(fd).st_size
         if size == 0:

@@ -65,10 +65,14 @@ def test_a_bad_line_is_a_failed_job_with_its_exit_status(tmp_path, line, status,
     assert words in str(bad.error) and "\n" not in str(bad.error)
 
 
-def test_a_repeated_id_is_refused_on_the_later_line_and_blank_lines_are_skipped(tmp_path):
-    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', "", '{"id": "a", "prompt": "y"}')
-    assert isinstance(got[0], Job) and isinstance(got[1], BadJob) and got[1].line == 3
-    assert "used by an earlier line" in str(got[1].error)
+def test_a_repeated_id_refuses_the_jobs_file_naming_its_lines_and_blank_lines_are_skipped(tmp_path):
+    # Issue 30 item 6 changed this: a repeated id was a failed job on the later line; the whole
+    # file is now refused (65) before anything runs, so one id never stands for two jobs.
+    with pytest.raises(DataError, match="id 'a' is on lines 1, 3") as info:
+        jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', "", '{"id": "a", "prompt": "y"}')
+    assert info.value.exit_status == 65 and "its own id" in info.value.hint
+    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', "", '{"id": "b", "prompt": "y"}')
+    assert [g.line for g in got] == [1, 3]
 
 
 def test_a_bad_line_keeps_the_id_it_meant(tmp_path):
@@ -217,10 +221,21 @@ def test_the_resident_producer_refuses_a_have_chain_that_is_not_the_prompts(tiny
 
 # ----------------------------------------------------------------------------- review fixes
 def test_a_bad_line_never_takes_the_id_of_a_good_one(tmp_path):
-    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "b", "prompt": "y"}', '{"id": "a", "prompt": "z"}',
-                  '{"id": "b", "max_tokens": "many", "prompt": "w"}')
-    assert [g.id for g in got] == ["a", "b", "line-3", "line-4"]
-    assert len({g.id for g in got}) == len(got)  # one result line per id, in input order
+    # Issue 30 item 6 changed this: a bad line repeating a good line's id refuses the file.
+    with pytest.raises(DataError, match="id 'b' is on lines 2, 4"):
+        jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "b", "prompt": "y"}',
+                '{"id": "c", "prompt": "z"}',
+                '{"id": "b", "max_tokens": "many", "prompt": "w"}')
+    got = jobs_of(tmp_path, '{"id": "a", "prompt": "x"}', '{"id": "b", "max_tokens": "many", "prompt": "w"}', "{{{")
+    assert [g.id for g in got] == ["a", "b", "line-3"] and isinstance(got[1], BadJob)
+
+
+def test_an_explicit_id_equal_to_a_default_id_refuses_the_file(tmp_path):
+    """Item 6: line 1 named "line-2", line 2 had no id (default line-2): two jobs, one result line."""
+    with pytest.raises(DataError, match=r"id 'line-2' is on lines 1, 2 \(it is line 2's default id\)"):
+        jobs_of(tmp_path, '{"id": "line-2", "prompt": "x"}', '{"prompt": "y"}')
+    with pytest.raises(DataError, match="id 'line-1' is on lines 1, 2"):  # a bad line's default id too
+        jobs_of(tmp_path, "{{{", '{"id": "line-1", "prompt": "y"}')
 
 
 def test_resume_checks_the_schedule_and_not_a_failed_lines_digest(tmp_path):

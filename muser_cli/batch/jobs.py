@@ -155,28 +155,33 @@ def _read_document(path: Path, job_id: str) -> bytes:
 
 
 def read_jobs(lines: Iterable[bytes], *, base_dir: Path, defaults: Defaults = Defaults()) -> list[Job | BadJob]:
-    """Every non-blank line as a Job or a BadJob, in input order; a repeated id is a BadJob."""
+    """Every non-blank line as a Job or a BadJob, in input order. Two lines with one id —
+    given, or a default ``line-N``, or the id a bad line meant — refuse the whole file
+    (DataError, 65, naming the lines): one result line per id is what ``--resume`` relies on."""
     out: list[Job | BadJob] = []
-    seen: set[str] = set()
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:
-            job = parse_job(raw.rstrip(b"\r\n"), n, base_dir=base_dir, defaults=defaults)
+            out.append(parse_job(raw.rstrip(b"\r\n"), n, base_dir=base_dir, defaults=defaults))
         except MuserError as exc:
             out.append(BadJob(n, _id_of(raw, n), exc))
-            continue
-        if job.id in seen:
-            out.append(BadJob(n, job.id, DataError(f"job line {n}: id {job.id!r} is used by an earlier line")))
-            continue
-        seen.add(job.id)
-        out.append(job)
-    # A bad line's result needs an id of its own: the one it meant only if no other line has it.
-    taken = [item.id for item in out]
-    for i, item in enumerate(out):
-        if isinstance(item, BadJob) and (taken.count(item.id) > 1 or item.id in seen):
-            out[i] = BadJob(item.line, f"line-{item.line}", item.error)
+    _refuse_repeated_ids(out)
     return out
+
+
+def _refuse_repeated_ids(items: list[Job | BadJob]) -> None:
+    lines: dict[str, list[int]] = {}
+    for item in items:
+        lines.setdefault(item.id, []).append(item.line)
+    repeated = [(rid, ns) for rid, ns in lines.items() if len(ns) > 1]
+    if repeated:
+        rid, ns = repeated[0]
+        more = f" (and {len(repeated) - 1} more repeated id(s))" if len(repeated) > 1 else ""
+        own = [n for n in ns if rid == f"line-{n}"]
+        default = f" (it is line {own[0]}'s default id)" if own else ""
+        raise DataError(f"jobs file: id {rid!r} is on lines {', '.join(map(str, ns))}{default}{more}",
+                        hint="give every job its own id (a line without one is line-N, N its line number)")
 
 
 def _id_of(raw: bytes, line: int) -> str:

@@ -302,3 +302,55 @@ def test_a_prompt_file_that_is_a_fifo_or_a_device_fails_that_job_at_once(tmp_pat
     assert got[0].error.exit_status == 66 and "named pipe (FIFO), not a regular file" in str(got[0].error)
     assert got[1].error.exit_status == 66 and "character device" in str(got[1].error)
     assert "\n" not in str(got[0].error) and str(got[0].error).startswith("job p: ")
+
+
+def test_a_results_line_carries_its_own_digest_and_an_edited_or_old_line_is_redone(tmp_path):
+    """Item 7: an edited line (text and token ids changed, job digest kept) was kept as done."""
+    from muser_cli.batch.results import EDITED, NO_DIGEST, line_digest
+
+    path = tmp_path / "res.jsonl"
+    r = Results(path)
+    r.open(["a", "b", "c", "d"])
+    for rid in "abcd":
+        r.write({**result(rid), "text": "caf\u00e9 \u2603", "temperature": 0.7})
+    r.close(complete=True)
+    lines = [json.loads(x) for x in path.read_bytes().splitlines()]
+    assert all(x["line_digest"] == line_digest(x) for x in lines)
+    lines[1].update(text="something else", token_ids=[9, 9])  # b: edited, its digests kept
+    del lines[2]["line_digest"]  # c: as an older muser wrote it
+    lines[3]["line_digest"] = lines[3]["line_digest"] + "0"
+    path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
+    again = Results(path, resume=True)
+    done = again.done(model="m", jobs={rid: "j" for rid in "abcd"})
+    assert set(done) == set("abcd")
+    assert again.redo == {"b": EDITED, "c": NO_DIGEST, "d": EDITED}
+    lines[1]["model"] = "another"  # an edited line is redone, not taken as evidence of another model
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert "b" in Results(path, resume=True).done(model="m", jobs={})
+
+
+def test_spools_of_gone_runs_are_removed_and_a_live_ones_is_kept(tmp_path, monkeypatch):
+    """Item 8 (the rule; test_batch.py SIGKILLs a real run): a spool names its owner's pid and
+    start time; gone (pid dead, or reused by a later process) -> removed."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from muser_cli.batch.spool import make_spool, start_time, sweep_spools
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = make_spool()
+    assert mine.parent == tmp_path and mine.name.startswith(f"muser-batch-{os.getpid()}.")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = tmp_path / f"muser-batch-{child.pid}.{start_time(os.getpid()) or 0}-abc123"
+    reused = tmp_path / f"muser-batch-{os.getpid()}.{(start_time(os.getpid()) or 0) + 1}-abc123"
+    old, fresh, other = tmp_path / "muser-batch-a1b2c3d4", tmp_path / "muser-batch-z9y8x7w6", tmp_path / "muser-batch-notes"
+    for d in (dead, reused, old, fresh, other):
+        d.mkdir()
+        (d / "job-1.kvpack").write_bytes(b"x")
+    os.utime(old, (time.time() - 3 * 86400,) * 2)
+    removed = sweep_spools()
+    assert set(removed) == {dead, reused, old} if start_time(os.getpid()) else {dead, old}
+    assert mine.is_dir() and fresh.is_dir() and other.is_dir()

@@ -4,12 +4,15 @@ skips what is done.
 
 Each line names the model (fingerprint) and the job (the digest of its line and document)
 it answers: resuming against another model, or a jobs file whose line for that id changed,
-is refused (exit 65) instead of mixing two batches in one file. At a clean end the file is
-rewritten (atomically) in input order, one line per id: the latest.
+is refused (exit 65) instead of mixing two batches in one file. Each line also carries the
+digest of its own content (``line_digest``): a done line that fails it (edited since it was
+written), or that has none (an older muser wrote it: unverifiable), is redone, not kept. At
+a clean end the file is rewritten (atomically) in input order, one line per id: the latest.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,6 +23,23 @@ from muser_cli.fsio import _is_special, atomic_writer, check_output_path, fsync_
 from muser_cli.strict import loads
 
 MAX_RESULT_LINE = 64 << 20
+DIGEST_KEY = "line_digest"
+EDITED = "its results line was changed after it was written (line_digest does not match)"
+NO_DIGEST = "its results line has no line_digest (an older muser wrote it): unverifiable"
+
+
+def line_digest(result: dict[str, Any]) -> str:
+    """The digest of a result line's content: every field but this one, as sorted compact JSON."""
+    body = {k: v for k, v in result.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def unverified(result: dict[str, Any]) -> str | None:
+    """Why a result line cannot be trusted as it stands (None: its digest matches)."""
+    if DIGEST_KEY not in result:
+        return NO_DIGEST
+    return None if result[DIGEST_KEY] == line_digest(result) else EDITED
 
 
 class Results:
@@ -43,6 +63,7 @@ class Results:
         self._order: list[str] = []
         self._pending: dict[str, bytes] = {}  # stdout: results waiting for those before them
         self._next = 0
+        self.redo: dict[str, str] = {}  # id -> why its done line is not kept (resume): set by done()
         if (self.path is not None and self.path.is_file() and self.path.stat().st_size > 0
                 and not (resume or force)):
             raise UsageError(f"{self.path} already holds results",
@@ -70,11 +91,18 @@ class Results:
             if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
                 raise DataError(f"{self.path.name} line {n} is not a muser batch result",
                                 hint="--resume continues a results file that muser batch wrote")
+            rid = obj["id"]
+            ok = obj.get("error") is None
+            why = unverified(obj) if ok else None
+            out[rid] = obj
+            self.redo.pop(rid, None)
+            if why is not None:
+                self.redo[rid] = why  # the latest line for rid: redone, whatever the earlier ones said
+                if why == EDITED:
+                    continue  # its fields are not what muser wrote: nothing to check against
             if obj.get("model") != model:
                 raise DataError(f"{self.path.name} holds results of another model ({obj.get('model')!s:.40})",
                                 hint="resume with the -m it was made with, or write to another file")
-            rid = obj["id"]
-            ok = obj.get("error") is None
             if ok and rid in jobs and obj.get("job") != jobs[rid]:
                 raise DataError(f"{self.path.name}: the result for {rid!r} answers another job line than this "
                                 "jobs file's", hint="resume with the jobs file it was made for, or --force")
@@ -82,7 +110,6 @@ class Results:
                 if ok and key in obj and obj[key] != want:
                     raise DataError(f"{self.path.name} was made with {key} {obj[key]!r}, this run uses {want!r}",
                                     hint=f"resume with the same --{key}, or write to another file")
-            out[rid] = obj
         return out
 
     # ------------------------------------------------------------------ writing
@@ -105,6 +132,7 @@ class Results:
         self._drain()
 
     def write(self, result: dict[str, Any]) -> None:
+        result = {**result, DIGEST_KEY: line_digest(result)}
         line = json.dumps(result, sort_keys=True, ensure_ascii=False).encode("utf-8") + b"\n"
         if self._fh is not None:
             try:

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
+from muser_cli.batch.spool import make_spool, sweep_spools
 from muser_cli.errors import DataError, MuserError
 
 ResultFn = Callable[[dict[str, Any], "Summary"], None]
@@ -67,6 +67,7 @@ class Summary:
     interrupted: bool = False
     producers: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # id, exit, message (first 20)
+    redone: list[dict[str, str]] = field(default_factory=list)  # id, reason: a done line not kept (--resume)
 
     @property
     def finished(self) -> int:
@@ -77,7 +78,13 @@ class Summary:
         out = self.to_json()
         return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped of {self.jobs} in {self.wall_s:.1f}s "
                 f"({out['jobs_per_min']:.1f} jobs/min, {out['tokens_per_s']:.1f} tok/s); "
-                + ", ".join(f"{k} {v}" for k, v in sorted(self.sources.items())))
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.sources.items())) + self._redone_note())
+
+    def _redone_note(self) -> str:
+        if not self.redone:
+            return ""
+        ids = ", ".join(r["id"] for r in self.redone[:5]) + (", ..." if len(self.redone) > 5 else "")
+        return f"; {len(self.redone)} redone, their results line unverifiable or changed ({ids})"
 
     def to_json(self) -> dict[str, Any]:
         wall = self.wall_s
@@ -87,6 +94,7 @@ class Summary:
                 "tokens_per_s": round(self.new_tokens / wall, 3) if wall > 0 else 0.0,
                 "jobs_per_min": round(60 * self.done / wall, 3) if wall > 0 else 0.0,
                 "interrupted": self.interrupted, "producers": self.producers, "failures": self.failures,
+                "redone": self.redone,
                 "ok": self.failed == 0 and not self.interrupted}
 
 
@@ -257,6 +265,7 @@ class Batch:
     # ------------------------------------------------------------------ the run
     def run(self, items: Sequence[Job | BadJob], results: Results) -> Summary:
         tally = Tally(Summary(jobs=len(items)), results, self.on_result)
+        sweep_spools()  # a killed run's prefetched packs: removed even when nothing is left to run
         if self.engine is None:
             tally.summary.load_s = self.load()
         order = self.prepare(items, tally)
@@ -288,8 +297,12 @@ class Batch:
         for item in items:
             prior = done.get(item.id)
             if isinstance(item, Job) and prior is not None and prior.get("error") is None:
-                tally.summary.skipped += 1
-                results.skip(item.id)
+                if item.id not in results.redo:
+                    tally.summary.skipped += 1
+                    results.skip(item.id)
+                    continue
+                tally.summary.redone.append({"id": item.id, "reason": results.redo[item.id]})
+                todo.append(item)
             elif isinstance(item, BadJob):
                 tally.emit(failure(item, item.error, model=model))
             else:
@@ -303,7 +316,7 @@ class Batch:
         """One job's result line (its failure is its line too); ``nxt``: the job that runs next
         here, whose pull starts while this one decodes."""
         if self._spool is None:
-            self._spool = Path(tempfile.mkdtemp(prefix="muser-batch-"))
+            self._spool = make_spool()
         try:
             return self._one(p, nxt, self._fetches)
         except (KeyboardInterrupt, SystemExit):

@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of foreign packs."),
         no_reuse: bool = typer.Option(False, "--no-reuse", help="Neither look in nor keep anything in the store (every job pays its whole prompt)."),
         as_json: bool = typer.Option(False, "--json", help="A summary object at the end (stdout with -o, else stderr)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Run nothing: list the jobs in run order, the prefixes they share and the producers (loads the tokenizer, not the model; contacts no producer)."),
     ) -> None:
         """Run many prompts with one model load: shared documents paid once, pulls overlapped with decoding, resumable."""
         from muser_cli.batch.jobs import Defaults, read_jobs
@@ -64,21 +65,30 @@ def register(app: typer.Typer) -> None:
                 base = path.resolve().parent
             defaults = Defaults(max_tokens=n, temperature=temperature, top_p=top_p, seed=seed, chat=chat)
             items = read_jobs(lines, base_dir=base, defaults=defaults)
-            results = Results(Path(output), resume=resume, force=force) if output else Results(
-                stream=sys.stdout.buffer)
             config = BatchConfig(model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                                  chunk_tokens=chunk, producers=tuple(addresses), timeout=timeout,
                                  audit=0 if no_audit else audit, reuse=not no_reuse)
+            if dry_run:
+                plan = Batch(config).dry_run(items)
+                _show_plan(plan, as_json=as_json)
+                if plan["bad"]:
+                    raise typer.Exit(1)
+                return
+            results = Results(Path(output), resume=resume, force=force) if output else Results(
+                stream=sys.stdout.buffer)
             stop = threading.Event()
+            stopped_by: list[str] = []
             view = _Progress(len(items))
 
-            def on_sigint(signum, frame) -> None:  # first Ctrl-C: stop after the current job
+            def on_signal(signum, frame) -> None:  # the first: stop after the current job; a second aborts
                 if stop.is_set():
                     raise KeyboardInterrupt
+                stopped_by.append(signal.Signals(signum).name)
                 stop.set()
-                err("muser batch: stopping after the current job (Ctrl-C again to abort)")
+                if signum == signal.SIGINT:
+                    err("muser batch: stopping after the current job (Ctrl-C again to abort)")
 
-            old = signal.signal(signal.SIGINT, on_sigint) if threading.current_thread() is threading.main_thread() else None
+            old = _handle(STOP_SIGNALS, on_signal)
             try:
                 if ray is not None:
                     from muser_cli.batch.on_ray import run_on_ray
@@ -89,27 +99,115 @@ def register(app: typer.Typer) -> None:
                     summary = Batch(config, on_result=view.update, stop=stop).run(items, results)
             finally:
                 view.close()
-                if old is not None:
-                    signal.signal(signal.SIGINT, old)
-            out = summary.to_json()
-            line = f"muser batch: {summary.line()}"
-            if summary.failed or summary.interrupted:
-                err(line)
-                for f in summary.failures[:5]:
-                    err(f"muser batch: {f['id']}: exit {f['exit']}: {f['message']}")
-            else:
-                info(line)
-            if as_json:
-                if output is not None:
-                    emit_json(out)
-                else:
-                    import json
-
-                    err(json.dumps(out, sort_keys=True))
+                _handle(old)
+            summary.stopped_by = stopped_by[0] if stopped_by else None
+            again = _resume_command(jobs, output)
+            if summary.stopped_by in ("SIGTERM", "SIGHUP"):  # a service manager's stop: drained, one line, 0
+                left = f"; continue with: {again}" if summary.left and again else ""
+                err(f"muser batch: stopped by {summary.stopped_by}: {summary.done} done, {summary.failed} failed, "
+                    f"{summary.skipped} skipped, {summary.left} left of {summary.jobs}{left}")
+                _emit_summary(summary, as_json=as_json, output=output)
+                return
+            _report(summary, again)
+            _emit_summary(summary, as_json=as_json, output=output)
             if summary.interrupted:
                 raise typer.Exit(130)
             if summary.failed:
                 raise typer.Exit(1)
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _handle(signals, handler=None) -> dict:
+    """Install ``handler`` for ``signals`` (or, given a dict of old handlers, put them back);
+    returns the handlers replaced. Only the main thread may: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    if isinstance(signals, dict):
+        return {sig: signal.signal(sig, old) for sig, old in signals.items()}
+    return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def _report(summary, again: str | None) -> None:
+    """The human summary on stderr: the counts, the first failures, the producers that failed,
+    and — when anything failed or is left — the command that continues."""
+    line = f"muser batch: {summary.line()}"
+    trouble = summary.failed or summary.interrupted
+    (err if trouble else info)(line)
+    for f in summary.failures[:5]:
+        err(f"muser batch: {f['id']}: exit {f['exit']}: {f['message']}")
+    bad = _failed_producers(summary.producers)
+    if bad:
+        err(f"muser batch: producers that failed: {bad}")
+    if trouble:
+        err(f"muser batch: to rerun what failed or is left: {again}" if again else
+            "muser batch: to rerun only what failed or is left, write the results to a file (-o FILE) and add --resume")
+
+
+def _failed_producers(states: list) -> str:
+    out = []
+    for s in states:
+        if s.get("gone"):
+            out.append(f"{s['address']} (dropped: {s['gone'][:120]})")
+        elif s.get("failures"):
+            out.append(f"{s['address']} (down: {s.get('last_error', '')[:120]})")
+    return "; ".join(out)
+
+
+def _resume_command(jobs: str, output: str | None) -> str | None:
+    """This command line with ``--resume`` (and without ``--force``); None when the results do
+    not go to a file that can be resumed."""
+    import shlex
+
+    from muser_cli.fsio import is_special
+
+    if output is None or output == "-" or is_special(output):
+        return None
+    argv = sys.argv[1:]
+    if "batch" not in argv:  # called in-process (tests): the essentials
+        argv = ["batch", jobs, "-o", output]
+    args = [a for a in argv if a != "--force"]
+    return shlex.join(["muser", *args, *([] if "--resume" in args else ["--resume"])])
+
+
+def _emit_summary(summary, *, as_json: bool, output: str | None) -> None:
+    if not as_json:
+        return
+    if output is not None:
+        emit_json(summary.to_json())
+    else:
+        import json
+
+        err(json.dumps(summary.to_json(), sort_keys=True))
+
+
+def _show_plan(plan: dict, *, as_json: bool) -> None:
+    """``--dry-run``: the plan on stdout, as text or one JSON object."""
+    if as_json:
+        emit_json(plan)
+        return
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    lines = [f"{count(len(plan['jobs']), 'job')} to run (in this order), {count(len(plan['bad']), 'bad line')}; "
+             f"chunk {plan['chunk']}; nothing was run"]
+    width = max([len(j["id"]) for j in plan["jobs"]] + [2])
+    for j in plan["jobs"]:
+        doc = Path(j["document"]).name if j["document"] else "inline prompt"
+        held = f", {j['shares_previous']} shared with the previous job" if j["shares_previous"] else ""
+        lines.append(f"  {j['id']:<{width}}  line {j['line']:<4} {j['prompt_tokens']:>6} tokens  {doc}{held}")
+    lines.append("shared prefixes (each paid once):" if plan["prefixes"] else "shared prefixes: none")
+    for g in plan["prefixes"]:
+        what = Path(g["document"]).name if g["document"] else "inline prompts with one first chunk"
+        lines.append(f"  {what}: {g['shared_tokens']} tokens, {count(len(g['jobs']), 'job')} ({', '.join(g['jobs'][:8])}"
+                     f"{', ...' if len(g['jobs']) > 8 else ''})")
+    lines.append("producers (not contacted): " + ", ".join(plan["producers"]) if plan["producers"] else
+                 "producers: none (every job is computed here)")
+    for b in plan["bad"]:
+        lines.append(f"bad: {b['id']} (line {b['line']}): exit {b['exit']}: {b['message']}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
 
 
 class _Progress:

@@ -323,3 +323,123 @@ def test_an_mlx_consumer_batch_equals_mlx_decode_per_job(model, tmp_path):
         want = decode(None, model=model, prompt=f"{DOC}\n\n{q}", max_new_tokens=5, engine="mlx", dtype="float32",
                       threads=1, chunk_tokens=CHUNK, reuse=False)
         assert g["token_ids"] == want.token_ids, g
+
+
+# ----------------------------------------------------------------------------- issues 29 and 30
+def spools(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("muser-batch-*"))
+
+
+def test_a_fifo_prompt_file_fails_that_job_and_the_summary_names_producers_and_ends_with_resume(
+        model, expected, tmp_path):
+    """#30 item 5: a job whose prompt_file is a FIFO no one writes hung the whole batch; it now
+    fails alone (66). #29 item 9: the human summary names the producers that failed and ends
+    with the command that continues."""
+    pipe_job = json.dumps({"id": "pipe", "prompt_file": "pipe", "question": "?"})
+    jobs = write_jobs(tmp_path, QUESTIONS[:2], extra=[pipe_job])
+    os.mkfifo(tmp_path / "pipe")
+    res = tmp_path / "res.jsonl"
+    dead = _dead_address()
+    r = batch(tmp_path / "home", str(jobs), *common(model), "--producer", dead, "-o", str(res), "--timeout", "5",
+              timeout=180)
+    assert r.returncode == 1, r.stderr
+    by = {g["id"]: g for g in lines_of(res.read_bytes())}
+    assert by["pipe"]["error"]["exit"] == 66 and "named pipe (FIFO)" in by["pipe"]["error"]["message"]
+    assert by["q0"]["token_ids"] == expected["q0"] and by["q1"]["token_ids"] == expected["q1"]
+    err = r.stderr.decode().strip().splitlines()
+    assert any(ln.startswith(f"muser batch: producers that failed: {dead} (") for ln in err), err
+    assert err[-1].startswith("muser batch: to rerun what failed or is left: muser batch "), err
+    assert str(jobs) in err[-1] and err[-1].endswith("--resume") and str(res) in err[-1]
+
+
+def test_an_edited_results_line_is_redone_on_resume_and_the_summary_says_so(model, expected, tmp_path):
+    """#30 item 7: a done line whose text and token ids were edited (job digest kept) was kept."""
+    jobs = write_jobs(tmp_path, QUESTIONS[:3])
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    r = batch(home, str(jobs), *common(model), "-o", str(res))
+    assert r.returncode == 0, r.stderr
+    lines = lines_of(res.read_bytes())
+    lines[1].update(text="edited", token_ids=[1, 2, 3])
+    res.write_text("".join(json.dumps(g) + "\n" for g in lines))
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped"] == 2 and summary["done"] == 1
+    assert [x["id"] for x in summary["redone"]] == ["q1"] and "changed" in summary["redone"][0]["reason"]
+    assert b"1 redone" in r.stderr
+    final = lines_of(res.read_bytes())
+    assert [g["token_ids"] for g in final] == [expected[f"q{i}"] for i in range(3)]
+
+
+def test_a_sigkilled_batchs_spool_is_removed_by_resume(model, expected, tmp_path):
+    """#30 item 8: SIGKILL (for real) left muser-batch-* in the temp folder for ever."""
+    jobs = write_jobs(tmp_path)
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**env_for(home), "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stderr.read()
+    left = spools(tmp)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(left) == 1 and spools(tmp) == left  # what the killed run could not remove
+    r = subprocess.run(muser_cmd("batch", str(jobs), *common(model), "-o", str(res), "--resume"), env=env,
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert spools(tmp) == []
+    assert [g["token_ids"] for g in lines_of(res.read_bytes())] == [expected[f"q{i}"] for i in range(len(QUESTIONS))]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_drains_prints_one_line_and_exits_0(model, expected, tmp_path, sig):
+    """#29 item 4: a service manager's stop finishes the job in flight, says what is done and
+    left in one line, exits 0; --resume continues."""
+    jobs = write_jobs(tmp_path)
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
+        time.sleep(0.02)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    lines = [ln for ln in err.decode().splitlines() if ln.startswith("muser")]  # not a library's FutureWarning (#29 item 6)
+    assert len(lines) == 1 and lines[0].startswith(f"muser batch: stopped by {sig}: "), lines
+    partial = lines_of(res.read_bytes())
+    assert f"{len(partial)} done, 0 failed, 0 skipped, {len(QUESTIONS) - len(partial)} left of {len(QUESTIONS)}" \
+        in lines[0]
+    assert len(partial) < len(QUESTIONS) and lines[0].endswith("--resume"), lines
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert [g["token_ids"] for g in lines_of(res.read_bytes())] == [expected[f"q{i}"] for i in range(len(QUESTIONS))]
+
+
+def test_dry_run_lists_jobs_shared_prefixes_and_producers_and_runs_nothing(model, tmp_path):
+    """#29 item 9: ``--dry-run`` shows the plan; no results file, nothing stored, no producer asked."""
+    solo = json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4})
+    jobs = write_jobs(tmp_path, QUESTIONS[:3], extra=[solo])
+    res = tmp_path / "res.jsonl"
+    home = tmp_path / "home"
+    dead = _dead_address()
+    r = batch(home, str(jobs), *common(model), "--producer", dead, "-o", str(res), "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [j["id"] for j in plan["jobs"]] == ["q0", "q1", "q2", "solo"]  # the document's jobs together
+    [shared] = plan["prefixes"]
+    assert shared["jobs"] == ["q0", "q1", "q2"] and shared["shared_tokens"] >= CHUNK
+    assert shared["shared_tokens"] % CHUNK == 0 and shared["document"] == str((tmp_path / "doc.txt").resolve())
+    assert plan["producers"] == [dead] and plan["bad"] == []
+    assert not res.exists() and not (home / "data" / "store").exists()
+    r = batch(home, str(jobs), *common(model), "--dry-run")
+    text = r.stdout.decode()
+    assert r.returncode == 0 and "shared prefixes (each paid once):" in text and "doc.txt" in text, text
+    assert "producers: none" in text and "4 jobs to run" in text

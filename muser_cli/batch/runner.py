@@ -65,6 +65,7 @@ class Summary:
     wall_s: float = 0.0
     load_s: float = 0.0
     interrupted: bool = False
+    stopped_by: str | None = None  # the signal that stopped the run (SIGINT, SIGTERM, SIGHUP)
     producers: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # id, exit, message (first 20)
     redone: list[dict[str, str]] = field(default_factory=list)  # id, reason: a done line not kept (--resume)
@@ -72,6 +73,11 @@ class Summary:
     @property
     def finished(self) -> int:
         return self.done + self.failed
+
+    @property
+    def left(self) -> int:
+        """Jobs this run did not get to (a stopped run): what ``--resume`` continues with."""
+        return max(0, self.jobs - self.finished - self.skipped)
 
     def line(self) -> str:
         """The one-line summary the command prints at the end."""
@@ -94,7 +100,7 @@ class Summary:
                 "tokens_per_s": round(self.new_tokens / wall, 3) if wall > 0 else 0.0,
                 "jobs_per_min": round(60 * self.done / wall, 3) if wall > 0 else 0.0,
                 "interrupted": self.interrupted, "producers": self.producers, "failures": self.failures,
-                "redone": self.redone,
+                "redone": self.redone, "left": self.left, "stopped_by": self.stopped_by,
                 "ok": self.failed == 0 and not self.interrupted}
 
 
@@ -122,6 +128,22 @@ def mark_sharing(order: Sequence["Planned"], chunk: int, reuse: bool) -> None:
         p.shares_next = shared
         p.store = reuse and shared > prev_shared
         prev_shared = shared
+
+
+def shared_prefixes(order: Sequence["Planned"], chunk: int) -> list[dict[str, Any]]:
+    """Each group of two or more jobs (one document, or one first chunk) and the whole-chunk
+    prefix all of them share: what the batch pays once."""
+    groups: dict[Any, list[Planned]] = {}
+    for p in order:
+        groups.setdefault(p.group, []).append(p)
+    out = []
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        shared = min(common_prefix(members[0].ids[:-1], m.ids[:-1]) for m in members[1:]) // chunk * chunk
+        out.append({"document": key[1] if key[0] == "doc" else None, "jobs": [m.job.id for m in members],
+                    "shared_tokens": shared})
+    return out
 
 
 def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, Any]:
@@ -261,6 +283,22 @@ class Batch:
         order = [p for g in groups.values() for p in g]
         mark_sharing(order, self.chunk, self.config.reuse)
         return order, bad
+
+    def dry_run(self, items: Sequence[Job | BadJob]) -> dict[str, Any]:
+        """What :meth:`run` would do, with the tokenizer only (no weights, no producer contacted,
+        no results file): the jobs in run order, the prefixes they share, the producers."""
+        self.load_info()
+        order, bad = self.plan([j for j in items if isinstance(j, Job)])
+        failed = [failure(j, j.error, model="") for j in items if isinstance(j, BadJob)]
+        failed += [failure(j, exc, model="") for j, exc in bad]
+        jobs = []
+        for i, p in enumerate(order):
+            held = order[i - 1].shares_next if i else 0
+            jobs.append({"id": p.job.id, "line": p.job.line, "prompt_tokens": len(p.ids), "document": p.job.document,
+                         "shares_previous": held, "store": p.store})
+        return {"jobs": jobs, "prefixes": shared_prefixes(order, self.chunk), "producers": list(self.config.producers),
+                "bad": [{"id": f["id"], "line": f["line"], **f["error"]} for f in sorted(failed, key=lambda f: f["line"])],
+                "chunk": self.chunk, "model": self.model_fingerprint}
 
     # ------------------------------------------------------------------ the run
     def run(self, items: Sequence[Job | BadJob], results: Results) -> Summary:

@@ -296,8 +296,9 @@ class Batch:
             held = order[i - 1].shares_next if i else 0
             jobs.append({"id": p.job.id, "line": p.job.line, "prompt_tokens": len(p.ids), "document": p.job.document,
                          "shares_previous": held, "store": p.store})
+        failed.sort(key=lambda f: f["line"])
         return {"jobs": jobs, "prefixes": shared_prefixes(order, self.chunk), "producers": list(self.config.producers),
-                "bad": [{"id": f["id"], "line": f["line"], **f["error"]} for f in sorted(failed, key=lambda f: f["line"])],
+                "bad": [{"id": f["id"], "line": f["line"], **f["error"]} for f in failed],
                 "chunk": self.chunk, "model": self.model_fingerprint}
 
     # ------------------------------------------------------------------ the run

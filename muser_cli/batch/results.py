@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from muser_cli.errors import DataError, OutputError, UsageError
-from muser_cli.fsio import _is_special, atomic_writer, check_output_path, fsync_dir
+from muser_cli.fsio import atomic_writer, check_output_path, fsync_dir, is_special
 from muser_cli.strict import loads
 
 MAX_RESULT_LINE = 64 << 20
@@ -74,7 +74,7 @@ class Results:
         """The results already in the file (``--resume``): id -> its latest line. ``jobs``: id ->
         job digest of this run; ``schedule``: engine, dtype and chunk, which a resumed run must
         share (tokens of two schedules never mix in one file). A torn last line is cut off."""
-        if not self.resume or self.path is None or not self.path.exists() or _is_special(self.path):
+        if not self.resume or self.path is None or not self.path.exists() or is_special(self.path):
             return {}
         data = self.path.read_bytes()
         cut = data.rfind(b"\n") + 1
@@ -116,7 +116,7 @@ class Results:
     def open(self, order: Sequence[str]) -> None:
         """``order``: every id in input order (stdout is written in that order)."""
         self._order = list(order)
-        self._special = self.path is not None and _is_special(self.path)
+        self._special = self.path is not None and is_special(self.path)
         if self.path is not None:
             try:
                 flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if self.resume else os.O_TRUNC)
@@ -170,7 +170,7 @@ class Results:
                     self.stream.write(line)
             self.stream.flush()
             return
-        if not complete or self.path is None or _is_special(self.path):
+        if not complete or self.path is None or is_special(self.path):
             return  # a pipe or device (-o /dev/stdout) is written once, in finishing order
         latest: dict[str, bytes] = {}
         for raw in self.path.read_bytes().splitlines(keepends=True):

@@ -344,13 +344,10 @@ def have_on_grid(req: PullRequest, scope) -> PullRequest:
     delta from 17 could not be merged exactly, so ``verify`` and ``decode`` would refuse it
     (docs/reuse.md); one from 16 merges from the same stored entry, which holds that point.
     Below one chunk: a full pack."""
-    from muser_cli.reuse.chain import chain_at, servable
+    from muser_cli.reuse.chain import delta_point
 
-    held, rows = req.have_tokens, len(req.token_ids) - 1
-    if not held or servable(scope, held, rows):
-        return req
-    down = held - held % scope.chunk_tokens
-    return replace(req, have_tokens=down, have_chain=chain_at(scope, list(req.token_ids), down) if down else None)
+    held, chain = delta_point(scope, req.token_ids, req.have_tokens, req.have_chain)
+    return req if held == req.have_tokens else replace(req, have_tokens=held, have_chain=chain)
 
 
 # ----------------------------------------------------------------------------- consumer

@@ -392,7 +392,8 @@ def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypa
     from muser_cli.reuse.chain import Scope, chain_at
     from muser_cli.tokens import encode_prompt
 
-    monkeypatch.setattr(serve_mod, "have_on_grid", lambda req, scope: req)
+    monkeypatch.setattr(serve_mod, "have_on_grid", lambda req, scope: req)  # a producer without the rounding
+    monkeypatch.setattr("muser_cli.reuse.delta.delta_point", lambda scope, ids, held, chain: (held, chain))
     prod = serve_mod.ResidentProducer(lane["model"], dtype="float32")
     info = prod.info
     ids = encode_prompt(info, OFF_GRID[1], chat=False)

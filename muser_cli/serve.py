@@ -170,6 +170,7 @@ class ResidentProducer:
             if chain_at(scope, list(req.token_ids), req.have_tokens) != req.have_chain:
                 raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
                                       "tokens on its schedule")
+            req = have_on_grid(req, scope)
         return req
 
     def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
@@ -338,6 +339,17 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         server.close()
 
 
+def have_on_grid(req: PullRequest, scope) -> PullRequest:
+    """A ``have`` off the chunk grid (17 rows on chunk 8), rounded down to the grid (16): a
+    delta from 17 could not be merged exactly, so ``verify`` and ``decode`` would refuse it
+    (docs/reuse.md); one from 16 merges from the same stored entry, which holds that point.
+    Below one chunk: a full pack."""
+    from muser_cli.reuse.chain import delta_point
+
+    held, chain = delta_point(scope, req.token_ids, req.have_tokens, req.have_chain)
+    return req if held == req.have_tokens else replace(req, have_tokens=held, have_chain=chain)
+
+
 # ----------------------------------------------------------------------------- consumer
 @dataclass
 class PullAsk:
@@ -363,7 +375,8 @@ def with_have(ask: PullAsk, store=None) -> PullAsk:
         return ask
     for point in store.points(ask.model_fingerprint, ask.tokenizer_fingerprint, ids, len(ids) - 2, dtype=ask.dtype,
                               chunk_tokens=ask.chunk_tokens):
-        return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
+        if point.held % ask.chunk_tokens == 0:  # a delta from off the grid could not be merged exactly
+            return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
     return ask
 
 

@@ -182,6 +182,33 @@ def test_delta_is_the_formula_to_the_byte_and_merges_exactly(layers):
         pack(io.BytesIO(delta), io.BytesIO(), have=replace(have, held_tokens=0, entry_id=None, chain=None, scope=None))
 
 
+def test_a_held_point_off_the_chunk_grid_gives_a_delta_from_the_boundary_below():
+    """#30 item 3, the manifest path: a consumer holds a 38-token prompt (rows end at 37, off
+    the chunk-8 grid) and says so (a hand-written manifest: ``reuse have`` names 32). The
+    delta ``pack --have`` makes starts at 32, the boundary below: its base verifies and it
+    merges with the stored entry to every byte of the full pack (before: a delta from 37,
+    written with no error, that every reader refused)."""
+    layers = llama_layers(2)
+    full = pack_bytes(LONGER, layers=layers)
+    rows = read_pack_bytes(full).layers
+    buf = io.BytesIO()
+    write_pack(buf, header_for(LONGER[:38], layers=layers), [LayerKV(r.keys[:, :37], r.values[:, :37], 0) for r in rows])
+    store = Store()
+    store.put(io.BytesIO(buf.getvalue()))
+    scope = Scope(FP_A, FP_B, "float32", CHUNK)
+    have = replace(manifest_for(store, LONGER), held_tokens=37, chain=chain_at(scope, LONGER, 37), scope=scope,
+                   complete=False)
+    have.check_prompt(LONGER)
+    out = io.BytesIO()
+    res = pack(io.BytesIO(full), out, codec="none", have=have)
+    d = read_pack_bytes(out.getvalue())
+    assert res.held_tokens == 32 and d.header.rows_start == 32 and d.header.base["tokens"] == 32
+    check_base(d.header)
+    merged, _ = resolve_delta(d, store)
+    for got, want in zip(merged, read_pack_bytes(full).layers):
+        assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
+
+
 def test_forged_or_unheld_base_is_refused():
     store = Store()
     store.put(io.BytesIO(pack_bytes(PROMPT)))

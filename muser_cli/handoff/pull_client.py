@@ -225,11 +225,12 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
         # The consumer's request is authoritative: a pack for anything else is refused before Go.
         for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
                                 ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
-                                ("token ids", h.token_digest, token_digest(expect_ids)),
-                                ("first position", h.rows_start, h.rows_start if h.rows_start in
-                                 (0, req.have_tokens) else req.have_tokens)):
+                                ("token ids", h.token_digest, token_digest(expect_ids))):
             if got != want:
                 raise Refusal("model", f"the producer's pack has another {what} ({got}) than asked for ({want})")
+        if not _mergeable_start(h.rows_start, req, rows=len(expect_ids) - 1):
+            raise Refusal("model", f"the producer's pack starts at position {h.rows_start}: not 0 nor a point on "
+                                   f"the chunk grid ({req.chunk_tokens}) within the {req.have_tokens} rows held here")
         link.deadline = t_start + config.session_s  # the first frame is in: the stream runs on idle deadlines
         link.idle_s = config.idle_s
         receiver._handoff(link, ev, who, cn, t_start)
@@ -253,6 +254,14 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
     if isinstance(item, BaseException):
         raise item
     return item
+
+
+def _mergeable_start(start: int, req: PullRequest, *, rows: int) -> bool:
+    """A pack from 0, or a delta this consumer can merge exactly: from at most the rows it
+    said it holds, on the chunk grid (the producer rounds an off-grid ``have`` down)."""
+    if start == 0:
+        return True
+    return start <= req.have_tokens and (start % req.chunk_tokens == 0 or start == rows)
 
 
 connect = _connect  # TCP + TLS 1.3 + ALPN to a producer, nothing sent (``muser node check``)

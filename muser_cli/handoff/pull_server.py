@@ -6,7 +6,8 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
   * the consumer's certificate serial must not be revoked and its CN must be the consumer
-    this producer joined; then, within ``request_s``, one ``Request``: key id known, not
+    this producer joined; then, within ``request_s`` of TLS up (a deadline for the whole
+    frame, however slowly its bytes come), one ``Request``: key id known, not
     revoked and issued to this producer -> MAC (constant time) -> the request names the
     certificate's consumer -> issued-at window -> request id not in the replay ledger
     (then recorded durably: a request id is served at most once) -> the compute's own
@@ -84,7 +85,7 @@ class ServeConfig:
     max_queue: int = 4
     window_s: float = DEFAULT_WINDOW_S
     handshake_s: float = 10.0
-    request_s: float = 10.0  # TLS up -> the whole Request frame in
+    request_s: float = 10.0  # TLS up -> the whole Request frame in (a deadline, not per read)
     idle_s: float = DEFAULT_IDLE_S
     session_s: float = 3600.0
     max_pending: int = 64
@@ -336,7 +337,7 @@ class PullServer:
         try:
             if der and peer_serial_hex(der) in self.identity.revoked_serials():
                 raise Refusal("auth", "this certificate was revoked")
-            event = link.next_event("waiting for the request")
+            event = self._first_frame(link)
             if isinstance(event, (Reject, ConnectionClosed)):
                 return
             assert isinstance(event, (Request, Probe))
@@ -356,6 +357,20 @@ class PullServer:
         except MuserError as exc:
             self._emit("probe" if probe else "request", peer=who, outcome="failed", reason=str(exc),
                        request_id=req.request_id if req else None)
+
+    def _first_frame(self, link: Link) -> object:
+        """The consumer's first frame (its Request or Probe), whole within ``request_s`` of
+        TLS up: a deadline for the frame, not an idle timeout per read, so a client that
+        trickles its request a byte at a time is dropped at ``request_s`` like a silent one."""
+        session_end = link.deadline
+        link.deadline = min(session_end or float("inf"), time.monotonic() + self.config.request_s)
+        try:
+            return link.next_event("waiting for the request")
+        except TempFailure:
+            raise TempFailure(f"no whole request within {self.config.request_s:g} s of the TLS handshake "
+                              f"({link.bytes_in} bytes came)") from None
+        finally:
+            link.deadline = session_end
 
     def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest) -> None:
         probe = isinstance(req, ProbeRequest)

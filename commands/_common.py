@@ -250,6 +250,32 @@ def _click_classes(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
+def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
+    if value:
+        _state["quiet"] = True
+    return value
+
+
+def _add_quiet(group: Any) -> None:
+    """Every subcommand takes ``-q/--quiet`` too (``muser decode -q ...``): a copy of the root's option."""
+    import copy
+
+    root = next((p for p in group.params if p.name == "quiet"), None)
+    if root is None:
+        return
+
+    def walk(cmd: Any) -> None:
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+        taken = {name for p in cmd.params for name in getattr(p, "opts", [])}
+        if cmd is not group and not getattr(cmd, "commands", None) and not {"-q", "--quiet"} & taken:
+            option = copy.copy(root)
+            option.expose_value, option.is_eager, option.callback = False, True, _set_quiet
+            cmd.params.append(option)
+
+    walk(group)
+
+
 def _one_line_group_class():
     from typer.core import TyperGroup
 
@@ -263,6 +289,10 @@ def _one_line_group_class():
 
         Runs click in non-standalone mode and renders what it raises itself, so an unknown
         option or a missing argument never prints click's framed usage panel."""
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            _add_quiet(self)
 
         def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
             if not standalone_mode:

@@ -256,24 +256,41 @@ def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
     return value
 
 
-def _add_quiet(group: Any) -> None:
-    """Every subcommand takes ``-q/--quiet`` too (``muser decode -q ...``): a copy of the root's option."""
+def paragraphs(text: str | None) -> str | None:
+    """Help text as paragraphs: a docstring's hard line breaks inside a paragraph become spaces
+    (Rich would otherwise keep them and wrap each line again, breaking sentences mid-way);
+    blank lines still separate paragraphs, and one that starts with ``\\b`` is kept as written."""
+    if not text:
+        return text
+    import inspect
+
+    out = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        out.append(para.lstrip("\b").strip("\n") if para.startswith("\b") else " ".join(para.split()))
+    return "\n\n".join(p for p in out if p)
+
+
+def _finish_commands(group: Any) -> None:
+    """Every command's help as paragraphs, its examples as the epilog (:mod:`._examples`), and
+    ``-q/--quiet`` after the subcommand too (``muser decode -q ...``): a copy of the root's option."""
     import copy
 
-    root = next((p for p in group.params if p.name == "quiet"), None)
-    if root is None:
-        return
+    from muser_cli.commands._examples import epilog
 
-    def walk(cmd: Any) -> None:
-        for sub in getattr(cmd, "commands", {}).values():
-            walk(sub)
+    root = next((p for p in group.params if p.name == "quiet"), None)
+
+    def walk(cmd: Any, path: str) -> None:
+        cmd.help = paragraphs(cmd.help)
+        cmd.epilog = cmd.epilog or epilog(path)
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
         taken = {name for p in cmd.params for name in getattr(p, "opts", [])}
-        if cmd is not group and not getattr(cmd, "commands", None) and not {"-q", "--quiet"} & taken:
+        if root is not None and cmd is not group and not getattr(cmd, "commands", None) and not {"-q", "--quiet"} & taken:
             option = copy.copy(root)
             option.expose_value, option.is_eager, option.callback = False, True, _set_quiet
             cmd.params.append(option)
 
-    walk(group)
+    walk(group, "")
 
 
 def _one_line_group_class():
@@ -292,7 +309,7 @@ def _one_line_group_class():
 
         def __init__(self, *a: Any, **kw: Any) -> None:
             super().__init__(*a, **kw)
-            _add_quiet(self)
+            _finish_commands(self)
 
         def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
             if not standalone_mode:

@@ -40,3 +40,63 @@ def test_plain_decode_prints_no_future_warning(tiny_llama, prompt_file):
     assert r.returncode == 0, r.stderr
     assert b"Warning" not in r.stderr, r.stderr.decode()
     assert b"decode: 4 tokens" in r.stderr  # the notes themselves are still there
+
+
+# ----------------------------------------------------------------------------- item 11: help text
+HELP_COMMANDS = ["prefill", "pack", "send", "receive", "verify", "decode", "reuse", "batch"]
+
+
+def _help(*path: str, columns: int = 200) -> str:
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": str(columns)}, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS)
+def test_help_ends_with_examples(command):
+    from muser_cli.commands._examples import EXAMPLES
+
+    out = _help(command)
+    assert "Examples" in out
+    tail = out[out.rindex("Examples"):]
+    assert "╭" not in tail  # the examples come last, after the options
+    examples = EXAMPLES[command]
+    assert 2 <= len(examples) <= 3
+    for what, line in examples:
+        assert what in tail and f"$ {line}" in tail
+
+
+def test_help_paragraphs_are_not_broken_mid_sentence():
+    out = _help("receive")
+    # one logical line in a wide terminal: the docstring's hard breaks are gone
+    assert ("each frame is forwarded once it verified against the digest chain, the end frame only "
+            "after the trailer verified and the handoff id was recorded durably") in out
+    out = _help("send")
+    assert "Connects as soon as the kvpack header is in (a pipe from `muser prefill` streams frames as" in out
+
+
+def test_examples_use_only_real_options_and_fit_80_columns():
+    import shlex
+
+    import typer.main
+
+    from muser_cli.commands import app
+    from muser_cli.commands._examples import EXAMPLES
+
+    cli = typer.main.get_command(app)
+    for path, items in EXAMPLES.items():
+        for what, line in items:
+            assert len(line) + 4 <= 78, line  # "  $ " + line inside Rich's padding
+            for part in line.replace("&&", "|").replace("||", "|").split("|"):
+                words = shlex.split(part.split("<")[0].split(">")[0])
+                assert words[0] == "muser", line
+                cmd, rest = cli, words[1:]
+                while rest and rest[0] in getattr(cmd, "commands", {}):
+                    cmd, rest = cmd.commands[rest[0]], rest[1:]
+                opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
+                unknown = [w for w in rest if w.startswith("-") and w != "-" and w not in opts]
+                assert not unknown, f"{line}: {unknown}"

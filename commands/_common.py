@@ -30,6 +30,10 @@ _state = {"debug": False, "quiet": False}
 def set_globals(*, debug: bool, quiet: bool) -> None:
     _state["debug"] = debug
     _state["quiet"] = quiet
+    if not _state.get("convert_note"):
+        from muser_cli.models import on_convert
+
+        _state["convert_note"] = on_convert(ConvertNote())
 
 
 def quiet() -> bool:
@@ -198,6 +202,71 @@ def progress_callback() -> Callable[[str, int, int], None] | None:
             console.print("")
 
     return report
+
+
+class ConvertNote:
+    """One stderr line for a model's one-time GGUF conversion (``models.on_convert``): on a
+    terminal a spinner with the seconds so far, else the line is finished when it is done.
+    Nothing under --quiet; later runs convert nothing and so print nothing."""
+
+    SPIN = "|/-\\"
+
+    def __init__(self) -> None:
+        self.head: str | None = None
+        self.stop: Any = None
+        self.thread: Any = None
+
+    def __call__(self, event: str, fields: dict) -> None:
+        if event == "start":
+            self.begin(fields)
+        elif self.head is not None:
+            self.end(event, fields)
+
+    def begin(self, fields: dict) -> None:
+        if _state["quiet"]:
+            return
+        from muser_cli.models import DEFAULT_GGUF
+
+        name = Path(fields["source"]).name
+        about = ", about 20-45 s" if name == DEFAULT_GGUF else ""
+        self.head = f"muser: converting {name} once{about}"
+        if not sys.stderr.isatty():
+            sys.stderr.write(self.head + " (later runs skip this) ...")
+            sys.stderr.flush()
+            return
+        import threading
+        import time
+
+        self.stop = threading.Event()
+        started = time.monotonic()
+
+        def spin() -> None:
+            turn = 0
+            while not self.stop.wait(0.25):
+                self.show(f"{self.SPIN[turn % 4]} {time.monotonic() - started:.0f} s")
+                turn += 1
+
+        self.show("")
+        self.thread = threading.Thread(target=spin, name="muser-convert-note", daemon=True)
+        self.thread.start()
+
+    def show(self, tail: str) -> None:
+        import shutil
+
+        room = shutil.get_terminal_size((80, 24)).columns - 2 - len(tail)  # one line, or \r cannot redraw it
+        sys.stderr.write("\r\x1b[K" + f"{self.head[:max(room, 0)]} {tail}".rstrip())
+        sys.stderr.flush()
+
+    def end(self, event: str, fields: dict) -> None:
+        outcome = f"{'done' if event == 'done' else 'failed'} in {fields.get('seconds', 0):.0f} s"
+        if self.stop is not None:
+            self.stop.set()
+            self.thread.join(timeout=1)
+            sys.stderr.write(f"\r\x1b[K{self.head}: {outcome}\n")  # the last redraw: it may wrap
+        else:
+            sys.stderr.write(f" {outcome}\n")
+        sys.stderr.flush()
+        self.head = self.stop = None
 
 
 # --------------------------------------------------------------------------- usage errors

@@ -100,3 +100,71 @@ def test_examples_use_only_real_options_and_fit_80_columns():
                 opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
                 unknown = [w for w in rest if w.startswith("-") and w != "-" and w not in opts]
                 assert not unknown, f"{line}: {unknown}"
+
+
+# ----------------------------------------------------------------------------- item 7: the first run
+def _fake_conversion(monkeypatch, tiny_llama, tmp_path) -> Path:
+    """A .gguf whose 'conversion' copies the tiny model (the real one takes 20-45 s)."""
+    import shutil
+
+    from muser_cli import models
+
+    def convert_into(file, out):
+        for item in Path(tiny_llama.path).iterdir():
+            if item.is_file() and not item.name.startswith("."):
+                shutil.copy(item, out / item.name)
+
+    monkeypatch.setattr(models, "_convert_into", convert_into)
+    monkeypatch.setenv("MUSER_MODELS", str(tmp_path / "models"))
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    return gguf
+
+
+def test_first_run_says_it_converts_once_and_later_runs_say_nothing(monkeypatch, tiny_llama, tmp_path, prompt_file):
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    gguf = _fake_conversion(monkeypatch, tiny_llama, tmp_path)
+    args = ["decode", "-m", str(gguf), "--prompt", str(prompt_file), "-n", "2"]
+    first = CliRunner().invoke(app, args, input=b"", catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    lines = [line for line in first.stderr.splitlines() if "convert" in line]
+    assert len(lines) == 1 and lines[0].startswith("muser: converting fake.gguf once")
+    assert "later runs skip this" in lines[0] and " done in " in lines[0]
+    again = CliRunner().invoke(app, args, input=b"", catch_exceptions=False)
+    assert again.exit_code == 0 and "convert" not in again.stderr
+
+
+def test_first_run_conversion_note_respects_quiet(monkeypatch, tiny_llama, tmp_path, prompt_file):
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    gguf = _fake_conversion(monkeypatch, tiny_llama, tmp_path)
+    r = CliRunner().invoke(app, ["decode", "-q", "-m", str(gguf), "--prompt", str(prompt_file), "-n", "2"],
+                           input=b"", catch_exceptions=False)
+    assert r.exit_code == 0 and r.stderr == ""
+    assert any((tmp_path / "models").glob("fake-*/config.json"))  # it did convert
+
+
+def test_conversion_events_reach_a_listener_and_a_failure_is_told(monkeypatch, tmp_path):
+    from muser_cli import models
+
+    monkeypatch.setenv("MUSER_MODELS", str(tmp_path / "models"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf")
+    heard = []
+    stop = models.on_convert(lambda event, fields: heard.append((event, Path(fields["source"]).name)))
+
+    def convert_into(file, out):
+        raise models.DataError("cannot convert: not a GGUF")
+
+    monkeypatch.setattr(models, "_convert_into", convert_into)
+    try:
+        with pytest.raises(models.DataError):
+            models.convert_gguf(gguf)
+    finally:
+        stop()
+    assert heard == [("start", "broken.gguf"), ("failed", "broken.gguf")]

@@ -19,6 +19,7 @@ import typer
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
 
 from muser_cli.errors import MissingInput, MuserError, UsageError
+from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
 
 EXIT_OK = 0
 EXIT_ERROR = 1

@@ -84,6 +84,9 @@ def register(app: typer.Typer) -> None:
                      f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")
 
 
+_REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": "from the reuse store"}
+
+
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
            max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8) -> None:
     """``prefill --serve``: the resident producer; SIGTERM finishes the running request and exits 0."""
@@ -111,7 +114,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         elif kind == "request":
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
             if f.get("outcome") == "served" and f.get("reused_rows"):
-                what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
+                what += f", {f['reused_rows']} rows " + _REUSED_FROM.get(f.get("reused_from"), f"from {f.get('reused_from')}")
             if f.get("outcome") == "served" and (f.get("batch") or 1) > 1:
                 what += f", computed in a batch of {f['batch']}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")

@@ -168,3 +168,110 @@ def test_conversion_events_reach_a_listener_and_a_failure_is_told(monkeypatch, t
     finally:
         stop()
     assert heard == [("start", "broken.gguf"), ("failed", "broken.gguf")]
+
+
+# ----------------------------------------------------------------------------- item 9: words and units
+def test_counts_sizes_and_rates_read_as_words():
+    from muser_cli.units import plural, rate_text, size_text
+
+    assert plural(1, "entry", "entries") == "1 entry" and plural(2, "entry", "entries") == "2 entries"
+    assert plural(1, "frame") == "1 frame" and plural(0, "frame") == "0 frames"
+    assert size_text(1) == "1 byte" and size_text(4032) == "4.03 kB" and size_text(47_160_000) == "47.2 MB"
+    assert rate_text(205e6) == "205 MB/s" and rate_text(5e5) == "0.5 MB/s" and rate_text(2.6e9) == "2,600 MB/s"
+
+
+def test_one_throughput_unit_in_commands_and_bench_lines():
+    """MB/s everywhere a person reads a rate: no Mbit/s, GB/s or MiB/s in what the commands print."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted((root / "commands").glob("*.py")) + sorted((root / "muser_cli" / "bench").glob("*.py"))
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            assert not re.search(r"Mbit/s|GB/s|MiB/s|kB/s", line), f"{f.name}:{n}: {line.strip()}"
+
+
+def test_reuse_and_pack_lines_use_the_right_number_and_say_what_a_ratio_is(tiny_llama, tmp_path, prompt_file):
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    raw, packed = tmp_path / "raw.kvpack", tmp_path / "z.kvpack"
+    r = CliRunner().invoke(app, ["prefill", "-m", str(tiny_llama.path), "--chunk", "8", str(prompt_file),
+                                 "-o", str(raw)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["pack", str(raw), "-o", str(packed)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    line = r.stderr.strip()
+    assert "x of raw KV" not in line and "% of the raw KV's" in line and "codec zstd" in line, line
+    assert CliRunner().invoke(app, ["reuse", "put", "-m", str(tiny_llama.path), str(packed)]).exit_code == 0
+    r = CliRunner().invoke(app, ["reuse", "ls"], catch_exceptions=False)
+    assert r.exit_code == 0 and "reuse: 1 entry," in r.stderr, r.stderr
+    assert "entries" not in r.stderr
+
+
+def test_wire_table_explains_a_send_rate_over_the_link():
+    from muser_cli.bench.wire import wire_table
+
+    def st(x):
+        return {"median": x, "cv": 0.0, "min": x, "max": x}
+
+    row = {"bytes": 1e6, "payload_rate_Bps": st(600e6), "probe_up_Bps": st(250e6), "ratio": st(2.4),
+           "end_to_end_Bps": st(30e6), "end_to_end_ratio": st(0.12)}
+    lines = wire_table([row])
+    assert "240%" in lines[1] and lines[-1].startswith("note: a send rate over 100 % of raw TLS")
+    assert not wire_table([{**row, "payload_rate_Bps": st(200e6), "ratio": st(0.8)}])[-1].startswith("note")
+
+
+# ----------------------------------------------------------------------------- item 10: charts
+def _stats(x):
+    return {"median": x, "min": x * 0.9, "max": x * 1.1, "cv": 0.05, "n": 2}
+
+
+def _drawn(monkeypatch, name, payload):
+    """The figure a bench chart draws (captured instead of written)."""
+    from muser_cli.bench import plot
+
+    got = {}
+    monkeypatch.setattr(plot, "_write", lambda fig, path: got.setdefault("fig", fig))
+    plot.PLOTTERS[name](payload, Path("unused.png"))
+    return got["fig"]
+
+
+def _pack_payload(with_mlx: bool):
+    cases = ["memcpy", "pack none", "save kvpack none", "load kvpack none"]
+    if with_mlx:
+        cases += ["save mlx-lm prompt cache", "load mlx-lm prompt cache"]
+    sizes = {"raw KV": 4032, "pack none": 5312, "file kvpack none": 5312}
+    if with_mlx:
+        sizes["file mlx-lm prompt cache"] = 16660
+    row = {"depth": 64, "raw_kv_bytes": 4032, "cases": cases, "seconds": {c: _stats(1e-3) for c in cases},
+           "bytes": sizes}
+    return {"model": "tiny", "mlx_lm": with_mlx, "reps": 2, "kv": "real", "rows": [row], "machine": {}}
+
+
+def test_pack_chart_names_only_the_systems_it_shows_and_sizes_in_readable_units(monkeypatch):
+    fig = _drawn(monkeypatch, "pack", _pack_payload(with_mlx=False))
+    ax = fig.axes[0]
+    title = ax.get_title()
+    assert title.startswith("kvpack vs memcpy") and "mlx-lm not measured" in title
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["64 tokens (4.03 kB of KV)"]  # not "0.0 MB KV"
+    assert "ms" in ax.get_xlabel() and "kB" in fig.axes[1].get_xlabel()
+    fig = _drawn(monkeypatch, "pack", _pack_payload(with_mlx=True))
+    assert fig.axes[0].get_title().startswith("kvpack vs mlx-lm and memcpy")
+
+
+def test_wire_chart_notes_a_send_rate_above_raw_tls(monkeypatch):
+    row = {"megabytes": 1, "bytes": 988_000, "probe_up_Bps": _stats(250e6), "payload_rate_Bps": _stats(600e6),
+           "end_to_end_Bps": _stats(30e6)}
+    fig = _drawn(monkeypatch, "wire", {"rows": [row], "reps": 2, "machine": {}})
+    ax = fig.axes[0]
+    assert "MB/s" in ax.get_ylabel() and "MB" in ax.get_xlabel()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1"]  # the size asked for, not 0.988
+    assert "Note: a send rate over 100 % of raw TLS" in fig._supxlabel.get_text()
+    legend = " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    assert "raw TLS" in legend and "end to end" in legend
+    fig = _drawn(monkeypatch, "wire", {"rows": [{**row, "payload_rate_Bps": _stats(200e6)}], "reps": 2,
+                                       "machine": {}})
+    assert "Note:" not in fig._supxlabel.get_text()

@@ -60,7 +60,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
          "muser reuse put doc.kvpack"),
         ("What the store holds of a prompt (for `pack --have`):",
          "muser reuse have -m default doc2.txt > have.json"),
-        ("List the entries, then trim the store to 10 GB:",
+        ("List the entries, then trim the store to 10 GiB:",
          "muser reuse ls && muser reuse gc --max-size 10G"),
     ],
     "batch": [

@@ -113,7 +113,8 @@ def _show_info(d: dict, *, as_json: bool) -> None:
         f"chunk {d['chunk_tokens']}, {d['dtype']}",
         f"  layers     {kinds}",
         f"  KV bytes   {d['kv_bytes']:,} ({by_kind})",
-        f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}, ratio {d['ratio']}x",
+        f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}"
+        + (f" (payload {1 / d['ratio']:.0%} of the KV bytes)" if d.get("ratio") else ""),
         f"  quant      {qline}",
         "  producer   " + ", ".join(f"{k}={v}" for k, v in sorted(d["producer"].items())),
     ]

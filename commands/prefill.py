@@ -80,8 +80,10 @@ def register(app: typer.Typer) -> None:
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
-                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes{delta}{reused}, "
-                     f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")
+                from muser_cli.units import size_text
+
+                info(f"prefill: {res.token_count} tokens, {size_text(res.bytes_written)} written{delta}{reused}, "
+                     f"prefill {res.prefill_s:.2f} s ({res.header.dtype}, {engine})")
 
 
 _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": "from the reuse store"}

@@ -49,8 +49,9 @@ def have_cmd(
             typer.echo(text, nl=False)
         else:
             write_bytes_atomic(output, text.encode())
-        info(f"reuse: {manifest.held_tokens} of {manifest.prompt_tokens} prompt tokens held"
-             + (" (complete: no producer needed)" if manifest.complete else ""))
+        need = manifest.prompt_tokens - 1  # a pack holds prompt[:-1]: the consumer runs the last token
+        info(f"reuse: the store holds {manifest.held_tokens} of the {plural(need, 'row')} this prompt needs"
+             + (" (all: no producer needed)" if manifest.complete else ""))
 
 
 @reuse_app.command("put")

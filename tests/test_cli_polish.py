@@ -205,6 +205,8 @@ def test_reuse_and_pack_lines_use_the_right_number_and_say_what_a_ratio_is(tiny_
     line = r.stderr.strip()
     assert "x of raw KV" not in line and "% of the raw KV's" in line and "codec zstd" in line, line
     assert CliRunner().invoke(app, ["reuse", "put", "-m", str(tiny_llama.path), str(packed)]).exit_code == 0
+    r = CliRunner().invoke(app, ["reuse", "have", "-m", str(tiny_llama.path), str(prompt_file)], catch_exceptions=False)
+    assert r.exit_code == 0 and "rows this prompt needs (all: no producer needed)" in r.stderr, r.stderr
     r = CliRunner().invoke(app, ["reuse", "ls"], catch_exceptions=False)
     assert r.exit_code == 0 and "reuse: 1 entry," in r.stderr, r.stderr
     assert "entries" not in r.stderr

@@ -277,3 +277,31 @@ def test_wire_chart_notes_a_send_rate_above_raw_tls(monkeypatch):
     fig = _drawn(monkeypatch, "wire", {"rows": [{**row, "payload_rate_Bps": _stats(200e6)}], "reps": 2,
                                        "machine": {}})
     assert "Note:" not in fig._supxlabel.get_text()
+
+
+# ----------------------------------------------------------------------------- item 8: make demo
+def test_demo_checks_the_short_case_and_measures_the_payoff_on_a_long_prompt(tmp_path):
+    """docs/demo.sh end to end on a tiny model (DEMO_MODEL): the short prompt is a correctness check
+    with no speed claim; the headline is a long prompt from a ready pack against a local prefill."""
+    import re
+
+    from muser_cli.tinymodels import make_tiny_long_llama
+
+    root = Path(__file__).resolve().parent.parent
+    model = make_tiny_long_llama(tmp_path / "tiny-long")
+    env = {**os.environ, "DEMO_MODEL": str(model), "MUSER_MODELS": str(tmp_path / "models"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run(["bash", str(root / "docs" / "demo.sh")], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=900)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "TTFT handoff" not in out  # no speed figure on the short prompt
+    assert "a correctness check, not a speed figure" in out
+    m = re.search(r"(\d+)-token prompt: TTFT from the ready pack (\d+) ms .*\| local prefill (\d+) ms: "
+                  r"([\d.]+)x sooner", out)
+    assert m, out
+    tokens, ready, local, ratio = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    assert tokens >= 500 and ratio > 1
+    assert abs(ratio - local / max(ready, 1)) <= 0.1 * ratio + 1  # the ratio is of the two figures shown
+    assert out.count("tokens identical: True") == 2 and "follow-up tokens identical (delta vs fallback): True" in out

@@ -80,8 +80,13 @@ def register(app: typer.Typer) -> None:
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
-                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes{delta}{reused}, "
-                     f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")
+                from muser_cli.units import size_text
+
+                info(f"prefill: {res.token_count} tokens, {size_text(res.bytes_written)} written{delta}{reused}, "
+                     f"prefill {res.prefill_s:.2f} s ({res.header.dtype}, {engine})")
+
+
+_REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": "from the reuse store"}
 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
@@ -111,7 +116,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         elif kind == "request":
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
             if f.get("outcome") == "served" and f.get("reused_rows"):
-                what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
+                what += f", {f['reused_rows']} rows " + _REUSED_FROM.get(f.get("reused_from"), f"from {f.get('reused_from')}")
             if f.get("outcome") == "served" and (f.get("batch") or 1) > 1:
                 what += f", computed in a batch of {f['batch']}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")

@@ -15,7 +15,9 @@ def _render(kind: str, f: dict) -> None:
     if kind == "listening":
         info(f"receive: listening on {f['address']}")
     elif kind == "stale_removed":
-        info(f"receive: removed {f['count']} stale spool file(s) left by a receiver that was killed")
+        from muser_cli.commands._common import plural
+
+        info(f"receive: removed {plural(f['count'], 'stale spool file')} left by a receiver that was killed")
     elif kind == "accepted":
         span = ""
         if f.get("first_byte_s") is not None:

@@ -296,7 +296,7 @@ def test_rebuild_the_index_from_the_packs():
     # cache: it never refuses a caller), saying so; the old index is kept aside.
     r = CliRunner().invoke(app, ["reuse", "ls", "--json"])
     assert r.exit_code == 0, r.output
-    assert "rebuilt from 3 verified pack(s)" in r.stderr
+    assert "rebuilt from 3 verified packs" in r.stderr
     assert {e["id"] for e in json.loads(r.stdout)["entries"]} == ids
     assert any(p.name.startswith("index.sqlite3.broken-") for p in store.root.iterdir())
     r = CliRunner().invoke(app, ["reuse", "gc", "--rebuild", "--json"])

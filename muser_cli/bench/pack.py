@@ -219,17 +219,21 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
 
 
 def pack_table(rows: list[dict]) -> list[str]:
+    """The human table: times, throughput of the raw KV's bytes (MB/s), speed against memcpy, sizes."""
+    from muser_cli.units import rate_text, size_text
+
     out = []
     for r in rows:
-        out.append(f"{r['depth']} tokens, raw bf16 KV {r['raw_kv_bytes'] / 1e6:.2f} MB")
+        out.append(f"{r['depth']} tokens, raw bf16 KV {size_text(r['raw_kv_bytes'])}; "
+                   "throughput = raw KV bytes / time; speed as a fraction of memcpy's")
         for name, s in r["seconds"].items():
-            g = r["GBps"][name]["median"]
-            out.append(f"  {name:<36} {s['median'] * 1e3:9.2f} ms (cv {s['cv']:5.1%})  {g:7.2f} GB/s  "
+            rate = rate_text(r["GBps"][name]["median"] * 1e9)
+            out.append(f"  {name:<36} {s['median'] * 1e3:9.2f} ms (cv {s['cv']:5.1%})  {rate:>12}  "
                        f"{r['vs_memcpy'][name]:6.3f}x memcpy")
         for name, b in r["bytes"].items():
             rel = ""
             if name.startswith("file ") and "bytes_vs_mlx_lm" in r:
-                rel = f"  {r['bytes_vs_mlx_lm'][name[5:]]:.3f}x mlx-lm bytes"
-                rel += f", save+load {r['save_load_vs_mlx_lm'][name[5:]]:.2f}x mlx-lm time"
-            out.append(f"  bytes {name:<30} {b / 1e6:10.3f} MB{rel}")
+                rel = f"  {r['bytes_vs_mlx_lm'][name[5:]]:.3f}x mlx-lm's bytes"
+                rel += f", save+load {r['save_load_vs_mlx_lm'][name[5:]]:.2f}x mlx-lm's time"
+            out.append(f"  bytes {name:<30} {size_text(b):>10}{rel}")
     return out

@@ -39,6 +39,19 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, np.dtype("<u2"): torch.bfloat16}
 
 
+def _cache_keyword(model: Any) -> str:
+    """The name the installed transformers gives a model's cache argument: ``cache`` from 5.24 on
+    (``past_key_values`` then warns on every call), ``past_key_values`` before (5.19-5.23 silently
+    ignore ``cache=``), read from the model's own signature."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class TorchEngine(Engine):
     name = "torch"
     resumes_prefill = True
@@ -70,6 +83,7 @@ class TorchEngine(Engine):
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot load model {info.path}: {exc}") from exc
         self.model.eval()
+        self._cache_kw = _cache_keyword(self.model)
         self.load_s = time.perf_counter() - start
         self._check_layout()
 
@@ -241,7 +255,8 @@ class TorchEngine(Engine):
     def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
         x = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(input_ids=x, position_ids=positions, use_cache=True, logits_to_keep=keep,
+                         **{self._cache_kw: cache})
         return out.logits
 
     def _new_cache(self, capacity: int, ring: int = 0) -> Any:

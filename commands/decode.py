@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
-        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
+        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check the last N positions before the first token, besides 32 sampled across the whole prompt in every layer (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         strict: bool = typer.Option(False, "--strict", help="With --prompt: refuse (65) a pack that does not match (another prompt, model or tokenizer, damaged, or refused by the spot-check) instead of setting it aside for a local prefill."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),

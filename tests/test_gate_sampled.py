@@ -265,3 +265,17 @@ def test_cli_warns_in_one_line_and_strict_exits_65(tiny_llama, tmp_path):
     assert r.returncode == 65 and len(r.stderr.decode().strip().splitlines()) <= 2
     r = _muser("decode", "b.kvpack", "-m", str(tiny_llama.path), "-n", "4", cwd=tmp_path)
     assert r.returncode == 0  # no prompt: nothing to compare with, the pack's own prompt decodes
+
+
+def test_verify_audit_samples_the_whole_prompt_too(tiny_llama):
+    """``verify --audit 1`` recomputed only the last position: the issue's pack passed it."""
+    from muser_cli.verify import verify
+
+    honest = _pack(tiny_llama)
+    rows = read_pack(io.BytesIO(honest)).header.rows_end
+    last = len(tiny_llama.layers) - 1
+    bad = _relabel(honest, "vllm", corrupt=lambda layers: _fault(layers, last, list(range(rows - 1)), "negate-k"))
+    good = verify(io.BytesIO(honest), model=str(tiny_llama.path), audit=1)
+    assert good.ok and good.summary["audit"]["sampled"]["ok"]
+    rep = verify(io.BytesIO(bad), model=str(tiny_llama.path), audit=1)
+    assert not rep.ok and "sampled across the prompt" in [c for c in rep.checks if c.name == "audit"][0].detail

@@ -279,3 +279,24 @@ def test_verify_audit_samples_the_whole_prompt_too(tiny_llama):
     assert good.ok and good.summary["audit"]["sampled"]["ok"]
     rep = verify(io.BytesIO(bad), model=str(tiny_llama.path), audit=1)
     assert not rep.ok and "sampled across the prompt" in [c for c in rep.checks if c.name == "audit"][0].detail
+
+
+def test_a_resident_producer_never_serves_a_foreign_entry_the_gate_refuses(tiny_llama):
+    """``prefill --serve --store``: rows put from another engine's pack would otherwise leave
+    as the producer's own (its header names its engine, so no consumer would check them)."""
+    from muser_cli.reuse import Store
+    from muser_cli.serve import ResidentProducer
+    from tests.test_pull_store import DOC, reference, request, same_rows, serve_one
+
+    want = reference(tiny_llama, DOC)[1]
+    layers = [LayerKV(l.keys.copy(), l.values.copy(), l.first_row) for l in want.layers]
+    _fault(layers, 1, list(range(0, want.header.rows_end, 2)), "negate-k")
+    bad = io.BytesIO()
+    write_pack(bad, replace(want.header, producer={**want.header.producer, "engine": "vllm"}), layers)
+    entry = Store().put(io.BytesIO(bad.getvalue())).entry.id
+    prod = ResidentProducer(str(tiny_llama.path), dtype="float32", store=True)
+    prod.keep_last = False
+    stats, pack = serve_one(prod, request(tiny_llama, DOC))
+    assert stats["reused_from"] != "store" and stats["reused_rows"] == 0, stats
+    same_rows(pack, want)
+    assert entry not in [e.id for e in Store().entries()]

@@ -494,6 +494,7 @@ class SampleCheck:
         return {"ok": self.ok, "seed": self.seed, "positions": self.positions, "method": self.method,
                 "layers": [l["layer"] for l in self.layers if l["positions"]],
                 "layers_partial": [l["layer"] for l in self.layers if 0 < l["positions"] < len(self.positions)],
+                "layers_unchecked": [l["layer"] for l in self.layers if not l["positions"]],
                 "worst_layer": w.get("layer"), "worst_position": w.get("worst_position"),
                 "worst_rel": w.get("rel_max"), "tolerance": self.tolerance, "ms": round(self.seconds * 1e3, 3)}
 

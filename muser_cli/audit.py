@@ -549,7 +549,8 @@ def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_
         tk, tv = theirs.keys[:, idx], theirs.values[:, idx]
         a_k, a_v = to_float32(fk[:, keep], header.dtype), to_float32(fv[:, keep], header.dtype)
         b_k, b_v = to_float32(tk, header.dtype), to_float32(tv, header.dtype)
-        dev = np.maximum(np.abs(a_k - b_k).max(axis=(0, 2), initial=0.0), np.abs(a_v - b_v).max(axis=(0, 2), initial=0.0))
+        dev = np.maximum(np.abs(a_k - b_k).max(axis=(0, 2), initial=0.0),
+                         np.abs(a_v - b_v).max(axis=(0, 2), initial=0.0))  # per sampled position
         scale = max(float(np.abs(a_k).max(initial=0.0)), float(np.abs(a_v).max(initial=0.0))) or 1.0
         rel = float(dev.max(initial=0.0)) / scale
         lt = layer_tolerance(tol, probe, i)

@@ -206,7 +206,8 @@ class TorchEngine(Engine):
             allowed[:, rows:] = torch.eye(m, dtype=torch.bool)
             mask = allowed[None, None]
             if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
-                mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, torch.finfo(self.torch_dtype).min)
+                low = torch.finfo(self.torch_dtype).min
+                mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
             self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], past_key_values=cache,
                        attention_mask=mask, use_cache=True, logits_to_keep=1)
             return [(_to_numpy(layer.keys[0, :, rows : rows + m]), _to_numpy(layer.values[0, :, rows : rows + m]))

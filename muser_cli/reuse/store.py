@@ -268,8 +268,8 @@ class Store(StoreIndex):
         try:
             self._checks()
             with self._write() as db:
-                db.execute("INSERT OR REPLACE INTO checks VALUES (?,?,?,?,?,?)",
-                           (entry_id, engine, dtype, int(bool(result.get("ok"))), canonical_json(result).decode(), time.time()))
+                row = (entry_id, engine, dtype, int(bool(result.get("ok"))), canonical_json(result).decode(), time.time())
+                db.execute("INSERT OR REPLACE INTO checks VALUES (?,?,?,?,?,?)", row)
         except DataError as exc:
             self.problems.append(f"reuse store: could not record the check of {entry_id[:12]} ({exc})")
 

@@ -300,3 +300,22 @@ def test_a_resident_producer_never_serves_a_foreign_entry_the_gate_refuses(tiny_
     assert stats["reused_from"] != "store" and stats["reused_rows"] == 0, stats
     same_rows(pack, want)
     assert entry not in [e.id for e in Store().entries()]
+
+
+def test_a_delta_put_on_a_foreign_base_is_stored_as_foreign(tiny_llama):
+    """``reuse put`` of this engine's delta over another engine's stored base: the merged
+    entry holds the other engine's rows too, so it must not pass for this engine's own."""
+    from muser_cli.audit import spot_check_reason
+    from muser_cli.reuse import Store, api
+
+    Store().put(io.BytesIO(_pack(tiny_llama)))  # the base, made by "vllm"
+    longer = PROMPT + " The ferry would run until the first lorry crossed."
+    manifest = api.have(longer, model=str(tiny_llama.path), chunk_tokens=8)
+    assert manifest.held_tokens > 0
+    delta = io.BytesIO()
+    prefill(longer, delta, model=str(tiny_llama.path), chunk_tokens=8, dtype="float32", have=manifest)
+    assert read_pack(io.BytesIO(delta.getvalue())).header.rows_start > 0
+    merged = Store().put(io.BytesIO(delta.getvalue())).entry.id
+    header = Store().header_of(merged)
+    assert header.producer["engine"] == "torch+vllm"
+    assert spot_check_reason(header, engine="torch", dtype="float32") is not None

@@ -85,11 +85,19 @@ class Store(StoreIndex):
                 tmp.unlink()
 
     def _put_delta(self, path: Path, *, vocab_size: int | None = None) -> PutResult:
-        """A delta is stored merged with its base (which must be held here)."""
+        """A delta is stored merged with its base (which must be held here). Its rows come from
+        two producers when the base's engine is another: the entry names both (``torch+vllm``),
+        so that every consumer gates it before it serves (docs/reuse.md §6)."""
         with open(path, "rb") as f:
             pack = read_pack(f)
-        layers, _ = resolve_delta(pack, self)
-        return self.put_layers(pack.header, layers, vocab_size=vocab_size)
+        layers, base_id = resolve_delta(pack, self)
+        header = pack.header
+        base = self.header_of(base_id)
+        made = str((header.producer or {}).get("engine") or "")
+        under = str((base.producer or {}).get("engine") or "") if base is not None else "an unread base"
+        if under != made:
+            header = replace(header, producer={**(header.producer or {}), "engine": f"{made}+{under}"})
+        return self.put_layers(header, layers, vocab_size=vocab_size)
 
     def put_layers(self, header: PackHeader, layers: Sequence, *, vocab_size: int | None = None) -> PutResult:
         """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""

@@ -31,8 +31,9 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
-        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
+        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check the last N positions before the first token, besides 32 sampled across the whole prompt in every layer (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
+        strict: bool = typer.Option(False, "--strict", help="With --prompt: refuse (65) a pack that does not match (another prompt, model or tokenizer, damaged, or refused by the spot-check) instead of setting it aside for a local prefill."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
         producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
@@ -73,7 +74,9 @@ def register(app: typer.Typer) -> None:
             out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
-                         progress=progress_callback(), audit=0 if no_audit else audit)
+                         progress=progress_callback(), audit=0 if no_audit else audit, strict=strict)
+            if out.set_aside:
+                err(f"decode: warning: {out.set_aside}; the tokens come from a local prefill (--strict refuses it)")
             if pulling is not None:
                 pulling.join(timeout=5)
                 why = pulling.reason()
@@ -95,15 +98,20 @@ def register(app: typer.Typer) -> None:
                      f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
             elif source == "delta":
                 info(f"decode: delta merged with the stored prefix of {held} tokens")
-            elif out.fallback:
+            elif out.fallback and not out.set_aside:
                 info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
                      f"in {out.prefill_s:.2f}s")
             spot = out.spot_check or {}
             if spot.get("skipped") and spot.get("reason"):
                 err(f"decode: spot-check skipped (--no-audit) on a pack {spot['reason']}")
-            elif spot.get("ran"):
+            elif spot.get("ran") and "worst_layer" in spot:
                 info(f"decode: spot-check passed ({spot['reason']}): worst layer {spot['worst_layer']} rel "
                      f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}, {spot['ms']:.0f} ms")
+            if spot.get("sampled"):
+                s = spot["sampled"]
+                info(f"decode: spot-check of {len(s['positions'])} positions across the prompt (seed {s['seed']}) "
+                     f"passed: worst layer {s['worst_layer']} at position {s['worst_position']}, rel "
+                     f"{s['worst_rel']:.3g} <= {s['tolerance']:.3g}, {s['ms']:.0f} ms")
             if as_json:
                 emit_json(out.to_json())
             else:

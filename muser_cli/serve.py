@@ -294,6 +294,7 @@ class ResidentProducer:
         schedule, when it is deeper than ``deeper_than`` rows (else None: nothing is read)."""
         from muser_cli.reuse import Store
         from muser_cli.reuse.delta import find_resume
+        from muser_cli.rows import entry_may_serve
 
         store = Store()  # one per request: its index connection belongs to this thread
         info = self.info
@@ -303,6 +304,9 @@ class ResidentProducer:
             return None
         found = find_resume(store, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=req.dtype,
                             chunk_tokens=req.chunk_tokens, ring_extra=self.engine.ring_extra)
+        # another engine's rows (a foreign pack put in the store) serve only once the gate passed them
+        if found is not None and not entry_may_serve(store, found.entry, found.stored, self.engine, dtype=req.dtype):
+            return None
         return found if found is not None and found.held > deeper_than else None
 
 

@@ -98,11 +98,32 @@ def verify(
                   f"{worst.get('layer')} rel {worst.get('rel_max', 0):.3g} (tolerance {rep.tolerance:.3g})")
         if not rep.ok:
             detail = diagnose(rep, pack) + "; " + detail
-        checks.append(Check("audit", rep.ok, detail))
         summary["audit"] = rep.to_json()
+        ok = rep.ok
+        if rep.mode == "suffix":  # a full recomputation compared every position already
+            sampled_ok, note = _sampled(pack, eng, summary["audit"])
+            ok, detail = ok and sampled_ok, f"{detail}; {note}"
+        checks.append(Check("audit", ok, detail))
     elif audit:
         checks.append(Check("audit", False, "not run: identity checks failed"))
     return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:
+    """The decode gate's positions sampled across the whole prompt, besides the suffix
+    (``record["sampled"]``: what it compared); whether it passed, and one line."""
+    from muser_cli.audit import sample_check
+    from muser_cli.errors import SpotCheckFailed
+
+    try:
+        res = sample_check(pack.header, list(pack.layers), eng)
+    except SpotCheckFailed as exc:
+        record["sampled"] = {"ok": False, "error": str(exc)}
+        return False, str(exc)
+    record["sampled"] = res.to_json()
+    w = res.worst
+    return True, (f"{len(res.positions)} positions sampled across the prompt (seed {res.seed}): worst layer "
+                  f"{w.get('layer')} at position {w.get('worst_position')} rel {w.get('rel_max', 0):.3g}")
 
 
 def verify_stream(

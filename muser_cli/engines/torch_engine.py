@@ -200,6 +200,33 @@ class TorchEngine(Engine):
             self._forward(ids, rows, cache, keep=1)
             return self._extract(cache, rows + len(ids))
 
+    def recompute_at(self, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
+                     token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K and V at ``positions`` (each < ``rows``; ``token_ids`` the tokens
+        there), recomputed from ``layers``' own rows before each position: one forward of
+        ``len(positions)`` tokens over the installed rows, each attending only to the rows
+        before its position and to itself (a custom mask). Full-attention models only (the
+        audit goes position by position on others). Per layer ``(heads, m, dim)`` arrays."""
+        if any(spec.kind != "full" for spec in self.info.layers):
+            raise UsageError("recompute_at needs a model whose layers are all full attention")
+        ids = self._check_ids(token_ids)
+        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        if len(ids) != len(pos) or not ids or int(pos.min()) < 0 or int(pos.max()) >= rows:
+            raise UsageError(f"recompute_at: {len(pos)} positions in [0, {rows}) for {len(ids)} tokens")
+        m = len(ids)
+        with self._session():
+            cache = self._install(layers, rows, extra=m, adopt=True)
+            allowed = torch.arange(rows + m)[None, :] < pos[:, None]
+            allowed[:, rows:] = torch.eye(m, dtype=torch.bool)
+            mask = allowed[None, None]
+            if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
+                low = torch.finfo(self.torch_dtype).min
+                mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
+            self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], past_key_values=cache,
+                       attention_mask=mask, use_cache=True, logits_to_keep=1)
+            return [(_to_numpy(layer.keys[0, :, rows : rows + m]), _to_numpy(layer.values[0, :, rows : rows + m]))
+                    for layer in cache.layers]
+
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
         nxt = self._check_decode_args(rows, next_tokens, 0)

@@ -94,6 +94,7 @@ class Resume:
     layers: list[LayerKV]
     entry: str
     scope: Scope
+    stored: KVPack | None = None  # the whole entry, as loaded and verified
 
 
 def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype: str,
@@ -125,7 +126,7 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
                 raise  # an entry that disagrees with its own header is not skipped quietly
             continue  # a full hit stored without the ring rows asked for: try a shallower point
         tried.add(point.entry)
-        return Resume(point.held, layers, point.entry, point.scope)
+        return Resume(point.held, layers, point.entry, point.scope, stored)
     return None
 
 

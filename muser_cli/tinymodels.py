@@ -99,7 +99,7 @@ def _write(model_cls, config, directory: Path, seed: int, extra: dict | None = N
     directory.mkdir(parents=True, exist_ok=True)
     with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config).eval()
+        model = model_cls(config).eval()  # a class, or AutoModelForCausalLM.from_config
         model.save_pretrained(str(directory))
         _train_tokenizer().save_pretrained(str(directory))
     add_top_level_rope_theta(directory)
@@ -144,3 +144,34 @@ def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
     )
     # mlx-lm's cohere2 derives layer kinds from sliding_window_pattern, not layer_types.
     return _write(Cohere2ForCausalLM, config, Path(directory), seed, extra={"sliding_window_pattern": 4})
+
+
+def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0) -> Path:
+    """An 8-layer Muse Glimmer (``MuseGlimmerForConditionalGeneration``, a 1-layer vision
+    tower): [sliding (window 8, RoPE) x3, full NoPE] x2, gated attention, QK-norm."""
+    from transformers import (MuseGlimmerConfig, MuseGlimmerForConditionalGeneration, MuseGlimmerTextConfig,
+                              MuseGlimmerVisionConfig)
+
+    text = MuseGlimmerTextConfig(**{**_common(), "num_hidden_layers": 8, "tie_word_embeddings": False},
+                                 sliding_window=SLIDING_WINDOW)
+    vision = MuseGlimmerVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), out_hidden_size=64,
+                               projector_hidden_size=64)
+    return _write(MuseGlimmerForConditionalGeneration, config, Path(directory), seed)
+
+
+# family -> (transformers config class, keyword arguments over _common()): a few layers,
+# windows and chunks smaller than a test prompt so that rings wrap. muse_glimmer has its own maker.
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {}
+
+
+def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
+    """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer)."""
+    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer": make_tiny_muse_glimmer}
+    if family in special:
+        return special[family](directory, seed)
+    import transformers
+
+    config_name, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**_common(), **extra})
+    return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)

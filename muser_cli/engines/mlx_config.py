@@ -25,6 +25,11 @@ from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
 # Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
 _APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True))}
+# transformers model_type -> the mlx-lm module that implements it, where the names differ.
+_MLX_MODULE = {"muse_glimmer_text": "muse_glimmer"}
+# mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal
+# checkpoint's vision tower as transformers 5 names it), dropped before its sanitize.
+_DROP_WEIGHTS = {"muse_glimmer": ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")}
 _ROPE_SCALINGS = ("default", "linear", "llama3")  # scaling types this engine can check
 _PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
@@ -61,6 +66,8 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
             overrides["rope_scaling"] = None
     if "tie_word_embeddings" not in config and model_type in _TIE_DEFAULTS:
         overrides["tie_word_embeddings"] = _TIE_DEFAULTS[model_type]
+    if model_type in _MLX_MODULE:
+        overrides["model_type"] = _MLX_MODULE[model_type]
     if model_type == "cohere2":
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         overrides["head_dim"] = hidden // heads  # transformers derives it; mlx-lm defaults to 128
@@ -68,6 +75,24 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         if pattern is not None:
             overrides["sliding_window_pattern"] = pattern
     return overrides
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's (Model, ModelArgs) for ``config`` (its ``get_model_classes`` hook), the Model
+    dropping the weights of towers mlx-lm does not implement (:data:`_DROP_WEIGHTS`)."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    drop = _DROP_WEIGHTS.get(str(config.get("model_type")))
+    if not drop:
+        return model_cls, args_cls
+
+    class Translated(model_cls):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict) -> dict:
+            kept = {k: v for k, v in weights.items() if not k.startswith(drop)}
+            return super().sanitize(kept) if hasattr(model_cls, "sanitize") else kept
+
+    return Translated, args_cls
 
 
 def _sliding_pattern(layer_types: Any) -> int | None:

@@ -21,6 +21,7 @@ without extraction: the truth the handed-off path must reproduce bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -57,8 +58,9 @@ class TorchEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in TORCH_DTYPES:
             raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
-        from transformers import AutoModelForCausalLM
+        import transformers
 
+        from muser_cli.modelconfig import FAMILIES
         from muser_cli.models import quiet_transformers
 
         self.torch_dtype = TORCH_DTYPES[dtype]
@@ -66,10 +68,14 @@ class TorchEngine(Engine):
         start = time.perf_counter()
         try:
             with quiet_transformers():
-                self.model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=self.torch_dtype)
+                auto = getattr(transformers, FAMILIES[info.architecture].torch_auto if info.architecture in FAMILIES
+                               else "AutoModelForCausalLM")  # a multimodal family: its ...ForConditionalGeneration
+                self.model = auto.from_pretrained(str(info.path), dtype=self.torch_dtype)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot load model {info.path}: {exc}") from exc
         self.model.eval()
+        # transformers 5 renames forward's past_key_values to cache, model by model
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.load_s = time.perf_counter() - start
         self._check_layout()
 
@@ -236,12 +242,12 @@ class TorchEngine(Engine):
                             if getattr(layer, "is_sliding", False))
 
     def _vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.model.config.get_text_config(decoder=True).vocab_size)
 
     def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
         x = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(input_ids=x, position_ids=positions, use_cache=True, logits_to_keep=keep, **{self._cache_kw: cache})
         return out.logits
 
     def _new_cache(self, capacity: int, ring: int = 0) -> Any:

@@ -27,7 +27,8 @@ class Family:
 
     name: str
     style: str = "rotate_half"  # RoPE style of its keys
-    # Which layers carry no RoPE: "" none; "full" every full-attention layer; "layer_rope_theta"
+    # Which layers carry no RoPE: "" none; "full" every full-attention layer ("full_if_window":
+    # when the config sets a sliding window); "layer_rope_theta"
     # those whose layer_rope_theta is 0; "no_rope_layers" those whose no_rope_layers entry is 0.
     nope: str = ""
     window: int | None = None  # the config class's sliding_window default
@@ -38,7 +39,7 @@ class Family:
     layers: str = "window"
     head_dim_derived: bool = False  # hidden_size / heads, whatever head_dim says
     text_config: bool = False  # a composite config: the text tower's keys are under text_config
-    torch_auto: str = "AutoModelForCausalLM"
+    torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
     notes: str = ""
@@ -52,8 +53,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("muse_glimmer", nope="layer_rope_theta", window=2048, layers="back:4", text_config=True,
            torch_auto="AutoModelForImageTextToText", qk_norm=True,
            notes="text tower of MuseGlimmerForConditionalGeneration; gated attention output"),
-    Family("muse_glimmer_text", nope="layer_rope_theta", window=2048, layers="back:4", qk_norm=True,
-           notes="a flat text config (MuseGlimmerTextConfig)"),
+    Family("muse_glimmer_text", nope="layer_rope_theta", window=2048, layers="back:4", qk_norm=True, torch_auto="",
+           notes="a flat text config (MuseGlimmerTextConfig): mlx-lm loads it; transformers has no LM class for it"),
     Family("qwen3", layers="qwen2", qk_norm=True),
     Family("qwen3_moe", layers="qwen2", qk_norm=True),
     Family("mixtral"),
@@ -64,8 +65,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("smollm3", nope="no_rope_layers", layers="all_full"),
     Family("granite"),
     Family("glm4", style="interleaved", notes="partial rotary"),
-    Family("exaone4", window=4096, layers="every:4", qk_norm=True),
-    Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE; attention sinks"),
+    Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True),
+    Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
 )}
 ARCHITECTURES = FAMILIES  # the older name
 
@@ -179,7 +180,7 @@ def _layer_kinds(config: dict[str, Any], family: Family, n_layers: int, window: 
 
 def _nope_layers(config: dict[str, Any], family: Family, kinds: list[str]) -> set[int]:
     """Indices of the layers whose keys carry no RoPE."""
-    if family.nope == "full":
+    if family.nope == "full" or (family.nope == "full_if_window" and "sliding" in kinds):
         return {i for i, kind in enumerate(kinds) if kind == "full"}
     key = {"layer_rope_theta": "layer_rope_theta", "no_rope_layers": "no_rope_layers"}.get(family.nope)
     if key is None:

@@ -162,7 +162,32 @@ def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0) -> Path:
 
 # family -> (transformers config class, keyword arguments over _common()): a few layers,
 # windows and chunks smaller than a test prompt so that rings wrap. muse_glimmer has its own maker.
-TINY_FAMILIES: dict[str, tuple[str, dict]] = {}
+_FOUR = ["sliding_attention"] * 3 + ["full_attention"]
+_DROP = "drop"  # a key of _common() the config class must not get
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "mistral": ("MistralConfig", {"sliding_window": None}),  # as Mistral 7B v0.2+; mlx-lm's llama has no all-sliding plan
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}),
+    "phi3": ("Phi3Config", {"head_dim": _DROP, "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA,
+                                                                  "partial_rotary_factor": 0.5}}),
+    "olmo2": ("Olmo2Config", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "glm4": ("Glm4Config", {"tie_word_embeddings": False}),  # mlx-lm's glm4 always has an lm_head
+    "exaone4": ("Exaone4Config", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR}),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": SLIDING_WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "tie_word_embeddings": False, "rope_parameters": {
+                                     "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                     # gpt-oss's own is False; mlx-lm 0.32's YaRN always truncates
+                                     "truncate": True}}),
+}
 
 
 def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
@@ -173,5 +198,5 @@ def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
     import transformers
 
     config_name, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_common(), **extra})
+    config = getattr(transformers, config_name)(**{k: v for k, v in {**_common(), **extra}.items() if v != _DROP})
     return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)

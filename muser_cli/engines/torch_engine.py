@@ -63,13 +63,16 @@ class TorchEngine(Engine):
         from muser_cli.modelconfig import FAMILIES
         from muser_cli.models import quiet_transformers
 
+        family = FAMILIES.get(info.architecture)
+        if family is not None and not family.torch_auto:
+            raise ConfigError(f"the torch engine cannot load a {info.architecture} folder: transformers has no "
+                              "language-model class for that config", hint="use --engine mlx, or save the full model's config")
         self.torch_dtype = TORCH_DTYPES[dtype]
         self._set_threads()
         start = time.perf_counter()
         try:
             with quiet_transformers():
-                auto = getattr(transformers, FAMILIES[info.architecture].torch_auto if info.architecture in FAMILIES
-                               else "AutoModelForCausalLM")  # a multimodal family: its ...ForConditionalGeneration
+                auto = getattr(transformers, family.torch_auto if family is not None else "AutoModelForCausalLM")
                 self.model = auto.from_pretrained(str(info.path), dtype=self.torch_dtype)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot load model {info.path}: {exc}") from exc

@@ -20,9 +20,18 @@ from muser_cli.modelconfig import FAMILIES, family_of, layer_specs, read_json, t
 RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEngine.RING_EXTRA)
 # Families whose tiny model passes the end-to-end tests per engine and role
 # (tests/test_model_families.py); docs/models.md's matrix lists the same.
+_BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3",
+         "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset({"llama", "mistral", "qwen2", "cohere2", "muse_glimmer"}),
-    "mlx": frozenset({"llama", "mistral", "qwen2", "cohere2", "muse_glimmer"}),
+    "torch": frozenset(_BOTH | {"gemma2"}),
+    "mlx": frozenset(_BOTH),
+}
+# Why an engine here cannot move a family it implements (checked, not guessed).
+REFUSED = {
+    ("mlx", "gemma2"): "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
+                       "past its window it computes another model; the layout check refuses it",
+    ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
+                        "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
 }
 # transformers model_type -> mlx-lm module (engines/mlx_config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
@@ -159,7 +168,8 @@ def _mlx(model_type: str) -> dict[str, Any]:
         missing = f"the installed mlx-lm has no {module} model"
     ok = missing is None and model_type in TESTED["mlx"]
     return {"produce": ok, "consume": ok, "tested": model_type in TESTED["mlx"],
-            "reason": missing or ("" if ok else "no end-to-end test of this family on mlx yet")}
+            "reason": missing or REFUSED.get(("mlx", model_type))
+            or ("" if ok else "no end-to-end test of this family on mlx yet")}
 
 
 def _vllm() -> dict[str, Any]:

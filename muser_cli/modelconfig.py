@@ -42,6 +42,7 @@ class Family:
     torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
+    chunked: bool = False  # chunked-local attention layers (Llama 4): refused, no kvpack layer kind yet
     notes: str = ""
 
 
@@ -67,6 +68,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("glm4", style="interleaved", notes="partial rotary"),
     Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True),
     Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
+    Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True, chunked=True,
+           notes="refused: chunked attention has no kvpack layer kind yet"),
 )}
 ARCHITECTURES = FAMILIES  # the older name
 
@@ -150,9 +153,11 @@ def _default_layer_types(config: dict[str, Any], rule: str, n_layers: int, windo
         use = bool(config.get("use_sliding_window", False)) and window is not None
         first = int(config.get("max_window_layers", 28))
         return [sliding if use and i >= first else full for i in range(n_layers)]
+    named = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    if isinstance(named, str) and named and set(named) <= {"L", "G"}:  # the hub's EXAONE 4 spelling, "LLLG"
+        return [sliding if named[i % len(named)] == "L" else full for i in range(n_layers)]
     if rule.startswith(("every:", "back:")):
-        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
-                      or rule.split(":")[1])
+        pattern = int(named or rule.split(":")[1])
         if rule.startswith("back:"):
             return [full if (n_layers - 1 - i) % pattern == 0 else sliding for i in range(n_layers)]
         return [sliding if (i + 1) % pattern else full for i in range(n_layers)]
@@ -171,6 +176,11 @@ def _layer_kinds(config: dict[str, Any], family: Family, n_layers: int, window: 
         raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
     kinds = []
     for value in layer_types:
+        if value == "chunked_attention":
+            raise ConfigError(
+                f"{family.name}: layer type chunked_attention (attention_chunk_size {config.get('attention_chunk_size')}) has no "
+                "kvpack layer kind yet: a chunked layer attends only within its chunk, neither full nor sliding",
+                hint="muser cannot move this model's KV; decode it locally")
         if value not in ("full_attention", "sliding_attention"):
             raise ConfigError(f"unsupported layer type {value!r} in config.json",
                               hint="supported: full_attention, sliding_attention")

@@ -1,0 +1,227 @@
+"""Every model family muser describes, end to end on its tiny random model (issue #26).
+
+Per family (:data:`muser_cli.modelcheck.TESTED`, the families docs/models.md's matrix lists):
+
+* the rows muser's torch producer extracts equal the rows in transformers' OWN cache object
+  after the model's own forward (no muser cache class, no muser position ids), layer by
+  layer: which rows each layer carries is what transformers keeps;
+* torch -> torch through kvpack bytes decodes the same token ids as the local fallback
+  (``decode PACK`` == ``decode --prompt``);
+* the rows muser's MLX producer extracts equal those in mlx-lm's own cache objects after
+  mlx-lm's own forward;
+* torch -> MLX passes the default numeric gate (the spot-check runs: another engine made
+  the pack) and MLX's first tokens equal MLX's own local decode.
+
+And ``muser model check`` / ``muser model ls`` from config.json alone.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from muser_cli.commands import app
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
+from muser_cli.modelcheck import TESTED
+from muser_cli.prefill import prefill
+from muser_cli.tokens import encode_prompt
+
+PROMPT = (
+    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
+    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
+)
+NEW = 12
+FIRST = 4  # MLX's first tokens that must equal its own local decode
+TORCH_FAMILIES = sorted(TESTED["torch"] - {"llama", "cohere2"})  # those two: test_torch_engine/test_mlx_engine
+MLX_FAMILIES = sorted(TESTED["mlx"] - {"llama", "cohere2"})
+_ENGINES: dict = {}
+
+
+def engine(kind: str, info):
+    key = (kind, str(info.path))
+    if key not in _ENGINES:
+        _ENGINES[key] = get_engine(kind, info, dtype="float32", threads=1)
+    return _ENGINES[key]
+
+
+def _own_torch_cache(eng, ids: list[int]):
+    """transformers' own cache after the model's own forward over ``ids`` (nothing of muser's)."""
+    import torch
+
+    with torch.inference_mode():
+        out = eng.model(input_ids=torch.tensor([ids]), use_cache=True)
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def _assert_rows_match(info, layers, own_rows, rows: int, engine_name: str) -> None:
+    """Each layer's rows as muser extracted them == the last rows the engine's own cache holds,
+    and the engine's own cache holds exactly the rows muser's description says a layer carries."""
+    for index, (spec, kv, (own_k, own_v)) in enumerate(zip(info.layers, layers, own_rows)):
+        held = own_k.shape[1]
+        assert held == spec.carried_rows(rows), f"{engine_name} layer {index} ({spec.kind}) holds {held} rows"
+        k, v = kv.keys[:, kv.keys.shape[1] - held:], kv.values[:, kv.values.shape[1] - held:]
+        assert kv.first_row + kv.keys.shape[1] == rows
+        assert np.allclose(k, own_k, rtol=1e-5, atol=1e-6) and np.allclose(v, own_v, rtol=1e-5, atol=1e-6), (
+            f"{engine_name} layer {index}: max |dK| {np.abs(k - own_k).max():.2e}")
+
+
+@pytest.mark.parametrize("family", TORCH_FAMILIES)
+def test_torch_rows_are_transformers_own_and_handoff_equals_fallback(family, tiny_family):
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)
+    windows = [s.window for s in info.layers if s.kind == "sliding"]
+    assert all(w < len(ids) - 1 for w in windows), "the prompt must wrap every ring"
+    eng = engine("torch", info)
+    rows = len(ids) - 1
+    layers = eng.prefill(ids[:-1], chunk_tokens=rows)  # one forward, as the model's own below
+    cache = _own_torch_cache(eng, ids[:-1])
+    own = [(layer.keys[0].numpy(), layer.values[0].numpy()) for layer in cache.layers]
+    _assert_rows_match(info, layers, own, rows, "torch")
+
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    handed = decode(io.BytesIO(out.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    assert handed.fallback is False and local.fallback is True
+    assert handed.token_ids == local.token_ids and len(handed.token_ids) == NEW
+    assert handed.spot_check["ran"] is False  # its own engine's pack: no gate, bit-exact
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", MLX_FAMILIES)
+def test_mlx_rows_are_mlx_lm_own_and_torch_pack_passes_the_gate(family, tiny_family):
+    from muser_cli.engines import mlx_blas
+
+    mlx_blas.ensure_fast_blas()
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)
+    rows = len(ids) - 1
+    eng = engine("mlx", info)
+    layers = eng.prefill(ids[:-1], chunk_tokens=rows)
+    caches = make_prompt_cache(eng.model)
+    eng.model(mx.array([ids[:-1]]), cache=caches)  # mlx-lm's own forward, its own caches
+    own = []
+    for cache in caches:  # one multi-token update leaves every cache in temporal order
+        if hasattr(cache, "keys_and_values"):  # RotatingKVCache: what its attention reads
+            k, v = cache.keys_and_values()
+        else:  # KVCache: its buffers up to its offset
+            k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        own.append((np.array(k[0]), np.array(v[0])))
+    own = [(k[:, k.shape[1] - spec.carried_rows(rows):], v[:, v.shape[1] - spec.carried_rows(rows):])
+           for spec, (k, v) in zip(info.layers, own)]
+    _assert_rows_match(info, layers, own, rows, "mlx")
+
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)  # torch makes the pack
+    crossed = decode(io.BytesIO(out.getvalue()), model=str(info.path), engine="mlx", max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, engine="mlx", max_new_tokens=NEW, threads=1)
+    spot = crossed.spot_check
+    assert spot["ran"] and spot["ok"] and spot["layers_checked"] == len(info.layers) and not spot["layers_unchecked"]
+    assert crossed.token_ids[:FIRST] == local.token_ids[:FIRST]
+    print(f"{family}: torch pack -> mlx, worst rel {spot['worst_rel']:.2e}; "
+          f"{sum(a == b for a, b in zip(crossed.token_ids, local.token_ids))}/{NEW} tokens equal")
+
+
+# --------------------------------------------------------------------------- muser model check
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("which", ["text", "composite"])
+def test_model_check_muse_glimmer_default_payload(which, tmp_path):
+    """The seed's arithmetic from config.json alone: 13 full NoPE layers x 1,024 B x 130,814
+    rows + 39 sliding layers x 1,024 B x 2,048 rows = 1,823,184,896 B in bfloat16."""
+    from transformers import MuseGlimmerConfig, MuseGlimmerTextConfig
+
+    (MuseGlimmerTextConfig() if which == "text" else MuseGlimmerConfig()).save_pretrained(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    result = _cli("model", "check", tmp_path, "--tokens", 130815, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["payload_bytes"] == 1823184896 and report["dtype"] == "bfloat16" and report["layers"] == 52
+    by_kind = {c["kind"]: c for c in report["classes"]}
+    assert by_kind["full"]["layers"] == 13 and by_kind["full"]["rows"] == 130814 and by_kind["full"]["rope"] == "NoPE"
+    assert by_kind["sliding"]["layers"] == 39 and by_kind["sliding"]["rows"] == 2048
+    assert by_kind["sliding"]["window"] == 2048 and by_kind["sliding"]["bytes_per_token_per_layer"] == 1024
+    text = _cli("model", "check", tmp_path, "--tokens", 130815)
+    assert text.exit_code == 0 and "1823184896 bytes" in text.stdout and "NoPE" in text.stdout
+
+
+def test_model_check_refuses_an_unknown_family_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
+    assert result.exit_code == 78
+    assert "unsupported architecture 'deepseek_v3'" in result.output and "muse_glimmer" in result.output
+    as_json = CliRunner().invoke(app, ["model", "check", str(tmp_path), "--json"])
+    assert as_json.exit_code == 78 and json.loads(as_json.stdout)["exit_status"] == 78
+    missing = CliRunner().invoke(app, ["model", "check", str(tmp_path / "nope")])
+    assert missing.exit_code == 66
+
+
+def test_model_check_names_what_it_cannot_move(tmp_path):
+    """Llama 4's chunked attention has no kvpack layer kind yet: refused with that reason."""
+    from transformers import Llama4TextConfig
+
+    Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8).save_pretrained(str(tmp_path))
+    result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
+    assert result.exit_code == 78 and "chunked_attention" in result.output and "llama4_text" in result.output
+
+
+def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
+    report = json.loads(_cli("model", "check", tiny_muse_glimmer.path, "--tokens", 100, "--json").stdout)
+    assert report["model_type"] == "muse_glimmer" and report["dtype"] == "float32"
+    assert report["engines"]["torch"]["produce"] and report["engines"]["torch"]["consume"]
+    plan = report["plan"]
+    assert [p["kind"] for p in plan] == ["sliding"] * 3 + ["full"] + ["sliding"] * 3 + ["full"]
+    assert [p["rope"] is None for p in plan] == [False] * 3 + [True] + [False] * 3 + [True]
+    # 100 tokens: full layers ship 99 rows, sliding ones window (8) rows; 2 heads x (16 + 16) x 4 B a row
+    assert report["payload_bytes"] == (2 * 99 + 6 * 8) * 2 * 32 * 4
+
+
+def test_model_ls_lists_every_family():
+    from muser_cli.modelconfig import FAMILIES
+
+    result = _cli("model", "ls", "--json")
+    names = [f["model_type"] for f in json.loads(result.stdout)["families"]]
+    assert names == sorted(FAMILIES) and "muse_glimmer" in names
+    assert "muse_glimmer" in _cli("model", "ls").stdout
+
+
+# --------------------------------------------------------------------------- both spellings
+
+
+def test_hub_and_transformers5_spellings_give_one_plan():
+    """transformers 4 (the hub's) and transformers 5 spell RoPE differently; one plan either way."""
+    from muser_cli.modelconfig import layer_specs
+
+    base = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+            "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    gemma3_v5 = {**base, "model_type": "gemma3_text", "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    gemma3_v4 = {**base, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                 "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert layer_specs(gemma3_v5) == layer_specs(gemma3_v4)
+    assert [s.rope.theta for s in layer_specs(gemma3_v4)] == [10000.0] * 3 + [1e6]
+    phi3 = {**base, "model_type": "phi3", "sliding_window": None, "layer_types": None}
+    v5 = {**phi3, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    v4 = {**phi3, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    assert layer_specs(v5) == layer_specs(v4) and layer_specs(v4)[0].rope.dims == 8
+    smol = {**base, "model_type": "smollm3", "sliding_window": None, "layer_types": None, "rope_theta": 2e6}
+    assert [s.rope is None for s in layer_specs(smol)] == [False, False, False, True]  # no_rope_layer_interval 4
+    exaone = {**base, "model_type": "exaone4", "rope_theta": 1e6}
+    assert [s.rope is None for s in layer_specs(exaone)] == [False, False, False, True]  # full layers NoPE
+    assert layer_specs({**exaone, "layer_types": None, "sliding_window_pattern": "LLLG"}) == layer_specs(exaone)
+    no_window = {**exaone, "sliding_window": None, "layer_types": ["full_attention"] * 4}
+    assert all(s.rope is not None for s in layer_specs(no_window))  # without a window, every layer has RoPE

@@ -183,3 +183,30 @@ def families() -> list[dict[str, Any]]:
     return [{"model_type": name, "style": f.style, "nope": f.nope or "none", "sliding_default": f.window,
              "torch": name in TESTED["torch"], "mlx": name in TESTED["mlx"], "notes": _notes(name)}
             for name, f in sorted(FAMILIES.items())]
+
+
+MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/modelcheck.py (TESTED, REFUSED); tests/test_model_families.py checks it -->"
+MATRIX_END = "<!-- end of matrix -->"
+
+
+def matrix_markdown() -> str:
+    """docs/models.md's compatibility matrix: family x engine x role, from :data:`TESTED`."""
+    def cell(engine: str, name: str) -> str:
+        caveat = REFUSED.get((engine, name), "").split(":")[0]
+        if name in TESTED[engine]:
+            return "✔ tested" + (f" ({caveat})" if caveat else "")
+        return f"✘ {caveat}" if caveat else "— not tested"
+
+    lines = [MATRIX_BEGIN, "",
+             "| model_type | torch produce + consume | MLX produce + consume | vLLM produce | lanes tested | notes |",
+             "|---|---|---|---|---|---|"]
+    for name, family in sorted(FAMILIES.items()):
+        lanes = []
+        if name in TESTED["torch"]:
+            lanes.append("torch→torch bit-exact")
+        if name in TESTED["mlx"]:
+            lanes.append("torch→MLX, MLX→torch (gate)")
+        torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"
+        lines.append(f"| {name} | {torch_cell} | {cell('mlx', name)} | not checked | {', '.join(lanes) or '—'} | "
+                     f"{'; '.join(_notes(name)) or ''} |")
+    return "\n".join(lines + ["", MATRIX_END])

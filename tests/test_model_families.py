@@ -10,7 +10,7 @@ Per family (:data:`muser_cli.modelcheck.TESTED`, the families docs/models.md's m
 * the rows muser's MLX producer extracts equal those in mlx-lm's own cache objects after
   mlx-lm's own forward;
 * torch -> MLX passes the default numeric gate (the spot-check runs: another engine made
-  the pack) and MLX's first tokens equal MLX's own local decode.
+  the pack) and MLX's first tokens equal MLX's own local decode; MLX -> torch likewise.
 
 And ``muser model check`` / ``muser model ls`` from config.json alone.
 """
@@ -127,6 +127,11 @@ def test_mlx_rows_are_mlx_lm_own_and_torch_pack_passes_the_gate(family, tiny_fam
     spot = crossed.spot_check
     assert spot["ran"] and spot["ok"] and spot["layers_checked"] == len(info.layers) and not spot["layers_unchecked"]
     assert crossed.token_ids[:FIRST] == local.token_ids[:FIRST]
+    made_by_mlx = io.BytesIO()
+    prefill(PROMPT, made_by_mlx, model=str(info.path), engine="mlx", chunk_tokens=16, threads=1)
+    back = decode(io.BytesIO(made_by_mlx.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    torch_local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    assert back.spot_check["ran"] and back.spot_check["ok"] and back.token_ids[:FIRST] == torch_local.token_ids[:FIRST]
     print(f"{family}: torch pack -> mlx, worst rel {spot['worst_rel']:.2e}; "
           f"{sum(a == b for a, b in zip(crossed.token_ids, local.token_ids))}/{NEW} tokens equal")
 
@@ -225,3 +230,40 @@ def test_hub_and_transformers5_spellings_give_one_plan():
     assert layer_specs({**exaone, "layer_types": None, "sliding_window_pattern": "LLLG"}) == layer_specs(exaone)
     no_window = {**exaone, "sliding_window": None, "layer_types": ["full_attention"] * 4}
     assert all(s.rope is not None for s in layer_specs(no_window))  # without a window, every layer has RoPE
+
+
+def test_docs_models_matrix_is_current():
+    """docs/models.md's matrix is generated from TESTED/REFUSED (the tests above); regenerate it
+    with ``python -c 'from muser_cli.modelcheck import matrix_markdown; print(matrix_markdown())'``."""
+    from pathlib import Path
+
+    from muser_cli.modelcheck import MATRIX_BEGIN, MATRIX_END, matrix_markdown
+
+    text = (Path(__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
+    block = text[text.index(MATRIX_BEGIN): text.index(MATRIX_END) + len(MATRIX_END)]
+    assert block == matrix_markdown()
+    assert set(TORCH_FAMILIES) | {"llama", "cohere2"} == set(TESTED["torch"])
+
+
+@pytest.mark.mlx
+def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
+    """gemma2: mlx-lm 0.32 has no sliding window (layout check); gpt-oss with its own
+    ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe). Refused before any token."""
+    import shutil
+
+    from muser_cli.errors import IdentityMismatch
+    from muser_cli.models import resolve_model
+
+    pytest.importorskip("mlx_lm")
+    with pytest.raises(IdentityMismatch, match="layer 0 kind: the model describes sliding"):
+        get_engine("mlx", tiny_family("gemma2"), dtype="float32", threads=1)
+    folder = tmp_path / "gpt-oss-untruncated"
+    shutil.copytree(tiny_family("gpt_oss").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["truncate"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    info = resolve_model(folder)
+    assert info.layers[0].rope.scaling["truncate"] is False
+    with pytest.raises(IdentityMismatch, match="layer 0 rope: mlx-lm's rotation differs.*yarn"):
+        get_engine("mlx", info, dtype="float32", threads=1)
+    get_engine("torch", info, dtype="float32", threads=1)  # transformers honours it

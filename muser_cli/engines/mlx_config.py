@@ -252,6 +252,9 @@ def _inverse_frequencies(rope: RopeSpec) -> np.ndarray:
 def _yarn_inverse_frequencies(rope: RopeSpec, scaling: dict[str, Any], extrapolated: np.ndarray) -> np.ndarray:
     """transformers' YaRN frequencies: a ramp between interpolated and extrapolated ones over
     the correction range (floored/ceiled only when ``truncate``, its default)."""
+    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+        raise DataError("rope.scaling: yarn needs factor and original_max_position_embeddings",
+                        hint="the config's rope_parameters lack them")
     factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
     fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 

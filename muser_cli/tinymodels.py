@@ -170,8 +170,10 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", {}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW}),
-    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR, "rope_parameters": {
+    # Gemma: untied, else a random model's greedy tokens collapse onto one (its embeddings are scaled by sqrt(hidden))
+    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR, "tie_word_embeddings": False,
+                                         "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}),
     "phi3": ("Phi3Config", {"head_dim": _DROP, "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA,

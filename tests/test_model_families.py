@@ -267,3 +267,42 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
     with pytest.raises(IdentityMismatch, match="layer 0 rope: mlx-lm's rotation differs.*yarn"):
         get_engine("mlx", info, dtype="float32", threads=1)
     get_engine("torch", info, dtype="float32", threads=1)  # transformers honours it
+
+
+def _rotate(keys: np.ndarray, first_row: int, theta: float = 10000.0) -> np.ndarray:
+    """RoPE (rotate_half) applied to rows that must carry none: a producer that missed NoPE."""
+    dims = keys.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, dims, 2) / dims)
+    angle = np.arange(first_row, first_row + keys.shape[1])[:, None] * inv[None, :]
+    cos, sin = np.concatenate([np.cos(angle)] * 2, -1), np.concatenate([np.sin(angle)] * 2, -1)
+    half = np.concatenate([-keys[..., dims // 2:], keys[..., : dims // 2]], -1)
+    return (keys * cos + half * sin).astype(keys.dtype)
+
+
+@pytest.mark.parametrize("fault", ["nope_layer_rotated", "ring_shifted_by_one"])
+def test_gate_refuses_a_planted_fault_in_each_layer_kind(fault, tiny_muse_glimmer):
+    """A pack from another engine with every digest right but one layer's rows wrong — Muse
+    Glimmer's full NoPE layer rotated as if it had RoPE, or a sliding ring off by one row —
+    is refused by the default gate before any token, naming that layer."""
+    from dataclasses import replace
+
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import LayerKV, read_pack, write_pack
+
+    info = tiny_muse_glimmer
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    layers = list(pack.layers)
+    index = 3 if fault == "nope_layer_rotated" else 0
+    assert info.layers[index].kind == ("full" if index == 3 else "sliding")
+    kv = layers[index]
+    keys = _rotate(kv.keys, kv.first_row) if index == 3 else np.roll(kv.keys, 1, axis=1)
+    layers[index] = LayerKV(keys=keys, values=kv.values, first_row=kv.first_row)
+    planted = io.BytesIO()
+    write_pack(planted, replace(pack.header, producer={**pack.header.producer, "engine": "vllm"}), layers)
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match=f"before the first token.*layer {index}"):
+        decode(io.BytesIO(planted.getvalue()), model=str(info.path), max_new_tokens=4, threads=1,
+               on_token=tokens.append)
+    assert tokens == []

@@ -203,9 +203,9 @@ def matrix_markdown() -> str:
     for name, family in sorted(FAMILIES.items()):
         lanes = []
         if name in TESTED["torch"]:
-            lanes.append("torch→torch bit-exact")
+            lanes.append("torch→torch bit-exact; transformers cache export")
         if name in TESTED["mlx"]:
-            lanes.append("torch→MLX, MLX→torch (gate)")
+            lanes.append("torch→MLX, MLX→torch (gate); mlx-lm prompt-cache export")
         torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"
         lines.append(f"| {name} | {torch_cell} | {cell('mlx', name)} | not checked | {', '.join(lanes) or '—'} | "
                      f"{'; '.join(_notes(name)) or ''} |")

@@ -306,3 +306,55 @@ def test_gate_refuses_a_planted_fault_in_each_layer_kind(fault, tiny_muse_glimme
         decode(io.BytesIO(planted.getvalue()), model=str(info.path), max_new_tokens=4, threads=1,
                on_token=tokens.append)
     assert tokens == []
+
+
+@pytest.mark.parametrize("family", sorted(TESTED["torch"] - {"llama", "cohere2"}))  # those two: test_interop_*.py
+def test_interop_exports_continue_like_muser_decode(family, tiny_family, tmp_path):
+    """transformers' ``generate`` from ``to_transformers(pack)`` and mlx-lm's ``generate_step``
+    from an exported prompt cache give ``muser decode``'s tokens, per family."""
+    import warnings
+
+    import torch
+
+    import muser_cli
+    from muser_cli.interop import mlx_lm as interop
+
+    info = tiny_family(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    data = out.getvalue()
+    ids = encode_prompt(info, PROMPT)
+    model = engine("torch", info).model
+    cache = muser_cli.to_transformers(data, model, info=info)
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore", FutureWarning)
+        theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                past_key_values=cache, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    ours = decode(io.BytesIO(data), model=str(info.path), max_new_tokens=NEW, threads=1)
+    assert theirs[: len(ours.token_ids)] == ours.token_ids and ours.token_ids
+    if family not in TESTED["mlx"] or not _has_mlx():
+        return
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache
+
+    made = io.BytesIO()
+    prefill(PROMPT, made, model=str(info.path), engine="mlx", chunk_tokens=16, threads=1)
+    with open(tmp_path / "cache.safetensors", "wb") as f:
+        interop.export_mlx_lm(io.BytesIO(made.getvalue()), f, model=str(info.path))
+    prompt_cache = load_prompt_cache(str(tmp_path / "cache.safetensors"))
+    mlx_tokens = [t for t, _ in generate_step(mx.array([ids[-1]]), engine("mlx", info).model, max_tokens=NEW,
+                                              prompt_cache=prompt_cache)]
+    on_mlx = decode(io.BytesIO(made.getvalue()), model=str(info.path), engine="mlx", max_new_tokens=NEW, threads=1)
+    assert mlx_tokens[: len(on_mlx.token_ids)] == on_mlx.token_ids and on_mlx.token_ids
+
+
+def _has_mlx() -> bool:
+    import importlib.util
+
+    from muser_cli.engines import mlx_blas
+
+    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        return False
+    mlx_blas.ensure_fast_blas()
+    return True

@@ -358,3 +358,23 @@ def _has_mlx() -> bool:
         return False
     mlx_blas.ensure_fast_blas()
     return True
+
+
+SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "muse_glimmer"]
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_a_cut_stream_with_rings_falls_back_to_the_same_tokens(family, tiny_family):
+    """A stream cut in the middle, on a family with sliding rings: sliding layers ship only
+    their last rows, so a cut before them keeps nothing (as on Cohere 2) and the local
+    prefill gives the fallback's tokens."""
+    info = tiny_family(family)
+    whole = io.BytesIO()
+    prefill(PROMPT, whole, model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
+    data = whole.getvalue()
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, chunk_tokens=8,
+                   reuse=False, threads=1)
+    cut = decode(io.BytesIO(data[: len(data) // 2]), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW,
+                 reuse=False, threads=1)
+    assert cut.fallback and cut.handoff_rows == 0 and cut.source == "local"
+    assert cut.token_ids == local.token_ids

@@ -13,6 +13,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from muser_cli.engines.mlx_config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerSpec
 from muser_cli.modelconfig import FAMILIES, family_of, layer_specs, read_json, text_config
@@ -28,8 +29,7 @@ TESTED: dict[str, frozenset[str]] = {
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {
-    ("mlx", "gemma2"): "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
-                       "past its window it computes another model; the layout check refuses it",
+    ("mlx", "gemma2"): MLX_REFUSED["gemma2"],
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
 }

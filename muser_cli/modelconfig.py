@@ -42,7 +42,6 @@ class Family:
     torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
-    chunked: bool = False  # chunked-local attention layers (Llama 4): refused, no kvpack layer kind yet
     notes: str = ""
 
 
@@ -69,7 +68,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True,
            notes="full layers NoPE when a window is set"),
     Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
-    Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True, chunked=True,
+    Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True,
            notes="refused: chunked attention has no kvpack layer kind yet"),
 )}
 ARCHITECTURES = FAMILIES  # the older name

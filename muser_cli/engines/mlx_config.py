@@ -27,6 +27,9 @@ _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": Tr
 _APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
                  "smollm3": lambda attn: type(getattr(attn, "rope", None)).__name__ not in ("NoPE", "NoneType"),
                  "exaone4": lambda attn: bool(getattr(attn, "use_rope", True))}
+# Families mlx-lm implements differently from transformers, refused by name before loading.
+MLX_REFUSED = {"gemma2": "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
+                         "past its window it computes another model"}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
 _MLX_MODULE = {"muse_glimmer_text": "muse_glimmer"}
 # mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal

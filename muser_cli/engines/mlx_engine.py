@@ -50,7 +50,8 @@ from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
 from muser_cli.engines.mlx_cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx_cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
-from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides, model_classes  # noqa: F401
+from muser_cli.engines.mlx_config import (  # noqa: F401
+    _APPLIES_ROPE, MLX_REFUSED, _read_config, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
@@ -69,6 +70,9 @@ class MLXEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in MLX_DTYPES:
             raise UsageError(f"the mlx engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(MLX_DTYPES))
+        if info.architecture in MLX_REFUSED:
+            raise ConfigError(f"the mlx engine cannot run {info.architecture}: {MLX_REFUSED[info.architecture]}",
+                              hint="use --engine torch")
         self.blas = mlx_blas.ensure_fast_blas()  # before mlx.core is imported
         try:
             import mlx.core as mx

@@ -31,7 +31,8 @@ def _render(report: dict) -> str:
     lines.append(f"  KV bytes per token (all layers, below any window): {report['kv_bytes_per_token']}")
     if "tokens" in report:
         lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
-                     f"({_size(report['payload_bytes'])}, raw)")
+                     f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
+                     f"{_size(report['payload_zstd_estimate_bytes'])}")
     for name, e in report["engines"].items():
         can = "produce + consume" if e["produce"] and e["consume"] else "no"
         lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))

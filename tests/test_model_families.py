@@ -156,6 +156,7 @@ def test_model_check_muse_glimmer_default_payload(which, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["payload_bytes"] == 1823184896 and report["dtype"] == "bfloat16" and report["layers"] == 52
+    assert report["payload_zstd_estimate_bytes"] == int(1823184896 / 1.48)
     by_kind = {c["kind"]: c for c in report["classes"]}
     assert by_kind["full"]["layers"] == 13 and by_kind["full"]["rows"] == 130814 and by_kind["full"]["rope"] == "NoPE"
     assert by_kind["sliding"]["layers"] == 39 and by_kind["sliding"]["rows"] == 2048

@@ -54,7 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            torch_auto="AutoModelForImageTextToText", qk_norm=True,
            notes="text tower of MuseGlimmerForConditionalGeneration; NoPE where layer_rope_theta is 0; gated attention output"),
     Family("muse_glimmer_text", nope="layer_rope_theta", window=2048, layers="back:4", qk_norm=True, torch_auto="",
-           notes="a flat text config (MuseGlimmerTextConfig): mlx-lm loads it; transformers has no LM class for it"),
+           notes="the text tower alone, flat (MuseGlimmerTextConfig): mlx-lm runs it; transformers has no LM class for it"),
     Family("qwen3", layers="qwen2", qk_norm=True),
     Family("qwen3_moe", layers="qwen2", qk_norm=True),
     Family("mixtral"),

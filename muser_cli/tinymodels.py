@@ -194,7 +194,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 
 def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
     """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer)."""
-    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer": make_tiny_muse_glimmer}
+    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer": make_tiny_muse_glimmer,
+               "muse_glimmer_text": make_tiny_muse_glimmer_text}
     if family in special:
         return special[family](directory, seed)
     import transformers
@@ -202,3 +203,27 @@ def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
     config_name, extra = TINY_FAMILIES[family]
     config = getattr(transformers, config_name)(**{k: v for k, v in {**_common(), **extra}.items() if v != _DROP})
     return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)
+
+
+def make_tiny_muse_glimmer_text(directory: Path | str, seed: int = 0) -> Path:
+    """Muse Glimmer's text tower alone, flat (``muse_glimmer_text``, ``model.*`` weights), as
+    text-only conversions ship it: mlx-lm loads it; transformers has no LM class for it."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
+        full = make_tiny_muse_glimmer(Path(tmp) / "full", seed)
+        config = json.loads((full / "config.json").read_text())
+        text = {**config["text_config"], "architectures": ["MuseGlimmerForConditionalGeneration"]}
+        (directory / "config.json").write_text(json.dumps(text, indent=1, sort_keys=True) + "\n")
+        weights = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+                   for k, v in load_file(str(full / "model.safetensors")).items() if not k.startswith("model.vision")}
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        for item in full.iterdir():
+            if item.name not in ("config.json", "model.safetensors") and item.is_file():
+                shutil.copy2(item, directory / item.name)
+    return directory

@@ -39,7 +39,7 @@ PROMPT = (
 NEW = 12
 FIRST = 4  # MLX's first tokens that must equal its own local decode
 TORCH_FAMILIES = sorted(TESTED["torch"] - {"llama", "cohere2"})  # those two: test_torch_engine/test_mlx_engine
-MLX_FAMILIES = sorted(TESTED["mlx"] - {"llama", "cohere2"})
+MLX_FAMILIES = sorted(TESTED["mlx"] & TESTED["torch"] - {"llama", "cohere2"})  # muse_glimmer_text: MLX only, below
 _ENGINES: dict = {}
 
 
@@ -246,7 +246,7 @@ def test_docs_models_matrix_is_current():
     assert block == matrix_markdown()
     from muser_cli.tinymodels import TINY_FAMILIES
 
-    assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer"}
+    assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer", "muse_glimmer_text"}
 
 
 @pytest.mark.mlx
@@ -414,3 +414,26 @@ def test_real_gemma3_270m_moves_both_ways(shared_models_dir):
     on_mlx = decode(io.BytesIO(b""), prompt=prompt, engine="mlx", chunk_tokens=128, reuse=False, **kw)
     assert crossed.spot_check["ran"] and crossed.spot_check["ok"]
     assert crossed.token_ids[:FIRST] == on_mlx.token_ids[:FIRST]
+
+
+@pytest.mark.mlx
+def test_flat_muse_glimmer_text_moves_on_mlx_and_torch_refuses_it_by_name(tiny_family, tiny_muse_glimmer):
+    """The text tower alone (``muse_glimmer_text``, as text-only conversions ship it): an
+    MLX-made pack decodes on MLX to MLX's own local decode — the composite model's tokens,
+    the weights being the same — and the torch engine refuses the folder (78) with the reason."""
+    from muser_cli.errors import ConfigError
+
+    if not _has_mlx():
+        pytest.skip("mlx not installed")
+    flat = tiny_family("muse_glimmer_text")
+    assert flat.architecture == "muse_glimmer_text" and flat.layers == tiny_muse_glimmer.layers
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(flat.path), engine="mlx", chunk_tokens=16, threads=1)
+    kw = dict(engine="mlx", max_new_tokens=NEW, threads=1)
+    handed = decode(io.BytesIO(out.getvalue()), model=str(flat.path), **kw)
+    local = decode(io.BytesIO(b""), model=str(flat.path), prompt=PROMPT, **kw)
+    composite = decode(io.BytesIO(b""), model=str(tiny_muse_glimmer.path), prompt=PROMPT, **kw)
+    assert not handed.fallback and handed.token_ids == local.token_ids == composite.token_ids
+    with pytest.raises(ConfigError, match="no language-model class") as exc:
+        decode(io.BytesIO(out.getvalue()), model=str(flat.path), max_new_tokens=2, threads=1)
+    assert exc.value.exit_status == 78

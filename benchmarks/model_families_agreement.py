@@ -53,4 +53,4 @@ def main(families: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or sorted(TESTED["mlx"]))
+    main(sys.argv[1:] or sorted(TESTED["mlx"] & TESTED["torch"]))

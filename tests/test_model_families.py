@@ -174,6 +174,12 @@ def test_model_check_refuses_an_unknown_family_by_name(tmp_path):
     assert as_json.exit_code == 78 and json.loads(as_json.stdout)["exit_status"] == 78
     missing = CliRunner().invoke(app, ["model", "check", str(tmp_path / "nope")])
     assert missing.exit_code == 66
+    (tmp_path / "config.json").write_text("{bad")
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path)]).exit_code == 65
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+                                                      "num_attention_heads": 1}))
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--tokens", "1"]).exit_code == 2
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--dtype", "int4"]).exit_code == 2
 
 
 def test_model_check_names_what_it_cannot_move(tmp_path):

@@ -376,10 +376,13 @@ SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "muse_glimmer
 
 
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)
-def test_a_cut_stream_with_rings_falls_back_to_the_same_tokens(family, tiny_family):
-    """A stream cut in the middle, on a family with sliding rings: sliding layers ship only
-    their last rows, so a cut before them keeps nothing (as on Cohere 2) and the local
-    prefill gives the fallback's tokens."""
+def test_a_cut_stream_and_a_delta_with_rings(family, tiny_family):
+    """On a family with sliding rings: a stream cut in the middle keeps nothing (sliding
+    layers ship only their last rows, as on Cohere 2) and the local prefill gives the
+    fallback's tokens; a delta against a stored prefix (the store lane) is smaller than the
+    whole pack and decodes, merged with that prefix, to the same tokens."""
+    from muser_cli.reuse.api import have as have_manifest
+
     info = tiny_family(family)
     whole = io.BytesIO()
     prefill(PROMPT, whole, model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
@@ -390,6 +393,16 @@ def test_a_cut_stream_with_rings_falls_back_to_the_same_tokens(family, tiny_fami
                  reuse=False, threads=1)
     assert cut.fallback and cut.handoff_rows == 0 and cut.source == "local"
     assert cut.token_ids == local.token_ids
+
+    kw = dict(model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
+    prefill(PROMPT[: len(PROMPT) // 2], io.BytesIO(), store=True, **kw)
+    have = have_manifest(PROMPT, model=str(info.path), dtype="float32", chunk_tokens=8)
+    assert have.held_tokens > 0 and have.held_tokens % 8 == 0
+    delta = io.BytesIO()
+    prefill(PROMPT, delta, have=have, **kw)
+    assert len(delta.getvalue()) < len(data)
+    merged = decode(io.BytesIO(delta.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    assert merged.source == "delta" and not merged.fallback and merged.token_ids == local.token_ids
 
 
 @pytest.mark.slow

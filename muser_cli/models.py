@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.fsio import fsync_dir, write_bytes_atomic
-from muser_cli.modelconfig import ARCHITECTURES, eos_token_ids, layer_specs, read_json
+from muser_cli.modelconfig import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
 from muser_cli.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
@@ -117,10 +117,11 @@ def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
     generation = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
     layers = layer_specs(config)
     fingerprint, tokenizer_fingerprint = fingerprints(path)
-    max_positions = config.get("max_position_embeddings")
+    text = text_config(config)  # a composite (multimodal) config keeps these in text_config
+    max_positions = text.get("max_position_embeddings")
     if not isinstance(max_positions, int) or max_positions <= 0:
         raise ConfigError(f"{config_file}: max_position_embeddings missing or invalid ({max_positions!r})")
-    vocab = config.get("vocab_size")
+    vocab = text.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
         raise ConfigError(f"{config_file}: vocab_size missing or invalid ({vocab!r})")
     check_weights(path, vocab)
@@ -417,7 +418,7 @@ def _fsync_file(path: Path) -> None:
 
 
 __all__ = [
-    "ARCHITECTURES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
+    "ARCHITECTURES", "FAMILIES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
     "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
     "model_fingerprint", "on_convert", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
 ]

@@ -21,6 +21,7 @@ without extraction: the truth the handed-off path must reproduce bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -43,8 +44,6 @@ def _cache_keyword(model: Any) -> str:
     """The name the installed transformers gives a model's cache argument: ``cache`` from 5.24 on
     (``past_key_values`` then warns on every call), ``past_key_values`` before (5.19-5.23 silently
     ignore ``cache=``), read from the model's own signature."""
-    import inspect
-
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -70,16 +69,22 @@ class TorchEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in TORCH_DTYPES:
             raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
-        from transformers import AutoModelForCausalLM
+        import transformers
 
+        from muser_cli.modelconfig import FAMILIES
         from muser_cli.models import quiet_transformers
 
+        family = FAMILIES.get(info.architecture)
+        if family is not None and not family.torch_auto:
+            raise ConfigError(f"the torch engine cannot load a {info.architecture} folder: transformers has no "
+                              "language-model class for that config", hint="use --engine mlx, or save the full model's config")
         self.torch_dtype = TORCH_DTYPES[dtype]
         self._set_threads()
         start = time.perf_counter()
         try:
             with quiet_transformers():
-                self.model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=self.torch_dtype)
+                auto = getattr(transformers, family.torch_auto if family is not None else "AutoModelForCausalLM")
+                self.model = auto.from_pretrained(str(info.path), dtype=self.torch_dtype)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot load model {info.path}: {exc}") from exc
         self.model.eval()
@@ -222,8 +227,8 @@ class TorchEngine(Engine):
             if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
                 low = torch.finfo(self.torch_dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
-            self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], past_key_values=cache,
-                       attention_mask=mask, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
+                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
             return [(_to_numpy(layer.keys[0, :, rows : rows + m]), _to_numpy(layer.values[0, :, rows : rows + m]))
                     for layer in cache.layers]
 
@@ -277,7 +282,7 @@ class TorchEngine(Engine):
                             if getattr(layer, "is_sliding", False))
 
     def _vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.model.config.get_text_config(decoder=True).vocab_size)
 
     def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
         x = torch.tensor([ids], dtype=torch.long)

@@ -45,9 +45,10 @@ def node_init(*, name: str | None, hosts: list[str], force: bool) -> dict[str, A
     return init_node(paths.keys_dir(), name=name, hosts=hosts, force=force)
 
 
-def node_export(*, producer: str, hosts: list[str]) -> tuple[bytes, dict[str, Any]]:
-
-    return export_producer(paths.keys_dir(), producer=producer, hosts=hosts)
+def node_export(*, producer: str, hosts: list[str],
+                deliver: Callable[[bytes], None] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """``deliver`` writes the bundle before its key is recorded (nothing is recorded if it raises)."""
+    return export_producer(paths.keys_dir(), producer=producer, hosts=hosts, deliver=deliver)
 
 
 def node_join(data: bytes, *, force: bool) -> dict[str, Any]:

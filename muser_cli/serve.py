@@ -307,10 +307,12 @@ class ResidentProducer:
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> None:
-    """Load the model once, then answer enrolled consumers until ``stop`` is set. ``store``:
-    continue from this machine's reuse store too and keep every result there. ``max_batch``:
-    on vLLM, how many requests run at once (computed as one batch); torch and MLX run one."""
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> dict[str, int]:
+    """Load the model once, then answer enrolled consumers until ``stop`` is set; the
+    server's counters (served, refused, failed, turned_away: told busy while stopping).
+    ``store``: continue from this machine's reuse store too and keep every result there.
+    ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
+    and MLX run one."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import parse_hostport
@@ -336,6 +338,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         server.serve()
     finally:
         server.close()
+    return dict(server.counters)
 
 
 # ----------------------------------------------------------------------------- consumer

@@ -315,7 +315,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     and MLX run one."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.handoff.link import listen_socket, parse_hostport, start_listening
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.pull_server import PullServer, ServeConfig
 
@@ -327,12 +327,20 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     identity = load_identity(paths.keys_dir())
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
-    producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
-                                store=store, max_batch=max_batch)
-    server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
-                        ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
+    # The port is held (bound) before the model loads, so a taken one fails at once; it listens
+    # only once the producer can answer: meanwhile a consumer is refused and falls back at once.
+    lsock = listen_socket(config.host, config.port, backlog=None)
     try:
-        server.bind()
+        producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads,
+                                    engine_options=engine_options, store=store, max_batch=max_batch)
+        server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    except BaseException:
+        lsock.close()
+        raise
+    try:
+        start_listening(lsock, 64)
+        server.bind(lsock)
         if stop is not None:
             threading.Thread(target=lambda: (stop.wait(), server.stop()), daemon=True).start()
         server.serve()

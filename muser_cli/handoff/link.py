@@ -94,9 +94,11 @@ def _no_port(text: str, host: str, *, listen: bool) -> UsageError:
     return UsageError(message, hint=f"write HOST:PORT, e.g. gx10:{port} or 127.0.0.1:{port}")
 
 
-def listen_socket(host: str, port: int, *, backlog: int) -> socket.socket:
+def listen_socket(host: str, port: int, *, backlog: int | None) -> socket.socket:
     """A listening TCP socket on ``host:port`` ("" or "*": every address, IPv6 and IPv4
-    where the system allows); :class:`ConfigError` (78) when the address is taken."""
+    where the system allows); :class:`ConfigError` (78) when the address is taken.
+    ``backlog`` None: bound only (the port is held; a client is refused at once, not
+    queued) -- :func:`start_listening` later."""
     if host in ("", "*"):
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -115,7 +117,8 @@ def listen_socket(host: str, port: int, *, backlog: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(bind_to)
-        sock.listen(backlog)
+        if backlog is not None:
+            sock.listen(backlog)
     except OSError as exc:
         sock.close()
         raise listen_error(exc, format_hostport(host, port), port) from None
@@ -133,6 +136,15 @@ def listen_error(exc: OSError, where: str, port: int) -> ConfigError:
         errno.EADDRNOTAVAIL: "that is not an address of this machine: use one it has, or :PORT for all",
     }.get(exc.errno or 0, "check the address, or pick another port")
     return ConfigError(f"cannot listen on {where} ({exc.strerror or exc})", hint=hint)
+
+
+def start_listening(sock: socket.socket, backlog: int) -> None:
+    """Listen on a socket :func:`listen_socket` bound with ``backlog`` None."""
+    try:
+        sock.listen(backlog)
+    except OSError as exc:
+        host, port = sock.getsockname()[:2]
+        raise listen_error(exc, format_hostport(str(host), int(port)), int(port)) from None
 
 
 def format_hostport(host: str, port: int) -> str:

@@ -3,6 +3,7 @@
 The first one asks the command to drain: accept nothing new, finish what is in flight,
 print one summary line and exit 0. Its handler then restores the default action, so a
 second SIGTERM or SIGHUP ends the process at once (143 or 129), as an operator expects.
+A signal the process was started ignoring (SIGHUP under `nohup`) stays ignored.
 """
 
 from __future__ import annotations
@@ -25,5 +26,6 @@ def drain_on_signals() -> tuple[threading.Event, dict[str, str]]:
             signal.signal(s, signal.SIG_DFL)
 
     for s in DRAIN_SIGNALS:
-        signal.signal(s, handler)
+        if signal.getsignal(s) is not signal.SIG_IGN:  # `nohup muser ...` keeps ignoring SIGHUP
+            signal.signal(s, handler)
     return stop, got

@@ -82,7 +82,7 @@ def test_receive_drains_on_a_signal_the_stream_in_flight_finishes(homes, pack_by
     rate = max(1, len(pack_bytes) // 3)  # the next one takes about three seconds on the wire
     sender = subprocess.Popen(muser_cmd("send", str(src), "--to", to, "--rate", f"{rate}B"), env=env_for(p),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # it is streaming now
+    assert wait_for(lambda: list(out.glob(".*.part")), 30)  # it is streaming now: its spool part exists
     proc.send_signal(sig)
     s_out, s_err = sender.communicate(timeout=60)
     assert sender.returncode == 0, s_err.decode()  # the handoff in flight finished and was acknowledged
@@ -106,6 +106,37 @@ def test_receive_once_to_stdout_stopped_with_nothing_in_flight_prints_nothing_an
     assert (tmp_path / "x.kvpack").read_bytes() == b""
 
 
+def test_receive_once_to_stdout_drains_the_stream_in_flight_whole(homes, pack_bytes, tmp_path):
+    c, p = homes
+    src = tmp_path / "in.kvpack"
+    src.write_bytes(pack_bytes)
+    with open(tmp_path / "got.kvpack", "wb") as f:
+        proc, to = spawn_receiver(c, "--once", stdout=f)
+        sender = subprocess.Popen(muser_cmd("send", str(src), "--to", to, "--rate", f"{max(1, len(pack_bytes) // 3)}B"),
+                                  env=env_for(p), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert wait_for(lambda: (tmp_path / "got.kvpack").stat().st_size > 0, 30)  # frames are being forwarded
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert sender.wait(60) == 0
+    assert proc.returncode == 0, err.decode()
+    assert "stopped on SIGTERM: 1 handoff accepted" in _summary(err)
+    assert (tmp_path / "got.kvpack").read_bytes() == pack_bytes  # whole, end frame included
+
+
+def test_sighup_stays_ignored_under_nohup(homes):
+    c, _ = homes
+    proc = subprocess.Popen(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once"), env=env_for(c),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert b"listening on" in proc.stderr.readline()
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None  # `nohup muser receive ...`: a closed terminal does not stop it
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopped on SIGTERM" in _summary(err)
+
+
 def test_a_second_signal_ends_a_draining_receiver_at_once(homes, pack_bytes, tmp_path):
     c, p = homes
     src = tmp_path / "in.kvpack"
@@ -113,7 +144,7 @@ def test_a_second_signal_ends_a_draining_receiver_at_once(homes, pack_bytes, tmp
     proc, to = spawn_receiver(c, "-o", str(tmp_path))
     sender = subprocess.Popen(muser_cmd("send", str(src), "--to", to, "--rate", f"{max(1, len(pack_bytes) // 20)}B"),
                               env=env_for(p), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)
+    assert wait_for(lambda: list(tmp_path.glob(".*.part")), 30)  # streaming
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert proc.poll() is None  # draining: the slow handoff is still streaming

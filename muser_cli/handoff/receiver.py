@@ -158,9 +158,7 @@ class Receiver:
                 if drain is not None and drain.is_set() and not self._draining.is_set():
                     self.drain()
                 if self._draining.is_set() and self._drained():
-                    self._emit("drained", accepted=len(accepted), payload_bytes=sum(a.payload_bytes for a in accepted),
-                               **{k: self.counters[k] for k in ("rejected", "turned_away", "tls_failed")})
-                    return accepted
+                    return self._report_drained(accepted)
                 try:
                     item = self._results.get(timeout=wait)
                 except queue.Empty:
@@ -183,7 +181,7 @@ class Receiver:
                 if on_accept is not None:
                     on_accept(item)
                 if self.config.once:
-                    return accepted
+                    return self._report_drained(accepted) if self._draining.is_set() else accepted
             return accepted
         finally:
             self.stop()
@@ -195,6 +193,11 @@ class Receiver:
         if self._lsock is not None:
             with contextlib.suppress(OSError):
                 self._lsock.close()
+
+    def _report_drained(self, accepted: list[Accepted]) -> list[Accepted]:
+        self._emit("drained", accepted=len(accepted), payload_bytes=sum(a.payload_bytes for a in accepted),
+                   **{k: self.counters[k] for k in ("rejected", "turned_away", "tls_failed")})
+        return accepted
 
     def _drained(self) -> bool:
         with self._finish_lock, self._state_lock:

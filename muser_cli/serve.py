@@ -447,8 +447,8 @@ class PipePull:
         exc = self.error
         if exc is None:
             return ""
-        if isinstance(exc, MuserError):
-            return f"pull from {self.producer} failed: {exc}"
+        if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
+            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
 
 

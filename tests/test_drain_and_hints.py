@@ -276,3 +276,23 @@ def test_a_consumer_whose_producer_key_was_revoked_is_told_to_export_again(homes
     finally:
         producer.stop()
     assert "revoked" in err and "muser node export --producer gx10" in err and "join --force" in err
+
+
+def test_a_consumer_that_is_not_enrolled_falls_back_and_is_told_how_to_enroll(homes, tiny_llama, tmp_path):
+    _, p = homes
+    stranger = tmp_path / "stranger"
+    assert run(stranger, "node", "init", "--name", "stranger").returncode == 0
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(PROMPT)
+    producer = Producer(p, "-m", tiny_llama.path)
+    try:
+        r = run(stranger, "decode", "--producer", producer.address, "--prompt", prompt, "-m", tiny_llama.path,
+                "-n", "2", "--json")
+        err = one_error(run(stranger, "receive", "--from", producer.address, prompt, "-m", tiny_llama.path,
+                            "-o", tmp_path / "got.kvpack"), 77)
+    finally:
+        producer.stop()
+    assert r.returncode == 0 and json.loads(r.stdout)["fallback"] is True  # the tokens come anyway
+    why = r.stderr.decode()
+    assert "another CA" in why and "muser node export --producer NAME" in why and "node join" in why
+    assert "another CA" in err and "muser node join NAME.bundle" in err

@@ -180,6 +180,10 @@ def test_receive_refusals_leave_the_home_and_the_output_folder_byte_identical(ho
     refused_unchanged(c, 66, lambda: run(c, "receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "30",
                                          "-o", out / "missing" / "x.kvpack"), out)
     refused_unchanged(c, 2, lambda: run(c, "receive", "--listen", "7070", "--once", "-o", out / "x.kvpack"), out)
+    fresh = tmp_path / "fresh"  # no identity: 78, and no home made for it
+    refused_unchanged(fresh, 78, lambda: run(fresh, "receive", "--listen", "127.0.0.1:0", "--once", "-o",
+                                             out / "x.kvpack"), out)
+    assert not fresh.exists()
     import socket
 
     with socket.socket() as busy:

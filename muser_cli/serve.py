@@ -315,7 +315,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     and MLX run one."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import listen_socket, parse_hostport, start_listening
+    from muser_cli.handoff.link import listen_socket, parse_hostport
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.pull_server import PullServer, ServeConfig
 
@@ -328,19 +328,14 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
     config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
-    # The port is held (bound) before the model loads, so a taken one fails at once; it listens
-    # only once the producer can answer: meanwhile a consumer is refused and falls back at once.
-    lsock = listen_socket(config.host, config.port, backlog=None)
+    # A taken port fails now, not after a long model load: bind once and let go (no socket is
+    # held while engines start their workers); it listens only once the producer can answer.
+    listen_socket(config.host, config.port, backlog=None).close()
+    producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
+                                store=store, max_batch=max_batch)
+    server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
     try:
-        producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads,
-                                    engine_options=engine_options, store=store, max_batch=max_batch)
-        server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
-    except BaseException:
-        lsock.close()
-        raise
-    try:
-        start_listening(lsock, 64)
-        server.bind(lsock)
+        server.bind()
         if stop is not None:
             threading.Thread(target=lambda: (stop.wait(), server.stop()), daemon=True).start()
         server.serve()

@@ -97,8 +97,7 @@ def _no_port(text: str, host: str, *, listen: bool) -> UsageError:
 def listen_socket(host: str, port: int, *, backlog: int | None) -> socket.socket:
     """A listening TCP socket on ``host:port`` ("" or "*": every address, IPv6 and IPv4
     where the system allows); :class:`ConfigError` (78) when the address is taken.
-    ``backlog`` None: bound only (the port is held; a client is refused at once, not
-    queued) -- :func:`start_listening` later."""
+    ``backlog`` None: bound only, not listening (a check that the port is free)."""
     if host in ("", "*"):
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -136,15 +135,6 @@ def listen_error(exc: OSError, where: str, port: int) -> ConfigError:
         errno.EADDRNOTAVAIL: "that is not an address of this machine: use one it has, or :PORT for all",
     }.get(exc.errno or 0, "check the address, or pick another port")
     return ConfigError(f"cannot listen on {where} ({exc.strerror or exc})", hint=hint)
-
-
-def start_listening(sock: socket.socket, backlog: int) -> None:
-    """Listen on a socket :func:`listen_socket` bound with ``backlog`` None."""
-    try:
-        sock.listen(backlog)
-    except OSError as exc:
-        host, port = sock.getsockname()[:2]
-        raise listen_error(exc, format_hostport(str(host), int(port)), int(port)) from None
 
 
 def format_hostport(host: str, port: int) -> str:

@@ -189,9 +189,8 @@ class PullServer:
                 self._ledgers[key_id] = led
             return led
 
-    def bind(self, sock: socket.socket | None = None) -> tuple[str, int]:
-        """Listen on the configured address, or on ``sock`` (bound and listening already)."""
-        self._lsock = sock if sock is not None else listen_socket(self.config.host, self.config.port, backlog=64)
+    def bind(self) -> tuple[str, int]:
+        self._lsock = listen_socket(self.config.host, self.config.port, backlog=64)
         self.address = self._lsock.getsockname()[:2]
         return self.address
 

@@ -91,10 +91,9 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
            max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8) -> None:
-    """``prefill --serve``: the resident producer; SIGTERM finishes the running request and exits 0."""
-    import signal
-    import threading
-
+    """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
+    turns the waiting ones away, prints one summary line and exits 0."""
+    from muser_cli.commands._signals import drain_on_signals
     from muser_cli.errors import UsageError
     from muser_cli.serve import serve
 
@@ -104,8 +103,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, got = drain_on_signals()
 
     def on_event(kind: str, f: dict) -> None:
         if kind == "listening":
@@ -127,6 +125,14 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         elif kind == "tls_failed":
             info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 
-    serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
-          max_batch=max_batch)
+    counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
+                   max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
+                   max_batch=max_batch)
+    summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
+    if as_json:
+        sys.stderr.write(json.dumps({"event": "stopped", **summary}, sort_keys=True) + "\n")
+        sys.stderr.flush()
+    else:
+        info(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
+             f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
+             f"{summary['turned_away']} turned away while draining; none left in flight")

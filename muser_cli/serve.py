@@ -312,13 +312,15 @@ class ResidentProducer:
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> None:
-    """Load the model once, then answer enrolled consumers until ``stop`` is set. ``store``:
-    continue from this machine's reuse store too and keep every result there. ``max_batch``:
-    on vLLM, how many requests run at once (computed as one batch); torch and MLX run one."""
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> dict[str, int]:
+    """Load the model once, then answer enrolled consumers until ``stop`` is set; the
+    server's counters (served, refused, failed, turned_away: told busy while stopping).
+    ``store``: continue from this machine's reuse store too and keep every result there.
+    ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
+    and MLX run one."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.handoff.link import listen_socket, parse_hostport
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.pull_server import PullServer, ServeConfig
 
@@ -330,10 +332,13 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     identity = load_identity(paths.keys_dir())
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
+    config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
+    # A taken port fails now, not after a long model load: bind once and let go (no socket is
+    # held while engines start their workers); it listens only once the producer can answer.
+    listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch)
-    server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
-                        ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
     try:
         server.bind()
         if stop is not None:
@@ -341,6 +346,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         server.serve()
     finally:
         server.close()
+    return dict(server.counters)
 
 
 def have_on_grid(req: PullRequest, scope) -> PullRequest:
@@ -453,8 +459,8 @@ class PipePull:
         exc = self.error
         if exc is None:
             return ""
-        if isinstance(exc, MuserError):
-            return f"pull from {self.producer} failed: {exc}"
+        if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
+            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
 
 

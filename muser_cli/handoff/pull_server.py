@@ -27,7 +27,9 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     the V3 receiver for the probes: ``Ready``, then ``ProbeUp``/``ProbeDown`` answered as
     ``receive --listen`` answers them (each capped at ``probe_max_s``), until the consumer
     closes; anything else on it is refused (``protocol``);
-  * :meth:`serve` runs until :meth:`stop`; the running request finishes first.
+  * :meth:`serve` runs until :meth:`stop` (SIGTERM, SIGHUP): it accepts no new connection,
+    the running request finishes first, the waiting ones are told ``busy`` (counted in
+    ``counters["turned_away"]``).
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class PullServer:
         self._pending = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0}
+        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0}
         if ledger_dir.exists():  # a torn ledger: refuse to run at all
             for path in sorted(ledger_dir.glob("*.ledger")):
                 self._ledger(path.name[: -len(".ledger")])
@@ -265,6 +267,12 @@ class PullServer:
             return None
         return tls
 
+    def _turn_away(self) -> Refusal:
+        """A request refused because the server is stopping (counted: the summary says how many)."""
+        with self._lock:
+            self.counters["turned_away"] += 1
+        return Refusal("busy", "producer is shutting down")
+
     def _refuse(self, link: Link, who: str, refusal: Refusal, req: PullRequest | ProbeRequest | None,
                 probe: bool = False) -> None:
         with self._lock:
@@ -350,7 +358,7 @@ class PullServer:
                 if not req.token_ids:
                     raise Refusal("data", "this producer does not tokenize text prompts; send token ids")
             if self._stop.is_set():
-                raise Refusal("busy", "producer is shutting down")
+                raise self._turn_away()
             self._admitted(link, who, req)
         except Refusal as refusal:
             self._refuse(link, who, refusal, req, probe)
@@ -384,7 +392,7 @@ class PullServer:
             try:
                 link.send(Queued(place), "telling the consumer its place")
                 if not self._admit.wait(probe, self._stop.is_set):
-                    raise Refusal("busy", "producer is shutting down")
+                    raise self._turn_away()
             finally:
                 with self._lock:
                     self._waiting -= 1

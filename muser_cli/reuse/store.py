@@ -59,7 +59,21 @@ class Store(StoreIndex):
         """Verify a full, unquantized kvpack from ``src`` while copying it in, then publish it.
 
         With ``vocab_size`` (the model's), a pack holding a token id outside [0, vocab_size)
-        is refused (DataError) as soon as its header is read."""
+        is refused (DataError) as soon as its header is read. A refused pack leaves the
+        store as it was: the folders this call made for its part are removed again."""
+        made, d = [], self.root / "tmp"
+        while not d.exists() and d != d.parent:  # the folders a first put creates, deepest first
+            made.append(d)
+            d = d.parent
+        try:
+            return self._put(src, vocab_size=vocab_size)
+        except BaseException:
+            for d in made:  # only if still empty: another writer's files are never touched
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            raise
+
+    def _put(self, src: BinaryIO, *, vocab_size: int | None) -> PutResult:
         fd, tmp = self._tmp_file()
         try:
             reader = PackReader(decode=False)  # digests and structure; every later read decodes too

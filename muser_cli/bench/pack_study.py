@@ -126,7 +126,7 @@ def _run_child(cmd: list[str], src_path: Path, out: Path, env: dict | None) -> t
 
 
 def cli_rates(cmds: dict[str, tuple[list[str], dict | None]], big: Path, tiny: Path, out: Path, reps: int) -> dict:
-    """Per command: seconds on ``big`` minus seconds on ``tiny`` (process start), as GB/s by
+    """Per command: seconds on ``big`` minus seconds on ``tiny`` (process start), as GB per second by
     wall clock and per CPU second of the child; every command in turn in every round
     (A B A B), after one uncounted round."""
     keys = ("big", "tiny", "big_cpu", "tiny_cpu")

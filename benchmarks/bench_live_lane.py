@@ -6,17 +6,9 @@ library's (muser_cli/bench/lane.py); for all four lanes run ``muser bench lane -
     python benchmarks/bench_live_lane.py [--depths 512,2048,8064] [--reps 5] [--settle 8]
 
 Producer and consumer are pinned to different cores (``taskset -c``), one compute thread
-each (docs/benchmarking.md). Per depth, after one uncounted warm-up of each:
-
-  streamed  consumer$ receive --listen --once | decode -n 1 --json   (started first, resident)
-            producer$ prefill --json | send --to ...                  (frames leave per chunk)
-  file      producer$ prefill -o f.kvpack && send f.kvpack            (stop-and-wait)
-            consumer$ receive --once -o in.kvpack && decode in.kvpack -n 1 --json
-
-  lane TTFT = consumer's first token - producer's prefill start (Unix times each process reports)
-  exposed   = (lane TTFT - producer prefill_s) / producer prefill_s     aim <= 1 % at 8064
-  tail_s    = last frame's arrival -> first token (decode --json)
-
+each (docs/benchmarking.md); after one uncounted warm-up of each lane, A B A B. The lanes,
+lane TTFT and "exposed" are defined in muser_cli/bench/lane.py's docstring; ``tail_s`` is
+the last frame's arrival to the first token (decode --json).
 Receipt: benchmarks/results/live-lane-*.json.
 """
 

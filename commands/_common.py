@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -341,11 +343,11 @@ def paragraphs(text: str | None) -> str | None:
 
 
 def _finish_commands(group: Any) -> None:
-    """Every command's help as paragraphs, its examples as the epilog (:mod:`._examples`), and
+    """Every command's help as paragraphs, its examples as the epilog (:mod:`muser_cli.examples`), and
     ``-q/--quiet`` after the subcommand too (``muser decode -q ...``): a copy of the root's option."""
     import copy
 
-    from muser_cli.commands._examples import epilog
+    from muser_cli.examples import epilog
 
     root = next((p for p in group.params if p.name == "quiet"), None)
 
@@ -406,3 +408,29 @@ def _one_line_group_class():
 
 
 OneLineErrors = _one_line_group_class()
+
+
+# --- SIGTERM and SIGHUP for the resident commands (`receive --listen`, `prefill --serve`).
+# The first one asks the command to drain: accept nothing new, finish what is in flight,
+# print one summary line and exit 0. Its handler then restores the default action, so a
+# second SIGTERM or SIGHUP ends the process at once (143 or 129), as an operator expects.
+# A signal the process was started ignoring (SIGHUP under `nohup`) stays ignored.
+
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def drain_on_signals() -> tuple[threading.Event, dict[str, str]]:
+    """An event the first SIGTERM or SIGHUP sets; ``got["signal"]`` then names it."""
+    stop = threading.Event()
+    got: dict[str, str] = {}
+
+    def handler(signum: int, _frame) -> None:
+        got.setdefault("signal", signal.Signals(signum).name)
+        stop.set()
+        for s in DRAIN_SIGNALS:  # a second one: the default action, at once
+            signal.signal(s, signal.SIG_DFL)
+
+    for s in DRAIN_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:  # `nohup muser ...` keeps ignoring SIGHUP
+            signal.signal(s, handler)
+    return stop, got

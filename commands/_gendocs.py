@@ -70,7 +70,7 @@ def _options_table(cmd) -> list[str]:
 
 
 def _man_examples(path: str) -> list[str]:
-    from muser_cli.commands._examples import EXAMPLES
+    from muser_cli.examples import EXAMPLES
 
     lines = [".SH EXAMPLES"] if EXAMPLES.get(path) else []
     for what, line in EXAMPLES.get(path, []):
@@ -79,7 +79,7 @@ def _man_examples(path: str) -> list[str]:
 
 
 def _md_examples(path: str) -> list[str]:
-    from muser_cli.commands._examples import EXAMPLES
+    from muser_cli.examples import EXAMPLES
 
     items = EXAMPLES.get(path, [])
     if not items:

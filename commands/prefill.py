@@ -93,7 +93,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
            max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
-    from muser_cli.commands._signals import drain_on_signals
+    from muser_cli.commands._common import drain_on_signals
     from muser_cli.errors import UsageError
     from muser_cli.serve import serve
 

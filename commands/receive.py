@@ -8,8 +8,7 @@ import typer
 
 from muser_cli.errors import UsageError
 
-from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet
-from muser_cli.commands._signals import drain_on_signals
+from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet, drain_on_signals
 
 
 def _n(count: int, word: str) -> str:

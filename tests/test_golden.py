@@ -125,9 +125,9 @@ def test_ring_extra_is_refused_where_it_has_no_place():
 
 def test_a_newer_minor_is_refused_by_version_not_as_corruption():
     data = bytearray((GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes())
-    data[10:12] = struct.pack("<H", 3)
+    data[10:12] = struct.pack("<H", 4)  # one past the newest (1.3 since the latent and state kinds)
     for read in (read_pack_bytes, lambda d: read_pack(io.BytesIO(d))):
-        with pytest.raises(KVPackError, match=r"version 1\.3 is newer than this reader's 1\.2"):
+        with pytest.raises(KVPackError, match=r"version 1\.4 is newer than this reader's 1\.3"):
             read(bytes(data))
 
 

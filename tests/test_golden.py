@@ -219,7 +219,7 @@ def test_a_verifier_written_from_the_spec_alone_accepts_every_golden_file(name):
 
 @pytest.mark.parametrize("name", ["v1_1-full-nope-none-blake3.kvpack", "v1_1-full-nope-none-sha256.kvpack"])
 def test_the_spec_test_vectors_are_these_files(name):
-    """docs/kvpack.md 2.5 prints d_header, p_0, d_0 and the root of these two files."""
+    """docs/kvpack.md 2.6 prints d_header, p_0, d_0 and the root of these two files."""
     got = _spec_verify((GOLDEN / name).read_bytes())
     for value in (got["d_header"], got["frames"][0]["p"], got["frames"][0]["d"], got["root"]):
         assert value in DOCS, f"{name}: {value} missing from docs/kvpack.md"

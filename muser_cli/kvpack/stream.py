@@ -8,7 +8,10 @@ concatenation; with ``spare_rows`` each full layer's array has that much room af
 rows, so an engine can use it as its cache without a copy (the rows are handed out as a
 view of it). Nothing is handed out as a whole pack unless the end frame's root digest
 verified and no byte followed it; a cut stream hands out only :meth:`StreamedPack.prefix`,
-whole chunks whose every frame verified.
+whole chunks whose every frame verified. A state layer (kvpack 1.3) has no rows: each of
+its frames is a snapshot superseding the last; at most two are kept (the last whole
+chunk's and the arriving one's), so a cut stream resumes with the snapshot of its last
+whole chunk (docs/kvpack.md 2.5).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from muser_cli.kvpack.format import (
     ALIGN, CODEC_NAMES, CODEC_RAW, CODEC_ZSTD_GROUPED, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE,
     TAG_DATA, TAG_END, PackHeader, header_digest, pad_len,
 )
-from muser_cli.kvpack.layers import DTYPES, LayerKV, StateKV
+from muser_cli.kvpack.layers import DTYPES, LayerKV, StateKV, split_state
 
 _ZEROS = bytes(ALIGN)
 _ZERO_HALF = bytes(32)
@@ -174,6 +174,9 @@ class PackWriter:
         exp = self._plan[seq] if seq < len(self._plan) else None
         if isinstance(keys, dict):  # a state layer's snapshot at the chunk's end
             return self._prepare_state(exp, layer, start, keys)
+        if exp is not None and exp[0] == layer and self.header.layers[layer].kind == "state":
+            # a snapshot as a reader decoded it (FrameEvent.keys: its bytes): name its tensors
+            return self._prepare_state(exp, layer, start, split_state(self.header.layers[layer], keys))
         count = keys.shape[1] if keys.ndim == 3 else -1
         if exp != (layer, start, count):
             raise KVPackError(f"frame (layer {layer}, start {start}, rows {count}) out of plan; expected {exp}")

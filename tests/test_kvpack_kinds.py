@@ -229,3 +229,44 @@ def test_state_spec_and_latent_spec_are_what_the_header_says():
     assert spec.state_bytes == 64 and spec.state_elem == 2
     _, header, _ = make_pack(9, layers=(latent_spec(16, 8, None), spec), chunk=4)
     assert header.minor == 3 and header.layer_frames(1) == 2 and header.frame_raw_len(1, 4) == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 80), grid=st.integers(1, 9), every=st.integers(1, 5), start=st.integers(0, 60))
+def test_property_layer_frames_counts_the_plan_and_snapshots_fall_where_due(n, grid, every, start):
+    start = min(start, n - 2)
+    header = replace(plain_header(n, layers=kinds_layers(), chunk=grid), state_every=every, rows_start=start,
+                     base={"root": "x"} if start else None)
+    plan = list(header.frame_plan())
+    for i in range(3):
+        assert header.layer_frames(i) == sum(1 for f in plan if f[0] == i)
+    state = [(s, c) for layer, s, c in plan if layer == 1]
+    assert state and state[0][0] == start and state[-1][0] + state[-1][1] == header.rows_end
+    for (s0, c0), (s1, _) in zip(state, state[1:]):
+        assert s0 + c0 == s1 and (s1 % (grid * every) == 0)  # contiguous, each at a due chunk end
+
+
+def test_state_every_thins_snapshots_and_a_cut_resumes_at_the_last_due_one():
+    """state_every 2 on grid 4 (21 tokens): snapshots at 8, 16 and 20; a cut after chunk 3's
+    frames (rows to 12) resumes at 8, the last snapshot, never at 12."""
+    header = replace(plain_header(21, layers=kinds_layers(), chunk=4), state_every=2)
+    assert [(s, c) for layer, s, c in header.frame_plan() if layer == 1] == [(0, 8), (8, 8), (16, 4)]
+    rows = make_rows(header, seed=9)
+    buf = io.BytesIO()
+    write_pack(buf, header, rows)
+    data = buf.getvalue()
+    pack = read_pack_bytes(data)
+    assert pack.header.state_every == 2 and pack.header.raw["state_every"] == 2
+    _same_layers(pack.layers, rows)
+    offsets = frame_offsets(data)
+    # frames: c0: L0 F2 | c1: L0 S F2 | c2: L0 F2 | c3: L0 S F2 | c4: L0 S F2
+    sp = StreamedPack(io.BytesIO(data[: offsets[8]]))  # c0..c2 whole and c3's L0: rows to 12, snapshot at 8
+    assert isinstance(sp.result(), Cut)
+    best, layers = sp.prefix(4)
+    assert best == 8 and layers[1].position == 8
+    with pytest.raises(KVPackError, match="state_every needs a state layer"):
+        replace(header, layers=(header.layers[0],))
+    obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
+    with pytest.raises(KVPackError, match=r"unknown key\(s\) \['state_every'\] for version 1\.2"):
+        parse_header(canonical_json({**obj, "version": [1, 2], "layers": [{"kind": "full", "kv_heads": 2, "head_dim": 16,
+                     "v_head_dim": 16, "window": None, "rope": None}]}), 1, 2)

@@ -74,7 +74,8 @@ HEADER_KEYS_V1_0 = {
     "dtype", "layers", "codec", "quant", "producer", "base",
 }
 HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}, 2: HEADER_KEYS_V1_0 | {"digest", "ring_extra"},
-               3: HEADER_KEYS_V1_0 | {"digest", "ring_extra"}}
+               3: HEADER_KEYS_V1_0 | {"digest", "ring_extra", "state_every"}}
+MAX_STATE_EVERY = 1 << 16
 
 
 def pad_len(n: int) -> int:
@@ -127,6 +128,7 @@ class PackHeader:
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
     digest: str | None = None  # v1.1: "blake3" (default) or "sha256"; v1.0 is always sha256
     ring_extra: int = 0  # v1.2: rows sliding layers carry beyond window - 1
+    state_every: int = 1  # v1.3: a state layer's snapshot every this many grid chunks (and at the end)
 
     def __post_init__(self) -> None:
         if self.minor is None:
@@ -145,6 +147,10 @@ class PackHeader:
             raise KVPackError(f"ring_extra needs kvpack 1.2 (this header is 1.{self.minor})")
         if self.ring_extra and not any(spec.kind == "sliding" for spec in self.layers):
             raise KVPackError("ring_extra needs a sliding layer")
+        if not 1 <= self.state_every <= MAX_STATE_EVERY:
+            raise KVPackError(f"state_every {self.state_every} outside [1, {MAX_STATE_EVERY}]")
+        if self.state_every > 1 and not any(spec.kind == "state" for spec in self.layers):
+            raise KVPackError("state_every needs a state layer")
         if self.minor == 0:
             object.__setattr__(self, "digest", "sha256")
         elif self.digest is None:
@@ -176,9 +182,20 @@ class PackHeader:
         return self.rows_end - self.layer_first_row(index)
 
     def layer_frames(self, index: int) -> int:
-        """Data frames of layer ``index`` in the plan: one per grid chunk its positions touch."""
+        """Data frames of layer ``index`` in the plan: one per grid chunk its positions touch
+        (a state layer: one per ``state_every`` chunks, counted from position 0, and the last)."""
         first, end, g = self.layer_first_row(index), self.rows_end, self.grid
-        return 0 if end <= first else -(-end // g) - first // g
+        if end <= first:
+            return 0
+        k0, k1 = first // g, (end - 1) // g  # the first and last chunk the layer touches
+        if self.layers[index].kind != "state":
+            return k1 - k0 + 1
+        e = self.state_every
+        return (k1 + 1) // e - k0 // e + (1 if (k1 + 1) % e else 0)
+
+    def snapshot_due(self, chunk_end: int) -> bool:
+        """Whether state layers carry a snapshot at ``chunk_end`` (a grid chunk's end, or the pack's end)."""
+        return chunk_end == self.rows_end or chunk_end % (self.grid * self.state_every) == 0
 
     def frame_raw_len(self, index: int, count: int) -> int:
         """Decoded bytes of a frame of layer ``index`` covering ``count`` positions: its rows,
@@ -243,12 +260,19 @@ class PackHeader:
             return
         g = self.grid
         c = (min(firsts) // g) * g
+        since = list(firsts)  # state layers: the position of the last snapshot (positions absorbed since)
+        state = [spec.kind == "state" for spec in self.layers]
         while c < end:
             hi = min(c + g, end)
             for i, first in enumerate(firsts):
                 lo = max(c, first)
-                if lo < hi:
+                if lo >= hi:
+                    continue
+                if not state[i]:
                     yield i, lo, hi - lo
+                elif self.snapshot_due(hi):  # a snapshot: the state after [0, hi)
+                    yield i, since[i], hi - since[i]
+                    since[i] = hi
             c += g
 
     def to_json(self) -> dict[str, Any]:
@@ -271,6 +295,8 @@ class PackHeader:
             out["digest"] = self.digest
         if self.ring_extra:
             out["ring_extra"] = self.ring_extra
+        if self.state_every > 1:
+            out["state_every"] = self.state_every
         return out
 
     def encode(self) -> bytes:
@@ -513,6 +539,11 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         ring_extra = _int(obj, "ring_extra", "header", 1, MAX_RING_EXTRA)
         if not any(spec.kind == "sliding" for spec in layers):
             raise _fail("ring_extra needs a sliding layer")
+    state_every = 1
+    if "state_every" in obj:  # only 1.3 headers may hold it; absent means 1 (a snapshot every chunk)
+        state_every = _int(obj, "state_every", "header", 2, MAX_STATE_EVERY)
+        if not any(spec.kind == "state" for spec in layers):
+            raise _fail("state_every needs a state layer")
     base = obj.get("base")
     if base is not None and not isinstance(base, dict):
         raise _fail("base must be an object or null")
@@ -523,7 +554,7 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         model_fingerprint=model_fp, tokenizer_fingerprint=tok_fp, token_ids=tuple(ids), layers=layers,
         dtype=dtype, chunk_tokens=chunk, rows_start=rows_start, frame_tokens=frame_tokens,
         model_name=model_name, architecture=arch, codec=codec, quant=quant, producer=producer,
-        base=base, minor=minor, raw=obj, digest=digest, ring_extra=ring_extra,
+        base=base, minor=minor, raw=obj, digest=digest, ring_extra=ring_extra, state_every=state_every,
     )
     # Checked sizes: Python ints do not overflow; compare against hard caps.
     total = 0

@@ -270,3 +270,24 @@ def test_state_every_thins_snapshots_and_a_cut_resumes_at_the_last_due_one():
     with pytest.raises(KVPackError, match=r"unknown key\(s\) \['state_every'\] for version 1\.2"):
         parse_header(canonical_json({**obj, "version": [1, 2], "layers": [{"kind": "full", "kv_heads": 2, "head_dim": 16,
                      "v_head_dim": 16, "window": None, "rope": None}]}), 1, 2)
+
+
+def test_pack_have_refuses_a_delta_of_state_layers_by_name():
+    """A delta needs the consumer's snapshot at its held position, which no store keeps yet
+    (issue 27 part 3): `pack --have` says so (78) instead of cutting snapshots like rows."""
+    from muser_cli.errors import ConfigError
+    from muser_cli.kvpack import token_digest
+    from muser_cli.pack import pack
+    from muser_cli.reuse.chain import Scope
+    from muser_cli.reuse.manifest import HaveManifest
+
+    from muser_cli.reuse.chain import chain_at
+
+    data, header, _ = _kinds_pack()
+    scope = Scope(header.model_fingerprint, header.tokenizer_fingerprint, "bfloat16", 4)
+    have = HaveManifest(model=header.model_fingerprint, model_name="synthetic", tokenizer=header.tokenizer_fingerprint,
+                        prompt_tokens=len(header.token_ids), prompt_digest=token_digest(header.token_ids),
+                        held_tokens=8, entry_id="e", chain=chain_at(scope, header.token_ids, 8), scope=scope)
+    out = io.BytesIO()
+    with pytest.raises(ConfigError, match="a delta of a pack with state layers is not made yet"):
+        pack(io.BytesIO(data), out, have=have)

@@ -23,11 +23,18 @@ def _render(report: dict) -> str:
                  + (f" {'rows':>9} {'payload':>12}" if "tokens" in report else ""))
     for c in report["classes"]:
         kind = c["kind"] + (f" (window {c['window']})" if c["window"] else "")
-        row = (f"  {kind:<22} {c['layers']:>6}  {c['kv_heads']} x {c['head_dim']}/{c['v_head_dim']:<10} "
-               f"{c['rope']:<40} {c['bytes_per_token_per_layer']:>13}")
+        row = f"  {kind:<22} {c['layers']:>6}  {c['shape']:<16} {c['rope']:<40} {c['bytes_per_token_per_layer']:>13}"
         if "tokens" in report:
             row += f" {c['rows']:>9} {c['payload_bytes']:>12}"
         lines.append(row)
+        if "expanded_bytes_per_token_per_layer" in c:  # latent (MLA): what expanded K/V would cost
+            lines.append(f"    expanded to per-head K and V: {c['expanded_bytes_per_token_per_layer']} B/token/layer, "
+                         f"{c['expanded_over_latent']}x the latent"
+                         + (f"; {c['expanded_payload_bytes']} bytes ({_size(c['expanded_payload_bytes'])}) at "
+                            f"{report['tokens']} tokens" if "expanded_payload_bytes" in c else ""))
+        if "state_bytes_per_layer" in c:  # recurrent state: one snapshot a layer, whatever the prompt
+            lines.append(f"    {c['mixer']} state: {c['state_bytes_per_layer']} bytes a snapshot a layer "
+                         f"({_size(c['state_bytes_per_layer'] * c['layers'])} for {c['layers']} layers)")
     lines.append(f"  KV bytes per token (all layers, below any window): {report['kv_bytes_per_token']}")
     if "tokens" in report:
         lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "

@@ -5,6 +5,8 @@ Everything here reads config.json only (no weights, no framework import): the la
 token costs in each; the payload a kvpack carries at a prompt depth (full layers ship
 ``prompt - 1`` rows, sliding layers their window: ``window - 1`` plus the one ring row both
 engines write, docs/kvpack.md 1.3); and which engines here can produce and consume it.
+Latent (MLA) layers are priced as kvpack 1.3 carries them (latent + rope key a token) beside
+the expanded per-head K and V; state layers as one snapshot (docs/kvpack.md 1.4).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from muser_cli.engines.mlx_config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerSpec
-from muser_cli.modelconfig import FAMILIES, family_of, layer_specs, read_json, text_config
+from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -37,6 +39,9 @@ REFUSED = {
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
 }
+for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
+    for _engine in ("torch", "mlx"):
+        REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx_config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
 
@@ -68,13 +73,15 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
         raise UsageError("--tokens must be at least 2 (a prompt of one token ships no rows)")
     file = config_path(ref)
     config = read_json(file)
-    specs = layer_specs(config)
     family = family_of(config)
     dtype = dtype or _config_dtype(config)
     if dtype not in DTYPES:
         raise UsageError(f"no KV dtype {dtype!r}", hint="choose one of: " + ", ".join(DTYPES))
+    specs = cache_plan(config, state_dtype=dtype)
     element = DTYPES[dtype][0]
     classes = layer_classes(specs, element, tokens)
+    if family.cache == "latent":
+        _add_expanded(classes, expanded_row_bytes(config, element), tokens)
     out: dict[str, Any] = {
         "ok": True, "model": str(file.parent), "model_type": family.name, "layers": len(specs), "dtype": dtype,
         "classes": classes, "kv_bytes_per_token": sum(c["bytes_per_token"] for c in classes),
@@ -87,7 +94,22 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
         out["payload_bytes"] = sum(c["payload_bytes"] for c in classes)
         out["payload_zstd_estimate_bytes"] = int(out["payload_bytes"] / ZSTD_RATIO[dtype])
         out["zstd_estimate_basis"] = ZSTD_BASIS
+        if family.cache == "latent":
+            out["expanded_payload_bytes"] = sum(c["expanded_payload_bytes"] for c in classes)
+    if family.cache != "rows":
+        out["kvpack_version"] = "1.3"
     return out
+
+
+def _add_expanded(classes: list[dict[str, Any]], expanded: int, tokens: int | None) -> None:
+    """Beside each latent class: what the expanded per-head K and V would cost, and the ratio."""
+    for c in classes:
+        if c["kind"] != "latent":
+            continue
+        c["expanded_bytes_per_token_per_layer"] = expanded
+        c["expanded_over_latent"] = round(expanded / c["bytes_per_token_per_layer"], 2)
+        if tokens is not None:
+            c["expanded_payload_bytes"] = expanded * (tokens - 1) * c["layers"]
 
 
 def _config_dtype(config: dict[str, Any]) -> str:
@@ -100,34 +122,52 @@ def payload_bytes(specs: tuple[LayerSpec, ...] | list[LayerSpec], tokens: int, e
     """K and V bytes a kvpack of a ``tokens``-token prompt carries (before any codec)."""
     extra = RING_EXTRA if any(s.kind == "sliding" for s in specs) else 0
     rows = tokens - 1
-    return sum(s.carried_rows(rows, extra) * s.kv_heads * (s.head_dim + s.v_head_dim) * element for s in specs)
+    return sum(s.state_bytes if s.kind == "state"  # one snapshot (a pack streams one per chunk, docs/kvpack.md 2.5)
+               else s.carried_rows(rows, extra) * s.kv_heads * (s.head_dim + s.v_head_dim) * element for s in specs)
 
 
 def layer_classes(specs: tuple[LayerSpec, ...], element: int, tokens: int | None) -> list[dict[str, Any]]:
     """Layers grouped by what a pack carries for them: kind, window, heads, dims and RoPE."""
     groups: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault((spec.kind, spec.window, spec.kv_heads, spec.head_dim, spec.v_head_dim, _rope_text(spec)),
-                          []).append(i)
+        groups.setdefault((spec.kind, spec.window, spec.kv_heads, spec.head_dim, spec.v_head_dim, _rope_text(spec),
+                           spec.tensors), []).append(i)
     out = []
-    for (kind, window, heads, hd, vhd, rope), indices in groups.items():
-        per_layer = heads * (hd + vhd) * element
+    for (kind, window, heads, hd, vhd, rope, tensors), indices in groups.items():
+        spec = specs[indices[0]]
+        per_layer = 0 if kind == "state" else heads * (hd + vhd) * element
         row = {"kind": kind, "window": window, "kv_heads": heads, "head_dim": hd, "v_head_dim": vhd, "rope": rope,
-               "layers": len(indices), "indices": indices, "bytes_per_token_per_layer": per_layer,
-               "bytes_per_token": per_layer * len(indices)}
+               "shape": _shape_text(spec), "layers": len(indices), "indices": indices,
+               "bytes_per_token_per_layer": per_layer, "bytes_per_token": per_layer * len(indices)}
+        if kind == "latent":
+            row.update(kv_lora_rank=hd, rope_dim=vhd)
+        if kind == "state":
+            row.update(mixer=spec.mixer, tensors=[t.to_json() for t in tensors], state_bytes_per_layer=spec.state_bytes)
         if tokens is not None:
             shipped = [specs[i] for i in indices]
-            row["rows"] = shipped[0].carried_rows(tokens - 1, RING_EXTRA if kind == "sliding" else 0)
+            row["rows"] = 0 if kind == "state" else shipped[0].carried_rows(tokens - 1, RING_EXTRA if kind == "sliding" else 0)
             row["payload_bytes"] = payload_bytes(shipped, tokens, element)
         out.append(row)
     return out
 
 
+def _shape_text(spec: LayerSpec) -> str:
+    """What one layer of the class caches, in words: heads x dims, latent + rope, or the state tensors."""
+    if spec.kind == "latent":
+        return f"latent {spec.head_dim} + rope {spec.v_head_dim}"
+    if spec.kind == "state":
+        return ", ".join(f"{t.name} {'x'.join(map(str, t.shape))}" for t in spec.tensors)
+    return f"{spec.kv_heads} x {spec.head_dim}/{spec.v_head_dim}"
+
+
 def _rope_text(spec: LayerSpec) -> str:
     rope = spec.rope
+    if spec.kind == "state":
+        return "-"
     if rope is None:
         return "NoPE"
-    text = f"theta {rope.theta:g}, {rope.dims}/{spec.head_dim} dims, {rope.style}"
+    width = spec.v_head_dim if spec.kind == "latent" else spec.head_dim  # a latent layer's RoPE is on its rope key
+    text = f"theta {rope.theta:g}, {rope.dims}/{width} dims, {rope.style}"
     kind = (rope.scaling or {}).get("rope_type", (rope.scaling or {}).get("type"))
     return text + (f", {kind}" if kind and kind != "default" else "")
 
@@ -139,6 +179,13 @@ def _layer_row(index: int, spec: LayerSpec) -> dict[str, Any]:
 def _notes(model_type: str) -> list[str]:
     family = FAMILIES[model_type]
     notes = [family.notes] if family.notes else []
+    if family.cache == "latent":
+        notes.append("latent layers ship (kv_lora_rank + qk_rope_head_dim) values a token; a consumer that keeps "
+                     "expanded K/V expands them with the model's own up-projection (never the other way)")
+    elif family.cache != "rows":
+        notes.append("state layers ship one snapshot a layer, whatever the prompt length; a pack streams one per "
+                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); the recurrent "
+                     "state is priced in the KV dtype (an engine keeping it in float32: --dtype float32 for that part)")
     if family.qk_norm:
         notes.append("QK-norm (inside the model; the rows are post-norm keys)")
     if family.sinks:
@@ -158,8 +205,13 @@ def _installed(*modules: str) -> str | None:
     return None
 
 
+def _not_moved(model_type: str) -> str | None:
+    cache = FAMILIES[model_type].cache
+    return None if cache == "rows" else f"no engine here moves {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
+
+
 def _torch(model_type: str) -> dict[str, Any]:
-    missing = _installed("torch", "transformers")
+    missing = _not_moved(model_type) or _installed("torch", "transformers")
     if missing is None and not FAMILIES[model_type].torch_auto:
         missing = f"transformers has no language-model class for a {model_type} config"
     ok = missing is None and model_type in TESTED["torch"]
@@ -168,7 +220,7 @@ def _torch(model_type: str) -> dict[str, Any]:
 
 
 def _mlx(model_type: str) -> dict[str, Any]:
-    missing = _installed("mlx", "mlx_lm")
+    missing = _not_moved(model_type) or _installed("mlx", "mlx_lm")
     module = _MLX_MODULE.get(model_type, model_type)
     if missing is None and importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
         missing = f"the installed mlx-lm has no {module} model"

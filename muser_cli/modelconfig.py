@@ -7,7 +7,10 @@ tower, which transformers auto class loads it. ``layer_specs(config)`` reads a c
 in the hub's (transformers 4) or transformers 5's spelling and mirrors the per-layer caches
 transformers builds (kind, KV heads, head dims, window, RoPE per layer); the engines check
 that description against the cache objects they build before anything runs.
-``eos_token_ids`` reads the end-of-sequence ids. Pure Python.
+``eos_token_ids`` reads the end-of-sequence ids. Families whose cache is not rows of K and
+V (``Family.cache``: latent attention, recurrent state) are described by
+:func:`cache_plan` in kvpack 1.3's layer kinds for ``muser model check``; ``layer_specs``
+refuses them by name (78) until an engine moves them (issue 27). Pure Python.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import LayerSpec, RopeSpec
+from muser_cli.kvpack.layers import LayerSpec, RopeSpec, latent_spec, state_spec
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,10 @@ class Family:
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
     notes: str = ""
+    # What the cache holds: "rows" (K and V rows), "latent" (MLA: a latent and a shared RoPE
+    # key per position), "gated_delta_net" or "mamba2" (hybrids: recurrent state layers
+    # beside full attention). Only "rows" families move today (layer_specs refuses the rest).
+    cache: str = "rows"
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -70,7 +77,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
     Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True,
            notes="refused: chunked attention has no kvpack layer kind yet"),
+    Family("deepseek_v3", cache="latent", layers="all_full",
+           notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token); no engine moves them yet"),
+    Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,
+           notes="gated DeltaNet state layers beside gated full attention (kvpack 1.3 state); no engine moves them yet"),
+    Family("granitemoehybrid", cache="mamba2", layers="all_full",
+           notes="Mamba-2 state layers beside full attention (kvpack 1.3 state); no engine moves them yet"),
 )}
+CACHE_WORDS = {"latent": "latent attention (MLA) layers", "gated_delta_net": "gated DeltaNet state layers",
+               "mamba2": "Mamba-2 state layers"}
 ARCHITECTURES = FAMILIES  # the older name
 
 
@@ -117,8 +132,84 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
-    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds."""
+    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds.
+    A family whose cache is not rows (latent, state) is refused by name: no engine moves it yet."""
     family = family_of(config)
+    if family.cache != "rows":
+        raise ConfigError(
+            f"{family.name}: its {CACHE_WORDS[family.cache]} are described by kvpack 1.3, but no engine here "
+            "produces or consumes them yet", hint="`muser model check` describes its cache; muser cannot prefill or decode this family yet")
+    return _row_specs(config, family)
+
+
+def cache_plan(config: dict[str, Any], *, state_dtype: str = "bfloat16") -> tuple[LayerSpec, ...]:
+    """Every layer's cache as kvpack 1.3 describes it: :func:`layer_specs` for row families,
+    latent layers for MLA (deepseek_v3), state and full layers for hybrids (qwen3_next,
+    granitemoehybrid). For ``muser model check``; engines use :func:`layer_specs`."""
+    family = family_of(config)
+    if family.cache == "rows":
+        return _row_specs(config, family)
+    config = text_config(config)
+    try:
+        if family.cache == "latent":
+            return _latent_specs(config, family)
+        return _hybrid_specs(config, family, state_dtype)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config.json of a {family.name} model lacks a usable {exc}") from exc
+
+
+def expanded_row_bytes(config: dict[str, Any], element: int) -> int:
+    """An MLA layer's bytes a token once expanded to per-head K and V (what transformers caches):
+    heads x (qk_nope_head_dim + qk_rope_head_dim + v_head_dim) x element."""
+    c = text_config(config)
+    return int(c["num_attention_heads"]) * (int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])
+                                            + int(c["v_head_dim"])) * element
+
+
+def _latent_specs(config: dict[str, Any], family: Family) -> tuple[LayerSpec, ...]:
+    rope_dim = int(config["qk_rope_head_dim"])
+    style = "interleaved" if config.get("rope_interleave", True) else "rotate_half"
+    rope = _rope_spec(config, "full_attention", rope_dim, style)
+    return tuple(latent_spec(int(config["kv_lora_rank"]), rope_dim, rope) for _ in range(int(config["num_hidden_layers"])))
+
+
+def _hybrid_specs(config: dict[str, Any], family: Family, dtype: str) -> tuple[LayerSpec, ...]:
+    """State layers where the config lists linear attention / mamba, full layers elsewhere.
+    Snapshot tensors: ``conv`` (kernel - 1 inputs x channels, the window before the position)
+    and ``recurrent``, both in ``dtype`` (muser model check's KV dtype)."""
+    n = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or config.get("layers_block_type") or ["linear_attention"] * n
+    if not isinstance(types, list) or len(types) != n:
+        raise ConfigError(f"config.json: layer_types does not list {n} layers")
+    if family.cache == "gated_delta_net":
+        k_heads, v_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+        dk, dv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+        kernel = int(config["linear_conv_kernel_dim"])
+        tensors = [("conv", (kernel - 1, 2 * k_heads * dk + v_heads * dv), dtype), ("recurrent", (v_heads, dk, dv), dtype)]
+    else:
+        inner = int(config["mamba_expand"]) * int(config["hidden_size"])
+        heads, groups, d_state = int(config["mamba_n_heads"]), int(config["mamba_n_groups"]), int(config["mamba_d_state"])
+        d_head = config.get("mamba_d_head")
+        d_head = inner // heads if d_head in (None, "auto") else int(d_head)
+        kernel = int(config["mamba_d_conv"])
+        tensors = [("conv", (kernel - 1, inner + 2 * groups * d_state), dtype), ("recurrent", (heads, d_head, d_state), dtype)]
+    state = state_spec(family.cache, tensors)
+    rows = _row_specs({**config, "layer_types": ["full_attention"] * n}, family)
+    if family.cache == "mamba2" and config.get("position_embedding_type") != "rope":
+        rows = tuple(LayerSpec(s.kind, s.kv_heads, s.head_dim, s.v_head_dim, s.window, None) for s in rows)  # NoPE
+    out = []
+    for i, kind in enumerate(types):
+        if kind in ("linear_attention", "mamba"):
+            out.append(state)
+        elif kind in ("full_attention", "attention"):
+            out.append(rows[i])
+        else:
+            raise ConfigError(f"unsupported layer type {kind!r} in config.json of a {family.name} model",
+                              hint="supported: linear_attention (mamba), full_attention (attention)")
+    return tuple(out)
+
+
+def _row_specs(config: dict[str, Any], family: Family) -> tuple[LayerSpec, ...]:
     config = text_config(config)
     model_type = family.name
     try:

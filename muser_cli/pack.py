@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
+from muser_cli.errors import ConfigError, DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, PackWriter, buffer_events, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
 from muser_cli.kvpack.reader import map_file, read_step
@@ -81,6 +81,9 @@ def delta_for(header: "PackHeader", have: HaveManifest) -> "PackHeader":
                         hint="pack the full prefill (or one cut for this manifest) instead")
     if held == 0:
         return header
+    if any(spec.kind == "state" for spec in header.layers):  # kvpack 1.3 state layers: no delta yet
+        raise ConfigError("a delta of a pack with state layers is not made yet: it needs the consumer's snapshot "
+                          f"at position {held} (issue 27, part 3)", hint="pack without --have: send the whole pack")
     scope = scope_of_header(header)
     if scope != have.scope:
         assert have.scope is not None
@@ -116,7 +119,8 @@ def pack(src: BinaryIO, out: BinaryIO, *, codec: str = "zstd+bytegroup", level: 
                 raise UsageError("this pack is already quantized; re-encode it with its own --quant")
             part = _cut(writer.header, ev)
             if part is not None:
-                if ev.codec == CODEC_RAW and ev.stored is not None and part[0] == ev.start and part[1].shape[1] == ev.count:
+                if (ev.codec == CODEC_RAW and ev.stored is not None and part[0] == ev.start
+                        and (part[1].ndim != 3 or part[1].shape[1] == ev.count)):  # ndim 1: a state snapshot
                     # the frame whole and uncompressed: its verified payload goes on as it is,
                     # and its payload digest (v1.1) is linked, not computed a second time
                     writer.write_stored(ev.layer, ev.start, ev.count, ev.stored, payload_digest=ev.payload_digest,
@@ -204,13 +208,16 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
             assert header is not None
             part = _cut(header, ev)
             if part is not None:
-                frames.append(replace(ev, start=part[0], count=part[1].shape[1], keys=part[1], values=part[2],
+                count = part[1].shape[1] if part[1].ndim == 3 else ev.count  # ndim 1: a state snapshot (kept whole)
+                frames.append(replace(ev, start=part[0], count=count, keys=part[1], values=part[2],
                                       stored=None, payload_digest=None))
     reader.finish()
     if header is None:
         raise KVPackError("empty input: no kvpack")
     totals = {"k_max_abs": 0.0, "v_max_abs": 0.0, "k_sum": 0.0, "v_sum": 0.0, "k_n": 0.0, "v_n": 0.0, "max_value": 0.0}
     for ev in frames:
+        if header.layers[ev.layer].kind == "state":  # snapshots are never quantized (docs/kvpack.md 3.1)
+            continue
         e = int8_error(ev.keys, ev.values, header.dtype)
         totals["k_max_abs"] = max(totals["k_max_abs"], e["k_max_abs"])
         totals["v_max_abs"] = max(totals["v_max_abs"], e["v_max_abs"])

@@ -24,10 +24,38 @@ def llama_layers(n: int = 3) -> tuple[LayerSpec, ...]:
     return tuple(LayerSpec("full", 2, 16, 16, rope=RopeSpec(100000.0, 16)) for _ in range(n))
 
 
-def make_rows(header: PackHeader, seed: int = 0) -> list[LayerKV]:
+def kinds_layers() -> tuple[LayerSpec, ...]:
+    """kvpack 1.3's kinds beside a row layer: an MLA latent layer, a recurrent state layer, a full one."""
+    from muser_cli.kvpack.layers import latent_spec, state_spec
+
+    return (
+        latent_spec(24, 8, RopeSpec(10000.0, 8, "interleaved")),
+        state_spec("mamba2", [("conv", (3, 20), "bfloat16"), ("recurrent", (2, 4, 6), "float32")]),
+        LayerSpec("full", 2, 16, 16, rope=RopeSpec(10000.0, 16)),
+    )
+
+
+def make_state(header: PackHeader, i: int, rng: np.random.Generator):
+    """Random snapshots of state layer ``i`` at every chunk end its frames need."""
+    from muser_cli.kvpack.layers import DTYPES, StateKV
+
+    spec, snaps = header.layers[i], {}
+    for layer, start, count in header.frame_plan():
+        if layer == i:
+            snaps[start + count] = {t.name: (rng.standard_normal(t.shape).astype("<f4") if t.dtype == "float32"
+                                             else rng.integers(0, 1 << 16, t.shape, dtype=np.uint16)).view(DTYPES[t.dtype][1])
+                                    for t in spec.tensors}
+    end = header.rows_end
+    return StateKV(tensors=snaps.get(end, {}), position=end, first_row=header.layer_first_row(i), earlier=snaps)
+
+
+def make_rows(header: PackHeader, seed: int = 0) -> list:
     rng = np.random.default_rng(seed)
-    out = []
+    out: list = []
     for i, spec in enumerate(header.layers):
+        if spec.kind == "state":
+            out.append(make_state(header, i, rng))
+            continue
         rows = header.layer_rows(i)
         if header.dtype == "float32":
             k = rng.standard_normal((spec.kv_heads, rows, spec.head_dim)).astype("<f4")
@@ -42,6 +70,9 @@ def make_rows(header: PackHeader, seed: int = 0) -> list[LayerKV]:
 def make_header(n_tokens: int = 41, *, layers=None, dtype: str = "bfloat16", chunk: int = 16) -> PackHeader:
     return PackHeader(FP_A, FP_B, tuple(range(1, n_tokens + 1)), layers or hybrid_layers(), dtype, chunk,
                       model_name="synthetic", architecture="test")
+
+
+plain_header = make_header  # not replaced by test_kvpack's per-version fixture (the fuzz seeds set their own)
 
 
 def make_pack(n_tokens: int = 41, *, codec: str = "none", seed: int = 0, **kw) -> tuple[bytes, PackHeader, list[LayerKV]]:

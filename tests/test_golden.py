@@ -23,6 +23,7 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 MANIFEST = json.loads((GOLDEN / "MANIFEST.json").read_text())  # v1.0
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_1.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_2.json").read_text()))
+MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_3.json").read_text()))
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "kvpack.md").read_text()
 
 
@@ -39,7 +40,7 @@ def _parts(name: str) -> tuple[int, str, str, str]:
 
 def _header(name: str):
     minor, layer_class, _, digest = _parts(name)
-    return replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=1 if minor >= 2 else 0)
+    return replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=1 if minor == 2 else 0)
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
@@ -61,7 +62,10 @@ def test_golden_file_reads_to_the_expected_rows(name, how, tmp_path):
     assert pack.header.minor == expect_header.minor and pack.header.digest == expect_header.digest
     for got, want in zip(pack.layers, expect):
         assert got.first_row == want.first_row
-        if "int8" in name:
+        if hasattr(want, "tensors"):  # a state layer (1.3): the newest snapshot only, never quantized
+            assert got.position == want.position == pack.header.rows_end and set(got.tensors) == set(want.tensors)
+            assert all(np.array_equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+        elif "int8" in name:
             err = pack.header.quant["error"]
             assert np.abs(to_float32(got.keys, "bfloat16") - to_float32(want.keys, "bfloat16")).max() <= err["k_max_abs"] + 1e-6
         else:
@@ -90,6 +94,40 @@ def test_a_reader_limited_to_v1_1_refuses_v1_2_naming_both_versions(name):
         PackReader(max_minor=1).feed(data)
     with pytest.raises(KVPackError, match=r"version 1\.2 is newer than this reader's 1\.1"):
         read_pack_bytes(data, max_minor=1)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MANIFEST if n.startswith("v1_3")))
+def test_a_reader_limited_to_v1_2_refuses_v1_3_naming_the_new_kinds(name):
+    data = (GOLDEN / name).read_bytes()
+    for read in (lambda: PackReader(max_minor=2).feed(data), lambda: read_pack_bytes(data, max_minor=2)):
+        with pytest.raises(KVPackError, match=r"version 1\.3 is newer than this reader's 1\.2 .*1\.3 adds layer kinds "
+                                              r"latent and state"):
+            read()
+
+
+@pytest.mark.parametrize("kind", ["latent", "state"])
+def test_a_1_2_header_holding_a_1_3_kind_is_refused_by_the_kinds_name(kind):
+    """A header that claims 1.2 but holds a 1.3 layer kind names the kind and the version it needs."""
+    from muser_cli.kvpack.format import canonical_json, parse_header
+
+    name = {"latent": "v1_3-latent-rope-none-blake3.kvpack", "state": "v1_3-hybrid-state-none-blake3.kvpack"}[kind]
+    data = (GOLDEN / name).read_bytes()
+    obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
+    with pytest.raises(KVPackError, match=rf"layers\[0\]\.kind '{kind}' needs kvpack 1\.3 \(this header is 1\.2\)"):
+        parse_header(canonical_json({**obj, "version": [1, 2]}), 1, 2)
+
+
+def test_v1_3_state_files_carry_a_snapshot_per_chunk_and_hand_out_the_newest():
+    """The hybrid file's state layer has one frame per grid chunk (8, 16, 20: 21 tokens, grid 8),
+    each a whole snapshot; its raw bytes count every snapshot, readers keep the last."""
+    data = (GOLDEN / "v1_3-hybrid-state-none-blake3.kvpack").read_bytes()
+    pack = read_pack_bytes(data)
+    h = pack.header
+    plan = [f for f in h.frame_plan() if f[0] == 0]
+    assert plan == [(0, 0, 8), (0, 8, 8), (0, 16, 4)] and h.layer_frames(0) == 3
+    assert h.layers[0].state_bytes == 12 * 4 * 2 + 2 * 4 * 4 * 4 == 224
+    assert h.total_raw_bytes() == 3 * 224 + 20 * 32 and h.total_logical_bytes() == 224 + 20 * 32
+    assert pack.layers[0].position == 20 and pack.layers[0].tensors["recurrent"].dtype == np.dtype("<f4")
 
 
 def test_v1_2_sliding_layers_carry_ring_extra_rows_more():
@@ -125,9 +163,9 @@ def test_ring_extra_is_refused_where_it_has_no_place():
 
 def test_a_newer_minor_is_refused_by_version_not_as_corruption():
     data = bytearray((GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes())
-    data[10:12] = struct.pack("<H", 3)
+    data[10:12] = struct.pack("<H", 4)  # one past the newest (1.3 since the latent and state kinds)
     for read in (read_pack_bytes, lambda d: read_pack(io.BytesIO(d))):
-        with pytest.raises(KVPackError, match=r"version 1\.3 is newer than this reader's 1\.2"):
+        with pytest.raises(KVPackError, match=r"version 1\.4 is newer than this reader's 1\.3"):
             read(bytes(data))
 
 
@@ -138,7 +176,7 @@ def _spec_verify(data: bytes) -> dict:
 
     assert data[:8] == b"\x89KVPACK\n"
     major, minor, hlen = struct.unpack_from("<HHI", data, 8)
-    assert major == 1 and minor in (0, 1, 2)
+    assert major == 1 and minor in (0, 1, 2, 3)
     hjson = data[16:16 + hlen]
     obj = json.loads(hjson)
     assert json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() == hjson
@@ -181,7 +219,7 @@ def test_a_verifier_written_from_the_spec_alone_accepts_every_golden_file(name):
 
 @pytest.mark.parametrize("name", ["v1_1-full-nope-none-blake3.kvpack", "v1_1-full-nope-none-sha256.kvpack"])
 def test_the_spec_test_vectors_are_these_files(name):
-    """docs/kvpack.md 2.5 prints d_header, p_0, d_0 and the root of these two files."""
+    """docs/kvpack.md 2.6 prints d_header, p_0, d_0 and the root of these two files."""
     got = _spec_verify((GOLDEN / name).read_bytes())
     for value in (got["d_header"], got["frames"][0]["p"], got["frames"][0]["d"], got["root"]):
         assert value in DOCS, f"{name}: {value} missing from docs/kvpack.md"

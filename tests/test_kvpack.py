@@ -22,13 +22,20 @@ import kvpack_factory
 from kvpack_factory import llama_layers, make_pack
 
 VERSIONS = {"v1.0": (0, "sha256", 0), "v1.1-blake3": (1, "blake3", 0), "v1.1-sha256": (1, "sha256", 0),
-            "v1.2-ring": (2, "blake3", 1)}
+            "v1.2-ring": (2, "blake3", 1), "v1.3-latent": (3, "blake3", 1)}
 
 
 def _as_version(h, minor: int, digest: str, ring_extra: int):
-    """``h`` written as a version; v1.2 adds ring rows wherever the header has a sliding layer."""
+    """``h`` written as a version; v1.2 adds ring rows wherever the header has a sliding layer;
+    v1.3 also makes every full layer a latent (MLA) one of the same row width."""
+    from muser_cli.kvpack.layers import latent_spec
+
     ring = ring_extra if any(s.kind == "sliding" for s in h.layers) else 0
-    return replace(h, minor=minor, digest=digest, ring_extra=ring)
+    layers = h.layers
+    if minor >= 3:
+        layers = tuple(latent_spec(s.kv_heads * s.head_dim, s.kv_heads * s.v_head_dim, s.rope) if s.kind == "full" else s
+                       for s in h.layers)
+    return replace(h, minor=minor, digest=digest, ring_extra=ring, layers=layers)
 
 
 @pytest.fixture(autouse=True, scope="module", params=sorted(VERSIONS))
@@ -224,7 +231,9 @@ def test_a7_payload_length_not_what_header_implies():
     data, _, _ = make_pack(41)
     # claim 3 kv heads: every frame's raw length now disagrees with the header
     with pytest.raises(KVPackError, match="raw length"):
-        read_pack_bytes(_mutate_header(data, lambda o: [l.update(kv_heads=3) for l in o["layers"]]))
+        read_pack_bytes(_mutate_header(data, lambda o: [l.update(kv_heads=3) if "kv_heads" in l  # a latent row (1.3):
+                                                        else l.update(kv_lora_rank=l["kv_lora_rank"] + 1)  # its rank
+                                                        for l in o["layers"]]))
 
 
 @pytest.mark.parametrize("mutate,needle", [
@@ -361,8 +370,8 @@ def test_int8_pack_records_error_and_stays_close(dtype):
     rng = np.random.default_rng(3)
     rows = []
     for i, spec in enumerate(header.layers):
-        f = rng.standard_normal((2, header.layer_rows(i), 16)).astype(np.float32) * 3
-        g = rng.standard_normal((2, header.layer_rows(i), 16)).astype(np.float32)
+        f = rng.standard_normal((spec.kv_heads, header.layer_rows(i), spec.head_dim)).astype(np.float32) * 3
+        g = rng.standard_normal((spec.kv_heads, header.layer_rows(i), spec.v_head_dim)).astype(np.float32)
         from muser_cli.kvpack import LayerKV
         rows.append(LayerKV(from_float32(f, dtype), from_float32(g, dtype), 0))
     src = _io.BytesIO()

@@ -166,10 +166,11 @@ def test_model_check_muse_glimmer_default_payload(which, tmp_path):
 
 
 def test_model_check_refuses_an_unknown_family_by_name(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    # (deepseek_v3 was the unknown family here until #27 described it: model check now prices its latent layers)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "rwkv7", "architectures": ["Rwkv7ForCausalLM"]}))
     result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
     assert result.exit_code == 78
-    assert "unsupported architecture 'deepseek_v3'" in result.output and "muse_glimmer" in result.output
+    assert "unsupported architecture 'rwkv7'" in result.output and "muse_glimmer" in result.output
     as_json = CliRunner().invoke(app, ["model", "check", str(tmp_path), "--json"])
     assert as_json.exit_code == 78 and json.loads(as_json.stdout)["exit_status"] == 78
     missing = CliRunner().invoke(app, ["model", "check", str(tmp_path / "nope")])
@@ -180,6 +181,73 @@ def test_model_check_refuses_an_unknown_family_by_name(tmp_path):
                                                       "num_attention_heads": 1}))
     assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--tokens", "1"]).exit_code == 2
     assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--dtype", "int4"]).exit_code == 2
+
+
+def test_model_check_prices_deepseek_v3_latent_layers_beside_the_expanded_form(tmp_path):
+    """DeepSeek-V3's default config (transformers' DeepseekV3Config) alone: 61 latent layers of
+    512 + 64 values a token (1,152 B in bf16) against 128 heads x (192 + 128) expanded (81,920 B)."""
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config().save_pretrained(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    report = json.loads(_cli("model", "check", tmp_path, "--tokens", 131072, "--json").stdout)
+    (latent,) = report["classes"]
+    assert latent["kind"] == "latent" and latent["layers"] == 61 and (latent["kv_lora_rank"], latent["rope_dim"]) == (512, 64)
+    assert latent["bytes_per_token_per_layer"] == 1152 and latent["expanded_bytes_per_token_per_layer"] == 81920
+    assert latent["expanded_over_latent"] == 71.11 and latent["rope"] == "theta 10000, 64/64 dims, interleaved"
+    assert report["payload_bytes"] == 61 * 1152 * 131071 and report["expanded_payload_bytes"] == 61 * 81920 * 131071
+    assert report["kvpack_version"] == "1.3" and not report["engines"]["torch"]["produce"]
+    assert report["plan"][0] == {"layer": 0, "kind": "latent", "kv_lora_rank": 512, "rope_dim": 64,
+                                 "rope": {"theta": 10000.0, "dims": 64, "style": "interleaved", "scaling": None}}
+    text = _cli("model", "check", tmp_path, "--tokens", 131072)
+    assert text.exit_code == 0 and "latent 512 + rope 64" in text.stdout
+    assert "expanded to per-head K and V: 81920 B/token/layer, 71.11x the latent" in text.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
+def test_model_check_prices_hybrid_state_layers_as_one_snapshot(family, tmp_path):
+    """Qwen3-Next: 36 gated DeltaNet layers (conv 3 x 8192, recurrent 32 x 128 x 128) beside 12
+    full layers; Granite-4 hybrid's default: 32 Mamba-2 layers (conv 3 x 8704, recurrent
+    128 x 64 x 256). A state costs the same at any prompt length."""
+    from transformers import GraniteMoeHybridConfig, Qwen3NextConfig
+
+    (Qwen3NextConfig() if family == "qwen3_next" else GraniteMoeHybridConfig()).save_pretrained(str(tmp_path))
+    report = json.loads(_cli("model", "check", tmp_path, "--tokens", 131072, "--json").stdout)
+    by_kind = {c["kind"]: c for c in report["classes"]}
+    state = by_kind["state"]
+    if family == "qwen3_next":
+        assert state["layers"] == 36 and state["mixer"] == "gated_delta_net"
+        assert [t["shape"] for t in state["tensors"]] == [[3, 8192], [32, 128, 128]]
+        assert state["state_bytes_per_layer"] == (3 * 8192 + 32 * 128 * 128) * 2 == 1097728
+        full = by_kind["full"]
+        assert full["layers"] == 12 and full["payload_bytes"] == 12 * 2 * 512 * 2 * 131071
+        assert report["payload_bytes"] == 36 * 1097728 + full["payload_bytes"]
+    else:
+        assert state["layers"] == 32 and state["mixer"] == "mamba2" and set(by_kind) == {"state"}
+        assert state["state_bytes_per_layer"] == (3 * 8704 + 128 * 64 * 256) * 2 == 4246528
+        assert report["payload_bytes"] == 32 * 4246528
+    small = json.loads(_cli("model", "check", tmp_path, "--tokens", 2, "--json").stdout)
+    assert {c["kind"]: c for c in small["classes"]}["state"]["payload_bytes"] == state["payload_bytes"]
+    text = _cli("model", "check", tmp_path, "--tokens", 131072).stdout
+    assert f"{state['mixer']} state: {state['state_bytes_per_layer']} bytes a snapshot a layer" in text
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next", "granitemoehybrid"])
+def test_prefill_and_decode_refuse_latent_and_state_families_by_name(family, tmp_path):
+    """No engine moves these caches yet (issue 27's engines): 78 naming the family and its layers,
+    before any weight or tokenizer is looked for, and nothing written."""
+    from transformers import DeepseekV3Config, GraniteMoeHybridConfig, Qwen3NextConfig
+
+    config = {"deepseek_v3": DeepseekV3Config, "qwen3_next": Qwen3NextConfig, "granitemoehybrid": GraniteMoeHybridConfig}
+    config[family]().save_pretrained(str(tmp_path / "m"))
+    (tmp_path / "doc.txt").write_text("hello")
+    out = tmp_path / "out.kvpack"
+    pre = CliRunner().invoke(app, ["prefill", "-m", str(tmp_path / "m"), str(tmp_path / "doc.txt"), "-o", str(out)])
+    assert pre.exit_code == 78 and f"{family}: its " in pre.output and "no engine here produces or consumes" in pre.output
+    assert not out.exists()
+    dec = CliRunner().invoke(app, ["decode", "-m", str(tmp_path / "m"), "--prompt", str(tmp_path / "doc.txt"), "-n", "2"],
+                             input=b"")
+    assert dec.exit_code == 78 and f"{family}: its " in dec.output
 
 
 def test_model_check_names_what_it_cannot_move(tmp_path):

@@ -27,7 +27,7 @@ from muser_cli.kvpack.checks import (
 )
 from muser_cli.kvpack.digest import Chain, pool, task_bytes, workers
 from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, MINOR, PREAMBLE, PackHeader
-from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.layers import DTYPES, LayerKV, state_kv
 from muser_cli.kvpack.parser import EndEvent, FrameEvent, HeaderEvent
 
 
@@ -323,7 +323,7 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     for li, n in enumerate(layer_frames):
         spec, rows = header.layers[li], header.layer_rows(li)
         room = spare if spec.kind == "full" and header.layer_first_row(li) == 0 else 0
-        if n > 1 or (n == 1 and room):
+        if spec.kind != "state" and (n > 1 or (n == 1 and room)):  # a state layer keeps its newest frame
             shapes[li] = ((spec.kv_heads, rows + room, spec.head_dim), (spec.kv_heads, rows + room, spec.v_head_dim))
     if shapes:  # one allocation for every layer assembled here (kvpack/alloc.py says why)
         carved = iter(slab_arrays([s for pair in shapes.values() for s in pair], np_dtype))
@@ -346,12 +346,15 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for f, _, got in _verified(scan, work):
         if got is not None:
-            held[f.layer] = got
+            held[f.layer] = got  # in stream order: a state layer's newest snapshot supersedes the last
     root, pos = scan.root, scan.pos
 
     # 3. verified: hand out the rows (a layer in one uncompressed frame: a view of buf)
-    layers: list[LayerKV] = []
+    layers: list = []
     for li, spec in enumerate(header.layers):
+        if spec.kind == "state":
+            layers.append(state_kv(header, li, held[li][0] if li in held else None))
+            continue
         if li in dest:
             keys, values = dest[li]
             rows = header.layer_rows(li)

@@ -13,7 +13,7 @@ import numpy as np
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.codec import decode_payload
 from muser_cli.kvpack.format import (
-    CODEC_NAMES, DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE, TAG_DATA, TAG_END, PackHeader,
+    CODEC_NAMES, DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, MINOR_ADDS, PREAMBLE, TAG_DATA, TAG_END, PackHeader,
     header_digest, pad_len, parse_header,
 )
 from muser_cli.kvpack.layers import DTYPES
@@ -31,8 +31,10 @@ def check_preamble(pre: memoryview | bytes, max_minor: int, max_bytes: int | Non
     if major != MAJOR:
         raise KVPackError(f"kvpack major version {major} is not supported (this reader reads {MAJOR}.x)")
     if minor > max_minor:
+        adds = "; ".join(f"{MAJOR}.{m} adds {MINOR_ADDS[m]}" for m in range(max_minor + 1, minor + 1) if m in MINOR_ADDS)
         raise KVPackError(f"kvpack version {major}.{minor} is newer than this reader's {MAJOR}.{max_minor} "
-                          f"(it reads {MAJOR}.0 to {MAJOR}.{max_minor}): upgrade muser to read it")
+                          f"(it reads {MAJOR}.0 to {MAJOR}.{max_minor}{'; ' + adds if adds else ''}): "
+                          f"upgrade muser to read it")
     if not 2 <= hlen <= MAX_HEADER_BYTES:
         raise KVPackError(f"header length {hlen} outside [2, {MAX_HEADER_BYTES}]")
     if max_bytes is not None and hlen > max_bytes:
@@ -77,7 +79,7 @@ def check_frame_header(fh: memoryview | bytes, seq: int, plan: list, header: Pac
         raise KVPackError(f"frame {seq} is (layer {layer}, start {start}, rows {count}); the plan says {exp}")
     if codec not in CODEC_NAMES:
         raise KVPackError(f"frame {seq}: unknown codec id {codec}")
-    expect_raw = header.row_bytes(layer) * count
+    expect_raw = header.frame_raw_len(layer, count)
     if raw_len != expect_raw:
         raise KVPackError(f"frame {seq}: raw length {raw_len} != {expect_raw} implied by the header")
     if stored_len > raw_len + 1024 or (codec == 0 and stored_len != raw_len):
@@ -98,11 +100,17 @@ def check_padding(body: memoryview, stored_len: int, seq: int) -> None:
 
 def decode_frame(header: PackHeader, layer: int, count: int, codec: int, stored: memoryview, raw_len: int,
             decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Decoded (keys, values) of one frame; for a state layer, keys is the snapshot's
+    decoded bytes as a 1-D uint8 array (``layers.split_state`` names its tensors) and
+    values is empty."""
     spec = header.layers[layer]
     np_dtype = np.dtype(DTYPES[header.dtype][1])
     if not decode:
         empty = np.empty((0,), dtype=np_dtype)
         return empty, empty
+    if spec.kind == "state":
+        raw = decode_payload(stored, codec, raw_len=raw_len, elem=spec.state_elem)
+        return np.frombuffer(raw, dtype=np.uint8), np.empty((0,), dtype=np.uint8)
     if header.quant_scheme == "int8":
         raw = decode_payload(stored, codec, raw_len=raw_len, elem=1)  # int8 payload
         return decode_int8(raw, spec.kv_heads, count, spec.head_dim, spec.v_head_dim, header.dtype)

@@ -12,7 +12,9 @@ Rules (docs/kvpack.md is the normative text):
     or ``sha256``) and chains each frame header with the digest of its payload
     (muser_cli/kvpack/digest.py). v1.2 adds ``ring_extra``: sliding layers carry that
     many rows more than ``window - 1`` (written only when > 0; a pack without it keeps
-    the minor it had).
+    the minor it had). v1.3 adds the layer kinds ``latent`` (MLA rows of latent + rope
+    key) and ``state`` (a recurrent layer's snapshot per chunk, the newest superseding the
+    rest); a header holding one is 1.3, any other keeps its minor.
 All lengths are checked against hard limits before anything is allocated.
 """
 
@@ -27,14 +29,20 @@ from typing import Any, Callable, Iterator
 
 from muser_cli.errors import KVPackError, MuserError
 from muser_cli.kvpack.digest import DEFAULT_DIGEST, DIGESTS
-from muser_cli.kvpack.layers import DTYPES, LAYER_KINDS, ROPE_STYLES, LayerSpec, RopeSpec
+from muser_cli.kvpack.layers import (
+    DTYPES, LAYER_KINDS, MAX_STATE_TENSORS, NEW_KINDS_MINOR, ROPE_STYLES, STATE_NAME_CHARS, LayerSpec, RopeSpec,
+    StateTensor,
+)
 from muser_cli.kvpack.quant import int8_row_bytes
 from muser_cli.strict import canonical_json  # noqa: F401 - the one canonical JSON; kvpack callers import it here
 
 MAGIC = b"\x89KVPACK\n"
 MAJOR = 1
-MINOR = 2  # the newest minor this code reads and writes; it reads every 1.y with y <= MINOR
-MINORS = (0, 1, 2)
+MINOR = 3  # the newest minor this code reads and writes; it reads every 1.y with y <= MINOR
+MINORS = (0, 1, 2, 3)
+# What each minor added, named when an older reader refuses a newer file (checks.check_preamble).
+MINOR_ADDS = {1: "a named chain digest", 2: "ring_extra", 3: "layer kinds latent and state"}
+MAX_STATE_DIMS = 6
 WRITE_MINOR = 1  # what a header is written as unless it needs more (ring_extra > 0: 1.2)
 MAX_RING_EXTRA = 1024
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header_len
@@ -65,7 +73,9 @@ HEADER_KEYS_V1_0 = {
     "format", "version", "model", "tokenizer", "tokens", "positions", "schedule",
     "dtype", "layers", "codec", "quant", "producer", "base",
 }
-HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}, 2: HEADER_KEYS_V1_0 | {"digest", "ring_extra"}}
+HEADER_KEYS = {0: HEADER_KEYS_V1_0, 1: HEADER_KEYS_V1_0 | {"digest"}, 2: HEADER_KEYS_V1_0 | {"digest", "ring_extra"},
+               3: HEADER_KEYS_V1_0 | {"digest", "ring_extra", "state_every"}}
+MAX_STATE_EVERY = 1 << 16
 
 
 def pad_len(n: int) -> int:
@@ -118,18 +128,29 @@ class PackHeader:
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
     digest: str | None = None  # v1.1: "blake3" (default) or "sha256"; v1.0 is always sha256
     ring_extra: int = 0  # v1.2: rows sliding layers carry beyond window - 1
+    state_every: int = 1  # v1.3: a state layer's snapshot every this many grid chunks (and at the end)
 
     def __post_init__(self) -> None:
         if self.minor is None:
             object.__setattr__(self, "minor", WRITE_MINOR)
+        needs = max((NEW_KINDS_MINOR.get(spec.kind, 0) for spec in self.layers), default=0)
+        if needs and self.minor in (1, 2):  # a latent or state layer: the header is 1.3
+            object.__setattr__(self, "minor", needs)
+        if needs > self.minor:
+            kinds = sorted({s.kind for s in self.layers if NEW_KINDS_MINOR.get(s.kind, 0) > self.minor})
+            raise KVPackError(f"layer kind(s) {', '.join(kinds)} need kvpack 1.{needs} (this header is 1.{self.minor})")
         if not 0 <= self.ring_extra <= MAX_RING_EXTRA:
             raise KVPackError(f"ring_extra {self.ring_extra} outside [0, {MAX_RING_EXTRA}]")
-        if self.ring_extra and self.minor == 1:  # 1.1 has no such field: the header is 1.2
+        if self.ring_extra and self.minor == 1:  # 1.1 has no such field: the header is 1.2 (or 1.3)
             object.__setattr__(self, "minor", 2)
         if self.ring_extra and self.minor < 2:
             raise KVPackError(f"ring_extra needs kvpack 1.2 (this header is 1.{self.minor})")
         if self.ring_extra and not any(spec.kind == "sliding" for spec in self.layers):
             raise KVPackError("ring_extra needs a sliding layer")
+        if not 1 <= self.state_every <= MAX_STATE_EVERY:
+            raise KVPackError(f"state_every {self.state_every} outside [1, {MAX_STATE_EVERY}]")
+        if self.state_every > 1 and not any(spec.kind == "state" for spec in self.layers):
+            raise KVPackError("state_every needs a state layer")
         if self.minor == 0:
             object.__setattr__(self, "digest", "sha256")
         elif self.digest is None:
@@ -157,7 +178,44 @@ class PackHeader:
         return self.rows_start
 
     def layer_rows(self, index: int) -> int:
+        """Positions layer ``index`` covers (a state layer: those its snapshots absorb)."""
         return self.rows_end - self.layer_first_row(index)
+
+    def layer_frames(self, index: int) -> int:
+        """Data frames of layer ``index`` in the plan: one per grid chunk its positions touch
+        (a state layer: one per ``state_every`` chunks, counted from position 0, and the last)."""
+        first, end, g = self.layer_first_row(index), self.rows_end, self.grid
+        if end <= first:
+            return 0
+        k0, k1 = first // g, (end - 1) // g  # the first and last chunk the layer touches
+        if self.layers[index].kind != "state":
+            return k1 - k0 + 1
+        e = self.state_every
+        return (k1 + 1) // e - k0 // e + (1 if (k1 + 1) % e else 0)
+
+    def snapshot_due(self, chunk_end: int) -> bool:
+        """Whether state layers carry a snapshot at ``chunk_end`` (a grid chunk's end, or the pack's end)."""
+        return chunk_end == self.rows_end or chunk_end % (self.grid * self.state_every) == 0
+
+    def frame_raw_len(self, index: int, count: int) -> int:
+        """Decoded bytes of a frame of layer ``index`` covering ``count`` positions: its rows,
+        or for a state layer one whole snapshot (never quantized)."""
+        spec = self.layers[index]
+        return spec.state_bytes if spec.kind == "state" else self.row_bytes(index) * count
+
+    def frame_elem(self, index: int) -> int:
+        """The element size a frame's byte grouping uses (1 for int8 rows)."""
+        spec = self.layers[index]
+        if spec.kind == "state":
+            return spec.state_elem
+        return 1 if self.quant_scheme == "int8" else self.elem_bytes()
+
+    def layer_logical_bytes(self, index: int) -> int:
+        """What a consumer holds of layer ``index``: its rows in the header dtype, or one snapshot."""
+        spec = self.layers[index]
+        if spec.kind == "state":
+            return spec.state_bytes if self.layer_rows(index) else 0
+        return self.logical_row_bytes(index) * self.layer_rows(index)
 
     def elem_bytes(self) -> int:
         return DTYPES[self.dtype][0]
@@ -179,10 +237,16 @@ class PackHeader:
         return self.logical_row_bytes(index)
 
     def total_logical_bytes(self) -> int:
-        return sum(self.logical_row_bytes(i) * self.layer_rows(i) for i in range(len(self.layers)))
+        return sum(self.layer_logical_bytes(i) for i in range(len(self.layers)))
+
+    def layer_raw_bytes(self, index: int) -> int:
+        """Decoded bytes of all frames of layer ``index`` (a state layer: every snapshot)."""
+        if self.layers[index].kind == "state":
+            return self.layers[index].state_bytes * self.layer_frames(index)
+        return self.row_bytes(index) * self.layer_rows(index)
 
     def total_raw_bytes(self) -> int:
-        return sum(self.row_bytes(i) * self.layer_rows(i) for i in range(len(self.layers)))
+        return sum(self.layer_raw_bytes(i) for i in range(len(self.layers)))
 
     def frame_plan(self) -> Iterator[tuple[int, int, int]]:
         """Yield (layer, start, count) in stream order: chunk-major, then layer order.
@@ -196,12 +260,19 @@ class PackHeader:
             return
         g = self.grid
         c = (min(firsts) // g) * g
+        since = list(firsts)  # state layers: the position of the last snapshot (positions absorbed since)
+        state = [spec.kind == "state" for spec in self.layers]
         while c < end:
             hi = min(c + g, end)
             for i, first in enumerate(firsts):
                 lo = max(c, first)
-                if lo < hi:
+                if lo >= hi:
+                    continue
+                if not state[i]:
                     yield i, lo, hi - lo
+                elif self.snapshot_due(hi):  # a snapshot: the state after [0, hi)
+                    yield i, since[i], hi - since[i]
+                    since[i] = hi
             c += g
 
     def to_json(self) -> dict[str, Any]:
@@ -224,6 +295,8 @@ class PackHeader:
             out["digest"] = self.digest
         if self.ring_extra:
             out["ring_extra"] = self.ring_extra
+        if self.state_every > 1:
+            out["state_every"] = self.state_every
         return out
 
     def encode(self) -> bytes:
@@ -294,6 +367,10 @@ def parse_layer_spec(obj: Any, where: str, fail: Callable[[str], MuserError] = _
     kind = _get(obj, "kind", str, where, fail)
     if kind not in LAYER_KINDS:
         raise fail(f"{where}.kind {kind!r} is unknown (known: {', '.join(LAYER_KINDS)})")
+    if kind == "latent":
+        return _parse_latent(obj, where, fail)
+    if kind == "state":
+        return _parse_state(obj, where, fail)
     kv_heads = _int(obj, "kv_heads", where, 1, MAX_HEADS, fail)
     head_dim = _int(obj, "head_dim", where, 1, MAX_HEAD_DIM, fail)
     v_head_dim = _int(obj, "v_head_dim", where, 1, MAX_HEAD_DIM, fail)
@@ -302,22 +379,72 @@ def parse_layer_spec(obj: Any, where: str, fail: Callable[[str], MuserError] = _
         window = _int(obj, "window", where, 2, MAX_TOKENS, fail)
     elif window is not None:
         raise fail(f"{where}.window must be null for a full layer")
-    rope_obj = obj.get("rope")
-    rope = None
-    if rope_obj is not None:
-        w = f"{where}.rope"
-        theta = _get(rope_obj, "theta", (int, float), w, fail)
-        if isinstance(theta, bool) or not (0 < float(theta) < 1e12):
-            raise fail(f"{w}.theta out of range")
-        dims = _int(rope_obj, "dims", w, 2, head_dim, fail)
-        style = _get(rope_obj, "style", str, w, fail)
-        if style not in ROPE_STYLES:
-            raise fail(f"{w}.style {style!r} is unknown (known: {', '.join(ROPE_STYLES)})")
-        scaling = rope_obj.get("scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise fail(f"{w}.scaling must be an object or null")
-        rope = RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
+    rope = _parse_rope(obj.get("rope"), f"{where}.rope", head_dim, fail)
     return LayerSpec(kind=kind, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, window=window, rope=rope)
+
+
+def _parse_rope(rope_obj: Any, w: str, max_dims: int, fail: Callable[[str], MuserError]) -> RopeSpec | None:
+    if rope_obj is None:
+        return None
+    theta = _get(rope_obj, "theta", (int, float), w, fail)
+    if isinstance(theta, bool) or not (0 < float(theta) < 1e12):
+        raise fail(f"{w}.theta out of range")
+    dims = _int(rope_obj, "dims", w, 2, max_dims, fail)
+    style = _get(rope_obj, "style", str, w, fail)
+    if style not in ROPE_STYLES:
+        raise fail(f"{w}.style {style!r} is unknown (known: {', '.join(ROPE_STYLES)})")
+    scaling = rope_obj.get("scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise fail(f"{w}.scaling must be an object or null")
+    return RopeSpec(theta=float(theta), dims=dims, style=style, scaling=scaling)
+
+
+def _exact_keys(obj: dict, keys: set[str], where: str, fail: Callable[[str], MuserError]) -> None:
+    if set(obj) != keys:
+        raise fail(f"{where} must have exactly the keys {sorted(keys)} (has {sorted(obj)})")
+
+
+def _parse_latent(obj: dict, where: str, fail: Callable[[str], MuserError]) -> LayerSpec:
+    """v1.3 ``latent``: {kind, kv_lora_rank, rope_dim, rope} (docs/kvpack.md 1.4)."""
+    _exact_keys(obj, {"kind", "kv_lora_rank", "rope_dim", "rope"}, where, fail)
+    rank = _int(obj, "kv_lora_rank", where, 1, MAX_HEAD_DIM, fail)
+    rope_dim = _int(obj, "rope_dim", where, 1, MAX_HEAD_DIM, fail)
+    rope = _parse_rope(obj.get("rope"), f"{where}.rope", rope_dim, fail)
+    return LayerSpec(kind="latent", kv_heads=1, head_dim=rank, v_head_dim=rope_dim, rope=rope)
+
+
+def _parse_state(obj: dict, where: str, fail: Callable[[str], MuserError]) -> LayerSpec:
+    """v1.3 ``state``: {kind, mixer, tensors: [{name, shape, dtype}, ...]} (docs/kvpack.md 1.4)."""
+    _exact_keys(obj, {"kind", "mixer", "tensors"}, where, fail)
+    mixer = _get(obj, "mixer", str, where, fail)
+    if not 1 <= len(mixer) <= 64 or not set(mixer) <= STATE_NAME_CHARS:
+        raise fail(f"{where}.mixer must be 1-64 of [a-z0-9_]")
+    items = _get(obj, "tensors", list, where, fail)
+    if not 1 <= len(items) <= MAX_STATE_TENSORS:
+        raise fail(f"{where}.tensors: {len(items)} tensors outside [1, {MAX_STATE_TENSORS}]")
+    tensors: list[StateTensor] = []
+    for j, t in enumerate(items):
+        w = f"{where}.tensors[{j}]"
+        if not isinstance(t, dict):
+            raise fail(f"{w} is not an object")
+        _exact_keys(t, {"name", "shape", "dtype"}, w, fail)
+        name = _get(t, "name", str, w, fail)
+        if not 1 <= len(name) <= 64 or not set(name) <= STATE_NAME_CHARS:
+            raise fail(f"{w}.name must be 1-64 of [a-z0-9_]")
+        if any(x.name == name for x in tensors):
+            raise fail(f"{w}.name {name!r} is a duplicate")
+        shape = _get(t, "shape", list, w, fail)
+        if not 1 <= len(shape) <= MAX_STATE_DIMS or any(
+                not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_FRAME_BYTES for d in shape):
+            raise fail(f"{w}.shape must be 1-{MAX_STATE_DIMS} dimensions, each in [1, {MAX_FRAME_BYTES}]")
+        dtype = _get(t, "dtype", str, w, fail)
+        if dtype not in DTYPES:
+            raise fail(f"{w}.dtype {dtype!r} is unknown (known: {', '.join(DTYPES)})")
+        tensors.append(StateTensor(name, tuple(shape), dtype))
+    spec = LayerSpec(kind="state", kv_heads=0, head_dim=0, v_head_dim=0, mixer=mixer, tensors=tuple(tensors))
+    if spec.state_bytes > MAX_FRAME_BYTES:
+        raise fail(f"{where}: a snapshot of {spec.state_bytes} bytes exceeds {MAX_FRAME_BYTES}")
+    return spec
 
 
 def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
@@ -385,6 +512,10 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
     if not 1 <= len(layers_obj) <= MAX_LAYERS:
         raise _fail(f"{len(layers_obj)} layers outside [1, {MAX_LAYERS}]")
     layers = tuple(parse_layer_spec(layer, f"layers[{i}]") for i, layer in enumerate(layers_obj))
+    for i, spec in enumerate(layers):
+        if NEW_KINDS_MINOR.get(spec.kind, 0) > minor:
+            raise _fail(f"layers[{i}].kind {spec.kind!r} needs kvpack 1.{NEW_KINDS_MINOR[spec.kind]} "
+                        f"(this header is {major}.{minor})")
 
     codec = _get(obj, "codec", dict, "header")
     if codec.get("name") not in CODEC_NAMES.values():
@@ -408,6 +539,11 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         ring_extra = _int(obj, "ring_extra", "header", 1, MAX_RING_EXTRA)
         if not any(spec.kind == "sliding" for spec in layers):
             raise _fail("ring_extra needs a sliding layer")
+    state_every = 1
+    if "state_every" in obj:  # only 1.3 headers may hold it; absent means 1 (a snapshot every chunk)
+        state_every = _int(obj, "state_every", "header", 2, MAX_STATE_EVERY)
+        if not any(spec.kind == "state" for spec in layers):
+            raise _fail("state_every needs a state layer")
     base = obj.get("base")
     if base is not None and not isinstance(base, dict):
         raise _fail("base must be an object or null")
@@ -418,15 +554,14 @@ def parse_header(header_json: bytes, major: int, minor: int) -> PackHeader:
         model_fingerprint=model_fp, tokenizer_fingerprint=tok_fp, token_ids=tuple(ids), layers=layers,
         dtype=dtype, chunk_tokens=chunk, rows_start=rows_start, frame_tokens=frame_tokens,
         model_name=model_name, architecture=arch, codec=codec, quant=quant, producer=producer,
-        base=base, minor=minor, raw=obj, digest=digest, ring_extra=ring_extra,
+        base=base, minor=minor, raw=obj, digest=digest, ring_extra=ring_extra, state_every=state_every,
     )
     # Checked sizes: Python ints do not overflow; compare against hard caps.
     total = 0
     for i in range(len(layers)):
-        row_bytes = header.row_bytes(i)
-        if row_bytes * min(frame_tokens, max(header.layer_rows(i), 1)) > MAX_FRAME_BYTES:
+        if header.frame_raw_len(i, min(frame_tokens, max(header.layer_rows(i), 1))) > MAX_FRAME_BYTES:
             raise _fail(f"layers[{i}] frames would exceed {MAX_FRAME_BYTES} bytes")
-        total += row_bytes * header.layer_rows(i)
+        total += header.layer_raw_bytes(i)
     if total > MAX_TOTAL_BYTES:
         raise _fail(f"declared KV size {total} exceeds the {MAX_TOTAL_BYTES}-byte limit")
     return header

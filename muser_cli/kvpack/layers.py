@@ -10,7 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYER_KINDS = ("full", "sliding")
+LAYER_KINDS = ("full", "sliding", "latent", "state")
+ROW_KINDS = ("full", "sliding", "latent")  # kinds whose frames are rows of positions
+NEW_KINDS_MINOR = {"latent": 3, "state": 3}  # the kvpack minor that introduced each later kind
+MAX_STATE_TENSORS = 16
+STATE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 ROPE_STYLES = ("rotate_half", "interleaved")
 # Storage dtypes: name -> (bytes per element, numpy dtype string used for the raw buffer).
 # bfloat16 is carried as raw 16-bit words (numpy has no bfloat16).
@@ -35,6 +39,25 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One named fixed-shape tensor of a ``state`` layer (docs/kvpack.md 1.4)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype][0]
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One attention layer's cache description.
 
@@ -42,6 +65,12 @@ class LayerSpec:
     the current token, so an engine's cache holds its last ``min(rows, window - 1)`` rows;
     a v1.2 kvpack may carry ``ring_extra`` more (docs/kvpack.md 1.3).
     ``rope is None`` means NoPE: keys carry no positional rotation.
+
+    ``kind == "latent"`` (v1.3, MLA): a row is one compressed latent (``head_dim`` =
+    ``kv_lora_rank``) then one shared RoPE key (``v_head_dim`` = ``qk_rope_head_dim``),
+    laid out as a one-head row layer (``kv_heads`` == 1); see :func:`latent_spec`.
+    ``kind == "state"`` (v1.3, recurrent layers): no rows; a snapshot of ``tensors`` at
+    a position (``kv_heads``/``head_dim``/``v_head_dim`` are 0); see :func:`state_spec`.
     """
 
     kind: str
@@ -50,6 +79,18 @@ class LayerSpec:
     v_head_dim: int
     window: int | None = None
     rope: RopeSpec | None = None
+    tensors: tuple[StateTensor, ...] = ()  # state only
+    mixer: str = ""  # state only: the recurrence that reads the tensors (e.g. "gated_delta_net", "mamba2")
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one snapshot of a state layer (0 for row layers)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def state_elem(self) -> int:
+        """The byte-grouping width of a state snapshot: its smallest element size."""
+        return min(DTYPES[t.dtype][0] for t in self.tensors)
 
     def carried_rows(self, total_rows: int, extra: int = 0) -> int:
         """How many of ``total_rows`` cached positions this layer holds: every one (full), or
@@ -62,6 +103,11 @@ class LayerSpec:
         return total_rows
 
     def to_json(self) -> dict[str, Any]:
+        if self.kind == "latent":
+            return {"kind": "latent", "kv_lora_rank": self.head_dim, "rope_dim": self.v_head_dim,
+                    "rope": None if self.rope is None else self.rope.to_json()}
+        if self.kind == "state":
+            return {"kind": "state", "mixer": self.mixer, "tensors": [t.to_json() for t in self.tensors]}
         return {
             "kind": self.kind,
             "kv_heads": self.kv_heads,
@@ -70,6 +116,54 @@ class LayerSpec:
             "window": self.window,
             "rope": None if self.rope is None else self.rope.to_json(),
         }
+
+
+def latent_spec(kv_lora_rank: int, rope_dim: int, rope: RopeSpec | None) -> LayerSpec:
+    """A latent (MLA) layer: rows of (latent, rope key), a one-head row layer underneath."""
+    return LayerSpec(kind="latent", kv_heads=1, head_dim=kv_lora_rank, v_head_dim=rope_dim, rope=rope)
+
+
+def state_spec(mixer: str, tensors: "list[tuple[str, tuple[int, ...], str]]") -> LayerSpec:
+    """A state layer holding the named tensors ``(name, shape, dtype)`` in this order."""
+    return LayerSpec(kind="state", kv_heads=0, head_dim=0, v_head_dim=0, mixer=mixer,
+                     tensors=tuple(StateTensor(n, tuple(shape), dt) for n, shape, dt in tensors))
+
+
+@dataclass(frozen=True)
+class StateKV:
+    """A state layer's snapshot: ``tensors`` (name -> array of the declared shape, storage
+    dtype) after positions ``[0, position)``. A reader hands out the newest verified one;
+    a writer of a whole pack also takes the ``earlier`` snapshots its frame plan needs
+    (position -> tensors, one per chunk end; docs/kvpack.md 2.5)."""
+
+    tensors: dict[str, Any]
+    position: int
+    first_row: int = 0
+    earlier: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def at(self, position: int) -> dict[str, Any] | None:
+        return self.tensors if position == self.position else self.earlier.get(position)
+
+
+def split_state(spec: LayerSpec, raw: Any) -> dict[str, Any]:
+    """The named tensors of one decoded state payload (views of ``raw``, no copy)."""
+    import numpy as np
+
+    buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1).view(np.uint8)
+    out, at = {}, 0
+    for t in spec.tensors:
+        out[t.name] = buf[at : at + t.nbytes].view(DTYPES[t.dtype][1]).reshape(t.shape)
+        at += t.nbytes
+    return out
+
+
+def state_kv(header: Any, index: int, raw: Any) -> StateKV:
+    """The newest snapshot of state layer ``index`` of a pack with ``header``, from its
+    decoded payload (None: the layer has no frame, positions [first, first))."""
+    first, end = header.layer_first_row(index), header.rows_end
+    if raw is None:
+        return StateKV(tensors={}, position=first, first_row=first)
+    return StateKV(tensors=split_state(header.layers[index], raw), position=end, first_row=first)
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ class FrameEvent:
     count: int
     codec: int
     stored_bytes: int
-    keys: np.ndarray  # (kv_heads, count, head_dim), storage dtype
-    values: np.ndarray  # (kv_heads, count, v_head_dim)
+    keys: np.ndarray  # (kv_heads, count, head_dim), storage dtype; a state layer: its snapshot's bytes (1-D uint8)
+    values: np.ndarray  # (kv_heads, count, v_head_dim); a state layer: empty
     # The stored payload exactly as it verified (a read-only view, or a buffer the reader
     # owns) and, for v1.1, p_k = H(stored) as the reader computed it (None for v1.0). A
     # writer that passes this frame on unchanged links p_k into its own chain instead of

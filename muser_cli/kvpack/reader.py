@@ -30,7 +30,7 @@ import numpy as np
 from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.buffer import PARALLEL_MIN_BYTES, KVPack, buffer_events, map_file, read_buffer
 from muser_cli.kvpack.format import PackHeader
-from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.layers import DTYPES, LayerKV, state_kv
 from muser_cli.kvpack.parser import EndEvent, Event, FrameEvent, HeaderEvent, PackReader
 
 __all__ = [
@@ -118,7 +118,10 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
                 header = ev.header
                 parts = [[] for _ in header.layers]
             elif isinstance(ev, FrameEvent):
-                parts[ev.layer].append((ev.keys, ev.values))
+                if header is not None and header.layers[ev.layer].kind == "state":
+                    parts[ev.layer][:] = [(ev.keys, ev.values)]  # the newest snapshot supersedes the last
+                else:
+                    parts[ev.layer].append((ev.keys, ev.values))
                 stored += ev.stored_bytes
                 if progress is not None and header is not None:
                     progress("read", ev.seq + 1, len(reader._plan))
@@ -126,7 +129,7 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
                 end_ev = ev
     reader.finish()
     assert header is not None and end_ev is not None
-    layers: list[LayerKV] = []
+    layers: list = []
     np_dtype = np.dtype(DTYPES[header.dtype][1])
     # layers in several frames are joined into views of one allocation (kvpack/alloc.py)
     joined = {i: (sum(k.shape[1] for k, _ in f), f[0][0].shape, f[0][1].shape) for i, f in enumerate(parts) if len(f) > 1}
@@ -134,6 +137,9 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
                                for n, ks, vs in joined.values() for j in (0, 1)], np_dtype)) if joined else iter(())
     for i, frames in enumerate(parts):
         spec = header.layers[i]
+        if spec.kind == "state":
+            layers.append(state_kv(header, i, frames[0][0] if frames else None))
+            continue
         if len(frames) > 1:
             keys = np.concatenate([k for k, _ in frames], axis=1, out=next(carved))
             values = np.concatenate([v for _, v in frames], axis=1, out=next(carved))

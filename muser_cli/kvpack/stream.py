@@ -8,7 +8,10 @@ concatenation; with ``spare_rows`` each full layer's array has that much room af
 rows, so an engine can use it as its cache without a copy (the rows are handed out as a
 view of it). Nothing is handed out as a whole pack unless the end frame's root digest
 verified and no byte followed it; a cut stream hands out only :meth:`StreamedPack.prefix`,
-whole chunks whose every frame verified.
+whole chunks whose every frame verified. A state layer (kvpack 1.3) has no rows: each of
+its frames is a snapshot superseding the last; at most two are kept (the last whole
+chunk's and the arriving one's), so a cut stream resumes with the snapshot of its last
+whole chunk (docs/kvpack.md 2.5).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.format import PackHeader
-from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.layers import DTYPES, LayerKV, StateKV, split_state, state_kv
 from muser_cli.kvpack.reader import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_step
 
 
@@ -54,6 +57,9 @@ class StreamedPack:
         self._keys: list[np.ndarray] = []
         self._values: list[np.ndarray] = []
         self._got: list[int] = []  # per layer: rows placed, from the layer's first row
+        # per state layer: its newest verified snapshots as (position, decoded bytes), at most
+        # two: the one of the chunk arriving and the one of the last chunk that arrived whole
+        self._snaps: list[list[tuple[int, np.ndarray]]] = []
         self._stored = 0
         self.frames = 0
         self.first_byte_t: float | None = None  # perf_counter of the first byte (None: none came)
@@ -84,8 +90,9 @@ class StreamedPack:
             return self._cut
         h, end = self._header, self._end
         assert h is not None and end is not None
-        layers = [LayerKV(keys=k[:, : h.layer_rows(i)], values=v[:, : h.layer_rows(i)],
-                          first_row=h.layer_first_row(i))
+        layers = [state_kv(h, i, self._snaps[i][-1][1] if self._snaps[i] else None) if k is None
+                  else LayerKV(keys=k[:, : h.layer_rows(i)], values=v[:, : h.layer_rows(i)],
+                               first_row=h.layer_first_row(i))
                   for i, (k, v) in enumerate(zip(self._keys, self._values))]
         return KVPack(header=h, layers=layers, root_digest=end.root_digest, total_bytes=end.total_bytes,
                       stored_bytes=self._stored)
@@ -113,9 +120,13 @@ class StreamedPack:
             r += chunk_tokens
         if best == 0:
             return 0, []
-        out = []
+        out: list = []
         for i, spec in enumerate(h.layers):
             first = h.layer_first_row(i)
+            if spec.kind == "state":  # the snapshot at exactly ``best`` (_covers found it)
+                raw = next(raw for p, raw in self._snaps[i] if p == best)
+                out.append(StateKV(tensors=split_state(spec, raw), position=best, first_row=first))
+                continue
             lo = best - spec.carried_rows(best) - first
             hi = best - first
             out.append(LayerKV(keys=self._keys[i][:, lo:hi], values=self._values[i][:, lo:hi],
@@ -126,6 +137,8 @@ class StreamedPack:
         h = self._header
         assert h is not None
         first = h.layer_first_row(i)
+        if h.layers[i].kind == "state":
+            return any(p == r for p, _ in self._snaps[i])
         return first <= r - h.layers[i].carried_rows(r) and first + self._got[i] >= r
 
     # ------------------------------------------------------------------ reader thread
@@ -174,20 +187,35 @@ class StreamedPack:
         if isinstance(ev, HeaderEvent):
             h = ev.header
             np_dtype = np.dtype(DTYPES[h.dtype][1])
-            shapes = []
+            shapes, row_layers = [], []
             for i, spec in enumerate(h.layers):
+                self._got.append(0)
+                self._snaps.append([])
+                self._keys.append(None)  # type: ignore[arg-type] - a state layer has no rows
+                self._values.append(None)  # type: ignore[arg-type]
+                if spec.kind == "state":
+                    continue
                 rows = h.layer_rows(i) + (self._spare if spec.kind == "full" and h.layer_first_row(i) == 0 else 0)
                 shapes += [(spec.kv_heads, rows, spec.head_dim), (spec.kv_heads, rows, spec.v_head_dim)]
-                self._got.append(0)
-            carved = slab_arrays(shapes, np_dtype)  # one allocation (kvpack/alloc.py says why)
-            self._keys.extend(carved[0::2])
-            self._values.extend(carved[1::2])
+                row_layers.append(i)
+            carved = slab_arrays(shapes, np_dtype) if shapes else []  # one allocation (kvpack/alloc.py says why)
+            for j, i in enumerate(row_layers):
+                self._keys[i], self._values[i] = carved[2 * j], carved[2 * j + 1]
             self._header = h
             self._header_ready.set()
         elif isinstance(ev, FrameEvent):
             h = self._header
             assert h is not None
             a = ev.start - h.layer_first_row(ev.layer)
+            if h.layers[ev.layer].kind == "state":  # chunk-major: the one before the newest arrived whole
+                snaps = self._snaps[ev.layer]
+                snaps.append((ev.start + ev.count, ev.keys))
+                del snaps[:-2]
+                self._got[ev.layer] = a + ev.count
+                self._stored += ev.stored_bytes
+                self.frames += 1
+                self.last_frame_t = time.perf_counter()
+                return
             # The plan is contiguous per layer, so rows arrive in order.
             self._keys[ev.layer][:, a : a + ev.count] = ev.keys
             self._values[ev.layer][:, a : a + ev.count] = ev.values

@@ -17,7 +17,7 @@ def summarize_header(h: PackHeader, *, total_bytes: int, stored_bytes: int, root
     bytes_by_kind: dict[str, int] = {}
     for i, spec in enumerate(h.layers):
         kinds[spec.kind] = kinds.get(spec.kind, 0) + 1
-        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.logical_row_bytes(i) * h.layer_rows(i)
+        bytes_by_kind[spec.kind] = bytes_by_kind.get(spec.kind, 0) + h.layer_logical_bytes(i)  # state: one snapshot
     raw = h.total_logical_bytes()  # in the header dtype, before codec and quantization
     return {
         "model": h.model_name, "model_fingerprint": h.model_fingerprint,

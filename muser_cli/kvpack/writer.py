@@ -13,7 +13,7 @@ import io
 import os
 import select
 from collections import deque
-from typing import BinaryIO, Iterable, Sequence
+from typing import Any, BinaryIO, Iterable, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from muser_cli.kvpack.format import (
     ALIGN, CODEC_NAMES, CODEC_RAW, CODEC_ZSTD_GROUPED, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE,
     TAG_DATA, TAG_END, PackHeader, header_digest, pad_len,
 )
-from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.kvpack.layers import DTYPES, LayerKV, StateKV, split_state
 
 _ZEROS = bytes(ALIGN)
 _ZERO_HALF = bytes(32)
@@ -170,8 +170,13 @@ class PackWriter:
         return self._plan[self._next] if self._next < len(self._plan) else None
 
     # ------------------------------------------------------------------ frames
-    def _prepare(self, seq: int, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> _Frame:
+    def _prepare(self, seq: int, layer: int, start: int, keys: Any, values: Any) -> _Frame:
         exp = self._plan[seq] if seq < len(self._plan) else None
+        if isinstance(keys, dict):  # a state layer's snapshot at the chunk's end
+            return self._prepare_state(exp, layer, start, keys)
+        if exp is not None and exp[0] == layer and self.header.layers[layer].kind == "state":
+            # a snapshot as a reader decoded it (FrameEvent.keys: its bytes): name its tensors
+            return self._prepare_state(exp, layer, start, split_state(self.header.layers[layer], keys))
         count = keys.shape[1] if keys.ndim == 3 else -1
         if exp != (layer, start, count):
             raise KVPackError(f"frame (layer {layer}, start {start}, rows {count}) out of plan; expected {exp}")
@@ -192,6 +197,22 @@ class PackWriter:
             parts = _views(keys, np_dtype) + _views(values, np_dtype)
             elem = np_dtype.itemsize
         return _Frame(layer, start, count, parts, sum(len(p) for p in parts), elem)
+
+    def _prepare_state(self, exp: tuple[int, int, int] | None, layer: int, start: int, tensors: dict) -> _Frame:
+        """One snapshot: the layer's tensors in declared order, each in its declared dtype."""
+        if exp is None or exp[:2] != (layer, start) or self.header.layers[layer].kind != "state":
+            raise KVPackError(f"state frame (layer {layer}, start {start}) out of plan; expected {exp}")
+        spec = self.header.layers[layer]
+        if set(tensors) != {t.name for t in spec.tensors}:
+            raise KVPackError(f"layer {layer} state tensors {sorted(tensors)} != {[t.name for t in spec.tensors]}")
+        parts = []
+        for t in spec.tensors:
+            arr, want = tensors[t.name], np.dtype(DTYPES[t.dtype][1])
+            if tuple(arr.shape) != t.shape or (arr.dtype != want and arr.dtype.newbyteorder("<") != want):
+                raise KVPackError(f"layer {layer} state {t.name!r} is {arr.dtype}{tuple(arr.shape)}, "
+                                  f"the header says {t.dtype}{t.shape}")
+            parts.append(memoryview(np.ascontiguousarray(arr)).cast("B"))
+        return _Frame(layer, start, exp[2], parts, spec.state_bytes, spec.state_elem)
 
     def _encode(self, fr: _Frame, hash_payload: bool = True) -> _Frame:
         """Compress (if the pack's codec says so) and, for v1.1, hash the stored payload.
@@ -225,8 +246,9 @@ class PackWriter:
         self._chain.value = d
         self.raw_bytes += fr.raw_len
 
-    def write_frame(self, layer: int, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """keys (kv_heads, count, head_dim), values (kv_heads, count, v_head_dim), storage dtype."""
+    def write_frame(self, layer: int, start: int, keys: Any, values: Any) -> None:
+        """keys (kv_heads, count, head_dim), values (kv_heads, count, v_head_dim), storage dtype;
+        for a state layer, keys is the snapshot at the frame's end (name -> array) and values None."""
         fr = self._prepare(self._next, layer, start, keys, values)
         self._emit(self._encode(fr, hash_payload=False), self._next)  # _emit hashes while it writes
         self._next += 1
@@ -243,13 +265,13 @@ class PackWriter:
         exp = self._plan[self._next] if self._next < len(self._plan) else None
         if exp != (layer, start, count):
             raise KVPackError(f"frame (layer {layer}, start {start}, rows {count}) out of plan; expected {exp}")
-        if self.header.quant_scheme != "none":
+        if self.header.quant_scheme != "none" and self.header.layers[layer].kind != "state":
             raise KVPackError("write_stored takes unquantized payloads; this pack is quantized")
         view = memoryview(stored).cast("B") if memoryview(stored).format != "B" else memoryview(stored)
-        raw_len = self.header.row_bytes(layer) * count
+        raw_len = self.header.frame_raw_len(layer, count)
         if len(view) != raw_len:
             raise KVPackError(f"layer {layer} payload of {len(view)} bytes, {raw_len} expected for {count} rows")
-        fr = _Frame(layer, start, count, [view], raw_len, self._np_dtype.itemsize)
+        fr = _Frame(layer, start, count, [view], raw_len, self.header.frame_elem(layer))
         reuse = (self.codec == CODEC_RAW and payload_digest is not None and self._chain.parallel
                  and digest == self._chain.name)
         if reuse:
@@ -270,7 +292,7 @@ class PackWriter:
         seq = self._next
         run: list[_Frame] = []
         run_bytes = 0
-        run_min = task_bytes(sum(self.header.row_bytes(layer) * count for layer, _, count in self._plan[seq:]))
+        run_min = task_bytes(sum(self.header.frame_raw_len(layer, count) for layer, _, count in self._plan[seq:]))
 
         def encode_run(frs: list[_Frame]) -> list[_Frame]:
             return [self._encode(fr) for fr in frs]
@@ -319,16 +341,23 @@ def _replace_codec(header: PackHeader, spec: dict) -> PackHeader:
 def write_pack(
     stream: BinaryIO,
     header: PackHeader,
-    layers: Sequence[LayerKV],
+    layers: Sequence[LayerKV | StateKV],
     *,
     codec: str | None = None,
     level: int = 1,
 ) -> PackWriter:
     """Write a whole pack. ``layers[i]`` rows must start at ``header.layer_first_row(i)``
-    (or earlier: extra leading rows are skipped) and end at ``header.rows_end``."""
+    (or earlier: extra leading rows are skipped) and end at ``header.rows_end``; a state
+    layer's :class:`StateKV` must hold a snapshot at every chunk end of its frames."""
     if len(layers) != len(header.layers):
         raise KVPackError(f"{len(layers)} layers given, header describes {len(header.layers)}")
+    for layer, start, count in header.frame_plan():
+        lk = layers[layer]
+        if header.layers[layer].kind == "state" and (not isinstance(lk, StateKV) or lk.at(start + count) is None):
+            raise KVPackError(f"layer {layer} has no state snapshot at position {start + count}")
     for i, lk in enumerate(layers):
+        if isinstance(lk, StateKV):
+            continue
         have_end = lk.first_row + lk.keys.shape[1]
         if lk.first_row > header.layer_first_row(i) or have_end != header.rows_end:
             raise KVPackError(
@@ -340,6 +369,9 @@ def write_pack(
     def frames():
         for layer, start, count in header.frame_plan():
             lk = layers[layer]
+            if isinstance(lk, StateKV):
+                yield layer, start, lk.at(start + count), None
+                continue
             a = start - lk.first_row
             yield layer, start, lk.keys[:, a : a + count], lk.values[:, a : a + count]
 

@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 and v1.1.
+"""Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 to v1.3 (1.3: latent and state layers).
 
 Contract: any input either parses into a verified pack or raises KVPackError; no other
 exception, no hang; and the readers agree -- the whole-buffer reader (read_buffer:
@@ -42,7 +42,8 @@ else:
     from muser_cli.errors import KVPackError
     from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 
-from kvpack_factory import llama_layers, make_header, make_rows  # noqa: E402
+from kvpack_factory import kinds_layers, llama_layers, make_rows  # noqa: E402
+from kvpack_factory import plain_header as make_header  # noqa: E402  (each seed names its own version)
 
 
 def seed_pack(n: int, minor: int, digest: str, codec: str = "none", **kw) -> bytes:
@@ -58,6 +59,9 @@ SEEDS = []
 for minor, digest in ((0, "sha256"), (1, "blake3"), (1, "sha256"), (2, "blake3")):
     SEEDS += [seed_pack(5, minor, digest, c, layers=llama_layers(1), chunk=2) for c in ("none", "zstd", "zstd+bytegroup")]
     SEEDS.append(seed_pack(11, minor, digest, chunk=4))
+# v1.3: the latent and state kinds (a state layer's snapshot per chunk, superseding the last)
+SEEDS += [seed_pack(9, 3, "blake3", c, layers=kinds_layers(), chunk=4) for c in ("none", "zstd+bytegroup")]
+SEEDS.append(seed_pack(9, 3, "sha256", layers=kinds_layers(), chunk=4))
 
 
 class _Bytes:

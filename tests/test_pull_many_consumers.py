@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd
-from muser_cli.errors import UsageError
+from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd, pack_bytes, pack_file, receivers  # noqa: F401
+from muser_cli.errors import AuthError, UsageError
 from muser_cli.handoff import node
 from muser_cli.handoff.pull_server import PullServer, ServeConfig, _Admission
 
@@ -227,6 +227,32 @@ def test_each_consumer_is_checked_against_its_own_ca_and_keyring(inproc):
     assert _admitted(env) == ["mac-b"]
     refused = [f for kind, f in env["events"] if kind == "request" and f.get("outcome") == "auth"]
     assert refused and "revoked" in refused[0]["reason"]
+
+
+# ----------------------------------------------------------------------------- push
+def test_send_to_a_consumer_signs_and_dials_as_that_consumers_producer(tmp_path, receivers, pack_file, monkeypatch):
+    """``send --to`` from a producer of two consumers: ``--key-id`` (or the consumer's name as
+    the host) picks that consumer's certificate and key; B's receiver accepts. Dialled by
+    address without either, the first consumer's identity is used: B's receiver refuses it."""
+    from muser_cli.handoff import api
+
+    c = two_consumers(tmp_path)
+    monkeypatch.setenv("MUSER_HOME", str(c["producer_home"]))
+    rb = receivers(c["mac-b"]["identity"], tmp_path / "rb", once=True)
+    with open(pack_file, "rb") as f:
+        res = api.send(f, to=rb.to, rate=None, key_id=c["mac-b"]["key_id"], timeout=60, connect_timeout=10,
+                       idle_timeout=10)
+    rb.wait_done()
+    assert len(rb.accepted) == 1 and res["key_id"] == c["mac-b"]["key_id"], res
+    other = receivers(c["mac-b"]["identity"], tmp_path / "rb2", once=True)
+    with open(pack_file, "rb") as f, pytest.raises(AuthError):
+        api.send(f, to=other.to, rate=None, key_id=None, timeout=60, connect_timeout=10, idle_timeout=10)
+    assert not other.accepted
+    from muser_cli.handoff.nodedir import identity_for
+
+    pdir = keys_dir_of(c["producer_home"])
+    assert identity_for(pdir, host="mac-b").consumer == "mac-b"
+    assert identity_for(pdir, host="127.0.0.1").consumer == "mac-a"
 
 
 # ----------------------------------------------------------------------------- the lane

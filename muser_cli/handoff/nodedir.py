@@ -308,3 +308,17 @@ def consumer_dirs(directory: Path) -> list[Path]:
 def load_identities(directory: Path) -> list[Identity]:
     """Every identity of this node: the top level first, then one per further consumer joined."""
     return [load_identity(directory), *(load_identity(d) for d in consumer_dirs(directory))]
+
+
+def identity_for(directory: Path, *, host: str | None = None, key_id: str | None = None) -> Identity:
+    """The identity a producer that joined several consumers dials one with (``send --to``,
+    ``probe-link``): the one whose keyring holds ``key_id``; else the one whose consumer is
+    named ``host``; else the first consumer joined. A node of one identity: that one."""
+    identities = load_identities(directory)
+    for ident in identities if key_id else ():
+        if key_id in ident.keyring():
+            return ident
+    for ident in identities if host and not key_id else ():
+        if (ident.consumer or "").lower() == host.lower().rstrip("."):
+            return ident
+    return identities[0]

@@ -229,6 +229,31 @@ def test_each_consumer_is_checked_against_its_own_ca_and_keyring(inproc):
     assert refused and "revoked" in refused[0]["reason"]
 
 
+def test_a_consumer_still_checks_the_dialled_name_against_the_producers_certificate(tmp_path):
+    """The consumer's server name names the consumer, so the host dialled is checked by muser
+    (``link.check_peer_host``): 127.0.0.2 is not in the producer's certificate -> 77 after the
+    handshake, before any request is sent."""
+    from muser_cli.handoff.pull_client import connect
+
+    c = two_consumers(tmp_path)
+    first, *more = node.load_identities(keys_dir_of(c["producer_home"]))
+    events: list = []
+    server = PullServer(first, ServeConfig(host="127.0.0.2", port=0), ledger_dir=tmp_path / "serve-ledger",
+                        compute=_GatedCompute(), on_event=lambda k, f: events.append((k, f)), more=more)
+    server.bind()
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    try:
+        for who in ("mac-a", "mac-b"):
+            with pytest.raises(AuthError, match="does not hold the name dialled"):
+                connect(f"127.0.0.2:{server.address[1]}", c[who]["identity"], 10.0)
+    finally:
+        server.stop()
+        serving.join(30)
+        server.close()
+    assert not [f for k, f in events if k == "admitted" or f.get("request_id")]  # no request was sent
+
+
 # ----------------------------------------------------------------------------- push
 def test_send_to_a_consumer_signs_and_dials_as_that_consumers_producer(tmp_path, receivers, pack_file, monkeypatch):
     """``send --to`` from a producer of two consumers: ``--key-id`` (or the consumer's name as

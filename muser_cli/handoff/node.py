@@ -35,10 +35,9 @@ from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers an
     NAME_RE, cert_pem, issue_cert, key_pem, make_ca, peer_common_name, peer_serial_hex, serial_hex,
 )
 from muser_cli.handoff.nodedir import (  # noqa: F401 - importable from here
-    CONSUMERS_DIR, FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity, KeyEntry,
-    consumer_dirs, ensure_private_dir, load_identities, load_identity, peer_table, read_keyring, read_private,
-    write_keyring, write_node_json,
-    write_private,
+    CONSUMERS_DIR, FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity,
+    KeyEntry, consumer_dirs, ensure_private_dir, load_identities, load_identity, peer_table, read_keyring,
+    read_private, write_keyring, write_node_json, write_private,
 )
 
 DEFAULT_CA_DAYS = 3650

@@ -258,7 +258,7 @@ def peer_table(directory: Path, identity: "Identity") -> list[dict[str, Any]]:
     """Every peer of this node, with its role and when it was last seen (``None``: never).
 
     The peers are those of the keyring (on a consumer: each producer it exported a bundle for;
-    on a producer: the consumer it joined) and any other that was seen."""
+    on a producer: the consumer of this identity, see :func:`load_identities`) and any other seen."""
     seen = read_peers(directory)
     names: dict[str, str] = {}
     if identity.consumer and identity.consumer != identity.name:

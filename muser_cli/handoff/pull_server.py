@@ -6,8 +6,8 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
   * the consumer's certificate serial must not be revoked and its CN must be the consumer
-    whose context the handshake used (one this producer joined); then, within ``request_s`` of TLS up (a deadline for the whole
-    frame, however slowly its bytes come), one ``Request``: key id known, not
+    whose context the handshake used (one this producer joined); then, within
+    ``request_s`` of TLS up (a deadline for the whole frame, however slowly its bytes come), one ``Request``: key id known, not
     revoked and issued to this producer -> MAC (constant time) -> the request names the
     certificate's consumer -> issued-at window -> request id not in the replay ledger
     (then recorded durably: a request id is served at most once) -> the compute's own

@@ -79,10 +79,11 @@ def _bundle_to_stdout(producer: str):
 @node_app.command("join")
 def join_cmd(
     bundle: str = typer.Argument(..., help="Bundle made by `muser node export`, or -."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing identity."),
+    force: bool = typer.Option(False, "--force", help="Replace the identity this bundle's consumer already has here "
+                                                      "(or a consumer's own identity)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Install a producer bundle on this node."""
+    """Install a producer bundle on this node; a producer that joined other consumers adds this one."""
     from muser_cli.commands._common import open_input
     from muser_cli.handoff.api import node_join
 
@@ -108,8 +109,12 @@ def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
         typer.echo(f"node {res['name']} ({res['role']}, consumer {res['consumer']}) in {res['directory']}")
         c = res["cert"]
         typer.echo(f"cert {c['serial']} valid {c['not_before']} .. {c['not_after']} names {' '.join(c['names'])}")
+        sending = {res["send_key"], *(c["send_key"] for c in res.get("consumers", []))}
+        for c in res.get("consumers", []):
+            typer.echo(f"consumer {c['consumer']:<20} as {c['name']}  cert {c['cert']['serial']}  "
+                       f"key {c['send_key']}")
         for k in res["keys"]:
-            mark = "*" if k["key_id"] == res["send_key"] else " "
+            mark = "*" if k["key_id"] in sending else " "
             state = f"revoked {k['revoked']}" if k["revoked"] else "active"
             typer.echo(f"{mark} {k['key_id']}  peer {k['peer']:<20} {state}")
         for p in res.get("peers", []):

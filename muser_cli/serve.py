@@ -321,7 +321,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
-    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.node import load_identities
     from muser_cli.handoff.pull_server import PullServer, ServeConfig
 
     if max_queue < 0:
@@ -329,7 +329,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     if max_batch < 1:
         raise UsageError("--max-batch must be >= 1")
     host, port = parse_hostport(listen, listen=True)
-    identity = load_identity(paths.keys_dir())
+    identity, *more = load_identities(paths.keys_dir())  # one per consumer joined
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
     config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
@@ -338,7 +338,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch)
-    server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
+                        more=more)
     try:
         server.bind()
         if stop is not None:

@@ -19,6 +19,7 @@ from muser_cli.strict import parse_size as strict_parse_size
 from muser_cli.handoff.ledger import repair
 from muser_cli.handoff.link import parse_hostport
 from muser_cli.handoff.node import describe_node, export_producer, init_node, join_node, load_identity, revoke_key
+from muser_cli.handoff.nodedir import identity_for
 from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
 from muser_cli.handoff.sender import probe_link as probe_, send as send_
 from muser_cli.strict import parse_rate
@@ -80,7 +81,7 @@ def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, tim
          connect_timeout: float, idle_timeout: float, progress=None) -> dict[str, Any]:
 
     rate_bps = parse_rate(rate) if rate else None
-    identity = load_identity(paths.keys_dir())
+    identity = identity_for(paths.keys_dir(), host=parse_hostport(to)[0], key_id=key_id)  # which consumer
     result = send_(stream, to=to, identity=identity, rate=rate_bps, key_id=key_id,
                    connect_s=connect_timeout, idle_s=idle_timeout, total_s=timeout, progress=progress)
     return result.to_json()

@@ -55,6 +55,55 @@ def client_context(identity: Identity) -> ssl.SSLContext:
     return ctx
 
 
+SNI_SUFFIX = ".consumer.muser.invalid"
+
+
+def consumer_sni(consumer: str | None) -> str | None:
+    """The TLS server name a consumer sends a producer: it names the consumer, so a producer
+    that joined several consumers answers with the certificate that consumer's CA issued
+    (and checks the client's certificate against that CA only). None when it cannot be one."""
+    if not consumer:
+        return None
+    name = f"{consumer}{SNI_SUFFIX}".lower()
+    if len(name) > 253 or any(not 0 < len(label) < 64 for label in name.split(".")):
+        return None
+    return name
+
+
+def sni_client_context(identity: Identity) -> tuple[ssl.SSLContext, str | None]:
+    """A client context that sends :func:`consumer_sni` as its server name, and that name (None:
+    a plain :func:`client_context`). The dialled host is then checked by :func:`check_peer_host`."""
+    ctx = client_context(identity)
+    sni = consumer_sni(identity.consumer)
+    if sni is not None:
+        ctx.check_hostname = False  # verify_mode stays CERT_REQUIRED: the chain to our CA is still checked
+    return ctx, sni
+
+
+def check_peer_host(sock: ssl.SSLSocket, host: str, during: str) -> None:
+    """The verified peer certificate holds ``host`` (a DNS name, exactly; or an IP address):
+    what ``check_hostname`` checks, for a connection whose server name named the consumer."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for kind, value in (sock.getpeercert() or {}).get("subjectAltName", ()):
+        value = str(value).strip()
+        if ip is None and kind == "DNS" and value.lower() == host.lower().rstrip("."):
+            return
+        if ip is not None and kind == "IP Address":
+            try:
+                if ipaddress.ip_address(value) == ip:
+                    return
+            except ValueError:
+                continue
+    raise AuthError(f"the peer's certificate does not hold the name dialled {during} ({host})",
+                    hint="dial a name its certificate holds (`muser node ls` on that node lists them), or "
+                         "export its bundle again with --host NAME")
+
+
 # ----------------------------------------------------------------------------- addresses
 def parse_hostport(text: str, *, default_port: int | None = None, listen: bool = False) -> tuple[str, int]:
     """``host:port``, ``[v6]:port``, ``:port`` (listen on all addresses)."""

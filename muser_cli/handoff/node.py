@@ -35,9 +35,9 @@ from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers an
     NAME_RE, cert_pem, issue_cert, key_pem, make_ca, peer_common_name, peer_serial_hex, serial_hex,
 )
 from muser_cli.handoff.nodedir import (  # noqa: F401 - importable from here
-    FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity, KeyEntry,
-    ensure_private_dir, load_identity, peer_table, read_keyring, read_private, write_keyring, write_node_json,
-    write_private,
+    CONSUMERS_DIR, FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity,
+    KeyEntry, consumer_dirs, ensure_private_dir, load_identities, load_identity, peer_table, read_keyring,
+    read_private, write_keyring, write_node_json, write_private,
 )
 
 DEFAULT_CA_DAYS = 3650
@@ -183,70 +183,122 @@ def export_producer(
 
 
 def join_node(directory: Path, data: bytes, *, force: bool = False, now: dt.datetime | None = None) -> dict[str, Any]:
-    """Install a producer bundle made by :func:`export_producer` on the consumer."""
+    """Install a producer bundle made by :func:`export_producer` on the producer.
+
+    An empty home takes it as its identity. A producer home that joined other consumers adds
+    it (``consumers/CONSUMER/``: its own certificate, key, CA and keyring); a bundle of a
+    consumer already joined, or any bundle in a consumer's home, needs ``force`` to replace."""
     parsed = parse_bundle(data)
+    obj = parsed["obj"]
+    target = _join_target(directory, obj["consumer"], force)
+    _install_bundle(target, parsed, now)
+    if target == directory:  # replacing the top level of a consumer's home: it is a producer's now
+        for stale in ("ca.key",):
+            if (directory / stale).exists():
+                (directory / stale).unlink()
+    return {"name": obj["producer"], "consumer": obj["consumer"], "key_id": parsed["entry"].key_id,
+            "directory": str(target)}
+
+
+def _join_target(directory: Path, consumer: str, force: bool) -> Path:
+    """Where a bundle of ``consumer`` goes in this home (module doc of :func:`join_node`)."""
+    if not (directory / "node.json").exists():
+        return directory
+    try:
+        current = load_identity(directory)
+    except ConfigError:
+        if force:
+            return directory
+        raise
+    if current.role != "member" or current.consumer == consumer:
+        if not force:
+            what = "a node identity" if current.role != "member" else f"a node identity for consumer {consumer!r}"
+            raise UsageError(f"{what} already exists in {directory}", hint="pass --force to replace it")
+        return directory
+    _check_name(consumer, "consumer name")
+    sub = directory / CONSUMERS_DIR / consumer
+    if (sub / "node.json").exists() and not force:
+        raise UsageError(f"a node identity for consumer {consumer!r} already exists in {sub}",
+                         hint="pass --force to replace it")
+    ensure_private_dir(directory / CONSUMERS_DIR)
+    return sub
+
+
+def _install_bundle(target: Path, parsed: dict[str, Any], now: dt.datetime | None) -> None:
     obj, entry = parsed["obj"], parsed["entry"]
-    if (directory / "node.json").exists() and not force:
-        raise UsageError(f"a node identity already exists in {directory}", hint="pass --force to replace it")
-    ensure_private_dir(directory)
-    for stale in ("ca.key",):
-        if (directory / stale).exists():
-            (directory / stale).unlink()
-    write_private(directory / "ca.pem", obj["ca_cert"].encode("ascii"))
-    write_private(directory / "node.key", obj["key"].encode("ascii"))
-    write_private(directory / "node.pem", obj["cert"].encode("ascii"))
-    write_keyring(directory, {entry.key_id: entry})
+    ensure_private_dir(target)
+    write_private(target / "ca.pem", obj["ca_cert"].encode("ascii"))
+    write_private(target / "node.key", obj["key"].encode("ascii"))
+    write_private(target / "node.pem", obj["cert"].encode("ascii"))
+    write_keyring(target, {entry.key_id: entry})
     write_node_json(
-        directory,
+        target,
         {"name": obj["producer"], "role": "member", "send_key": entry.key_id, "consumer": obj["consumer"],
          "created": _iso(_now(now))},
     )
-    return {"name": obj["producer"], "consumer": obj["consumer"], "key_id": entry.key_id, "directory": str(directory)}
 
 
-def describe_node(directory: Path) -> dict[str, Any]:
-    """A summary for ``node ls``: identity, certificate, keys (never secrets)."""
+def _cert_summary(path: Path) -> dict[str, Any]:
     from cryptography import x509
 
-    identity = load_identity(directory)
-    cert = x509.load_pem_x509_certificate(identity.cert_path.read_bytes())
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         names = [str(v) for v in san.get_values_for_type(x509.DNSName)]
         names += [str(v) for v in san.get_values_for_type(x509.IPAddress)]
     except x509.ExtensionNotFound:
         names = []
-    return {
+    return {"serial": serial_hex(cert), "names": names, "not_before": _iso(cert.not_valid_before_utc),
+            "not_after": _iso(cert.not_valid_after_utc)}
+
+
+def describe_node(directory: Path) -> dict[str, Any]:
+    """A summary for ``node ls``: identity, certificate, keys (never secrets); on a producer
+    that joined several consumers, ``consumers`` has one entry per consumer (the first too)."""
+    identity = load_identity(directory)
+    others = [load_identity(d) for d in consumer_dirs(directory)]
+    out = {
         "name": identity.name,
         "role": identity.role,
         "consumer": identity.consumer,
         "directory": str(directory),
         "send_key": identity.send_key,
         "holds_ca_key": (directory / "ca.key").exists(),
-        "cert": {
-            "serial": serial_hex(cert),
-            "names": names,
-            "not_before": _iso(cert.not_valid_before_utc),
-            "not_after": _iso(cert.not_valid_after_utc),
-        },
+        "cert": _cert_summary(identity.cert_path),
         "keys": [e.public() for e in identity.keyring().values()],
         "peers": peer_table(directory, identity),  # role and when each last authenticated here
     }
+    if others:
+        out["consumers"] = [_consumer_summary(i) for i in (identity, *others)]
+        for other in others:
+            out["keys"] += [e.public() for e in other.keyring().values()]
+            out["peers"] += peer_table(other.directory, other)
+        out["peers"].sort(key=lambda r: r["name"])
+    return out
+
+
+def _consumer_summary(identity: Identity) -> dict[str, Any]:
+    return {"consumer": identity.consumer, "name": identity.name, "directory": str(identity.directory),
+            "send_key": identity.send_key, "cert": _cert_summary(identity.cert_path),
+            "keys": [e.public() for e in identity.keyring().values()]}
 
 
 def revoke_key(directory: Path, key_id: str, *, now: dt.datetime | None = None) -> KeyEntry:
-    """Mark ``key_id`` revoked; a running receiver refuses it (and its certificate) from now on."""
+    """Mark ``key_id`` revoked; a running receiver refuses it (and its certificate) from now on.
+    On a producer that joined several consumers, the key is looked up in each one's keyring."""
     load_identity(directory)
-    keys = read_keyring(directory)
-    entry = keys.get(key_id)
-    if entry is None:
-        raise UsageError(f"no key with id {key_id!r}", hint="see `muser node ls`")
-    if entry.revoked:
-        return entry
-    revoked = KeyEntry(entry.key_id, entry.secret, entry.peer, entry.created, entry.cert_serial, _iso(_now(now)))
-    keys[key_id] = revoked
-    write_keyring(directory, keys)
-    return revoked
+    for home in (directory, *consumer_dirs(directory)):
+        keys = read_keyring(home)
+        entry = keys.get(key_id)
+        if entry is None:
+            continue
+        if entry.revoked:
+            return entry
+        revoked = KeyEntry(entry.key_id, entry.secret, entry.peer, entry.created, entry.cert_serial, _iso(_now(now)))
+        keys[key_id] = revoked
+        write_keyring(home, keys)
+        return revoked
+    raise UsageError(f"no key with id {key_id!r}", hint="see `muser node ls`")
 
 
 __all__ = [

@@ -9,6 +9,9 @@ Layout (``muser_cli.paths.keys_dir()``):
     ca.key      the CA private key (only where ``init`` ran)
     node.pem    this node's certificate        node.key   its private key
     keys.json   {"format": "muser-keyring", "version": 1, "keys": [KeyEntry...]}
+    consumers/CONSUMER/   on a producer that joined more than one consumer: each further
+                consumer's node directory (the same files), one per bundle; the top level is
+                the first consumer joined (:func:`load_identities`)
     peers.json  {"format": "muser-peers", "version": 1, "peers": {NAME: {"role", "last_seen",
                  "address", "key_id", "via"}}}: when each peer last authenticated to this node
                  (:func:`record_peer`; read by :func:`peer_table` for ``node ls``)
@@ -45,6 +48,7 @@ FORMAT_VERSION = 1
 MAX_KEYRING_BYTES = 4 * 1024 * 1024
 KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
+CONSUMERS_DIR = "consumers"
 HINT_INIT = "run `muser node init` on the consumer, or `muser node join BUNDLE` on a producer"
 
 
@@ -254,7 +258,7 @@ def peer_table(directory: Path, identity: "Identity") -> list[dict[str, Any]]:
     """Every peer of this node, with its role and when it was last seen (``None``: never).
 
     The peers are those of the keyring (on a consumer: each producer it exported a bundle for;
-    on a producer: the consumer it joined) and any other that was seen."""
+    on a producer: the consumer of this identity, see :func:`load_identities`) and any other seen."""
     seen = read_peers(directory)
     names: dict[str, str] = {}
     if identity.consumer and identity.consumer != identity.name:
@@ -291,3 +295,30 @@ def load_identity(directory: Path) -> Identity:
         send_key=meta.get("send_key"),
         consumer=meta.get("consumer"),
     )
+
+
+def consumer_dirs(directory: Path) -> list[Path]:
+    """The node directories of the further consumers a producer joined (sorted by name)."""
+    root = directory / CONSUMERS_DIR
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (p / "node.json").exists())
+
+
+def load_identities(directory: Path) -> list[Identity]:
+    """Every identity of this node: the top level first, then one per further consumer joined."""
+    return [load_identity(directory), *(load_identity(d) for d in consumer_dirs(directory))]
+
+
+def identity_for(directory: Path, *, host: str | None = None, key_id: str | None = None) -> Identity:
+    """The identity a producer that joined several consumers dials one with (``send --to``,
+    ``probe-link``): the one whose keyring holds ``key_id``; else the one whose consumer is
+    named ``host``; else the first consumer joined. A node of one identity: that one."""
+    identities = load_identities(directory)
+    for ident in identities if key_id else ():
+        if key_id in ident.keyring():
+            return ident
+    for ident in identities if host and not key_id else ():
+        if (ident.consumer or "").lower() == host.lower().rstrip("."):
+            return ident
+    return identities[0]

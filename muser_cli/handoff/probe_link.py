@@ -70,12 +70,12 @@ def probe_link(*, to: str, seconds: float, floor: str | None, connect_timeout: f
     """``muser probe-link``: :func:`probe_peer` with this node's identity (``MUSER_HOME``)."""
     from muser_cli import paths
     from muser_cli.handoff.link import parse_hostport
-    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.nodedir import identity_for
     from muser_cli.strict import parse_rate
 
-    parse_hostport(to)  # a bad address: a usage error before anything is read
+    host, _ = parse_hostport(to)  # a bad address: a usage error before anything is read
     floor_bps = parse_rate(floor) if floor else None
-    identity = load_identity(paths.keys_dir())
+    identity = identity_for(paths.keys_dir(), host=host)  # on a producer of several consumers: which one
     return probe_peer(to, identity, seconds=seconds, floor=floor_bps, connect_s=connect_timeout)
 
 

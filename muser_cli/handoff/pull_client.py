@@ -31,7 +31,8 @@ from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, Te
 from muser_cli.handoff.certs import peer_common_name
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport, unresolved,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, check_peer_host, format_hostport, map_error, parse_hostport,
+    sni_client_context, unresolved,
 )
 from muser_cli.handoff.node import Identity, KeyEntry
 from muser_cli.handoff.nodedir import note_peer
@@ -89,7 +90,7 @@ def _connect(to: str, identity: Identity, connect_s: float,
     """TCP + TLS 1.3 to ``to``, offering ``alpns``: the listener must select one of them."""
     host, port = parse_hostport(to)
     where = format_hostport(host, port)
-    ctx = client_context(identity)
+    ctx, sni = sni_client_context(identity)
     ctx.set_alpn_protocols(list(alpns))
     t0 = time.monotonic()
     try:
@@ -103,13 +104,20 @@ def _connect(to: str, identity: Identity, connect_s: float,
         raise map_error(exc, f"connecting to {where}") from None
     try:
         raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
-        sock = ctx.wrap_socket(raw, server_hostname=host, do_handshake_on_connect=False, suppress_ragged_eofs=False)
+        sock = ctx.wrap_socket(raw, server_hostname=sni or host, do_handshake_on_connect=False,
+                               suppress_ragged_eofs=False)
         sock.do_handshake()
     except BaseException as exc:  # noqa: BLE001
         raw.close()
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise map_error(exc, f"in the TLS handshake with {where}") from None
+    if sni is not None:
+        try:
+            check_peer_host(sock, host, f"in the TLS handshake with {where}")
+        except AuthError:
+            sock.close()
+            raise
     if sock.selected_alpn_protocol() not in alpns:
         sock.close()
         if alpns == (ALPN_PULL,):

@@ -6,17 +6,20 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
   * the consumer's certificate serial must not be revoked and its CN must be the consumer
-    this producer joined; then, within ``request_s`` of TLS up (a deadline for the whole
-    frame, however slowly its bytes come), one ``Request``: key id known, not
+    whose context the handshake used (one this producer joined); then, within
+    ``request_s`` of TLS up (a deadline for the whole frame, however slowly its bytes come), one ``Request``: key id known, not
     revoked and issued to this producer -> MAC (constant time) -> the request names the
     certificate's consumer -> issued-at window -> request id not in the replay ledger
     (then recorded durably: a request id is served at most once) -> the compute's own
     checks (model and tokenizer fingerprints, dtype, prompt length) -- all before any
     prefill work;
+  * a producer that joined several consumers holds one TLS context per consumer (that
+    consumer's CA the only trust anchor): the consumer's server name picks it, and every
+    check below uses that consumer's keyring only;
   * admission: ONE request computes at a time -- or, when the compute says it batches
     (``max_concurrent`` > 1: vLLM), up to that many, which the compute runs together --;
-    up to ``max_queue`` more wait (told their place with ``Queued``); a full queue
-    answers ``Reject(busy)`` at once;
+    up to ``max_queue`` more wait per consumer (told their place with ``Queued``), taking
+    turns round-robin between consumers; a full queue answers ``Reject(busy)`` at once;
   * the admitted request gets ``Serving``, then the V3 sender side: its header goes out
     as soon as the compute has written the kvpack header, each frame as soon as its chunk
     is written, then the MAC'd trailer; a consumer that goes away costs only its request
@@ -41,6 +44,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
@@ -49,7 +53,9 @@ from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
 from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.ledger import Ledger, LedgerError, Record
-from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, format_hostport, listen_socket, map_error, server_context
+from muser_cli.handoff.link import (
+    DEFAULT_IDLE_S, Link, consumer_sni, format_hostport, listen_socket, map_error, server_context,
+)
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.nodedir import note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
@@ -97,7 +103,10 @@ class ServeConfig:
 class _Admission:
     """Who computes now: up to ``slots`` requests at once (1 on torch/MLX; a batching engine's
     limit on vLLM), or one probe alone (a probe is never measured against a running prefill,
-    nor slows one). ``enter`` returns False when ``timeout`` passed first."""
+    nor slows one). Waiting requests queue per consumer and take turns round-robin: the
+    next turn goes to the first request of the consumer that waited longest since its last
+    turn, so one consumer's flood never starves another. ``enter`` returns False when
+    ``timeout`` passed first."""
 
     def __init__(self, slots: int) -> None:
         self.slots = max(1, int(slots))
@@ -105,26 +114,33 @@ class _Admission:
         self._running = 0
         self._probing = False
         self._probe_waiting = 0  # a waiting probe holds new requests back, so it is not starved
+        self._queues: OrderedDict[str, deque[object]] = OrderedDict()  # consumer -> its waiting tickets
 
-    def _free(self, probe: bool) -> bool:
+    def _free(self, probe: bool, who: str = "", ticket: object = None) -> bool:
         if probe:
             return self._running == 0 and not self._probing
-        return not self._probing and not self._probe_waiting and self._running < self.slots
+        if self._probing or self._probe_waiting or self._running >= self.slots:
+            return False
+        first = next(iter(self._queues))  # the ticket's own consumer is queued: never empty here
+        return first == who and self._queues[first][0] is ticket
 
-    def enter(self, probe: bool, timeout: float | None = 0.0) -> bool:
+    def enter(self, probe: bool, timeout: float | None = 0.0, who: str = "") -> bool:
         """A turn within ``timeout`` seconds (None: however long it takes)."""
         end = None if timeout is None else time.monotonic() + timeout
         return self.wait(probe, lambda: end is not None and time.monotonic() >= end,
-                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)))
+                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)), who=who)
 
-    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2) -> bool:
+    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2, who: str = "") -> bool:
         """Wait for a turn until ``stop()`` says the server is stopping (False then). A waiting
         probe holds new requests back for the whole wait, not only while a poll runs."""
+        ticket, served = object(), False
         with self._cv:
             if probe:
                 self._probe_waiting += 1
+            else:
+                self._queues.setdefault(who, deque()).append(ticket)
             try:
-                while not self._free(probe):
+                while not self._free(probe, who, ticket):
                     if stop():
                         return False
                     if poll > 0:
@@ -133,11 +149,24 @@ class _Admission:
                     self._probing = True
                 else:
                     self._running += 1
+                served = True
                 return True
             finally:
                 if probe:
                     self._probe_waiting -= 1
-                    self._cv.notify_all()
+                else:
+                    self._dequeue(who, ticket, served)
+                self._cv.notify_all()
+
+    def _dequeue(self, who: str, ticket: object, served: bool) -> None:
+        """Take ``ticket`` out of its consumer's queue; after a turn, a consumer that still
+        waits goes last (one that gave up keeps its place)."""
+        queue = self._queues[who]
+        queue.remove(ticket)
+        if not queue:
+            del self._queues[who]
+        elif served:
+            self._queues.move_to_end(who)
 
     def leave(self, probe: bool) -> None:
         with self._cv:
@@ -154,21 +183,48 @@ def _ctx(identity: Identity) -> ssl.SSLContext:
     return ctx
 
 
+class _Identities:
+    """The consumers this producer joined, one TLS context each (its CA the only trust
+    anchor, its certificate the one presented). The consumer's server name
+    (:func:`~muser_cli.handoff.link.consumer_sni`) picks the context; a client that names
+    none gets the first consumer's."""
+
+    def __init__(self, identities: list[Identity]) -> None:
+        self.pairs = [(_ctx(i), i) for i in identities]
+        self.by_sni = {sni: ctx for ctx, i in self.pairs if (sni := consumer_sni(i.consumer)) is not None}
+        self.default = self.pairs[0][0]
+        if len(self.pairs) > 1:
+            self.default.sni_callback = self._pick
+
+    def _pick(self, sock: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
+        chosen = self.by_sni.get((server_name or "").lower())
+        if chosen is not None and chosen is not self.default:
+            sock.context = chosen
+        return None
+
+    def of(self, tls: ssl.SSLSocket) -> Identity:
+        """The identity whose context this connection's handshake used."""
+        return next((i for ctx, i in self.pairs if ctx is tls.context), self.pairs[0][1])
+
+
 class PullServer:
     def __init__(self, identity: Identity, config: ServeConfig, *, ledger_dir: Path, compute: Compute,
-                 on_event: EventFn | None = None) -> None:
+                 on_event: EventFn | None = None, more: list[Identity] | None = None) -> None:
+        """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin)."""
         self.identity = identity
         self.config = config
         self.ledger_dir = ledger_dir
         self.compute = compute
         self.on_event = on_event
-        self._ctx = _ctx(identity)
+        self._idents = _Identities([identity, *(more or [])])
+        self._ctx = self._idents.default
         self._lsock: socket.socket | None = None
         self.address: tuple[str, int] | None = None
         self._ledgers: dict[str, Ledger] = {}
         self._lock = threading.Lock()
         self._admit = _Admission(getattr(compute, "max_concurrent", 1))
         self._waiting = 0
+        self._waiting_by: dict[str, int] = {}  # consumer -> its requests waiting (each bounded by max_queue)
         self._pending = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -239,7 +295,7 @@ class PullServer:
                 link = Link(tls, PullConnection(Side.PRODUCER), idle_s=self.config.request_s,
                             deadline=time.monotonic() + self.config.session_s)
                 try:
-                    self._session(link, peer)
+                    self._session(link, peer, self._idents.of(tls))
                 finally:
                     link.close()
         except BaseException as exc:  # noqa: BLE001 - a connection thread never dies loudly
@@ -301,10 +357,12 @@ class PullServer:
                 except (OSError, ssl.SSLError):
                     continue
 
-    def _check(self, event: Request | Probe, cn: str, peer: str = "") -> PullRequest | ProbeRequest:
+    def _check(self, event: Request | Probe, cn: str, peer: str = "",
+               identity: Identity | None = None) -> PullRequest | ProbeRequest:
+        identity = identity or self.identity  # the consumer whose CA the TLS handshake used
         req = event.request if isinstance(event, Request) else event.probe
         assert req is not None
-        key = self.identity.key(req.key_id)  # exactly one lookup
+        key = identity.key(req.key_id)  # exactly one lookup, in that consumer's keyring only
         if key is None:
             raise Refusal("auth", f"unknown key id {req.key_id}")
         if key.revoked:
@@ -314,7 +372,7 @@ class PullServer:
                                context=MAC_CONTEXT if isinstance(event, Request) else PROBE_MAC_CONTEXT)
         except AuthError as exc:
             raise Refusal("auth", str(exc)) from None
-        if key.peer != self.identity.name or cn != self.identity.consumer or req.consumer != cn:
+        if key.peer != identity.name or cn != identity.consumer or req.consumer != cn:
             raise Refusal("auth", f"key id {req.key_id} is not this producer's key for {cn!r} "
                                   f"(request names {req.consumer!r})")
         try:
@@ -330,27 +388,28 @@ class PullServer:
         except LedgerError as exc:
             raise Refusal("storage", f"producer's replay ledger is unusable ({exc})") from None
         # The consumer authenticated (a fresh, verified, first-time request): when it was last seen.
-        failed = note_peer(self.identity, cn, role="consumer", address=peer, key_id=req.key_id,
+        failed = note_peer(identity, cn, role="consumer", address=peer, key_id=req.key_id,
                            via="pull" if isinstance(req, PullRequest) else "probe")
         if failed:
             self._emit("error", peer=peer, error=f"could not record when {cn} was seen: {failed}")
         return req
 
-    def _session(self, link: Link, peer: str) -> None:
+    def _session(self, link: Link, peer: str, identity: Identity | None = None) -> None:
+        identity = identity or self.identity
         der = link.sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
         who = f"{peer} ({cn})" if cn else peer
         req: PullRequest | ProbeRequest | None = None
         probe = False
         try:
-            if der and peer_serial_hex(der) in self.identity.revoked_serials():
+            if der and peer_serial_hex(der) in identity.revoked_serials():
                 raise Refusal("auth", "this certificate was revoked")
             event = self._first_frame(link)
             if isinstance(event, (Reject, ConnectionClosed)):
                 return
             assert isinstance(event, (Request, Probe))
             probe = isinstance(event, Probe)
-            req = self._check(event, cn, peer)
+            req = self._check(event, cn, peer, identity)
             if isinstance(req, PullRequest):
                 resolved = self.compute.check(req)
                 if resolved is not None:  # text mode: the request with this producer's token ids
@@ -359,7 +418,7 @@ class PullServer:
                     raise Refusal("data", "this producer does not tokenize text prompts; send token ids")
             if self._stop.is_set():
                 raise self._turn_away()
-            self._admitted(link, who, req)
+            self._admitted(link, who, req, identity)
         except Refusal as refusal:
             self._refuse(link, who, refusal, req, probe)
         except MuserError as exc:
@@ -380,32 +439,38 @@ class PullServer:
         finally:
             link.deadline = session_end
 
-    def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest) -> None:
-        probe = isinstance(req, ProbeRequest)
-        if not self._admit.enter(probe):
+    def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest, identity: Identity) -> None:
+        probe, consumer = isinstance(req, ProbeRequest), req.consumer
+        if not self._admit.enter(probe, who=consumer):
             with self._lock:
-                place = self._waiting + 1
+                mine = self._waiting_by.get(consumer, 0)
+                place = mine + 1
                 if place > self.config.max_queue:
-                    raise Refusal("busy", f"producer busy: {self._waiting} request(s) already waiting "
-                                          f"(--max-queue {self.config.max_queue})")
+                    raise Refusal("busy", f"producer busy: {mine} request(s) already waiting from {consumer} "
+                                          f"(--max-queue {self.config.max_queue} per consumer)")
                 self._waiting += 1
+                self._waiting_by[consumer] = place
             try:
                 link.send(Queued(place), "telling the consumer its place")
-                if not self._admit.wait(probe, self._stop.is_set):
+                if not self._admit.wait(probe, self._stop.is_set, who=consumer):
                     raise self._turn_away()
             finally:
                 with self._lock:
                     self._waiting -= 1
+                    self._waiting_by[consumer] -= 1
+                    if not self._waiting_by[consumer]:
+                        del self._waiting_by[consumer]
         try:
             if isinstance(req, ProbeRequest):
-                self._probe(link, who, req)
+                self._probe(link, who, req, identity)
                 return
-            self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids))
-            self._stream(link, who, req)
+            self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids),
+                       consumer=consumer)
+            self._stream(link, who, req, identity)
         finally:
             self._admit.leave(probe)
 
-    def _probe(self, link: Link, who: str, req: ProbeRequest) -> None:
+    def _probe(self, link: Link, who: str, req: ProbeRequest, identity: Identity) -> None:
         """Answer the consumer's link probes as a V3 receiver (module doc)."""
         t0 = time.monotonic()
         pc = link.conn
@@ -418,7 +483,7 @@ class PullServer:
         link.conn = v3
         link.idle_s = self.config.idle_s
         cap = min(self.config.probe_max_s, req.probe_ms / 1000)
-        info = {"v": PROTOCOL_VERSION, "node": self.identity.name, "max_payload": 0, "window_s": self.config.window_s,
+        info = {"v": PROTOCOL_VERSION, "node": identity.name, "max_payload": 0, "window_s": self.config.window_s,
                 "max_data": MAX_DATA_BYTES, "probe_max_s": cap, "idle_s": self.config.idle_s}
         fields: dict[str, Any] = {"peer": who, "request_id": req.request_id, "key_id": req.key_id,
                                   "consumer": req.consumer}
@@ -460,7 +525,7 @@ class PullServer:
         self._emit("probe", outcome=outcome, total_s=round(time.monotonic() - t0, 6), **fields,
                    **({"reason": reason} if reason else {}))
 
-    def _stream(self, link: Link, who: str, req: PullRequest) -> None:
+    def _stream(self, link: Link, who: str, req: PullRequest, identity: Identity) -> None:
         t0 = time.monotonic()
         pc = link.conn
         assert isinstance(pc, PullConnection)
@@ -500,8 +565,8 @@ class PullServer:
                 with contextlib.suppress(MuserError, OSError):
                     link.send(Reject("aborted", reason), "refusing")
                 return
-            prepared = prepare_handoff(source, self.identity)
-            result = transmit_over(link, ready.info, prepared, to=who, identity=self.identity)
+            prepared = prepare_handoff(source, identity)  # signed with this consumer's key
+            result = transmit_over(link, ready.info, prepared, to=who, identity=identity)
             outcome = "served"
         except MuserError as exc:
             reason = str(exc)

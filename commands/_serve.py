@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -32,7 +33,7 @@ def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optio
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
                     audit=audit)
-    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model or "default",
+    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=Path(model).name if model and "/" in model else (model or "default"),
                            default_max_tokens=n)
     rc = serve_openai(config, options, on_listening=lambda a: info(f"decode: listening on http://{a}/v1"))
     if rc:

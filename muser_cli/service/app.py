@@ -66,7 +66,7 @@ class Service:
                  log: Callable[[dict], None] = log_line) -> None:
         self.worker, self.metrics, self.options, self.log = worker, metrics, options, log
         self.draining = False
-        self.ids = {options.model_id, worker.info.name}
+        self.ids = {options.model_id, worker.info.name, "default"}  # "default": whatever this server serves
 
     # ------------------------------------------------------------------ helpers
     def _authorized(self, request) -> bool:

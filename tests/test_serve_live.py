@@ -257,3 +257,93 @@ def test_sigterm_drains_and_exits_0(lane):
     assert "draining" in events and "drained" in events and events[-1] == "stopped"
     if refused is not None:
         assert refused.json()["error"]["code"] == "draining"
+
+
+def test_a_second_turn_ships_only_its_delta(lane, tmp_path, monkeypatch):
+    """With --store the consumer keeps each prompt's rows: the next turn of the same chat asks
+    the producer for the rest only (a delta), and its text is still the local text."""
+    c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address, "--store",
+                 "--chunk", "8")
+    try:
+        client = c.client()
+        turns = [{"role": "user", "content": PROMPT}]
+        first = client.chat.completions.with_raw_response.create(model="default", messages=turns, max_tokens=4,
+                                                                 temperature=0)
+        assert first.headers["x-muser-source"] == "handoff"
+        turns += [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                  {"role": "user", "content": "And the school?"}]
+        second = client.chat.completions.with_raw_response.create(model="default", messages=turns, max_tokens=4,
+                                                                  temperature=0)
+        body = second.parse()
+        assert second.headers["x-muser-source"] == "delta", body.model_extra["muser"]
+        assert body.usage.prompt_tokens_details.cached_tokens > 0
+        assert 0 < int(second.headers["x-muser-bytes"]) < int(first.headers["x-muser-bytes"]) * 2
+        from muser_cli.decode import decode
+
+        monkeypatch.setenv("MUSER_HOME", str(tmp_path / "fresh"))  # a home with an empty store: all local
+        want = decode(None, model=lane["common"][1], prompt=turns, chat=True, max_new_tokens=4, dtype="float32",
+                      threads=1, reuse=False, chunk_tokens=8).text
+        assert body.choices[0].message.content == want
+    finally:
+        assert c.stop() == 0
+
+
+def test_decode_streams_its_text_to_stdout(lane):
+    """`muser decode` writes each piece as it is decided (flushed per token); the whole stdout
+    is the text --json reports, plus one newline."""
+    args = (*lane["common"], "--prompt", str(lane["prompt"]), "-n", str(N), "--no-reuse")
+    r = subprocess.run(muser_cmd("decode", *args), env=env_for(lane["nodes"].consumer_home), input=b"",
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == lane["local"]["text"] + ("" if lane["local"]["text"].endswith("\n") else "\n")
+
+
+def test_printer_flushes_every_piece(monkeypatch, tiny_llama):
+    import io
+    import sys
+
+    from muser_cli.commands.decode import _Printer
+
+    class Out(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            Out.flushes += 1
+
+    out = Out()
+    monkeypatch.setattr(sys, "stdout", out)
+    p = _Printer(str(tiny_llama.path))
+    ids = [72, 101, 108, 108, 111, 32, 119, 111]
+    writes = []
+    for t in ids:
+        before = out.getvalue()
+        p.push(t)
+        writes.append(out.getvalue()[len(before):])
+    from muser_cli.tokens import decode_text
+
+    text = decode_text(tiny_llama, ids)
+    p.finish(text)
+    assert out.getvalue() == text
+    assert sum(1 for w in writes if w) >= 2 and Out.flushes >= sum(1 for w in writes if w)
+
+
+@pytest.mark.slow
+def test_the_real_model_through_a_producer_equals_decode(real_model, tmp_path):
+    """Done-when, on the embedded model: `decode --serve -m default --producer` with the openai
+    client gives the text of `muser decode --prompt` for the same prompt, through the producer."""
+    nodes = make_nodes(tmp_path)
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(PROMPT)
+    common = ["-m", "default", "--threads", "2"]
+    local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
+                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    producer = Producer(nodes.producer_home, *common)
+    consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse")
+    try:
+        raw = complete(consumer.client())
+        assert raw.parse().choices[0].text == json.loads(local.stdout)["text"]
+        assert raw.headers["x-muser-source"] == "handoff"
+    finally:
+        assert consumer.stop() == 0
+        producer.stop()

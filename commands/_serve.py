@@ -30,6 +30,9 @@ def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optio
         raise UsageError("-n must be at least 1")
     if engine not in ("torch", "mlx"):
         raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
+    from muser_cli.batch.pool import ProducerPool
+
+    ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
                     audit=audit)

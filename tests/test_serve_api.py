@@ -255,3 +255,40 @@ def test_parse_ask_fields():
         parse_body(b"\xff")
     with pytest.raises(ApiError):
         parse_ask({"messages": []}, "chat", default_max_tokens=1)
+
+
+@pytest.mark.parametrize("args, status, words", [
+    (["decode", "--serve", "0.0.0.0:0"], 2, "without an API key"),
+    (["decode", "--serve", "127.0.0.1:0", "--prompt", "x.txt"], 2, "--serve takes no"),
+    (["decode", "--serve", "127.0.0.1:0", "--max-queue", "-1"], 2, "--max-queue"),
+    (["decode", "--serve", "127.0.0.1:0", "--engine", "vllm"], 2, "torch or mlx"),
+    (["decode", "--serve", "127.0.0.1:0", "--producer", "nohost"], 2, "no port"),
+    (["decode", "--producer", "a:1", "--producer", "b:2", "--prompt", "x.txt"], 2, "more than once"),
+    (["prefill", "--metrics", "127.0.0.1:0"], 2, "--metrics needs --serve"),
+])
+def test_serve_options_are_checked_one_line(args, status, words, tiny_llama):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "muser_cli.commands", *args, "-m", str(tiny_llama.path)],
+                       capture_output=True, timeout=120, input=b"")
+    assert r.returncode == status, r.stderr
+    lines = r.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_a_port_in_use_is_75(tiny_llama):
+    import socket
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        r = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "--serve",
+                            f"127.0.0.1:{s.getsockname()[1]}", "-m", str(tiny_llama.path)],
+                           capture_output=True, timeout=120)
+    finally:
+        s.close()
+    assert r.returncode == 75 and b"cannot listen" in r.stderr, r.stderr

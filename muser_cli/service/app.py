@@ -253,9 +253,11 @@ def bind_socket(listen: str, api_key: str | None) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except OSError as exc:  # in use, or an address this machine does not have: as `receive --listen`, 75
         sock.close()
-        raise UsageError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        from muser_cli.errors import TempFailure
+
+        raise TempFailure(f"cannot listen on {listen}: {exc.strerror or exc}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

@@ -112,9 +112,9 @@ def serve_producer_metrics(listen: str):
     try:
         address = m.serve(listen)
     except OSError as exc:
-        from muser_cli.errors import UsageError
+        from muser_cli.errors import TempFailure
 
-        raise UsageError(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
+        raise TempFailure(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
     return m.observe, address
 
 

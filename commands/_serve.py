@@ -15,7 +15,7 @@ def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optio
                  producers: list[str], api_key: Optional[str], max_queue: int, deadline: Optional[float],
                  chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
     from muser_cli.errors import UsageError
-    from muser_cli.service.app import ServeOptions, serve_openai
+    from muser_cli.service.app import ServeOptions, serve_openai, utc_stamp
     from muser_cli.service.worker import Config
 
     src, prompt, chat, as_json, send_text = others
@@ -36,8 +36,10 @@ def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optio
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
                     audit=audit)
-    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=Path(model).name if model and "/" in model else (model or "default"),
+    model_id = Path(model).name if model and "/" in model else (model or "default")
+    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n)
-    rc = serve_openai(config, options, on_listening=lambda a: info(f"decode: listening on http://{a}/v1"))
+    rc = serve_openai(config, options,
+                      on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
     if rc:
         raise typer.Exit(rc)

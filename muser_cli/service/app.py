@@ -28,10 +28,15 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _POLL_S = 0.25  # how often a waiting request looks whether its client is still there
 
 
+def utc_stamp() -> str:
+    """Now, as 2026-12-02T10:12:42.383Z."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+
+
 def log_line(record: dict[str, Any]) -> None:
     """One JSON line on stderr, with a UTC timestamp."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
-    sys.stderr.write(json.dumps({"ts": stamp, **record}, sort_keys=True, default=str) + "\n")
+    sys.stderr.write(json.dumps({"ts": utc_stamp(), **record}, sort_keys=True, default=str) + "\n")
     sys.stderr.flush()
 
 
@@ -173,7 +178,7 @@ class Service:
     def _early_headers(self, job: Job) -> dict[str, str]:
         """Headers of a streamed answer at its first token (the summary comes at the end)."""
         state = getattr(job, "state", None)
-        return _headers(state.summary(None, state.ids, "")) if state is not None else {}
+        return _headers(state.summary(state.ids, "")) if state is not None else {}
 
     async def models(self, request):
         if not self._authorized(request):
@@ -314,4 +319,4 @@ def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callabl
     return outcome["rc"]
 
 
-__all__ = ["ServeOptions", "Service", "bind_socket", "log_line", "serve_openai"]
+__all__ = ["ServeOptions", "Service", "bind_socket", "log_line", "serve_openai", "utc_stamp"]

@@ -209,7 +209,7 @@ class EngineWorker:
         tail = state.stream.finish()
         if tail and not job.cancelled.is_set():
             job.emit("text", tail)
-        summary = state.summary(out, ids, finish)
+        summary = state.summary(ids, finish)
         self._observe(state, summary)
         job.emit("done", summary)
 
@@ -331,24 +331,24 @@ class _RunState:
         if self.stream.stopped:
             raise _Stop("a stop string")
 
-    def summary(self, out, ids: list[int], finish: str) -> dict[str, Any]:
+    def summary(self, ids: list[int], finish: str) -> dict[str, Any]:
+        """What the client, the log and the metrics are told about this request."""
         rows = self.rows
         source = rows.source if rows is not None else "local"
         if source == "store+local":
             source = "store"  # some rows held, the rest prefilled here: both are this machine's
+        shipped = rows is not None and (rows.pack is not None or bool(rows.handoff_rows))
         held = rows.held if rows is not None else 0
-        reason = ""
+        reason, computed = "", 0
         if rows is not None and rows.pack is None:
-            reason = "; ".join(x for x in (rows.reason or self.pull_error or self.why,) if x)
+            reason = rows.reason or self.pull_error or self.why
             if self.refused is not None:
                 reason = f"the pack from {self.producer} was refused: {self.refused}"
-        computed = (len(ids) - 1 - held) if rows is not None and rows.pack is None else 0
-        if rows is not None and rows.local_rows is not None:
-            computed = rows.local_rows
+            computed = rows.local_rows if rows.local_rows is not None else len(ids) - 1 - held
         ttft = (self.first_token - self.job.arrived) * 1000 if self.first_token is not None else None
-        return {"source": source, "producer": self.producer if rows is not None and rows.pack is not None or
-                source == "partial+local" else None,
-                "ttft_ms": round(ttft, 3) if ttft is not None else None, "bytes": self.shipped or (self.counting.bytes if self.counting is not None else 0),
+        received = self.shipped or (self.counting.bytes if self.counting is not None else 0)
+        return {"source": source, "producer": self.producer if shipped else None,
+                "ttft_ms": round(ttft, 3) if ttft is not None else None, "bytes": received,
                 "prompt_tokens": len(ids), "completion_tokens": len(self.stream.ids), "held_rows": held,
                 "computed_rows": computed, "finish_reason": finish, "fallback_reason": reason,
                 "text": self.stream.text}

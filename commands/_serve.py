@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import info
+from muser_cli.commands._common import err, info
 
 
 def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
@@ -39,7 +39,14 @@ def serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optio
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n)
-    rc = serve_openai(config, options,
+    rc = serve_openai(config, options, log=_json_line,
                       on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
     if rc:
         raise typer.Exit(rc)
+
+
+def _json_line(record: dict) -> None:
+    """One JSON line on stderr per request, start, drain and stop (its ``ts`` first)."""
+    import json
+
+    err(json.dumps(record, sort_keys=True, default=str))

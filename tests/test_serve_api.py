@@ -292,3 +292,19 @@ def test_a_port_in_use_is_75(tiny_llama):
     finally:
         s.close()
     assert r.returncode == 75 and b"cannot listen" in r.stderr, r.stderr
+
+
+def test_without_the_serve_extra_it_says_so_78(tiny_llama, tmp_path):
+    """uvicorn missing (shadowed by a package that fails to import): one line naming the extra, 78."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "uvicorn").mkdir()
+    (tmp_path / "uvicorn" / "__init__.py").write_text("raise ImportError('uvicorn is not installed')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "--serve", "127.0.0.1:0", "-m",
+                        str(tiny_llama.path)], capture_output=True, timeout=120, env=env)
+    assert r.returncode == 78, r.stderr
+    lines = r.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "muser[serve]" in lines[0]

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,12 +30,6 @@ def utc_stamp() -> str:
     """Now, as 2026-12-02T10:12:42.383Z."""
     now = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
-
-
-def log_line(record: dict[str, Any]) -> None:
-    """One JSON line on stderr, with a UTC timestamp."""
-    sys.stderr.write(json.dumps({"ts": utc_stamp(), **record}, sort_keys=True, default=str) + "\n")
-    sys.stderr.flush()
 
 
 @dataclass
@@ -68,7 +60,7 @@ class Service:
     """The app's state: the worker, the metrics, the options; :meth:`app` builds the ASGI app."""
 
     def __init__(self, worker: EngineWorker, metrics: Any, options: ServeOptions,
-                 log: Callable[[dict], None] = log_line) -> None:
+                 log: Callable[[dict], None] = lambda record: None) -> None:
         self.worker, self.metrics, self.options, self.log = worker, metrics, options, log
         self.draining = False
         self.ids = {options.model_id, worker.info.name, "default"}  # "default": whatever this server serves
@@ -268,9 +260,10 @@ def bind_socket(listen: str, api_key: str | None) -> socket.socket:
     return sock
 
 
-def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callable[[str], None] | None = None,
-                 log: Callable[[dict], None] = log_line) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return 0 (1 if the drain timed out)."""
+def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict], None],
+                 on_listening: Callable[[str], None] | None = None) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return 0 (1 if the drain timed out).
+    ``log`` gets one record (a dict with a ``ts``) per request and per start, drain and stop."""
     try:
         import uvicorn
 
@@ -281,9 +274,13 @@ def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callabl
         raise ConfigError(f"decode --serve needs the serve extra: {exc}",
                           hint="pip install 'muser[serve]' (starlette, uvicorn, prometheus-client)") from None
     sock = bind_socket(options.listen, options.api_key)
+    def stamped(record: dict[str, Any]) -> None:
+        log({"ts": utc_stamp(), **record})
+
+    log_ = stamped
     metrics = ConsumerMetrics()
-    worker = EngineWorker(config, metrics, log=log)
-    service = Service(worker, metrics, options, log=log)
+    worker = EngineWorker(config, metrics, log=log_)
+    service = Service(worker, metrics, options, log=log_)
     outcome = {"rc": 0}
 
     class _Server(uvicorn.Server):
@@ -291,12 +288,12 @@ def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callabl
             if service.draining:
                 return super().handle_exit(sig, frame)
             service.draining = True
-            log({"event": "draining", "queued": worker.busy(), "signal": int(sig)})
+            log_({"event": "draining", "queued": worker.busy(), "signal": int(sig)})
 
             def drain() -> None:
                 done = worker.drain(options.drain_s)
                 outcome["rc"] = 0 if done else 1
-                log({"event": "drained" if done else "drain_timed_out", "left": worker.busy()})
+                log_({"event": "drained" if done else "drain_timed_out", "left": worker.busy()})
                 self.should_exit = True
 
             threading.Thread(target=drain, name="muser-drain", daemon=True).start()
@@ -306,7 +303,7 @@ def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callabl
     server = _Server(cfg)
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    log({"event": "listening", "address": address, "model": options.model_id, "engine": config.engine,
+    log_({"event": "listening", "address": address, "model": options.model_id, "engine": config.engine,
          "producers": list(config.producers)})
     if on_listening is not None:
         on_listening(address)
@@ -315,8 +312,8 @@ def serve_openai(config: Config, options: ServeOptions, *, on_listening: Callabl
     finally:
         worker.close()
         sock.close()
-        log({"event": "stopped", "rc": outcome["rc"]})
+        log_({"event": "stopped", "rc": outcome["rc"]})
     return outcome["rc"]
 
 
-__all__ = ["ServeOptions", "Service", "bind_socket", "log_line", "serve_openai", "utc_stamp"]
+__all__ = ["ServeOptions", "Service", "bind_socket", "serve_openai", "utc_stamp"]

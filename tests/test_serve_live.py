@@ -347,3 +347,28 @@ def test_the_real_model_through_a_producer_equals_decode(real_model, tmp_path):
     finally:
         assert consumer.stop() == 0
         producer.stop()
+
+
+def test_a_silent_producer_costs_at_most_the_deadline(lane):
+    """A producer that accepts and never answers: after --prefill-deadline the request is
+    prefilled here, with the same text; a request may ask for a shorter wait."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", address, "--no-reuse",
+                 "--prefill-deadline", "3")
+    try:
+        t0 = time.monotonic()
+        raw = complete(c.client())
+        took = time.monotonic() - t0
+        assert raw.parse().choices[0].text == lane["local"]["text"]
+        assert raw.headers["x-muser-source"] == "local" and took < 20, took
+        raw = c.client().completions.with_raw_response.create(
+            model="default", prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"muser_prefill_deadline": 0.5})
+        assert raw.parse().choices[0].text == lane["local"]["text"]
+    finally:
+        assert c.stop() == 0
+        silent.close()

@@ -117,10 +117,8 @@ class Service:
         self.worker.submit(job)  # QueueFull / Draining: answered by the caller
         rid, model = new_id(ask.kind), ask.model or self.options.model_id
         try:
-            pieces: list[str] = []
             kind, payload = await self._next(queue, request, job)
-            while not ask.stream and kind == "text":
-                pieces.append(payload)
+            while not ask.stream and kind == "text":  # the whole answer: its summary holds the text
                 kind, payload = await self._next(queue, request, job)
         except asyncio.CancelledError:
             self.worker.withdraw(job)
@@ -136,8 +134,7 @@ class Service:
         first = (kind, payload)
 
         async def events():
-            nonlocal first
-            ok = False
+            status = 499  # until the stream ends as it should: the client went away
             try:
                 yield sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else
                           chunk(ask, rid, model, "", None))
@@ -147,17 +144,18 @@ class Service:
                     k, p = await queue.get()
                 if k == "error":
                     err = _internal(p)
+                    status = err.status
                     yield sse(err.body())
                     return
                 yield sse(chunk(ask, rid, model, None if ask.chat else "", p["finish_reason"], muser=_muser(p)))
                 if ask.include_usage:
                     yield sse(chunk(ask, rid, model, None, None, use=_usage(p)))
                 yield sse("[DONE]")
-                ok = True
+                status = 200
             finally:
-                if not ok:
+                if status == 499:
                     self.worker.withdraw(job)
-                self._count(endpoint, 200 if ok else 499)
+                self._count(endpoint, status)
 
         # the first event came: the rows' source and the TTFT are known for the headers
         head = {"x-muser-source": "", "cache-control": "no-cache"}

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import os
 import re
-import select
 import shutil
 import subprocess
 import sys
@@ -42,16 +41,30 @@ _URL = re.compile(r"listening on http://(\S+)/v1")
 
 
 def wait_url(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    """The endpoint a starting ``decode --serve`` prints; its stderr is read on a thread from
+    then on (a line reader, so two lines arriving together are both seen)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for raw in proc.stderr:
+                lines.put(raw.decode(errors="replace"))
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if select.select([proc.stderr], [], [], 0.5)[0]:
-            line = proc.stderr.readline().decode(errors="replace")
-            m = _URL.search(line)
-            if m:
-                return f"http://{m.group(1)}/v1"
-            if not line:
-                break
-        elif proc.poll() is not None:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        m = _URL.search(line)
+        if m:
+            return f"http://{m.group(1)}/v1"
+        if not line:
             break
     proc.kill()
     raise SystemExit(f"{what} did not start")
@@ -139,7 +152,6 @@ def main() -> int:
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             procs.append(proc)
             url = wait_url(proc, lane)
-            drain(proc)
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
             conversation(client, "default", slices(-1)[:2], args.max_tokens)  # warm-up
             lanes[lane] = [conversation(client, "default", slices(r), args.max_tokens) for r in range(args.reps)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from muser_cli.bench.common import BenchResult, corpus_ids, machine, measure, summarize  # noqa: F401
+from muser_cli.bench.common import BenchResult, corpus_ids, machine, measure, receipt_path, summarize  # noqa: F401
 from muser_cli.bench.common import write_receipt as _write_receipt
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -14,10 +14,5 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def write_receipt(name: str, payload: dict) -> Path:
     """``benchmarks/results/<name>-<UTC timestamp>.json`` with the machine added, written atomically."""
-    import time
-
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}.json"
-    result = BenchResult(name, dict(payload))
-    _write_receipt(result, path)
-    return path
+    return _write_receipt(BenchResult(name, dict(payload)), receipt_path(name, RESULTS))

@@ -1,14 +1,13 @@
-"""The load a consumer process pays: one ``read_pack`` of a pack file in a new interpreter.
+"""The load a consumer process pays: one ``read_pack`` of a pack file in a new interpreter
+(``muser_cli.bench.pack_study.fresh_load``, the study's fresh-process load).
 
     python benchmarks/bench_load_fresh.py PACK [PACK ...] [--tree DIR ...] [--reps 7]
 
-Each child imports muser_cli first and then times one verified read of the file (memory
-map, every payload hashed, rows handed out), so neither the interpreter's start nor its
-imports are counted, and no heap or allocator cache is left over from earlier reads -- the
-case of ``muser decode --pack FILE``. ``--tree DIR`` (repeatable) times another tree's
-muser_cli (DIR holds its muser_cli/, e.g. a ``git worktree``) in the same rounds, in turn:
-tree A, tree B, A, B, ... for every pack, after one uncounted round. The packs' pages are
-in the page cache (the uncounted round reads them). Receipt: results/load-fresh-*.json.
+Each child imports muser_cli, then times one verified read (memory map, every payload
+hashed, rows handed out): no interpreter start, no imports, no heap left by earlier reads
+-- the case of ``muser decode --pack FILE``. ``--tree DIR`` (repeatable; DIR holds its
+muser_cli/, e.g. a ``git worktree``) is timed in the same rounds, trees in turn, A B A B,
+after one uncounted round. Receipt: results/load-fresh-*.json.
 """
 
 from __future__ import annotations
@@ -22,23 +21,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import summarize, write_receipt  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
-_CHILD = """
-import sys, time
-from muser_cli.kvpack import read_pack
-t0 = time.perf_counter()
-with open(sys.argv[1], "rb") as fh:
-    pack = read_pack(fh)
-print(time.perf_counter() - t0, pack.stored_bytes)
-"""
-
-
-def one_load(tree: Path, pack: Path) -> tuple[float, int]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(pack)], env=env, check=True, capture_output=True,
-                         text=True, cwd=str(tree)).stdout.split()
-    return float(out[0]), int(out[1])
+from muser_cli.bench.common import SOURCE_ROOT  # noqa: E402
+from muser_cli.bench.pack_study import fresh_load  # noqa: E402
 
 
 def main() -> int:
@@ -47,31 +31,24 @@ def main() -> int:
     ap.add_argument("--tree", action="append", default=[], help="another tree to time in the same rounds")
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    trees = [ROOT, *[Path(t).resolve() for t in args.tree]]
-    packs = [Path(p).resolve() for p in args.packs]
-    seconds: dict[str, dict[str, list[float]]] = {str(p): {str(t): [] for t in trees} for p in packs}
-    sizes: dict[str, int] = {}
+    trees = [SOURCE_ROOT, *[Path(t).resolve() for t in args.tree]]
+    packs = [str(Path(p).resolve()) for p in args.packs]
+    seconds = {p: {str(t): [] for t in trees} for p in packs}
     for rep in range(args.reps + 1):
         for p in packs:
             for t in trees:
-                s, stored = one_load(t, p)
-                sizes[str(p)] = stored
+                s = fresh_load("kvpack", Path(p), t)
                 if rep:
-                    seconds[str(p)][str(t)].append(s)
-    gits = {}
-    for t in trees:
-        try:
-            gits[str(t)] = subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            gits[str(t)] = None
+                    seconds[p][str(t)].append(s)
+    gits = {str(t): subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip() or None for t in trees}
     result = {p: {t: summarize(v) for t, v in by_tree.items()} for p, by_tree in seconds.items()}
     for p, by_tree in result.items():
-        print(f"== {Path(p).name} ({sizes[p] / 1e6:.1f} MB stored)")
+        print(f"== {Path(p).name} ({os.path.getsize(p) / 1e6:.1f} MB)")
         for t, s in by_tree.items():
             print(f"  {gits[t] or t:<12} {s['median'] * 1e3:8.1f} ms  [{s['min'] * 1e3:.1f} - {s['max'] * 1e3:.1f}]")
-    path = write_receipt("load-fresh", {"packs": {p: {"stored_bytes": sizes[p]} for p in seconds}, "trees": gits,
-                                        "reps": args.reps, "seconds": result,
+    path = write_receipt("load-fresh", {"packs": {p: {"file_bytes": os.path.getsize(p)} for p in packs},
+                                        "trees": gits, "reps": args.reps, "seconds": result,
                                         "raw_seconds": seconds, "loadavg_at_end": os.getloadavg()})
     print(f"receipt: {path}")
     return 0

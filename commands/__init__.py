@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "reuse",
     "batch",
     "bench",
+    "model",
 ]
 
 from muser_cli.commands._common import OneLineErrors  # noqa: E402

@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ import typer
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
 
 from muser_cli.errors import MissingInput, MuserError, UsageError
+from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -30,6 +33,10 @@ _state = {"debug": False, "quiet": False}
 def set_globals(*, debug: bool, quiet: bool) -> None:
     _state["debug"] = debug
     _state["quiet"] = quiet
+    if not _state.get("convert_note"):
+        from muser_cli.models import on_convert
+
+        _state["convert_note"] = on_convert(ConvertNote())
 
 
 def quiet() -> bool:
@@ -200,6 +207,71 @@ def progress_callback() -> Callable[[str, int, int], None] | None:
     return report
 
 
+class ConvertNote:
+    """One stderr line for a model's one-time GGUF conversion (``models.on_convert``): on a
+    terminal a spinner with the seconds so far, else the line is finished when it is done.
+    Nothing under --quiet; later runs convert nothing and so print nothing."""
+
+    SPIN = "|/-\\"
+
+    def __init__(self) -> None:
+        self.head: str | None = None
+        self.stop: Any = None
+        self.thread: Any = None
+
+    def __call__(self, event: str, fields: dict) -> None:
+        if event == "start":
+            self.begin(fields)
+        elif self.head is not None:
+            self.end(event, fields)
+
+    def begin(self, fields: dict) -> None:
+        if _state["quiet"]:
+            return
+        from muser_cli.models import DEFAULT_GGUF
+
+        name = Path(fields["source"]).name
+        about = ", about 20-45 s" if name == DEFAULT_GGUF else ""
+        self.head = f"muser: converting {name} once{about}"
+        if not sys.stderr.isatty():
+            sys.stderr.write(self.head + " (later runs skip this) ...")
+            sys.stderr.flush()
+            return
+        import threading
+        import time
+
+        self.stop = threading.Event()
+        started = time.monotonic()
+
+        def spin() -> None:
+            turn = 0
+            while not self.stop.wait(0.25):
+                self.show(f"{self.SPIN[turn % 4]} {time.monotonic() - started:.0f} s")
+                turn += 1
+
+        self.show("")
+        self.thread = threading.Thread(target=spin, name="muser-convert-note", daemon=True)
+        self.thread.start()
+
+    def show(self, tail: str) -> None:
+        import shutil
+
+        room = shutil.get_terminal_size((80, 24)).columns - 2 - len(tail)  # one line, or \r cannot redraw it
+        sys.stderr.write("\r\x1b[K" + f"{self.head[:max(room, 0)]} {tail}".rstrip())
+        sys.stderr.flush()
+
+    def end(self, event: str, fields: dict) -> None:
+        outcome = f"{'done' if event == 'done' else 'failed'} in {fields.get('seconds', 0):.0f} s"
+        if self.stop is not None:
+            self.stop.set()
+            self.thread.join(timeout=1)
+            sys.stderr.write(f"\r\x1b[K{self.head}: {outcome}\n")  # the last redraw: it may wrap
+        else:
+            sys.stderr.write(f" {outcome}\n")
+        sys.stderr.flush()
+        self.head = self.stop = None
+
+
 # --------------------------------------------------------------------------- usage errors
 def _command_path(ctx: Any) -> str:
     """``muser decode`` (however the program was started: console script or ``python -m``)."""
@@ -250,6 +322,49 @@ def _click_classes(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
+def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
+    if value:
+        _state["quiet"] = True
+    return value
+
+
+def paragraphs(text: str | None) -> str | None:
+    """Help text as paragraphs: a docstring's hard line breaks inside a paragraph become spaces
+    (Rich would otherwise keep them and wrap each line again, breaking sentences mid-way);
+    blank lines still separate paragraphs, and one that starts with ``\\b`` is kept as written."""
+    if not text:
+        return text
+    import inspect
+
+    out = []
+    for para in inspect.cleandoc(text).split("\n\n"):
+        out.append(para.lstrip("\b").strip("\n") if para.startswith("\b") else " ".join(para.split()))
+    return "\n\n".join(p for p in out if p)
+
+
+def _finish_commands(group: Any) -> None:
+    """Every command's help as paragraphs, its examples as the epilog (:mod:`muser_cli.examples`), and
+    ``-q/--quiet`` after the subcommand too (``muser decode -q ...``): a copy of the root's option."""
+    import copy
+
+    from muser_cli.examples import epilog
+
+    root = next((p for p in group.params if p.name == "quiet"), None)
+
+    def walk(cmd: Any, path: str) -> None:
+        cmd.help = paragraphs(cmd.help)
+        cmd.epilog = cmd.epilog or epilog(path)
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}".strip())
+        taken = {name for p in cmd.params for name in getattr(p, "opts", [])}
+        if root is not None and cmd is not group and not getattr(cmd, "commands", None) and not {"-q", "--quiet"} & taken:
+            option = copy.copy(root)
+            option.expose_value, option.is_eager, option.callback = False, True, _set_quiet
+            cmd.params.append(option)
+
+    walk(group, "")
+
+
 def _one_line_group_class():
     from typer.core import TyperGroup
 
@@ -263,6 +378,10 @@ def _one_line_group_class():
 
         Runs click in non-standalone mode and renders what it raises itself, so an unknown
         option or a missing argument never prints click's framed usage panel."""
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            _finish_commands(self)
 
         def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
             if not standalone_mode:
@@ -289,3 +408,29 @@ def _one_line_group_class():
 
 
 OneLineErrors = _one_line_group_class()
+
+
+# --- SIGTERM and SIGHUP for the resident commands (`receive --listen`, `prefill --serve`).
+# The first one asks the command to drain: accept nothing new, finish what is in flight,
+# print one summary line and exit 0. Its handler then restores the default action, so a
+# second SIGTERM or SIGHUP ends the process at once (143 or 129), as an operator expects.
+# A signal the process was started ignoring (SIGHUP under `nohup`) stays ignored.
+
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def drain_on_signals() -> tuple[threading.Event, dict[str, str]]:
+    """An event the first SIGTERM or SIGHUP sets; ``got["signal"]`` then names it."""
+    stop = threading.Event()
+    got: dict[str, str] = {}
+
+    def handler(signum: int, _frame) -> None:
+        got.setdefault("signal", signal.Signals(signum).name)
+        stop.set()
+        for s in DRAIN_SIGNALS:  # a second one: the default action, at once
+            signal.signal(s, signal.SIG_DFL)
+
+    for s in DRAIN_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:  # `nohup muser ...` keeps ignoring SIGHUP
+            signal.signal(s, handler)
+    return stop, got

@@ -69,6 +69,24 @@ def _options_table(cmd) -> list[str]:
             + ["| `" + n + "` | " + h.replace("|", "\\|") + " |" for n, h in rows] + [""])
 
 
+def _man_examples(path: str) -> list[str]:
+    from muser_cli.examples import EXAMPLES
+
+    lines = [".SH EXAMPLES"] if EXAMPLES.get(path) else []
+    for what, line in EXAMPLES.get(path, []):
+        lines += [".PP", _roff(what), ".RS 4", ".nf", _roff("$ " + line), ".fi", ".RE"]
+    return lines
+
+
+def _md_examples(path: str) -> list[str]:
+    from muser_cli.examples import EXAMPLES
+
+    items = EXAMPLES.get(path, [])
+    if not items:
+        return []
+    return ["Examples:", "", "```sh"] + [f"# {what}\n{line}" for what, line in items] + ["```", ""]
+
+
 def man_pages() -> dict[str, str]:
     cli = _cli()
     pages = {}
@@ -101,6 +119,7 @@ def man_pages() -> dict[str, str]:
                       ".PP", _roff((leaf.help or "").strip())]
             for names, help_ in _params(leaf):
                 lines += [".TP", f".B {_roff(names)}", _roff(help_)]
+        lines += _man_examples(name)
         lines += [".SH SEE ALSO", "muser(1)"]
         pages[f"man/muser-{name}.1"] = "\n".join(lines) + "\n"
     return pages
@@ -119,6 +138,7 @@ def cli_reference() -> dict[str, str]:
             lines += [f"### muser {path}", "", "```", f"muser {path} {_usage(leaf, sub_name)}", "```", "",
                       (leaf.help or "").strip(), ""]
             lines += _options_table(leaf)
+        lines += _md_examples(name)
     lines += ["## Exit statuses", "",
               "0 ok · 1 error · 2 usage · 65 malformed, corrupt or mismatched data · 66 missing input · "
               "75 temporary failure (peer unreachable or timed out: fall back to local prefill) · "

@@ -31,8 +31,9 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
-        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N recomputed positions before the first token (default: 1, only for a pack from another engine, dtype or codec)."),
+        audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check the last N positions before the first token, besides 32 sampled across the whole prompt in every layer (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
+        strict: bool = typer.Option(False, "--strict", help="With --prompt: refuse (65) a pack that does not match (another prompt, model or tokenizer, damaged, or refused by the spot-check) instead of setting it aside for a local prefill."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
         producer: Optional[List[str]] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
@@ -48,13 +49,11 @@ def register(app: typer.Typer) -> None:
 
         with guarded(as_json=as_json):
             if serve is not None:
-                from muser_cli.commands._serve import serve_decode
-
-                serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-                             producers=producer or [], api_key=api_key, max_queue=max_queue,
-                             deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
-                             reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
-                             others=(src, prompt, chat, as_json, send_text))
+                _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
+                              producers=producer or [], api_key=api_key, max_queue=max_queue,
+                              deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
+                              reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
+                              others=(src, prompt, chat, as_json, send_text))
                 return
             if producer is not None and len(producer) > 1:
                 from muser_cli.errors import UsageError
@@ -92,8 +91,10 @@ def register(app: typer.Typer) -> None:
             out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
-                         progress=progress_callback(), audit=0 if no_audit else audit,
+                         progress=progress_callback(), audit=0 if no_audit else audit, strict=strict,
                          on_token=printer.push if printer is not None else None)
+            if out.set_aside:
+                err(f"decode: warning: {out.set_aside}; the tokens come from a local prefill (--strict refuses it)")
             if pulling is not None:
                 pulling.join(timeout=5)
                 why = pulling.reason()
@@ -115,15 +116,20 @@ def register(app: typer.Typer) -> None:
                      f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
             elif source == "delta":
                 info(f"decode: delta merged with the stored prefix of {held} tokens")
-            elif out.fallback:
+            elif out.fallback and not out.set_aside:
                 info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
                      f"in {out.prefill_s:.2f}s")
             spot = out.spot_check or {}
             if spot.get("skipped") and spot.get("reason"):
                 err(f"decode: spot-check skipped (--no-audit) on a pack {spot['reason']}")
-            elif spot.get("ran"):
+            elif spot.get("ran") and "worst_layer" in spot:
                 info(f"decode: spot-check passed ({spot['reason']}): worst layer {spot['worst_layer']} rel "
                      f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}, {spot['ms']:.0f} ms")
+            if spot.get("sampled"):
+                s = spot["sampled"]
+                info(f"decode: spot-check of {len(s['positions'])} positions across the prompt (seed {s['seed']}) "
+                     f"passed: worst layer {s['worst_layer']} at position {s['worst_position']}, rel "
+                     f"{s['worst_rel']:.3g} <= {s['tolerance']:.3g}, {s['ms']:.0f} ms")
             if as_json:
                 emit_json(out.to_json())
             else:
@@ -161,3 +167,46 @@ class _Printer:
             sys.stdout.write(text[len(sent):])
         else:  # the tokenizer joined the pieces otherwise: the whole text, on a line of its own
             sys.stdout.write("\n" + text)
+
+
+def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
+                  producers: list[str], api_key: Optional[str], max_queue: int, deadline: Optional[float],
+                  chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
+    """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
+    (muser_cli/service, docs/serve.md); the exit status is the drain's."""
+    from muser_cli.errors import UsageError
+    from muser_cli.service.app import ServeOptions, serve_openai, utc_stamp
+    from muser_cli.service.worker import Config
+
+    src, prompt, chat, as_json, send_text = others
+    if src != "-" or prompt is not None or chat or as_json or send_text:
+        raise UsageError("--serve takes no kvpack, --prompt, --chat, --json or --send-text",
+                         hint="each request brings its prompt or messages")
+    if max_queue < 0:
+        raise UsageError("--max-queue must be >= 0")
+    if deadline is not None and deadline < 0:
+        raise UsageError("--prefill-deadline must be >= 0")
+    if n < 1:
+        raise UsageError("-n must be at least 1")
+    if engine not in ("torch", "mlx"):
+        raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
+    from muser_cli.batch.pool import ProducerPool
+
+    ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
+    config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
+                    prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
+                    audit=audit)
+    model_id = Path(model).name if model and "/" in model else (model or "default")
+    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
+                           default_max_tokens=n)
+    rc = serve_openai(config, options, log=_json_line,
+                      on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
+    if rc:
+        raise typer.Exit(rc)
+
+
+def _json_line(record: dict) -> None:
+    """One JSON line on stderr per request, start, drain and stop (its ``ts`` first)."""
+    import json
+
+    err(json.dumps(record, sort_keys=True, default=str))

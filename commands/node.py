@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import List, Optional
 
 import typer
@@ -36,19 +35,45 @@ def init_cmd(
 def export_cmd(
     producer: str = typer.Option(..., "--producer", help="The producer's name (its certificate's name)."),
     host: List[str] = typer.Option([], "--host", help="Extra name for the producer's certificate."),
-    output: str = typer.Option("-", "--output", "-o", help="Bundle file (written 0600), - for stdout."),
+    output: str = typer.Option("-", "--output", "-o", help="Bundle file (written 0600), - for stdout (a file there is made 0600)."),
 ) -> None:
     """Issue a certificate and an HMAC key for a producer; print the bundle it joins with."""
-    from muser_cli.commands._common import binary_output
+    from muser_cli.fsio import atomic_writer
     from muser_cli.handoff.api import node_export
 
     with guarded():
-        data, res = node_export(producer=producer, hosts=host)
-        with binary_output(output) as out:
-            out.write(data)
-        if output not in ("-", None):
-            os.chmod(output, 0o600)
+        if output in ("-", None):  # checked before a key is issued: a refusal leaves nothing behind
+            _, res = node_export(producer=producer, hosts=host, deliver=_bundle_to_stdout(producer))
+        else:
+            with atomic_writer(output, mode=0o600) as out:
+                _, res = node_export(producer=producer, hosts=host, deliver=out.write)
         info(f"node: bundle for {res['producer']} (key id {res['key_id']}); it holds secrets: move it privately")
+
+
+def _bundle_to_stdout(producer: str):
+    """The bundle's writer to stdout: never a terminal; a file there is made 0600 first."""
+    import sys
+
+    from muser_cli.errors import UsageError
+    from muser_cli.fsio import make_private
+
+    hint = f"write it to a file: muser node export --producer {producer} -o {producer}.bundle"
+    if sys.stdout.isatty():
+        raise UsageError("refusing to print the bundle on a terminal: it holds the producer's private key and "
+                         "HMAC secret", hint=hint)
+
+    def deliver(data: bytes) -> None:
+        sys.stdout.flush()
+        try:
+            fd = sys.stdout.fileno()
+        except (OSError, ValueError):  # not a file descriptor (an in-process test runner)
+            fd = None
+        if fd is not None:
+            make_private(fd, "stdout", hint=hint)
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+
+    return deliver
 
 
 @node_app.command("join")

@@ -6,7 +6,9 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, emit_json, guarded, info, open_input, read_text_input
+from muser_cli.commands._common import (
+    binary_output, emit_json, guarded, info, open_input, plural, read_text_input, size_text,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -54,8 +56,9 @@ def register(app: typer.Typer) -> None:
                 emit_json(res.to_json())
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
-                info(f"pack: {res.frames} frames, {res.bytes_in} -> {res.bytes_out} bytes "
-                     f"({res.ratio:.2f}x of raw KV, {res.codec}{delta})")
+                share = f"{res.bytes_out / res.raw_bytes:.0%} of the raw KV's {size_text(res.raw_bytes)}" if res.raw_bytes else "no KV"
+                info(f"pack: {plural(res.frames, 'frame')}, {size_text(res.bytes_in)} in, {size_text(res.bytes_out)} out "
+                     f"({share}, codec {res.codec}{delta})")
 
 
 def _interop(src: str, output: str, *, export_to: str | None, import_from: str | None, model: str | None,
@@ -72,7 +75,7 @@ def _interop(src: str, output: str, *, export_to: str | None, import_from: str |
         if as_json and output not in ("-", None):
             emit_json(packing.export_summary(res))
             return
-        info(f"pack: exported {res.rows} rows (prompt[:-1]) as an mlx-lm prompt cache, {res.bytes_out} bytes; "
+        info(f"pack: exported {res.rows} rows (prompt[:-1]) as an mlx-lm prompt cache, {size_text(res.bytes_out)}; "
              f"continue with the last prompt token, id {res.next_token_ids[0]}")
         if not res.model_resolved:
             info(f"pack: the file names model {res.model_ref!r}; pass -m FOLDER so that mlx_lm.generate can load it")
@@ -87,7 +90,7 @@ def _interop(src: str, output: str, *, export_to: str | None, import_from: str |
         return
     note = " (the file held the whole prompt; its last row is left to the consumer)" if res.dropped_last_row else ""
     info(f"pack: imported an mlx-lm prompt cache of {res.cached_positions} positions as a kvpack of "
-         f"{res.tokens} tokens, {res.bytes_out} bytes{note}")
+         f"{res.tokens} tokens, {size_text(res.bytes_out)}{note}")
 
 
 def _show_info(d: dict, *, as_json: bool) -> None:
@@ -110,7 +113,8 @@ def _show_info(d: dict, *, as_json: bool) -> None:
         f"chunk {d['chunk_tokens']}, {d['dtype']}",
         f"  layers     {kinds}",
         f"  KV bytes   {d['kv_bytes']:,} ({by_kind})",
-        f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}, ratio {d['ratio']}x",
+        f"  file       {d['pack_bytes']:,} bytes, codec {d['codec']}"
+        + (f" (payload {1 / d['ratio']:.0%} of the KV bytes)" if d.get("ratio") else ""),
         f"  quant      {qline}",
         "  producer   " + ", ".join(f"{k}={v}" for k, v in sorted(d["producer"].items())),
     ]

@@ -85,17 +85,21 @@ def register(app: typer.Typer) -> None:
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
-                info(f"prefill: {res.token_count} tokens, {res.bytes_written} bytes{delta}{reused}, "
-                     f"prefill {res.prefill_s:.2f}s ({res.header.dtype}, {engine})")
+                from muser_cli.units import size_text
+
+                info(f"prefill: {res.token_count} tokens, {size_text(res.bytes_written)} written{delta}{reused}, "
+                     f"prefill {res.prefill_s:.2f} s ({res.header.dtype}, {engine})")
+
+
+_REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": "from the reuse store"}
 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
            max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8,
            metrics: Optional[str] = None) -> None:
-    """``prefill --serve``: the resident producer; SIGTERM finishes the running request and exits 0."""
-    import signal
-    import threading
-
+    """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
+    turns the waiting ones away, prints one summary line and exits 0."""
+    from muser_cli.commands._common import drain_on_signals
     from muser_cli.errors import UsageError
     from muser_cli.serve import serve
 
@@ -105,8 +109,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, got = drain_on_signals()
 
     observe = _metrics(metrics)
 
@@ -121,7 +124,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         elif kind == "request":
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
             if f.get("outcome") == "served" and f.get("reused_rows"):
-                what += f", {f['reused_rows']} rows from the {f.get('reused_from')}"
+                what += f", {f['reused_rows']} rows " + _REUSED_FROM.get(f.get("reused_from"), f"from {f.get('reused_from')}")
             if f.get("outcome") == "served" and (f.get("batch") or 1) > 1:
                 what += f", computed in a batch of {f['batch']}"
             info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
@@ -132,9 +135,17 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         elif kind == "tls_failed":
             info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 
-    serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-          max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
-          max_batch=max_batch)
+    counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
+                   max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
+                   max_batch=max_batch)
+    summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
+    if as_json:
+        sys.stderr.write(json.dumps({"event": "stopped", **summary}, sort_keys=True) + "\n")
+        sys.stderr.flush()
+    else:
+        info(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
+             f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
+             f"{summary['turned_away']} turned away while draining; none left in flight")
 
 
 def _metrics(listen: Optional[str]):

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, err, guarded, info
+from muser_cli.commands._common import emit_json, err, guarded, info, rate_text
 
 
 def register(app: typer.Typer) -> None:
@@ -31,7 +31,8 @@ def register(app: typer.Typer) -> None:
                 emit_json(res)
             else:
                 who = " (producer)" if res["listener"] == "producer" else ""
-                info(f"probe-link {to}{who}: up {res['up_Mbit']:.0f} Mbit/s, down {res['down_Mbit']:.0f} Mbit/s, "
+                info(f"probe-link {to}{who}: up {rate_text(res['up_Bps'])}, "
+                     f"down {rate_text(res['down_Bps'])}, "
                      f"connect {res['connect_s'] * 1000:.1f} ms")
             if not res["passed"]:
                 err(f"muser: error: link below the floor of {floor} "

@@ -8,14 +8,20 @@ import typer
 
 from muser_cli.errors import UsageError
 
-from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet
+from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet, drain_on_signals
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}" + ("" if count == 1 else "s")
 
 
 def _render(kind: str, f: dict) -> None:
     if kind == "listening":
         info(f"receive: listening on {f['address']}")
     elif kind == "stale_removed":
-        info(f"receive: removed {f['count']} stale spool file(s) left by a receiver that was killed")
+        from muser_cli.commands._common import plural
+
+        info(f"receive: removed {plural(f['count'], 'stale spool file')} left by a receiver that was killed")
     elif kind == "accepted":
         span = ""
         if f.get("first_byte_s") is not None:
@@ -76,10 +82,20 @@ def register(app: typer.Typer) -> None:
             if as_json and to_stdout:
                 raise UsageError("--json needs -o FILE or -o DIR (stdout carries the kvpack)")
             out_stream = binary_stdout() if to_stdout else None
+            stop, got = drain_on_signals()
+
+            def on_event(kind: str, f: dict) -> None:
+                if kind == "drained":
+                    info(f"receive: stopped on {got.get('signal', 'request')}: {_n(f['accepted'], 'handoff')} "
+                         f"accepted ({f['payload_bytes']} bytes), {f['rejected'] - f['turned_away']} refused, "
+                         f"{f['turned_away']} turned away while draining; none left in flight")
+                else:
+                    _render(kind, f)
+
             receive(listen=listen, once=once, timeout=timeout, output=output, out_stream=out_stream,
                     max_size=max_size, window=window, idle_timeout=idle_timeout,
-                    handshake_timeout=handshake_timeout, queue=queue, on_event=_render,
-                    on_accept=emit_json if as_json else None)
+                    handshake_timeout=handshake_timeout, queue=queue, on_event=on_event,
+                    on_accept=emit_json if as_json else None, drain=stop)
 
 
 def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: bool, chunk: Optional[int],

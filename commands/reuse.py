@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, emit_json, err, guarded, info, open_input, read_text_input
+from muser_cli.commands._common import binary_output, emit_json, err, guarded, info, open_input, plural, read_text_input
 from muser_cli.fsio import write_bytes_atomic
 
 reuse_app = typer.Typer(help="The prefix store: what KV this machine holds, for warm starts and delta handoffs.",
@@ -49,8 +49,9 @@ def have_cmd(
             typer.echo(text, nl=False)
         else:
             write_bytes_atomic(output, text.encode())
-        info(f"reuse: {manifest.held_tokens} of {manifest.prompt_tokens} prompt tokens held"
-             + (" (complete: no producer needed)" if manifest.complete else ""))
+        need = manifest.prompt_tokens - 1  # a pack holds prompt[:-1]: the consumer runs the last token
+        info(f"reuse: the store holds {manifest.held_tokens} of the {plural(need, 'row')} this prompt needs"
+             + (" (all: no producer needed)" if manifest.complete else ""))
 
 
 @reuse_app.command("put")
@@ -116,7 +117,7 @@ def ls_cmd(
             used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
             typer.echo(f"{e.id[:12]}  {e.model_name[:24]:<24} {e.tokens:>7} {_size(e.bytes):>10} {e.chunk_tokens:>5} "
                        f"{e.dtype:<8} {used}")
-        info(f"reuse: {len(entries)} entries, {_size(sum(e.bytes for e in entries))}")
+        info(f"reuse: {plural(len(entries), 'entry', 'entries')}, {_size(sum(e.bytes for e in entries))}")
 
 
 @reuse_app.command("rm")
@@ -129,7 +130,7 @@ def rm_cmd(
 
     with guarded():
         gone = api.rm(entries or [], everything=everything)
-        info(f"reuse: removed {len(gone)} entr{'y' if len(gone) == 1 else 'ies'}")
+        info(f"reuse: removed {plural(len(gone), 'entry', 'entries')}")
 
 
 @reuse_app.command("gc")
@@ -149,8 +150,8 @@ def gc_cmd(
         if as_json:
             emit_json(res.to_json())
         else:
-            info(f"reuse: {res.entries} entries, {_size(res.bytes)}; evicted {len(res.evicted)}, "
-                 f"removed {len(res.removed)} broken, {res.tmp_removed} temporaries")
+            info(f"reuse: {plural(res.entries, 'entry', 'entries')} kept, {_size(res.bytes)}; evicted "
+                 f"{len(res.evicted)}, removed {len(res.removed)} broken and {plural(res.tmp_removed, 'temporary file')}")
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, guarded, info, open_input, progress_callback
+from muser_cli.commands._common import emit_json, guarded, info, open_input, plural, progress_callback, rate_text, size_text
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +37,6 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 emit_json(res)
             else:
-                info(f"send: {res['payload_bytes']} bytes ({res['frames']} frames) to {res['to']} accepted as "
-                     f"{res['handoff_id']} in {res['total_s']:.3f} s (payload rate "
-                     f"{res['payload_rate_Bps'] / 1e6:.1f} MB/s, waited {res['input_wait_s']:.3f} s for input)")
+                info(f"send: {size_text(res['payload_bytes'])} ({plural(res['frames'], 'frame')}) to {res['to']} "
+                     f"accepted as {res['handoff_id']} in {res['total_s']:.3f} s (payload rate "
+                     f"{rate_text(res['payload_rate_Bps'])}, waited {res['input_wait_s']:.3f} s for input)")

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, default_threads, emit_json, err, guarded, open_input, read_text_input,
+    binary_output, default_threads, emit_json, err, guarded, open_input, plural, read_text_input, size_text,
 )
 
 
@@ -23,8 +23,9 @@ def _render(report) -> str:
     s = report.summary
     if s:
         kinds = ", ".join(f"{n} {k}" for k, n in s["layers"].items())
-        lines.append(f"  pack: {s['tokens']} tokens ({s['rows'][1] - s['rows'][0]} rows), {kinds} layers, "
-                     f"{s['dtype']}, {s['kv_bytes']} KV bytes in {s['pack_bytes']} pack bytes, codec {s['codec']}")
+        lines.append(f"  pack: {plural(s['tokens'], 'token')} ({plural(s['rows'][1] - s['rows'][0], 'row')}), "
+                     f"{kinds} layers, {s['dtype']}, {size_text(s['kv_bytes'])} of KV in a "
+                     f"{size_text(s['pack_bytes'])} pack, codec {s['codec']}")
     verdict = "verified" if report.ok else "REJECTED"
     return f"verify: {verdict}\n" + "\n".join(lines)
 

@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.audit import SpotGate, spot_check, spot_check_reason
+from muser_cli.audit import DEFAULT_SAMPLE_POSITIONS, SpotGate, sample_check, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
-from muser_cli.errors import DataError, KVPackError, MissingInput, UsageError
+from muser_cli.errors import DataError, KVPackError, MissingInput, SpotCheckFailed, UsageError
 from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
@@ -46,6 +46,7 @@ class Rows:
     handoff_rows: int | None = None  # after a cut stream: rows kept from it ...
     local_rows: int | None = None  # ... and rows computed here
     cut_prefill_s: float = 0.0
+    spot: dict | None = None  # the gate on a cut stream's kept rows
 
 
 @dataclass
@@ -77,6 +78,7 @@ class DecodeOutcome:
     tail_s: float | None = None  # the last frame's arrival -> the first token
     spot_check: dict | None = None  # the numeric gate on a foreign pack (None: no pack)
     first_token_s: float | None = None  # since muser started: the first new token
+    set_aside: str = ""  # why a pack that did not match was set aside for a local prefill ("": none was)
 
     @property
     def decode_tok_s(self) -> float:
@@ -100,6 +102,7 @@ class DecodeOutcome:
             "decode_tok_s": round(self.decode_tok_s, 3), "prompt_tokens": self.prompt_tokens,
             "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype,
             "pack_read_s": round(self.pack_read_s, 6), "source": self.source, "engine_stats": self.engine_stats,
+            "fallback_reason": self.reason if self.fallback else None,
         }
         if self.reuse:
             out["reuse"] = self.reuse
@@ -138,6 +141,8 @@ def decode(
     audit: int | None = None,
     resident: Engine | None = None,
     on_rows: Callable[[Rows], None] | None = None,
+    strict: bool = False,
+    audit_seed: int | None = None,
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
@@ -156,7 +161,16 @@ def decode(
     ``resident``: an engine already loaded (``muser batch``: one model load for many
     prompts); it must be ``engine``'s, for the same model, in the dtype decoded.
     ``on_rows``: called once the rows are final (verified and spot-checked), before the
-    first token is decoded (``store`` keeps them after the last)."""
+    first token is decoded (``store`` keeps them after the last).
+
+    Besides that last-position check, the gate recomputes :data:`DEFAULT_SAMPLE_POSITIONS`
+    positions drawn across the whole prompt in every layer (:func:`muser_cli.audit.sample_check`,
+    ``audit_seed``; None: an unpredictable seed, reported), wherever foreign rows enter: a
+    whole pack, a delta merged with its base, a cut stream's kept chunks, a store entry.
+
+    A pack that does not match (another prompt, model or tokenizer, damaged, or refused by
+    the gate) with a prompt given is set aside: the tokens come from local rows and
+    ``set_aside`` says why. ``strict``: refuse it instead (65). Without a prompt it is refused."""
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
     if audit is not None and audit < 0:
@@ -168,7 +182,8 @@ def decode(
     # The pack is read and verified on a thread from the first byte on, while the model loads.
     # Each full layer's rows land in an array with room for every new token: the engine's
     # cache adopts it (no copy at install, none per token).
-    stream = StreamedPack(src, spare_rows=max_new_tokens + 1) if src is not None else None
+    spare = max(max_new_tokens + 1, DEFAULT_SAMPLE_POSITIONS)  # room for the gate's rows, then decode's
+    stream = StreamedPack(src, spare_rows=spare) if src is not None else None
     t_res0 = time.perf_counter()
     info = resolve_model(model)
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
@@ -181,10 +196,19 @@ def decode(
         t_load0 = time.perf_counter()
         eng = get_engine(engine, info, dtype=dtype, threads=threads)
         t_load1 = time.perf_counter()
-    header = stream.header() if stream is not None else None
+    may_set_aside = prompt_ids is not None and not strict
+    aside = ""
+    try:
+        header = stream.header() if stream is not None else None
+    except KVPackError as exc:
+        header, aside = None, _set_aside(exc, may_set_aside)
     if header is None and prompt is None:
         raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
-    ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=engine)
+    try:
+        ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=engine)
+    except DataError as exc:  # another prompt, model or tokenizer; a base that disagrees with its delta
+        header, aside = None, _set_aside(exc, may_set_aside)
+        ids, dtype = bind(None, info, prompt_ids, dtype=dtype, engine=engine)
     check_prompt(info, ids, new_tokens=max_new_tokens)
     if eng is None:
         t_load0 = time.perf_counter()
@@ -197,25 +221,41 @@ def decode(
                              hint=f"use --dtype {dtype}")
     load_s = (t_load1 - t_load0) + (t_res1 - t_res0)
 
+    def local(why: str) -> Rows:
+        made = rows_for(None, eng, ids, can_fall_back=True, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse,
+                        progress=progress, spare_rows=max_new_tokens + 1)
+        made.reason = why
+        return made
+
     got = None
+    pack = None
     if header is not None:
         assert stream is not None
         if not stream.finished:
             eng.warm_up()  # the rest is still arriving: pay the first-call costs now, not after
-        arrived = stream.result()
+        try:
+            arrived = stream.result()
+        except KVPackError as exc:  # a damaged frame: nothing of it is used
+            arrived, aside = None, _set_aside(exc, may_set_aside)
         if isinstance(arrived, Cut):
-            got = _after_cut(stream, arrived, eng, ids, can_fall_back=prompt_ids is not None, progress=progress)
-            pack = None
-        else:
+            got = _after_cut(stream, arrived, eng, ids, can_fall_back=prompt_ids is not None, progress=progress,
+                             dtype=dtype, audit=audit, strict=strict, seed=audit_seed)
+        elif arrived is not None:
             pack = arrived
-    else:
-        pack = None
     t0 = time.perf_counter()
+    sampled = None
+    if got is None and aside:
+        got = local(aside)
     if got is None:
         got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
                        reuse=reuse, progress=progress, spare_rows=max_new_tokens + 1)
-    spot, gate = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit,
-                             on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
+    try:
+        spot, gate, sampled = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit, seed=audit_seed,
+                                          on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
+    except SpotCheckFailed as exc:
+        aside = _set_aside(exc, may_set_aside)
+        got, spot, gate = local(aside), None, None
+    spot = spot if spot is not None else got.spot
     prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
     if on_rows is not None and gate is None:
         on_rows(got)
@@ -223,16 +263,29 @@ def decode(
     layers, rows, first_feed = got.layers, len(ids) - 1, [ids[-1]]
     if gate is not None:  # the spot-check rides in the first step: its positions are fed again
         layers, rows, first_feed = gate.prefix, gate.start, gate.token_ids + [ids[-1]]
-    result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=max_new_tokens,
-                        sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                        adopt=(got.source == "handoff" and stream is not None) or got.source == "store",
-                        check_first=gate)
+    try:
+        result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=max_new_tokens,
+                            sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
+                            adopt=(got.source == "handoff" and stream is not None) or got.source == "store",
+                            check_first=gate)
+    except SpotCheckFailed as exc:  # the fused check refused the rows before any token was picked
+        if gate is None:
+            raise
+        aside = _set_aside(exc, may_set_aside)
+        got, spot, gate, sampled = local(aside), None, None, None
+        if on_rows is not None:
+            on_rows(got)
+        result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
+                            sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
+                            adopt=got.source == "store")
     if gate is not None:
         gate.restore(got.layers)  # an adopting engine wrote its recomputation over the pack's last rows
         if gate.result is None:  # every engine calls it after its first step; one that did not checked nothing
             raise DataError(f"the {engine} engine decoded without running the spot-check",
                             hint="decode with --no-audit to skip it knowingly")
         spot = gate.result.to_json()
+    if spot is not None and sampled is not None:
+        spot["sampled"] = sampled
     t_first_token = t_dec + result.ttft_s
     if stream is not None and got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is returned
@@ -245,7 +298,7 @@ def decode(
     stored = None
     if store:
         try:
-            stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng)
+            stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng, spot=spot)
         except DataError as exc:  # the store is a cache: failing to keep the answer is not failing it
             got.problems.append(f"not stored: {exc}")
     return DecodeOutcome(
@@ -260,35 +313,46 @@ def decode(
         last_frame_s=_since_start(stream.last_frame_t if stream is not None else None),
         tail_s=(t_first_token - stream.last_frame_t) if stream is not None and stream.last_frame_t is not None
         and got.pack is not None else None,
-        first_token_s=_since_start(t_first_token), spot_check=spot,
+        first_token_s=_since_start(t_first_token), spot_check=spot, set_aside=aside,
     )
 
 
-def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None,
-                on_pass: Callable[[], None] | None = None) -> tuple[dict | None, SpotGate | None]:
+def _set_aside(exc: DataError, allowed: bool) -> str:
+    """Why a pack that does not match is set aside for local rows; raise ``exc`` where that is
+    not allowed (no prompt to prefill, or ``strict``)."""
+    if not allowed:
+        raise exc
+    return f"pack set aside: {exc}"
+
+
+def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None, seed: int | None = None,
+                on_pass: Callable[[], None] | None = None) -> tuple[dict | None, SpotGate | None, dict | None]:
     """The numeric gate before the first token of a pack this consumer would not have made
     itself: SpotCheckFailed (65) names the worst layer and the likely cause. Where it can,
     the gate is fused into the first decode step (returned, to be given to the engine;
-    ``on_pass`` runs once it passed); else it runs here, as a step of its own."""
+    ``on_pass`` runs once it passed); else it runs here, as a step of its own. Before either,
+    positions sampled across the whole prompt are recomputed in every layer (the third
+    value: :meth:`muser_cli.audit.SampleCheck.to_json`)."""
     if got.pack is None:
-        return None, None
+        return None, None, None
     header = got.pack.header
     reason = spot_check_reason(header, engine=engine, dtype=dtype)
     if audit == 0:
-        return {"ran": False, "skipped": True, "reason": reason or ""}, None
+        return {"ran": False, "skipped": True, "reason": reason or ""}, None, None
     if reason is None and audit is None:
-        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}, None
+        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}, None, None
     pack = got.pack if header.rows_start == 0 else KVPack(
         header=replace(header, rows_start=0, base=None), layers=got.layers, root_digest=got.pack.root_digest,
         total_bytes=got.pack.total_bytes, stored_bytes=got.pack.stored_bytes)
     positions, why = audit or 1, reason or "asked for (--audit)"
+    sampled = sample_check(pack.header, list(pack.layers), eng, seed=seed, reason=why).to_json()
     # Fused, the first token comes from a step of several tokens and the consumer's own
     # recomputation of the checked rows: equal within the tolerance, not in every bit (in
     # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps
     # its bit-exact decode, so a check asked for on one (--audit N) runs as a step of its own.
     if reason is not None and SpotGate.fusable(pack, positions):
-        return None, SpotGate(pack, engine, positions=positions, reason=why, on_pass=on_pass)
-    return spot_check(pack, eng, positions=positions, reason=why).to_json(), None
+        return None, SpotGate(pack, engine, positions=positions, reason=why, on_pass=on_pass), sampled
+    return spot_check(pack, eng, positions=positions, reason=why).to_json(), None, sampled
 
 
 def _since_start(t: float | None) -> float | None:
@@ -296,9 +360,12 @@ def _since_start(t: float | None) -> float | None:
 
 
 def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, can_fall_back: bool,
-               progress: ProgressFn | None) -> Rows:
+               progress: ProgressFn | None, dtype: str, audit: int | None = None, strict: bool = False,
+               seed: int | None = None) -> Rows:
     """A stream that ended before its end frame: keep the whole chunks that verified and
-    prefill only the rest here, on the pack's schedule (same tokens as a full fallback)."""
+    prefill only the rest here, on the pack's schedule (same tokens as a full fallback).
+    Kept rows of a foreign pack pass the sampled gate first; refused, they are set aside
+    (``strict``: SpotCheckFailed)."""
     if not can_fall_back:
         raise KVPackError(cut.reason, hint="give --prompt FILE to prefill what is missing locally")
     header = stream.header()
@@ -306,13 +373,25 @@ def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, c
     rows = len(ids) - 1
     schedule = header.chunk_tokens
     kept, prefix = stream.prefix(schedule) if eng.resumes_prefill else (0, [])
+    spot, why = None, f"cut stream: {cut.reason}"
+    reason = spot_check_reason(header, engine=eng.name, dtype=dtype)
+    if kept and audit == 0:
+        spot = {"ran": False, "skipped": True, "reason": reason or ""}
+    elif kept and (reason is not None or audit):
+        try:
+            checked = sample_check(header, prefix, eng, rows=kept, seed=seed)
+            spot = {"ran": True, "ok": True, "reason": reason or "asked for (--audit)", "sampled": checked.to_json()}
+        except SpotCheckFailed as exc:
+            if strict:
+                raise
+            kept, prefix, why = 0, [], f"{why}; kept rows set aside: {exc}"
     t0 = time.perf_counter()
     if kept:
         layers = eng.prefill_from(prefix, rows=kept, token_ids=ids[kept:-1], chunk_tokens=schedule, progress=progress)
     else:
         layers = eng.prefill(ids[:-1], chunk_tokens=schedule, progress=progress)
-    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason=f"cut stream: {cut.reason}",
-                handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0)
+    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason=why,
+                handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
 
 
 def bind(header: PackHeader | None, info: ModelInfo, prompt_ids: list[int] | None, *, dtype: str | None,
@@ -344,6 +423,7 @@ def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back:
         st = Store()
         try:
             layers, entry = resolve_delta(pack, st)
+            _gate_base(st, entry, pack, layers, eng, dtype=dtype)
             return Rows(layers, "delta", pack.header.chunk_tokens, pack, held=pack.header.rows_start, entry=entry,
                         problems=list(st.problems))
         except BaseNotHeld as exc:
@@ -360,9 +440,26 @@ def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back:
                 computed=computed, problems=problems, reason=reason)
 
 
+def _gate_base(st: Store, entry: str, pack: KVPack, layers: list[LayerKV], eng: Engine, *, dtype: str) -> None:
+    """The stored base a delta extends, when another engine made it and no passed gate is
+    recorded with it: its rows [0, base) sampled before use; refused, the entry is removed
+    and the delta has no base here (BaseNotHeld)."""
+    base = st.header_of(entry)
+    if base is None or spot_check_reason(base, engine=eng.name, dtype=dtype) is None:
+        return
+    if st.check_of(entry, engine=eng.name, dtype=dtype) is not None:
+        return
+    try:
+        sample_check(replace(pack.header, rows_start=0, base=None), layers, eng, rows=pack.header.rows_start)
+    except SpotCheckFailed as exc:
+        st.discard(entry, f"refused by the numeric gate on first use ({exc})")
+        raise BaseNotHeld(f"the stored base of this delta was refused by the numeric gate ({exc})") from None
+
+
 def _store(got: Rows, info: ModelInfo, ids: list[int], *, dtype: str, engine: str, threads: int,
-           eng: Engine) -> str | None:
-    """Keep the prompt's whole cache in the store; None when it is not exact KV (quantized)."""
+           eng: Engine, spot: dict | None = None) -> str | None:
+    """Keep the prompt's whole cache in the store; None when it is not exact KV (quantized).
+    A foreign pack's entry records the gate it passed here (not checked again on use)."""
     if got.pack is not None:
         if got.pack.header.quant_scheme != "none":
             return None
@@ -371,4 +468,8 @@ def _store(got: Rows, info: ModelInfo, ids: list[int], *, dtype: str, engine: st
         header = build_header(info, ids, dtype=dtype, chunk_tokens=got.schedule or 0, engine=engine,
                               threads=threads, extra=eng.producer_info(),
                               ring_extra=ring_extra_held(info.layers, got.layers, len(ids) - 1))
-    return Store().put_layers(header, got.layers).entry.id
+    st = Store()
+    entry = st.put_layers(header, got.layers).entry.id
+    if got.pack is not None and spot and spot.get("ran") and spot.get("ok") and spot.get("sampled"):
+        st.record_check(entry, engine=engine, dtype=dtype, result=spot["sampled"])
+    return entry

@@ -375,6 +375,20 @@ def atomic_writer(path: Path | str, mode: int = 0o644, *,
         raise
 
 
+def make_private(fd: int, what: str, *, hint: str | None = None) -> None:
+    """Before a secret is written to ``fd`` (stdout redirected to a file): a regular file
+    readable by group or others is made 0600 (``fchmod``); a pipe, socket or device is
+    left as it is. A file whose mode cannot be changed is refused (:class:`UsageError`)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or not stat.S_IMODE(st.st_mode) & 0o077:
+        return
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError as exc:
+        raise UsageError(f"{what} is a file readable by others (mode {stat.S_IMODE(st.st_mode):o}) "
+                         f"and cannot be made private: {_describe(exc)}", hint=hint) from None
+
+
 def write_bytes_atomic(path: Path | str, data: bytes, mode: int = 0o644) -> None:
     with atomic_writer(path, mode=mode) as handle:
         handle.write(data)

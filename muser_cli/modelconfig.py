@@ -1,27 +1,77 @@
 """What a model's config.json says about its KV cache, read without loading anything.
 
-``layer_specs(config)`` mirrors the per-layer caches transformers builds (kind, heads,
-head size, sliding window, RoPE) for the architectures whose layout was checked
-(:data:`ARCHITECTURES`); ``eos_token_ids`` reads the end-of-sequence ids. Pure Python.
+Each supported model family is described once, as data (:data:`FAMILIES`): how its
+layers' kinds follow from the config (``layer_types``, or the family's own default
+pattern), which layers are NoPE, its RoPE style, where a composite config keeps the text
+tower, which transformers auto class loads it. ``layer_specs(config)`` reads a config.json
+in the hub's (transformers 4) or transformers 5's spelling and mirrors the per-layer caches
+transformers builds (kind, KV heads, head dims, window, RoPE per layer); the engines check
+that description against the cache objects they build before anything runs.
+``eos_token_ids`` reads the end-of-sequence ids. Pure Python.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from muser_cli.errors import ConfigError, DataError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
-# model_type -> (RoPE style, whether full-attention layers are NoPE, class defaults used
-# when config.json omits a key). Only architectures whose KV layout was checked.
-ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "llama": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
-    "mistral": {"style": "rotate_half", "full_nope": False, "sliding_window": 4096},
-    "qwen2": {"style": "rotate_half", "full_nope": False, "sliding_window": None},
-    "cohere2": {"style": "interleaved", "full_nope": True, "sliding_window": 4096},
-}
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's KV layout rules (what transformers' config class and modeling do)."""
+
+    name: str
+    style: str = "rotate_half"  # RoPE style of its keys
+    # Which layers carry no RoPE: "" none; "full" every full-attention layer ("full_if_window":
+    # when the config sets a sliding window); "layer_rope_theta"
+    # those whose layer_rope_theta is 0; "no_rope_layers" those whose no_rope_layers entry is 0.
+    nope: str = ""
+    window: int | None = None  # the config class's sliding_window default
+    # layer_types when config.json has none: "window" (every layer sliding iff a window is
+    # set, transformers' generic rule), "qwen2" (use_sliding_window/max_window_layers),
+    # "every:N" (every Nth layer full, counted from the first), "back:N" (every Nth counted
+    # back from the last), "alternate" (sliding, full, ...), "all_full".
+    layers: str = "window"
+    head_dim_derived: bool = False  # hidden_size / heads, whatever head_dim says
+    text_config: bool = False  # a composite config: the text tower's keys are under text_config
+    torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
+    qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
+    sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
+    notes: str = ""
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama"),
+    Family("mistral", window=4096),
+    Family("qwen2", layers="qwen2"),
+    Family("cohere2", style="interleaved", nope="full", window=4096, layers="every:4", head_dim_derived=True),
+    Family("muse_glimmer", nope="layer_rope_theta", window=2048, layers="back:4", text_config=True,
+           torch_auto="AutoModelForImageTextToText", qk_norm=True,
+           notes="text tower of MuseGlimmerForConditionalGeneration; NoPE where layer_rope_theta is 0; gated attention output"),
+    Family("muse_glimmer_text", nope="layer_rope_theta", window=2048, layers="back:4", qk_norm=True, torch_auto="",
+           notes="the text tower alone, flat (MuseGlimmerTextConfig): mlx-lm runs it; transformers has no LM class for it"),
+    Family("qwen3", layers="qwen2", qk_norm=True),
+    Family("qwen3_moe", layers="qwen2", qk_norm=True),
+    Family("mixtral"),
+    Family("gemma2", window=4096, layers="alternate"),
+    Family("gemma3_text", window=4096, layers="every:6", qk_norm=True, notes="RoPE base per layer class"),
+    Family("phi3", notes="partial rotary"),
+    Family("olmo2", qk_norm=True),
+    Family("smollm3", nope="no_rope_layers", layers="all_full", notes="NoPE where no_rope_layers is 0 (every 4th)"),
+    Family("granite"),
+    Family("glm4", style="interleaved", notes="partial rotary"),
+    Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True,
+           notes="full layers NoPE when a window is set"),
+    Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
+    Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True,
+           notes="refused: chunked attention has no kvpack layer kind yet"),
+)}
+ARCHITECTURES = FAMILIES  # the older name
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -37,7 +87,7 @@ def read_json(path: Path) -> dict[str, Any]:
 def eos_token_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
     """EOS ids from config.json then generation_config.json, in order, without repeats."""
     found: list[int] = []
-    for source in (config, generation):
+    for source in (config, text_config(config), generation):
         value = source.get("eos_token_id")
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, int) and not isinstance(item, bool) and item not in found:
@@ -45,15 +95,32 @@ def eos_token_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[i
     return tuple(found)
 
 
-def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
-    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds."""
+def family_of(config: dict[str, Any]) -> Family:
+    """The :class:`Family` of a config.json, or :class:`ConfigError` naming the supported ones."""
     model_type = config.get("model_type")
-    arch = ARCHITECTURES.get(str(model_type))
-    if arch is None:
+    family = FAMILIES.get(str(model_type))
+    if family is None:
         raise ConfigError(
             f"unsupported architecture {model_type!r} ({', '.join(config.get('architectures') or []) or 'no class named'})",
-            hint="supported model types: " + ", ".join(sorted(ARCHITECTURES)),
+            hint="supported model types: " + ", ".join(sorted(FAMILIES)),
         )
+    return family
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text tower's keys: a composite config's ``text_config`` over its top level."""
+    family = FAMILIES.get(str(config.get("model_type")))
+    nested = config.get("text_config")
+    if family is None or not family.text_config or not isinstance(nested, dict):
+        return config
+    return {**config, **nested, "model_type": config["model_type"]}
+
+
+def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
+    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds."""
+    family = family_of(config)
+    config = text_config(config)
+    model_type = family.name
     try:
         n_layers = int(config["num_hidden_layers"])
         heads = int(config["num_attention_heads"])
@@ -62,56 +129,86 @@ def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"config.json of a {model_type} model lacks a usable {exc}") from exc
     head_dim = config.get("head_dim")
-    if model_type == "cohere2" or not head_dim:  # Cohere2Config always derives it
+    if family.head_dim_derived or not head_dim:
         head_dim = hidden // heads
     head_dim = int(head_dim)
 
-    window = config.get("sliding_window", arch["sliding_window"])
-    kinds = _layer_kinds(config, model_type, n_layers, window)
+    window = config.get("sliding_window", family.window)
+    kinds = _layer_kinds(config, family, n_layers, window)
     if any(kind == "sliding" for kind in kinds) and not (isinstance(window, int) and window >= 2):
         raise ConfigError(f"config.json has sliding layers but sliding_window is {window!r}")
-
+    nope = _nope_layers(config, family, kinds)
     specs = []
     for i, kind in enumerate(kinds):
-        rope = None
-        if not (kind == "full" and arch["full_nope"]):
-            rope = _rope_spec(config, "sliding_attention" if kind == "sliding" else "full_attention", head_dim, arch["style"])
-        specs.append(
-            LayerSpec(
-                kind=kind,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                v_head_dim=head_dim,
-                window=int(window) if kind == "sliding" else None,
-                rope=rope,
-            )
-        )
+        rope = None if i in nope else _rope_spec(config, f"{kind}_attention", head_dim, family.style)
+        specs.append(LayerSpec(kind=kind, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+                               window=int(window) if kind == "sliding" else None, rope=rope))
     return tuple(specs)
 
 
-def _layer_kinds(config: dict[str, Any], model_type: str, n_layers: int, window: Any) -> list[str]:
+def _default_layer_types(config: dict[str, Any], rule: str, n_layers: int, window: Any) -> list[str]:
+    """What the family's config class fills in when config.json lists no layer_types."""
+    full, sliding = "full_attention", "sliding_attention"
+    if rule == "qwen2":
+        use = bool(config.get("use_sliding_window", False)) and window is not None
+        first = int(config.get("max_window_layers", 28))
+        return [sliding if use and i >= first else full for i in range(n_layers)]
+    named = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    if isinstance(named, str) and named and set(named) <= {"L", "G"}:  # the hub's EXAONE 4 spelling, "LLLG"
+        return [sliding if named[i % len(named)] == "L" else full for i in range(n_layers)]
+    if rule.startswith(("every:", "back:")):
+        pattern = int(named or rule.split(":")[1])
+        if rule.startswith("back:"):
+            return [full if (n_layers - 1 - i) % pattern == 0 else sliding for i in range(n_layers)]
+        return [sliding if (i + 1) % pattern else full for i in range(n_layers)]
+    if rule == "alternate":
+        return [sliding if (i + 1) % 2 else full for i in range(n_layers)]
+    if rule == "all_full":
+        return [full] * n_layers
+    return [sliding if window is not None else full] * n_layers  # transformers' generic rule
+
+
+def _layer_kinds(config: dict[str, Any], family: Family, n_layers: int, window: Any) -> list[str]:
     layer_types = config.get("layer_types")
     if layer_types is None:
-        if model_type == "cohere2":
-            pattern = int(config.get("sliding_window_pattern", 4))
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-        elif model_type == "qwen2":
-            use = bool(config.get("use_sliding_window", False)) and window is not None
-            first = int(config.get("max_window_layers", 28))
-            layer_types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(n_layers)]
-        else:  # what transformers infers: a sliding_window on the config makes every layer sliding
-            layer_types = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+        layer_types = _default_layer_types(config, family.layers, n_layers, window)
     if not isinstance(layer_types, list) or len(layer_types) != n_layers:
         raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
     kinds = []
     for value in layer_types:
-        if value == "full_attention":
-            kinds.append("full")
-        elif value == "sliding_attention":
-            kinds.append("sliding")
-        else:
-            raise ConfigError(f"unsupported layer type {value!r} in config.json", hint="supported: full_attention, sliding_attention")
+        if value == "chunked_attention":
+            raise ConfigError(
+                f"{family.name}: layer type chunked_attention (attention_chunk_size {config.get('attention_chunk_size')}) has no "
+                "kvpack layer kind yet: a chunked layer attends only within its chunk, neither full nor sliding",
+                hint="muser cannot move this model's KV; decode it locally")
+        if value not in ("full_attention", "sliding_attention"):
+            raise ConfigError(f"unsupported layer type {value!r} in config.json",
+                              hint="supported: full_attention, sliding_attention")
+        kinds.append(value.split("_")[0])
     return kinds
+
+
+def _nope_layers(config: dict[str, Any], family: Family, kinds: list[str]) -> set[int]:
+    """Indices of the layers whose keys carry no RoPE."""
+    if family.nope == "full" or (family.nope == "full_if_window" and "sliding" in kinds):
+        return {i for i, kind in enumerate(kinds) if kind == "full"}
+    key = {"layer_rope_theta": "layer_rope_theta", "no_rope_layers": "no_rope_layers"}.get(family.nope)
+    if key is None:
+        return set()
+    flags = config.get(key)
+    if flags is None:
+        return _default_nope(config, family, kinds)
+    if not isinstance(flags, list) or len(flags) != len(kinds):
+        raise ConfigError(f"config.json: {key} does not list {len(kinds)} layers")
+    return {i for i, flag in enumerate(flags) if not flag}
+
+
+def _default_nope(config: dict[str, Any], family: Family, kinds: list[str]) -> set[int]:
+    if family.nope == "layer_rope_theta":  # MuseGlimmerTextConfig: NoPE exactly on the full layers
+        n = len(kinds)
+        return {i for i in range(n) if (n - 1 - i) % 4 == 0}
+    interval = int(config.get("no_rope_layer_interval", 4))  # SmolLM3Config: every 4th layer NoPE
+    return {i for i in range(len(kinds)) if (i + 1) % interval == 0}
 
 
 def _rope_spec(config: dict[str, Any], layer_type: str, head_dim: int, style: str) -> RopeSpec:
@@ -120,8 +217,12 @@ def _rope_spec(config: dict[str, Any], layer_type: str, head_dim: int, style: st
         params = params[layer_type]
     params = dict(params) if isinstance(params, dict) else {}
     theta = params.pop("rope_theta", None)
+    if theta is None and layer_type == "sliding_attention":
+        theta = config.get("rope_local_base_freq")  # the hub's (transformers 4) Gemma 3 spelling
     if theta is None:
         theta = config.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in config and "rope_parameters" not in config:
+        params = {}  # transformers 4's Gemma 3: rope_scaling applies to the global layers only
     factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor"))
     dims = int(head_dim * float(factor)) if factor is not None else head_dim
     rope_type = params.get("rope_type", params.get("type", "default"))

@@ -22,12 +22,13 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.fsio import fsync_dir, write_bytes_atomic
-from muser_cli.modelconfig import ARCHITECTURES, eos_token_ids, layer_specs, read_json
+from muser_cli.modelconfig import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
 from muser_cli.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
@@ -50,6 +51,24 @@ TOKENIZER_FILES = (
 # Keys that say who wrote a config, not what the model is.
 CONFIG_NOISE_KEYS = frozenset({"transformers_version", "_name_or_path", "_commit_hash"})
 _HASH_BLOCK = 8 << 20
+
+#: Who hears of a one-time GGUF conversion (the library never prints; the command layer
+#: renders these): ``listener(event, fields)`` with event ``"start"`` (fields ``source``,
+#: ``target``), then ``"done"`` (+ ``seconds``) or ``"failed"`` (+ ``seconds``).
+ConvertListener = Callable[[str, dict], None]
+_convert_listeners: list[ConvertListener] = []
+
+
+def on_convert(listener: ConvertListener) -> Callable[[], None]:
+    """Subscribe ``listener`` to conversion events; returns the call that unsubscribes it."""
+    _convert_listeners.append(listener)
+    return lambda: _convert_listeners.remove(listener) if listener in _convert_listeners else None
+
+
+def _tell(event: str, **fields: Any) -> None:
+    for listener in list(_convert_listeners):
+        with contextlib.suppress(Exception):  # a listener's failure never fails a conversion
+            listener(event, fields)
 
 # --------------------------------------------------------------------------- resolve
 
@@ -98,10 +117,11 @@ def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
     generation = read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
     layers = layer_specs(config)
     fingerprint, tokenizer_fingerprint = fingerprints(path)
-    max_positions = config.get("max_position_embeddings")
+    text = text_config(config)  # a composite (multimodal) config keeps these in text_config
+    max_positions = text.get("max_position_embeddings")
     if not isinstance(max_positions, int) or max_positions <= 0:
         raise ConfigError(f"{config_file}: max_position_embeddings missing or invalid ({max_positions!r})")
-    vocab = config.get("vocab_size")
+    vocab = text.get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
         raise ConfigError(f"{config_file}: vocab_size missing or invalid ({vocab!r})")
     check_weights(path, vocab)
@@ -282,6 +302,21 @@ def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
     ensure_dir(target.parent)
     if progress:
         progress("convert", 0, 1)
+    start = time.monotonic()
+    _tell("start", source=file, target=target)
+    try:
+        _convert_once(file, target)
+    except BaseException:
+        _tell("failed", source=file, target=target, seconds=time.monotonic() - start)
+        raise
+    _tell("done", source=file, target=target, seconds=time.monotonic() - start)
+    if progress:
+        progress("convert", 1, 1)
+    return target
+
+
+def _convert_once(file: Path, target: Path) -> None:
+    """Convert ``file`` into a temporary folder beside ``target``, then rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent))
     try:
         _convert_into(file, tmp)
@@ -298,9 +333,6 @@ def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    if progress:
-        progress("convert", 1, 1)
-    return target
 
 
 def _convert_into(file: Path, out: Path) -> None:
@@ -386,7 +418,7 @@ def _fsync_file(path: Path) -> None:
 
 
 __all__ = [
-    "ARCHITECTURES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
+    "ARCHITECTURES", "FAMILIES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
     "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
-    "model_fingerprint", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
+    "model_fingerprint", "on_convert", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, PackWriter, buffer_events, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
-from muser_cli.kvpack.reader import MAX_READ, map_file, read_exact_into
+from muser_cli.kvpack.reader import map_file, read_step
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
 from muser_cli.kvpack.summary import summarize
 from muser_cli.reuse.chain import scope_of_header
@@ -35,8 +35,7 @@ def _events(src: BinaryIO, reader: PackReader):
     its last byte arrived (never held back for a larger block). Past the end frame one
     more byte is asked for, so trailing bytes are refused."""
     while True:
-        need = 1 if reader.done else max(1, min(reader.want(), MAX_READ))
-        chunk = read_exact_into(src, need)
+        chunk = read_step(src, reader)  # grows with the bytes that arrive, not with declared lengths
         if not len(chunk):
             return
         yield from reader.feed(chunk, owned=True)

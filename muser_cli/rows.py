@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from muser_cli.engines.base import ChunkFn, Engine, RowsOf
-from muser_cli.kvpack import LayerKV
+from muser_cli.errors import SpotCheckFailed
+from muser_cli.kvpack import KVPack, LayerKV
 from muser_cli.modelinfo import ProgressFn
 from muser_cli.reuse import Store, find_resume
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+
+MAX_REFUSED_ENTRIES = 4  # entries the gate may refuse in one look-up before prefilling from scratch
 
 
 @dataclass
@@ -56,8 +59,12 @@ def local_rows(
     problems: list[str] = []
     if reuse:
         store = store or Store()
-        resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
-                             chunk_tokens=chunk_tokens, spare_rows=spare_rows, ring_extra=ring_extra)
+        for _ in range(MAX_REFUSED_ENTRIES + 1):
+            resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
+                                 chunk_tokens=chunk_tokens, spare_rows=spare_rows, ring_extra=ring_extra)
+            if resume is None or entry_may_serve(store, resume.entry, resume.stored, eng, dtype=dtype):
+                break
+            resume = None  # refused by the gate and removed: look again
         problems = list(store.problems)
         if resume is not None and resume.held < rows and not eng.resumes_prefill:
             resume = None  # this engine cannot continue a prefill: only a full hit helps
@@ -75,6 +82,28 @@ def local_rows(
     layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
                               chunk_tokens=chunk, progress=progress, **kw)
     return LocalRows(layers, chunk, "store+local", resume.held, resume.entry, problems)
+
+
+def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine, *, dtype: str) -> bool:
+    """Whether a store entry's rows may serve ``eng``: yes when they were made the way it makes
+    them (:func:`muser_cli.audit.spot_check_reason`) or a passed gate is recorded with the
+    entry; else the sampled gate runs now, on the whole entry, and is recorded. An entry it
+    refuses is removed (a line in ``store.problems``) and serves nothing."""
+    from muser_cli.audit import sample_check, spot_check_reason
+
+    if stored is None:
+        return True
+    reason = spot_check_reason(stored.header, engine=eng.name, dtype=dtype)
+    if reason is None or store.check_of(entry, engine=eng.name, dtype=dtype) is not None:
+        return True
+    try:
+        checked = sample_check(stored.header, list(stored.layers), eng, reason=reason)
+    except SpotCheckFailed as exc:
+        store.record_check(entry, engine=eng.name, dtype=dtype, result={"ok": False, "reason": str(exc)})
+        store.discard(entry, f"refused by the numeric gate on first use ({exc})")
+        return False
+    store.record_check(entry, engine=eng.name, dtype=dtype, result=checked.to_json())
+    return True
 
 
 def _rows_of(layers: Sequence[LayerKV]) -> RowsOf:

@@ -19,6 +19,7 @@ from muser_cli.errors import ConfigError, PromptTooLong, PromptTooShort, UsageEr
 from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.format import MAX_FRAME_ROWS
 from muser_cli.modelinfo import ModelInfo
+from muser_cli.units import plural
 
 DEFAULT_CHUNK_TOKENS = 512
 
@@ -38,7 +39,7 @@ def check_chunk(chunk_tokens: int | None) -> None:
 def check_prompt(info: ModelInfo, ids: list[int], *, new_tokens: int = 0) -> None:
     if len(ids) < 2:
         raise PromptTooShort(
-            f"prompt is {len(ids)} token(s); a handoff needs at least 2",
+            f"prompt is {plural(len(ids), 'token')}; a handoff needs at least 2",
             hint="the consumer runs the last prompt token itself",
         )
     if len(ids) + new_tokens > info.max_positions:

@@ -170,6 +170,7 @@ class ResidentProducer:
             if chain_at(scope, list(req.token_ids), req.have_tokens) != req.have_chain:
                 raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
                                       "tokens on its schedule")
+            req = have_on_grid(req, scope)
         return req
 
     def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
@@ -293,6 +294,7 @@ class ResidentProducer:
         schedule, when it is deeper than ``deeper_than`` rows (else None: nothing is read)."""
         from muser_cli.reuse import Store
         from muser_cli.reuse.delta import find_resume
+        from muser_cli.rows import entry_may_serve
 
         store = Store()  # one per request: its index connection belongs to this thread
         info = self.info
@@ -302,18 +304,23 @@ class ResidentProducer:
             return None
         found = find_resume(store, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=req.dtype,
                             chunk_tokens=req.chunk_tokens, ring_extra=self.engine.ring_extra)
+        # another engine's rows (a foreign pack put in the store) serve only once the gate passed them
+        if found is not None and not entry_may_serve(store, found.entry, found.stored, self.engine, dtype=req.dtype):
+            return None
         return found if found is not None and found.held > deeper_than else None
 
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> None:
-    """Load the model once, then answer enrolled consumers until ``stop`` is set. ``store``:
-    continue from this machine's reuse store too and keep every result there. ``max_batch``:
-    on vLLM, how many requests run at once (computed as one batch); torch and MLX run one."""
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> dict[str, int]:
+    """Load the model once, then answer enrolled consumers until ``stop`` is set; the
+    server's counters (served, refused, failed, turned_away: told busy while stopping).
+    ``store``: continue from this machine's reuse store too and keep every result there.
+    ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
+    and MLX run one."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import parse_hostport
+    from muser_cli.handoff.link import listen_socket, parse_hostport
     from muser_cli.handoff.node import load_identity
     from muser_cli.handoff.pull_server import PullServer, ServeConfig
 
@@ -325,10 +332,13 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     identity = load_identity(paths.keys_dir())
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
+    config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
+    # A taken port fails now, not after a long model load: bind once and let go (no socket is
+    # held while engines start their workers); it listens only once the producer can answer.
+    listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch)
-    server = PullServer(identity, ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue),
-                        ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
+    server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event)
     try:
         server.bind()
         if stop is not None:
@@ -336,6 +346,18 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         server.serve()
     finally:
         server.close()
+    return dict(server.counters)
+
+
+def have_on_grid(req: PullRequest, scope) -> PullRequest:
+    """A ``have`` off the chunk grid (17 rows on chunk 8), rounded down to the grid (16): a
+    delta from 17 could not be merged exactly, so ``verify`` and ``decode`` would refuse it
+    (docs/reuse.md); one from 16 merges from the same stored entry, which holds that point.
+    Below one chunk: a full pack."""
+    from muser_cli.reuse.chain import delta_point
+
+    held, chain = delta_point(scope, req.token_ids, req.have_tokens, req.have_chain)
+    return req if held == req.have_tokens else replace(req, have_tokens=held, have_chain=chain)
 
 
 # ----------------------------------------------------------------------------- consumer
@@ -363,7 +385,8 @@ def with_have(ask: PullAsk, store=None) -> PullAsk:
         return ask
     for point in store.points(ask.model_fingerprint, ask.tokenizer_fingerprint, ids, len(ids) - 2, dtype=ask.dtype,
                               chunk_tokens=ask.chunk_tokens):
-        return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
+        if point.held % ask.chunk_tokens == 0:  # a delta from off the grid could not be merged exactly
+            return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
     return ask
 
 
@@ -436,8 +459,8 @@ class PipePull:
         exc = self.error
         if exc is None:
             return ""
-        if isinstance(exc, MuserError):
-            return f"pull from {self.producer} failed: {exc}"
+        if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
+            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
 
 

@@ -99,7 +99,7 @@ def _write(model_cls, config, directory: Path, seed: int, extra: dict | None = N
     directory.mkdir(parents=True, exist_ok=True)
     with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config).eval()
+        model = model_cls(config).eval()  # a class, or AutoModelForCausalLM.from_config
         model.save_pretrained(str(directory))
         _train_tokenizer().save_pretrained(str(directory))
     add_top_level_rope_theta(directory)
@@ -144,3 +144,86 @@ def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
     )
     # mlx-lm's cohere2 derives layer kinds from sliding_window_pattern, not layer_types.
     return _write(Cohere2ForCausalLM, config, Path(directory), seed, extra={"sliding_window_pattern": 4})
+
+
+def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0) -> Path:
+    """An 8-layer Muse Glimmer (``MuseGlimmerForConditionalGeneration``, a 1-layer vision
+    tower): [sliding (window 8, RoPE) x3, full NoPE] x2, gated attention, QK-norm."""
+    from transformers import (MuseGlimmerConfig, MuseGlimmerForConditionalGeneration, MuseGlimmerTextConfig,
+                              MuseGlimmerVisionConfig)
+
+    text = MuseGlimmerTextConfig(**{**_common(), "num_hidden_layers": 8, "tie_word_embeddings": False},
+                                 sliding_window=SLIDING_WINDOW)
+    vision = MuseGlimmerVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), out_hidden_size=64,
+                               projector_hidden_size=64)
+    return _write(MuseGlimmerForConditionalGeneration, config, Path(directory), seed)
+
+
+# family -> (transformers config class, keyword arguments over _common()): a few layers,
+# windows and chunks smaller than a test prompt so that rings wrap. muse_glimmer has its own maker.
+_FOUR = ["sliding_attention"] * 3 + ["full_attention"]
+_DROP = "drop"  # a key of _common() the config class must not get
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "mistral": ("MistralConfig", {"sliding_window": None}),  # as Mistral 7B v0.2+; mlx-lm's llama has no all-sliding plan
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Gemma: untied, else a random model's greedy tokens collapse onto one (its embeddings are scaled by sqrt(hidden))
+    "gemma2": ("Gemma2Config", {"sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR, "tie_word_embeddings": False,
+                                         "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}}),
+    "phi3": ("Phi3Config", {"head_dim": _DROP, "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA,
+                                                                  "partial_rotary_factor": 0.5}}),
+    "olmo2": ("Olmo2Config", {}),
+    "smollm3": ("SmolLM3Config", {}),
+    "granite": ("GraniteConfig", {}),
+    "glm4": ("Glm4Config", {"tie_word_embeddings": False}),  # mlx-lm's glm4 always has an lm_head
+    "exaone4": ("Exaone4Config", {"sliding_window": SLIDING_WINDOW, "layer_types": _FOUR}),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": SLIDING_WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "tie_word_embeddings": False, "rope_parameters": {
+                                     "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                     # gpt-oss's own is False; mlx-lm 0.32's YaRN always truncates
+                                     "truncate": True}}),
+}
+
+
+def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
+    """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer)."""
+    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer": make_tiny_muse_glimmer,
+               "muse_glimmer_text": make_tiny_muse_glimmer_text}
+    if family in special:
+        return special[family](directory, seed)
+    import transformers
+
+    config_name, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, config_name)(**{k: v for k, v in {**_common(), **extra}.items() if v != _DROP})
+    return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)
+
+
+def make_tiny_muse_glimmer_text(directory: Path | str, seed: int = 0) -> Path:
+    """Muse Glimmer's text tower alone, flat (``muse_glimmer_text``, ``model.*`` weights), as
+    text-only conversions ship it: mlx-lm loads it; transformers has no LM class for it."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory.parent) as tmp:
+        full = make_tiny_muse_glimmer(Path(tmp) / "full", seed)
+        config = json.loads((full / "config.json").read_text())
+        text = {**config["text_config"], "architectures": ["MuseGlimmerForConditionalGeneration"]}
+        (directory / "config.json").write_text(json.dumps(text, indent=1, sort_keys=True) + "\n")
+        weights = {("model." + k[len("model.language_model."):] if k.startswith("model.language_model.") else k): v
+                   for k, v in load_file(str(full / "model.safetensors")).items() if not k.startswith("model.vision")}
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        for item in full.iterdir():
+            if item.name not in ("config.json", "model.safetensors") and item.is_file():
+                shutil.copy2(item, directory / item.name)
+    return directory

@@ -11,6 +11,7 @@ from muser_cli.errors import KVPackError, UsageError
 from muser_cli.binding import Check, identity_checks
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
+from muser_cli.kvpack.reader import read_step
 from muser_cli.kvpack.summary import summarize, summarize_header
 from muser_cli.models import resolve_model
 from muser_cli.tokens import encode_prompt
@@ -97,11 +98,32 @@ def verify(
                   f"{worst.get('layer')} rel {worst.get('rel_max', 0):.3g} (tolerance {rep.tolerance:.3g})")
         if not rep.ok:
             detail = diagnose(rep, pack) + "; " + detail
-        checks.append(Check("audit", rep.ok, detail))
         summary["audit"] = rep.to_json()
+        ok = rep.ok
+        if rep.mode == "suffix":  # a full recomputation compared every position already
+            sampled_ok, note = _sampled(pack, eng, summary["audit"])
+            ok, detail = ok and sampled_ok, f"{detail}; {note}"
+        checks.append(Check("audit", ok, detail))
     elif audit:
         checks.append(Check("audit", False, "not run: identity checks failed"))
     return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:
+    """The decode gate's positions sampled across the whole prompt, besides the suffix
+    (``record["sampled"]``: what it compared); whether it passed, and one line."""
+    from muser_cli.audit import sample_check
+    from muser_cli.errors import SpotCheckFailed
+
+    try:
+        res = sample_check(pack.header, list(pack.layers), eng)
+    except SpotCheckFailed as exc:
+        record["sampled"] = {"ok": False, "error": str(exc)}
+        return False, str(exc)
+    record["sampled"] = res.to_json()
+    w = res.worst
+    return True, (f"{len(res.positions)} positions sampled across the prompt (seed {res.seed}): worst layer "
+                  f"{w.get('layer')} at position {w.get('worst_position')} rel {w.get('rel_max', 0):.3g}")
 
 
 def verify_stream(
@@ -125,20 +147,21 @@ def verify_stream(
     info = resolve_model(model)
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     reader = PackReader()
-    pending: list[bytes] = []
+    pending: list[memoryview] = []
     checks: list[Check] = []
     end: EndEvent | None = None
     frames = stored = 0
     try:
         while True:
-            # Exactly what the parser needs next (so each frame arrives in one piece).
-            chunk = src.read(max(1, min(reader.want(), 1 << 30)) if not reader.done else 1)
-            if not chunk:
+            # Exactly what the parser needs next (so each frame arrives in one piece), in a
+            # buffer of its own that grows with the bytes that arrive, not with declared lengths.
+            chunk = read_step(src, reader)
+            if not len(chunk):
                 break
             if end is not None:
                 raise KVPackError("bytes after the end frame")
             pending.append(chunk)
-            for ev in reader.feed(chunk):
+            for ev in reader.feed(chunk, owned=True):
                 if isinstance(ev, HeaderEvent):
                     if ev.header.rows_start > 0:
                         return _verify_whole(b"".join(pending), src, out, model=model, prompt=prompt, chat=chat)

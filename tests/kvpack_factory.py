@@ -65,3 +65,19 @@ def frame_offsets(data: bytes) -> list[int]:
             return out
         out.append(pos)
         pos += FRAME_HEADER.size + stored + pad_len(stored) + 64
+
+
+def forged_big_frame(*, pad: int = 512) -> tuple[bytes, int]:
+    """A ~1.4 KiB input whose header plans one 1 GiB frame (1 layer of 1024 x 4096 float32
+    heads, 32 rows), then that frame's header declaring its 1 GiB and ``pad`` zero bytes.
+    Returns (bytes, the declared frame length)."""
+    from muser_cli.kvpack import PackWriter
+    from muser_cli.kvpack.format import FRAME_HEADER, TAG_DATA
+
+    layers = (LayerSpec("full", 1024, 4096, 4096, rope=None),)
+    header = PackHeader(FP_A, FP_B, tuple(range(1, 34)), layers, "float32", 32, model_name="forged",
+                        architecture="test")
+    buf = io.BytesIO()
+    PackWriter(buf, header)
+    declared = header.row_bytes(0) * 32
+    return buf.getvalue() + FRAME_HEADER.pack(TAG_DATA, 0, 0, 0, 32, 0, 0, 0, declared, declared) + bytes(pad), declared

@@ -99,7 +99,11 @@ def test_refuses_other_model_and_prompt(tiny_llama, tiny_hybrid, prompt_file, tm
     other.write_text(PROMPT.replace("bridge", "tunnel"))
     v = run(["verify", "-m", tiny_llama.path, "--prompt", other, pack])
     assert v.exit_code == 65 and "prompt" in v.stderr
+    # issue 29 item 3 (docs/cli-contract.md, one rule): with --prompt the pack is set aside for a
+    # local prefill, with one warning naming why; --strict keeps the refusal
     d = run(["decode", "-m", tiny_llama.path, "--prompt", other, pack])
+    assert d.exit_code == 0 and d.stdout and "set aside" in d.stderr and "prompt" in d.stderr
+    d = run(["decode", "-m", tiny_llama.path, "--prompt", other, "--strict", pack])
     assert d.exit_code == 65 and d.stdout == ""
 
 

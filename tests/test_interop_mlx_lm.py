@@ -417,3 +417,27 @@ def test_import_of_a_fifo_or_a_device_is_refused_at_once_not_waited_on(tiny_llam
         assert len(r.stderr.decode().strip().splitlines()) == 1 and not out.exists()
     with pytest.raises(MissingInput, match="named pipe"):
         interop.read_prompt_cache_file(str(fifo))
+
+
+def test_an_mlx_lm_cache_of_another_prompt_that_ends_alike_is_never_decoded(tiny_llama, tmp_path):
+    """Issue 30: mlx-lm's cache of *another* prompt of the same length, imported for this one,
+    passed the check of the last position when the prompts ended alike, and decoded wrong
+    text. The gate samples positions across the prompt: refused without a prompt (65), set
+    aside for a local prefill with one."""
+    from muser_cli.errors import SpotCheckFailed
+
+    info = tiny_llama
+    ids = encode_prompt(info, PROMPT)
+    other = encode_prompt(info, "Rivers carry silt to the sea, and the delta grows a little every spring flood.")
+    other = (other * (len(ids) // len(other) + 1))[: len(ids) - 4] + ids[-4:]
+    src = tmp_path / "other.safetensors"
+    mlx_lm_file(info, other, src, whole=False)
+    pack_path = tmp_path / "imported.kvpack"
+    with open(pack_path, "wb") as out:
+        interop.import_mlx_lm(str(src), out, model=str(info.path), prompt=PROMPT, chunk_tokens=CHUNK)
+    with open(pack_path, "rb") as f, pytest.raises(SpotCheckFailed, match="sampled across the prompt"):
+        decode(f, model=str(info.path), dtype="float32", max_new_tokens=4)
+    local = decode(None, model=str(info.path), prompt=PROMPT, dtype="float32", max_new_tokens=4)
+    with open(pack_path, "rb") as f:
+        out = decode(f, model=str(info.path), prompt=PROMPT, dtype="float32", max_new_tokens=4)
+    assert out.source == "local" and out.token_ids == local.token_ids and "set aside" in out.set_aside

@@ -163,14 +163,19 @@ def test_cut_stream_without_a_prompt_is_refused(tiny_llama, streamed):
 
 
 def test_corrupt_frame_is_refused_even_with_a_prompt(tiny_llama, streamed):
-    """Data that failed a check is never decoded from, and is no cut to recover from."""
+    """Data that failed a check is never decoded from, and is no cut to recover from: with
+    a prompt it is set aside whole (issue 29 item 3: the tokens are a local prefill's, none
+    of its verified chunks kept); with --strict, or without a prompt, it is refused."""
     from muser_cli.errors import KVPackError
 
     head, ends = _frame_ends(streamed)
     bad = bytearray(streamed)
     bad[ends[5] - 80] ^= 0x10  # inside frame 6's payload
     with pytest.raises(KVPackError):
-        _decode(tiny_llama, bytes(bad), PROMPT)
+        _decode(tiny_llama, bytes(bad), PROMPT, strict=True)
+    out = _decode(tiny_llama, bytes(bad), PROMPT)
+    assert out.source == "local" and out.handoff_rows is None and "set aside" in out.set_aside
+    assert out.token_ids == _decode(tiny_llama, b"", PROMPT).token_ids
 
 
 def test_cut_stream_on_a_sliding_window_model(tiny_hybrid):

@@ -301,7 +301,10 @@ def test_planted_rope_theta_mismatch_is_refused(tiny_llama):
         MLXEngine(_with_rope(tiny_llama, style="interleaved"), dtype="float32", threads=THREADS)
     with pytest.raises(IdentityMismatch, match=r"rope\.dims"):
         MLXEngine(_with_rope(tiny_llama, dims=8), dtype="float32", threads=THREADS)
-    with pytest.raises(DataError, match=r"rope\.scaling: type 'yarn'"):
+    with pytest.raises(DataError, match=r"rope\.scaling: type 'longrope'"):  # yarn is checked since #26
+        MLXEngine(_with_rope(tiny_llama, scaling={"rope_type": "longrope", "factor": 4.0}), dtype="float32",
+                  threads=THREADS)
+    with pytest.raises(DataError, match=r"rope\.scaling: yarn needs factor and original_max_position_embeddings"):
         MLXEngine(_with_rope(tiny_llama, scaling={"rope_type": "yarn", "factor": 4.0}), dtype="float32", threads=THREADS)
 
 

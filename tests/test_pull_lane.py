@@ -312,6 +312,111 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, follow, tmp_path)
     assert out["source"] == "delta" and out["token_ids"] == follow["tokens"], out
 
 
+OFF_GRID = ("The committee met on a grey ", "The committee met on a grey T")  # 18 and 19 tokens, sharing 18
+
+
+def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, monkeypatch):
+    """#30 item 3. The consumer's store holds an 18-token prompt: its rows end at 17, off the
+    chunk-8 grid. For a 19-token prompt that starts with it, ``receive --from`` asks for the
+    grid point below (16), and a consumer that claims 17 anyway is answered from 16 by the
+    producer: either way exit 0 and a delta pack that ``muser verify`` accepts (before: a
+    delta from 17, published with exit 0, that verify refused), and ``decode`` merges it to
+    the local tokens."""
+    from muser_cli.kvpack import read_pack
+    from muser_cli.models import resolve_model
+    from muser_cli.reuse.chain import Scope, chain_at
+    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.tokens import encode_prompt
+
+    info = resolve_model(lane["model"])
+    short, long = (encode_prompt(info, t, chat=False) for t in OFF_GRID)
+    assert len(short) == 18 and len(long) == 19 and long[:18] == short  # the store's rows end at 17 = 2 * 8 + 1
+    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
+    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    env = env_for(home)
+    paths = []
+    for i, text in enumerate(OFF_GRID):
+        paths.append(tmp_path / f"p{i}.txt")
+        paths[-1].write_text(text)
+    stored = subprocess.run(muser_cmd("prefill", str(paths[0]), *lane["common"], "--chunk", str(CHUNK), "--store",
+                                      "-o", str(tmp_path / "short.kvpack")), env=env, capture_output=True, timeout=120)
+    assert stored.returncode == 0, stored.stderr
+    local = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(paths[1]),
+                                     "-n", "8", "--no-reuse", "--json"), env=env, input=b"", capture_output=True,
+                           timeout=120)
+    assert local.returncode == 0, local.stderr
+
+    def verified_and_decoded(pack: Path) -> None:
+        ok = subprocess.run(muser_cmd("verify", str(pack), "-m", lane["model"], "--prompt", str(paths[1])), env=env,
+                            capture_output=True, timeout=120)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        dec = subprocess.run(muser_cmd("decode", str(pack), *lane["common"], "--chunk", str(CHUNK), "--prompt",
+                                       str(paths[1]), "-n", "8", "--json"), env=env, capture_output=True, timeout=120)
+        assert dec.returncode == 0, dec.stderr
+        got = json.loads(dec.stdout)
+        assert got["source"] == "delta" and got["token_ids"] == json.loads(local.stdout)["token_ids"], got
+
+    def rows_start(pack: Path) -> int:
+        with open(pack, "rb") as f:
+            return read_pack(f).header.rows_start
+
+    p = lane["producer"]
+    before = len(p.events())
+    asked = subprocess.run(muser_cmd("receive", "--from", p.address, str(paths[1]), "-m", lane["model"], "--chunk",
+                                     str(CHUNK), "-o", str(tmp_path / "asked.kvpack"), "--json"),
+                           env=env, capture_output=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["held_tokens"] == 16 and rows_start(tmp_path / "asked.kvpack") == 16
+    verified_and_decoded(tmp_path / "asked.kvpack")
+
+    monkeypatch.setenv("MUSER_HOME", str(home))  # a consumer that claims the 17 rows its store ends at
+    ask = ask_for(OFF_GRID[1], model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
+    scope = Scope(info.fingerprint, info.tokenizer_fingerprint, "float32", CHUNK)
+    ask.have_tokens, ask.have_chain = 17, chain_at(scope, long, 17)
+    pull_prompt(p.address, ask, output=tmp_path / "claimed.kvpack", timeout=90)
+    assert rows_start(tmp_path / "claimed.kvpack") == 16
+    verified_and_decoded(tmp_path / "claimed.kvpack")
+    served = p.wait_events(before + 2)[before:]
+    assert [(e["outcome"], e["held_rows"]) for e in served] == [("served", 16)] * 2, served
+
+
+def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypatch):
+    """A producer that answers a have of 17 (chunk 8) with a delta from 17 -- one without
+    the rounding above -- is refused by the consumer before ``Go`` (65): nothing written,
+    so nothing ``verify`` would refuse is ever published."""
+    import muser_cli.serve as serve_mod
+    from muser_cli.errors import DataError
+    from muser_cli.handoff.pull_client import pull
+    from muser_cli.handoff.pull_server import PullServer, ServeConfig
+    from muser_cli.handoff.receiver import Destination
+    from muser_cli.reuse.chain import Scope, chain_at
+    from muser_cli.tokens import encode_prompt
+
+    monkeypatch.setattr(serve_mod, "have_on_grid", lambda req, scope: req)  # a producer without the rounding
+    monkeypatch.setattr("muser_cli.reuse.delta.delta_point", lambda scope, ids, held, chain: (held, chain))
+    prod = serve_mod.ResidentProducer(lane["model"], dtype="float32")
+    info = prod.info
+    ids = encode_prompt(info, OFF_GRID[1], chat=False)
+    nodes = make_nodes(tmp_path / "nodes")
+    server = PullServer(nodes.producer, ServeConfig(port=0), ledger_dir=tmp_path / "serve-ledger", compute=prod)
+    server.bind()
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    out = tmp_path / "claimed.kvpack"
+    try:
+        with pytest.raises(DataError, match="starts at position 17"):
+            pull(f"127.0.0.1:{server.address[1]}", nodes.consumer, token_ids=ids,
+                 tokenizer_fingerprint=info.tokenizer_fingerprint, model_fingerprint=info.fingerprint,
+                 chunk_tokens=CHUNK, dtype="float32", ledger_dir=tmp_path / "ledger",
+                 destination=Destination(file=out), timeout=60, have_tokens=17,
+                 have_chain=chain_at(Scope(info.fingerprint, info.tokenizer_fingerprint, "float32", CHUNK), ids, 17))
+    finally:
+        server.stop()
+        serving.join(60)
+        server.close()
+    assert not out.exists() and not list(tmp_path.glob("*.part"))
+
+
 def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp_path):
     """``prefill --serve --store``: the document's rows outlive the producer; restarted, it
     continues the follow-up from its store (``reused_from`` store) and the pack decodes to

@@ -119,7 +119,8 @@ def test_store_refuses_quantized_and_unheld_deltas():
     pack(io.BytesIO(pack_bytes(LONGER)), d, codec="none", have=manifest_for(other, LONGER))
     with pytest.raises(BaseNotHeld):
         store.put(io.BytesIO(d.getvalue()))
-    assert store.entries() == [] and not list((store.root / "tmp").iterdir())
+    tmp = store.root / "tmp"  # issue #29.2: a refused first put removes the folders it made, tmp included
+    assert store.entries() == [] and (not tmp.exists() or not list(tmp.iterdir()))
 
 
 # ------------------------------------------------------------------ delta packs
@@ -180,6 +181,33 @@ def test_delta_is_the_formula_to_the_byte_and_merges_exactly(layers):
     assert again.getvalue() == delta
     with pytest.raises(DataError, match="holds only 0"):
         pack(io.BytesIO(delta), io.BytesIO(), have=replace(have, held_tokens=0, entry_id=None, chain=None, scope=None))
+
+
+def test_a_held_point_off_the_chunk_grid_gives_a_delta_from_the_boundary_below():
+    """#30 item 3, the manifest path: a consumer holds a 38-token prompt (rows end at 37, off
+    the chunk-8 grid) and says so (a hand-written manifest: ``reuse have`` names 32). The
+    delta ``pack --have`` makes starts at 32, the boundary below: its base verifies and it
+    merges with the stored entry to every byte of the full pack (before: a delta from 37,
+    written with no error, that every reader refused)."""
+    layers = llama_layers(2)
+    full = pack_bytes(LONGER, layers=layers)
+    rows = read_pack_bytes(full).layers
+    buf = io.BytesIO()
+    write_pack(buf, header_for(LONGER[:38], layers=layers), [LayerKV(r.keys[:, :37], r.values[:, :37], 0) for r in rows])
+    store = Store()
+    store.put(io.BytesIO(buf.getvalue()))
+    scope = Scope(FP_A, FP_B, "float32", CHUNK)
+    have = replace(manifest_for(store, LONGER), held_tokens=37, chain=chain_at(scope, LONGER, 37), scope=scope,
+                   complete=False)
+    have.check_prompt(LONGER)
+    out = io.BytesIO()
+    res = pack(io.BytesIO(full), out, codec="none", have=have)
+    d = read_pack_bytes(out.getvalue())
+    assert res.held_tokens == 32 and d.header.rows_start == 32 and d.header.base["tokens"] == 32
+    check_base(d.header)
+    merged, _ = resolve_delta(d, store)
+    for got, want in zip(merged, read_pack_bytes(full).layers):
+        assert np.array_equal(got.keys, want.keys) and np.array_equal(got.values, want.values)
 
 
 def test_forged_or_unheld_base_is_refused():
@@ -269,7 +297,7 @@ def test_rebuild_the_index_from_the_packs():
     # cache: it never refuses a caller), saying so; the old index is kept aside.
     r = CliRunner().invoke(app, ["reuse", "ls", "--json"])
     assert r.exit_code == 0, r.output
-    assert "rebuilt from 3 verified pack(s)" in r.stderr
+    assert "rebuilt from 3 verified packs" in r.stderr
     assert {e["id"] for e in json.loads(r.stdout)["entries"]} == ids
     assert any(p.name.startswith("index.sqlite3.broken-") for p in store.root.iterdir())
     r = CliRunner().invoke(app, ["reuse", "gc", "--rebuild", "--json"])

@@ -277,7 +277,7 @@ def test_serve_options_are_checked_one_line(args, status, words, tiny_llama):
     assert len(lines) == 1 and words in lines[0], lines
 
 
-def test_a_port_in_use_is_75(tiny_llama):
+def test_a_port_in_use_is_78(tiny_llama):
     import socket
     import subprocess
     import sys
@@ -291,7 +291,7 @@ def test_a_port_in_use_is_75(tiny_llama):
                            capture_output=True, timeout=120)
     finally:
         s.close()
-    assert r.returncode == 75 and b"cannot listen" in r.stderr, r.stderr
+    assert r.returncode == 78 and b"cannot listen" in r.stderr, r.stderr  # configuration, as receive --listen
 
 
 def test_without_the_serve_extra_it_says_so_78(tiny_llama, tmp_path):

@@ -77,17 +77,24 @@ def bench_lane(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
 def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, reps: int = 5,
                synthetic: bool = False, threads: int = 0, peers: bool = True,
                plot: str | os.PathLike | None = None, receipt: str | os.PathLike | None = None,
-               progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.bench.pack import run_pack
+               study=None, progress: Progress = no_progress) -> BenchResult:
+    """``study``: a :class:`muser_cli.bench.pack.Study` of more cases in the same rounds
+    (``benchmarks/bench_kvpack.py``); ``muser bench pack`` runs without."""
+    from muser_cli.bench.pack import DIGESTS, Study, run_pack
 
     ds = parse_ints(depths, what="--depths", low=2)
     plot_path, receipt_path = _prepare("pack", reps, plot, receipt)
     started = _started()
     info = resolve_bench_model(model, progress=progress)
     check_depths(info, ds)
+    study = study or Study()
+    unknown = [d for d in study.digests if d not in DIGESTS]
+    if unknown or study.fresh_reps < 0:
+        raise UsageError(f"bench pack: digests must be among {', '.join(DIGESTS)}; fresh reps 0 or more")
     if threads < 1:
         threads = max(1, min(os.cpu_count() or 1, 8))
-    result = run_pack(info, ds, reps=reps, synthetic=synthetic, threads=threads, peers=peers, progress=progress)
+    result = run_pack(info, ds, reps=reps, synthetic=synthetic, threads=threads, peers=peers, study=study,
+                      progress=progress)
     return _finish(result, receipt_path, plot_path, started)
 
 

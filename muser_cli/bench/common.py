@@ -248,7 +248,8 @@ def check_depths(info, depths: Sequence[int]) -> None:
                              hint="use shallower depths, or a long-context model: -m tiny has 132k positions")
 
 
-def _corpus_text() -> str:
+def corpus_text() -> str:
+    """The project's own docs (or, installed, its sources) as one text: the benchmarks' prompts."""
     docs = SOURCE_ROOT / "docs"
     files = sorted(docs.glob("*.md")) if docs.is_dir() else []
     if (SOURCE_ROOT / "README.md").is_file():
@@ -262,7 +263,7 @@ def corpus_ids(info, n_tokens: int) -> list[int]:
     """A deterministic prompt of exactly ``n_tokens`` ids from the project's own docs."""
     from muser_cli.tokens import encode_prompt
 
-    ids = encode_prompt(info, _corpus_text())
+    ids = encode_prompt(info, corpus_text())
     out: list[int] = []
     while len(out) < n_tokens:
         out.extend(ids)

@@ -74,6 +74,13 @@ def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 120.0) ->
 @contextlib.contextmanager
 def receiver(nodes: Nodes, out_dir: Path, pin: Pinning):
     """A resident ``muser receive --listen 127.0.0.1:0 -o OUT_DIR`` on the consumer's core; yields its address."""
+    with receiver_process(nodes, out_dir, pin) as (addr, _proc):
+        yield addr
+
+
+@contextlib.contextmanager
+def receiver_process(nodes: Nodes, out_dir: Path, pin: Pinning):
+    """As :func:`receiver`, yielding (address, the process) for those who watch its CPU."""
     out_dir.mkdir(parents=True, exist_ok=True)
     argv = pin.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "-o", str(out_dir)])
     proc = subprocess.Popen(argv, env=node_env(nodes.consumer_home), stdin=subprocess.DEVNULL,
@@ -81,7 +88,7 @@ def receiver(nodes: Nodes, out_dir: Path, pin: Pinning):
     try:
         addr = wait_listening(proc, "bench")
         _drain_in_background(proc)
-        yield addr
+        yield addr, proc
     finally:
         with contextlib.suppress(OSError):
             proc.kill()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from muser_cli.errors import ConfigError, UsageError
+from muser_cli.units import plural, size_text
 
 INSTALL_HINT = "pip install 'muser[plot]'"
 
@@ -49,14 +50,19 @@ def _figure(width: float, height: float, ncols: int = 1):
     return fig, axes
 
 
-def _footer(fig, payload: dict[str, Any]) -> None:
+def _footer(fig, payload: dict[str, Any], note: str = "") -> None:
     m = payload.get("machine", {})
     st = payload.get("started") or {}
     load = " → ".join(f"{x['loadavg'][0]:.1f}" for x in (st, m) if x.get("loadavg"))
     bits = [f"muser {st.get('git') or m.get('git') or ''}".strip(), m.get("date", ""),
             f"{m.get('cpus_allowed', '?')} cores", f"load {load}" if load else "",
             f"median of {payload.get('reps')} reps after 1 warm-up; bars min..max"]
-    fig.supxlabel(" · ".join(b for b in bits if b), fontsize=7, color="0.35")
+    import textwrap
+
+    text = " · ".join(b for b in bits if b)
+    if note:
+        text = textwrap.fill("Note: " + note, 150) + "\n" + text
+    fig.supxlabel(text, fontsize=7, color="0.35")
 
 
 def _plain_log(axis) -> None:
@@ -106,8 +112,8 @@ def plot_lane(payload: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("prompt depth (tokens)")
     if ax.get_yscale() != "log":
         ax.set_ylabel(f"time to first token ({unit})")
-    ax.set_title(f"TTFT by depth: {payload.get('model')}, {payload.get('dtype')}, {payload.get('threads')} thread(s)",
-                 fontsize=10)
+    ax.set_title(f"TTFT by depth: {payload.get('model')}, {payload.get('dtype')}, "
+                 f"{plural(payload.get('threads') or 0, 'thread')}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     # The handoff's own cost, by part.
@@ -140,7 +146,7 @@ def plot_pack(payload: dict[str, Any], path: Path) -> Path:
         stats = [r["seconds"][n] for n in names]
         ys = [j + i * height for j in range(len(names))]
         ax.barh(ys, [s["median"] * 1e3 for s in stats], height=height, xerr=_errs(stats, 1e3), capsize=2,
-                label=f"{r['depth']} tokens ({r['raw_kv_bytes'] / 1e6:.1f} MB KV)")
+                label=f"{r['depth']} tokens ({size_text(r['raw_kv_bytes'])} of KV)")
         for y, st in zip(ys, stats):
             ax.annotate(f" {st['median'] * 1e3:.3g} ms", (st["max"] * 1e3, y), va="center", fontsize=7)
     ax.set_yticks([j + 0.4 - height / 2 for j in range(len(names))], names, fontsize=8)
@@ -149,8 +155,8 @@ def plot_pack(payload: dict[str, Any], path: Path) -> Path:
     _plain_log(ax.xaxis)
     lo, hi = ax.get_xlim()
     ax.set_xlim(lo, hi * 3)  # room for the labels
-    ax.set_xlabel("time (ms, log)")
-    ax.set_title(f"kvpack vs mlx-lm and memcpy: {payload.get('model')}, bf16", fontsize=10)
+    ax.set_xlabel("time (ms, log scale)")
+    ax.set_title(f"{pack_title(names, payload)}: {payload.get('model')}, bf16", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=8)
     order = ["raw KV", "pack none", "pack zstd+bytegroup"]
@@ -166,33 +172,46 @@ def plot_pack(payload: dict[str, Any], path: Path) -> Path:
     bx.set_yticks([j + 0.4 - height / 2 for j in range(len(bnames))], bnames, fontsize=8)
     bx.invert_yaxis()
     bx.set_xlim(0, biggest * bscale * 1.15)  # room for the labels
-    bx.set_xlabel(f"bytes ({bunit})")
-    bx.set_title("size", fontsize=10)
+    bx.set_xlabel(f"size ({bunit})")
+    synthetic = str(payload.get("kv", "")).startswith("synthetic")
+    bx.set_title("size" + (" (synthetic KV: zstd's ratio is not a real one)" if synthetic else ""), fontsize=10)
     bx.grid(True, axis="x", alpha=0.3)
     bx.legend(fontsize=8)
     _footer(fig, payload)
     return _write(fig, path)
 
 
+def pack_title(cases: list[str], payload: dict[str, Any]) -> str:
+    """"kvpack vs mlx-lm and memcpy", naming only the systems the chart has rows of."""
+    peers = [name for name in ("mlx-lm", "memcpy") if any(name in case for case in cases)]
+    title = "kvpack vs " + " and ".join(peers) if peers else "kvpack"
+    if "mlx-lm" not in peers and not payload.get("mlx_lm", True):
+        title += " (mlx-lm not measured: not installed, or --no-peers)"
+    return title
+
+
 def plot_wire(payload: dict[str, Any], path: Path) -> Path:
+    from muser_cli.bench.wire import OVER_THE_LINK
+
     rows = payload["rows"]
     sizes = [r["bytes"] / 1e6 for r in rows]
     fig, (ax,) = _figure(8, 4.8)
     for key, label, style in (("probe_up_Bps", "raw TLS (probe-link, up)", "o--"),
-                              ("payload_rate_Bps", "kvpack send (bytes / time in socket writes)", "s-"),
-                              ("end_to_end_Bps", "kvpack send, connect to Ack", "^-")):
+                              ("payload_rate_Bps", "kvpack send, timed at the sender (socket writes)", "s-"),
+                              ("end_to_end_Bps", "kvpack send, end to end (connect to the receiver's Ack)", "^-")):
         stats = [r[key] for r in rows]
         ax.errorbar(sizes, [s["median"] / 1e6 for s in stats], yerr=_errs(stats, 1e-6), fmt=style, capsize=3,
                     label=label)
     ax.set_xscale("log")
-    ax.set_xticks(sizes, [f"{x:.3g}" for x in sizes])
+    ax.set_xticks(sizes, [f"{r.get('megabytes', x):g}" for r, x in zip(rows, sizes)])
     ax.minorticks_off()
-    ax.set_xlabel("payload (MB, log)")
+    ax.set_xlabel("payload (MB, log scale)")
     ax.set_ylabel("throughput (MB/s)")
-    ax.set_title(f"wire: {payload.get('link', 'loopback TLS')}", fontsize=9)
+    ax.set_title(f"throughput by payload size: {payload.get('link', 'loopback TLS')}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    _footer(fig, payload)
+    over = any(r["payload_rate_Bps"]["median"] > r["probe_up_Bps"]["median"] for r in rows)
+    _footer(fig, payload, OVER_THE_LINK if over else "")
     return _write(fig, path)
 
 

@@ -24,8 +24,18 @@ from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
 _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
 # Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
-_APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True))}
-_ROPE_SCALINGS = ("default", "linear", "llama3")  # scaling types this engine can check
+_APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
+                 "smollm3": lambda attn: type(getattr(attn, "rope", None)).__name__ not in ("NoPE", "NoneType"),
+                 "exaone4": lambda attn: bool(getattr(attn, "use_rope", True))}
+# Families mlx-lm implements differently from transformers, refused by name before loading.
+MLX_REFUSED = {"gemma2": "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
+                         "past its window it computes another model"}
+# transformers model_type -> the mlx-lm module that implements it, where the names differ.
+_MLX_MODULE = {"muse_glimmer_text": "muse_glimmer"}
+# mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal
+# checkpoint's vision tower as transformers 5 names it), dropped before its sanitize.
+_DROP_WEIGHTS = {"muse_glimmer": ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")}
+_ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # scaling types this engine can check
 _PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
 
@@ -49,7 +59,8 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
 
     model_type = str(config.get("model_type"))
     overrides: dict[str, Any] = {}
-    ropes = [spec.rope for spec in layer_specs(config) if spec.rope is not None]
+    specs = layer_specs(config)
+    ropes = [spec.rope for spec in specs if spec.rope is not None]
     if ropes:
         rope = ropes[0]
         overrides["rope_theta"] = rope.theta
@@ -61,13 +72,97 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
             overrides["rope_scaling"] = None
     if "tie_word_embeddings" not in config and model_type in _TIE_DEFAULTS:
         overrides["tie_word_embeddings"] = _TIE_DEFAULTS[model_type]
+    if model_type in _MLX_MODULE:
+        overrides["model_type"] = _MLX_MODULE[model_type]
     if model_type == "cohere2":
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         overrides["head_dim"] = hidden // heads  # transformers derives it; mlx-lm defaults to 128
         pattern = _sliding_pattern(config.get("layer_types"))
         if pattern is not None:
             overrides["sliding_window_pattern"] = pattern
+    if ropes and ropes[0].dims != specs[0].head_dim:  # partial rotary: transformers 5 moved the factor
+        overrides["partial_rotary_factor"] = ropes[0].dims / specs[0].head_dim
+    rule = _FAMILY_KEYS.get(model_type)
+    if rule is not None:
+        overrides.update(rule(config, specs))
     return overrides
+
+
+def _gemma3_keys(config: dict[str, Any], specs: tuple[LayerSpec, ...]) -> dict[str, Any]:
+    """mlx-lm's gemma3_text: one theta per layer class, and a pattern instead of layer_types."""
+    out: dict[str, Any] = {}
+    pattern = _sliding_pattern(config.get("layer_types"))
+    if pattern is not None:
+        out["sliding_window_pattern"] = pattern
+    for spec in specs:
+        if spec.rope is not None:
+            out["rope_local_base_freq" if spec.kind == "sliding" else "rope_theta"] = spec.rope.theta
+    return out
+
+
+def _exaone4_keys(config: dict[str, Any], specs: tuple[LayerSpec, ...]) -> dict[str, Any]:
+    """mlx-lm's exaone4 reads the layer plan as an "L"/"G" string and needs rope_scaling named."""
+    out: dict[str, Any] = {"sliding_window_pattern": "".join("L" if s.kind == "sliding" else "G" for s in specs)}
+    if "rope_scaling" not in config:
+        out["rope_scaling"] = None
+    if not any(s.kind == "sliding" for s in specs):
+        out["sliding_window_pattern"] = None
+    return out
+
+
+_FAMILY_KEYS = {
+    "gemma3_text": _gemma3_keys,
+    "exaone4": _exaone4_keys,
+    "qwen3_moe": lambda config, specs: ({"num_experts": config["num_local_experts"]}
+                                        if "num_experts" not in config and "num_local_experts" in config else {}),
+}
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """mlx-lm's (Model, ModelArgs) for ``config`` (its ``get_model_classes`` hook), the Model
+    dropping the weights of towers mlx-lm does not implement (:data:`_DROP_WEIGHTS`)."""
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(config)
+    module = str(config.get("model_type"))
+    drop, translate = _DROP_WEIGHTS.get(module, ()), _TRANSLATE_WEIGHTS.get(module)
+    if not drop and translate is None:
+        return model_cls, args_cls
+
+    class Translated(model_cls):  # type: ignore[misc, valid-type]
+        def sanitize(self, weights: dict) -> dict:
+            kept = {k: v for k, v in weights.items() if not (drop and k.startswith(drop))}
+            if translate is not None:
+                kept = translate(kept)
+            return super().sanitize(kept) if hasattr(model_cls, "sanitize") else kept
+
+    return Translated, args_cls
+
+
+def _gpt_oss_weights(weights: dict) -> dict:
+    """transformers' unquantized gpt-oss experts (``gate_up_proj`` (E, hidden, 2I) with gate and
+    up interleaved, ``down_proj`` (E, I, hidden), ``*_bias``) as mlx-lm's per-projection
+    weights (E, out, in); mlx-lm's own sanitize reads only the hub's MXFP4 blocks."""
+    import mlx.core as mx
+
+    out = {}
+    for k, v in weights.items():
+        if k.endswith("experts.gate_up_proj"):
+            out[k[: -len("gate_up_proj")] + "gate_proj.weight"] = mx.contiguous(mx.swapaxes(v[..., ::2], 1, 2))
+            out[k[: -len("gate_up_proj")] + "up_proj.weight"] = mx.contiguous(mx.swapaxes(v[..., 1::2], 1, 2))
+        elif k.endswith("experts.gate_up_proj_bias"):
+            out[k[: -len("gate_up_proj_bias")] + "gate_proj.bias"] = mx.contiguous(v[..., ::2])
+            out[k[: -len("gate_up_proj_bias")] + "up_proj.bias"] = mx.contiguous(v[..., 1::2])
+        elif k.endswith("experts.down_proj"):
+            out[k + ".weight"] = mx.contiguous(mx.swapaxes(v, 1, 2))
+        elif k.endswith("experts.down_proj_bias"):
+            out[k[: -len("_bias")] + ".bias"] = v
+        else:
+            out[k] = v
+    return out
+
+
+_TRANSLATE_WEIGHTS = {"gpt_oss": _gpt_oss_weights}
 
 
 def _sliding_pattern(layer_types: Any) -> int | None:
@@ -110,7 +205,7 @@ def check_rope(index: int, spec: LayerSpec, module: Any, max_positions: int) -> 
                                hint="mlx-lm reads a top-level rope_theta; transformers 5.x writes rope_parameters")
     scale = getattr(module, "scale", None)
     want_scale = 1.0 / float(scaling["factor"]) if kind == "linear" else 1.0
-    if scale is not None and kind != "llama3" and not math.isclose(float(scale), want_scale, rel_tol=1e-6):
+    if scale is not None and kind not in ("llama3", "yarn") and not math.isclose(float(scale), want_scale, rel_tol=1e-6):
         raise IdentityMismatch(f"layer {index} rope.scaling: the model scales positions by {want_scale:g}, mlx-lm by {float(scale):g}")
     error, position = _probe(module, want, spec.head_dim, max_positions)
     if error is not None:
@@ -152,13 +247,53 @@ def _inverse_frequencies(rope: RopeSpec) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         inv = np.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inverse_frequencies(rope, scaling, inv)
     return inv
+
+
+def _yarn_inverse_frequencies(rope: RopeSpec, scaling: dict[str, Any], extrapolated: np.ndarray) -> np.ndarray:
+    """transformers' YaRN frequencies: a ramp between interpolated and extrapolated ones over
+    the correction range (floored/ceiled only when ``truncate``, its default)."""
+    if "factor" not in scaling or "original_max_position_embeddings" not in scaling:
+        raise DataError("rope.scaling: yarn needs factor and original_max_position_embeddings",
+                        hint="the config's rope_parameters lack them")
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction(rotations: float) -> float:
+        return rope.dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction(fast), correction(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope.dims - 1)
+    ramp = np.clip((np.arange(rope.dims // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+    extrapolation = 1 - ramp
+    return extrapolated / factor * (1 - extrapolation) + extrapolated * extrapolation
+
+
+def _attention_factor(rope: RopeSpec) -> float:
+    """The factor YaRN multiplies cos and sin by (so the cached keys carry it)."""
+    scaling = dict(rope.scaling or {})
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
 
 
 def _rotate(x: np.ndarray, inv: np.ndarray, rope: RopeSpec, position: int) -> np.ndarray:
     out = x.copy()
     angle = position * inv
-    cos, sin = np.cos(angle), np.sin(angle)
+    cos, sin = np.cos(angle) * _attention_factor(rope), np.sin(angle) * _attention_factor(rope)
     half = rope.dims // 2
     if rope.style == "interleaved":
         a, b = x[0 : rope.dims : 2], x[1 : rope.dims : 2]

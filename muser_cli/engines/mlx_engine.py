@@ -50,7 +50,8 @@ from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
 from muser_cli.engines.mlx_cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx_cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
-from muser_cli.engines.mlx_config import _APPLIES_ROPE, _read_config, check_rope, mlx_config_overrides  # noqa: F401
+from muser_cli.engines.mlx_config import (  # noqa: F401
+    _APPLIES_ROPE, MLX_REFUSED, _read_config, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
@@ -69,6 +70,9 @@ class MLXEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in MLX_DTYPES:
             raise UsageError(f"the mlx engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(MLX_DTYPES))
+        if info.architecture in MLX_REFUSED:
+            raise ConfigError(f"the mlx engine cannot run {info.architecture}: {MLX_REFUSED[info.architecture]}",
+                              hint="use --engine torch")
         self.blas = mlx_blas.ensure_fast_blas()  # before mlx.core is imported
         try:
             import mlx.core as mx
@@ -84,7 +88,7 @@ class MLXEngine(Engine):
         config = _read_config(info)
         self.overrides = mlx_config_overrides(config)
         try:
-            self.model, self.config = load_model(info.path, model_config=self.overrides)
+            self.model, self.config = load_model(info.path, model_config=self.overrides, get_model_classes=model_classes)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DataError(f"mlx-lm cannot load model {info.path}: {exc}") from exc
         if dtype != "float32" or _param_dtype(self.model) != mx.float32:
@@ -288,7 +292,7 @@ class MLXEngine(Engine):
             check_rope(index, spec, attn.rope if applies else None, self.info.max_positions)
 
     def _vocab_size(self) -> int:
-        return int(self.config.get("vocab_size") or 0)
+        return int(self.config.get("vocab_size") or (self.config.get("text_config") or {}).get("vocab_size") or 0)
 
     # ------------------------------------------------------------------ caches
 

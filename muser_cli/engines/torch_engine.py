@@ -21,6 +21,7 @@ without extraction: the truth the handed-off path must reproduce bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -37,6 +38,17 @@ from muser_cli.kvpack.layers import LayerKV, ring_tail
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # numpy dtype of the arrays a pack carries -> the torch dtype those bytes mean.
 _FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, np.dtype("<u2"): torch.bfloat16}
+
+
+def _cache_keyword(model: Any) -> str:
+    """The name the installed transformers gives a model's cache argument: ``cache`` from 5.24 on
+    (``past_key_values`` then warns on every call), ``past_key_values`` before (5.19-5.23 silently
+    ignore ``cache=``), read from the model's own signature."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class TorchEngine(Engine):
@@ -57,19 +69,26 @@ class TorchEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in TORCH_DTYPES:
             raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
-        from transformers import AutoModelForCausalLM
+        import transformers
 
+        from muser_cli.modelconfig import FAMILIES
         from muser_cli.models import quiet_transformers
 
+        family = FAMILIES.get(info.architecture)
+        if family is not None and not family.torch_auto:
+            raise ConfigError(f"the torch engine cannot load a {info.architecture} folder: transformers has no "
+                              "language-model class for that config", hint="use --engine mlx, or save the full model's config")
         self.torch_dtype = TORCH_DTYPES[dtype]
         self._set_threads()
         start = time.perf_counter()
         try:
             with quiet_transformers():
-                self.model = AutoModelForCausalLM.from_pretrained(str(info.path), dtype=self.torch_dtype)
+                auto = getattr(transformers, family.torch_auto if family is not None else "AutoModelForCausalLM")
+                self.model = auto.from_pretrained(str(info.path), dtype=self.torch_dtype)
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot load model {info.path}: {exc}") from exc
         self.model.eval()
+        self._cache_kw = _cache_keyword(self.model)
         self.load_s = time.perf_counter() - start
         self._check_layout()
 
@@ -186,6 +205,33 @@ class TorchEngine(Engine):
             self._forward(ids, rows, cache, keep=1)
             return self._extract(cache, rows + len(ids))
 
+    def recompute_at(self, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
+                     token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K and V at ``positions`` (each < ``rows``; ``token_ids`` the tokens
+        there), recomputed from ``layers``' own rows before each position: one forward of
+        ``len(positions)`` tokens over the installed rows, each attending only to the rows
+        before its position and to itself (a custom mask). Full-attention models only (the
+        audit goes position by position on others). Per layer ``(heads, m, dim)`` arrays."""
+        if any(spec.kind != "full" for spec in self.info.layers):
+            raise UsageError("recompute_at needs a model whose layers are all full attention")
+        ids = self._check_ids(token_ids)
+        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
+        if len(ids) != len(pos) or not ids or int(pos.min()) < 0 or int(pos.max()) >= rows:
+            raise UsageError(f"recompute_at: {len(pos)} positions in [0, {rows}) for {len(ids)} tokens")
+        m = len(ids)
+        with self._session():
+            cache = self._install(layers, rows, extra=m, adopt=True)
+            allowed = torch.arange(rows + m)[None, :] < pos[:, None]
+            allowed[:, rows:] = torch.eye(m, dtype=torch.bool)
+            mask = allowed[None, None]
+            if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
+                low = torch.finfo(self.torch_dtype).min
+                mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
+            self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
+                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            return [(_to_numpy(layer.keys[0, :, rows : rows + m]), _to_numpy(layer.values[0, :, rows : rows + m]))
+                    for layer in cache.layers]
+
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
         nxt = self._check_decode_args(rows, next_tokens, 0)
@@ -236,12 +282,13 @@ class TorchEngine(Engine):
                             if getattr(layer, "is_sliding", False))
 
     def _vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return int(self.model.config.get_text_config(decoder=True).vocab_size)
 
     def _forward(self, ids: list[int], start: int, cache: Any, *, keep: int) -> Any:
         x = torch.tensor([ids], dtype=torch.long)
         positions = torch.arange(start, start + len(ids), dtype=torch.long).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        out = self.model(input_ids=x, position_ids=positions, use_cache=True, logits_to_keep=keep,
+                         **{self._cache_kw: cache})
         return out.logits
 
     def _new_cache(self, capacity: int, ring: int = 0) -> Any:

@@ -8,11 +8,13 @@ disk but the ledger; ``inbox_dir``/``spool_dir`` remain for callers that name th
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
 from muser_cli.errors import UsageError
+from muser_cli.fsio import check_output_path
 from muser_cli.strict import parse_size as strict_parse_size
 from muser_cli.handoff.ledger import repair
 from muser_cli.handoff.link import parse_hostport
@@ -45,9 +47,10 @@ def node_init(*, name: str | None, hosts: list[str], force: bool) -> dict[str, A
     return init_node(paths.keys_dir(), name=name, hosts=hosts, force=force)
 
 
-def node_export(*, producer: str, hosts: list[str]) -> tuple[bytes, dict[str, Any]]:
-
-    return export_producer(paths.keys_dir(), producer=producer, hosts=hosts)
+def node_export(*, producer: str, hosts: list[str],
+                deliver: Callable[[bytes], None] | None = None) -> tuple[bytes, dict[str, Any]]:
+    """``deliver`` writes the bundle before its key is recorded (nothing is recorded if it raises)."""
+    return export_producer(paths.keys_dir(), producer=producer, hosts=hosts, deliver=deliver)
 
 
 def node_join(data: bytes, *, force: bool) -> dict[str, Any]:
@@ -86,8 +89,8 @@ def send(stream: BinaryIO, *, to: str, rate: str | None, key_id: str | None, tim
 def receive(*, listen: str, once: bool, timeout: float | None, output: str | None,
             out_stream: BinaryIO | None, max_size: str, window: float, idle_timeout: float,
             handshake_timeout: float, queue: int, on_event: Callable[[str, dict], None] | None,
-            on_accept: Callable[[dict], None] | None) -> list[dict[str, Any]]:
-
+            on_accept: Callable[[dict], None] | None, drain: threading.Event | None = None) -> list[dict[str, Any]]:
+    """``drain`` set (SIGTERM): finish what streams, start nothing new, return (an event ``drained``)."""
     host, port = parse_hostport(listen, listen=True)
     destination: Destination | None
     if output in (None, "-"):
@@ -100,6 +103,7 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
     else:
         if not once:
             raise UsageError(f"without --once, -o must be an existing directory (got {output})")
+        check_output_path(output)  # before listening: a refusal leaves nothing behind
         destination = Destination(file=Path(output))
         out_stream = None
     config = ReceiveConfig(
@@ -109,7 +113,7 @@ def receive(*, listen: str, once: bool, timeout: float | None, output: str | Non
     identity = load_identity(paths.keys_dir())
     done = receive_(
         identity, config, ledger_dir=ledger_dir(), destination=destination, out_stream=out_stream,
-        on_event=on_event, on_accept=(lambda a: on_accept(a.to_json())) if on_accept else None,
+        on_event=on_event, on_accept=(lambda a: on_accept(a.to_json())) if on_accept else None, drain=drain,
     )
     return [a.to_json() for a in done]
 

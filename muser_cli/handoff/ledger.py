@@ -256,7 +256,8 @@ def repair(directory: Path, key_id: str) -> dict[str, object]:
     """Truncate a torn last record. Refuses when damage is anywhere but the tail."""
     path = ledger_path(directory, key_id)
     if not path.exists():
-        raise ConfigError(f"no ledger for key {key_id} at {path}")
+        raise ConfigError(f"no ledger for key {key_id} at {path}",
+                          hint="name a key id whose receiver reported a torn ledger (`muser node ls` lists them)")
     fd = os.open(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)

@@ -16,7 +16,7 @@ import ssl
 import time
 from typing import Any
 
-from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure, UsageError
+from muser_cli.errors import AuthError, ConfigError, DataError, MuserError, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
 
@@ -75,7 +75,7 @@ def parse_hostport(text: str, *, default_port: int | None = None, listen: bool =
         raise UsageError(f"bad address {text!r}", hint="write IPv6 addresses in brackets: [::1]:7070")
     if not port_s:
         if default_port is None:
-            raise UsageError(f"address {text!r} has no port", hint="write HOST:PORT")
+            raise _no_port(text, host, listen=listen)
         port_s = str(default_port)
     if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
         raise UsageError(f"bad port in {text!r}")
@@ -84,9 +84,20 @@ def parse_hostport(text: str, *, default_port: int | None = None, listen: bool =
     return host, int(port_s)
 
 
-def listen_socket(host: str, port: int, *, backlog: int) -> socket.socket:
+def _no_port(text: str, host: str, *, listen: bool) -> UsageError:
+    """``7070`` alone reads as a host name: say so, and how to write the address."""
+    message = f"address {text!r} has no port" + (f" ({host} reads as a host name)" if host.isdigit() else "")
+    port = host if host.isdigit() else "7070"
+    if listen:
+        return UsageError(message, hint=f"write HOST:PORT: :{port} for every address, 127.0.0.1:{port} for this "
+                                        "machine only")
+    return UsageError(message, hint=f"write HOST:PORT, e.g. gx10:{port} or 127.0.0.1:{port}")
+
+
+def listen_socket(host: str, port: int, *, backlog: int | None) -> socket.socket:
     """A listening TCP socket on ``host:port`` ("" or "*": every address, IPv6 and IPv4
-    where the system allows); one line and exit 75 when the address is taken."""
+    where the system allows); :class:`ConfigError` (78) when the address is taken.
+    ``backlog`` None: bound only, not listening (a check that the port is free)."""
     if host in ("", "*"):
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -105,11 +116,25 @@ def listen_socket(host: str, port: int, *, backlog: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(bind_to)
-        sock.listen(backlog)
+        if backlog is not None:
+            sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        raise TempFailure(f"cannot listen on {format_hostport(host, port)} ({exc.strerror or exc})") from None
+        raise listen_error(exc, format_hostport(host, port), port) from None
     return sock
+
+
+def listen_error(exc: OSError, where: str, port: int) -> ConfigError:
+    """A port this node cannot listen on is configuration (78), never temporary (75): a
+    supervisor that restarts on 75 would retry a taken port for ever."""
+    import errno
+
+    hint = {
+        errno.EADDRINUSE: f"another process listens there (`ss -ltnp | grep :{port}`): stop it, or pick another port",
+        errno.EACCES: "ports below 1024 need privileges: pick a port of 1024 or more",
+        errno.EADDRNOTAVAIL: "that is not an address of this machine: use one it has, or :PORT for all",
+    }.get(exc.errno or 0, "check the address, or pick another port")
+    return ConfigError(f"cannot listen on {where} ({exc.strerror or exc})", hint=hint)
 
 
 def format_hostport(host: str, port: int) -> str:
@@ -117,12 +142,42 @@ def format_hostport(host: str, port: int) -> str:
 
 
 # ----------------------------------------------------------------------------- errors
+HINT_ENROLL = ("enroll the producer with this consumer: `muser node export --producer NAME -o NAME.bundle` on the "
+               "consumer, then `muser node join NAME.bundle` on the producer (`muser node ls` shows each side)")
+HINT_REFUSED = "check HOST:PORT: is `muser receive --listen` or `muser prefill --serve` running there, on that port?"
+_OTHER_CA = {2, 18, 19, 20, 21}  # X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT(_LOCALLY), SELF_SIGNED ..., UNABLE_TO_VERIFY_LEAF
+_NAME_MISMATCH = {62, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+_OUT_OF_DATE = {9, 10}  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+
+
+def unresolved(host: str) -> TempFailure:
+    return TempFailure(f"cannot resolve {host!r}", hint="check the name (`muser node ls` lists this node's peers), "
+                                                       "or dial an address, HOST:PORT")
+
+
+def _verify_error(exc: ssl.SSLCertVerificationError, during: str) -> AuthError:
+    """This side refused the peer's certificate: why, in the operator's words."""
+    what = exc.verify_message or exc.reason
+    code = exc.verify_code
+    if code in _OTHER_CA:
+        return AuthError(f"the peer's certificate is from another CA {during} ({what}): the two nodes are not "
+                         "enrolled with each other", hint=HINT_ENROLL)
+    if code in _NAME_MISMATCH:
+        return AuthError(f"the peer's certificate does not hold the name dialled {during} ({what})",
+                         hint="dial a name its certificate holds (`muser node ls` on that node lists them), or "
+                              "export its bundle again with --host NAME")
+    if code in _OUT_OF_DATE:
+        return AuthError(f"the peer's certificate is out of date {during} ({what})",
+                         hint="check both clocks; an expired certificate needs a fresh bundle (muser node export)")
+    return AuthError(f"TLS certificate check failed {during}: {what}", hint=HINT_ENROLL)
+
+
 def map_error(exc: BaseException, during: str) -> MuserError:
     """One mapping from socket/TLS exceptions to muser errors."""
     if isinstance(exc, MuserError):
         return exc
     if isinstance(exc, ssl.SSLCertVerificationError):
-        return AuthError(f"TLS certificate check failed {during}: {exc.verify_message or exc.reason}")
+        return _verify_error(exc, during)
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return TempFailure(f"timed out {during}")
     if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
@@ -130,12 +185,13 @@ def map_error(exc: BaseException, during: str) -> MuserError:
     if isinstance(exc, ssl.SSLError):
         reason = (exc.reason or "").upper()
         if any(r in reason for r in _CERT_REASONS):
-            return AuthError(f"TLS peer refused the certificate {during} ({exc.reason})", hint="check `muser node ls` on both sides")
+            return AuthError(f"TLS peer refused the certificate {during} ({exc.reason})",
+                             hint="this node is not enrolled there, or its certificate was revoked: " + HINT_ENROLL)
         if "VERSION" in reason or "PROTOCOL" in reason:
             return ProtocolError(f"TLS protocol mismatch {during} ({exc.reason}); muser speaks TLS 1.3 only")
         return TempFailure(f"TLS failure {during} ({exc.reason or exc})")
     if isinstance(exc, ConnectionRefusedError):
-        return TempFailure(f"connection refused {during}")
+        return TempFailure(f"connection refused {during}: nothing listens there", hint=HINT_REFUSED)
     if isinstance(exc, (ConnectionError, OSError)):
         return TempFailure(f"network error {during} ({exc.strerror or exc})")
     return ProtocolError(f"unexpected failure {during}: {type(exc).__name__}")
@@ -146,8 +202,12 @@ def reject_error(reject: Reject, who: str = "receiver") -> MuserError:
     text = f"{who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
     if reject.code in ("busy", "timeout", "storage", "aborted"):
         return TempFailure(text, hint="retry later, or fall back to local prefill")
+    if reject.code == "auth" and ("revoked" in reject.message or "unknown key id" in reject.message):
+        return AuthError(text, hint="the consumer revoked or no longer knows this node's key: ask it for a fresh "
+                                    "bundle (`muser node export --producer NAME -o NAME.bundle` there), then "
+                                    "`muser node join --force NAME.bundle` here")
     if reject.code in ("auth", "replay", "stale"):
-        return AuthError(text)
+        return AuthError(text, hint="check `muser node ls` on both sides, and both clocks")
     if reject.code in ("too_large", "data", "model"):
         return DataError(text)
     return ProtocolError(text)

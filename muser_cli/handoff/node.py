@@ -21,10 +21,11 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from muser_cli.errors import ConfigError, UsageError
 from muser_cli.handoff.bundle import (  # noqa: F401 - importable from here
@@ -142,23 +143,26 @@ def export_producer(
     now: dt.datetime | None = None,
     not_before: dt.datetime | None = None,
     not_after: dt.datetime | None = None,
+    deliver: Callable[[bytes], None] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """Issue a certificate and an HMAC key for ``producer``; return (bundle bytes, summary).
 
-    The key is recorded in this node's keyring, bound to the producer's name, before
-    the bundle is returned.
+    Every precondition (identity, CA key, name, a readable keyring) is checked before
+    anything changes. ``deliver`` (optional) is handed the bundle first -- written to its
+    destination; if it raises, nothing was recorded. Then the key is recorded in this
+    node's keyring, bound to the producer's name, and the bundle is returned.
     """
     identity = load_identity(directory)
     producer = _check_name(producer, "producer name")
     ca_key, ca_cert = _load_ca(directory)
+    keys = read_keyring(directory)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot record a new key: {directory} is not writable", hint=f"chmod 700 {directory}")
     t = _now(now)
     nb = not_before or t - dt.timedelta(minutes=5)
     na = not_after or t + dt.timedelta(days=cert_days)
     key, cert = issue_cert(ca_key, ca_cert, producer, [producer, *hosts, *LOCAL_NAMES], not_before=nb, not_after=na)
     entry = KeyEntry(_new_key_id(), secrets.token_bytes(SECRET_BYTES), producer, _iso(t), serial_hex(cert))
-    keys = read_keyring(directory)
-    keys[entry.key_id] = entry
-    write_keyring(directory, keys)
     bundle = {
         "format": BUNDLE_FORMAT,
         "version": BUNDLE_VERSION,
@@ -171,6 +175,10 @@ def export_producer(
         "hmac": {"key_id": entry.key_id, "secret": base64.b64encode(entry.secret).decode("ascii")},
     }
     data = json.dumps(seal_bundle(bundle), indent=1, sort_keys=True).encode("utf-8") + b"\n"
+    if deliver is not None:
+        deliver(data)
+    keys[entry.key_id] = entry
+    write_keyring(directory, keys)
     return data, {"producer": producer, "consumer": identity.name, "key_id": entry.key_id, "cert_serial": entry.cert_serial}
 
 

@@ -31,7 +31,7 @@ from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, Te
 from muser_cli.handoff.certs import peer_common_name
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport, unresolved,
 )
 from muser_cli.handoff.node import Identity, KeyEntry
 from muser_cli.handoff.nodedir import note_peer
@@ -54,8 +54,11 @@ def _refused(reject: Reject, who: str) -> MuserError:
     text = f"producer {who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
     if reject.code in _TEMP:
         return TempFailure(text, hint="fall back to local prefill")
+    if reject.code in _AUTH and "revoked" in reject.message:
+        return AuthError(text, hint="this node's certificate or key was revoked there: enroll again (muser node export "
+                                    "on the consumer, muser node join --force on the producer)")
     if reject.code in _AUTH:
-        return AuthError(text, hint="check `muser node ls` on both sides")
+        return AuthError(text, hint="check `muser node ls` on both sides, and both clocks")
     if reject.code in ("too_large", "data"):
         return DataError(text)
     return ProtocolError(text)
@@ -71,10 +74,13 @@ def _refusal_error(exc: Refusal) -> MuserError:
 
 def key_for(identity: Identity, producer: str) -> KeyEntry:
     """The newest unrevoked key this consumer issued to ``producer``."""
-    keys = [k for k in identity.keyring().values() if k.peer == producer and not k.revoked]
+    mine = [k for k in identity.keyring().values() if k.peer == producer]
+    keys = [k for k in mine if not k.revoked]
     if not keys:
-        raise AuthError(f"no HMAC key for producer {producer!r} in this node's keyring",
-                        hint=f"muser node export --producer {producer}, then node join on the producer")
+        enroll = (f"muser node export --producer {producer} -o {producer}.bundle here, then "
+                  f"`muser node join{' --force' if mine else ''} {producer}.bundle` on the producer")
+        raise AuthError(f"no {'unrevoked ' if mine else ''}HMAC key for producer {producer!r} in this node's keyring"
+                        + (" (its key was revoked)" if mine else ""), hint=enroll)
     return sorted(keys, key=lambda k: k.created)[-1]
 
 
@@ -93,7 +99,7 @@ def _connect(to: str, identity: Identity, connect_s: float,
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         if isinstance(exc, socket.gaierror):
-            raise TempFailure(f"cannot resolve {host!r}") from None
+            raise unresolved(host) from None
         raise map_error(exc, f"connecting to {where}") from None
     try:
         raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
@@ -225,11 +231,12 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
         # The consumer's request is authoritative: a pack for anything else is refused before Go.
         for what, got, want in (("model", h.model_fingerprint, req.model_fingerprint),
                                 ("tokenizer", h.tokenizer_fingerprint, req.tokenizer_fingerprint),
-                                ("token ids", h.token_digest, token_digest(expect_ids)),
-                                ("first position", h.rows_start, h.rows_start if h.rows_start in
-                                 (0, req.have_tokens) else req.have_tokens)):
+                                ("token ids", h.token_digest, token_digest(expect_ids))):
             if got != want:
                 raise Refusal("model", f"the producer's pack has another {what} ({got}) than asked for ({want})")
+        if not _mergeable_start(h.rows_start, req, rows=len(expect_ids) - 1):
+            raise Refusal("model", f"the producer's pack starts at position {h.rows_start}: not 0 nor a point on "
+                                   f"the chunk grid ({req.chunk_tokens}) within the {req.have_tokens} rows held here")
         link.deadline = t_start + config.session_s  # the first frame is in: the stream runs on idle deadlines
         link.idle_s = config.idle_s
         receiver._handoff(link, ev, who, cn, t_start)
@@ -253,6 +260,14 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
     if isinstance(item, BaseException):
         raise item
     return item
+
+
+def _mergeable_start(start: int, req: PullRequest, *, rows: int) -> bool:
+    """A pack from 0, or a delta this consumer can merge exactly: from at most the rows it
+    said it holds, on the chunk grid (the producer rounds an off-grid ``have`` down)."""
+    if start == 0:
+        return True
+    return start <= req.have_tokens and (start % req.chunk_tokens == 0 or start == rows)
 
 
 connect = _connect  # TCP + TLS 1.3 + ALPN to a producer, nothing sent (``muser node check``)

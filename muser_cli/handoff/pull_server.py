@@ -6,7 +6,8 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
   * the consumer's certificate serial must not be revoked and its CN must be the consumer
-    this producer joined; then, within ``request_s``, one ``Request``: key id known, not
+    this producer joined; then, within ``request_s`` of TLS up (a deadline for the whole
+    frame, however slowly its bytes come), one ``Request``: key id known, not
     revoked and issued to this producer -> MAC (constant time) -> the request names the
     certificate's consumer -> issued-at window -> request id not in the replay ledger
     (then recorded durably: a request id is served at most once) -> the compute's own
@@ -26,7 +27,9 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     the V3 receiver for the probes: ``Ready``, then ``ProbeUp``/``ProbeDown`` answered as
     ``receive --listen`` answers them (each capped at ``probe_max_s``), until the consumer
     closes; anything else on it is refused (``protocol``);
-  * :meth:`serve` runs until :meth:`stop`; the running request finishes first.
+  * :meth:`serve` runs until :meth:`stop` (SIGTERM, SIGHUP): it accepts no new connection,
+    the running request finishes first, the waiting ones are told ``busy`` (counted in
+    ``counters["turned_away"]``).
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class ServeConfig:
     max_queue: int = 4
     window_s: float = DEFAULT_WINDOW_S
     handshake_s: float = 10.0
-    request_s: float = 10.0  # TLS up -> the whole Request frame in
+    request_s: float = 10.0  # TLS up -> the whole Request frame in (a deadline, not per read)
     idle_s: float = DEFAULT_IDLE_S
     session_s: float = 3600.0
     max_pending: int = 64
@@ -169,7 +172,7 @@ class PullServer:
         self._pending = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0}
+        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0}
         if ledger_dir.exists():  # a torn ledger: refuse to run at all
             for path in sorted(ledger_dir.glob("*.ledger")):
                 self._ledger(path.name[: -len(".ledger")])
@@ -264,6 +267,12 @@ class PullServer:
             return None
         return tls
 
+    def _turn_away(self) -> Refusal:
+        """A request refused because the server is stopping (counted: the summary says how many)."""
+        with self._lock:
+            self.counters["turned_away"] += 1
+        return Refusal("busy", "producer is shutting down")
+
     def _refuse(self, link: Link, who: str, refusal: Refusal, req: PullRequest | ProbeRequest | None,
                 probe: bool = False) -> None:
         with self._lock:
@@ -336,7 +345,7 @@ class PullServer:
         try:
             if der and peer_serial_hex(der) in self.identity.revoked_serials():
                 raise Refusal("auth", "this certificate was revoked")
-            event = link.next_event("waiting for the request")
+            event = self._first_frame(link)
             if isinstance(event, (Reject, ConnectionClosed)):
                 return
             assert isinstance(event, (Request, Probe))
@@ -349,13 +358,27 @@ class PullServer:
                 if not req.token_ids:
                     raise Refusal("data", "this producer does not tokenize text prompts; send token ids")
             if self._stop.is_set():
-                raise Refusal("busy", "producer is shutting down")
+                raise self._turn_away()
             self._admitted(link, who, req)
         except Refusal as refusal:
             self._refuse(link, who, refusal, req, probe)
         except MuserError as exc:
             self._emit("probe" if probe else "request", peer=who, outcome="failed", reason=str(exc),
                        request_id=req.request_id if req else None)
+
+    def _first_frame(self, link: Link) -> object:
+        """The consumer's first frame (its Request or Probe), whole within ``request_s`` of
+        TLS up: a deadline for the frame, not an idle timeout per read, so a client that
+        trickles its request a byte at a time is dropped at ``request_s`` like a silent one."""
+        session_end = link.deadline
+        link.deadline = min(session_end or float("inf"), time.monotonic() + self.config.request_s)
+        try:
+            return link.next_event("waiting for the request")
+        except TempFailure:
+            raise TempFailure(f"no whole request within {self.config.request_s:g} s of the TLS handshake "
+                              f"({link.bytes_in} bytes came)") from None
+        finally:
+            link.deadline = session_end
 
     def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest) -> None:
         probe = isinstance(req, ProbeRequest)
@@ -369,7 +392,7 @@ class PullServer:
             try:
                 link.send(Queued(place), "telling the consumer its place")
                 if not self._admit.wait(probe, self._stop.is_set):
-                    raise Refusal("busy", "producer is shutting down")
+                    raise self._turn_away()
             finally:
                 with self._lock:
                     self._waiting -= 1

@@ -24,7 +24,11 @@ Contract of :class:`Receiver` (one per listening socket; Handoff V3, docs/handof
   * at start, spool parts that dead receivers left in the destination are removed;
   * :meth:`Receiver.serve` returns the accepted handoffs (one with ``once``), raises
     TempFailure when ``timeout`` passes before a handoff started streaming, and raises
-    LedgerError (fatal) when the ledger cannot be trusted.
+    LedgerError (fatal) when the ledger cannot be trusted;
+  * :meth:`Receiver.drain` (SIGTERM, SIGHUP): accept no new connection, refuse every
+    handoff not yet streaming (``busy``: its producer falls back or retries), let the one
+    streaming finish (published and acknowledged, or refused as ever); then :meth:`serve`
+    returns what was accepted and emits ``drained`` with the counts.
 
 The probes' receiving side lives in :mod:`~muser_cli.handoff.probes`; the settings and the
 record of an accepted handoff in :mod:`~muser_cli.handoff.receipt` (importable from here).
@@ -93,7 +97,9 @@ class Receiver:
         self._waiting = 0
         self._committed = 0  # accepted but not yet reported (ack in flight)
         self._closed_for_new = False  # once: a handoff was accepted; timeout: gave up
-        self.counters = {"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0}
+        self._draining = threading.Event()  # drain(): finish what streams, start nothing new
+        self.counters = {"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0,
+                         "turned_away": 0}
         self._open_existing_ledgers()
         self.stale_removed = self._remove_stale_parts()
 
@@ -133,7 +139,9 @@ class Receiver:
         return self.address
 
     # -- main loop
-    def serve(self, *, on_accept: Callable[[Accepted], None] | None = None) -> list[Accepted]:
+    def serve(self, *, on_accept: Callable[[Accepted], None] | None = None,
+              drain: threading.Event | None = None) -> list[Accepted]:
+        """Run until done (module doc); once ``drain`` is set, :meth:`drain`."""
         if self._lsock is None:
             self.bind()
         assert self.address is not None
@@ -147,6 +155,10 @@ class Receiver:
         try:
             while not self._stop.is_set():
                 wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
+                if drain is not None and drain.is_set() and not self._draining.is_set():
+                    self.drain()
+                if self._draining.is_set() and self._drained():
+                    return self._report_drained(accepted)
                 try:
                     item = self._results.get(timeout=wait)
                 except queue.Empty:
@@ -169,11 +181,27 @@ class Receiver:
                 if on_accept is not None:
                     on_accept(item)
                 if self.config.once:
-                    return accepted
+                    return self._report_drained(accepted) if self._draining.is_set() else accepted
             return accepted
         finally:
             self.stop()
             acceptor.join(timeout=1.0)
+
+    def drain(self) -> None:
+        """Stop listening and admitting; what streams now finishes (module doc)."""
+        self._draining.set()
+        if self._lsock is not None:
+            with contextlib.suppress(OSError):
+                self._lsock.close()
+
+    def _report_drained(self, accepted: list[Accepted]) -> list[Accepted]:
+        self._emit("drained", accepted=len(accepted), payload_bytes=sum(a.payload_bytes for a in accepted),
+                   **{k: self.counters[k] for k in ("rejected", "turned_away", "tls_failed")})
+        return accepted
+
+    def _drained(self) -> bool:
+        with self._finish_lock, self._state_lock:
+            return self._streaming == 0 and self._committed == 0 and self._results.empty()
 
     def stop(self) -> None:
         self._stop.set()
@@ -196,7 +224,7 @@ class Receiver:
                     continue
                 sock, addr = lsock.accept()
             except (OSError, ValueError):
-                if self._stop.is_set():
+                if self._stop.is_set() or self._draining.is_set():
                     return
                 continue
             with self._state_lock:
@@ -269,17 +297,20 @@ class Receiver:
         admitted = False
         try:
             until = time.monotonic() + self.config.queue_s
-            while not self._stop.is_set() and not self._closed_for_new and time.monotonic() < until:
+            while (not self._stop.is_set() and not self._closed_for_new and not self._draining.is_set()
+                   and time.monotonic() < until):
                 if self._admit.acquire(timeout=0.1):
                     admitted = True
                     break
         finally:
             with self._state_lock:
                 self._waiting -= 1
-        if not admitted or self._closed_for_new:
+        if not admitted or self._closed_for_new or self._draining.is_set():
             if admitted:
                 self._admit.release()
             why = "receiver finished (it accepted its one handoff)" if self._closed_for_new else "receiver busy with another producer"
+            if self._draining.is_set():
+                why = self._turn_away()
             self._refuse(link, who, Refusal("busy", why))
             return
         try:
@@ -317,6 +348,15 @@ class Receiver:
                 if link.conn.state not in (State.DONE, State.CLOSED):
                     code = "timeout" if isinstance(exc, TempFailure) else "protocol"
                     link.send(Reject(code, str(exc)))
+
+    def _turn_away(self, *, locked: bool = False) -> str:
+        """Count a handoff refused because the receiver is draining; the reason it is told."""
+        if locked:
+            self.counters["turned_away"] += 1
+        else:
+            with self._state_lock:
+                self.counters["turned_away"] += 1
+        return "receiver is shutting down"
 
     def _refuse(self, link: Link, who: str, refusal: Refusal) -> None:
         with self._state_lock:
@@ -379,6 +419,8 @@ class Receiver:
         ledger, secret = self._check_header(event, cn)
         if self._closed_for_new:
             raise Refusal("busy", "receiver finished")
+        if self._draining.is_set():
+            raise Refusal("busy", self._turn_away())
         final = None if self.out_stream is not None else self.destination.final_path(h.handoff_id)
         try:
             sink: FileSink | StreamSink = StreamSink(self.out_stream) if final is None else FileSink(final)
@@ -393,6 +435,10 @@ class Receiver:
         t_first = t_last = None
         commit_s = 0.0
         with self._state_lock:
+            if self._draining.is_set():  # nothing new starts streaming once drain() was called
+                worker.stop()
+                sink.discard()
+                raise Refusal("busy", self._turn_away(locked=True))
             self._streaming += 1
         try:
             link.send(Go(), "sending Go")
@@ -494,17 +540,18 @@ class Receiver:
 def receive(
     identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination | None = None,
     out_stream: BinaryIO | None = None, on_event: EventFn | None = None,
-    on_accept: Callable[[Accepted], None] | None = None,
+    on_accept: Callable[[Accepted], None] | None = None, drain: threading.Event | None = None,
 ) -> list[Accepted]:
     """Run a receiver. With ``out_stream`` (stdout; needs ``once``) the payload streams
     there, each frame once it verified and the end frame only after the trailer verified
-    and the ledger record is durable; nothing is written to disk but the ledger."""
+    and the ledger record is durable; nothing is written to disk but the ledger. Once
+    ``drain`` is set it drains (:meth:`Receiver.drain`) and returns what it accepted."""
     if destination is not None and not config.once and destination.file is not None:
         raise UsageError("without --once, -o must be a directory")
     receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, on_event=on_event,
                         out_stream=out_stream)
     try:
-        return receiver.serve(on_accept=on_accept)
+        return receiver.serve(on_accept=on_accept, drain=drain)
     finally:
         receiver.close()
 

@@ -44,7 +44,7 @@ from muser_cli.handoff.header import (
     MAX_PAYLOAD_BYTES, HandoffHeader, HandoffTrailer, new_handoff_id, sign, sign_trailer,
 )
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport, unresolved,
     reject_error,
 )
 from muser_cli.handoff.certs import peer_common_name
@@ -216,7 +216,7 @@ def open_link(
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         if isinstance(exc, socket.gaierror):
-            raise TempFailure(f"cannot resolve {host!r}") from None
+            raise unresolved(host) from None
         raise map_error(exc, f"connecting to {where}") from None
     try:
         raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))

@@ -13,7 +13,8 @@ No needless copies:
     small thread pool (v1.1), checks the chain in order, decompresses zstd frames on the
     pool, and hands out rows -- views of the map for an uncompressed layer held in one
     frame -- only after the root digest verified; on a pipe it reads each step with
-    ``readinto`` into a buffer of exactly that step's size.
+    ``readinto`` into a buffer of that step's size -- grown as the bytes arrive, so a
+    length the input merely declares allocates nothing large (:func:`read_exact_into`).
 
 The parser lives in :mod:`~muser_cli.kvpack.parser`, the whole-buffer reader in
 :mod:`~muser_cli.kvpack.buffer`, the checks both make in :mod:`~muser_cli.kvpack.checks`;
@@ -35,6 +36,7 @@ from muser_cli.kvpack.parser import EndEvent, Event, FrameEvent, HeaderEvent, Pa
 __all__ = [
     "MAX_READ", "PARALLEL_MIN_BYTES", "READ_BLOCK", "EndEvent", "Event", "FrameEvent", "HeaderEvent", "KVPack",
     "PackReader", "buffer_events", "map_file", "read_buffer", "read_exact_into", "read_pack", "read_pack_bytes",
+    "read_step",
 ]
 
 READ_BLOCK = 1 << 20
@@ -42,22 +44,47 @@ MAX_READ = 1 << 30
 
 
 # ---------------------------------------------------------------- streams
-def read_exact_into(stream: BinaryIO, n: int) -> memoryview:
+def read_exact_into(stream: BinaryIO, n: int, *, trusted: int = 0) -> memoryview:
     """Up to ``n`` bytes (fewer only at end of input) read with ``readinto`` into a fresh
-    buffer of exactly that size; the caller owns it. Streams without readinto use read."""
+    buffer the caller owns. The buffer grows with the bytes that arrive, never to a length
+    merely declared: it starts at ``max(READ_BLOCK, trusted)`` bytes (``trusted``: what
+    this stream has already delivered) and doubles when full -- so a 1 KiB input whose
+    frame header declares 1 GiB allocates 1 MiB, while a stream that has carried more than
+    a frame's size reads each frame into one buffer of exactly its size, as before.
+    Streams without readinto use read, in pieces bounded the same way."""
     readinto = getattr(stream, "readinto", None)
     if readinto is None:
-        data = stream.read(n)
-        return memoryview(data or b"")
-    buf = np.empty(n, dtype=np.uint8) if n > 4096 else bytearray(n)
-    view = memoryview(buf).cast("B")
+        parts: list[bytes] = []
+        got = 0
+        while got < n:
+            data = stream.read(min(n - got, max(READ_BLOCK, trusted, got)))
+            if not data:
+                break
+            parts.append(data)
+            got += len(data)
+        return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
+    size = min(n, max(READ_BLOCK, trusted))
+    view = memoryview(np.empty(size, dtype=np.uint8) if size > 4096 else bytearray(size)).cast("B")
     got = 0
     while got < n:
+        if got == len(view):  # full, and more is due: the bytes that came earn a larger buffer
+            bigger = np.empty(min(n, 2 * got), dtype=np.uint8)
+            bigger[:got] = np.frombuffer(view, dtype=np.uint8)
+            view = memoryview(bigger).cast("B")
         k = readinto(view[got:])
         if not k:
             break
         got += k
     return view[:got]
+
+
+def read_step(stream: BinaryIO, reader: PackReader) -> memoryview:
+    """The next parser step of ``stream`` for ``reader`` (past the end frame, one byte: a
+    trailing byte is then refused), read by :func:`read_exact_into`, so what is allocated
+    is bounded by the bytes that arrived, not by the lengths the input declares."""
+    if reader.done:
+        return read_exact_into(stream, 1)
+    return read_exact_into(stream, max(1, min(reader.want(), MAX_READ)), trusted=reader.bytes_consumed)
 
 
 def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, use_mmap: bool = True,
@@ -83,7 +110,7 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
     stored = 0
     while True:
         # Read exactly what the parser needs next, into a buffer of its own (no copies).
-        chunk = read_exact_into(stream, max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
+        chunk = read_step(stream, reader)
         if not len(chunk):
             break
         for ev in reader.feed(chunk, owned=True):

@@ -24,7 +24,7 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.format import PackHeader
 from muser_cli.kvpack.layers import DTYPES, LayerKV
-from muser_cli.kvpack.reader import MAX_READ, EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_exact_into
+from muser_cli.kvpack.reader import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_step
 
 
 @dataclass
@@ -134,7 +134,7 @@ class StreamedPack:
         try:
             while True:
                 # exactly the next step, read into a buffer of its own: parsed in place
-                chunk = read_exact_into(self._src, max(1, min(reader.want(), MAX_READ)) if not reader.done else 1)
+                chunk = read_step(self._src, reader)
                 if self.first_byte_t is None:
                     self.first_byte_t = time.perf_counter()
                 if not len(chunk):
@@ -161,12 +161,16 @@ class StreamedPack:
             else:
                 self._cut = Cut(f"input failed: {exc}", self.frames)
             self.end_t = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - this thread never prints: the caller gets one line
+            self._error = KVPackError(_unexpected(exc, self._header))
+            self.end_t = time.perf_counter()
         finally:
             self._header_ready.set()
             self._ready.set()
             self._done.set()
 
     def _on_event(self, ev: object) -> None:
+        """Place one verified event's rows (the header's: allocate every layer's array)."""
         if isinstance(ev, HeaderEvent):
             h = ev.header
             np_dtype = np.dtype(DTYPES[h.dtype][1])
@@ -195,3 +199,11 @@ class StreamedPack:
             self._end = ev
             self.end_t = time.perf_counter()
             self._ready.set()
+
+
+def _unexpected(exc: Exception, header: PackHeader | None) -> str:
+    """One line for a failure the reader thread did not expect (the caller raises it)."""
+    if isinstance(exc, MemoryError):
+        want = "" if header is None else f" (its header declares {header.total_raw_bytes():,} bytes of KV)"
+        return f"not enough memory to read this kvpack{want}"
+    return f"reading the kvpack failed: {type(exc).__name__}: {exc}"

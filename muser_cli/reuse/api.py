@@ -14,6 +14,7 @@ from muser_cli.reuse.manifest import HaveManifest
 from muser_cli.reuse.store import Entry, GCResult, PutResult, Store
 from muser_cli.strict import parse_size
 from muser_cli.tokens import encode_prompt
+from muser_cli.units import plural
 
 
 def have(
@@ -35,7 +36,7 @@ def have(
     info = resolve_model(model)
     ids = encode_prompt(info, prompt, chat=chat)
     if len(ids) < 2:
-        raise PromptTooShort(f"prompt is {len(ids)} token(s); a handoff needs at least 2",
+        raise PromptTooShort(f"prompt is {plural(len(ids), 'token')}; a handoff needs at least 2",
                              hint="the consumer runs the last prompt token itself")
     store = store or Store()
     base = HaveManifest(info.fingerprint, info.name, info.tokenizer_fingerprint, len(ids), token_digest(ids))

@@ -88,6 +88,17 @@ def servable(scope: Scope, n: int, rows_end: int) -> bool:
     return 0 < n <= rows_end and (n % scope.chunk_tokens == 0 or n == rows_end)
 
 
+def delta_point(scope: Scope, ids: Sequence[int], held: int, chain: str | None) -> tuple[int, str | None]:
+    """Where a delta for a consumer holding rows [0, ``held``) of ``ids`` (chain ``chain``)
+    starts: ``held`` when a delta from there merges exactly (:func:`servable`), else the
+    chunk boundary below it, with that point's chain (0, None: below one chunk, a full pack).
+    An entry that serves ``held`` serves every boundary below it, so the merge still finds it."""
+    if held <= 0 or servable(scope, held, len(ids) - 1):
+        return held, chain
+    down = held - held % scope.chunk_tokens
+    return down, (chain_at(scope, ids, down) if down else None)
+
+
 def ring_first(spec: LayerSpec, rows: int) -> int:
     """First position a layer's cache holds after ``rows`` positions (0 for full layers)."""
     return rows - spec.carried_rows(rows)

@@ -18,7 +18,7 @@ import numpy as np
 
 from muser_cli.errors import CorruptEntry, DataError, IdentityMismatch
 from muser_cli.kvpack import KVPack, LayerKV, LayerSpec, PackHeader
-from muser_cli.reuse.chain import Scope
+from muser_cli.reuse.chain import Scope, delta_point
 from muser_cli.reuse.manifest import base_object, check_base
 
 
@@ -27,7 +27,9 @@ class BaseNotHeld(IdentityMismatch):
 
 
 def delta_header(header: PackHeader, scope: Scope, held: int, chain: str | None) -> PackHeader:
-    """``header`` cut to start at ``held`` (0: a full pack, no base)."""
+    """``header`` cut to start at ``held`` (0: a full pack, no base) -- or at the chunk
+    boundary below it, when a delta from ``held`` would not merge exactly (:func:`delta_point`)."""
+    held, chain = delta_point(scope, header.token_ids, held, chain)
     if held == 0:
         return replace(header, rows_start=0, base=None)
     assert chain is not None
@@ -92,6 +94,7 @@ class Resume:
     layers: list[LayerKV]
     entry: str
     scope: Scope
+    stored: KVPack | None = None  # the whole entry, as loaded and verified
 
 
 def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype: str,
@@ -123,7 +126,7 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
                 raise  # an entry that disagrees with its own header is not skipped quietly
             continue  # a full hit stored without the ring rows asked for: try a shallower point
         tried.add(point.entry)
-        return Resume(point.held, layers, point.entry, point.scope)
+        return Resume(point.held, layers, point.entry, point.scope, stored)
     return None
 
 

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 from muser_cli.errors import DataError, MuserError
 from muser_cli.paths import ensure_dir, store_dir
 from muser_cli.strict import parse_size
+from muser_cli.units import plural
 
 DEFAULT_MAX_BYTES = 20 << 30
 ENV_MAX_BYTES = "MUSER_STORE_MAX"
@@ -125,9 +126,9 @@ class StoreIndex:
             self._recovering = False
         if aside is None:
             return  # another process repaired it meanwhile
-        note = f"reuse store index was unreadable ({reason}); rebuilt from {kept} verified pack(s)"
+        note = f"reuse store index was unreadable ({reason}); rebuilt from {plural(kept, 'verified pack')}"
         if removed:
-            note += f", {len(removed)} unverifiable pack(s) removed"
+            note += f", {plural(len(removed), 'unverifiable pack')} removed"
         self.problems.append(note + f"; the old index is kept as {aside.name}")
 
     def close(self) -> None:

@@ -40,9 +40,12 @@ from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_heade
 from muser_cli.reuse.delta import resolve_delta
 from muser_cli.reuse.index import DEFAULT_MAX_BYTES, ENTRY_COLS, ENV_MAX_BYTES, SCHEMA, SCHEMA_VERSION, StoreIndex
 from muser_cli.reuse.records import Entry, GCResult, Point, PutResult
-from muser_cli.strict import parse_size
+from muser_cli.strict import canonical_json, loads, parse_size
 
 STALE_TMP_S = 3600.0
+CHECKS_SCHEMA = """CREATE TABLE IF NOT EXISTS checks (
+    entry TEXT NOT NULL, engine TEXT NOT NULL, dtype TEXT NOT NULL, ok INTEGER NOT NULL, result TEXT NOT NULL,
+    at REAL NOT NULL, PRIMARY KEY (entry, engine, dtype)) WITHOUT ROWID"""
 READ_BLOCK = 1 << 20
 SQL_BATCH = 500
 
@@ -56,7 +59,21 @@ class Store(StoreIndex):
         """Verify a full, unquantized kvpack from ``src`` while copying it in, then publish it.
 
         With ``vocab_size`` (the model's), a pack holding a token id outside [0, vocab_size)
-        is refused (DataError) as soon as its header is read."""
+        is refused (DataError) as soon as its header is read. A refused pack leaves the
+        store as it was: the folders this call made for its part are removed again."""
+        made, d = [], self.root / "tmp"
+        while not d.exists() and d != d.parent:  # the folders a first put creates, deepest first
+            made.append(d)
+            d = d.parent
+        try:
+            return self._put(src, vocab_size=vocab_size)
+        except BaseException:
+            for d in made:  # only if still empty: another writer's files are never touched
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            raise
+
+    def _put(self, src: BinaryIO, *, vocab_size: int | None) -> PutResult:
         fd, tmp = self._tmp_file()
         try:
             reader = PackReader(decode=False)  # digests and structure; every later read decodes too
@@ -82,11 +99,19 @@ class Store(StoreIndex):
                 tmp.unlink()
 
     def _put_delta(self, path: Path, *, vocab_size: int | None = None) -> PutResult:
-        """A delta is stored merged with its base (which must be held here)."""
+        """A delta is stored merged with its base (which must be held here). Its rows come from
+        two producers when the base's engine is another: the entry names both (``torch+vllm``),
+        so that every consumer gates it before it serves (docs/reuse.md §6)."""
         with open(path, "rb") as f:
             pack = read_pack(f)
-        layers, _ = resolve_delta(pack, self)
-        return self.put_layers(pack.header, layers, vocab_size=vocab_size)
+        layers, base_id = resolve_delta(pack, self)
+        header = pack.header
+        base = self.header_of(base_id)
+        made = str((header.producer or {}).get("engine") or "")
+        under = str((base.producer or {}).get("engine") or "") if base is not None else "an unread base"
+        if under != made:
+            header = replace(header, producer={**(header.producer or {}), "engine": f"{made}+{under}"})
+        return self.put_layers(header, layers, vocab_size=vocab_size)
 
     def put_layers(self, header: PackHeader, layers: Sequence, *, vocab_size: int | None = None) -> PutResult:
         """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""
@@ -233,18 +258,52 @@ class Store(StoreIndex):
         """The ``ring_extra`` an entry's pack header declares, read from its first bytes
         only (advisory, for choosing what to load: :meth:`load` still verifies all of
         it). None when the header cannot be read; the caller then loads as usual."""
+        header = self.header_of(entry_id)
+        return None if header is None else header.ring_extra
+
+    def header_of(self, entry_id: str) -> PackHeader | None:
+        """An entry's pack header, read from its first bytes only (advisory: :meth:`load`
+        still verifies all of it); None when it cannot be read."""
         reader = PackReader(decode=False)
         try:
             with open(self.pack_path(entry_id), "rb") as f:
                 while reader.header is None:
-                    want = reader.want()
-                    block = f.read(min(max(want, 1), 1 << 20))
+                    block = f.read(min(max(reader.want(), 1), 1 << 20))
                     if not block:
                         return None
                     reader.feed(block)
         except (OSError, KVPackError):
             return None
-        return reader.header.ring_extra
+        return reader.header
+
+    # ------------------------------------------------------------------ the numeric gate's record
+    def _checks(self) -> None:
+        if not getattr(self, "_checks_ready", False):
+            with self._write() as db:
+                db.execute(CHECKS_SCHEMA)
+            self._checks_ready = True
+
+    def record_check(self, entry_id: str, *, engine: str, dtype: str, result: dict) -> None:
+        """Record that ``entry_id``'s rows passed (or failed) the numeric gate on ``engine`` in
+        ``dtype`` (``result``: the gate's JSON). An entry is content-addressed, so the record
+        holds for as long as the id does. Advisory: a failure to record is a problem, not an error."""
+        try:
+            self._checks()
+            with self._write() as db:
+                row = (entry_id, engine, dtype, int(bool(result.get("ok"))), canonical_json(result).decode(), time.time())
+                db.execute("INSERT OR REPLACE INTO checks VALUES (?,?,?,?,?,?)", row)
+        except DataError as exc:
+            self.problems.append(f"reuse store: could not record the check of {entry_id[:12]} ({exc})")
+
+    def check_of(self, entry_id: str, *, engine: str, dtype: str) -> dict | None:
+        """The passed gate recorded for ``entry_id`` on ``engine`` in ``dtype``, or None."""
+        try:
+            self._checks()
+            rows = self._sql("SELECT result FROM checks WHERE entry=? AND engine=? AND dtype=? AND ok=1",
+                             (entry_id, engine, dtype))
+        except DataError:
+            return None
+        return loads(rows[0][0], what="a recorded check", limit=1 << 20) if rows else None
 
     def touch(self, entry_id: str) -> None:
         """Mark an entry used (advisory: a failure to record it never fails a read)."""
@@ -255,6 +314,10 @@ class Store(StoreIndex):
             self.problems.append(f"reuse store: could not record a use of {entry_id[:12]} ({exc})")
 
     # ------------------------------------------------------------------ removing
+    def discard(self, entry_id: str, reason: str) -> None:
+        """Remove an entry found unfit to serve (``reason`` goes to ``problems``)."""
+        self._drop(entry_id, reason)
+
     def _drop(self, entry_id: str, reason: str) -> None:
         self.problems.append(f"removed store entry {entry_id[:12]}: {reason}")
         self.remove([entry_id])

@@ -248,11 +248,11 @@ def bind_socket(listen: str, api_key: str | None) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:  # in use, or an address this machine does not have: as `receive --listen`, 75
+    except OSError as exc:  # in use, privileged, not this machine's: configuration (78), as `receive --listen`
         sock.close()
-        from muser_cli.errors import TempFailure
+        from muser_cli.handoff.link import listen_error
 
-        raise TempFailure(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        raise listen_error(exc, listen, port) from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

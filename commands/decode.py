@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -35,15 +35,31 @@ def register(app: typer.Typer) -> None:
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         strict: bool = typer.Option(False, "--strict", help="With --prompt: refuse (65) a pack that does not match (another prompt, model or tokenizer, damaged, or refused by the spot-check) instead of setting it aside for a local prefill."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
-        producer: Optional[str] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
+        producer: Optional[List[str]] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
         send_text: bool = typer.Option(False, "--send-text", help="With --producer: send the prompt as text (and --chat) for the producer to tokenize; a pack with other token ids than this machine's is refused (fallback)."),
+        serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (127.0.0.1 unless --api-key; port 0 picks one) and answer OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /metrics); --producer may repeat (the least busy is asked). docs/serve.md"),
+        api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MUSER_API_KEY", help="With --serve: clients must send Authorization: Bearer KEY (needed to listen beyond loopback)."),
+        max_queue: int = typer.Option(8, "--max-queue", help="With --serve: requests that may wait for the engine; more are answered 429."),
+        prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
         from muser_cli.decode import decode
         from muser_cli.engines.base import Sampling
 
         with guarded(as_json=as_json):
+            if serve is not None:
+                _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
+                              producers=producer or [], api_key=api_key, max_queue=max_queue,
+                              deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
+                              reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
+                              others=(src, prompt, chat, as_json, send_text))
+                return
+            if producer is not None and len(producer) > 1:
+                from muser_cli.errors import UsageError
+
+                raise UsageError("--producer is given more than once", hint="several producers: with --serve")
+            producer = producer[0] if producer else None
             prompt_text = read_text_input(prompt) if prompt is not None else None
             reason = ""
             pulling = None
@@ -71,10 +87,12 @@ def register(app: typer.Typer) -> None:
                     inp = None
                     reason = "stdin is a terminal"
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+            printer = None if as_json else _Printer(model)
             out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
                          dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                          fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
-                         progress=progress_callback(), audit=0 if no_audit else audit, strict=strict)
+                         progress=progress_callback(), audit=0 if no_audit else audit, strict=strict,
+                         on_token=printer.push if printer is not None else None)
             if out.set_aside:
                 err(f"decode: warning: {out.set_aside}; the tokens come from a local prefill (--strict refuses it)")
             if pulling is not None:
@@ -115,9 +133,80 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 emit_json(out.to_json())
             else:
-                sys.stdout.write(out.text)
+                assert printer is not None
+                printer.finish(out.text)
                 if not out.text.endswith("\n"):
                     sys.stdout.write("\n")
                 sys.stdout.flush()
                 info(f"decode: {len(out.token_ids)} tokens, ttft {out.ttft_s * 1000:.0f} ms, "
                      f"{out.decode_tok_s:.1f} tok/s ({out.engine}, {out.dtype})")
+
+
+class _Printer:
+    """The text on stdout as tokens are decided, flushed per piece (a terminal and a pipe alike)."""
+
+    def __init__(self, model: Optional[str]) -> None:
+        self.model = model
+        self.stream = None
+
+    def push(self, token: int) -> None:
+        if self.stream is None:
+            from muser_cli.models import resolve_model
+            from muser_cli.service.textstream import TextStream
+
+            self.stream = TextStream(resolve_model(self.model))
+        piece = self.stream.push(token)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def finish(self, text: str) -> None:
+        """The rest of ``text`` (all of it if no token was streamed)."""
+        sent = self.stream.text if self.stream is not None else ""
+        if text.startswith(sent):
+            sys.stdout.write(text[len(sent):])
+        else:  # the tokenizer joined the pieces otherwise: the whole text, on a line of its own
+            sys.stdout.write("\n" + text)
+
+
+def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
+                  producers: list[str], api_key: Optional[str], max_queue: int, deadline: Optional[float],
+                  chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
+    """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
+    (muser_cli/service, docs/serve.md); the exit status is the drain's."""
+    from muser_cli.errors import UsageError
+    from muser_cli.service.app import ServeOptions, serve_openai, utc_stamp
+    from muser_cli.service.worker import Config
+
+    src, prompt, chat, as_json, send_text = others
+    if src != "-" or prompt is not None or chat or as_json or send_text:
+        raise UsageError("--serve takes no kvpack, --prompt, --chat, --json or --send-text",
+                         hint="each request brings its prompt or messages")
+    if max_queue < 0:
+        raise UsageError("--max-queue must be >= 0")
+    if deadline is not None and deadline < 0:
+        raise UsageError("--prefill-deadline must be >= 0")
+    if n < 1:
+        raise UsageError("-n must be at least 1")
+    if engine not in ("torch", "mlx"):
+        raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
+    from muser_cli.batch.pool import ProducerPool
+
+    ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
+    config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
+                    prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
+                    audit=audit)
+    model_id = Path(model).name if model and "/" in model else (model or "default")
+    options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
+                           default_max_tokens=n)
+    rc = serve_openai(config, options, log=_json_line,
+                      on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
+    if rc:
+        raise typer.Exit(rc)
+
+
+def _json_line(record: dict) -> None:
+    """One JSON line on stderr per request, start, drain and stop (its ``ts`` first)."""
+    import json
+
+    err(json.dumps(record, sort_keys=True, default=str))

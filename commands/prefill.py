@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (port 0 picks one): answer enrolled consumers' `receive --from` / `decode --producer` requests, model loaded once."),
         max_queue: int = typer.Option(4, "--max-queue", help="With --serve: requests that may wait while one computes; more are told busy at once."),
+        metrics: Optional[str] = typer.Option(None, "--metrics", help="With --serve: serve Prometheus metrics (plain HTTP /metrics) on HOST:PORT, 127.0.0.1 when no host is given. docs/serve.md"),
         max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
@@ -52,8 +53,12 @@ def register(app: typer.Typer) -> None:
             if serve is not None:
                 _serve(serve, prompt=prompt, model=model, engine=engine, dtype=dtype, threads=threads,
                        max_queue=max_queue, as_json=as_json, options=options,
-                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch)
+                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch, metrics=metrics)
                 return
+            if metrics is not None:
+                from muser_cli.errors import UsageError
+
+                raise UsageError("--metrics needs --serve HOST:PORT")
             text = read_text_input(prompt)
             manifest = None
             if have is not None:
@@ -90,7 +95,8 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
-           max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8) -> None:
+           max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8,
+           metrics: Optional[str] = None) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
     from muser_cli.commands._common import drain_on_signals
@@ -105,7 +111,11 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
     stop, got = drain_on_signals()
 
+    observe = _metrics(metrics)
+
     def on_event(kind: str, f: dict) -> None:
+        if observe is not None:
+            observe(kind, f)
         if kind == "listening":
             info(f"prefill: listening on {f['address']}")
         elif kind in ("request", "probe", "tls_failed", "admitted") and as_json:
@@ -136,3 +146,14 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
         info(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
              f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
              f"{summary['turned_away']} turned away while draining; none left in flight")
+
+
+def _metrics(listen: Optional[str]):
+    """``--metrics HOST:PORT``: the producer's Prometheus metrics served; the event observer."""
+    if listen is None:
+        return None
+    from muser_cli.service.metrics import serve_producer_metrics
+
+    observe, (host, port) = serve_producer_metrics(listen)
+    info(f"prefill: metrics on http://{host}:{port}/metrics")
+    return observe

@@ -35,16 +35,18 @@ def tokenizer_for(info: ModelInfo) -> Any:
         return tok
 
 
-def encode_prompt(info: ModelInfo, text: str, *, chat: bool = False) -> list[int]:
+def encode_prompt(info: ModelInfo, text: str | list[dict[str, str]], *, chat: bool = False) -> list[int]:
     """Token ids of ``text``; with ``chat`` it becomes one user turn of the chat template
-    followed by the assistant prompt (``add_generation_prompt=True``)."""
+    followed by the assistant prompt (``add_generation_prompt=True``). With ``chat``,
+    ``text`` may also be the whole conversation: a list of ``{"role", "content"}`` turns."""
     tok = tokenizer_for(info)
+    if not chat and not isinstance(text, str):
+        raise DataError("a list of chat turns needs the chat template (chat=True)")
     if chat:
         if not getattr(tok, "chat_template", None):
             raise ConfigError(f"model {info.name} has no chat template", hint="drop --chat to send the text as is")
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+        turns = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+        rendered = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         # The template already wrote every special token it wants.
         return list(tok(rendered, add_special_tokens=False)["input_ids"])
     return list(tok(text)["input_ids"])

@@ -1,0 +1,213 @@
+"""The agent-refresh workload (issue 28): an agent on the decode machine refreshes a growing
+context turn after turn through the OpenAI client, against ``muser decode --serve``.
+
+    .venv/bin/python benchmarks/bench_agent_refresh.py [--turns 10] [--start 2048] [--end 7800] [--reps 3]
+                                                       [--mlx-lm]   # also mlx_lm.server on the same prompts
+
+One conversation: turn 1 sends a document of ``--start`` tokens; every later turn appends
+the model's answer and a new slice of the document, growing to ``--end`` tokens. Each turn
+is a streamed chat completion; its TTFT is from sending the request to the first content
+chunk (client side, so queueing and HTTP are included). Lanes, each a resident server
+started once (model loaded once), the conversation run ``--reps`` times on new documents
+(another corpus offset, so no store holds it):
+
+  producer  consumer$ muser decode --serve --store --producer ADDR   (producer$ prefill --serve --store)
+  local     consumer$ muser decode --serve --store                  (no producer: prefilled here)
+  mlx-lm    mlx_lm.server --model PATH                              (with --mlx-lm, if installed)
+
+Producer on one core, consumer on another (``taskset``), one compute thread each, loopback
+mutual TLS, float32. Reported per turn: median TTFT and its spread for each lane, and for
+the producer lane the source (``x-muser-source``) and the bytes shipped. The aim: every turn
+after the first ships only its delta and its TTFT is under the local one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import corpus_ids, summarize, write_receipt  # noqa: E402
+
+_URL = re.compile(r"listening on http://(\S+)/v1")
+
+
+def wait_url(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    """The endpoint a starting ``decode --serve`` prints; its stderr is read on a thread from
+    then on (a line reader, so two lines arriving together are both seen)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for raw in proc.stderr:
+                lines.put(raw.decode(errors="replace"))
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        m = _URL.search(line)
+        if m:
+            return f"http://{m.group(1)}/v1"
+        if not line:
+            break
+    proc.kill()
+    raise SystemExit(f"{what} did not start")
+
+
+def drain(proc: subprocess.Popen) -> None:
+    import threading
+
+    def run() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while proc.stderr.read(65536):
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def conversation(client, model: str, slices: list[str], max_tokens: int) -> list[dict]:
+    """One agent session: each turn adds the last answer and the next slice; per-turn TTFT."""
+    turns: list[dict] = []
+    out = []
+    for i, piece in enumerate(slices):
+        turns.append({"role": "user", "content": piece if i else f"Read this and keep it in mind.\n\n{piece}"})
+        t0 = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=turns, max_tokens=max_tokens,
+                                                               temperature=0, stream=True)
+        ttft, text = None, []
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(chunk.choices[0].delta.content)
+        turns.append({"role": "assistant", "content": "".join(text)})
+        out.append({"turn": i + 1, "ttft_s": ttft, "source": raw.headers.get("x-muser-source"),
+                    "bytes": int(raw.headers.get("x-muser-bytes") or 0)})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--start", type=int, default=2048)
+    ap.add_argument("--end", type=int, default=7800)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--mlx-lm", action="store_true")
+    args = ap.parse_args()
+    import openai
+
+    from muser_cli.bench.common import machine, pinning, resolve_bench_model
+    from muser_cli.bench.loopback import MUSER, make_nodes, node_env, wait_listening
+    from muser_cli.tokens import decode_text
+
+    info = resolve_bench_model(args.model)
+    pins = pinning(True)
+    work = Path(tempfile.mkdtemp(prefix="muser-bench-agent-"))
+    nodes = make_nodes(work)
+    common = ["-m", args.model, "--threads", "1", "--dtype", "float32"]
+    step = (args.end - args.start) // max(1, args.turns - 1)
+
+    def slices(rep: int) -> list[str]:
+        skip = 977 * (rep + 1)
+        ids = corpus_ids(info, args.end + skip)[skip:]
+        cuts = [0, args.start] + [args.start + step * k for k in range(1, args.turns)]
+        return [decode_text(info, ids[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+    procs: list[subprocess.Popen] = []
+    lanes: dict[str, list[list[dict]]] = {}
+    try:
+        producer = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "--serve", "127.0.0.1:0", "--store",
+                                                              *common]),
+                                    env=node_env(nodes.producer_home, threads=1), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        procs.append(producer)
+        address = wait_listening(producer, "producer", timeout=600)
+        drain(producer)
+        servers = {
+            "producer": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", "--producer", address, *common],
+            "local": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", *common],
+        }
+        for lane, argv in servers.items():
+            home = work / f"home-{lane}"
+            shutil.copytree(nodes.consumer_home, home, symlinks=True)  # each lane its own (empty) store
+            proc = subprocess.Popen(pins.command("consumer", argv), env=node_env(home, threads=1),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            procs.append(proc)
+            url = wait_url(proc, lane)
+            client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+            conversation(client, "default", slices(-1)[:2], args.max_tokens)  # warm-up
+            lanes[lane] = [conversation(client, "default", slices(r), args.max_tokens) for r in range(args.reps)]
+        if args.mlx_lm:
+            lanes["mlx-lm"] = run_mlx_lm(args, info, pins, slices)
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.terminate()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(60)
+        shutil.rmtree(work, ignore_errors=True)
+    table = {lane: [summarize([rep[t]["ttft_s"] for rep in reps]) for t in range(args.turns)]
+             for lane, reps in lanes.items()}
+    print(f"{'turn':>4} " + " ".join(f"{lane + ' ttft s':>22}" for lane in table) + "  producer source/bytes")
+    for t in range(args.turns):
+        cells = " ".join(f"{s['median']:>10.3f} [{s['min']:.3f}-{s['max']:.3f}]" for s in (v[t] for v in table.values()))
+        src = lanes["producer"][0][t]
+        print(f"{t + 1:>4} {cells}  {src['source']}/{src['bytes']}")
+    path = write_receipt("agent-refresh", {"args": vars(args), "machine": machine(), "pinning": pins.__dict__,
+                                           "turns": table, "raw": lanes})
+    print(f"receipt: {path}")
+    return 0
+
+
+def run_mlx_lm(args, info, pins, slices) -> list[list[dict]]:
+    """The same conversations against ``mlx_lm.server`` on the consumer's core."""
+    import socket
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(pins.command("consumer", [sys.executable, "-m", "mlx_lm.server", "--model", str(info.path),
+                                                      "--host", "127.0.0.1", "--port", str(port)]),
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        end = time.monotonic() + 300
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > end or proc.poll() is not None:
+                    raise SystemExit("mlx_lm.server did not start") from None
+                time.sleep(1)
+        conversation(client, str(info.path), slices(-1)[:2], args.max_tokens)
+        return [conversation(client, str(info.path), slices(r), args.max_tokens) for r in range(args.reps)]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

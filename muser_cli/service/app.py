@@ -1,0 +1,317 @@
+"""``muser decode --serve``: the OpenAI-compatible endpoint (Starlette on uvicorn).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
+events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Requests go to one :class:`~muser_cli.service.worker.EngineWorker`; a streamed answer starts
+with its first token, so its headers carry where the rows came from (``x-muser-source``),
+the TTFT (``x-muser-ttft-ms``) and the pack bytes shipped (``x-muser-bytes``), as does the
+``muser`` field of every answer. SIGTERM (or SIGINT) drains: new requests get 503, the
+queued and running ones finish, then the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from muser_cli.errors import MuserError, UsageError
+from muser_cli.service.api import ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
+from muser_cli.service.worker import Config, EngineWorker, Job
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+_POLL_S = 0.25  # how often a waiting request looks whether its client is still there
+
+
+def utc_stamp() -> str:
+    """Now, as 2026-12-02T10:12:42.383Z."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+
+
+@dataclass
+class ServeOptions:
+    listen: str = "127.0.0.1:8000"
+    api_key: str | None = None
+    model_id: str = "default"
+    default_max_tokens: int = 256
+    drain_s: float = 25.0
+
+
+def _error(exc: ApiError):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _internal(exc: BaseException) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, MuserError):
+        return ApiError(500, f"{type(exc).__name__}: {exc}", type="server_error", code=getattr(exc, "code", None)
+                        and str(exc.code))
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+
+class Service:
+    """The app's state: the worker, the metrics, the options; :meth:`app` builds the ASGI app."""
+
+    def __init__(self, worker: EngineWorker, metrics: Any, options: ServeOptions,
+                 log: Callable[[dict], None] = lambda record: None) -> None:
+        self.worker, self.metrics, self.options, self.log = worker, metrics, options, log
+        self.draining = False
+        self.ids = {options.model_id, worker.info.name, "default"}  # "default": whatever this server serves
+
+    # ------------------------------------------------------------------ helpers
+    def _authorized(self, request) -> bool:
+        key = self.options.api_key
+        if not key:
+            return True
+        got = request.headers.get("authorization", "")
+        return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())
+
+    def _count(self, endpoint: str, status: int) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    async def _next(self, queue: asyncio.Queue, request, job: Job) -> tuple[str, Any]:
+        """The job's next event; a client that went away withdraws it (asyncio.CancelledError)."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.worker.withdraw(job)
+                    raise asyncio.CancelledError("the client went away") from None
+
+    # ------------------------------------------------------------------ routes
+    async def completions(self, request, kind: str):
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            if self.draining:
+                from muser_cli.service.worker import Draining
+
+                raise Draining()
+            if not self._authorized(request):
+                raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+            ask = parse_ask(parse_body(await request.body()), kind,
+                            default_max_tokens=self.options.default_max_tokens)
+            if ask.model and ask.model not in self.ids:
+                raise ApiError(404, f"the model {ask.model!r} does not exist here; this server serves "
+                                    f"{self.options.model_id!r}", param="model", code="model_not_found")
+            return await self._generate(request, ask, endpoint)
+        except ApiError as exc:
+            self._count(endpoint, exc.status)
+            return _error(exc)
+
+    async def _generate(self, request, ask: Ask, endpoint: str):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        job = Job(ask, lambda kind, payload: loop.call_soon_threadsafe(queue.put_nowait, (kind, payload)))
+        self.worker.submit(job)  # QueueFull / Draining: answered by the caller
+        rid, model = new_id(ask.kind), ask.model or self.options.model_id
+        try:
+            kind, payload = await self._next(queue, request, job)
+            while not ask.stream and kind == "text":  # the whole answer: its summary holds the text
+                kind, payload = await self._next(queue, request, job)
+        except asyncio.CancelledError:
+            self.worker.withdraw(job)
+            self._count(endpoint, 499)
+            raise
+        if kind == "error":
+            raise _internal(payload)
+        if not ask.stream:
+            s = payload
+            self._count(endpoint, 200)
+            body = response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), _muser(s))
+            return JSONResponse(body, headers=_headers(s))
+        first = (kind, payload)
+
+        async def events():
+            status = 499  # until the stream ends as it should: the client went away
+            try:
+                yield sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else
+                          chunk(ask, rid, model, "", None))
+                k, p = first
+                while k == "text":
+                    yield sse(chunk(ask, rid, model, p, None))
+                    k, p = await queue.get()
+                if k == "error":
+                    err = _internal(p)
+                    status = err.status
+                    yield sse(err.body())
+                    return
+                yield sse(chunk(ask, rid, model, None if ask.chat else "", p["finish_reason"], muser=_muser(p)))
+                if ask.include_usage:
+                    yield sse(chunk(ask, rid, model, None, None, use=_usage(p)))
+                yield sse("[DONE]")
+                status = 200
+            finally:
+                if status == 499:
+                    self.worker.withdraw(job)
+                self._count(endpoint, status)
+
+        # the first event came: the rows' source and the TTFT are known for the headers
+        head = {"x-muser-source": "", "cache-control": "no-cache"}
+        if first[0] == "text":
+            head.update(self._early_headers(job))
+        else:
+            head.update(_headers(first[1]))
+        return StreamingResponse(events(), media_type="text/event-stream", headers=head)
+
+    def _early_headers(self, job: Job) -> dict[str, str]:
+        """Headers of a streamed answer at its first token (the summary comes at the end)."""
+        state = getattr(job, "state", None)
+        return _headers(state.summary(state.ids, "")) if state is not None else {}
+
+    async def models(self, request):
+        if not self._authorized(request):
+            return _error(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                   code="invalid_api_key"))
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [{"id": self.options.model_id, "object": "model",
+                                                         "created": 0, "owned_by": "muser"}]})
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        status = "draining" if self.draining else "ok"
+        return JSONResponse({"status": status, "queue": self.worker.busy(),
+                             "producers": self.worker.pool.to_json()},
+                            status_code=503 if self.draining else 200)
+
+    async def metrics_route(self, request):
+        from starlette.responses import Response
+
+        body, ctype = self.metrics.text()
+        return Response(body, media_type=ctype.split(";")[0], headers={"content-type": ctype})
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        async def chat(request):
+            return await self.completions(request, "chat")
+
+        async def completions(request):
+            return await self.completions(request, "completion")
+
+        async def not_found(request, exc):
+            status = getattr(exc, "status_code", 404)
+            return _error(ApiError(status, f"{request.method} {request.url.path}: "
+                                           f"{'no such route' if status == 404 else 'method not allowed'}",
+                                   code="not_found" if status == 404 else "method_not_allowed"))
+
+        routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
+                  Route("/v1/completions", completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_route, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _usage(s: dict) -> dict:
+    return usage(s["prompt_tokens"], s["completion_tokens"], s["held_rows"])
+
+
+def _muser(s: dict) -> dict:
+    return {k: s.get(k) for k in ("source", "ttft_ms", "bytes", "producer", "held_rows", "computed_rows",
+                                  "fallback_reason")}
+
+
+def _headers(s: dict) -> dict[str, str]:
+    out = {"x-muser-source": str(s.get("source") or "")}
+    if s.get("ttft_ms") is not None:
+        out["x-muser-ttft-ms"] = f"{s['ttft_ms']:.1f}"
+    out["x-muser-bytes"] = str(int(s.get("bytes") or 0))
+    return out
+
+
+def bind_socket(listen: str, api_key: str | None) -> socket.socket:
+    """The listening socket: loopback unless an API key guards the endpoint."""
+    from muser_cli.handoff.link import parse_hostport
+
+    host, port = parse_hostport(listen, listen=True)
+    host = host or "127.0.0.1"
+    if host not in LOOPBACK and not api_key:
+        raise UsageError(f"--serve {listen} listens beyond this machine without an API key",
+                         hint="give --api-key KEY (or $MUSER_API_KEY), or listen on 127.0.0.1")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:  # in use, privileged, not this machine's: configuration (78), as `receive --listen`
+        sock.close()
+        from muser_cli.handoff.link import listen_error
+
+        raise listen_error(exc, listen, port) from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict], None],
+                 on_listening: Callable[[str], None] | None = None) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return 0 (1 if the drain timed out).
+    ``log`` gets one record (a dict with a ``ts``) per request and per start, drain and stop."""
+    try:
+        import uvicorn
+
+        from muser_cli.service.metrics import ConsumerMetrics
+    except ImportError as exc:
+        from muser_cli.errors import ConfigError
+
+        raise ConfigError(f"decode --serve needs the serve extra: {exc}",
+                          hint="pip install 'muser[serve]' (starlette, uvicorn, prometheus-client)") from None
+    sock = bind_socket(options.listen, options.api_key)
+    def stamped(record: dict[str, Any]) -> None:
+        log({"ts": utc_stamp(), **record})
+
+    log_ = stamped
+    metrics = ConsumerMetrics()
+    worker = EngineWorker(config, metrics, log=log_)
+    service = Service(worker, metrics, options, log=log_)
+    outcome = {"rc": 0}
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # the first signal drains, a second one stops now
+            if service.draining:
+                return super().handle_exit(sig, frame)
+            service.draining = True
+            log_({"event": "draining", "queued": worker.busy(), "signal": int(sig)})
+
+            def drain() -> None:
+                done = worker.drain(options.drain_s)
+                outcome["rc"] = 0 if done else 1
+                log_({"event": "drained" if done else "drain_timed_out", "left": worker.busy()})
+                self.should_exit = True
+
+            threading.Thread(target=drain, name="muser-drain", daemon=True).start()
+
+    cfg = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
+                         timeout_graceful_shutdown=5)
+    server = _Server(cfg)
+    host, port = sock.getsockname()[:2]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    log_({"event": "listening", "address": address, "model": options.model_id, "engine": config.engine,
+         "producers": list(config.producers)})
+    if on_listening is not None:
+        on_listening(address)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.close()
+        sock.close()
+        log_({"event": "stopped", "rc": outcome["rc"]})
+    return outcome["rc"]
+
+
+__all__ = ["ServeOptions", "Service", "bind_socket", "serve_openai", "utc_stamp"]

@@ -1,0 +1,122 @@
+"""Prometheus metrics of the two services (``prometheus_client``, imported only here and
+only when a service starts): each service has its own registry, served as text format.
+
+Consumer (``decode --serve``): TTFT and per-token latency by source, bytes shipped, rows
+held, fallbacks by reason, gate refusals, producer health, queue depth, requests by status.
+Producer (``prefill --serve --metrics``): requests by outcome, bytes shipped, rows computed
+and held, prefill and request seconds, refused handshakes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+def fallback_kind(reason: str) -> str:
+    """A short label for why a request did not get (all of) its rows from a producer."""
+    r = reason.lower()
+    for key, label in (("no producer", "no_producer"), ("deadline", "deadline"), ("timed out", "deadline"),
+                       ("cut stream", "cut"), ("refused", "refused"), ("busy", "busy"), ("failed", "pull_failed")):
+        if key in r:
+            return label
+    return "other"
+
+
+class ConsumerMetrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("muser_ttft_seconds", "Request arrival to its first token, by where the rows came from",
+                              ["source"], buckets=_LATENCY, registry=r)
+        self.token = Histogram("muser_token_latency_seconds", "Time between consecutive tokens, by source",
+                               ["source"], buckets=_TOKEN, registry=r)
+        self.shipped = Counter("muser_shipped_bytes", "Pack bytes received from producers", ["producer"], registry=r)
+        self.held = Counter("muser_rows_held", "Prompt rows taken from this machine's store", registry=r)
+        self.computed = Counter("muser_rows_computed", "Prompt rows prefilled on this machine", registry=r)
+        self.fallbacks = Counter("muser_fallbacks", "Requests prefilled here (all or part), by reason", ["reason"],
+                                 registry=r)
+        self.gate = Counter("muser_gate_refusals", "Packs refused by a check (binding, numeric gate, merge)",
+                            registry=r)
+        self.producer_up = Gauge("muser_producer_up", "1 when the producer's last pull succeeded, else 0",
+                                 ["producer"], registry=r)
+        self.queue = Gauge("muser_queue_depth", "Requests waiting for the engine", registry=r)
+        self.running = Gauge("muser_running", "Requests the engine is working on", registry=r)
+        self.requests = Counter("muser_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.tokens = Counter("muser_generated_tokens", "Tokens generated", registry=r)
+
+    def text(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ProducerMetrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("muser_producer_requests", "Pull requests, by outcome", ["outcome"], registry=r)
+        self.shipped = Counter("muser_shipped_bytes", "Pack payload bytes shipped to consumers", registry=r)
+        self.computed = Counter("muser_producer_rows_shipped", "Rows shipped (computed or reused here)", registry=r)
+        self.held = Counter("muser_rows_held", "Rows the consumers already held (not shipped: deltas)", registry=r)
+        self.reused = Counter("muser_producer_rows_reused", "Rows continued from memory or the store", registry=r)
+        self.prefill = Histogram("muser_producer_prefill_seconds", "Prefill compute per request", buckets=_LATENCY,
+                                 registry=r)
+        self.total = Histogram("muser_producer_request_seconds", "Request admitted to pack shipped",
+                               buckets=_LATENCY, registry=r)
+        self.refused = Counter("muser_producer_tls_refused", "Connections refused in the TLS handshake", registry=r)
+        self.probes = Counter("muser_producer_probes", "Link probes, by outcome", ["outcome"], registry=r)
+
+    def observe(self, kind: str, f: dict[str, Any]) -> None:
+        """One event of :class:`muser_cli.handoff.pull_server.PullServer`."""
+        if kind == "tls_failed":
+            self.refused.inc()
+        elif kind == "probe":
+            self.probes.labels(str(f.get("outcome"))).inc()
+        elif kind == "request":
+            self.requests.labels(str(f.get("outcome"))).inc()
+            if f.get("outcome") != "served":
+                return
+            self.shipped.inc(_num(f.get("bytes")))
+            self.computed.inc(_num(f.get("shipped_rows")))
+            self.held.inc(_num(f.get("held_rows")))
+            self.reused.inc(_num(f.get("reused_rows")))
+            if f.get("prefill_s") is not None:
+                self.prefill.observe(_num(f["prefill_s"]))
+            if f.get("total_s") is not None:
+                self.total.observe(_num(f["total_s"]))
+
+    def serve(self, listen: str) -> tuple[str, int]:
+        """Serve ``/metrics`` (plain HTTP) on ``listen`` on a daemon thread; the bound address."""
+        from prometheus_client import start_http_server
+
+        from muser_cli.handoff.link import parse_hostport
+
+        host, port = parse_hostport(listen, listen=True)
+        server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=self.registry)
+        return server.server_address[0], server.server_address[1]
+
+
+def serve_producer_metrics(listen: str):
+    """:class:`ProducerMetrics` served on ``listen``: (its event observer, the bound address)."""
+    try:
+        m = ProducerMetrics()
+    except ImportError as exc:
+        from muser_cli.errors import ConfigError
+
+        raise ConfigError(f"--metrics needs prometheus-client: {exc}", hint="pip install 'muser[serve]'") from None
+    try:
+        address = m.serve(listen)
+    except OSError as exc:  # configuration (78), as for the service's own port
+        from muser_cli.handoff.link import listen_error, parse_hostport
+
+        raise listen_error(exc, listen, parse_hostport(listen, listen=True)[1]) from None
+    return m.observe, address
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0

@@ -1,0 +1,357 @@
+"""One resident engine, many clients: a bounded queue of requests in front of one thread that
+owns the engine. Each request is the lane (:func:`muser_cli.decode.decode` with the engine
+resident): the longest prefix the store holds, the rest pulled from the least busy producer
+(a delta), installed as it verifies, the numeric gate on foreign packs, then decode; with no
+producer, or none in time (the deadline), or a cut stream, the rest is prefilled here.
+
+A job reports to its client through ``emit(kind, payload)``: ``("text", str)`` per piece,
+then ``("done", summary)`` or ``("error", exception)``. A client that went away cancels
+its job (:meth:`Job.cancel`): waiting, it is dropped; running, decoding stops at the next token.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable
+
+from muser_cli.errors import DataError, MuserError, PromptTooLong
+from muser_cli.service.api import ApiError, Ask
+
+Emit = Callable[[str, Any], None]
+
+
+class _Stop(Exception):
+    """Raised from the token callback: a stop string appeared, or the client went away."""
+
+
+@dataclass
+class Job:
+    ask: Ask
+    emit: Emit
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    state: Any = None  # the running request's _RunState
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class QueueFull(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(429, f"the server is busy: {limit} requests already wait for the engine; try again later",
+                         type="rate_limit_error", code="queue_full", headers={"retry-after": "1"})
+
+
+class Draining(ApiError):
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down and takes no new requests", type="server_error",
+                         code="draining")
+
+
+class _Counting:
+    """The pull pipe, counting the pack bytes decode reads from it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.bytes = raw, 0
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b) or 0
+        self.bytes += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.bytes += len(data)
+        return data
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+@dataclass
+class Config:
+    model: str | None
+    engine: str = "torch"
+    dtype: str | None = None
+    threads: int = 1
+    producers: tuple[str, ...] = ()
+    prefill_deadline: float | None = None  # seconds to wait for a producer's first frame
+    max_queue: int = 8
+    chunk_tokens: int | None = None
+    reuse: bool = True
+    store: bool = False
+    audit: int | None = None
+
+
+class EngineWorker:
+    def __init__(self, config: Config, metrics: Any = None, log: Callable[[dict], None] | None = None) -> None:
+        from muser_cli.batch.pool import ProducerPool
+        from muser_cli.engines.registry import get_engine
+        from muser_cli.models import resolve_model
+        from muser_cli.schedule import default_dtype
+        from muser_cli.tokens import tokenizer_for
+
+        if config.max_queue < 0:
+            raise MuserError("--max-queue must be >= 0")
+        self.config = config
+        self.info = resolve_model(config.model)
+        tokenizer_for(self.info)
+        self.dtype = config.dtype or default_dtype(config.engine)
+        self.engine = get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads)
+        self.pool = ProducerPool(config.producers)
+        self.metrics = metrics
+        self.log = log or (lambda record: None)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._closing = False
+        self.draining = False
+        self._thread = threading.Thread(target=self._loop, name="muser-engine", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- queue
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (QueueFull past the bound, Draining once SIGTERM came)."""
+        with self._cv:
+            if self.draining:
+                raise Draining()
+            if self._running is not None and len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(self.config.max_queue)
+            self._waiting.append(job)
+            self._gauges()
+            self._cv.notify_all()
+
+    def withdraw(self, job: Job) -> None:
+        """The client went away: a waiting job leaves the queue, a running one stops at its next token."""
+        job.cancel()
+        with self._cv:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._gauges()
+
+    def busy(self) -> int:
+        with self._cv:
+            return len(self._waiting) + (self._running is not None)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new work, wait for what is queued and running; True when all finished."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self.draining = True
+            while self._waiting or self._running is not None:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left if left is not None else 1.0)
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(5)
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue.set(len(self._waiting))
+            self.metrics.running.set(1 if self._running is not None else 0)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                self._running = job
+                self._gauges()
+            try:
+                if not job.cancelled.is_set():
+                    self._run(job)
+            except BaseException as exc:  # noqa: BLE001 - reported to the client, the engine serves on
+                job.emit("error", exc)
+            finally:
+                with self._cv:
+                    self._running = None
+                    self._gauges()
+                    self._cv.notify_all()
+
+    # -------------------------------------------------------------- one request
+    def _run(self, job: Job) -> None:
+        from muser_cli.schedule import check_prompt
+        from muser_cli.tokens import encode_prompt
+
+        ask = job.ask
+        try:
+            ids = encode_prompt(self.info, ask.prompt, chat=ask.chat)
+            check_prompt(self.info, ids, new_tokens=ask.max_tokens)
+        except PromptTooLong as exc:
+            raise ApiError(400, str(exc), param="messages" if ask.chat else "prompt",
+                           code="context_length_exceeded") from None
+        except MuserError as exc:
+            raise ApiError(400, str(exc)) from None
+        state = _RunState(job, self)
+        state.ids = ids
+        job.state = state  # the service reads the rows' source from it at the first token
+        out = None
+        try:
+            out = self._decode(job, state, ids)
+        except _Stop:
+            pass
+        finish = "stop" if state.stream.stopped or (out is not None and
+                                                     out.engine_stats.get("stop_reason") == "eos") else "length"
+        if job.cancelled.is_set():
+            finish = "cancelled"
+        tail = state.stream.finish()
+        if tail and not job.cancelled.is_set():
+            job.emit("text", tail)
+        summary = state.summary(ids, finish)
+        self._observe(state, summary)
+        job.emit("done", summary)
+
+    def _decode(self, job: Job, state: "_RunState", ids: list[int]):
+        from muser_cli.decode import decode
+        from muser_cli.engines.base import Sampling
+
+        ask, c = job.ask, self.config
+        sampling = Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
+
+        def run(src, why: str):
+            state.why = why
+            return decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
+                          engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
+                          chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
+                          audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows)
+
+        live = self._pull(job) if self.pool else None
+        if live is None:
+            return run(None, "no producer given" if not self.pool else "no producer up")
+        state.producer = live.producer
+        counting = state.counting = _Counting(live.reader)
+        try:
+            try:
+                return run(counting, f"nothing from {live.producer}")
+            except DataError as exc:  # the pack failed a gate: this request is computed here
+                if state.first_token is not None:
+                    raise
+                state.refused = exc
+        finally:
+            counting.close()
+            live.join(timeout=30)
+            state.shipped = counting.bytes
+            error = live.error if not live.is_alive() else TimeoutError("the pull outlived its decode")
+            if state.refused is not None:
+                self.pool.blame(live.producer, state.refused)
+            else:
+                self.pool.done(live.producer, error)
+            state.pull_error = live.reason() if error is not None else ""
+            if self.metrics is not None:
+                self.metrics.producer_up.labels(live.producer).set(0 if error is not None else 1)
+        state.rows = None
+        return run(None, f"the pack from {live.producer} was refused: {state.refused}")
+
+    def _pull(self, job: Job):
+        from muser_cli.serve import PipePull, ask_for, with_have
+
+        addr = self.pool.pick()
+        if addr is None:
+            return None
+        ask, c = job.ask, self.config
+        deadline = ask.prefill_deadline if ask.prefill_deadline is not None else c.prefill_deadline
+
+        def make_ask():
+            got = ask_for(ask.prompt, model=c.model, chat=ask.chat, chunk_tokens=c.chunk_tokens, dtype=self.dtype,
+                          engine=c.engine)
+            return with_have(got) if c.reuse else got
+
+        return PipePull(addr, make_ask, timeout=deadline)
+
+    def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
+        m = self.metrics
+        self.log({"event": "request", **{k: v for k, v in s.items() if k != "text"}})
+        if m is None:
+            return
+        source = s["source"]
+        if s.get("ttft_ms") is not None:
+            m.ttft.labels(source).observe(s["ttft_ms"] / 1000)
+        for gap in state.gaps:
+            m.token.labels(source).observe(gap)
+        if s["bytes"]:
+            m.shipped.labels(s.get("producer") or "").inc(s["bytes"])
+        m.held.inc(s.get("held_rows") or 0)
+        m.computed.inc(s.get("computed_rows") or 0)
+        m.tokens.inc(s["completion_tokens"])
+        if s.get("fallback_reason"):
+            from muser_cli.service.metrics import fallback_kind
+
+            m.fallbacks.labels(fallback_kind(s["fallback_reason"])).inc()
+        if state.refused is not None:
+            m.gate.inc()
+
+
+class _RunState:
+    """What one running request has seen: its rows' source, its tokens and their times."""
+
+    def __init__(self, job: Job, worker: EngineWorker) -> None:
+        from muser_cli.service.textstream import TextStream
+
+        self.job = job
+        self.stream = TextStream(worker.info, job.ask.stop)
+        self.rows = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.gaps: list[float] = []
+        self.producer: str | None = None
+        self.shipped = 0
+        self.refused: DataError | None = None
+        self.pull_error = ""
+        self.why = ""  # the fallback reason decode was given
+        self.ids: list[int] = []
+        self.counting: _Counting | None = None
+
+    def on_rows(self, rows) -> None:
+        self.rows = rows
+
+    def on_token(self, token: int) -> None:
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.gaps.append(now - (self.last_token or now))
+        self.last_token = now
+        if self.job.cancelled.is_set():
+            raise _Stop("the client went away")
+        piece = self.stream.push(token)
+        if piece:
+            self.job.emit("text", piece)
+        if self.stream.stopped:
+            raise _Stop("a stop string")
+
+    def summary(self, ids: list[int], finish: str) -> dict[str, Any]:
+        """What the client, the log and the metrics are told about this request."""
+        rows = self.rows
+        source = rows.source if rows is not None else "local"
+        if source == "store+local":
+            source = "store"  # some rows held, the rest prefilled here: both are this machine's
+        shipped = rows is not None and (rows.pack is not None or bool(rows.handoff_rows))
+        held = rows.held if rows is not None else 0
+        reason, computed = "", 0
+        if rows is not None and rows.pack is None:
+            reason = rows.reason or self.pull_error or self.why
+            if self.refused is not None:
+                reason = f"the pack from {self.producer} was refused: {self.refused}"
+            computed = rows.local_rows if rows.local_rows is not None else len(ids) - 1 - held
+        ttft = (self.first_token - self.job.arrived) * 1000 if self.first_token is not None else None
+        received = self.shipped or (self.counting.bytes if self.counting is not None else 0)
+        return {"source": source, "producer": self.producer if shipped else None,
+                "ttft_ms": round(ttft, 3) if ttft is not None else None, "bytes": received,
+                "prompt_tokens": len(ids), "completion_tokens": len(self.stream.ids), "held_rows": held,
+                "computed_rows": computed, "finish_reason": finish, "fallback_reason": reason,
+                "text": self.stream.text}
+
+
+__all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull"]

@@ -1,0 +1,374 @@
+"""``muser decode --serve`` as a user runs it (issue 28): real processes on 127.0.0.1, the real
+``openai`` client, a resident enrolled producer (``prefill --serve --metrics``) on mutual TLS.
+
+    producer$ muser prefill --serve 127.0.0.1:0 -m MODEL --metrics 127.0.0.1:0
+    consumer$ muser decode --serve 127.0.0.1:0 -m MODEL --producer HOST:PORT
+    consumer$ OPENAI_BASE_URL=http://127.0.0.1:PORT/v1 python -c 'import openai; ...'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+import httpx  # noqa: E402
+
+from handoff_kit import Producer, env_for, make_nodes, muser_cmd  # noqa: E402
+
+PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+          "After a long debate about costs, traffic and the river's spring floods, they chose "
+          "the northern site, close to the old mill and the school.")
+N = 8
+_LISTEN = re.compile(r"listening on http://(\S+)/v1")
+_METRICS = re.compile(r"metrics on http://(\S+)/metrics")
+
+
+class Consumer:
+    """``muser decode --serve 127.0.0.1:0 ...``; its stderr lines collected on a thread."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.proc = subprocess.Popen(muser_cmd("decode", "--serve", "127.0.0.1:0", *args), env=env_for(home),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.lines: list[str] = []
+        self.address: str | None = None
+        got = threading.Event()
+
+        def pump() -> None:
+            assert self.proc.stderr is not None
+            for raw in self.proc.stderr:
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                m = _LISTEN.search(line)
+                if m and self.address is None:
+                    self.address = m.group(1)
+                    got.set()
+            got.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        got.wait(120)
+        if self.address is None:
+            self.proc.kill()
+            raise AssertionError(f"decode --serve did not start: {''.join(self.lines)}")
+        self.base = f"http://{self.address}/v1"
+
+    def client(self) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
+
+    def records(self, event: str = "request") -> list[dict]:
+        out = []
+        for line in list(self.lines):
+            if line.startswith("{"):
+                obj = json.loads(line)
+                if obj.get("event") == event:
+                    out.append(obj)
+        return out
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def lane(tmp_path_factory, tiny_llama):
+    root = tmp_path_factory.mktemp("serve")
+    nodes = make_nodes(root)
+    prompt = root / "doc.txt"
+    prompt.write_text(PROMPT)
+    model = str(tiny_llama.path)
+    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
+    local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
+                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=120)
+    assert local.returncode == 0, local.stderr
+    producer = Producer(nodes.producer_home, *common, "--metrics", "127.0.0.1:0")
+    consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse",
+                        "--max-queue", "4")
+    yield {"root": root, "nodes": nodes, "prompt": prompt, "common": common, "local": json.loads(local.stdout),
+           "producer": producer, "consumer": consumer}
+    consumer.stop()
+    producer.stop()
+
+
+def complete(client, **extra):
+    return client.completions.with_raw_response.create(model="default", prompt=PROMPT, max_tokens=N, temperature=0,
+                                                       **extra)
+
+
+def test_completion_through_the_producer_equals_decode(lane):
+    raw = complete(lane["consumer"].client())
+    body = raw.parse()
+    assert body.choices[0].text == lane["local"]["text"]
+    assert raw.headers["x-muser-source"] == "handoff", raw.headers
+    assert int(raw.headers["x-muser-bytes"]) > 0 and float(raw.headers["x-muser-ttft-ms"]) > 0
+    served = lane["producer"].wait_events(1)
+    assert served and served[-1]["outcome"] == "served"
+
+
+def test_four_concurrent_requests_all_return_it(lane):
+    client = lane["consumer"].client()
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: complete(client), range(4)))
+    assert [r.parse().choices[0].text for r in got] == [lane["local"]["text"]] * 4
+    assert all(r.headers["x-muser-source"] != "local" for r in got)
+
+
+def test_eight_clients_on_a_queue_of_four_lose_nothing(lane):
+    """Each is answered, or refused 429 at once (never dropped, never a wrong text)."""
+    client = lane["consumer"].client()
+
+    def one(_):
+        try:
+            return complete(client).parse().choices[0].text
+        except openai.RateLimitError:
+            return 429
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(8)))
+    answered = [g for g in got if g != 429]
+    assert len(answered) >= 5 and set(answered) == {lane["local"]["text"]}, got
+
+
+def test_streamed_chat_arrives_in_several_chunks(lane):
+    client = lane["consumer"].client()
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="default", messages=messages, max_tokens=N, temperature=0)
+    stream = client.chat.completions.create(model="default", messages=messages, max_tokens=N, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert sum(1 for p in pieces if p) >= 2
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == N
+
+
+def test_malformed_json_gets_400_with_an_openai_error(lane):
+    r = httpx.post(lane["consumer"].base + "/completions", content=b'{"prompt": ', timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        lane["consumer"].client().completions.create(model="default", prompt=PROMPT, max_tokens=10 ** 6)
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled(lane):
+    c = lane["consumer"]
+    before = len(c.records())
+    with httpx.stream("POST", c.base + "/completions", timeout=60,
+                      json={"prompt": "Tell me", "max_tokens": 240, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"text":""' not in line:
+                break  # the first token arrived: go away
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(c.records()) <= before:
+        time.sleep(0.05)
+    last = c.records()[before]
+    assert last["finish_reason"] == "cancelled" and last["completion_tokens"] < 240, last
+    assert complete(c.client()).parse().choices[0].text == lane["local"]["text"]  # it serves on
+
+
+def test_metrics_of_both_services_parse(lane):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    complete(lane["consumer"].client())
+    consumer = {f.name: f for f in text_string_to_metric_families(httpx.get(lane["consumer"].base[:-3] + "/metrics").text)}
+    assert "muser_ttft_seconds" in consumer and "muser_shipped_bytes" in consumer
+    shipped = sum(s.value for s in consumer["muser_shipped_bytes"].samples if s.name.endswith("_total"))
+    assert shipped > 0
+    ttft = [s for s in consumer["muser_ttft_seconds"].samples
+            if s.name.endswith("_count") and s.labels["source"] == "handoff"]
+    assert ttft and ttft[0].value >= 1
+    address = next(m.group(1) for line in lane["producer"].lines if (m := _METRICS.search(line)))
+    producer = {f.name: f for f in text_string_to_metric_families(httpx.get(f"http://{address}/metrics").text)}
+    assert "muser_shipped_bytes" in producer and "muser_producer_request_seconds" in producer
+    assert sum(s.value for s in producer["muser_shipped_bytes"].samples if s.name.endswith("_total")) > 0
+
+
+def test_producer_killed_the_same_text_from_local_prefill(lane, tmp_path):
+    """A second producer, SIGKILLed: the consumer prefills here and answers the same text."""
+    from handoff_kit import copy_home
+
+    home = copy_home(lane["nodes"].producer_home, tmp_path / "p2")
+    victim = Producer(home, *lane["common"])
+    consumer = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", victim.address, "--no-reuse",
+                        "--prefill-deadline", "20")
+    try:
+        first = complete(consumer.client())
+        assert first.headers["x-muser-source"] == "handoff"
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(30)
+        raw = complete(consumer.client())
+        assert raw.parse().choices[0].text == lane["local"]["text"]
+        assert raw.headers["x-muser-source"] == "local"
+        assert "failed" in raw.parse().model_extra["muser"]["fallback_reason"]
+    finally:
+        assert consumer.stop() == 0
+
+
+def test_sigterm_drains_and_exits_0(lane):
+    c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address, "--no-reuse")
+    got: dict = {}
+
+    def long_request() -> None:
+        try:
+            got["text"] = c.client().completions.create(model="default", prompt=PROMPT, max_tokens=120,
+                                                        temperature=0).choices[0].text
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            got["error"] = exc
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and '"running"' not in "".join(c.lines) and not c.records("request"):
+        if httpx.get(c.base[:-3] + "/health", timeout=10).json()["queue"] > 0:
+            break
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    c.proc.send_signal(signal.SIGTERM)
+    refused = None
+    for _ in range(100):  # while it drains, new work is refused with 503
+        try:
+            r = httpx.post(c.base + "/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        except httpx.HTTPError:
+            break  # already gone
+        if r.status_code == 503:
+            refused = r
+            break
+        time.sleep(0.01)
+    assert c.proc.wait(30) == 0 and time.monotonic() - t0 < 30
+    t.join(30)
+    assert "error" not in got and got.get("text"), got  # the running request finished
+    events = [r["event"] for r in (json.loads(x) for x in c.lines if x.startswith("{"))]
+    assert "draining" in events and "drained" in events and events[-1] == "stopped"
+    if refused is not None:
+        assert refused.json()["error"]["code"] == "draining"
+
+
+def test_a_second_turn_ships_only_its_delta(lane, tmp_path, monkeypatch):
+    """With --store the consumer keeps each prompt's rows: the next turn of the same chat asks
+    the producer for the rest only (a delta), and its text is still the local text."""
+    c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address, "--store",
+                 "--chunk", "8")
+    try:
+        client = c.client()
+        turns = [{"role": "user", "content": PROMPT}]
+        first = client.chat.completions.with_raw_response.create(model="default", messages=turns, max_tokens=4,
+                                                                 temperature=0)
+        assert first.headers["x-muser-source"] == "handoff"
+        turns += [{"role": "assistant", "content": first.parse().choices[0].message.content},
+                  {"role": "user", "content": "And the school?"}]
+        second = client.chat.completions.with_raw_response.create(model="default", messages=turns, max_tokens=4,
+                                                                  temperature=0)
+        body = second.parse()
+        assert second.headers["x-muser-source"] == "delta", body.model_extra["muser"]
+        assert body.usage.prompt_tokens_details.cached_tokens > 0
+        assert 0 < int(second.headers["x-muser-bytes"]) < int(first.headers["x-muser-bytes"]) * 2
+        from muser_cli.decode import decode
+
+        monkeypatch.setenv("MUSER_HOME", str(tmp_path / "fresh"))  # a home with an empty store: all local
+        want = decode(None, model=lane["common"][1], prompt=turns, chat=True, max_new_tokens=4, dtype="float32",
+                      threads=1, reuse=False, chunk_tokens=8).text
+        assert body.choices[0].message.content == want
+    finally:
+        assert c.stop() == 0
+
+
+def test_decode_streams_its_text_to_stdout(lane):
+    """`muser decode` writes each piece as it is decided (flushed per token); the whole stdout
+    is the text --json reports, plus one newline."""
+    args = (*lane["common"], "--prompt", str(lane["prompt"]), "-n", str(N), "--no-reuse")
+    r = subprocess.run(muser_cmd("decode", *args), env=env_for(lane["nodes"].consumer_home), input=b"",
+                       capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == lane["local"]["text"] + ("" if lane["local"]["text"].endswith("\n") else "\n")
+
+
+def test_printer_flushes_every_piece(monkeypatch, tiny_llama):
+    import io
+    import sys
+
+    from muser_cli.commands.decode import _Printer
+
+    class Out(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            Out.flushes += 1
+
+    out = Out()
+    monkeypatch.setattr(sys, "stdout", out)
+    p = _Printer(str(tiny_llama.path))
+    ids = [72, 101, 108, 108, 111, 32, 119, 111]
+    writes = []
+    for t in ids:
+        before = out.getvalue()
+        p.push(t)
+        writes.append(out.getvalue()[len(before):])
+    from muser_cli.tokens import decode_text
+
+    text = decode_text(tiny_llama, ids)
+    p.finish(text)
+    assert out.getvalue() == text
+    assert sum(1 for w in writes if w) >= 2 and Out.flushes >= sum(1 for w in writes if w)
+
+
+@pytest.mark.slow
+def test_the_real_model_through_a_producer_equals_decode(real_model, tmp_path):
+    """Done-when, on the embedded model: `decode --serve -m default --producer` with the openai
+    client gives the text of `muser decode --prompt` for the same prompt, through the producer."""
+    nodes = make_nodes(tmp_path)
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text(PROMPT)
+    common = ["-m", "default", "--threads", "2"]
+    local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
+                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+    producer = Producer(nodes.producer_home, *common)
+    consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse")
+    try:
+        raw = complete(consumer.client())
+        assert raw.parse().choices[0].text == json.loads(local.stdout)["text"]
+        assert raw.headers["x-muser-source"] == "handoff"
+    finally:
+        assert consumer.stop() == 0
+        producer.stop()
+
+
+def test_a_silent_producer_costs_at_most_the_deadline(lane):
+    """A producer that accepts and never answers: after --prefill-deadline the request is
+    prefilled here, with the same text; a request may ask for a shorter wait."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", address, "--no-reuse",
+                 "--prefill-deadline", "3")
+    try:
+        t0 = time.monotonic()
+        raw = complete(c.client())
+        took = time.monotonic() - t0
+        assert raw.parse().choices[0].text == lane["local"]["text"]
+        assert raw.headers["x-muser-source"] == "local" and took < 20, took
+        raw = c.client().completions.with_raw_response.create(
+            model="default", prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"muser_prefill_deadline": 0.5})
+        assert raw.parse().choices[0].text == lane["local"]["text"]
+    finally:
+        assert c.stop() == 0
+        silent.close()

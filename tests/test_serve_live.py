@@ -196,6 +196,8 @@ def test_metrics_of_both_services_parse(lane):
     address = next(m.group(1) for line in lane["producer"].lines if (m := _METRICS.search(line)))
     producer = {f.name: f for f in text_string_to_metric_families(httpx.get(f"http://{address}/metrics").text)}
     assert "muser_shipped_bytes" in producer and "muser_producer_request_seconds" in producer
+    assert "muser_producer_ttft_seconds" in producer  # the done-when: a TTFT family on both services
+    assert [s.value for s in producer["muser_producer_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1
     assert sum(s.value for s in producer["muser_shipped_bytes"].samples if s.name.endswith("_total")) > 0
 
 

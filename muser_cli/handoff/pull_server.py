@@ -555,10 +555,11 @@ class PullServer:
         worker = threading.Thread(target=work, name="muser-prefill", daemon=True)
         worker.start()
         reader = open(r, "rb")
-        outcome, result, reason = "failed", None, ""
+        outcome, result, reason, first_frame_s = "failed", None, "", None
         try:
             try:
                 source = PackSource(reader)
+                first_frame_s = round(time.monotonic() - t0, 6)  # the header is in: what ships first is ready
             except KVPackError as exc:
                 worker.join()
                 reason = f"the producer could not start the pack ({box.get('error') or exc})"
@@ -582,6 +583,8 @@ class PullServer:
                 "prompt": "ids" if req.text is None else ("chat" if req.chat else "text"),
                 **stats,
             }
+            if first_frame_s is not None:
+                fields["first_frame_s"] = first_frame_s
             if result is not None:
                 fields.update(bytes=result.payload_bytes, frames=result.frames,
                               payload_rate_Bps=round(result.payload_rate_Bps, 1), handoff_id=result.handoff_id)

@@ -68,6 +68,9 @@ class ProducerMetrics:
                                  registry=r)
         self.total = Histogram("muser_producer_request_seconds", "Request admitted to pack shipped",
                                buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("muser_producer_ttft_seconds",
+                              "Request admitted to its pack's first frame ready to ship (the producer's share of TTFT)",
+                              buckets=_LATENCY, registry=r)
         self.refused = Counter("muser_producer_tls_refused", "Connections refused in the TLS handshake", registry=r)
         self.probes = Counter("muser_producer_probes", "Link probes, by outcome", ["outcome"], registry=r)
 
@@ -89,6 +92,8 @@ class ProducerMetrics:
                 self.prefill.observe(_num(f["prefill_s"]))
             if f.get("total_s") is not None:
                 self.total.observe(_num(f["total_s"]))
+            if f.get("first_frame_s") is not None:
+                self.ttft.observe(_num(f["first_frame_s"]))
 
     def serve(self, listen: str) -> tuple[str, int]:
         """Serve ``/metrics`` (plain HTTP) on ``listen`` on a daemon thread; the bound address."""

@@ -419,13 +419,16 @@ OneLineErrors = _one_line_group_class()
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-def drain_on_signals() -> tuple[threading.Event, dict[str, str]]:
-    """An event the first SIGTERM or SIGHUP sets; ``got["signal"]`` then names it."""
+def drain_on_signals(on_signal=None) -> tuple[threading.Event, dict[str, str]]:
+    """An event the first SIGTERM or SIGHUP sets; ``got["signal"]`` then names it, and
+    ``on_signal(name)`` (a service's "draining" line) is called once."""
     stop = threading.Event()
     got: dict[str, str] = {}
 
     def handler(signum: int, _frame) -> None:
         got.setdefault("signal", signal.Signals(signum).name)
+        if on_signal is not None and not stop.is_set():
+            on_signal(got["signal"])
         stop.set()
         for s in DRAIN_SIGNALS:  # a second one: the default action, at once
             signal.signal(s, signal.SIG_DFL)

@@ -109,17 +109,29 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
-    stop, got = drain_on_signals()
+    from muser_cli.units import utc_stamp
 
-    observe = _metrics(metrics)
+    def say(message: str) -> None:  # every service line carries its time
+        info(f"{utc_stamp()} {message}")
+
+    def draining(signame: str) -> None:
+        if as_json:
+            sys.stderr.write(json.dumps({"event": "draining", "signal": signame, "ts": utc_stamp()}) + "\n")
+            sys.stderr.flush()
+        else:
+            say(f"prefill: draining on {signame}: the running request finishes, new ones are turned away")
+
+    stop, got = drain_on_signals(on_signal=draining)
+
+    observe = _metrics(metrics, say)
 
     def on_event(kind: str, f: dict) -> None:
         if observe is not None:
             observe(kind, f)
         if kind == "listening":
-            info(f"prefill: listening on {f['address']}")
+            say(f"prefill: listening on {f['address']}")
         elif kind in ("request", "probe", "tls_failed", "admitted") and as_json:
-            sys.stderr.write(json.dumps({"event": kind, **f}, sort_keys=True, default=str) + "\n")
+            sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
             what = f"{f.get('tokens')} tokens, {f.get('bytes', 0)} bytes" if f.get("outcome") == "served" else f.get("reason", "")
@@ -127,33 +139,33 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
                 what += f", {f['reused_rows']} rows " + _REUSED_FROM.get(f.get("reused_from"), f"from {f.get('reused_from')}")
             if f.get("outcome") == "served" and (f.get("batch") or 1) > 1:
                 what += f", computed in a batch of {f['batch']}"
-            info(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
+            say(f"prefill: {f.get('outcome')} {f.get('request_id') or ''} from {f.get('peer')}: {what}")
         elif kind == "probe":
             rates = " ".join(f"{d} {f[d + '_bytes'] / f[d + '_s'] / 1e6:.0f} MB/s" for d in ("up", "down")
                              if f.get(d + "_s"))
-            info(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
+            say(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
         elif kind == "tls_failed":
-            info(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
+            say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
                    max_batch=max_batch)
     summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
     if as_json:
-        sys.stderr.write(json.dumps({"event": "stopped", **summary}, sort_keys=True) + "\n")
+        sys.stderr.write(json.dumps({"event": "stopped", "ts": utc_stamp(), **summary}, sort_keys=True) + "\n")
         sys.stderr.flush()
     else:
-        info(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
-             f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
-             f"{summary['turned_away']} turned away while draining; none left in flight")
+        say(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
+            f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
+            f"{summary['turned_away']} turned away while draining; none left in flight")
 
 
-def _metrics(listen: Optional[str]):
+def _metrics(listen: Optional[str], say):
     """``--metrics HOST:PORT``: the producer's Prometheus metrics served; the event observer."""
     if listen is None:
         return None
     from muser_cli.service.metrics import serve_producer_metrics
 
     observe, (host, port) = serve_producer_metrics(listen)
-    info(f"prefill: metrics on http://{host}:{port}/metrics")
+    say(f"prefill: metrics on http://{host}:{port}/metrics")
     return observe

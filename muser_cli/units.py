@@ -25,3 +25,11 @@ def rate_text(bytes_per_s: float) -> str:
     """Throughput in muser's one unit, MB/s (10^6 bytes per second), as charts and tables show it."""
     mbps = bytes_per_s / 1e6
     return f"{mbps:.3g} MB/s" if mbps < 100 else f"{mbps:,.0f} MB/s"
+
+
+def utc_stamp() -> str:
+    """Now, as 2026-12-02T10:12:42.383Z: the stamp at the head of every service log line."""
+    import time
+
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"

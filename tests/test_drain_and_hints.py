@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -190,7 +191,10 @@ def test_prefill_serve_human_summary(homes, tiny_llama):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     t.join(5)
-    assert lines[-1].startswith("prefill: stopped on SIGTERM: 0 served, 0 refused, 0 failed, 0 turned away"), lines
+    # #28: every service line starts with its UTC time; a line says when draining starts
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+    assert re.match(stamp + "prefill: stopped on SIGTERM: 0 served, 0 refused, 0 failed, 0 turned away", lines[-1]), lines
+    assert re.match(stamp + "prefill: draining on SIGTERM", lines[-2]), lines
 
 
 # ----------------------------------------------------------------------------- item 5: hints

@@ -14,22 +14,16 @@ import asyncio
 import hmac
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from muser_cli.errors import MuserError, UsageError
+from muser_cli.units import utc_stamp
 from muser_cli.service.api import ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
 from muser_cli.service.worker import Config, EngineWorker, Job
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _POLL_S = 0.25  # how often a waiting request looks whether its client is still there
-
-
-def utc_stamp() -> str:
-    """Now, as 2026-12-02T10:12:42.383Z."""
-    now = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
 
 
 @dataclass

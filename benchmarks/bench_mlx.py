@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from muser_cli.engines import mlx_blas  # noqa: E402
+from muser_cli.engines.mlx import blas as mlx_blas  # noqa: E402
 
 mlx_blas.ensure_fast_blas()  # before anything imports mlx.core
 
@@ -63,7 +63,7 @@ PROMPTS = [
 
 GEMM_PROBE = """
 import json, time, statistics
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 info = mlx_blas.ensure_fast_blas()
 import mlx.core as mx
 n = {n}
@@ -77,7 +77,7 @@ print(json.dumps({{"blas": info.name, "gflops": 2 * n ** 3 / statistics.median(t
 
 DECODE_PROBE = """
 import json
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 info = mlx_blas.ensure_fast_blas()
 from muser_cli.engines.registry import get_engine
 from muser_cli.models import resolve_model
@@ -201,7 +201,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     from muser_cli.engines.registry import get_engine
-    from muser_cli.engines.mlx_engine import _versions
+    from muser_cli.engines.mlx.engine import _versions
     from muser_cli.models import resolve_model
 
     info = resolve_model("default")

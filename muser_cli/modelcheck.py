@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from muser_cli.engines.mlx_config import MLX_REFUSED
+from muser_cli.engines.mlx.config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerSpec
 from muser_cli.modelconfig import FAMILIES, family_of, layer_specs, read_json, text_config
@@ -37,7 +37,7 @@ REFUSED = {
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
 }
-# transformers model_type -> mlx-lm module (engines/mlx_config.py translates the folder).
+# transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
 
 

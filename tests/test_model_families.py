@@ -96,7 +96,7 @@ def test_torch_rows_are_transformers_own_and_handoff_equals_fallback(family, tin
 @pytest.mark.mlx
 @pytest.mark.parametrize("family", MLX_FAMILIES)
 def test_mlx_rows_are_mlx_lm_own_and_torch_pack_passes_the_gate(family, tiny_family):
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     mlx_blas.ensure_fast_blas()
     mx = pytest.importorskip("mlx.core")
@@ -364,7 +364,7 @@ def test_interop_exports_continue_like_muser_decode(family, tiny_family, tmp_pat
 def _has_mlx() -> bool:
     import importlib.util
 
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         return False

@@ -14,9 +14,9 @@ from muser_cli.modelinfo import ModelInfo
 
 # name -> (module, class); a closed set written here, never read from input.
 _ENGINES: dict[str, tuple[str, str]] = {
-    "torch": ("muser_cli.engines.torch_engine", "TorchEngine"),
-    "mlx": ("muser_cli.engines.mlx_engine", "MLXEngine"),
-    "vllm": ("muser_cli.engines.vllm_engine", "VLLMEngine"),
+    "torch": ("muser_cli.engines.torch.engine", "TorchEngine"),
+    "mlx": ("muser_cli.engines.mlx.engine", "MLXEngine"),
+    "vllm": ("muser_cli.engines.vllm.engine", "VLLMEngine"),
 }
 ENGINE_NAMES = tuple(_ENGINES)
 

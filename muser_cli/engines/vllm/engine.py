@@ -146,6 +146,7 @@ class VLLMEngine(Engine):
     platform defaults (:func:`.options.default_options`)."""
 
     name = "vllm"
+    batches_prefill = True
 
     def __init__(
         self,

@@ -1,0 +1,75 @@
+"""Engine abilities are declared on the ``Engine`` base class, never probed (#26 part 3).
+
+Each engine is a package of its own (``engines/torch``, ``engines/mlx``, ``engines/vllm``);
+what an engine can do beyond prefill and decode is a class attribute with a default on
+:class:`~muser_cli.engines.base.Engine`, and the optional methods have defaults there that
+refuse by name. Nothing here loads a framework: the registry's classes import theirs lazily.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from muser_cli.engines.base import DecodeResult, Engine
+from muser_cli.engines.registry import ENGINE_NAMES, engine_class
+from muser_cli.errors import UsageError
+from muser_cli.modelinfo import ModelInfo
+
+ROOT = Path(__file__).resolve().parent.parent
+ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill"}
+
+
+class Minimal(Engine):
+    """An engine with only the two required methods."""
+
+    name = "minimal"
+
+    def prefill(self, token_ids, *, chunk_tokens=512, progress=None):
+        return []
+
+    def decode(self, layers, *, rows, next_tokens, max_new_tokens, **kw):
+        return DecodeResult([], 0.0, 0.0)
+
+
+def test_each_engine_lives_in_its_own_package():
+    for name in ENGINE_NAMES:
+        cls = engine_class(name)
+        assert cls.__module__ == f"muser_cli.engines.{name}.engine"
+        assert cls.name == name
+        assert (ROOT / "muser_cli" / "engines" / name / "__init__.py").is_file()
+
+
+def test_abilities_are_declared_per_engine():
+    got = {name: {a for a in ABILITIES if getattr(engine_class(name), a)} for name in ENGINE_NAMES}
+    assert got == {"torch": {"resumes_prefill", "streams_prefill", "recomputes_at"},
+                   "mlx": {"resumes_prefill", "streams_prefill"},
+                   "vllm": {"batches_prefill"}}
+
+
+def test_a_minimal_engine_gets_the_defaults_and_refuses_by_name():
+    info = ModelInfo(path=Path("/nowhere"), name="m", fingerprint="x", tokenizer_fingerprint="y", architecture="a",
+                     layers=(), max_positions=8)
+    eng = Minimal(info, dtype="float32", threads=1)
+    assert not any(getattr(eng, a) for a in ABILITIES)
+    assert eng.max_model_len is None and eng.ring_extra == 0 and eng.producer_info() == {}
+    eng.close()
+    eng.warm_up()
+    calls = [lambda: eng.recompute([], rows=0, token_ids=[1]),
+             lambda: eng.recompute_at([], rows=1, positions=[0], token_ids=[1]),
+             lambda: eng.prefill_many([[1, 2]]),
+             lambda: eng.set_max_batch(2),
+             lambda: eng.prefill_from([], rows=0, token_ids=[1])]
+    for call in calls:
+        with pytest.raises(UsageError, match="the minimal engine cannot"):
+            call()
+
+
+def test_the_library_does_not_probe_engines():
+    """Outside the engine packages (which probe their frameworks' objects, not muser's engines)."""
+    probe = re.compile(r"\b(hasattr|getattr)\(\s*(self\.)?(eng|engine|loaded)\b")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for base in ("muser_cli", "commands") for p in sorted((ROOT / base).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line) and "engines" not in p.relative_to(ROOT).parts]
+    assert hits == []

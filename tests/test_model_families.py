@@ -202,12 +202,32 @@ def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
     assert report["payload_bytes"] == (2 * 99 + 6 * 8) * 2 * 32 * 4
 
 
+def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
+    """vLLM produces the families tests/test_vllm_families.py moved, consumes none, and names why
+    it cannot run muse_glimmer (with vLLM installed, as in .venv-vllm; without, that it is not)."""
+    from transformers import Qwen3Config
+
+    from muser_cli import modelcheck
+
+    installed = modelcheck.importlib.util.find_spec("vllm") is not None
+    assert modelcheck.engines("qwen3")["vllm"]["produce"] is installed
+    real = modelcheck._installed
+    monkeypatch.setattr(modelcheck, "_installed", lambda *names: None if names == ("vllm",) else real(*names))
+    qwen3, glimmer, phi3 = (modelcheck.engines(f)["vllm"] for f in ("qwen3", "muse_glimmer", "phi3"))
+    assert qwen3 == {"produce": True, "consume": False, "tested": True, "reason": "vLLM is a producer only"}
+    assert not glimmer["produce"] and "torchvision" in glimmer["reason"]
+    assert not phi3["produce"] and phi3["reason"] == "no end-to-end test of this family on vllm yet"
+    Qwen3Config(num_hidden_layers=2).save_pretrained(str(tmp_path))
+    assert "engine vllm   produce (vLLM is a producer only)" in _cli("model", "check", tmp_path).stdout
+
+
 def test_model_ls_lists_every_family():
     from muser_cli.modelconfig import FAMILIES
 
     result = _cli("model", "ls", "--json")
     names = [f["model_type"] for f in json.loads(result.stdout)["families"]]
     assert names == sorted(FAMILIES) and "muse_glimmer" in names
+    assert {f["model_type"] for f in json.loads(result.stdout)["families"] if f["vllm"]} == TESTED["vllm"]
     assert "muse_glimmer" in _cli("model", "ls").stdout
 
 

@@ -19,7 +19,7 @@ from muser_cli.errors import UsageError
 from muser_cli.modelinfo import ModelInfo
 
 ROOT = Path(__file__).resolve().parent.parent
-ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill"}
+ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill", "takes_options"}
 
 
 class Minimal(Engine):
@@ -46,7 +46,7 @@ def test_abilities_are_declared_per_engine():
     got = {name: {a for a in ABILITIES if getattr(engine_class(name), a)} for name in ENGINE_NAMES}
     assert got == {"torch": {"resumes_prefill", "streams_prefill", "recomputes_at"},
                    "mlx": {"resumes_prefill", "streams_prefill"},
-                   "vllm": {"batches_prefill"}}
+                   "vllm": {"batches_prefill", "takes_options"}}
 
 
 def test_a_minimal_engine_gets_the_defaults_and_refuses_by_name():
@@ -73,3 +73,13 @@ def test_the_library_does_not_probe_engines():
     hits = [f"{p.relative_to(ROOT)}:{i}" for base in ("muser_cli", "commands") for p in sorted((ROOT / base).rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line) and "engines" not in p.relative_to(ROOT).parts]
     assert hits == []
+
+
+def test_engine_options_go_only_to_an_engine_that_takes_them():
+    from muser_cli.engines.registry import get_engine
+
+    info = ModelInfo(path=Path("/nowhere"), name="m", fingerprint="x", tokenizer_fingerprint="y", architecture="a",
+                     layers=(), max_positions=8)
+    for name in ("torch", "mlx"):
+        with pytest.raises(UsageError, match=f"the {name} engine takes no engine options"):
+            get_engine(name, info, dtype="float32", threads=1, options={"enforce_eager": True})

@@ -121,6 +121,9 @@ class Engine(abc.ABC):
     #: The engine's own limit on a prompt's tokens below the model's context (vLLM's
     #: ``max_model_len``), or None: the model's context is the only limit.
     max_model_len: int | None = None
+    #: True when the engine takes engine options (``--vllm-opt``: vLLM's engine arguments);
+    #: the registry refuses options for the others.
+    takes_options: bool = False
 
     @property
     def ring_extra(self) -> int:

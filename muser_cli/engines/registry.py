@@ -36,7 +36,7 @@ def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int, options:
     ``options``: vLLM's engine arguments; the other engines take none and refuse them."""
     cls = engine_class(name)
     if options:
-        if name != "vllm":
+        if not cls.takes_options:
             raise UsageError(f"the {name} engine takes no engine options", hint="engine options are for --engine vllm")
         return cls(info, dtype=dtype, threads=threads, vllm_options=options)  # type: ignore[call-arg]
     return cls(info, dtype=dtype, threads=threads)

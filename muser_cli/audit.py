@@ -124,8 +124,7 @@ def audit(pack: KVPack, engine, n: int) -> AuditReport:
     if mode == "full-recompute":
         start = h.rows_start  # the whole prefix was paid for: compare all of it
     tol = tolerance_for(pack, engine.name)
-    report = AuditReport(positions=(start, end), mode=mode, tolerance=tol)
-    report.fresh = fresh
+    report = AuditReport(positions=(start, end), mode=mode, tolerance=tol, fresh=fresh)
     for i, (mine, theirs) in enumerate(zip(fresh, pack.layers)):
         # Compare the overlap of audited positions [start, end) with what each side holds.
         lo = max(start, mine.first_row, theirs.first_row)
@@ -352,8 +351,7 @@ def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], check
     result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))), reason,
                        time.perf_counter() - t0)
     if not result.ok:
-        report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers)
-        report.fresh = fresh
+        report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers, fresh=fresh)
         cause = diagnose(report, pack) or "the rows disagree with local recomputation"
         worst = result.worst or {}
         made_by = (h.producer or {}).get("engine") or "an unnamed engine"
@@ -579,8 +577,8 @@ def _refuse_sampled(result: SampleCheck, header, engine: str, mine: list[LayerKV
     bad = [l for l in result.layers if not l["ok"]]
     m = their[0].keys.shape[1] if their else 0
     side = KVPack(header=header, layers=their, root_digest=b"", total_bytes=0, stored_bytes=0)
-    report = AuditReport(positions=(0, m), mode="sampled", tolerance=result.tolerance, layers=result.layers)
-    report.fresh = mine
+    report = AuditReport(positions=(0, m), mode="sampled", tolerance=result.tolerance, layers=result.layers,
+                         fresh=mine)
     cause = diagnose(report, side, contiguous=False) or "the rows disagree with local recomputation"
     w = result.worst
     made_by = (header.producer or {}).get("engine") or "an unnamed engine"

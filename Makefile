@@ -10,7 +10,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.muser-installed
 # What runs there: everything that needs vLLM, and the torch engine on vLLM's transformers.
 VLLM_TESTS := tests/test_torch_cache.py tests/test_vllm_layout.py tests/test_vllm_engine.py tests/test_vllm_kernels.py \
-	tests/test_vllm_real.py tests/test_vllm_batch.py tests/test_vllm_serve.py tests/test_torch_engine.py
+	tests/test_vllm_real.py tests/test_vllm_batch.py tests/test_vllm_serve.py tests/test_vllm_families.py tests/test_torch_engine.py
 
 .PHONY: demo test test-main test-vllm venv vllm-venv docs clean bench
 

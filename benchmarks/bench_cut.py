@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=4)
     args = ap.parse_args()
     from muser_cli.decode import decode
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.models import resolve_model
     from muser_cli.prefill import prefill
     from muser_cli.tokens import decode_text

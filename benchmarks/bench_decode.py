@@ -46,7 +46,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.models import resolve_model
 
     info = resolve_model(args.model)

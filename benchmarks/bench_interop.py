@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_receipt  # noqa: E402
 
-from muser_cli.engines import mlx_blas  # noqa: E402
+from muser_cli.engines.mlx import blas as mlx_blas  # noqa: E402
 
 mlx_blas.ensure_fast_blas()
 

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from muser_cli.engines import mlx_blas  # noqa: E402
+from muser_cli.engines.mlx import blas as mlx_blas  # noqa: E402
 
 mlx_blas.ensure_fast_blas()  # before anything imports mlx.core
 
@@ -53,7 +53,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     from muser_cli.engines.registry import get_engine
-    from muser_cli.engines.mlx_engine import _versions
+    from muser_cli.engines.mlx.engine import _versions
     from muser_cli.models import resolve_model
 
     info = resolve_model("default")

@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--no-torch-bf16-timing", action="store_true", help="torch bf16 at 2048 takes minutes on 2 cores")
     ap.add_argument("--no-timing", action="store_true", help="skip the prefill timings at 2048 (agreement only)")
     args = ap.parse_args()
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.engines.vllm.engine import VLLMEngine
     from muser_cli.models import resolve_model
     from muser_cli.tokens import encode_prompt

@@ -161,7 +161,7 @@ def agreement(a, b):
 
 
 def compare(name):
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.kvpack import read_pack
     from muser_cli.models import resolve_model
     res = json.loads((OUT / f"{name}.vllm.json").read_text())

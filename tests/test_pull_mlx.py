@@ -14,7 +14,7 @@ import pytest
 
 from handoff_kit import Producer, env_for, make_nodes, muser_cmd
 
-# Not imported here: MLX picks its BLAS when it first loads (muser_cli.engines.mlx_blas), in the
+# Not imported here: MLX picks its BLAS when it first loads (muser_cli.engines.mlx.blas), in the
 # processes that run it.
 pytestmark = [pytest.mark.mlx, pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
                                                   reason="mlx-lm not installed")]

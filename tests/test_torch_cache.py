@@ -1,4 +1,4 @@
-"""The sized cache (muser_cli/engines/torch_cache.py) computes what transformers' own
+"""The sized cache (muser_cli/engines/torch/cache.py) computes what transformers' own
 growing DynamicCache computes, bit for bit, and adopts a streamed pack's arrays without a copy."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from muser_cli.engines.torch_engine import TorchEngine
+from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.kvpack import write_pack
 from muser_cli.kvpack.layers import LayerKV
 from muser_cli.kvpack.stream import StreamedPack
@@ -65,7 +65,7 @@ def test_sized_equals_growing_bit_for_bit(request, model, dtype):
 
 def test_sized_layer_grows_past_its_capacity(tiny_llama):
     """A caller that writes past the room it asked for gets a larger buffer, same numbers."""
-    from muser_cli.engines.torch_cache import sized_cache
+    from muser_cli.engines.torch.cache import sized_cache
 
     sized, grown = _pair(tiny_llama, "float32")
     ids = encode_prompt(tiny_llama, PROMPT)

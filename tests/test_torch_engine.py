@@ -9,7 +9,7 @@ import pytest
 
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli.engines.torch_engine import TorchEngine
+from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.errors import DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.tokens import decode_text, encode_prompt

@@ -428,7 +428,7 @@ def test_engine_without_vllm_is_a_config_error(monkeypatch, info):
 @pytest.mark.parametrize("version", ["0.29.2", "0.34.0", "1.0.0", "dev"])
 def test_engine_refuses_untested_vllm(monkeypatch, info, version):
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
-    from muser_cli.engines.vllm_engine import VLLMEngine
+    from muser_cli.engines.vllm.engine import VLLMEngine
 
     with pytest.raises(ConfigError, match="supported range"):
         VLLMEngine(info, dtype="bfloat16", threads=1)
@@ -461,7 +461,7 @@ def fake_vllm_module(record):
 
 
 def test_float32_to_storage_dtypes():
-    from muser_cli.engines.vllm_engine import from_float32
+    from muser_cli.engines.vllm.engine import from_float32
 
     torch = pytest.importorskip("torch")
     x = np.random.default_rng(2).standard_normal(4096).astype(np.float32) * 1e3
@@ -475,7 +475,7 @@ def test_float32_to_storage_dtypes():
 def test_engine_prefill_through_the_connector(monkeypatch, info):
     record: dict = {}
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(record))
-    from muser_cli.engines.vllm_engine import VLLMEngine
+    from muser_cli.engines.vllm.engine import VLLMEngine
 
     progress = []
     with VLLMEngine(info, dtype="bfloat16", threads=1, vllm_options={"enforce_eager": True}) as eng:
@@ -533,7 +533,7 @@ def test_real_vllm_resolves_the_connector(tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
     from vllm.utils.func_utils import supports_kw
 
-    from muser_cli.engines.vllm_engine import require_vllm
+    from muser_cli.engines.vllm.engine import require_vllm
 
     require_vllm()  # installed vLLM is inside the supported range
     cfg = CF.connector_config(sink="spool", output_dir=tmp_path, layers=specs("fs"))

@@ -343,8 +343,8 @@ def test_strict_validation():
 
 def test_module_imports_nothing_heavy():
     code = (
-        "import sys; import muser_cli.engines.vllm_layout, muser_cli.engines.vllm_connector, "
-        "muser_cli.engines.vllm_engine, muser_cli.engines.vllm.connector, muser_cli.engines.vllm.engine, "
+        "import sys; import muser_cli.engines.vllm.gather, muser_cli.engines.vllm_connector, "
+        "muser_cli.engines.vllm.engine, muser_cli.engines.vllm.connector, muser_cli.engines.vllm.engine, "
         "muser_cli.engines.vllm.layouts, muser_cli.engines.vllm.options; "
         "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"

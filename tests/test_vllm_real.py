@@ -64,7 +64,7 @@ def vllm_engine(tiny32):
 
 @pytest.fixture(scope="session")
 def torch_bf16(tiny32):
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
 
     return TorchEngine(tiny32, dtype="bfloat16", threads=1)
 
@@ -115,7 +115,7 @@ def test_cli_vllm_float32_pack_matches_torch_closely(vllm_engine, tiny32, tmp_pa
     """float32 leaves no bf16 rounding to hide behind: the float32 audit tolerance over every row,
     and torch's own tokens. Through the CLI (its own process: one in-process vLLM per process),
     with --vllm-opt."""
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.engines.vllm.engine import VLLMEngine
     from muser_cli.errors import ConfigError
     from muser_cli.kvpack import read_pack
@@ -206,7 +206,7 @@ def test_cli_prefill_with_vllm_on_the_embedded_model(real_model, tmp_path):
     check = run("verify", "-m", "default", "--audit", "8", str(tmp_path / "v.kvpack"))
     assert "audit" in check.stdout + check.stderr
 
-    from muser_cli.engines.torch_engine import TorchEngine
+    from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.kvpack import read_pack
 
     with open(tmp_path / "v.kvpack", "rb") as f:

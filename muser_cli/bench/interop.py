@@ -2,7 +2,7 @@
 (``benchmarks/bench_interop.py`` calls :func:`run_interop`; see its docstring).
 
 mlx-lm's side is materialized as ``bench pack``'s is (:func:`muser_cli.bench.pack.mlx_arrays`).
-Call ``muser_cli.engines.mlx_blas.ensure_fast_blas()`` before this imports mlx. Nothing
+Call ``muser_cli.engines.mlx.blas.ensure_fast_blas()`` before this imports mlx. Nothing
 here prints or exits.
 """
 

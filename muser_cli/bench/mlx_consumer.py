@@ -1,7 +1,7 @@
 """MLX as a muser consumer: decode against mlx-lm's own loop, torch -> MLX agreement, and the
 BLAS in use against the bundled one (``benchmarks/bench_mlx.py`` calls these; see its docstring).
 
-Call ``muser_cli.engines.mlx_blas.ensure_fast_blas()`` before this module's functions
+Call ``muser_cli.engines.mlx.blas.ensure_fast_blas()`` before this module's functions
 import mlx. Nothing here prints or exits: progress goes through a callback; the probes
 run as child processes that print one JSON line each for this module to read.
 """
@@ -46,7 +46,7 @@ PROMPTS = [
 
 GEMM_PROBE = """
 import json, time, statistics
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 info = mlx_blas.ensure_fast_blas()
 import mlx.core as mx
 n = {n}
@@ -60,7 +60,7 @@ print(json.dumps({{"blas": info.name, "gflops": 2 * n ** 3 / statistics.median(t
 
 DECODE_PROBE = """
 import json
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 info = mlx_blas.ensure_fast_blas()
 from muser_cli.engines.registry import get_engine
 from muser_cli.models import resolve_model
@@ -144,7 +144,7 @@ def agreement(info, mlx_eng, torch_eng, *, prompts: int, new: int, progress: Pro
 
 def blas_gflops(reps: int, n: int) -> dict:
     """fp32 matmul GFLOP/s with the BLAS in use vs the bundled reference, fresh processes, alternated."""
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     code = GEMM_PROBE.format(n=n)
     fast_env = {**os.environ}
@@ -161,7 +161,7 @@ def blas_gflops(reps: int, n: int) -> dict:
 
 def blas_decode(reps: int, new: int, threads: int) -> dict:
     """MLX consumer decode tok/s with the BLAS in use vs the bundled reference, fresh processes, alternated."""
-    from muser_cli.engines import mlx_blas
+    from muser_cli.engines.mlx import blas as mlx_blas
 
     code = DECODE_PROBE.format(threads=threads, new=new)
     ref_env = {**os.environ, mlx_blas.ENV_VAR: "reference"}

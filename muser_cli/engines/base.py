@@ -112,6 +112,18 @@ class Engine(abc.ABC):
     #: last position of every sliding layer exactly. :meth:`decode` takes rows with or
     #: without them (the oldest extra rows are dropped: decoding needs ``window - 1``).
     RING_EXTRA: int = 0
+    #: True when :meth:`recompute_at` recomputes many positions of a full-attention model in
+    #: one forward (the audit and spot-check then need no step per position).
+    recomputes_at: bool = False
+    #: True when :meth:`prefill_many` computes several prompts together (vLLM): the resident
+    #: producer then batches concurrent requests (:meth:`set_max_batch` sets how many).
+    batches_prefill: bool = False
+    #: The engine's own limit on a prompt's tokens below the model's context (vLLM's
+    #: ``max_model_len``), or None: the model's context is the only limit.
+    max_model_len: int | None = None
+    #: True when the engine takes engine options (``--vllm-opt``: vLLM's engine arguments);
+    #: the registry refuses options for the others.
+    takes_options: bool = False
 
     @property
     def ring_extra(self) -> int:
@@ -131,6 +143,35 @@ class Engine(abc.ABC):
         a chunk boundary) over ``token_ids``; returns what :meth:`prefill` over all the tokens
         returns, byte for byte. Only engines with :attr:`resumes_prefill` implement it."""
         raise UsageError(f"the {self.name} engine cannot continue a prefill from stored rows")
+
+    def recompute(self, layers: Sequence[LayerKV], *, rows: int, token_ids: Sequence[int]) -> list[LayerKV]:
+        """Install ``layers`` (positions [0, rows)) and run ``token_ids`` in one step at
+        positions ``rows..``: the rows every layer then holds (``verify --audit``, the gate).
+        Consumer engines implement it."""
+        raise UsageError(f"the {self.name} engine cannot recompute rows", hint="check packs with --engine torch or mlx")
+
+    def recompute_at(self, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
+                     token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each layer's K and V at ``positions`` recomputed in one forward from ``layers``'
+        own rows before each position (full-attention models). Only engines with
+        :attr:`recomputes_at` implement it."""
+        raise UsageError(f"the {self.name} engine cannot recompute positions in one forward")
+
+    def prefill_many(self, prompts: Sequence[Sequence[int]], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                     return_exceptions: bool = False) -> list:
+        """Several prompts' rows computed together, one :meth:`prefill` result (or, with
+        ``return_exceptions``, an exception) per prompt. Only engines with
+        :attr:`batches_prefill` implement it."""
+        raise UsageError(f"the {self.name} engine cannot prefill several prompts together")
+
+    def set_max_batch(self, n: int) -> None:
+        """How many prompts one :meth:`prefill_many` may run at once. Only engines with
+        :attr:`batches_prefill` implement it."""
+        raise UsageError(f"the {self.name} engine cannot prefill several prompts together")
+
+    def close(self) -> None:
+        """Let go of what the engine holds beyond memory (vLLM's processes, spool folders).
+        Engines that hold nothing leave it a no-op."""
 
     def warm_up(self) -> None:
         """Run the model once on a throwaway cache, so the first real step pays no

@@ -14,9 +14,9 @@ from muser_cli.modelinfo import ModelInfo
 
 # name -> (module, class); a closed set written here, never read from input.
 _ENGINES: dict[str, tuple[str, str]] = {
-    "torch": ("muser_cli.engines.torch_engine", "TorchEngine"),
-    "mlx": ("muser_cli.engines.mlx_engine", "MLXEngine"),
-    "vllm": ("muser_cli.engines.vllm_engine", "VLLMEngine"),
+    "torch": ("muser_cli.engines.torch.engine", "TorchEngine"),
+    "mlx": ("muser_cli.engines.mlx.engine", "MLXEngine"),
+    "vllm": ("muser_cli.engines.vllm.engine", "VLLMEngine"),
 }
 ENGINE_NAMES = tuple(_ENGINES)
 
@@ -36,7 +36,7 @@ def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int, options:
     ``options``: vLLM's engine arguments; the other engines take none and refuse them."""
     cls = engine_class(name)
     if options:
-        if name != "vllm":
+        if not cls.takes_options:
             raise UsageError(f"the {name} engine takes no engine options", hint="engine options are for --engine vllm")
         return cls(info, dtype=dtype, threads=threads, vllm_options=options)  # type: ignore[call-arg]
     return cls(info, dtype=dtype, threads=threads)

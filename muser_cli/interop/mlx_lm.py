@@ -358,7 +358,7 @@ def _ring(keys: np.ndarray, rows: int, window: int, chunk_tokens: int) -> tuple[
     """A sliding layer's carried rows (``(kv_heads, carried, dim)``, oldest first) as the
     ring mlx-lm's RotatingKVCache holds after a prefill of ``rows`` tokens in chunks of
     ``chunk_tokens``: (ring ``(1, kv_heads, slots, dim)``, next write index)."""
-    from muser_cli.engines.mlx_engine import ring_slot
+    from muser_cli.engines.mlx.engine import ring_slot
 
     if rows < window:
         return keys[None], rows

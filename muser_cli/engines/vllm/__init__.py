@@ -13,6 +13,6 @@ One idea per module (importing this package imports neither vLLM nor torch):
 * :mod:`.options`   engine options (``MUSER_VLLM_OPTS``) and CPU/GPU defaults
 * :mod:`.engine`    ``VLLMEngine``: ``--engine vllm``
 
-The old module paths ``muser_cli.engines.vllm_connector`` / ``vllm_engine`` /
-``vllm_layout`` are shims over these.
+The old module path ``muser_cli.engines.vllm_connector`` is a shim over :mod:`.connector`
+(a vLLM config naming it still loads).
 """

@@ -146,6 +146,8 @@ class VLLMEngine(Engine):
     platform defaults (:func:`.options.default_options`)."""
 
     name = "vllm"
+    batches_prefill = True
+    takes_options = True
 
     def __init__(
         self,

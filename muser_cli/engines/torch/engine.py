@@ -6,12 +6,12 @@ arrays in the storage dtype (float32, or bfloat16 as its raw uint16 bits).
 
 Consumer side, :meth:`TorchEngine.decode` rebuilds a cache from such rows, its
 full-attention layers sized once for the prompt and every new token
-(:mod:`muser_cli.engines.torch_cache`: no generated token copies the cache).
+(:mod:`muser_cli.engines.torch.cache`: no generated token copies the cache).
 A sliding layer holds only its last ``window - 1`` rows; transformers tracks the
 absolute length separately (``cumulative_length``), which the rebuild sets to ``rows``
 so that masks and positions match the producer's live cache exactly. A producer's sliding
 layers keep one row more (:attr:`TorchEngine.RING_EXTRA`, a pack's ``ring_extra``,
-:class:`muser_cli.engines.torch_cache.RingLayer`) without changing any number computed, so
+:class:`muser_cli.engines.torch.cache.RingLayer`) without changing any number computed, so
 that a consumer's spot-check can recompute the last position of every layer; installing
 drops it again.
 
@@ -55,6 +55,7 @@ class TorchEngine(Engine):
     name = "torch"
     resumes_prefill = True
     streams_prefill = True
+    recomputes_at = True
     #: full-attention layers in buffers sized once (False: transformers' growing
     #: ``DynamicLayer``, kept for the A/B in ``benchmarks/bench_decode.py``)
     sized_cache = True
@@ -294,7 +295,7 @@ class TorchEngine(Engine):
     def _new_cache(self, capacity: int, ring: int = 0) -> Any:
         """An empty cache with room for ``capacity`` positions in each full-attention layer
         (``ring`` > 0: its sliding layers keep that many rows more, for a pack)."""
-        from muser_cli.engines.torch_cache import sized_cache, with_ring
+        from muser_cli.engines.torch.cache import sized_cache, with_ring
 
         if self.sized_cache:
             return sized_cache(self.model.config, capacity, dtype=self.torch_dtype, ring_extra=ring)

@@ -17,7 +17,7 @@ A producer's sliding layers are :class:`RingLayer`: transformers' sliding layer 
 ``extra`` more of its oldest rows (a kvpack's ``ring_extra``) but hands attention exactly
 the rows transformers' own would, so every number computed is the same.
 
-This module imports transformers at the top; :mod:`muser_cli.engines.torch_engine`
+This module imports transformers at the top; :mod:`muser_cli.engines.torch.engine`
 imports it only when a cache is built.
 """
 

@@ -19,9 +19,9 @@ engine, one older ring row, :attr:`MLXEngine.RING_EXTRA`: mlx-lm's ring holds at
 ``window`` rows after a prefill chunk anyway, so nothing computed changes; installing
 drops it). Installing them
 reproduces the state mlx-lm itself reaches after a prefill
-(:func:`~muser_cli.engines.mlx_cache.install_rotating`), so the first decode step
+(:func:`~muser_cli.engines.mlx.cache.install_rotating`), so the first decode step
 overwrites the oldest slot, not a newer one; extraction un-rotates the ring
-(:func:`~muser_cli.engines.mlx_cache.temporal`).
+(:func:`~muser_cli.engines.mlx.cache.temporal`).
 
 Schedule. :meth:`MLXEngine.prefill` runs token_ids in fixed chunks of ``chunk_tokens``
 into one set of caches (the same schedule as ``mlx_lm.generate_step`` with
@@ -30,7 +30,7 @@ bfloat16 as raw ``uint16`` bits. Decode pipelines steps with ``mx.async_eval`` a
 mlx-lm's own loop does.
 
 BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
-(:mod:`muser_cli.engines.mlx_blas`); which BLAS is in use goes into
+(:mod:`muser_cli.engines.mlx.blas`); which BLAS is in use goes into
 ``DecodeResult.stats["blas"]`` and :meth:`MLXEngine.producer_info`.
 """
 
@@ -43,14 +43,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from muser_cli.engines import mlx_blas
+from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
-from muser_cli.engines.mlx_cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
-from muser_cli.engines.mlx_cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
-from muser_cli.engines.mlx_config import (  # noqa: F401
+from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
+from muser_cli.engines.mlx.cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
+from muser_cli.engines.mlx.config import (  # noqa: F401
     _APPLIES_ROPE, MLX_REFUSED, _read_config, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 

@@ -18,12 +18,8 @@ import typer
 
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
 
-from muser_cli.errors import MissingInput, MuserError, UsageError
+from muser_cli.errors import ExitStatus, MissingInput, MuserError, UsageError
 from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 _state = {"debug": False, "quiet": False}
 
@@ -59,15 +55,15 @@ def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
         message = str(exc)
         hint = exc.hint
     elif isinstance(exc, KeyboardInterrupt):
-        status, message, hint = 130, "interrupted", None
+        status, message, hint = ExitStatus.INTERRUPTED, "interrupted", None
     elif isinstance(exc, BrokenPipeError):
-        status, message, hint = 1, "broken pipe: the reader went away", None
+        status, message, hint = ExitStatus.ERROR, "broken pipe: the reader went away", None
     elif isinstance(exc, OSError):
         status, message, hint = _os_error(exc)
     elif isinstance(exc, MemoryError):
-        status, message, hint = 1, "out of memory", "free memory, or use a smaller input or model"
+        status, message, hint = ExitStatus.ERROR, "out of memory", "free memory, or use a smaller input or model"
     else:
-        status = EXIT_ERROR
+        status = ExitStatus.ERROR
         message = f"internal error: {type(exc).__name__}: {exc}"
         hint = "rerun with --debug for a traceback, and please report it"
     line = f"muser: error: {message}"
@@ -90,10 +86,10 @@ def _os_error(exc: OSError) -> tuple[int, str, str | None]:
     if isinstance(exc, FileNotFoundError):
         return MissingInput.exit_status, f"no such file or folder{where}", None
     if isinstance(exc, PermissionError):
-        return EXIT_ERROR, f"permission denied{where}", None
+        return ExitStatus.ERROR, f"permission denied{where}", None
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return EXIT_ERROR, f"no space left on device{where}", "free some space and rerun"
-    return EXIT_ERROR, f"I/O error: {what}{where}", None
+        return ExitStatus.ERROR, f"no space left on device{where}", "free some space and rerun"
+    return ExitStatus.ERROR, f"I/O error: {what}{where}", None
 
 
 @contextmanager
@@ -398,9 +394,9 @@ def _one_line_group_class():
                     sys.exit(exc.exit_code)
                 if abort and isinstance(exc, abort):
                     err("muser: error: aborted")
-                    sys.exit(1)
+                    sys.exit(ExitStatus.ERROR)
                 raise
-            sys.exit(rv if isinstance(rv, int) else 0)
+            sys.exit(rv if isinstance(rv, int) else ExitStatus.OK)
 
     return OneLineErrors
 

@@ -25,7 +25,7 @@ from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
-from muser_cli.errors import DataError, MuserError
+from muser_cli.errors import DataError, ExitStatus, MuserError
 
 ResultFn = Callable[[dict[str, Any], "Summary"], None]
 
@@ -153,7 +153,7 @@ def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, 
         if exc.hint:
             err["hint"] = one_line(exc.hint)
     else:  # a bug: the batch goes on, the line says what broke
-        err = {"message": one_line(f"internal error: {type(exc).__name__}: {exc}"), "exit": 1}
+        err = {"message": one_line(f"internal error: {type(exc).__name__}: {exc}"), "exit": ExitStatus.ERROR}
     return {"id": item.id, "line": item.line, "model": model,
             "job": item.digest if isinstance(item, Job) else None, "error": err, "text": None, "token_ids": None,
             "source": None, "producer": None}

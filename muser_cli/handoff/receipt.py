@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure
+from muser_cli.errors import MuserError, TempFailure
 from muser_cli.handoff.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import DEFAULT_IDLE_S
-from muser_cli.handoff.spool import Refusal
+from muser_cli.handoff.refusal import Refusal, error_class
 
 DEFAULT_MAX_PAYLOAD = 64 << 30
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -62,10 +62,7 @@ def stream_failure(exc: BaseException, frames: int) -> BaseException:
     if isinstance(exc, Refusal):
         if exc.fatal is not None:
             return exc.fatal
-        cls: type[MuserError] = {
-            "data": DataError, "model": DataError, "too_large": DataError, "auth": AuthError, "replay": AuthError,
-            "stale": AuthError, "protocol": ProtocolError,
-        }.get(exc.code, TempFailure)
+        cls: type[MuserError] = error_class(exc.code)
         text = f"{exc.code}: {exc.message}"
     elif isinstance(exc, MuserError):
         cls, text = type(exc), str(exc)

@@ -48,6 +48,16 @@ def info(message: str) -> None:
         err(message)
 
 
+def trouble_line(who: str, kind: str, f: dict) -> str | None:
+    """The line of a listener's ``error`` event (a connection thread that failed) or ``warning``
+    event (bookkeeping that failed, an event callback that raised), so neither goes unread."""
+    if kind == "error":
+        return f"{who}: error: a connection from {f.get('peer') or '?'} failed: {f.get('error', '')}"
+    if kind == "warning":
+        return f"{who}: warning: {f.get('warning', '')}"
+    return None
+
+
 def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
     """Report ``exc`` as one line (plus hint) and return the Exit to raise."""
     if isinstance(exc, MuserError):

@@ -106,3 +106,18 @@ def test_closing_ray_workers_that_died_is_best_effort():
     actors = [Dead(), Dead()]
     _close_workers(SimpleNamespace(get=get, kill=kill), actors)  # neither raises
     assert killed == actors  # every worker is still ended after one failed
+
+
+def test_a_connection_error_or_warning_event_is_a_line_on_stderr_not_dropped(capsys):
+    """``receive`` and ``prefill --serve`` rendered neither ``error`` (a connection thread that
+    failed) nor, for prefill, ``warning``: the event reached the command and went unread."""
+    from muser_cli.commands import receive
+    from muser_cli.commands._common import trouble_line
+
+    receive._render("error", {"peer": "127.0.0.1:5", "error": "ValueError: boom"})
+    receive._render("warning", {"warning": "the event callback failed"})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["receive: error: a connection from 127.0.0.1:5 failed: ValueError: boom",
+                     "receive: warning: the event callback failed"]
+    assert trouble_line("prefill", "error", {"error": "x"}) == "prefill: error: a connection from ? failed: x"
+    assert trouble_line("prefill", "request", {}) is None

@@ -8,7 +8,7 @@ import typer
 
 from muser_cli.errors import UsageError
 
-from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet, trouble_line
+from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet
 from muser_cli.commands._signals import drain_on_signals
 
 
@@ -30,6 +30,8 @@ def _render(kind: str, f: dict) -> None:
         info(f"receive: accepted {f['handoff_id']} from {f['sender']} ({f['payload_bytes']} bytes, "
              f"{f['frames']} frames, ledger commit {f['ledger_commit_ms']:.2f} ms{span})")
     elif kind in ("warning", "error") and not quiet():  # bookkeeping, a callback or a connection that failed
+        from muser_cli.commands._common import trouble_line
+
         info(trouble_line("receive", kind, f) or "")
     elif kind in ("rejected", "tls_failed", "aborted", "ack_failed") and not quiet():
         reason = f.get("reason", "")

@@ -12,6 +12,7 @@ import importlib
 import typer
 
 from muser_cli import __version__
+from muser_cli.errors import ExitStatus
 
 COMMAND_MODULES = [
     "prefill",
@@ -44,7 +45,7 @@ app = typer.Typer(
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"muser {__version__}")
-        raise typer.Exit(0)
+        raise typer.Exit(ExitStatus.OK)
 
 
 @app.callback()

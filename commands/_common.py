@@ -20,12 +20,8 @@ import typer
 
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
 
-from muser_cli.errors import MissingInput, MuserError, UsageError
+from muser_cli.errors import ExitStatus, MissingInput, MuserError, UsageError
 from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 _state = {"debug": False, "quiet": False}
 
@@ -54,6 +50,16 @@ def info(message: str) -> None:
         err(message)
 
 
+def trouble_line(who: str, kind: str, f: dict) -> str | None:
+    """The line of a listener's ``error`` event (a connection thread that failed) or ``warning``
+    event (bookkeeping that failed, an event callback that raised), so neither goes unread."""
+    if kind == "error":
+        return f"{who}: error: a connection from {f.get('peer') or '?'} failed: {f.get('error', '')}"
+    if kind == "warning":
+        return f"{who}: warning: {f.get('warning', '')}"
+    return None
+
+
 def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
     """Report ``exc`` as one line (plus hint) and return the Exit to raise."""
     if isinstance(exc, MuserError):
@@ -61,15 +67,15 @@ def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
         message = str(exc)
         hint = exc.hint
     elif isinstance(exc, KeyboardInterrupt):
-        status, message, hint = 130, "interrupted", None
+        status, message, hint = ExitStatus.INTERRUPTED, "interrupted", None
     elif isinstance(exc, BrokenPipeError):
-        status, message, hint = 1, "broken pipe: the reader went away", None
+        status, message, hint = ExitStatus.ERROR, "broken pipe: the reader went away", None
     elif isinstance(exc, OSError):
         status, message, hint = _os_error(exc)
     elif isinstance(exc, MemoryError):
-        status, message, hint = 1, "out of memory", "free memory, or use a smaller input or model"
+        status, message, hint = ExitStatus.ERROR, "out of memory", "free memory, or use a smaller input or model"
     else:
-        status = EXIT_ERROR
+        status = ExitStatus.ERROR
         message = f"internal error: {type(exc).__name__}: {exc}"
         hint = "rerun with --debug for a traceback, and please report it"
     line = f"muser: error: {message}"
@@ -92,10 +98,10 @@ def _os_error(exc: OSError) -> tuple[int, str, str | None]:
     if isinstance(exc, FileNotFoundError):
         return MissingInput.exit_status, f"no such file or folder{where}", None
     if isinstance(exc, PermissionError):
-        return EXIT_ERROR, f"permission denied{where}", None
+        return ExitStatus.ERROR, f"permission denied{where}", None
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return EXIT_ERROR, f"no space left on device{where}", "free some space and rerun"
-    return EXIT_ERROR, f"I/O error: {what}{where}", None
+        return ExitStatus.ERROR, f"no space left on device{where}", "free some space and rerun"
+    return ExitStatus.ERROR, f"I/O error: {what}{where}", None
 
 
 @contextmanager
@@ -400,9 +406,9 @@ def _one_line_group_class():
                     sys.exit(exc.exit_code)
                 if abort and isinstance(exc, abort):
                     err("muser: error: aborted")
-                    sys.exit(1)
+                    sys.exit(ExitStatus.ERROR)
                 raise
-            sys.exit(rv if isinstance(rv, int) else 0)
+            sys.exit(rv if isinstance(rv, int) else ExitStatus.OK)
 
     return OneLineErrors
 

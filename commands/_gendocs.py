@@ -13,6 +13,7 @@ import typer.main
 from typer._completion_shared import get_completion_script
 
 from muser_cli import __version__
+from muser_cli.errors import ExitStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 PROG = "muser"
@@ -277,14 +278,14 @@ def main(argv: list[str]) -> int:
         bad = stale()
         for rel in bad:
             sys.stderr.write(f"stale: {rel}\n")
-        return 1 if bad else 0
+        return ExitStatus.ERROR if bad else ExitStatus.OK
     for p in (ROOT / "man").glob("*.1"):
         p.unlink()
     for rel, text in generated().items():
         path = ROOT / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return 0
+    return ExitStatus.OK
 
 
 if __name__ == "__main__":

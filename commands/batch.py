@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 
+from muser_cli.errors import ExitStatus
 from muser_cli.commands._common import default_threads, emit_json, err, guarded, info, quiet
 
 
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
                 plan = Batch(config).dry_run(items)
                 _show_plan(plan, as_json=as_json)
                 if plan["bad"]:
-                    raise typer.Exit(1)
+                    raise typer.Exit(ExitStatus.ERROR)
                 return
             results = Results(Path(output), resume=resume, force=force) if output else Results(
                 stream=sys.stdout.buffer)
@@ -111,9 +112,9 @@ def register(app: typer.Typer) -> None:
             _report(summary, again)
             _emit_summary(summary, as_json=as_json, output=output)
             if summary.interrupted:
-                raise typer.Exit(130)
+                raise typer.Exit(ExitStatus.INTERRUPTED)
             if summary.failed:
-                raise typer.Exit(1)
+                raise typer.Exit(ExitStatus.ERROR)
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))

@@ -11,6 +11,7 @@ import typer
 from muser_cli import STARTED_UNIX
 from muser_cli.commands._common import (
     binary_output, default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input,
+    trouble_line,
 )
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
@@ -130,7 +131,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             observe(kind, f)
         if kind == "listening":
             say(f"prefill: listening on {f['address']}")
-        elif kind in ("request", "probe", "tls_failed", "admitted") and as_json:
+        elif kind in ("request", "probe", "tls_failed", "admitted", "warning", "error") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
@@ -146,6 +147,8 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
             say(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
         elif kind == "tls_failed":
             say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
+        elif kind in ("warning", "error"):  # never dropped unread (issue 25 item 5)
+            say(trouble_line("prefill", kind, f) or "")
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, err, guarded, info, rate_text
+from muser_cli.commands._common import emit_json, fail, guarded, info, rate_text
 
 
 def register(app: typer.Typer) -> None:
@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
                 info(f"probe-link {to}{who}: up {rate_text(res['up_Bps'])}, "
                      f"down {rate_text(res['down_Bps'])}, "
                      f"connect {res['connect_s'] * 1000:.1f} ms")
-            if not res["passed"]:
-                err(f"muser: error: link below the floor of {floor} "
-                    "(hint: fall back to local prefill)")
-                raise typer.Exit(75)
+            if not res["passed"]:  # after the report (and its one JSON object): the line and 75
+                from muser_cli.errors import TempFailure
+
+                raise fail(TempFailure(f"link below the floor of {floor}", hint="fall back to local prefill"))

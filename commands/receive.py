@@ -28,8 +28,10 @@ def _render(kind: str, f: dict) -> None:
             span = f", payload {f['first_byte_s']:.3f}-{f['last_byte_s']:.3f} s after start"
         info(f"receive: accepted {f['handoff_id']} from {f['sender']} ({f['payload_bytes']} bytes, "
              f"{f['frames']} frames, ledger commit {f['ledger_commit_ms']:.2f} ms{span})")
-    elif kind == "warning" and not quiet():  # bookkeeping that failed; the handoff stands
-        info(f"receive: warning: {f.get('warning', '')}")
+    elif kind in ("warning", "error") and not quiet():  # bookkeeping, a callback or a connection that failed
+        from muser_cli.commands._common import trouble_line
+
+        info(trouble_line("receive", kind, f) or "")
     elif kind in ("rejected", "tls_failed", "aborted", "ack_failed") and not quiet():
         reason = f.get("reason", "")
         code = f" {f['code']}:" if "code" in f else ""

@@ -8,12 +8,20 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, default_threads, emit_json, err, guarded, open_input, plural, read_text_input, size_text,
+    binary_output, default_threads, emit_json, err, fail, guarded, open_input, plural, read_text_input, size_text,
 )
 
 
 class _Refused(Exception):
     """Raised inside the output block so a refused stream is never published."""
+
+
+def _failed(report) -> typer.Exit:
+    """The one error line of a pack that failed a check (after its report), and its exit status (65)."""
+    from muser_cli.errors import DataError
+
+    bad = report.first_failure()
+    return fail(DataError(f"verify failed: {bad.name}: {bad.detail}"))
 
 
 def _render(report) -> str:
@@ -49,7 +57,6 @@ def register(app: typer.Typer) -> None:
         verified bytes on, so `receive | verify | decode` works; the report then goes to
         stderr. With -o FILE the verified pack is written there.
         """
-        from muser_cli.errors import DataError
         from muser_cli.verify import verify, verify_stream
 
         with guarded(as_json=as_json):
@@ -76,9 +83,7 @@ def register(app: typer.Typer) -> None:
                 else:
                     err(_render(report))
                 if not report.ok:
-                    bad = report.first_failure()
-                    err(f"muser: error: verify failed: {bad.name}: {bad.detail}")
-                    raise typer.Exit(DataError.exit_status)
+                    raise _failed(report)
                 return
             with open_input(src) as inp:
                 report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit, engine=engine,
@@ -90,9 +95,7 @@ def register(app: typer.Typer) -> None:
             else:
                 typer.echo(_render(report))
             if not report.ok:
-                bad = report.first_failure()
-                err(f"muser: error: verify failed: {bad.name}: {bad.detail}")
-                raise typer.Exit(DataError.exit_status)
+                raise _failed(report)
             if passthrough:
                 with binary_output(output) as out:
                     report.copy_verified(out)

@@ -22,7 +22,8 @@ class Check:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
 
 
-def _short(fp: str) -> str:
+def short_fingerprint(fp: str) -> str:
+    """A fingerprint as a message names it: its first 19 characters (``sha256:`` and 12 hex), then …."""
     return fp[:19] + "…" if len(fp) > 20 else fp
 
 
@@ -66,10 +67,10 @@ def vocabulary_check(token_ids, info: ModelInfo) -> Check:
 def identity_checks(header: PackHeader, info: ModelInfo, *, prompt_ids: list[int] | None = None) -> list[Check]:
     checks = [
         Check("model", header.model_fingerprint == info.fingerprint,
-              f"pack {_short(header.model_fingerprint)} ({header.model_name or '?'}), "
-              f"local {_short(info.fingerprint)} ({info.name})"),
+              f"pack {short_fingerprint(header.model_fingerprint)} ({header.model_name or '?'}), "
+              f"local {short_fingerprint(info.fingerprint)} ({info.name})"),
         Check("tokenizer", header.tokenizer_fingerprint == info.tokenizer_fingerprint,
-              f"pack {_short(header.tokenizer_fingerprint)}, local {_short(info.tokenizer_fingerprint)}"),
+              f"pack {short_fingerprint(header.tokenizer_fingerprint)}, local {short_fingerprint(info.tokenizer_fingerprint)}"),
     ]
     diff = _layer_diff(header, info)
     checks.append(Check("structure", diff is None, diff or f"{len(info.layers)} layers match the model"))

@@ -6,11 +6,28 @@ Every error carries a one-line message and an optional hint.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitStatus(IntEnum):
+    """The product's exit statuses (docs/cli-contract.md): the only place their numbers are written."""
+
+    OK = 0
+    ERROR = 1  # an output could not be written, the OS refused, an internal error
+    USAGE = 2  # the command line makes no sense
+    DATA = 65  # EX_DATAERR: malformed, corrupt or mismatched data (a pack for another model)
+    NO_INPUT = 66  # EX_NOINPUT
+    TEMP_FAIL = 75  # EX_TEMPFAIL: fall back to local prefill, or retry later
+    PROTOCOL = 76  # EX_PROTOCOL
+    NO_PERM = 77  # EX_NOPERM: authentication or replay refused
+    CONFIG = 78  # EX_CONFIG
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
+
 
 class MuserError(Exception):
     """Base class of every error the library raises on purpose."""
 
-    exit_status = 1
+    exit_status: ExitStatus = ExitStatus.ERROR
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -24,13 +41,13 @@ class MuserError(Exception):
 class UsageError(MuserError):
     """The caller asked for something that makes no sense (exit 2)."""
 
-    exit_status = 2
+    exit_status = ExitStatus.USAGE
 
 
 class DataError(MuserError):
     """Input data is malformed, corrupt or mismatched (exit 65, EX_DATAERR)."""
 
-    exit_status = 65
+    exit_status = ExitStatus.DATA
 
 
 class KVPackError(DataError):
@@ -67,28 +84,28 @@ class OutputError(MuserError):
 class MissingInput(MuserError):
     """An input file or model does not exist (exit 66, EX_NOINPUT)."""
 
-    exit_status = 66
+    exit_status = ExitStatus.NO_INPUT
 
 
 class TempFailure(MuserError):
     """Peer unreachable or timed out: the caller should fall back to local prefill (exit 75)."""
 
-    exit_status = 75
+    exit_status = ExitStatus.TEMP_FAIL
 
 
 class ProtocolError(MuserError):
     """The remote side broke the handoff protocol (exit 76, EX_PROTOCOL)."""
 
-    exit_status = 76
+    exit_status = ExitStatus.PROTOCOL
 
 
 class AuthError(MuserError):
     """Authentication failed or a replay was refused (exit 77, EX_NOPERM)."""
 
-    exit_status = 77
+    exit_status = ExitStatus.NO_PERM
 
 
 class ConfigError(MuserError):
     """Local configuration is missing or broken (exit 78, EX_CONFIG)."""
 
-    exit_status = 78
+    exit_status = ExitStatus.CONFIG

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from muser_cli.errors import AuthError, DataError, MuserError
+from muser_cli.errors import AuthError, DataError, ExitStatus, MuserError
 
 TEST_PROMPT = ("muser node check: a short test prompt whose KV cache the consumer recomputes and compares, "
                "position by position, before it trusts this producer.")
@@ -56,7 +56,7 @@ class CheckReport:
         return self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        return {"producer": self.producer, "ok": self.ok, "exit_status": 0 if self.ok else self.error.exit_status,
+        return {"producer": self.producer, "ok": self.ok, "exit_status": ExitStatus.OK if self.ok else self.error.exit_status,
                 "error": None if self.ok else str(self.error), "checks": [r.to_json() for r in self.rows]}
 
 
@@ -141,7 +141,7 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
             if "refused: model" in text:
                 rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
                 rows.append(Row("clock", True, "issued-at accepted by the producer (within its window)"))
-                return fail("model", DataError(text.replace(" (hint: fall back to local prefill)", "")))
+                return fail("model", exc)  # the one refusal table: another model is mismatched data (65)
             if not seen:
                 return fail("request", exc)
             rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))

@@ -76,7 +76,7 @@ def local_rows(
     chunk = resume.scope.chunk_tokens
     if resume.held == rows:
         if on_chunk is not None:
-            on_chunk(rows, _rows_of(resume.layers))
+            on_chunk(rows, rows_of_layers(resume.layers))
         return LocalRows(list(resume.layers), chunk, "store", resume.held, resume.entry, problems)
     kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
     layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
@@ -106,7 +106,7 @@ def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine
     return True
 
 
-def _rows_of(layers: Sequence[LayerKV]) -> RowsOf:
+def rows_of_layers(layers: Sequence[LayerKV]) -> RowsOf:
     """:data:`RowsOf` over finished layers (a full hit from the store)."""
     def rows_of(index: int, lo: int, hi: int):
         lk = layers[index]

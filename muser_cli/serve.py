@@ -248,7 +248,7 @@ class ResidentProducer:
         (``store``), whichever holds the deeper exact prefix on the request's schedule."""
         from muser_cli.reuse.chain import resumable
         from muser_cli.reuse.delta import layers_at
-        from muser_cli.rows import _rows_of
+        from muser_cli.rows import rows_of_layers
 
         eng = self.engine
         rows = len(ids) - 1
@@ -281,7 +281,7 @@ class ResidentProducer:
         elif held == rows:
             layers = list(prefix)
             if on_chunk is not None:
-                on_chunk(rows, _rows_of(layers))
+                on_chunk(rows, rows_of_layers(layers))
         else:
             kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
             layers = eng.prefill_from(prefix, rows=held, token_ids=ids[held:-1], chunk_tokens=req.chunk_tokens, **kw)

@@ -115,3 +115,30 @@ def test_library_never_imports_commands_and_commands_not_each_other():
         elif name != "muser_cli.commands":
             others = {t for t in top if t.startswith("muser_cli.commands.") and not t.endswith("._common")}
             assert not others, f"{name} imports {sorted(others)}"
+
+
+def test_no_module_uses_another_modules_private_name():
+    """Issue 25 item 8: what another module needs is public, in its right home. Neither
+    ``from muser_cli.x import _name`` nor ``x._name`` on an imported muser module, lazily or not
+    (a private module itself, as ``commands._common``, may be imported)."""
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        bound: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("muser_cli"):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in MODULES:
+                        bound[a.asname or a.name] = full
+                    elif a.name.startswith("_") and not a.name.startswith("__") and node.module != name:
+                        found.append(f"{name}: from {node.module} import {a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in MODULES:
+                        bound[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{name}: {bound[node.value.id]}.{node.attr}")
+    assert found == []

@@ -229,6 +229,8 @@ def test_ring_install_matches_mlx_lm_own_layout(rows, chunk):
     next writes evict the oldest row first. Model-free: row p holds the number p."""
     from mlx_lm.models.cache import RotatingKVCache
 
+    from muser_cli.engines.mlx_cache import install_rotating, temporal
+
     window = 8
 
     def rows_of(a, b):  # (1, 1, b - a, 2): position p -> [p, -p]
@@ -241,8 +243,8 @@ def test_ring_install_matches_mlx_lm_own_layout(rows, chunk):
     carried = min(rows, window - 1)
     installed = RotatingKVCache(max_size=window)
     pack = rows_of(rows - carried, rows)
-    mlx_engine._install_rotating(mx, installed, pack, pack, rows, chunk)
-    keys, _ = mlx_engine._temporal(installed)
+    install_rotating(mx, installed, pack, pack, rows, chunk)
+    keys, _ = temporal(installed)
     assert np.array(keys)[0, 0, -carried:, 0].tolist() == list(range(rows - carried, rows))
     for step in range(2 * window + 1):  # decode: one token at a time, past a full turn of the ring
         new = rows_of(rows + step, rows + step + 1)
@@ -252,7 +254,7 @@ def test_ring_install_matches_mlx_lm_own_layout(rows, chunk):
         assert np.array_equal(np.array(got_k), np.array(want_k)), (step, np.array(got_k)[0, 0, :, 0], np.array(want_k)[0, 0, :, 0])
         # ... holding exactly the window, oldest first once un-rotated.
         now = rows + step + 1
-        held, _ = mlx_engine._temporal(installed)
+        held, _ = temporal(installed)
         assert np.array(held)[0, 0, :, 0].tolist()[-min(now, window):] == list(range(max(0, now - window), now))
 
 

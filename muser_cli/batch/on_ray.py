@@ -144,11 +144,19 @@ def _dispatch(ray, config: BatchConfig, order: list[Planned], workers: int, tall
     try:
         return _lanes(ray, actors, order, tally, stop, model, chunk, config.reuse)
     finally:
-        with contextlib.suppress(Exception):  # temp folders and prefetches of each worker
-            ray.get([a.close.remote() for a in actors], timeout=60)
-        for a in actors:
-            with contextlib.suppress(Exception):
-                ray.kill(a)
+        _close_workers(ray, actors)
+
+
+def _close_workers(ray, actors: list) -> None:
+    """Let each worker remove its temp folders and prefetches, then end it. Best effort, in a
+    ``finally``: the batch's outcome (every result line written, or the error in flight) is
+    decided already, and a worker that died (its node gone, killed) can neither close nor be
+    killed; Ray raises its own kinds for that (RayActorError, GetTimeoutError, ...)."""
+    with contextlib.suppress(Exception):  # a dead or hung worker: its temp folder goes with its node
+        ray.get([a.close.remote() for a in actors], timeout=60)
+    for a in actors:
+        with contextlib.suppress(Exception):  # already dead: nothing left to end
+            ray.kill(a)
 
 
 def _lanes(ray, actors: list, order: list[Planned], tally: Tally, stop: threading.Event, model: str, chunk: int,

@@ -51,9 +51,10 @@ def temporary(exc: BaseException) -> bool:
 def about_the_job(exc: BaseException) -> bool:
     """A refusal of this one request (a prompt too long, a have it would not serve) or a local
     failure (our disk): says nothing against the producer."""
-    from muser_cli.errors import DataError, OutputError, SpotCheckFailed
+    from muser_cli.errors import DataError, IdentityMismatch, OutputError, SpotCheckFailed
 
-    return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, SpotCheckFailed)
+    # a producer of another model (Reject(model): IdentityMismatch) refuses every job: not about this one
+    return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, (SpotCheckFailed, IdentityMismatch))
 
 
 class ProducerPool:

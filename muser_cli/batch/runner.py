@@ -25,7 +25,7 @@ from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
-from muser_cli.errors import DataError, MuserError
+from muser_cli.errors import DataError, ExitStatus, MuserError
 
 ResultFn = Callable[[dict[str, Any], "Summary"], None]
 
@@ -153,7 +153,7 @@ def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, 
         if exc.hint:
             err["hint"] = one_line(exc.hint)
     else:  # a bug: the batch goes on, the line says what broke
-        err = {"message": one_line(f"internal error: {type(exc).__name__}: {exc}"), "exit": 1}
+        err = {"message": one_line(f"internal error: {type(exc).__name__}: {exc}"), "exit": ExitStatus.ERROR}
     return {"id": item.id, "line": item.line, "model": model,
             "job": item.digest if isinstance(item, Job) else None, "error": err, "text": None, "token_ids": None,
             "source": None, "producer": None}
@@ -398,10 +398,7 @@ class Batch:
 
         def rows_ready(got) -> None:  # the next job's pull starts while this one decodes
             if nxt is not None and self.pool and nxt.job.line not in fetches:
-                try:
-                    fetches[nxt.job.line] = self._prefetch(nxt, after=p, schedule=got.schedule)
-                except Exception:  # noqa: BLE001 - no prefetch: the next job pulls (or computes) itself
-                    pass
+                self._start_prefetch(nxt, after=p, schedule=got.schedule, fetches=fetches)
 
         def run(inp: BinaryIO | None, why: str):
             return decode(inp, model=c.model, prompt=job.text, chat=job.chat, max_new_tokens=job.max_tokens,
@@ -473,6 +470,15 @@ class Batch:
         if addr is None:
             return None
         return PipePull(addr, lambda: self._ask(p), timeout=self.config.timeout)
+
+    def _start_prefetch(self, p: Planned, *, after: Planned, schedule: int | None, fetches: dict[int, _Fetch]) -> None:
+        """Start ``p``'s pull while ``after`` decodes. One that cannot start (the store unreadable,
+        no thread left) is not ``after``'s failure: ``p`` then pulls (or computes) itself, as a job
+        without a prefetch does. Anything else is a bug, and fails ``after``'s line saying so."""
+        try:
+            fetches[p.job.line] = self._prefetch(p, after=after, schedule=schedule)
+        except (MuserError, OSError, RuntimeError):  # no prefetch: p pulls (or computes) itself, as without one
+            pass
 
     def _prefetch(self, p: Planned, *, after: Planned, schedule: int | None) -> _Fetch:
         from muser_cli.serve import pull_prompt

@@ -16,9 +16,10 @@ import ssl
 import time
 from typing import Any
 
-from muser_cli.errors import AuthError, ConfigError, DataError, MuserError, ProtocolError, TempFailure, UsageError
+from muser_cli.errors import AuthError, ConfigError, MuserError, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.node import Identity
 from muser_cli.handoff.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
+from muser_cli.handoff.refusal import error_class
 
 RECV_BYTES = 256 * 1024
 DEFAULT_CONNECT_S = 10.0
@@ -249,17 +250,17 @@ def map_error(exc: BaseException, during: str) -> MuserError:
 def reject_error(reject: Reject, who: str = "receiver") -> MuserError:
     """What a received Reject means for the side that got it."""
     text = f"{who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
-    if reject.code in ("busy", "timeout", "storage", "aborted"):
-        return TempFailure(text, hint="retry later, or fall back to local prefill")
-    if reject.code == "auth" and ("revoked" in reject.message or "unknown key id" in reject.message):
-        return AuthError(text, hint="the consumer revoked or no longer knows this node's key: ask it for a fresh "
-                                    "bundle (`muser node export --producer NAME -o NAME.bundle` there), then "
-                                    "`muser node join --force NAME.bundle` here")
-    if reject.code in ("auth", "replay", "stale"):
-        return AuthError(text, hint="check `muser node ls` on both sides, and both clocks")
-    if reject.code in ("too_large", "data", "model"):
-        return DataError(text)
-    return ProtocolError(text)
+    cls = error_class(reject.code)  # the one table; the hints are this side's
+    hint = None
+    if cls is TempFailure:
+        hint = "retry later, or fall back to local prefill"
+    elif reject.code == "auth" and ("revoked" in reject.message or "unknown key id" in reject.message):
+        hint = ("the consumer revoked or no longer knows this node's key: ask it for a fresh "
+                "bundle (`muser node export --producer NAME -o NAME.bundle` there), then "
+                "`muser node join --force NAME.bundle` here")
+    elif cls is AuthError:
+        hint = "check `muser node ls` on both sides, and both clocks"
+    return cls(text, hint=hint)
 
 
 # ----------------------------------------------------------------------------- link

@@ -156,6 +156,7 @@ class _NeedData:
 
 
 NEED_DATA = _NeedData()
+NeedData = _NeedData  # its type's public name (the class keeps its own: tests and the fuzzer match on it)
 
 Event = Union[Ready, Header, Go, Data, Pulse, Trailer, Ack, Reject, ProbeUp, ProbeDown, ProbeEnd, ProbeResult]
 

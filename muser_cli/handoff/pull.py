@@ -49,7 +49,7 @@ from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
 from muser_cli.strict import loads
 from muser_cli.handoff.protocol import (
     MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
-    _NeedData, decode_body, encode_event, take_frame,
+    NeedData, decode_body, encode_event, take_frame,
 )
 
 ALPN_PULL = "muser-pull/1"
@@ -362,7 +362,7 @@ class PullConnection:
         """Pull frames are small: none is read in place (see ``Connection.body_view``)."""
         return None
 
-    def next_event(self) -> PullEvent | ConnectionClosed | _NeedData:
+    def next_event(self) -> PullEvent | ConnectionClosed | NeedData:
         if self.state in (PullState.SERVING, PullState.CLOSED):
             return NEED_DATA  # what follows is not ours to parse
         frame = take_frame(self._buf, self._eof, _BY_CODE, MAX_BODY, "pull frame", self._admit)

@@ -44,33 +44,24 @@ from muser_cli.handoff.pull import (
     new_request_id, sign_probe, sign_request,
 )
 from muser_cli.handoff.receiver import Accepted, Destination, ReceiveConfig, Receiver
-from muser_cli.handoff.spool import Refusal
+from muser_cli.handoff.refusal import Refusal, error_class, refusal_error
 
 EventFn = Callable[[str, dict[str, Any]], None]
-_TEMP = ("busy", "timeout", "storage", "aborted", "model")
-_AUTH = ("auth", "replay", "stale")
 
 
 def _refused(reject: Reject, who: str) -> MuserError:
+    """A producer's Reject, as the consumer tells it (the class is the one table's)."""
     text = f"producer {who} refused: {reject.code}" + (f": {reject.message}" if reject.message else "")
-    if reject.code in _TEMP:
-        return TempFailure(text, hint="fall back to local prefill")
-    if reject.code in _AUTH and "revoked" in reject.message:
-        return AuthError(text, hint="this node's certificate or key was revoked there: enroll again (muser node export "
-                                    "on the consumer, muser node join --force on the producer)")
-    if reject.code in _AUTH:
-        return AuthError(text, hint="check `muser node ls` on both sides, and both clocks")
-    if reject.code in ("too_large", "data"):
-        return DataError(text)
-    return ProtocolError(text)
-
-
-def _refusal_error(exc: Refusal) -> MuserError:
-    if exc.fatal is not None and isinstance(exc.fatal, MuserError):
-        return exc.fatal
-    cls = {"auth": AuthError, "replay": AuthError, "stale": AuthError, "data": DataError, "model": DataError,
-           "too_large": DataError, "protocol": ProtocolError}.get(exc.code, TempFailure)
-    return cls(f"{exc.code}: {exc.message}")
+    cls = error_class(reject.code)
+    hint = None
+    if cls is TempFailure:
+        hint = "fall back to local prefill"
+    elif cls is AuthError and "revoked" in reject.message:
+        hint = ("this node's certificate or key was revoked there: enroll again (muser node export "
+                "on the consumer, muser node join --force on the producer)")
+    elif cls is AuthError:
+        hint = "check `muser node ls` on both sides, and both clocks"
+    return cls(text, hint=hint)
 
 
 def key_for(identity: Identity, producer: str) -> KeyEntry:
@@ -255,7 +246,7 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
         failure = receiver._stream_failure
         if failure is not None:
             raise failure from None
-        raise _refusal_error(exc) from None
+        raise refusal_error(exc) from None
     except MuserError as exc:
         with contextlib.suppress(MuserError, OSError):
             if link.conn.state not in (State.DONE, State.CLOSED):

@@ -234,9 +234,10 @@ class PullServer:
                 self._ledger(path.name[: -len(".ledger")])
 
     def _emit(self, kind: str, **fields: Any) -> None:
-        if self.on_event is not None:
-            with contextlib.suppress(Exception):
-                self.on_event(kind, fields)
+        if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
+            from muser_cli.handoff.receipt import Events
+
+            Events.of(self)(kind, fields)
 
     def _ledger(self, key_id: str) -> Ledger:
         with self._lock:
@@ -340,7 +341,7 @@ class PullServer:
         else:
             self._emit("request", peer=who, outcome=refusal.code, reason=refusal.message, **fields,
                        tokens=len(req.token_ids) if req else None)
-        with contextlib.suppress(MuserError, OSError, AssertionError):
+        with contextlib.suppress(MuserError, OSError):  # the peer may be gone: the refusal is in the event above
             conn = link.conn
             live = (conn.state not in (PullState.SERVING, PullState.CLOSED) if isinstance(conn, PullConnection)
                     else conn.state not in (State.DONE, State.CLOSED))

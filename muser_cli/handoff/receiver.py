@@ -60,7 +60,7 @@ from muser_cli.handoff.protocol import (
     ALPN, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeUp,
     Ready, Reject, Role, State, Trailer,
 )
-from muser_cli.handoff.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, ReceiveConfig, stream_failure
+from muser_cli.handoff.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, Events, ReceiveConfig, stream_failure
 from muser_cli.handoff.spool import (
     Destination, DownstreamGone, FileSink, Refusal, SpoolWorker, StreamSink, remove_stale_parts,
 )
@@ -105,9 +105,8 @@ class Receiver:
 
     # -- setup
     def _emit(self, kind: str, **fields: Any) -> None:
-        if self.on_event is not None:
-            with contextlib.suppress(Exception):
-                self.on_event(kind, fields)
+        if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
+            Events.of(self)(kind, fields)
 
     def _open_existing_ledgers(self) -> None:
         """Refuse to run at all on a torn or corrupt ledger."""

@@ -39,6 +39,7 @@ try:  # POSIX
 except ImportError:  # pragma: no cover - Windows: the pid/age rule alone decides
     fcntl = None  # type: ignore[assignment]
 from muser_cli.handoff.payload import PayloadInfo, PayloadInspector
+from muser_cli.handoff.refusal import Refusal  # noqa: F401  (the receiver's name for it, public)
 
 _HANDOFF_NAME = r"[0-9a-f]{32}\.kvpack"
 
@@ -63,16 +64,6 @@ class Destination:
         if self.directory is not None:
             return self.directory, re.compile(_HANDOFF_NAME)
         return None
-
-
-class Refusal(Exception):
-    """Refuse this handoff with a Reject code; ``fatal`` stops the receiver afterwards."""
-
-    def __init__(self, code: str, message: str, *, fatal: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fatal = fatal
 
 
 class DownstreamGone(OSError):

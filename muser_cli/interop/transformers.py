@@ -80,7 +80,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     import torch
     from transformers import DynamicCache
 
-    from muser_cli.engines.torch.engine import _to_torch
+    from muser_cli.engines.torch.engine import to_torch
     from muser_cli.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
 
@@ -101,8 +101,8 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     cache = DynamicCache(config=model.config)
     for index, (spec, kv) in enumerate(zip(header.layers, p.layers)):
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
-        keys = _to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
-        values = _to_torch(kv.values, dtype).unsqueeze(0).to(device)
+        keys = to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
+        values = to_torch(kv.values, dtype).unsqueeze(0).to(device)
         cache.update(keys, values, index)
         if spec.kind == "sliding":
             cache.layers[index].cumulative_length = rows  # absolute length, not rows held
@@ -123,7 +123,7 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
     """The rows a kvpack of ``token_ids`` carries, read from a ``DynamicCache``; (layers, dtype)."""
     import torch
 
-    from muser_cli.engines.torch.engine import _to_numpy
+    from muser_cli.engines.torch.engine import to_numpy
 
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -166,7 +166,7 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
                             f"prompt needs [{first}, {rows})",
                             hint="a sliding layer keeps window - 1 rows: pass the cache before the last prompt token")
         a, b = first - first_held, rows - first_held
-        out.append(LayerKV(keys=_to_numpy(keys[0, :, a:b].cpu()), values=_to_numpy(values[0, :, a:b].cpu()), first_row=first))
+        out.append(LayerKV(keys=to_numpy(keys[0, :, a:b].cpu()), values=to_numpy(values[0, :, a:b].cpu()), first_row=first))
     assert dtype is not None
     return out, dtype
 

@@ -6,7 +6,7 @@ import shutil
 from dataclasses import replace
 from typing import BinaryIO, Sequence
 
-from muser_cli.binding import _short
+from muser_cli.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MuserError, PromptTooShort, UsageError
 from muser_cli.kvpack import PackReader, token_digest
 from muser_cli.models import known_model, resolve_model
@@ -66,13 +66,13 @@ def put(src: BinaryIO, *, store: Store | None = None, model: str | None = None) 
     if model is not None:
         info = resolve_model(model)
         if header.model_fingerprint != info.fingerprint or header.tokenizer_fingerprint != info.tokenizer_fingerprint:
-            raise IdentityMismatch(f"pack refused: it is for model {_short(header.model_fingerprint)} "
-                                   f"({header.model_name or '?'}), not {info.name} {_short(info.fingerprint)}",
+            raise IdentityMismatch(f"pack refused: it is for model {short_fingerprint(header.model_fingerprint)} "
+                                   f"({header.model_name or '?'}), not {info.name} {short_fingerprint(info.fingerprint)}",
                                    hint="pass the pack's own model with -m")
     else:
         info = known_model(header.model_fingerprint)
         if info is None:
-            raise DataError(f"pack refused: its model {_short(header.model_fingerprint)} ({header.model_name or '?'}) "
+            raise DataError(f"pack refused: its model {short_fingerprint(header.model_fingerprint)} ({header.model_name or '?'}) "
                             "is not known on this machine, so its token ids cannot be checked",
                             hint="pass the model folder with -m")
     return (store or Store()).put(head, vocab_size=info.vocab_size)

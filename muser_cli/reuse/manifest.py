@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from muser_cli.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES
@@ -22,10 +23,6 @@ MANIFEST_FORMAT = "muser-have"
 MANIFEST_VERSION = (1, 0)
 MAX_MANIFEST_BYTES = 1 << 20
 BASE_SCHEME = "muser-reuse/v1"
-
-
-def _short(fp: str) -> str:
-    return fp[:19] + "…" if len(fp) > 20 else fp
 
 
 def _fp(value: Any, where: str) -> str:
@@ -130,11 +127,11 @@ class HaveManifest:
     def check_model(self, model_fp: str, tokenizer_fp: str, *, what: str = "this model") -> None:
         """Refuse a manifest made for another model or tokenizer (IdentityMismatch, exit 65)."""
         if self.model != model_fp:
-            raise IdentityMismatch(f"have manifest is for model {_short(self.model)} ({self.model_name or '?'}), "
-                                   f"not {what} {_short(model_fp)}",
+            raise IdentityMismatch(f"have manifest is for model {short_fingerprint(self.model)} ({self.model_name or '?'}), "
+                                   f"not {what} {short_fingerprint(model_fp)}",
                                    hint="the consumer must run `muser reuse have` with the producer's model")
         if self.tokenizer != tokenizer_fp:
-            raise IdentityMismatch(f"have manifest is for tokenizer {_short(self.tokenizer)}, not {_short(tokenizer_fp)}",
+            raise IdentityMismatch(f"have manifest is for tokenizer {short_fingerprint(self.tokenizer)}, not {short_fingerprint(tokenizer_fp)}",
                                    hint="the consumer's model folder has another tokenizer")
 
     def check_prompt(self, ids: list[int]) -> None:
@@ -143,8 +140,8 @@ class HaveManifest:
 
         if self.prompt_digest != token_digest(ids) or self.prompt_tokens != len(ids):
             raise IdentityMismatch(
-                f"have manifest describes a {self.prompt_tokens}-token prompt ({_short(self.prompt_digest)}); "
-                f"this one is {len(ids)} tokens ({_short(token_digest(ids))})",
+                f"have manifest describes a {self.prompt_tokens}-token prompt ({short_fingerprint(self.prompt_digest)}); "
+                f"this one is {len(ids)} tokens ({short_fingerprint(token_digest(ids))})",
                 hint="run `muser reuse have` on the same prompt file (and the same --chat)")
         if self.held_tokens:
             assert self.scope is not None

@@ -24,7 +24,7 @@ from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
 _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
 # Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
-_APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
+APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
                  "smollm3": lambda attn: type(getattr(attn, "rope", None)).__name__ not in ("NoPE", "NoneType"),
                  "exaone4": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
@@ -39,7 +39,7 @@ _ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # scaling types this e
 _PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
 
-def _read_config(info: ModelInfo) -> dict[str, Any]:
+def read_config(info: ModelInfo) -> dict[str, Any]:
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

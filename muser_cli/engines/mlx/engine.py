@@ -49,9 +49,8 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
-from muser_cli.engines.mlx.cache import install_rotating as _install_rotating, temporal as _temporal  # noqa: F401 - the names tests use
 from muser_cli.engines.mlx.config import (  # noqa: F401
-    _APPLIES_ROPE, MLX_REFUSED, _read_config, check_rope, mlx_config_overrides, model_classes)
+    APPLIES_ROPE, MLX_REFUSED, read_config, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
@@ -85,7 +84,7 @@ class MLXEngine(Engine):
         self.mx_dtype = getattr(mx, dtype)
         self._set_threads()
         start = time.perf_counter()
-        config = _read_config(info)
+        config = read_config(info)
         self.overrides = mlx_config_overrides(config)
         try:
             self.model, self.config = load_model(info.path, model_config=self.overrides, get_model_classes=model_classes)
@@ -287,7 +286,7 @@ class MLXEngine(Engine):
                 got = getattr(attn, attr, None)
                 if got is not None and int(got) != want:
                     raise IdentityMismatch(f"layer {index} {field_name}: the model describes {want}, mlx-lm uses {got}")
-            rule = _APPLIES_ROPE.get(self.info.architecture)
+            rule = APPLIES_ROPE.get(self.info.architecture)
             applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
             check_rope(index, spec, attn.rope if applies else None, self.info.max_positions)
 

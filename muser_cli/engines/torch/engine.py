@@ -230,7 +230,7 @@ class TorchEngine(Engine):
                 mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
             self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
                        use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            return [(_to_numpy(layer.keys[0, :, rows : rows + m]), _to_numpy(layer.values[0, :, rows : rows + m]))
+            return [(to_numpy(layer.keys[0, :, rows : rows + m]), to_numpy(layer.values[0, :, rows : rows + m]))
                     for layer in cache.layers]
 
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
@@ -334,7 +334,7 @@ class TorchEngine(Engine):
             first = n - held  # a prefill ring may hold more than a decoding cache
             if lo < first or hi > n:
                 raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{first}, {n})")
-            return _to_numpy(layer.keys[0, :, lo - first : hi - first]), _to_numpy(layer.values[0, :, lo - first : hi - first])
+            return to_numpy(layer.keys[0, :, lo - first : hi - first]), to_numpy(layer.values[0, :, lo - first : hi - first])
         return rows_of
 
     def _extract(self, cache: Any, n: int, ring: int = 0) -> list[LayerKV]:
@@ -358,7 +358,7 @@ class TorchEngine(Engine):
                     f"layer {index}: the live cache holds K {tuple(keys.shape)} V {tuple(values.shape)}, "
                     f"expected ({spec.kv_heads}, {carried}, {spec.head_dim}) after {n} tokens"
                 )
-            out.append(LayerKV(keys=_to_numpy(keys), values=_to_numpy(values), first_row=n - carried))
+            out.append(LayerKV(keys=to_numpy(keys), values=to_numpy(values), first_row=n - carried))
         return out
 
     def _install(self, layers: Sequence[LayerKV], rows: int, *, extra: int = 0, adopt: bool = False,
@@ -395,8 +395,8 @@ class TorchEngine(Engine):
             if hasattr(cache.layers[index], "adopt"):  # sized: one copy (and cast) straight into its buffer
                 keys, values = _view_torch(kv.keys).unsqueeze(0), _view_torch(kv.values).unsqueeze(0)
             else:
-                keys = _to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
-                values = _to_torch(kv.values, self.torch_dtype).unsqueeze(0)
+                keys = to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
+                values = to_torch(kv.values, self.torch_dtype).unsqueeze(0)
             cache.update(keys, values, index)
             if spec.kind == "sliding":
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
@@ -444,7 +444,7 @@ class TorchEngine(Engine):
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
 
 
-def _to_numpy(t: "torch.Tensor") -> np.ndarray:
+def to_numpy(t: "torch.Tensor") -> np.ndarray:
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.uint16).numpy()  # raw bits; numpy has no bfloat16
@@ -489,7 +489,7 @@ def _view_torch(a: Any) -> "torch.Tensor":
     return t.view(torch.bfloat16) if source == torch.bfloat16 else t
 
 
-def _to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":
+def to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":
     a = np.asarray(a)
     source = _FROM_NUMPY.get(a.dtype)
     if source is None:

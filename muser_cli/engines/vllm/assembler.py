@@ -18,11 +18,11 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from muser_cli.engines.vllm import gather as vllm_layout
-from muser_cli.engines.vllm.config import _NAME_RE, SUPPORTED_VLLM, ConnectorSettings, layer_index
+from muser_cli.engines.vllm.config import NAME_RE, SUPPORTED_VLLM, ConnectorSettings, layer_index
 from muser_cli.engines.vllm.fp8 import dequantize_fp8
 from muser_cli.engines.vllm.layouts import CacheLayout, layer_layout, producer_record
-from muser_cli.engines.vllm.planner import _safe_name
-from muser_cli.engines.vllm.sinks import _write_error, write_kvpack, write_spool
+from muser_cli.engines.vllm.planner import safe_name
+from muser_cli.engines.vllm.sinks import write_error, write_kvpack, write_spool
 from muser_cli.errors import ConfigError, DataError
 from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
 
@@ -94,15 +94,15 @@ class WorkerAssembler:
             raise DataError(f"connector metadata is not a muser save plan ({exc})") from None
         for item in items:
             rid, name = str(item.get("req")), str(item.get("name"))
-            if not _NAME_RE.match(name):
-                name = _safe_name(name)
+            if not NAME_RE.match(name):
+                name = safe_name(name)
             try:
                 if "error" in item:
                     raise DataError(str(item["error"]))
                 self._apply(rid, name, item)
             except Exception as exc:  # fail closed for this request, keep vLLM alive
                 self._buffers.pop(rid, None)
-                self.failed.append(_write_error(self.settings.output_dir, name, exc))
+                self.failed.append(write_error(self.settings.output_dir, name, exc))
 
     def _apply(self, rid: str, name: str, item: dict[str, Any]) -> None:
         start, stop, target = int(item["start"]), int(item["stop"]), int(item["target"])
@@ -182,10 +182,10 @@ def fail_plan(out_dir: Path, payload: str, exc: BaseException) -> list[Path]:
     names = []
     for item in items if isinstance(items, list) else []:
         name = str(item.get("name")) if isinstance(item, dict) else ""
-        name = name if _NAME_RE.match(name) else _safe_name(name)
+        name = name if NAME_RE.match(name) else safe_name(name)
         if name not in names:
             names.append(name)
-    return [_write_error(out_dir, n, exc) for n in names]
+    return [write_error(out_dir, n, exc) for n in names]
 
 
 def _scale_kind(p: vllm_layout.GatheredKV) -> dict[str, str]:

@@ -25,7 +25,7 @@ CONFIG_VERSION = 1
 SINKS = ("kvpack", "spool")
 CAPTURE = ("tagged", "all")
 SUPPORTED_VLLM = ">=0.30,<0.34"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # vLLM cache_dtype -> (quant, fp8 format or None). "fp8"/"fp8_e4m3" mean the platform's
 # e4m3 type (e4m3fn on CUDA, e4m3fnuz on some ROCm parts): resolved on the worker.
@@ -128,7 +128,7 @@ def connector_config(
 
 def request_extra_args(name: str) -> dict[str, Any]:
     """``SamplingParams(extra_args=...)`` that tags a request for capture under ``name``."""
-    if not _NAME_RE.match(name):
+    if not NAME_RE.match(name):
         raise UsageError(f"pack name {name!r} is not a safe file name")
     return {"kv_transfer_params": {CONFIG_KEY: {"name": name}}}
 

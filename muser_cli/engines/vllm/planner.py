@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from muser_cli.engines.vllm.config import _NAME_RE, CONFIG_KEY, ConnectorSettings
+from muser_cli.engines.vllm.config import NAME_RE, CONFIG_KEY, ConnectorSettings
 
 @dataclass
 class _ReqState:
@@ -23,7 +23,7 @@ class _ReqState:
     done: bool = False
 
 
-def _safe_name(text: str) -> str:
+def safe_name(text: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:128].lstrip("._-")
     return name or "request"
 
@@ -79,8 +79,8 @@ class SchedulerPlanner:
                 continue
             rid = str(nr.req_id)
             name = params.get("name") if params else None
-            if not (isinstance(name, str) and _NAME_RE.match(name)):
-                name = _safe_name(rid)
+            if not (isinstance(name, str) and NAME_RE.match(name)):
+                name = safe_name(rid)
             tokens = getattr(nr, "prompt_token_ids", None)
             if tokens is None:
                 items.append({"req": rid, "name": name, "error": "request has no prompt token ids (embeddings input)"})

@@ -31,7 +31,7 @@ def _atomic_dir(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
 
 
-def _write_error(out_dir: Path, name: str, exc: BaseException) -> Path:
+def write_error(out_dir: Path, name: str, exc: BaseException) -> Path:
     path = Path(out_dir) / f"{name}.error.json"
     msg = str(exc).replace("\n", " ")[:2000] or type(exc).__name__
     try:

@@ -474,7 +474,7 @@ def test_backends_are_resolved_or_refused():
     with pytest.raises(ConfigError, match="FLEX_ATTENTION .*not checked"):
         LY.resolve_layout("FLEX_ATTENTION", cache_dtype="auto", block_size=16, kernel_block_size=16)
     amx = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
-                            kv_cache_layout="LBHNC", isa="amx")  # checked since #amx: its own reader
+                            kv_cache_layout="LBHNC", isa="amx")  # checked since session 7: its own reader
     assert amx.layout == "CPU_AMX" and amx.verified == "kernel" and amx.record()["isa"] == "amx"
     with pytest.raises(ConfigError, match="ISA 'neon'.*not checked"):
         LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa="neon")

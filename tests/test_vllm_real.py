@@ -93,7 +93,7 @@ def test_vllm_cpu_pack_is_right(vllm_engine, torch_bf16, tiny32, tmp_path):
     prod = vllm_engine.producer_info()
     lay = prod["kv_layout"]
     assert lay["attention_backend"] == "CPU_ATTN"
-    # bfloat16 on a CPU with AMX tiles: vLLM's amx kernels and their own interior (checked since #amx).
+    # bfloat16 on a CPU with AMX tiles: vLLM's amx kernels and their own interior (checked since session 7).
     import torch
 
     amx = bool(torch.cpu._is_amx_tile_supported())

@@ -5,6 +5,8 @@ The connector never guesses: for each attention layer it takes the backend vLLM 
 (``layer.isa``), the cache dtype, the manager and kernel block sizes and vLLM's resolved
 ``KVCacheLayout``, and looks them up in :data:`CHECKED`. A backend (or CPU ISA, or cache
 dtype) that is not in the table is refused with a :class:`ConfigError` that names it.
+A CPU ISA with its own block interior has its own reader (:data:`ISA_READERS`: the
+``amx`` kernels, bfloat16 on CPUs with AMX tiles, are read as ``CPU_AMX``).
 
 What "checked" means for each entry is in ``verified``: ``"kernel"`` = the backend's own
 cache-write op was run on known K/V and our reader returned them exactly, and a real

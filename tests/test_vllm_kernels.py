@@ -91,6 +91,50 @@ def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, blo
     assert not np.array_equal(wrong.keys, got.keys)
 
 
+def cpu_has_amx():
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="this CPU has no AMX tiles: vLLM's amx kernels cannot run here")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_cpu_attn_amx_kernel_writes_what_we_read(ops, head_dim, block_size):
+    """The AMX interior (bfloat16 only: vLLM picks 'amx' for bfloat16 on CPUs with AMX tiles)."""
+    import torch
+
+    heads, num_blocks = 2, 5
+    T = 2 * block_size + 9
+    rng = np.random.default_rng(block_size + head_dim)
+    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]
+    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, torch.bfloat16)
+    key = torch.randn(T, heads, head_dim).to(torch.bfloat16)
+    value = torch.randn(T, heads, head_dim).to(torch.bfloat16)
+    pos = torch.arange(T)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, "amx")
+
+    lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
+                            kv_cache_layout="LBHNC", isa="amx")
+    assert lay.layout == "CPU_AMX"
+    got = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout=lay.layout, block_size=block_size)
+    np.testing.assert_array_equal(got.keys, bits(key.transpose(0, 1)))
+    np.testing.assert_array_equal(got.values, bits(value.transpose(0, 1)))
+    mid = G.gather_paged_kv(kv_cache, table, start=block_size - 5, stop=block_size + 20, layout=lay.layout,
+                            block_size=block_size)
+    np.testing.assert_array_equal(mid.values, bits(value[block_size - 5 : block_size + 20].transpose(0, 1)))
+    # The vec reader on the AMX bytes is wrong: the two interiors really differ.
+    wrong = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
+    assert not np.array_equal(wrong.keys, got.keys) and not np.array_equal(wrong.values, got.values)
+    # scatter_rows (the test writer) writes the same bytes as vLLM's kernel.
+    again = np.zeros_like(bits(kv_cache))
+    G.scatter_rows(again, table, bits(key.transpose(0, 1)), bits(value.transpose(0, 1)), layout="CPU_AMX",
+                   block_size=block_size)
+    np.testing.assert_array_equal(again, bits(kv_cache))
+
+
 def test_the_isa_vllm_picks_here_is_checked_or_refused():
     """vLLM's own ISA choice for this machine: either our table reads it, or refuses it by name."""
     import torch
@@ -104,9 +148,9 @@ def test_the_isa_vllm_picks_here_is_checked_or_refused():
     for dtype in (torch.bfloat16, torch.float32):
         for head in (64, 80):
             isa = _get_attn_isa(dtype, 128, head, "auto")
-            if isa in ("vec", "vec16"):
+            if isa in LY.CHECKED["CPU_ATTN"][3]:
                 assert LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
-                                         isa=isa).layout == "CPU_KT_V"
+                                         isa=isa).layout == LY.ISA_READERS.get(isa, "CPU_KT_V")
             else:
                 with pytest.raises(ConfigError, match=f"ISA '{isa}'"):
                     LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa=isa)

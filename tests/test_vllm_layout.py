@@ -408,6 +408,57 @@ def test_cpu_vec_layout_refuses_what_it_cannot_read():
         L.gather_paged_kv(strided, [1], start=0, stop=4, layout="CPU_KT_V")
 
 
+def put_cpu_amx(cache, table, keys, values, *, block_size=None):
+    """An independent writer of vLLM's AMX interior, element by element from the kernel's
+    address arithmetic (cpu_attn_amx.hpp reshape_and_cache, bfloat16: 2 elements a 4-byte word):
+    K at word ``(slot // 16) * 16 * (D / 2) + (d // 2) * 16 + slot % 16``, element ``d % 2``;
+    V at ``(d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2``."""
+    B, H, N, C = cache.shape
+    D = C // 2
+    flat = cache.reshape(B, H, N * C)
+    bs = block_size or N
+    for i in range(keys.shape[1]):
+        kb = table[i // bs] * (bs // N) + (i % bs) // N
+        slot = i % N
+        for h in range(H):
+            for d in range(D):
+                word = (slot // 16) * 16 * (D // 2) + (d // 2) * 16 + slot % 16
+                flat[kb, h, 2 * word + d % 2] = keys[h, i, d]
+                flat[kb, h, N * D + (d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = values[h, i, d]
+
+
+@pytest.mark.parametrize("block_size,kernel_split,D", [(32, 1, 32), (128, 1, 16), (64, 2, 48)])
+def test_cpu_amx_layout_round_trip(block_size, kernel_split, D):
+    rng = np.random.default_rng(block_size + D)
+    H, T = 2, 2 * block_size + 7
+    N = block_size // kernel_split
+    cache = np.zeros((6 * kernel_split, H, N, 2 * D), dtype=np.uint16)  # bfloat16 bits
+    table = table_for(rng, T, block_size, 6)
+    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
+    put_cpu_amx(cache, table, k, v, block_size=block_size)
+    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_AMX", block_size=block_size)
+    np.testing.assert_array_equal(got.keys, k)
+    np.testing.assert_array_equal(got.values, v)
+    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_AMX", block_size=block_size)
+    np.testing.assert_array_equal(part.values, v[:, 5 : block_size + 3])
+    # The vec reader on the same bytes is wrong (what a connector accepting 'amx' unchecked would read).
+    vec = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
+    assert not np.array_equal(vec.keys, k) and not np.array_equal(vec.values, v)
+    again = np.zeros_like(cache)
+    L.scatter_rows(again, table, k, v, layout="CPU_AMX", block_size=block_size)
+    np.testing.assert_array_equal(again, cache)
+
+
+def test_cpu_amx_layout_refuses_what_it_cannot_read():
+    with pytest.raises(DataError, match="bfloat16 only"):
+        L.gather_paged_kv(np.zeros((4, 2, 32, 64), np.float32), [1], start=0, stop=4, layout="CPU_AMX")
+    with pytest.raises(DataError, match="multiples of 16"):
+        L.gather_paged_kv(np.zeros((4, 2, 32, 40), np.uint16), [1], start=0, stop=4, layout="CPU_AMX")
+    with pytest.raises(DataError, match="unquantized"):
+        L.gather_paged_kv(np.zeros((4, 2, 32, 64), np.uint8), [1], start=0, stop=4, layout="CPU_AMX",
+                          quant="fp8", k_scale=1.0, v_scale=1.0)
+
+
 def test_backends_are_resolved_or_refused():
     cpu = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
                             kv_cache_layout="LBHNC", isa="vec")
@@ -422,8 +473,11 @@ def test_backends_are_resolved_or_refused():
         assert got.layout == "BHNC" and got.verified == "source" and got.isa is None
     with pytest.raises(ConfigError, match="FLEX_ATTENTION .*not checked"):
         LY.resolve_layout("FLEX_ATTENTION", cache_dtype="auto", block_size=16, kernel_block_size=16)
-    with pytest.raises(ConfigError, match="ISA 'amx'.*not checked"):
-        LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa="amx")
+    amx = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128,
+                            kv_cache_layout="LBHNC", isa="amx")  # checked since session 7: its own reader
+    assert amx.layout == "CPU_AMX" and amx.verified == "kernel" and amx.record()["isa"] == "amx"
+    with pytest.raises(ConfigError, match="ISA 'neon'.*not checked"):
+        LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa="neon")
     with pytest.raises(ConfigError, match="no kernel ISA"):
         LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128)
     with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' on backend CPU_ATTN"):

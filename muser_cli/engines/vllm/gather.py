@@ -23,6 +23,15 @@ Layouts (the *logical* axis order of the tensor handed over):
     ``block_size * head_size`` elements hold K **transposed**, ``[head_size,
     block_size]``, the next ones V as ``[block_size, head_size]`` (what the wheel's
     ``cpu_attn_reshape_and_cache`` writes). The (block, head) interior must be dense.
+``"CPU_AMX"``
+    the same backend with the ``amx`` kernels (bfloat16 on CPUs with AMX tiles): the
+    same 4-d tensor and K-then-V halves per (block, head), each packed for AMX tiles
+    (``reshape_and_cache`` of vLLM's ``cpu_attn_amx.hpp``). K: groups of 16 tokens, in
+    a group the head's dims in pairs, each pair the 16 tokens' 4-byte words -- axes
+    ``[block_size / 16, head_dim / 2, 16 tokens, 2 dims]``. V: groups of 16 dims, in a
+    group the tokens in pairs -- axes ``[head_dim / 16, block_size / 2, 16 dims, 2
+    tokens]``. bfloat16 only (the pairs are 4-byte words); block_size a multiple of 16,
+    head_dim of 16.
 ``"KBNHD"`` / ``"KBHND"``
     older vLLM FlashAttention ``(2, num_blocks, block_size, kv_heads, head_dim)`` (NHD)
     and its HND variant ``(2, num_blocks, kv_heads, block_size, head_dim)``.
@@ -55,7 +64,7 @@ import numpy as np
 from muser_cli.engines.vllm.fp8 import FP8_FORMATS
 from muser_cli.errors import DataError
 
-LAYOUTS = ("BHNC", "CPU_KT_V", "KBNHD", "KBHND", "BKNHD", "BKHND")
+LAYOUTS = ("BHNC", "CPU_KT_V", "CPU_AMX", "KBNHD", "KBHND", "BKNHD", "BKHND")
 QUANTS = ("none", "fp8", "fp8_per_token_head")
 NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block
 
@@ -63,11 +72,14 @@ NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block
 _AXES: dict[str, tuple[int, int | None, int, int, int]] = {
     "BHNC": (4, None, 0, 1, 2),
     "CPU_KT_V": (4, None, 0, 1, 2),
+    "CPU_AMX": (4, None, 0, 1, 2),
     "KBNHD": (5, 0, 1, 3, 2),
     "KBHND": (5, 0, 1, 2, 3),
     "BKNHD": (5, 1, 0, 3, 2),
     "BKHND": (5, 1, 0, 2, 3),
 }
+_CPU_LAYOUTS = ("CPU_KT_V", "CPU_AMX")  # vLLM CPU_ATTN: per (block, head) K then V, dense
+_AMX_GROUP = 16  # CPU_AMX: tokens per K group, dims per V group (a 64-byte tile row of 4-byte words)
 _SCALE_BYTES = 4  # fp8_per_token_head: one little-endian float32 per (head, slot, side)
 
 
@@ -222,6 +234,34 @@ def slots_from_block_table(
     return table[positions // block_size], positions % block_size
 
 
+def _check_amx(storage: str, kernel_bs: int, head_dim: int) -> None:
+    if storage != "bfloat16":
+        raise _fail(f"layout CPU_AMX holds bfloat16 only (vLLM's AMX kernels), got a {storage} cache")
+    if kernel_bs % _AMX_GROUP or head_dim % _AMX_GROUP:
+        raise _fail(f"layout CPU_AMX needs block size and head_dim multiples of {_AMX_GROUP}, "
+                    f"got {kernel_bs} and {head_dim}")
+
+
+def _amx_blocks(halves: np.ndarray, kernel_bs: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """CPU_AMX halves ``(B, H, K|V, N*D)`` as K ``[B, H, N/16, D/2, 16 tokens, 2 dims]`` and
+    V ``[B, H, D/16, N/2, 16 dims, 2 tokens]`` (views)."""
+    n, h, g = halves.shape[0], halves.shape[1], _AMX_GROUP
+    return (halves[:, :, 0].reshape(n, h, kernel_bs // g, head_dim // 2, g, 2),
+            halves[:, :, 1].reshape(n, h, head_dim // g, kernel_bs // 2, g, 2))
+
+
+def _cpu_sides(layout: str, taken: np.ndarray, kernel_bs: int, head_dim: int) -> list[np.ndarray]:
+    """K and V of CPU_ATTN blocks ``(B, H, N, 2D)`` as ``(B, H, N, D)`` each."""
+    n, h = taken.shape[0], taken.shape[1]
+    halves = np.ascontiguousarray(taken).reshape(n, h, 2, kernel_bs * head_dim)  # (B, H, K|V, N*D)
+    if layout == "CPU_KT_V":
+        return [halves[:, :, 0].reshape(n, h, head_dim, kernel_bs).transpose(0, 1, 3, 2),  # K^T -> (B, H, N, D)
+                halves[:, :, 1].reshape(n, h, kernel_bs, head_dim)]  # V: (B, H, N, D)
+    k, v = _amx_blocks(halves, kernel_bs, head_dim)
+    return [k.transpose(0, 1, 2, 4, 3, 5).reshape(n, h, kernel_bs, head_dim),
+            v.transpose(0, 1, 3, 5, 2, 4).reshape(n, h, kernel_bs, head_dim)]
+
+
 def gather_paged_kv(
     cache: Any,
     block_table: Any,
@@ -256,8 +296,8 @@ def gather_paged_kv(
         raise _fail(f"unknown fp8 format {fp8_format!r} (known: {', '.join(FP8_FORMATS)})")
     if quant == "fp8_per_token_head" and layout != "BHNC":
         raise _fail("fp8_per_token_head exists only in the 'BHNC' layout")
-    if layout == "CPU_KT_V" and quant != "none":
-        raise _fail("layout CPU_KT_V is read unquantized only (vLLM's CPU fp8 cache is not checked)")
+    if layout in _CPU_LAYOUTS and quant != "none":
+        raise _fail(f"layout {layout} is read unquantized only (vLLM's CPU fp8 cache is not checked)")
     torch_in = _is_torch(cache)
     if not torch_in and not isinstance(cache, np.ndarray):
         raise _fail(f"cache must be a numpy array or a torch tensor, got {type(cache).__name__}")
@@ -277,14 +317,16 @@ def gather_paged_kv(
         raise _fail(f"cache has an empty axis: shape {shape}")
 
     # Content split.
-    if layout == "CPU_KT_V":
+    if layout in _CPU_LAYOUTS:
         content = shape[3]
         if content % 2 or (head_dim not in (None, content // 2)) or (v_head_dim not in (None, content // 2)):
-            raise _fail(f"layout CPU_KT_V needs head_dim == v_head_dim == {content} / 2, "
+            raise _fail(f"layout {layout} needs head_dim == v_head_dim == {content} / 2, "
                         f"got K {head_dim} and V {v_head_dim}")
         head_dim = v_head_dim = content // 2
         if not _dense_interior(cache):
-            raise _fail("layout CPU_KT_V needs each (block, head) of the cache dense in memory")
+            raise _fail(f"layout {layout} needs each (block, head) of the cache dense in memory")
+        if layout == "CPU_AMX":
+            _check_amx(storage, kernel_bs, head_dim)
     elif layout == "BHNC":
         content = shape[3]
         extra = 2 * _SCALE_BYTES if quant == "fp8_per_token_head" else 0
@@ -343,11 +385,8 @@ def gather_paged_kv(
     else:
         taken = np.take(cache, needed, axis=b_axis)
     # Canonical order: (blocks, heads, tokens, content) per side.
-    if layout == "CPU_KT_V":
-        n, h = taken.shape[0], taken.shape[1]
-        halves = np.ascontiguousarray(taken).reshape(n, h, 2, kernel_bs * head_dim)  # (B, H, K|V, N*D)
-        sides = [halves[:, :, 0].reshape(n, h, head_dim, kernel_bs).transpose(0, 1, 3, 2),  # K^T -> (B, H, N, D)
-                 halves[:, :, 1].reshape(n, h, kernel_bs, head_dim)]  # V: (B, H, N, D)
+    if layout in _CPU_LAYOUTS:
+        sides = _cpu_sides(layout, taken, kernel_bs, head_dim)
     elif layout == "BHNC":
         sides = [taken]
     else:
@@ -370,7 +409,7 @@ def gather_paged_kv(
         else:
             keys = cells[..., :head_dim]
             values = cells[..., head_dim:]
-    else:  # CPU_KT_V and the separate-K/V layouts
+    else:  # CPU_KT_V, CPU_AMX and the separate-K/V layouts
         keys, values = rows
     if quant == "fp8":
         k_out, v_out = ks, vs
@@ -448,17 +487,8 @@ def scatter_rows(
     pos = np.arange(start, start + keys.shape[1])
     kb = table[pos // bs] * ratio + (pos % bs) // kernel_bs
     ko = pos % kernel_bs
-    if layout == "CPU_KT_V":  # per (block, head): K^T [D, N] then V [N, D]
-        if not cache.flags.c_contiguous:
-            raise _fail("scatter_rows writes a CPU_KT_V cache only when it is C-contiguous")
-        n_blocks, heads, n, c = cache.shape
-        d = c // 2
-        halves = cache.reshape(n_blocks, heads, 2, n * d)  # a view of the dense cache
-        k_t = halves[:, :, 0].reshape(n_blocks, heads, d, n)
-        v_r = halves[:, :, 1].reshape(n_blocks, heads, n, d)
-        for i, (b, o) in enumerate(zip(kb, ko)):
-            k_t[b, :, :, o] = keys[:, i]
-            v_r[b, :, o] = values[:, i]
+    if layout in _CPU_LAYOUTS:  # per (block, head): K then V, packed as the layout says
+        _scatter_cpu(cache, layout, kb, ko, keys, values)
         return
     if layout == "BHNC":
         hd = keys.shape[2]
@@ -472,3 +502,24 @@ def scatter_rows(
         order = [a - (a > kv_axis) for a in (b_axis, h_axis, n_axis, 4)]
         canon = sub.transpose(order)  # (B, H, N, D) view
         canon[kb, :, ko] = rows.transpose(1, 0, 2)
+
+
+def _scatter_cpu(cache: np.ndarray, layout: str, kb: np.ndarray, ko: np.ndarray, keys: np.ndarray,
+                 values: np.ndarray) -> None:
+    if not cache.flags.c_contiguous:
+        raise _fail(f"scatter_rows writes a {layout} cache only when it is C-contiguous")
+    n_blocks, heads, n, c = cache.shape
+    d = c // 2
+    halves = cache.reshape(n_blocks, heads, 2, n * d)  # a view of the dense cache
+    if layout == "CPU_KT_V":  # K^T [D, N] then V [N, D]
+        k_t = halves[:, :, 0].reshape(n_blocks, heads, d, n)
+        v_r = halves[:, :, 1].reshape(n_blocks, heads, n, d)
+        for i, (b, o) in enumerate(zip(kb, ko)):
+            k_t[b, :, :, o] = keys[:, i]
+            v_r[b, :, o] = values[:, i]
+        return
+    k6, v6 = _amx_blocks(halves, n, d)
+    g = _AMX_GROUP
+    for i, (b, o) in enumerate(zip(kb, ko)):
+        k6[b, :, o // g, :, o % g, :] = keys[:, i].reshape(heads, d // 2, 2)
+        v6[b, :, :, o // 2, :, o % 2] = values[:, i].reshape(heads, d // g, g)

@@ -5,6 +5,8 @@ The connector never guesses: for each attention layer it takes the backend vLLM 
 (``layer.isa``), the cache dtype, the manager and kernel block sizes and vLLM's resolved
 ``KVCacheLayout``, and looks them up in :data:`CHECKED`. A backend (or CPU ISA, or cache
 dtype) that is not in the table is refused with a :class:`ConfigError` that names it.
+A CPU ISA with its own block interior has its own reader (:data:`ISA_READERS`: the
+``amx`` kernels, bfloat16 on CPUs with AMX tiles, are read as ``CPU_AMX``).
 
 What "checked" means for each entry is in ``verified``: ``"kernel"`` = the backend's own
 cache-write op was run on known K/V and our reader returned them exactly, and a real
@@ -24,14 +26,17 @@ from muser_cli.errors import ConfigError
 # backend name -> (our reader, vLLM cache dtypes accepted, verified, CPU ISAs accepted or None)
 _GPU_DTYPES = ("auto", "bfloat16", "float16", "half", "float", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 CHECKED: dict[str, tuple[str, tuple[str, ...], str, tuple[str, ...] | None]] = {
-    "CPU_ATTN": ("CPU_KT_V", ("auto", "bfloat16", "float16", "half", "float", "float32"), "kernel", ("vec", "vec16")),
+    "CPU_ATTN": ("CPU_KT_V", ("auto", "bfloat16", "float16", "half", "float", "float32"), "kernel",
+                 ("vec", "vec16", "amx")),
     "FLASH_ATTN": ("BHNC", _GPU_DTYPES, "source", None),
     "FLASHINFER": ("BHNC", _GPU_DTYPES, "source", None),
     "TRITON_ATTN": ("BHNC", _GPU_DTYPES + ("fp8_per_token_head",), "source", None),
 }
+# CPU ISAs whose block interior is not the backend's default reader's: the AMX kernels
+# (bfloat16 on CPUs with AMX tiles) pack K and V for AMX tiles (gather's CPU_AMX).
+ISA_READERS = {"amx": "CPU_AMX"}
 # CPU ISAs vLLM 0.32 can pick that have their own block interior, refused until checked.
 UNCHECKED_CPU_ISAS = {
-    "amx": "the AMX kernels (bfloat16 on CPUs with AMX tiles) pack K differently",
     "neon": "Arm kernels",
     "rvv": "RISC-V kernels",
     "vxe": "s390x kernels",
@@ -40,6 +45,7 @@ UNCHECKED_CPU_ISAS = {
 # The KVCacheLayout members each reader accepts (None: the layout is not reported).
 _LAYOUTS_OK = {
     "CPU_KT_V": ("LBHNC", None),
+    "CPU_AMX": ("LBHNC", None),
     "BHNC": ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", None),
 }
 
@@ -108,6 +114,7 @@ def resolve_layout(
                 f"vLLM {name} ISA {isa!r} (layer {layer!r}) is not checked by the muser connector: {why}",
                 hint="with dtype float16 or float32 vLLM's CPU backend uses the checked 'vec' kernels",
             )
+        reader = ISA_READERS.get(isa, reader)
     if kv_cache_layout is not None and kv_cache_layout not in _LAYOUTS_OK[reader]:
         raise ConfigError(
             f"vLLM KV cache layout {kv_cache_layout} on backend {name} is not checked by the muser connector"

@@ -229,7 +229,7 @@ def test_ring_install_matches_mlx_lm_own_layout(rows, chunk):
     next writes evict the oldest row first. Model-free: row p holds the number p."""
     from mlx_lm.models.cache import RotatingKVCache
 
-    from muser_cli.engines.mlx_cache import install_rotating, temporal
+    from muser_cli.engines.mlx.cache import install_rotating, temporal
 
     window = 8
 

@@ -558,7 +558,7 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
         try:
             for t in threads:
                 t.start()
-            busy = [e for e in prod.wait_events(3, timeout=20) if e["outcome"] == "busy"]
+            busy = [e for e in prod.wait_events(3, timeout=90) if e["outcome"] == "busy"]
             dec = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
                                            str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
                                            prod.address, "--timeout", "60"),

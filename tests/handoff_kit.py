@@ -326,12 +326,14 @@ def wait_for(pred, timeout: float = 5.0) -> bool:
     return pred()
 
 
-class Producer:
-    """``muser prefill --serve 127.0.0.1:0 --json``; its stderr lines collected on a thread."""
+class ServiceProcess:
+    """A resident muser command started on port 0; its stderr lines collected on a thread, its
+    address read from the line ``listen_re`` matches (group 1)."""
 
-    def __init__(self, home: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args),
-                                     env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    what = "service"
+
+    def __init__(self, home: Path, argv: list[str], listen_re: re.Pattern) -> None:
+        self.proc = subprocess.Popen(argv, env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.lines: list[str] = []
         self.address: str | None = None
         got = threading.Event()
@@ -341,7 +343,7 @@ class Producer:
             for raw in self.proc.stderr:
                 line = raw.decode(errors="replace")
                 self.lines.append(line)
-                m = _LISTEN_RE.search(line)
+                m = listen_re.search(line)
                 if m and self.address is None:
                     self.address = m.group(1)
                     got.set()
@@ -351,7 +353,7 @@ class Producer:
         got.wait(120)
         if self.address is None:
             self.proc.kill()
-            raise AssertionError(f"producer did not start: {''.join(self.lines)}")
+            raise AssertionError(f"{self.what} did not start: {''.join(self.lines)}")
 
     def events(self, kind: str = "request") -> list[dict]:
         out = []
@@ -368,11 +370,20 @@ class Producer:
             time.sleep(0.05)
         return self.events(kind)
 
-    def stop(self) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
             try:
                 return self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+class Producer(ServiceProcess):
+    """``muser prefill --serve 127.0.0.1:0 --json``; its stderr lines collected on a thread."""
+
+    what = "producer"
+
+    def __init__(self, home: Path, *args: str) -> None:
+        super().__init__(home, muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args), _LISTEN_RE)

@@ -24,7 +24,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 import httpx  # noqa: E402
 
-from handoff_kit import Producer, env_for, make_nodes, muser_cmd  # noqa: E402
+from handoff_kit import Producer, ServiceProcess, env_for, make_nodes, muser_cmd  # noqa: E402
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -34,54 +34,20 @@ _LISTEN = re.compile(r"listening on http://(\S+)/v1")
 _METRICS = re.compile(r"metrics on http://(\S+)/metrics")
 
 
-class Consumer:
+class Consumer(ServiceProcess):
     """``muser decode --serve 127.0.0.1:0 ...``; its stderr lines collected on a thread."""
 
+    what = "decode --serve"
+
     def __init__(self, home: Path, *args: str) -> None:
-        self.proc = subprocess.Popen(muser_cmd("decode", "--serve", "127.0.0.1:0", *args), env=env_for(home),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.lines: list[str] = []
-        self.address: str | None = None
-        got = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stderr is not None
-            for raw in self.proc.stderr:
-                line = raw.decode(errors="replace")
-                self.lines.append(line)
-                m = _LISTEN.search(line)
-                if m and self.address is None:
-                    self.address = m.group(1)
-                    got.set()
-            got.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        got.wait(120)
-        if self.address is None:
-            self.proc.kill()
-            raise AssertionError(f"decode --serve did not start: {''.join(self.lines)}")
+        super().__init__(home, muser_cmd("decode", "--serve", "127.0.0.1:0", *args), _LISTEN)
         self.base = f"http://{self.address}/v1"
 
     def client(self) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
 
     def records(self, event: str = "request") -> list[dict]:
-        out = []
-        for line in list(self.lines):
-            if line.startswith("{"):
-                obj = json.loads(line)
-                if obj.get("event") == event:
-                    out.append(obj)
-        return out
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
+        return self.events(event)
 
 
 @pytest.fixture(scope="module")

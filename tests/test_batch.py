@@ -152,9 +152,14 @@ def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected,
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     end = time.monotonic() + 240
-    while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    while time.monotonic() < end and proc.poll() is None:
+        if res.exists() and res.read_bytes().strip():
+            proc.send_signal(signal.SIGSTOP)  # at once: a tiny model can finish the other jobs before SIGINT lands
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)  # pending while stopped; handled the moment the run continues
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err
     assert b"stopping after the current job" in err
@@ -255,9 +260,15 @@ def test_producer_killed_mid_batch_every_job_still_completes(model, expected, la
                                 env=env_for(lane["nodes"].consumer_home), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         end = time.monotonic() + 240
-        while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
-            time.sleep(0.05)
+        while time.monotonic() < end and proc.poll() is None:
+            if res.exists() and res.read_bytes().strip():
+                proc.send_signal(signal.SIGSTOP)  # at once: the other jobs must meet a dead producer
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, proc.stderr.read()
         prod.proc.kill()
+        prod.proc.wait()
+        proc.send_signal(signal.SIGCONT)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
     finally:

@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (port 0 picks one): answer enrolled consumers' `receive --from` / `decode --producer` requests, model loaded once."),
         max_queue: int = typer.Option(4, "--max-queue", help="With --serve: requests that may wait while one computes; more are told busy at once."),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="With --serve: serve Prometheus metrics (plain HTTP /metrics) on HOST:PORT, 127.0.0.1 when no host is given. docs/serve.md"),
+        history: Optional[bool] = typer.Option(None, "--history/--no-history", help="Sliding-window layers carry every row computed, so another engine's numeric gate can check every layer anywhere in the prompt (default: where the engine can; --no-history: the window only, for a consumer on this same engine). docs/kvpack.md 1.3"),
         max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
@@ -54,7 +55,8 @@ def register(app: typer.Typer) -> None:
             if serve is not None:
                 _serve(serve, prompt=prompt, model=model, engine=engine, dtype=dtype, threads=threads,
                        max_queue=max_queue, as_json=as_json, options=options,
-                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch, metrics=metrics)
+                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch, metrics=metrics,
+                       history=history)
                 return
             if metrics is not None:
                 from muser_cli.errors import UsageError
@@ -71,7 +73,8 @@ def register(app: typer.Typer) -> None:
             with binary_output(output) as out:
                 res = prefill(text, out, model=model, engine=engine, dtype=dtype, chat=chat, chunk_tokens=chunk,
                               threads=threads or default_threads(), codec=codec, level=zstd or 1, have=manifest,
-                              reuse=reuse, store=store, progress=progress_callback(), engine_options=options)
+                              reuse=reuse, store=store, progress=progress_callback(), engine_options=options,
+                              history=history)
             summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
                        "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
                        "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4),
@@ -97,7 +100,7 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 
 def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
            max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8,
-           metrics: Optional[str] = None) -> None:
+           metrics: Optional[str] = None, history: Optional[bool] = None) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
     from muser_cli.commands._common import drain_on_signals

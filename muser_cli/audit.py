@@ -457,12 +457,12 @@ class SpotGate:
 DEFAULT_SAMPLE_POSITIONS = 32
 
 
-def sample_positions(rows: int, count: int, seed: int) -> list[int]:
-    """``count`` distinct positions of [0, rows), uniformly drawn from ``seed`` (all of them
-    when the prompt is that short), sorted."""
-    if rows <= count:
-        return list(range(rows))
-    return sorted(random.Random(seed).sample(range(rows), count))
+def sample_positions(rows: int, count: int, seed: int, lo: int = 0) -> list[int]:
+    """``count`` distinct positions of [lo, rows), uniformly drawn from ``seed`` (all of them
+    when the range is that short), sorted."""
+    if rows - lo <= count:
+        return list(range(lo, rows))
+    return sorted(random.Random(seed).sample(range(lo, rows), count))
 
 
 def new_seed() -> int:
@@ -486,12 +486,19 @@ class SampleCheck:
         return all(l["ok"] for l in self.layers)
 
     @property
+    def complete(self) -> bool:
+        """Every layer compared at every sampled position (False: a sliding layer's window
+        before some position is not carried, so layers from it up went unchecked there)."""
+        return all(l["positions"] == len(self.positions) for l in self.layers)
+
+    @property
     def worst(self) -> dict:
         return max(self.layers, key=lambda l: l["rel_max"] / (l["tolerance"] or 1.0), default={})
 
     def to_json(self) -> dict:
         w = self.worst
-        return {"ok": self.ok, "seed": self.seed, "positions": self.positions, "method": self.method,
+        return {"ok": self.ok, "complete": self.complete, "seed": self.seed, "positions": self.positions,
+                "method": self.method,
                 "layers": [l["layer"] for l in self.layers if l["positions"]],
                 "layers_partial": [l["layer"] for l in self.layers if 0 < l["positions"] < len(self.positions)],
                 "layers_unchecked": [l["layer"] for l in self.layers if not l["positions"]],
@@ -522,10 +529,15 @@ def _fresh_rows(header, layers: list[LayerKV], engine, positions: list[int], row
 
 
 def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_SAMPLE_POSITIONS,
-                 seed: int | None = None, rows: int | None = None, reason: str = "") -> SampleCheck:
-    """Recompute ``count`` positions drawn across [0, rows) (default: all the pack's rows), each
+                 seed: int | None = None, rows: int | None = None, lo: int = 0, reason: str = "",
+                 partial_ok: bool = False) -> SampleCheck:
+    """Recompute ``count`` positions drawn across [lo, rows) (default: all the pack's rows), each
     from the pack's own rows before it and the prompt's token there, in every layer, and
-    compare K and V with the pack's; raise SpotCheckFailed on a mismatch.
+    compare K and V with the pack's; raise SpotCheckFailed on a mismatch, and GateIncomplete
+    when some layer could not be compared at some sampled position (a sliding-window model
+    past its window, its pack without the sliding history: ``ring_extra`` short of
+    ``rows - window + 1``) unless ``partial_ok`` (a report, as ``verify --audit`` gives).
+    ``lo``: the rows before it are trusted (a delta's base, checked or made here).
 
     Why this detects a fault: a layer's K/V at position p are a function of the rows of the
     layers below at positions <= p and of token p. A recomputation of p from the pack's own
@@ -537,7 +549,7 @@ def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_
     t0 = time.perf_counter()
     rows = header.rows_end if rows is None else rows
     seed = new_seed() if seed is None else int(seed)
-    positions = sample_positions(rows, max(1, int(count)), seed)
+    positions = sample_positions(rows, max(1, int(count)), seed, lo)
     fresh, exact, method = _fresh_rows(header, layers, engine, positions, rows)
     probe = KVPack(header=header, layers=layers, root_digest=b"", total_bytes=0, stored_bytes=0)
     tol = tolerance_for(probe, engine.name)
@@ -566,7 +578,29 @@ def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_
                              l.values[:, [positions[j] - l.first_row for j in common]], 0) for l in layers]
         _refuse_sampled(result, header, engine.name, [LayerKV(k[:, common], v[:, common], 0) for k, v in mine],
                         theirs_at)
+    if not result.complete and not partial_ok:
+        _refuse_incomplete(result, header)
     return result
+
+
+def _refuse_incomplete(result: SampleCheck, header) -> None:
+    """GateIncomplete: which layers went unchecked where, and what would make the pack checkable."""
+    from muser_cli.errors import GateIncomplete
+
+    m = len(result.positions)
+    short = [l for l in result.layers if l["positions"] < m]
+    missed = m - min(l["positions"] for l in short)
+    first = short[0]["layer"]
+    windows = sorted({s.window for s in header.layers if s.kind == "sliding" and s.window})
+    made_by = (header.producer or {}).get("engine") or "an unnamed engine"
+    raise GateIncomplete(
+        f"pack refused by the numeric gate before the first token: it cannot be checked in full here -- layers "
+        f"{first}..{short[-1]['layer']} could not be recomputed at {missed} of {m} positions sampled across the "
+        f"prompt (seed {result.seed}): they lie before the sliding window ({', '.join(map(str, windows))} tokens), "
+        f"whose older rows this pack does not carry (ring_extra {header.ring_extra}); rows nobody checked are not "
+        f"decoded from",
+        hint=f"have the producer ({made_by}) write the sliding history (muser prefill --history; a pull-lane "
+             f"producer sends it when asked), decode with --prompt to prefill locally, or --audit 0 to skip the gate")
 
 
 def _refuse_sampled(result: SampleCheck, header, engine: str, mine: list[LayerKV], their: list[LayerKV]) -> None:

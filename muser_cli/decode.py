@@ -345,7 +345,9 @@ def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int |
         header=replace(header, rows_start=0, base=None), layers=got.layers, root_digest=got.pack.root_digest,
         total_bytes=got.pack.total_bytes, stored_bytes=got.pack.stored_bytes)
     positions, why = audit or 1, reason or "asked for (--audit)"
-    sampled = sample_check(pack.header, list(pack.layers), eng, seed=seed, reason=why).to_json()
+    # A delta's base was made here or passed the gate already (_gate_base): its own rows are sampled.
+    sampled = sample_check(pack.header, list(pack.layers), eng, seed=seed, lo=header.rows_start,
+                           reason=why).to_json()
     # Fused, the first token comes from a step of several tokens and the consumer's own
     # recomputation of the checked rows: equal within the tolerance, not in every bit (in
     # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps

@@ -65,6 +65,13 @@ class SpotCheckFailed(DataError):
     producer's engine wrote wrong rows. A caller with the prompt may prefill locally."""
 
 
+class GateIncomplete(SpotCheckFailed):
+    """The numeric gate could not recompute every layer at every sampled position of a foreign
+    pack (exit 65): a sliding-window model past its window whose pack carries no sliding
+    history (docs/kvpack.md 1.3). Rows nobody checked are not decoded from; with a prompt the
+    pack is set aside for local rows, as for any refusal of the gate."""
+
+
 class PromptTooShort(DataError):
     """A prompt of under 2 tokens: there is nothing to hand off (exit 65)."""
 

@@ -63,6 +63,16 @@ class FrameEmitter:
         self.seconds += time.perf_counter() - t0
 
 
+def set_history(eng, history: bool | None) -> None:
+    """Ask ``eng`` for the sliding history (``history`` None: where it can write it); True on an
+    engine that cannot, for a model with a sliding layer, is a UsageError."""
+    sliding = any(s.kind == "sliding" for s in eng.info.layers)
+    if history and sliding and not eng.writes_history:
+        raise UsageError(f"the {eng.name} engine cannot write the sliding history of {eng.info.name}",
+                         hint="drop --history, or prefill with --engine torch")
+    eng.history = history is not False and eng.writes_history
+
+
 def prefill(
     prompt: str,
     out: BinaryIO,
@@ -80,6 +90,7 @@ def prefill(
     store: bool = False,
     progress: ProgressFn | None = None,
     engine_options: dict | None = None,
+    history: bool | None = None,
 ) -> PrefillResult:
     """Prefill ``prompt`` on the canonical schedule and write its kvpack to ``out``.
 
@@ -88,7 +99,12 @@ def prefill(
     another model or prompt. ``reuse`` (implied by ``have``): start from the deepest
     exact point this machine's store holds instead of position 0 (same bytes, less work).
     ``store``: keep the whole result in the store. ``engine_options``: vLLM's engine
-    options (``--vllm-opt``; see muser_cli.engines.vllm.options).
+    options (``--vllm-opt``; see muser_cli.engines.vllm.options). ``history``: a model with
+    sliding-window layers gets them with every row computed (the sliding history,
+    docs/kvpack.md 1.3), so another engine's numeric gate can check every layer at any
+    position; None: where the engine can (False: the last ``window`` rows only -- a pack for
+    a consumer on this same engine, which needs no gate). With the history no stored prefix
+    is continued: it holds none.
     """
     check_chunk(chunk_tokens)
     t0 = time.perf_counter()
@@ -109,12 +125,17 @@ def prefill(
     chunk_tokens = chunk_tokens or DEFAULT_CHUNK_TOKENS
     dtype = dtype or default_dtype(engine)
     eng = get_engine(engine, info, dtype=dtype, threads=threads, options=engine_options)
+    set_history(eng, history)
     t1 = time.perf_counter()
+    rows = len(ids) - 1
     header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
-                          extra=eng.producer_info(), ring_extra=eng.ring_extra)
+                          extra=eng.producer_info(), ring_extra=eng.pack_ring_extra(rows))
     full_header = header
     if have is not None and have.held_tokens:
         header = delta_header(header, scope_of_header(header), have.held_tokens, have.chain)
+        header = replace(header, ring_extra=eng.pack_ring_extra(rows, header.rows_start))
+    # A stored prefix holds no sliding history: with it, every row is computed here.
+    may_reuse = (reuse or have is not None) and eng.resumes_prefill and not eng.keeps_history
     # A streaming engine hands each chunk's rows to the writer as the chunk finishes: the
     # header leaves first, then every frame as soon as its rows are final (same bytes as
     # writing the finished pack, since frames go in the same order).
@@ -122,7 +143,7 @@ def prefill(
     emitter = FrameEmitter(writer, out) if writer is not None else None
     # Rows from this machine's store only on an engine that can continue them (its own kernels).
     made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
-                      reuse=(reuse or have is not None) and eng.resumes_prefill, progress=progress,
+                      reuse=may_reuse, progress=progress,
                       on_chunk=emitter, ring_extra=header.ring_extra)
     t2 = time.perf_counter()
     if writer is None:

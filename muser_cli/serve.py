@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import MuserError, TempFailure, UsageError
+from muser_cli.errors import DataError, MuserError, TempFailure, UsageError
 from muser_cli.handoff.pull import PullRequest
 from muser_cli.handoff.spool import Refusal
 
@@ -92,8 +92,9 @@ class ResidentProducer:
 
     def __init__(self, model: str | None, *, engine: str = "torch", dtype: str | None = None, threads: int = 1,
                  engine_options: dict | None = None, store: bool = False, max_batch: int = 8,
-                 loaded: Any = None) -> None:
-        """``loaded``: an engine already made for ``model`` (named ``engine``) to serve with."""
+                 loaded: Any = None, history: bool | None = None) -> None:
+        """``loaded``: an engine already made for ``model`` (named ``engine``) to serve with.
+        ``history``: packs carry the sliding history (:func:`muser_cli.prefill.set_history`)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"--max-batch must be a positive integer, got {max_batch!r}")
         from muser_cli.engines.registry import get_engine
@@ -109,6 +110,9 @@ class ResidentProducer:
         self.threads = threads
         self.engine = loaded if loaded is not None else get_engine(engine, self.info, dtype=self.dtype,
                                                                     threads=threads, options=engine_options)
+        from muser_cli.prefill import set_history
+
+        set_history(self.engine, history)
         self._batcher: _Batcher | None = None
         self.max_concurrent = 1  # requests the server may run at once (PullServer's admission)
         if self.engine.batches_prefill and max_batch > 1:
@@ -181,15 +185,18 @@ class ResidentProducer:
         from muser_cli.prefill import FrameEmitter
         from muser_cli.reuse.chain import scope_of_header
         from muser_cli.reuse.delta import delta_header
+        from muser_cli.kvpack.layers import ring_extra_held
         from muser_cli.schedule import build_header
 
         ids = list(req.token_ids)
         eng = self.engine
+        rows = len(ids) - 1
         header = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                               engine=self.engine_name, threads=self.threads, extra=eng.producer_info(),
-                              ring_extra=eng.ring_extra)
+                              ring_extra=eng.pack_ring_extra(rows))
         if req.have_tokens:  # its chain was checked before admission (check)
             header = delta_header(header, scope_of_header(header), req.have_tokens, req.have_chain)
+            header = replace(header, ring_extra=eng.pack_ring_extra(rows, header.rows_start))
         t0 = time.perf_counter()
         writer = PackWriter(out, header) if eng.streams_prefill else None
         if writer is not None:
@@ -203,8 +210,8 @@ class ResidentProducer:
         if writer is None:  # a whole-pack engine (vLLM): its producer record is complete only now
             full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                                 engine=self.engine_name, threads=self.threads, extra=self._producer_info(),
-                                ring_extra=eng.ring_extra)
-            header = replace(full, rows_start=header.rows_start, base=header.base)
+                                ring_extra=eng.pack_ring_extra(rows))
+            header = replace(full, rows_start=header.rows_start, base=header.base, ring_extra=header.ring_extra)
             writer = write_pack(out, header, layers)
         else:
             writer.finish()
@@ -213,7 +220,7 @@ class ResidentProducer:
             if full is None:
                 full = build_header(self.info, ids, dtype=req.dtype, chunk_tokens=req.chunk_tokens,
                                     engine=self.engine_name, threads=self.threads, extra=self._producer_info(),
-                                    ring_extra=eng.ring_extra)
+                                    ring_extra=ring_extra_held(self.info.layers, layers, rows))
             self._local.put = (full, layers)
         stats = {"prefill_s": round(time.perf_counter() - t0 - (emitter.seconds if emitter else 0.0), 6),
                  "held_rows": req.have_tokens, "shipped_rows": len(ids) - 1 - req.have_tokens,
@@ -261,18 +268,23 @@ class ResidentProducer:
                     break
                 common += 1
             held = min(common, len(last[0]) - 1, rows) // req.chunk_tokens * req.chunk_tokens
+            if eng.keeps_history:  # a pack then carries every sliding row from the consumer's prefix on
+                held = min(held, req.have_tokens) // req.chunk_tokens * req.chunk_tokens
             specs = self.info.layers
             while held > 0 and not resumable(specs, len(last[0]), held):
                 held -= req.chunk_tokens
             source = "memory" if held else "local"
         self._last = None  # dropped before the next prefill: at most one prompt's rows held
-        if self.store and eng.resumes_prefill and held < rows:
+        if self.store and eng.resumes_prefill and held < rows and not eng.keeps_history:
             found = self._from_store(ids, req, deeper_than=held)
             if found is not None:
                 held, prefix, source = found.held, found.layers, "store"
         if source == "memory":
             assert last is not None
-            prefix = layers_at(last[2], self.info.layers, held, eng.ring_extra if held == rows else 0)
+            try:
+                prefix = layers_at(last[2], self.info.layers, held, eng.ring_extra if held == rows else 0)
+            except DataError:  # the remembered rows do not reach back that far (a delta's history)
+                held, prefix, source = 0, None, "local"
         if held == 0 and self._batcher is not None:
             layers, self._local.producer, self._local.batch = self._batcher.prefill(ids[:-1], req.chunk_tokens)
         elif held == 0:
@@ -312,7 +324,8 @@ class ResidentProducer:
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> dict[str, int]:
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
+          history: bool | None = None) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
     server's counters (served, refused, failed, turned_away: told busy while stopping).
     ``store``: continue from this machine's reuse store too and keep every result there.
@@ -337,7 +350,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     # held while engines start their workers); it listens only once the producer can answer.
     listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
-                                store=store, max_batch=max_batch)
+                                store=store, max_batch=max_batch, history=history)
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
                         more=more)
     try:

@@ -158,10 +158,8 @@ def test_spot_check_passes_an_honest_pack(request, which, prompt_file, tmp_path)
     model = request.getfixturevalue(which)
     res = _spot(_pack(model.path, prompt_file, tmp_path), _engine("torch", model), positions=2)
     assert res.ok and res.positions[1] - res.positions[0] == 2
-    if which == "tiny_llama":
-        assert res.checked == len(model.layers) and res.unchecked == []
-    else:  # sliding first: the ring is one row short of recomputing all layers exactly
-        assert res.checked == 1 and res.unchecked == [1, 2, 3]
+    # a hybrid pack carries its sliding history (prefill's default): every layer is recomputed exactly
+    assert res.checked == len(model.layers) and res.unchecked == []
     assert res.to_json()["ok"] is True and res.to_json()["ms"] > 0
 
 
@@ -202,7 +200,7 @@ def test_spot_check_on_a_hybrid_model_catches_a_wrong_first_layer(tiny_hybrid, p
     l0 = layers[0]
     layers[0] = LayerKV(l0.keys[:, ::-1].copy(), l0.values[:, ::-1].copy(), l0.first_row)  # ring rows reversed
     bad = _rewrite(good, tmp_path / "reversed.kvpack", layers=layers)
-    assert pack.header.ring_extra == 1  # every layer is checked, not only those up to the first sliding one
+    assert pack.header.ring_extra == pack.header.rows_end  # the sliding history: every layer is checked
     with pytest.raises(SpotCheckFailed, match=r"of 4 layers differ.*(worst layer 0 \(sliding|first layer 0\))"):
         _spot(bad, _engine("torch", tiny_hybrid))
 
@@ -222,7 +220,7 @@ def test_spot_check_passes_honest_cross_engine_packs(request, which, prompt_file
     assert spot_check_reason(h, engine=consumer, dtype=h.dtype) == f"made by {producer}, decoded on {consumer}"
     res = _spot(out, _engine(consumer, model), positions=2)
     assert res.ok, res.layers
-    assert res.checked == (len(model.layers) if which == "tiny_llama" else 1)
+    assert res.checked == len(model.layers)  # torch and mlx both write the sliding history
 
 
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_hybrid"])

@@ -110,8 +110,8 @@ def test_a_hybrid_pack_past_its_window_is_checked_in_every_layer(tiny_hybrid):
     check recomputes the last position of every layer, sliding ones included."""
     data = _pack(tiny_hybrid, engine_name="vllm")
     h = read_pack(io.BytesIO(data)).header
-    assert h.rows_end > 8 and h.ring_extra == 1 and h.minor == 2  # past the tiny hybrid's window of 8
-    assert [h.layer_rows(i) for i in range(4)] == [8, 8, 8, h.rows_end]
+    assert h.rows_end > 8 and h.ring_extra == h.rows_end and h.minor == 2  # past the window of 8, with its history
+    assert [h.layer_rows(i) for i in range(4)] == [h.rows_end] * 4
     out = _decode(tiny_hybrid, data)
     spot = out.spot_check
     assert spot["ran"] and spot["ok"] and spot["fused"] is True
@@ -123,17 +123,21 @@ def test_a_hybrid_pack_past_its_window_is_checked_in_every_layer(tiny_hybrid):
     assert asked["fused"] is False and asked["ok"] and asked["layers_unchecked"] == []
 
 
-def test_without_the_ring_row_only_layers_up_to_the_first_sliding_one_are_checked(tiny_hybrid):
-    """A pack without the extra row (v1.1, or --audit N past what it carries): the check runs as
-    a step of its own and names the layers it could not check."""
+def test_without_the_sliding_history_a_foreign_hybrid_pack_is_refused_not_half_checked(tiny_hybrid):
+    """A pack whose sliding layers carry their window only (v1.1 without the ring row, v1.2 with
+    one): the layers above the first sliding one cannot be recomputed before the window, so the
+    gate refuses it (65) rather than name them unchecked and decode (issue 30); with its history
+    a check as wide as asked is fused and covers every layer."""
+    from muser_cli.errors import GateIncomplete
+
     data = _pack(tiny_hybrid, engine_name="vllm")
-    old = _rewrite(data, ring_extra=0)
-    assert read_pack(io.BytesIO(old)).header.minor == 1
-    spot = _decode(tiny_hybrid, old).spot_check
-    assert spot["ran"] and spot["ok"] and spot["fused"] is False
-    assert spot["layers_checked"] == 1 and spot["layers_unchecked"] == [1, 2, 3]
-    wide = _decode(tiny_hybrid, data, audit=3).spot_check  # 3 positions need 3 ring rows; it carries 1
-    assert wide["ok"] and wide["fused"] is False and wide["layers_unchecked"] == [1, 2, 3]
+    for ring in (0, 1):
+        old = _rewrite(data, ring_extra=ring)
+        assert read_pack(io.BytesIO(old)).header.minor == (1 if ring == 0 else 2)
+        with pytest.raises(GateIncomplete, match="cannot be checked in full"):
+            _decode(tiny_hybrid, old)
+    wide = _decode(tiny_hybrid, data, audit=3).spot_check
+    assert wide["ok"] and wide["fused"] is True and wide["layers_unchecked"] == []
     assert wide["positions"][1] - wide["positions"][0] == 3
 
 
@@ -152,16 +156,20 @@ def test_a_sliding_layer_with_a_wrong_last_row_is_refused_naming_it(tiny_hybrid,
 
 
 def test_a_wrong_extra_ring_row_is_caught_through_the_layers_after_it(tiny_hybrid):
-    """The extra row is the recomputation's prefix, never compared itself: a wrong one makes
-    the later layers' recomputed rows disagree, and the pack is refused before any token."""
+    """The row just before the window (the last-position check's prefix, never compared by
+    that check itself): a wrong one makes the later layers' recomputed rows disagree -- or the
+    sampled gate lands on it -- and the pack is refused before any token."""
     data = _pack(tiny_hybrid, engine_name="vllm")
+    h = read_pack(io.BytesIO(data)).header
+    before = h.rows_end - tiny_hybrid.layers[1].window  # with the history: position == row index
 
     def corrupt(layers):
-        layers[1].keys[:, 0] *= -4.0
-        layers[1].values[:, 0] *= -4.0
+        layers[1].keys[:, before] *= -4.0
+        layers[1].values[:, before] *= -4.0
     tokens: list[int] = []
-    with pytest.raises(SpotCheckFailed, match=r"before the first token: 2 of 4 layers differ.*worst layer [23] "):
-        _decode(tiny_hybrid, _rewrite(data, corrupt=corrupt), on_token=tokens.append)
+    for seed in (1, 2, 3):
+        with pytest.raises(SpotCheckFailed, match=r"before the first token: [23] of 4 layers differ"):
+            _decode(tiny_hybrid, _rewrite(data, corrupt=corrupt), on_token=tokens.append, audit_seed=seed)
     assert tokens == []
 
 
@@ -172,7 +180,7 @@ def test_honest_cross_engine_hybrid_packs_pass_in_every_layer(tiny_hybrid, produ
     out = io.BytesIO()
     prefill(PROMPT, out, model=str(tiny_hybrid.path), engine=producer, chunk_tokens=8, dtype="float32")
     h = read_pack(io.BytesIO(out.getvalue())).header
-    assert h.ring_extra == 1 and h.producer["engine"] == producer
+    assert h.ring_extra == h.rows_end and h.producer["engine"] == producer  # with the sliding history
     res = _decode(tiny_hybrid, out.getvalue(), engine=consumer)
     spot = res.spot_check
     assert spot["ran"] and spot["ok"] and spot["fused"] and spot["layers_unchecked"] == []
@@ -272,7 +280,7 @@ def test_a_producer_asked_for_kvpack_1_1_leaves_the_ring_row_out(tiny_hybrid, mo
     old = read_pack(io.BytesIO(_pack(tiny_hybrid, engine_name="torch")))
     assert new.header.minor == 2 and old.header.minor == 1 and old.header.ring_extra == 0
     for i, spec in enumerate(old.header.layers):
-        drop = 1 if spec.kind == "sliding" else 0
+        drop = new.header.rows_end - (spec.window - 1) if spec.kind == "sliding" else 0  # the history's older rows
         assert np.array_equal(old.layers[i].keys, new.layers[i].keys[:, drop:])
     monkeypatch.setenv("MUSER_KVPACK_MINOR", "3")
     with pytest.raises(ConfigError, match="MUSER_KVPACK_MINOR"):

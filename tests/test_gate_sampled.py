@@ -22,7 +22,7 @@ import pytest
 from muser_cli.audit import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.decode import decode
 from muser_cli.engines.registry import get_engine
-from muser_cli.errors import IdentityMismatch, SpotCheckFailed
+from muser_cli.errors import GateIncomplete, IdentityMismatch, SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
 from muser_cli.prefill import prefill
 
@@ -131,16 +131,101 @@ def test_last_layer_wrong_except_the_last_position_is_never_decoded(tiny_llama, 
         _decode(tiny_llama, bad, PROMPT, strict=True)
 
 
-def test_a_hybrid_pack_is_sampled_position_by_position_and_says_what_it_could_not_compare(tiny_hybrid):
-    """A sliding layer carries only its last window of rows: before it, the layers above the
-    first sliding one cannot be recomputed from the pack (docs/reliability.md, the limit)."""
-    data = _pack(tiny_hybrid)
-    spot = _decode(tiny_hybrid, data, audit_seed=3).spot_check
-    s = spot["sampled"]
-    assert spot["ok"] and s["ok"] and s["method"] == "per-position"
-    assert 0 in s["layers"] and sorted(s["layers"] + s["layers_unchecked"]) == list(range(len(tiny_hybrid.layers)))
-    assert s["layers_unchecked"]  # above the first sliding layer: only where its window is carried
-    assert spot["layers_unchecked"] == []  # the fused check still covers every layer at the last position
+def _hybrid_pack(model, *, history: bool | None = None, corrupt=None) -> bytes:
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(model.path), chunk_tokens=8, dtype="float32", history=history)
+    return _relabel(out.getvalue(), "mlx", corrupt=corrupt)
+
+
+def _above_first_sliding(model) -> int:
+    """The first full-attention layer above a sliding one: the layer the gate could not
+    recompute before the window without the sliding history."""
+    kinds = [s.kind for s in model.layers]
+    return next(i for i in range(kinds.index("sliding") + 1, len(kinds)) if kinds[i] == "full")
+
+
+def test_a_hybrid_pack_carries_its_sliding_history_and_every_layer_is_checked_everywhere(tiny_hybrid):
+    """The torch producer writes every row of its sliding layers (docs/kvpack.md 1.3): the gate
+    recomputes every layer at every sampled position, across the whole prompt."""
+    data = _hybrid_pack(tiny_hybrid)
+    h = read_pack(io.BytesIO(data)).header
+    window = min(s.window for s in tiny_hybrid.layers if s.kind == "sliding")
+    assert h.rows_end > 3 * window and h.ring_extra == h.rows_end  # past the window; every row carried
+    out = _decode(tiny_hybrid, data, audit_seed=3)
+    s = out.spot_check["sampled"]
+    assert s["ok"] and s["complete"] and s["layers_unchecked"] == [] and s["layers_partial"] == []
+    assert s["layers"] == list(range(len(tiny_hybrid.layers))) and min(s["positions"]) < window
+    assert out.source == "handoff" and out.token_ids == _decode(tiny_hybrid, None, PROMPT).token_ids
+
+
+def test_a_hybrid_pack_wrong_before_the_window_is_caught(tiny_hybrid):
+    """The fault the gate could not see before (it passed, and decoded wrong text): a full layer
+    above a sliding one, wrong at more than a quarter of the positions, all before the window."""
+    h = read_pack(io.BytesIO(_hybrid_pack(tiny_hybrid))).header
+    window = min(s.window for s in tiny_hybrid.layers if s.kind == "sliding")
+    layer = _above_first_sliding(tiny_hybrid)
+    early = list(range(0, h.rows_end - window))
+    assert len(early) > h.rows_end // 4
+    rng = random.Random(30)
+    caught = 0
+    for trial in range(40):
+        bad = rng.sample(early, h.rows_end // 4 + 1)
+        data = _hybrid_pack(tiny_hybrid, corrupt=lambda layers: _fault(layers, layer, bad, "negate-k"))
+        try:
+            sample_check(h, list(read_pack(io.BytesIO(data)).layers), get_engine("torch", tiny_hybrid,
+                         dtype="float32", threads=1), seed=trial)
+        except SpotCheckFailed as exc:
+            assert not isinstance(exc, GateIncomplete)
+            caught += 1
+    assert caught == 40
+    data = _hybrid_pack(tiny_hybrid, corrupt=lambda layers: _fault(layers, layer, early, "scale-v"))
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="sampled across the prompt"):
+        _decode(tiny_hybrid, data, on_token=tokens.append)
+    assert tokens == []
+    out = _decode(tiny_hybrid, data, PROMPT)
+    assert out.source == "local" and out.set_aside.startswith("pack set aside: pack refused by the spot-check")
+
+
+def test_a_foreign_hybrid_pack_without_its_history_is_never_decoded_unchecked(tiny_hybrid):
+    """A pack whose sliding layers carry only their window (``--no-history``, or an engine that
+    cannot write more): the layers above the first sliding one cannot be recomputed before the
+    window, so the gate refuses it (65) -- set aside for local rows with a prompt -- instead of
+    decoding from rows nobody checked; ``--audit 0`` is the user's explicit way past it."""
+    honest = _hybrid_pack(tiny_hybrid, history=False)
+    h = read_pack(io.BytesIO(honest)).header
+    assert h.ring_extra == 1
+    tokens: list[int] = []
+    with pytest.raises(GateIncomplete, match="cannot be checked in full") as err:
+        _decode(tiny_hybrid, honest, on_token=tokens.append)
+    assert tokens == [] and "--history" in err.value.hint
+    local = _decode(tiny_hybrid, None, PROMPT)
+    out = _decode(tiny_hybrid, honest, PROMPT)
+    assert out.source == "local" and out.token_ids == local.token_ids and "checked in full" in out.set_aside
+    with pytest.raises(GateIncomplete):
+        _decode(tiny_hybrid, honest, PROMPT, strict=True)
+    skipped = _decode(tiny_hybrid, honest, audit=0)
+    assert skipped.source == "handoff" and skipped.spot_check["skipped"] and skipped.token_ids == local.token_ids
+    # before: a fault above the first sliding layer before the window passed and decoded wrong text
+    layer = _above_first_sliding(tiny_hybrid)
+    window = min(s.window for s in tiny_hybrid.layers if s.kind == "sliding")
+    bad = _relabel(honest, "mlx", corrupt=lambda layers: _fault(layers, layer, list(range(h.rows_end - window)),
+                                                                 "negate-k"))
+    with pytest.raises(SpotCheckFailed):
+        _decode(tiny_hybrid, bad)
+
+
+def test_the_cli_prefills_with_the_history_by_default_and_without_it_when_told(tiny_hybrid, tmp_path):
+    (tmp_path / "p.txt").write_text(PROMPT)
+    for flag, ring in ((None, "rows"), ("--no-history", 1)):
+        args = ["prefill", "p.txt", "-m", str(tiny_hybrid.path), "--chunk", "8", "--dtype", "float32", "-o", "x.kvpack"]
+        r = _muser(*(args + ([flag] if flag else [])), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        h = read_pack(open(tmp_path / "x.kvpack", "rb")).header
+        assert h.ring_extra == (h.rows_end if ring == "rows" else ring)
+    r = _muser("prefill", "p.txt", "-m", str(tiny_hybrid.path), "--engine", "mlx", "--history", "-o", "y.kvpack",
+               cwd=tmp_path)
+    assert r.returncode == 2 and b"sliding history" in r.stderr and not (tmp_path / "y.kvpack").exists()
 
 
 # ------------------------------------------------------------------ every path rows enter by

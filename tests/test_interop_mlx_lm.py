@@ -169,9 +169,16 @@ def test_mlx_lm_file_imports_verifies_and_round_trips(name, whole, request, tmp_
     # muser decodes it to mlx-lm's own continuation of the whole prompt
     eng = mlx_engine(info)
     theirs = [t for t, _ in generate_step(mx.array(ids), eng.model, max_tokens=NEW, prefill_step_size=CHUNK)]
+    hybrid = any(s.kind == "sliding" and s.window - 1 < len(ids) - 1 for s in info.layers)
+    if hybrid:  # mlx-lm's ring holds the window only: its rows cannot all be checked, never decoded unchecked
+        from muser_cli.errors import GateIncomplete
+
+        with open(pack_path, "rb") as f, pytest.raises(GateIncomplete):
+            decode(f, model=str(info.path), engine="mlx", max_new_tokens=NEW)
     with open(pack_path, "rb") as f:
-        out = decode(f, model=str(info.path), engine="mlx", max_new_tokens=NEW)
+        out = decode(f, model=str(info.path), engine="mlx", max_new_tokens=NEW, prompt=PROMPT if hybrid else None)
     assert out.token_ids == theirs[: len(out.token_ids)] and out.token_ids
+    assert out.source == ("local" if hybrid else "handoff")
 
     # kvpack -> mlx-lm again: the same rows (the whole file when it held prompt[:-1])
     back = tmp_path / "back.safetensors"
@@ -196,11 +203,11 @@ def test_kvpack_to_mlx_lm_to_kvpack_keeps_the_bytes(tiny_hybrid, tmp_path):
                           chunk_tokens=CHUNK)
     a, b = read_pack(open(pack_path, "rb")), read_pack_bytes(out.getvalue())
     assert a.header.token_ids == b.header.token_ids and a.header.layers == b.header.layers
-    # The pack's extra ring row (ring_extra 1) does not survive mlx-lm's ring of window - 1 rows.
-    assert a.header.ring_extra == 1 and b.header.ring_extra == 0
-    for x, y in zip(a.layers, b.layers):
+    # The pack's sliding history (ring_extra = rows) does not survive mlx-lm's ring of window - 1 rows.
+    assert a.header.ring_extra == a.header.rows_end and b.header.ring_extra == 0
+    for x, y, spec in zip(a.layers, b.layers, info.layers):
         cut = y.first_row - x.first_row
-        assert cut == (1 if y.first_row else 0)
+        assert cut == (a.header.rows_end - (spec.window - 1) if spec.kind == "sliding" else 0)
         assert x.keys[:, cut:].tobytes() == y.keys.tobytes() and x.values[:, cut:].tobytes() == y.values.tobytes()
 
 
@@ -357,8 +364,8 @@ def test_bfloat16_rows_export_as_bf16_bits_and_come_back(tiny_hybrid, tmp_path):
     interop.import_mlx_lm(str(f), back, model=str(info.path), token_ids=list(pack.header.token_ids), chunk_tokens=CHUNK)
     again = read_pack_bytes(back.getvalue())
     assert again.header.dtype == "bfloat16"
-    cuts = [y.first_row - x.first_row for x, y in zip(pack.layers, again.layers)]  # the ring_extra row is dropped
-    assert cuts == [pack.header.ring_extra if s.kind == "sliding" else 0 for s in info.layers]
+    cuts = [y.first_row - x.first_row for x, y in zip(pack.layers, again.layers)]  # the sliding history is dropped
+    assert cuts == [pack.header.rows_end - (s.window - 1) if s.kind == "sliding" else 0 for s in info.layers]
     assert all(x.keys[:, c:].tobytes() == y.keys.tobytes() and x.values[:, c:].tobytes() == y.values.tobytes()
                for x, y, c in zip(pack.layers, again.layers, cuts))
 

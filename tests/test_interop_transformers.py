@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import muser_cli
 from muser_cli.decode import decode
-from muser_cli.errors import DataError, IdentityMismatch, UsageError
+from muser_cli.errors import DataError, GateIncomplete, IdentityMismatch, UsageError
 from muser_cli.kvpack import read_pack_bytes
 from muser_cli.prefill import prefill
 from muser_cli.tokens import encode_prompt
@@ -80,11 +80,11 @@ def test_kvpack_to_dynamic_cache_to_kvpack_keeps_the_bytes(name, request):
                                                     chunk_tokens=CHUNK))
     assert b.header.token_ids == a.header.token_ids and b.header.layers == a.header.layers
     assert b.header.model_fingerprint == a.header.model_fingerprint and b.header.dtype == a.header.dtype
-    # A sliding layer's extra ring row (ring_extra) does not survive transformers' window - 1 rows.
+    # A sliding layer's history (ring_extra = rows) does not survive transformers' window - 1 rows.
     assert b.header.ring_extra == 0
     for x, y, spec in zip(a.layers, b.layers, info.layers):
         cut = y.first_row - x.first_row
-        assert cut == (a.header.ring_extra if spec.kind == "sliding" else 0)
+        assert cut == (a.header.rows_end - (spec.window - 1) if spec.kind == "sliding" else 0)
         assert x.keys[:, cut:].tobytes() == y.keys.tobytes() and x.values[:, cut:].tobytes() == y.values.tobytes()
 
 
@@ -101,7 +101,13 @@ def test_a_cache_transformers_filled_becomes_a_verified_pack(name, request):
     assert report.ok, [c.to_json() for c in report.checks]
     fresh = DynamicCache(config=model.config)
     theirs = generate(model, ids, fresh)  # transformers on its own, from scratch
-    ours = decode(io.BytesIO(data), model=str(info.path), engine="torch", max_new_tokens=NEW)
+    hybrid = any(s.kind == "sliding" for s in info.layers)
+    if hybrid:  # transformers' sliding layers hold the window only: not all checkable, never decoded unchecked
+        with pytest.raises(GateIncomplete):
+            decode(io.BytesIO(data), model=str(info.path), engine="torch", max_new_tokens=NEW)
+    ours = decode(io.BytesIO(data), model=str(info.path), engine="torch", max_new_tokens=NEW,
+                  prompt=PROMPT if hybrid else None)
+    assert ours.source == ("local" if hybrid else "handoff")
     assert ours.token_ids and theirs[: len(ours.token_ids)] == ours.token_ids
 
 

@@ -6,8 +6,8 @@ that family with head_dim 32 (vLLM's CPU attention needs >= 32; :data:`muser_cli
 ``muser prefill --engine vllm --dtype float32`` in its own process (one in-process vLLM per
 process, and test_vllm_real.py's session engine may be live in this one), then in this
 process ``decode PACK`` on torch == ``decode --prompt`` on torch, token for token, with the
-spot-check run and passed (over every layer of an all-full model; up to the first sliding
-layer otherwise, the rest named unchecked: vLLM writes no ring row). And each family vLLM cannot run here is refused
+spot-check run and passed over every layer at every sampled position (a sliding model's pack
+carries its sliding history, gathered step by step by the connector). And each family vLLM cannot run here is refused
 for the reason :data:`muser_cli.modelcheck.REFUSED` gives, checked, not assumed.
 
 Runs in .venv-vllm (``make test``); in the main venv it skips (no vLLM there).
@@ -76,12 +76,15 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
                    max_new_tokens=NEW, threads=1)
     spot = handed.spot_check
     assert handed.fallback is False and local.fallback is True
-    # vLLM writes no ring row (VLLMEngine.RING_EXTRA 0): the gate recomputes the layers up to and
-    # including the first sliding one exactly and names the rest unchecked (docs/models.md).
+    # vLLM's connector ships the sliding history (each step's sliding rows, gathered while vLLM
+    # holds them): the gate recomputes every layer at every sampled position (docs/kvpack.md 1.3).
     kinds = [s.kind for s in info.layers]
-    checked = kinds.index("sliding") + 1 if "sliding" in kinds else len(kinds)
+    checked = len(kinds)
+    if "sliding" in kinds:
+        assert header.ring_extra == header.rows_end and all(l.first_row == 0 for l in read_pack(open(pack, "rb")).layers)
     assert spot["ran"] and spot["ok"] and spot["reason"] == "made by vllm, decoded on torch"
-    assert spot["layers_checked"] == checked and spot["layers_unchecked"] == list(range(checked, len(kinds)))
+    assert spot["sampled"]["complete"] and spot["sampled"]["layers_unchecked"] == []
+    assert spot["layers_checked"] == checked and spot["layers_unchecked"] == []
     assert handed.token_ids == local.token_ids and len(set(local.token_ids)) > 1
     print(f"{family}: vllm pack -> torch, gate worst rel {spot['worst_rel']:.2e} over {checked}/{len(kinds)} layers; "
           f"{NEW}/{NEW} tokens equal")

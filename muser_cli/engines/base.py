@@ -125,10 +125,33 @@ class Engine(abc.ABC):
     #: the registry refuses options for the others.
     takes_options: bool = False
 
+    #: True when the engine can give its sliding layers every row a prefill computed (the
+    #: *sliding history*, docs/kvpack.md 1.3), so that another engine's numeric gate can
+    #: recompute every layer at any position of the pack.
+    writes_history: bool = False
+    #: Set by a producer (``prefill --history``, on by default where the engine can): the
+    #: packs it makes carry the sliding history. A consumer leaves it off.
+    history: bool = False
+
     @property
     def ring_extra(self) -> int:
         """:attr:`RING_EXTRA` for a model with a sliding layer, else 0."""
         return self.RING_EXTRA if any(s.kind == "sliding" for s in self.info.layers) else 0
+
+    @property
+    def keeps_history(self) -> bool:
+        """Whether this engine's packs carry the sliding history (:attr:`history` asked, the
+        engine able, the model with a sliding layer)."""
+        return (self.history and self.writes_history
+                and any(s.kind == "sliding" for s in self.info.layers))
+
+    def pack_ring_extra(self, end: int, start: int = 0) -> int:
+        """The ``ring_extra`` of a pack of rows [start, end) made by this engine: with the
+        sliding history, ``end - start`` (every sliding layer then carries each row computed
+        since ``start``, and the ``window - 1`` before it); else :attr:`ring_extra`."""
+        if self.keeps_history:
+            return max(self.ring_extra, end - start)
+        return self.ring_extra
 
     def prefill_from(
         self,

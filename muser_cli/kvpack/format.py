@@ -44,7 +44,7 @@ MINORS = (0, 1, 2, 3)
 MINOR_ADDS = {1: "a named chain digest", 2: "ring_extra", 3: "layer kinds latent and state"}
 MAX_STATE_DIMS = 6
 WRITE_MINOR = 1  # what a header is written as unless it needs more (ring_extra > 0: 1.2)
-MAX_RING_EXTRA = 1024
+MAX_RING_EXTRA = 1 << 22  # MAX_TOKENS: a sliding layer may carry every row (its history); readers before it read <= 1024
 PREAMBLE = struct.Struct("<8sHHI")  # magic, major, minor, header_len
 FRAME_HEADER = struct.Struct("<4sIIIIBBHQQ24x")  # tag, seq, layer, start, count, codec, flags, rsv, raw_len, stored_len
 ALIGN = 64

@@ -183,10 +183,15 @@ class LayerKV:
 def ring_extra_held(specs: "tuple[LayerSpec, ...] | list[LayerSpec]", layers: "list[LayerKV]", rows: int) -> int:
     """The ``ring_extra`` a pack of ``layers`` (each ending at ``rows``) can declare: the
     fewest rows beyond ``window - 1`` any sliding layer past its window holds (0 when none
-    is past its window, or one holds no more)."""
-    extras = [rows - kv.first_row - (spec.window - 1) for spec, kv in zip(specs, layers)
-              if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
-    return min(max(0, min(extras)), 1024) if extras else 0  # MAX_RING_EXTRA (format.py)
+    is past its window, or one holds no more). A layer holding every row from position 0
+    (the sliding history) bounds nothing: any ``ring_extra`` gives it all it holds."""
+    past = [(rows - kv.first_row - (spec.window - 1), kv.first_row == 0) for spec, kv in zip(specs, layers)
+            if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
+    if not past:
+        return 0
+    bounded = [extra for extra, whole in past if not whole]
+    extra = min(bounded) if bounded else max(extra for extra, _ in past)
+    return min(max(0, extra), 1 << 22)  # MAX_RING_EXTRA (format.py)
 
 
 def ring_tail(kv: LayerKV, first: int, end: int) -> LayerKV:

@@ -64,6 +64,7 @@ class MLXEngine(Engine):
     resumes_prefill = True
     streams_prefill = True
     RING_EXTRA = 1
+    writes_history = True  # each chunk's sliding rows, collected before the ring drops them
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -108,8 +109,9 @@ class MLXEngine(Engine):
         ids = self._check_ids(token_ids)
         if len(ids) >= self.info.max_positions:
             raise PromptTooLong(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
-        caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk)
-        return self._extract(caches, len(ids), self.ring_extra)
+        history = self._new_history(None, 0)
+        caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk, history)
+        return self._extract(caches, len(ids), self.pack_ring_extra(len(ids)), history)
 
     def prefill_from(
         self,
@@ -134,10 +136,11 @@ class MLXEngine(Engine):
         if total >= self.info.max_positions:
             raise PromptTooLong(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._install(layers, rows, chunk_tokens)
+        history = self._new_history(caches, rows)
         if on_chunk:
             on_chunk(rows, self._rows_of(caches, rows))
-        self._run_chunks(caches, ids, rows, chunk_tokens, progress, on_chunk)
-        return self._extract(caches, total, self.ring_extra)
+        self._run_chunks(caches, ids, rows, chunk_tokens, progress, on_chunk, history)
+        return self._extract(caches, total, self.pack_ring_extra(total, rows), history)
 
     def producer_info(self) -> dict:
         """Recorded in a kvpack's ``producer`` field by ``prefill``."""
@@ -295,19 +298,39 @@ class MLXEngine(Engine):
 
     # ------------------------------------------------------------------ caches
 
+    def _new_history(self, caches: list[Any] | None, rows: int) -> dict[int, list] | None:
+        """Where a prefill with the sliding history (:attr:`keeps_history`) collects each sliding
+        layer's rows as every chunk computes them (mlx-lm's ring drops them later): None without
+        it. Continuing from ``rows`` installed ones, their last ``window - 1`` come first."""
+        if not self.keeps_history:
+            return None
+        history: dict[int, list] = {}
+        for i, spec in enumerate(self.info.layers):
+            if spec.kind != "sliding":
+                continue
+            history[i] = []
+            if caches is not None and rows:
+                k, v = temporal(caches[i])
+                keep = min(rows, spec.carried_rows(rows), k.shape[2])
+                history[i].append((self._to_numpy(k[0, :, k.shape[2] - keep :, :]),
+                                   self._to_numpy(v[0, :, v.shape[2] - keep :, :])))
+        return history
+
     def _prefill_caches(self, ids: list[int], chunk_tokens: int, progress: ProgressFn | None,
-                        on_chunk: ChunkFn | None = None) -> list[Any]:
+                        on_chunk: ChunkFn | None = None, history: dict[int, list] | None = None) -> list[Any]:
         """The canonical schedule: ``ids`` in fixed chunks of ``chunk_tokens``, one set of caches."""
         if chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self._set_threads()
         caches = self._make_cache(self.model)
-        self._run_chunks(caches, ids, 0, chunk_tokens, progress, on_chunk)
+        self._run_chunks(caches, ids, 0, chunk_tokens, progress, on_chunk, history)
         return caches
 
     def _run_chunks(self, caches: list[Any], ids: list[int], base: int, chunk_tokens: int,
-                    progress: ProgressFn | None, on_chunk: ChunkFn | None = None) -> None:
-        """Run ``ids`` (positions base, base+1, ...) through ``caches`` in chunks of ``chunk_tokens``."""
+                    progress: ProgressFn | None, on_chunk: ChunkFn | None = None,
+                    history: dict[int, list] | None = None) -> None:
+        """Run ``ids`` (positions base, base+1, ...) through ``caches`` in chunks of ``chunk_tokens``
+        (``history``: each sliding layer's new rows appended after every chunk)."""
         total = base + len(ids)
         if progress:
             progress("prefill", base, total)
@@ -315,6 +338,10 @@ class MLXEngine(Engine):
             chunk = ids[begin : begin + chunk_tokens]
             self.model(self.mx.array([chunk]), cache=caches)  # logits stay unevaluated (lazy)
             self.mx.eval([c.state[:2] for c in caches])
+            for i, got in (history or {}).items():  # the chunk's rows: the ring's newest, still held
+                k, v = temporal(caches[i])
+                got.append((self._to_numpy(k[0, :, k.shape[2] - len(chunk) :, :]),
+                            self._to_numpy(v[0, :, v.shape[2] - len(chunk) :, :])))
             if progress:
                 progress("prefill", base + begin + len(chunk), total)
             if on_chunk:
@@ -331,14 +358,18 @@ class MLXEngine(Engine):
             return self._to_numpy(k[0, :, a:b, :]), self._to_numpy(v[0, :, a:b, :])
         return rows_of
 
-    def _extract(self, caches: list[Any], n: int, ring: int = 0) -> list[LayerKV]:
+    def _extract(self, caches: list[Any], n: int, ring: int = 0,
+                 history: dict[int, list] | None = None) -> list[LayerKV]:
         """Per layer K and V as (kv_heads, rows, head_dim) numpy arrays in the storage dtype;
         a sliding layer's last ``window - 1 + ring`` rows (after a prefill chunk mlx-lm's
-        ring holds at least ``window``)."""
+        ring holds at least ``window``), or with ``history`` the rows collected chunk by chunk."""
         out = []
         for index, (spec, cache) in enumerate(zip(self.info.layers, caches)):
             carried = spec.carried_rows(n, ring)
-            if n == 0 or cache.empty():
+            if history and index in history and history[index]:
+                keys = np.concatenate([k for k, _ in history[index]], axis=1)[:, -carried:]
+                values = np.concatenate([v for _, v in history[index]], axis=1)[:, -carried:]
+            elif n == 0 or cache.empty():
                 keys = np.empty((spec.kv_heads, 0, spec.head_dim), dtype=_np_storage(self.dtype))
                 values = np.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=_np_storage(self.dtype))
             else:

@@ -66,6 +66,11 @@ class TorchEngine(Engine):
     def ring_extra(self) -> int:
         return super().ring_extra if self._ring_ok else 0
 
+    @property
+    def writes_history(self) -> bool:  # type: ignore[override]
+        """The sliding history rides on :class:`RingLayer`: transformers' plain sliding layers only."""
+        return self._ring_ok
+
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in TORCH_DTYPES:
@@ -109,8 +114,9 @@ class TorchEngine(Engine):
                 f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk, ring=self.ring_extra)
-            return self._extract(cache, len(ids), self.ring_extra)
+            ring = self.pack_ring_extra(len(ids))
+            cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk, ring=ring)
+            return self._extract(cache, len(ids), ring)
 
     def prefill_from(
         self,
@@ -137,7 +143,8 @@ class TorchEngine(Engine):
                 f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
             )
         with self._session():
-            cache = self._install(layers, rows, extra=len(ids), ring=self.ring_extra)
+            ring = self.pack_ring_extra(total, rows)
+            cache = self._install(layers, rows, extra=len(ids), ring=ring)
             if progress:
                 progress("prefill", rows, total)
             if on_chunk:
@@ -150,7 +157,7 @@ class TorchEngine(Engine):
                     progress("prefill", done, total)
                 if on_chunk:
                     on_chunk(done, self._rows_of(cache, done))
-            return self._extract(cache, total, self.ring_extra)
+            return self._extract(cache, total, ring)
 
     # ------------------------------------------------------------------ consumer
 

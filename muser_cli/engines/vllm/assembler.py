@@ -104,6 +104,14 @@ class WorkerAssembler:
                 self._buffers.pop(rid, None)
                 self.failed.append(write_error(self.settings.output_dir, name, exc))
 
+    def _rows_for(self, spec: LayerSpec, target: int) -> tuple[int, int]:
+        """The rows of a layer a request of ``target`` rows ships: with the sliding history
+        (``settings.history``) every row of a sliding layer too, gathered step by step while
+        vLLM still holds each step's blocks; else the layer's carried range."""
+        if self.settings.history and spec.kind == "sliding":
+            return 0, target
+        return vllm_layout.layer_rows_for(spec.kind, spec.window, target)
+
     def _apply(self, rid: str, name: str, item: dict[str, Any]) -> None:
         start, stop, target = int(item["start"]), int(item["stop"]), int(item["target"])
         if item.get("reset") or rid not in self._buffers:
@@ -111,7 +119,7 @@ class WorkerAssembler:
         buf = self._buffers[rid]
         blocks = item["blocks"]
         for b in self.bindings:
-            first, end = vllm_layout.layer_rows_for(b.spec.kind, b.spec.window, target)
+            first, end = self._rows_for(b.spec, target)
             lo, hi = max(start, first), min(stop, end)
             if lo >= hi:
                 continue
@@ -141,7 +149,7 @@ class WorkerAssembler:
         dtypes: set[str] = set()
         source: dict[str, Any] = {"quant": self.quant}
         for b in self.bindings:
-            first, end = vllm_layout.layer_rows_for(b.spec.kind, b.spec.window, buf.target)
+            first, end = self._rows_for(b.spec, buf.target)
             pieces = buf.pieces.get(b.index, [])
             have = sum(p.rows for p in pieces)
             if have != end - first:

@@ -59,6 +59,7 @@ class ConnectorSettings:
     capture: str = "tagged"
     dtype: str | None = None  # expected storage dtype; None = whatever vLLM's cache holds
     header: dict[str, Any] = field(default_factory=dict)  # kvpack identity (sink "kvpack")
+    history: bool = False  # sliding layers: every row computed (the sliding history), not the window
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> "ConnectorSettings":
@@ -93,7 +94,11 @@ class ConnectorSettings:
             for key in ("model_fingerprint", "tokenizer_fingerprint"):
                 if not isinstance(header.get(key), str):
                     raise ConfigError(f"sink 'kvpack' needs header.{key}")
-        return cls(sink=sink, output_dir=Path(out), layers=layers, capture=capture, dtype=dtype, header=header)
+        history = cfg.get("history", False)
+        if type(history) is not bool:
+            raise ConfigError("muser connector history must be true or false")
+        return cls(sink=sink, output_dir=Path(out), layers=layers, capture=capture, dtype=dtype, header=header,
+                   history=history)
 
 
 def connector_config(
@@ -104,6 +109,7 @@ def connector_config(
     dtype: str | None = None,
     header: dict[str, Any] | None = None,
     capture: str = "tagged",
+    history: bool = False,
 ) -> dict[str, Any]:
     """The ``kv_transfer_config`` (as a dict vLLM's ``LLM(...)`` accepts) that loads this
     connector. ``header`` (sink ``"kvpack"``): model_fingerprint, tokenizer_fingerprint,
@@ -116,6 +122,7 @@ def connector_config(
         "capture": capture,
         "dtype": dtype,
         "header": dict(header or {}),
+        "history": bool(history),
     }
     ConnectorSettings.from_extra_config({CONFIG_KEY: cfg})  # fail early, here, not in a worker
     return {

@@ -148,6 +148,8 @@ class VLLMEngine(Engine):
     name = "vllm"
     batches_prefill = True
     takes_options = True
+    writes_history = True  # the connector gathers each step's sliding rows while vLLM still holds them
+    _llm_history = False  # whether the running LLM's connector ships the sliding history
 
     def __init__(
         self,
@@ -210,14 +212,15 @@ class VLLMEngine(Engine):
             "max_num_seqs": self.max_batch,
             "seed": 0,
             "kv_transfer_config": connector_config(
-                sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged"
+                sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged",
+                history=self.keeps_history,
             ),
         }
         kwargs.update(self._kwargs_extra)
         return kwargs
 
     def _ensure_llm(self, chunk_tokens: int) -> Any:
-        if self._llm is not None and self._chunk == chunk_tokens:
+        if self._llm is not None and self._chunk == chunk_tokens and self._llm_history == self.keeps_history:
             return self._llm
         self._shutdown_llm()
         in_process = bool(self._options.get("in_process"))
@@ -230,6 +233,7 @@ class VLLMEngine(Engine):
                     hint="close the other VLLMEngine first, or use the vLLM option in_process=false",
                 )
         kwargs = self.llm_kwargs(chunk_tokens)
+        history = self.keeps_history
         # vLLM's engine-core and worker processes read these from the environment.
         # An explicit option wins over the environment; a default only fills a gap.
         for key, value in self._env.items():
@@ -239,7 +243,7 @@ class VLLMEngine(Engine):
             self._llm = self._vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, TypeError) as exc:
             raise ConfigError(f"vLLM could not start: {exc}", hint="see vLLM's log above; docs/vllm.md") from None
-        self._chunk = chunk_tokens
+        self._chunk, self._llm_history = chunk_tokens, history
         if in_process:
             _LIVE_IN_PROCESS.add(self)
         return self._llm
@@ -306,7 +310,7 @@ class VLLMEngine(Engine):
         ``rows`` of them, in the engine dtype (an fp8 cache's float32 stored in it)."""
         from muser_cli.engines.vllm.sinks import read_spool
 
-        layers, manifest = read_spool(self._spool_dir(), name, self.info.layers)
+        layers, manifest = read_spool(self._spool_dir(), name, self.info.layers, history=self._llm_history)
         if manifest.get("rows") != rows:
             raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {rows} tokens")
         source = dict(manifest.get("source") or {})

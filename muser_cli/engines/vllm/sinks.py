@@ -73,8 +73,10 @@ def write_spool(
     return final
 
 
-def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: bool = True) -> tuple[list[LayerKV], dict[str, Any]]:
+def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: bool = True,
+               history: bool = False) -> tuple[list[LayerKV], dict[str, Any]]:
     """Load what the worker spooled for ``name`` (strictly checked), then remove it.
+    ``history``: sliding layers hold every row (the connector's ``history`` setting).
 
     Raises DataError with the worker's own message when it left an error file.
     """
@@ -113,6 +115,8 @@ def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: 
         layers: list[LayerKV] = []
         for i, (entry, spec) in enumerate(zip(entries, specs)):
             first, end = vllm_layout.layer_rows_for(spec.kind, spec.window, rows)
+            if history and spec.kind == "sliding":
+                first = 0
             if entry["index"] != i or entry["first_row"] != first or entry["rows"] != end - first:
                 raise DataError(f"spool layer {i} does not carry rows [{first}, {end})")
             arrays = []
@@ -139,6 +143,7 @@ def write_kvpack(
 ) -> Path:
     """Hand rows to the kvpack writer: the one place this module depends on its API."""
     from muser_cli.kvpack import PackHeader, write_pack  # lazy: keeps the connector light
+    from muser_cli.kvpack.layers import ring_extra_held
 
     h = settings.header
     header = PackHeader(
@@ -151,6 +156,7 @@ def write_kvpack(
         model_name=str(h.get("model_name", "")),
         architecture=str(h.get("architecture", "")),
         producer=producer,
+        ring_extra=ring_extra_held(settings.layers, list(layers), len(tokens) - 1),  # > 0: the sliding history
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

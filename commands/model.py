@@ -40,6 +40,10 @@ def _render(report: dict) -> str:
         lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
                      f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
                      f"{_size(report['payload_zstd_estimate_bytes'])}")
+        if "payload_history_bytes" in report:
+            lines.append(f"  with the sliding history (prefill's default, for another engine's gate): "
+                         f"{report['payload_history_bytes']} bytes ({_size(report['payload_history_bytes'])}); "
+                         f"--no-history ships the window only")
     for name, e in report["engines"].items():
         can = "produce + consume" if e["produce"] and e["consume"] else "produce" if e["produce"] else "no"
         lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))

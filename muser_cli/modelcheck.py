@@ -4,7 +4,8 @@ Everything here reads config.json only (no weights, no framework import): the la
 :func:`muser_cli.modelconfig.layer_specs` gives, grouped into layer classes; the KV bytes a
 token costs in each; the payload a kvpack carries at a prompt depth (full layers ship
 ``prompt - 1`` rows, sliding layers their window: ``window - 1`` plus the one ring row both
-engines write, docs/kvpack.md 1.3); and which engines here can produce and consume it.
+engines write, docs/kvpack.md 1.3 -- and, past the window, with the sliding history a pack
+for another engine carries by default); and which engines here can produce and consume it.
 Latent (MLA) layers are priced as kvpack 1.3 carries them (latent + rope key a token) beside
 the expanded per-head K and V; state layers as one snapshot (docs/kvpack.md 1.4).
 """
@@ -100,6 +101,11 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
         out["payload_bytes"] = sum(c["payload_bytes"] for c in classes)
         out["payload_zstd_estimate_bytes"] = int(out["payload_bytes"] / ZSTD_RATIO[dtype])
         out["zstd_estimate_basis"] = ZSTD_BASIS
+        if any(s.kind == "sliding" and s.window is not None and s.window - 1 < tokens - 1 for s in specs):
+            # what prefill writes by default for another engine's gate: every sliding row (docs/kvpack.md 1.3)
+            out["payload_history_bytes"] = sum(
+                0 if s.kind == "state" else (tokens - 1) * s.kv_heads * (s.head_dim + s.v_head_dim) * element
+                for s in specs)
         if family.cache == "latent":
             out["expanded_payload_bytes"] = sum(c["expanded_payload_bytes"] for c in classes)
     if family.cache != "rows":

@@ -404,3 +404,39 @@ def test_a_delta_put_on_a_foreign_base_is_stored_as_foreign(tiny_llama):
     header = Store().header_of(merged)
     assert header.producer["engine"] == "torch+vllm"
     assert spot_check_reason(header, engine="torch", dtype="float32") is not None
+
+
+def test_a_foreign_hybrid_delta_is_checked_in_full_over_its_own_rows(tiny_hybrid):
+    """Multi-turn across engines on a sliding-window model: the consumer (MLX) holds the first
+    turn's rows, made here; the producer (torch) sends a delta with its sliding history (the
+    window before the consumer's prefix and every row after). The gate samples the delta's own
+    positions and compares every layer at each; a fault there is refused before any token."""
+    pytest.importorskip("mlx.core", reason="mlx not installed")
+    pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
+    from muser_cli.reuse import api
+
+    first = PROMPT[: len(PROMPT) // 2]
+    assert _decode(tiny_hybrid, None, first, engine="mlx", store=True, chunk_tokens=8).stored
+    manifest = api.have(PROMPT, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32")
+    assert manifest.held_tokens > 16  # past the window of 8
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(tiny_hybrid.path), have=manifest)
+    delta = read_pack(io.BytesIO(out.getvalue()))
+    h = delta.header
+    assert h.rows_start > 0 and h.ring_extra == h.rows_end - h.rows_start and h.producer["engine"] == "torch"
+    window = min(s.window for s in tiny_hybrid.layers if s.kind == "sliding")
+    assert all(l.first_row == (h.rows_start - (window - 1) if s.kind == "sliding" else h.rows_start)
+               for l, s in zip(delta.layers, tiny_hybrid.layers))
+    got = _decode(tiny_hybrid, out.getvalue(), engine="mlx", audit_seed=5)
+    s = got.spot_check["sampled"]
+    assert got.source == "delta" and s["ok"] and s["complete"] and min(s["positions"]) >= h.rows_start
+    assert got.token_ids == _decode(tiny_hybrid, None, PROMPT, engine="mlx", reuse=False).token_ids
+
+    layer = _above_first_sliding(tiny_hybrid)
+    mine = list(range(h.rows_start, h.rows_end - 1))
+    bad = _relabel(out.getvalue(), "torch",
+                   corrupt=lambda layers: _fault(layers, layer, [p - layers[layer].first_row for p in mine], "scale-v"))
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="sampled across the prompt"):
+        _decode(tiny_hybrid, bad, engine="mlx", on_token=tokens.append)
+    assert tokens == []

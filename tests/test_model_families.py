@@ -465,10 +465,11 @@ SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "muse_glimmer
 
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)
 def test_a_cut_stream_and_a_delta_with_rings(family, tiny_family):
-    """On a family with sliding rings: a stream cut in the middle keeps nothing (sliding
-    layers ship only their last rows, as on Cohere 2) and the local prefill gives the
-    fallback's tokens; a delta against a stored prefix (the store lane) is smaller than the
+    """On a family with sliding rings: a stream cut in the middle keeps its verified whole
+    chunks (the pack carries the sliding history: every sliding row, chunk by chunk) and
+    prefills the rest to the fallback's tokens; a delta against a stored prefix (the store lane) is smaller than the
     whole pack and decodes, merged with that prefix, to the same tokens."""
+    from muser_cli.kvpack import read_pack
     from muser_cli.reuse.api import have as have_manifest
 
     info = tiny_family(family)
@@ -479,8 +480,14 @@ def test_a_cut_stream_and_a_delta_with_rings(family, tiny_family):
                    reuse=False, threads=1)
     cut = decode(io.BytesIO(data[: len(data) // 2]), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW,
                  reuse=False, threads=1)
-    assert cut.fallback and cut.handoff_rows == 0 and cut.source == "local"
+    rows = len(read_pack(io.BytesIO(data)).header.token_ids) - 1
+    assert cut.fallback and 0 < cut.handoff_rows < rows and cut.source == "partial+local"
     assert cut.token_ids == local.token_ids
+    short = io.BytesIO()  # without the history a cut stream keeps nothing: the rings come last
+    prefill(PROMPT, short, model=str(info.path), chunk_tokens=8, dtype="float32", threads=1, history=False)
+    cut = decode(io.BytesIO(short.getvalue()[: len(short.getvalue()) // 2]), model=str(info.path), prompt=PROMPT,
+                 max_new_tokens=NEW, reuse=False, threads=1)
+    assert cut.handoff_rows == 0 and cut.source == "local" and cut.token_ids == local.token_ids
 
     kw = dict(model=str(info.path), chunk_tokens=8, dtype="float32", threads=1)
     prefill(PROMPT[: len(PROMPT) // 2], io.BytesIO(), store=True, **kw)

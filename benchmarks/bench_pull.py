@@ -28,11 +28,9 @@ and TTFT of the follow-up vs the full first request.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_receipt  # noqa: E402
+from _common import write_receipt
 
 
 def main() -> int:

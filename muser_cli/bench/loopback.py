@@ -87,7 +87,7 @@ def receiver_process(nodes: Nodes, out_dir: Path, pin: Pinning):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         addr = wait_listening(proc, "bench")
-        _drain_in_background(proc)
+        drain_in_background(proc)
         yield addr, proc
     finally:
         with contextlib.suppress(OSError):
@@ -97,8 +97,8 @@ def receiver_process(nodes: Nodes, out_dir: Path, pin: Pinning):
             proc.stderr.close()
 
 
-def _drain_in_background(proc: subprocess.Popen) -> None:
-    """Keep reading the receiver's stderr so a chatty receiver never blocks on a full pipe."""
+def drain_in_background(proc: subprocess.Popen) -> None:
+    """Keep reading a child's stderr so a chatty process never blocks on a full pipe."""
     import threading
 
     def drain() -> None:

@@ -62,19 +62,8 @@ def bits(t):
 def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, block_size):
     import torch
 
-    dtype = getattr(torch, dtype_name)
-    heads, num_blocks = 2, 5
     T = 2 * block_size + 9  # three blocks, the last one partial
-    rng = np.random.default_rng(block_size + head_dim)
-    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]  # block 0 = vLLM's null block
-    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, dtype)
-    key = torch.randn(T, heads, head_dim).to(dtype)
-    value = torch.randn(T, heads, head_dim).to(dtype)
-    pos = torch.arange(T)
-    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-    # As CPUAttentionBackendImpl.do_kv_cache_update: (B, H, N, 2D) viewed as (B, H, 2N, D), cut in two.
-    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+    table, kv_cache, key, value = kernel_written(ops, isa, getattr(torch, dtype_name), T, block_size, head_dim)
 
     lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
                             kv_cache_layout="LBHNC", isa=isa)
@@ -91,6 +80,24 @@ def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, blo
     assert not np.array_equal(wrong.keys, got.keys)
 
 
+def kernel_written(ops, isa, dtype, T, block_size, head_dim, heads=2, num_blocks=5):
+    """``T`` random rows written by vLLM's ``cpu_attn_reshape_and_cache`` into a fresh cache
+    under a random three-block table: (table, cache, keys, values)."""
+    import torch
+
+    rng = np.random.default_rng(block_size + head_dim)
+    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]  # block 0 = vLLM's null block
+    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, dtype)
+    key = torch.randn(T, heads, head_dim).to(dtype)
+    value = torch.randn(T, heads, head_dim).to(dtype)
+    pos = torch.arange(T)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    # As CPUAttentionBackendImpl.do_kv_cache_update: (B, H, N, 2D) viewed as (B, H, 2N, D), cut in two.
+    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+    return table, kv_cache, key, value
+
+
 def cpu_has_amx():
     import torch
 
@@ -104,17 +111,8 @@ def test_cpu_attn_amx_kernel_writes_what_we_read(ops, head_dim, block_size):
     """The AMX interior (bfloat16 only: vLLM picks 'amx' for bfloat16 on CPUs with AMX tiles)."""
     import torch
 
-    heads, num_blocks = 2, 5
     T = 2 * block_size + 9
-    rng = np.random.default_rng(block_size + head_dim)
-    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]
-    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, torch.bfloat16)
-    key = torch.randn(T, heads, head_dim).to(torch.bfloat16)
-    value = torch.randn(T, heads, head_dim).to(torch.bfloat16)
-    pos = torch.arange(T)
-    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, "amx")
+    table, kv_cache, key, value = kernel_written(ops, "amx", torch.bfloat16, T, block_size, head_dim)
 
     lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
                             kv_cache_layout="LBHNC", isa="amx")

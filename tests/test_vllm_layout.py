@@ -381,18 +381,23 @@ def test_cpu_vec_layout_round_trip(dtype, block_size, kernel_split):
     cache = np.zeros((num_blocks * kernel_split, H, N, 2 * D), dtype=dtype)
     table = table_for(rng, T, block_size, num_blocks)
     k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, D, dtype)
-    put_cpu_vec(cache, table, k, v, block_size=block_size)
-    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
-    np.testing.assert_array_equal(got.keys, k)
-    np.testing.assert_array_equal(got.values, v)
-    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_KT_V", block_size=block_size)
-    np.testing.assert_array_equal(part.keys, k[:, 5 : block_size + 3])
+    cpu_round_trip("CPU_KT_V", put_cpu_vec, cache, table, k, v, block_size, part_side="keys")
     # The GPU view of the same bytes is wrong (what the connector read before it checked the backend).
     gpu = L.gather_paged_kv(cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
     assert not np.array_equal(gpu.keys, k)
-    # scatter_rows writes the same bytes as the independent writer above.
+
+
+def cpu_round_trip(layout, put, cache, table, k, v, block_size, *, part_side):
+    """Rows written by the independent writer ``put`` read back whole and in part (``part_side``
+    compared), and scatter_rows writing the same bytes as ``put``."""
+    put(cache, table, k, v, block_size=block_size)
+    got = L.gather_paged_kv(cache, table, start=0, stop=k.shape[1], layout=layout, block_size=block_size)
+    np.testing.assert_array_equal(got.keys, k)
+    np.testing.assert_array_equal(got.values, v)
+    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout=layout, block_size=block_size)
+    np.testing.assert_array_equal(getattr(part, part_side), {"keys": k, "values": v}[part_side][:, 5 : block_size + 3])
     again = np.zeros_like(cache)
-    L.scatter_rows(again, table, k, v, layout="CPU_KT_V", block_size=block_size)
+    L.scatter_rows(again, table, k, v, layout=layout, block_size=block_size)
     np.testing.assert_array_equal(again, cache)
 
 
@@ -435,18 +440,10 @@ def test_cpu_amx_layout_round_trip(block_size, kernel_split, D):
     cache = np.zeros((6 * kernel_split, H, N, 2 * D), dtype=np.uint16)  # bfloat16 bits
     table = table_for(rng, T, block_size, 6)
     k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    put_cpu_amx(cache, table, k, v, block_size=block_size)
-    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(got.keys, k)
-    np.testing.assert_array_equal(got.values, v)
-    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(part.values, v[:, 5 : block_size + 3])
+    cpu_round_trip("CPU_AMX", put_cpu_amx, cache, table, k, v, block_size, part_side="values")
     # The vec reader on the same bytes is wrong (what a connector accepting 'amx' unchecked would read).
     vec = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
     assert not np.array_equal(vec.keys, k) and not np.array_equal(vec.values, v)
-    again = np.zeros_like(cache)
-    L.scatter_rows(again, table, k, v, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(again, cache)
 
 
 def test_cpu_amx_layout_refuses_what_it_cannot_read():

@@ -23,11 +23,11 @@ def write_receipt(name: str, payload: dict) -> Path:
 
 
 def bench_args(*extra: Callable[[argparse.ArgumentParser], Any], **defaults: Any) -> argparse.Namespace:
-    """The usual options, each with the default given (``depths="512,2048"``, ``reps=5``, ``new``,
-    ``threads``, ``model``; only those named), then ``extra`` adders; parsed from argv."""
+    """Options, each with the default given and of its type (``depths="512,2048"``, ``reps=5``,
+    ``probe_seconds=1.0`` for ``--probe-seconds``), then ``extra`` adders; parsed from argv."""
     ap = argparse.ArgumentParser()
     for name, value in defaults.items():
-        ap.add_argument(f"--{name}", default=value, type=type(value))
+        ap.add_argument(f"--{name.replace('_', '-')}", default=value, type=type(value))
     for add in extra:
         add(ap)
     return ap.parse_args()
@@ -48,3 +48,14 @@ def run(main: Callable[[], int]) -> None:
     except MuserError as exc:
         raise SystemExit(str(exc)) from None
     raise SystemExit(status)
+
+
+def depth_bench(name: str, what: str, measure: Callable[..., dict], *extra: Callable[[argparse.ArgumentParser], Any],
+                **defaults: Any) -> int:
+    """A script over depths: the options of :func:`bench_args`, ``measure(depths, **the
+    others, progress=...)``, then its receipt ``name`` (``what``, the options, the figures)."""
+    args = bench_args(*extra, **defaults)
+    kw = {k: v for k, v in vars(args).items() if k != "depths"}
+    got = measure(depths(args.depths), progress=stderr, **kw)
+    print(write_receipt(name, {"what": what, "args": vars(args), **got}))
+    return 0

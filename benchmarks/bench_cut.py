@@ -15,7 +15,7 @@ The measurement is :func:`muser_cli.bench.decode_costs.cut_cost`.
 
 from __future__ import annotations
 
-from _common import bench_args, depths, run, stderr, write_receipt
+from _common import depth_bench, run
 
 
 def keep(ap) -> None:
@@ -23,13 +23,10 @@ def keep(ap) -> None:
 
 
 def main() -> int:
-    args = bench_args(keep, depths="2048", reps=5, new=4)
     from muser_cli.bench.decode_costs import cut_cost
 
-    got = cut_cost(depths(args.depths), keep=args.keep, reps=args.reps, new=args.new, progress=stderr)
-    print(write_receipt("cut", {"what": "cut-off stream TTFT vs local fallback vs whole pack (bench_cut.py)",
-                                "args": vars(args), **got}))
-    return 0
+    return depth_bench("cut", "cut-off stream TTFT vs local fallback vs whole pack (bench_cut.py)", cut_cost,
+                       keep, depths="2048", reps=5, new=4)
 
 
 if __name__ == "__main__":

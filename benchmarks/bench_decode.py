@@ -14,20 +14,17 @@ The measurement is :func:`muser_cli.bench.decode_costs.decode_speed`.
 
 from __future__ import annotations
 
-from _common import bench_args, depths, run, stderr, write_receipt
+from _common import depth_bench, run
+
+
+WHAT = ("decode ms/token from installed rows: sized cache vs transformers' DynamicCache vs the bandwidth "
+        "floor (bench_decode.py)")
 
 
 def main() -> int:
-    args = bench_args(depths="512,2048,8064", new=32, reps=5, threads=1, model="default")
     from muser_cli.bench.decode_costs import decode_speed
 
-    got = decode_speed(depths(args.depths), reps=args.reps, new=args.new, threads=args.threads, model=args.model,
-                       progress=stderr)
-    print(write_receipt("decode", {
-        "what": "decode ms/token from installed rows: sized cache vs transformers' DynamicCache vs the bandwidth "
-                "floor (bench_decode.py)",
-        "args": vars(args), **got}))
-    return 0
+    return depth_bench("decode", WHAT, decode_speed, depths="512,2048,8064", new=32, reps=5, threads=1, model="default")
 
 
 if __name__ == "__main__":

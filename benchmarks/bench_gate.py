@@ -16,20 +16,17 @@ is :func:`muser_cli.bench.decode_costs.gate_cost`.
 
 from __future__ import annotations
 
-from _common import bench_args, depths, run, stderr, write_receipt
+from _common import depth_bench, run
+
+
+WHAT = ("TTFT of a foreign (vLLM-labelled) bf16 pack with the default numeric gate (32 sampled positions in "
+        "every layer + the fused last position) vs --no-audit (bench_gate.py)")
 
 
 def main() -> int:
-    args = bench_args(depths="2048,8064", reps=3, new=4, threads=1, model="default")
     from muser_cli.bench.decode_costs import gate_cost
 
-    got = gate_cost(depths(args.depths), reps=args.reps, new=args.new, threads=args.threads, model=args.model,
-                    progress=stderr)
-    print(write_receipt("gate", {
-        "what": "TTFT of a foreign (vLLM-labelled) bf16 pack with the default numeric gate (32 sampled positions "
-                "in every layer + the fused last position) vs --no-audit (bench_gate.py)",
-        "args": vars(args), **got}))
-    return 0
+    return depth_bench("gate", WHAT, gate_cost, depths="2048,8064", reps=3, new=4, threads=1, model="default")
 
 
 if __name__ == "__main__":

@@ -21,20 +21,18 @@ The measurement is
 
 from __future__ import annotations
 
-from _common import bench_args, depths, run, stderr, write_receipt
+from _common import depth_bench, run
+
+
+WHAT = ("TTFT of a foreign (vLLM-labelled) bf16 pack: spot-check fused into the first step vs a step of its "
+        "own vs skipped, and one decode step (bench_spot_check.py)")
 
 
 def main() -> int:
-    args = bench_args(depths="2048,8064", reps=5, new=8, threads=1, model="default")
     from muser_cli.bench.decode_costs import spot_check_cost
 
-    got = spot_check_cost(depths(args.depths), reps=args.reps, new=args.new, threads=args.threads, model=args.model,
-                          progress=stderr)
-    print(write_receipt("spot-check", {
-        "what": "TTFT of a foreign (vLLM-labelled) bf16 pack: spot-check fused into the first step vs a step of its "
-                "own vs skipped, and one decode step (bench_spot_check.py)",
-        "args": vars(args), **got}))
-    return 0
+    return depth_bench("spot-check", WHAT, spot_check_cost, depths="2048,8064", reps=5, new=8, threads=1,
+                       model="default")
 
 
 if __name__ == "__main__":

@@ -52,18 +52,25 @@ def separate_check() -> Iterator[None]:
         dec.SpotGate.fusable = saved
 
 
-def _resident_bf16(model: str, threads: int):
+def _foreign_packs(depths: Sequence[int], model: str, threads: int, new: int) -> Iterator[tuple[Any, ...]]:
+    """Per depth: the foreign pack, its rows, the local prefill's seconds, and a call that
+    decodes it on one resident bf16 torch engine (``decode``'s keywords added)."""
+    from muser_cli.decode import decode
     from muser_cli.engines.registry import get_engine
     from muser_cli.models import resolve_model
 
     info = resolve_model(model)
-    return info, get_engine("torch", info, dtype="bfloat16", threads=threads)
+    eng = get_engine("torch", info, dtype="bfloat16", threads=threads)
+    for depth in depths:
+        t = time.perf_counter()
+        data, rows = foreign_pack(info, corpus_ids(info, depth), threads=threads)
+        prefill_s = time.perf_counter() - t
 
+        def run(data: bytes = data, **kw: Any) -> Any:
+            return decode(io.BytesIO(data), model=model, max_new_tokens=new, engine="torch", dtype="bfloat16",
+                          threads=threads, resident=eng, **kw)
 
-def _foreign_depth(info, depth: int, threads: int) -> tuple[bytes, int, float]:
-    t = time.perf_counter()
-    data, rows = foreign_pack(info, corpus_ids(info, depth), threads=threads)
-    return data, rows, time.perf_counter() - t
+        yield depth, data, rows, prefill_s, run
 
 
 def _machine_load() -> dict[str, Any]:
@@ -75,19 +82,14 @@ def _machine_load() -> dict[str, Any]:
 def gate_cost(depths: Sequence[int], *, reps: int = 3, new: int = 4, threads: int = 1, model: str = "default",
               progress: Progress = no_progress) -> dict[str, Any]:
     """TTFT with the default sampled gate against ``--no-audit`` (bench_gate.py)."""
-    from muser_cli.decode import decode
-
-    info, eng = _resident_bf16(model, threads)
     rows_out = []
-    for depth in depths:
-        data, rows, prefill_s = _foreign_depth(info, depth, threads)
+    for depth, data, rows, prefill_s, run in _foreign_packs(depths, model, threads, new):
         ttft: dict[str, list[float]] = {"gate": [], "none": []}
         sampled_ms: list[float] = []
         worst: list[float] = []
         for rep in range(reps + 1):
             for mode in ("gate", "none"):
-                out = decode(io.BytesIO(data), model=model, max_new_tokens=new, engine="torch",
-                             dtype="bfloat16", threads=threads, resident=eng, audit=0 if mode == "none" else None)
+                out = run(audit=0 if mode == "none" else None)
                 spot = out.spot_check or {}
                 if mode == "gate":
                     s = spot.get("sampled") or {}
@@ -117,12 +119,8 @@ def gate_cost(depths: Sequence[int], *, reps: int = 3, new: int = 4, threads: in
 def spot_check_cost(depths: Sequence[int], *, reps: int = 5, new: int = 8, threads: int = 1, model: str = "default",
                     progress: Progress = no_progress) -> dict[str, Any]:
     """TTFT with the spot-check fused, as a step of its own, and skipped (bench_spot_check.py)."""
-    from muser_cli.decode import decode
-
-    info, eng = _resident_bf16(model, threads)
     rows_out = []
-    for depth in depths:
-        data, rows, prefill_s = _foreign_depth(info, depth, threads)
+    for depth, data, rows, prefill_s, run in _foreign_packs(depths, model, threads, new):
         ttft: dict[str, list[float]] = {"fused": [], "separate": [], "none": []}
         check_ms: dict[str, list[float]] = {"fused": [], "separate": []}
         step_ms: list[float] = []
@@ -132,8 +130,7 @@ def spot_check_cost(depths: Sequence[int], *, reps: int = 5, new: int = 8, threa
             for mode in ("fused", "separate", "none"):
                 kw = {"audit": 0} if mode == "none" else {}
                 with separate_check() if mode == "separate" else nullcontext():
-                    out = decode(io.BytesIO(data), model=model, max_new_tokens=new, engine="torch",
-                                 dtype="bfloat16", threads=threads, resident=eng, **kw)
+                    out = run(**kw)
                 spot = out.spot_check or {}
                 if mode != "none":
                     if not spot.get("ran") or not spot.get("ok") or bool(spot.get("fused")) != (mode == "fused"):
@@ -230,27 +227,12 @@ def decode_speed(depths: Sequence[int], *, reps: int = 5, new: int = 32, threads
     return {**_machine_load(), "weight_bytes": weight_bytes, "memcpy_bytes_per_s": rate, "rows": rows_out}
 
 
-def frame_ends(data: bytes) -> tuple[int, list[int]]:
-    """Where a pack's header ends and where each of its frames ends, in bytes."""
-    from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader
-
-    reader, pos, head, ends = PackReader(), 0, 0, []
-    while pos < len(data):
-        n = max(1, reader.want())
-        for ev in reader.feed(data[pos : pos + n]):
-            if isinstance(ev, HeaderEvent):
-                head = pos + n
-            elif isinstance(ev, FrameEvent):
-                ends.append(pos + n)
-        pos += n
-    return head, ends
-
-
 def cut_cost(depths: Sequence[int], *, keep: int = 50, reps: int = 5, new: int = 4,
              progress: Progress = no_progress) -> dict[str, Any]:
     """TTFT of a pack cut after ``keep`` % of its chunks, against local and whole (bench_cut.py)."""
     from muser_cli.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
+    from muser_cli.kvpack.parser import frame_ends
     from muser_cli.models import resolve_model
     from muser_cli.prefill import prefill
     from muser_cli.tokens import decode_text, encode_prompt

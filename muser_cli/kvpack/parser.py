@@ -375,3 +375,18 @@ _STEPS = {
     _State.FRAME_BODY: PackReader._step_frame_body,
     _State.END_DIGEST: PackReader._step_end_digest,
 }
+
+
+def frame_ends(data: bytes) -> tuple[int, list[int]]:
+    """Where a whole pack's preamble and header end, and the byte offset just after each of
+    its data frames (the places a stream cut there leaves only whole frames)."""
+    reader, pos, head, ends = PackReader(), 0, 0, []
+    while pos < len(data):
+        n = max(1, reader.want())
+        for ev in reader.feed(data[pos : pos + n]):
+            if isinstance(ev, HeaderEvent):
+                head = pos + n
+            elif isinstance(ev, FrameEvent):
+                ends.append(pos + n)
+        pos += n
+    return head, ends

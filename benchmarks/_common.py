@@ -51,11 +51,15 @@ def run(main: Callable[[], int]) -> None:
 
 
 def depth_bench(name: str, what: str, measure: Callable[..., dict], *extra: Callable[[argparse.ArgumentParser], Any],
-                **defaults: Any) -> int:
-    """A script over depths: the options of :func:`bench_args`, ``measure(depths, **the
-    others, progress=...)``, then its receipt ``name`` (``what``, the options, the figures)."""
-    args = bench_args(*extra, **defaults)
-    kw = {k: v for k, v in vars(args).items() if k != "depths"}
-    got = measure(depths(args.depths), progress=stderr, **kw)
-    print(write_receipt(name, {"what": what, "args": vars(args), **got}))
-    return 0
+                **defaults: Any) -> None:
+    """A script over depths, run to its exit: the options of :func:`bench_args`, ``measure(depths,
+    **the others, progress=...)``, then its receipt ``name`` (``what``, the options, the figures)."""
+
+    def main() -> int:
+        args = bench_args(*extra, **defaults)
+        kw = {k: v for k, v in vars(args).items() if k != "depths"}
+        got = measure(depths(args.depths), progress=stderr, **kw)
+        print(write_receipt(name, {"what": what, "args": vars(args), **got}))
+        return 0
+
+    run(main)

@@ -15,19 +15,14 @@ The measurement is :func:`muser_cli.bench.decode_costs.cut_cost`.
 
 from __future__ import annotations
 
-from _common import depth_bench, run
+from _common import depth_bench
+from muser_cli.bench.decode_costs import cut_cost
 
 
 def keep(ap) -> None:
     ap.add_argument("--keep", type=int, default=50, help="percent of the chunks that arrive")
 
 
-def main() -> int:
-    from muser_cli.bench.decode_costs import cut_cost
-
-    return depth_bench("cut", "cut-off stream TTFT vs local fallback vs whole pack (bench_cut.py)", cut_cost,
-                       keep, depths="2048", reps=5, new=4)
-
-
 if __name__ == "__main__":
-    run(main)
+    depth_bench("cut", "cut-off stream TTFT vs local fallback vs whole pack (bench_cut.py)", cut_cost, keep,
+                depths="2048", reps=5, new=4)

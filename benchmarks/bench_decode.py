@@ -14,18 +14,13 @@ The measurement is :func:`muser_cli.bench.decode_costs.decode_speed`.
 
 from __future__ import annotations
 
-from _common import depth_bench, run
+from _common import depth_bench
+from muser_cli.bench.decode_costs import decode_speed
 
 
 WHAT = ("decode ms/token from installed rows: sized cache vs transformers' DynamicCache vs the bandwidth "
         "floor (bench_decode.py)")
 
 
-def main() -> int:
-    from muser_cli.bench.decode_costs import decode_speed
-
-    return depth_bench("decode", WHAT, decode_speed, depths="512,2048,8064", new=32, reps=5, threads=1, model="default")
-
-
 if __name__ == "__main__":
-    run(main)
+    depth_bench("decode", WHAT, decode_speed, depths="512,2048,8064", new=32, reps=5, threads=1, model="default")

@@ -16,18 +16,13 @@ is :func:`muser_cli.bench.decode_costs.gate_cost`.
 
 from __future__ import annotations
 
-from _common import depth_bench, run
+from _common import depth_bench
+from muser_cli.bench.decode_costs import gate_cost
 
 
 WHAT = ("TTFT of a foreign (vLLM-labelled) bf16 pack with the default numeric gate (32 sampled positions in "
         "every layer + the fused last position) vs --no-audit (bench_gate.py)")
 
 
-def main() -> int:
-    from muser_cli.bench.decode_costs import gate_cost
-
-    return depth_bench("gate", WHAT, gate_cost, depths="2048,8064", reps=3, new=4, threads=1, model="default")
-
-
 if __name__ == "__main__":
-    run(main)
+    depth_bench("gate", WHAT, gate_cost, depths="2048,8064", reps=3, new=4, threads=1, model="default")

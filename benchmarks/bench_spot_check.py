@@ -21,19 +21,13 @@ The measurement is
 
 from __future__ import annotations
 
-from _common import depth_bench, run
+from _common import depth_bench
+from muser_cli.bench.decode_costs import spot_check_cost
 
 
 WHAT = ("TTFT of a foreign (vLLM-labelled) bf16 pack: spot-check fused into the first step vs a step of its "
         "own vs skipped, and one decode step (bench_spot_check.py)")
 
 
-def main() -> int:
-    from muser_cli.bench.decode_costs import spot_check_cost
-
-    return depth_bench("spot-check", WHAT, spot_check_cost, depths="2048,8064", reps=5, new=8, threads=1,
-                       model="default")
-
-
 if __name__ == "__main__":
-    run(main)
+    depth_bench("spot-check", WHAT, spot_check_cost, depths="2048,8064", reps=5, new=8, threads=1, model="default")

@@ -78,6 +78,18 @@ def put_bhnc(cache, table, keys, values, *, start=0, block_size=None, ks=None, v
             cache[kb, :, off, :] = cell
 
 
+def filled(rng, layout, num_layers, layer, B, H, T, N, D, dtype, *, Dv=None, table_blocks=None, bs=None):
+    """``T`` random rows (K of ``D``, V of ``Dv`` dims) written as vLLM writes them into one
+    layer's view of a ``layout`` allocation, under a random table of ``bs``-token blocks
+    (default ``N``) over ``table_blocks`` (default ``B``): (cache, table, keys, values)."""
+    Dv = D if Dv is None else Dv
+    k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, Dv, dtype)
+    cache = vllm_cache(VLLM_LAYOUTS[layout], num_layers, layer, B, H, N, D + Dv, dtype)
+    table = table_for(rng, T, bs or N, table_blocks or B)
+    put_bhnc(cache, table, k, v, block_size=bs)
+    return cache, table, k, v
+
+
 def put_legacy(cache, name, table, keys, values):
     N = cache.shape[{"KBNHD": 2, "KBHND": 3, "BKNHD": 2, "BKHND": 3}[name]]
     for i in range(keys.shape[1]):
@@ -102,10 +114,7 @@ def put_legacy(cache, name, table, keys, values):
 def test_vllm_layouts_round_trip(layout, block_size):
     rng = np.random.default_rng(hash((layout, block_size)) % 2**32)
     H, D, T, num_blocks = 2, 8, 3 * block_size + 5, 9  # partial last block
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS[layout], 3, 1, num_blocks, H, block_size, 2 * D, np.uint16)
-    table = table_for(rng, T, block_size, num_blocks)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, layout, 3, 1, num_blocks, H, T, block_size, D, np.uint16)
     got = L.gather_paged_kv(cache, table, start=0, stop=T)
     assert got.dtype == "bfloat16" and got.first_row == 0 and got.rows == T
     assert got.keys.shape == (H, T, D) and got.keys.flags.c_contiguous
@@ -121,10 +130,7 @@ def test_vllm_layouts_round_trip(layout, block_size):
 def test_storage_dtypes_and_unequal_v_head_dim(dtype, name):
     rng = np.random.default_rng(1)
     H, D, Dv, T, bs = 3, 16, 8, 40, 16
-    k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, Dv, dtype)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 6, H, bs, D + Dv, dtype)
-    table = table_for(rng, T, bs, 6)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 6, H, T, bs, D, dtype, Dv=Dv)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, head_dim=D, v_head_dim=Dv)
     assert got.dtype == name and got.keys.dtype == dtype
     np.testing.assert_array_equal(got.keys, k)
@@ -154,10 +160,8 @@ def test_kernel_blocks_inside_manager_blocks(layout):
     """vLLM may split a 32-token manager block into two 16-token kernel blocks."""
     rng = np.random.default_rng(3)
     H, D, T, manager_bs, kernel_bs, num_blocks = 2, 8, 75, 32, 16, 5
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS[layout], 2, 0, num_blocks * 2, H, kernel_bs, 2 * D, np.uint16)
-    table = table_for(rng, T, manager_bs, num_blocks)
-    put_bhnc(cache, table, k, v, block_size=manager_bs)
+    cache, table, k, v = filled(rng, layout, 2, 0, num_blocks * 2, H, T, kernel_bs, D, np.uint16,
+                                table_blocks=num_blocks, bs=manager_bs)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, block_size=manager_bs)
     np.testing.assert_array_equal(got.keys, k)
     np.testing.assert_array_equal(got.values, v)
@@ -170,10 +174,7 @@ def test_sliding_window_with_null_blocks(block_size):
     """Blocks wholly before the window are the null block (id 0); the window is exact."""
     rng = np.random.default_rng(block_size)
     H, D, T, window, num_blocks = 2, 8, 5 * block_size + 3, block_size + 4, 12
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS["LBHNC"], 1, 0, num_blocks, H, block_size, 2 * D, np.uint16)
-    table = table_for(rng, T, block_size, num_blocks)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBHNC", 1, 0, num_blocks, H, T, block_size, D, np.uint16)
     first, stop = L.layer_rows_for("sliding", window, T)
     assert (first, stop) == (T - window + 1, T)
     nulled = [0 if (j + 1) * block_size <= first else b for j, b in enumerate(table)]
@@ -207,10 +208,7 @@ def test_fp8_tables_match_torch():
 def test_fp8_with_scales(scale_kind):
     rng = np.random.default_rng(5)
     H, D, T, bs = 4, 16, 50, 16
-    k, v = rows(rng, H, T, D, np.uint8), rows(rng, H, T, D, np.uint8)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 8, H, bs, 2 * D, np.uint8)
-    table = table_for(rng, T, bs, 8)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 8, H, T, bs, D, np.uint8)
     ks = np.float32(0.37) if scale_kind == "per_tensor" else rng.uniform(0.1, 2, H).astype(np.float32)
     vs = np.array([0.5], np.float32) if scale_kind == "per_tensor" else rng.uniform(0.1, 2, H).astype(np.float32)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, quant="fp8", k_scale=ks, v_scale=vs)
@@ -266,10 +264,7 @@ def test_torch_tensors_by_duck_typing():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
     H, D, T, bs = 2, 8, 33, 16
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 6, H, bs, 2 * D, np.uint16)
-    table = table_for(rng, T, bs, 6)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 6, H, T, bs, D, np.uint16)
     # A strided torch view of an LBNHC allocation, as vLLM hands it over.
     phys = torch.from_numpy(np.ascontiguousarray(cache.transpose(0, 2, 1, 3)).view(np.int16))  # (B, N, H, C)
     tcache = phys.view(torch.bfloat16).permute(0, 2, 1, 3)
@@ -288,10 +283,7 @@ def test_torch_tensors_by_duck_typing():
 def test_gather_by_slot_mapping():
     rng = np.random.default_rng(9)
     H, D, T, bs = 2, 4, 45, 16
-    k, v = rows(rng, H, T, D, np.float32), rows(rng, H, T, D, np.float32)
-    cache = vllm_cache(VLLM_LAYOUTS["BHLNC"], 2, 1, 7, H, bs, 2 * D, np.float32)
-    table = table_for(rng, T, bs, 7)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "BHLNC", 2, 1, 7, H, T, bs, D, np.float32)
     slots = [table[p // bs] * bs + p % bs for p in range(T)]
     got = L.gather_slots(cache, slots[20:])
     np.testing.assert_array_equal(got.keys, k[:, 20:])

@@ -350,17 +350,23 @@ def test_module_imports_nothing_heavy():
 def put_cpu_vec(cache, table, keys, values, *, block_size=None):
     """What vLLM's CPU ``vec`` kernel stores, one element at a time, from its description:
     per (block, head) ``block_size * D`` elements of K as ``[d][slot]``, then V as ``[slot][d]``."""
+    for flat, kb, h, i, slot, d, N, D in cpu_elements(cache, table, keys.shape[1], block_size):
+        flat[kb, h, d * N + slot] = keys[h, i, d]
+        flat[kb, h, N * D + slot * D + d] = values[h, i, d]
+
+
+def cpu_elements(cache, table, T, block_size=None):
+    """Each element of ``T`` rows in a CPU_ATTN cache: (its block-and-head interior as one flat
+    axis, kernel block, head, row, slot in the block, dim, block size N, head_dim D)."""
     B, H, N, C = cache.shape
     D = C // 2
     flat = cache.reshape(B, H, N * C)  # the dense (block, head) interior
     bs = block_size or N
-    for i in range(keys.shape[1]):
+    for i in range(T):
         kb = table[i // bs] * (bs // N) + (i % bs) // N
-        slot = i % N
         for h in range(H):
             for d in range(D):
-                flat[kb, h, d * N + slot] = keys[h, i, d]
-                flat[kb, h, N * D + slot * D + d] = values[h, i, d]
+                yield flat, kb, h, i, i % N, d, N, D
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.float16, np.float32])
@@ -410,18 +416,10 @@ def put_cpu_amx(cache, table, keys, values, *, block_size=None):
     address arithmetic (cpu_attn_amx.hpp reshape_and_cache, bfloat16: 2 elements a 4-byte word):
     K at word ``(slot // 16) * 16 * (D / 2) + (d // 2) * 16 + slot % 16``, element ``d % 2``;
     V at ``(d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2``."""
-    B, H, N, C = cache.shape
-    D = C // 2
-    flat = cache.reshape(B, H, N * C)
-    bs = block_size or N
-    for i in range(keys.shape[1]):
-        kb = table[i // bs] * (bs // N) + (i % bs) // N
-        slot = i % N
-        for h in range(H):
-            for d in range(D):
-                word = (slot // 16) * 16 * (D // 2) + (d // 2) * 16 + slot % 16
-                flat[kb, h, 2 * word + d % 2] = keys[h, i, d]
-                flat[kb, h, N * D + (d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = values[h, i, d]
+    for flat, kb, h, i, slot, d, N, D in cpu_elements(cache, table, keys.shape[1], block_size):
+        word = (slot // 16) * 16 * (D // 2) + (d // 2) * 16 + slot % 16
+        flat[kb, h, 2 * word + d % 2] = keys[h, i, d]
+        flat[kb, h, N * D + (d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = values[h, i, d]
 
 
 @pytest.mark.parametrize("block_size,kernel_split,D", [(32, 1, 32), (128, 1, 16), (64, 2, 48)])

@@ -55,6 +55,17 @@ def depth_ok(data: bytes | str, limit: int = MAX_DEPTH) -> bool:
     return True
 
 
+def is_sha256_ref(value: Any) -> bool:
+    """Whether ``value`` is ``sha256:`` and 64 hex digits (a fingerprint or digest as muser writes it)."""
+    if not isinstance(value, str) or not value.startswith("sha256:") or len(value) != 71:
+        return False
+    try:
+        int(value[7:], 16)
+    except ValueError:
+        return False
+    return True
+
+
 def unique_keys(what: str, error: type[MuserError] = DataError) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
     """A ``json.loads`` object hook that refuses a key given twice: one ``error`` line naming ``what``."""
 

@@ -25,81 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import re
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import corpus_ids, summarize, write_receipt  # noqa: E402
-
-_URL = re.compile(r"listening on http://(\S+)/v1")
-
-
-def wait_url(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
-    """The endpoint a starting ``decode --serve`` prints; its stderr is read on a thread from
-    then on (a line reader, so two lines arriving together are both seen)."""
-    import queue
-    import threading
-
-    lines: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            for raw in proc.stderr:
-                lines.put(raw.decode(errors="replace"))
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            continue
-        m = _URL.search(line)
-        if m:
-            return f"http://{m.group(1)}/v1"
-        if not line:
-            break
-    proc.kill()
-    raise SystemExit(f"{what} did not start")
-
-
-def drain(proc: subprocess.Popen) -> None:
-    import threading
-
-    def run() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            while proc.stderr.read(65536):
-                pass
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def conversation(client, model: str, slices: list[str], max_tokens: int) -> list[dict]:
-    """One agent session: each turn adds the last answer and the next slice; per-turn TTFT."""
-    turns: list[dict] = []
-    out = []
-    for i, piece in enumerate(slices):
-        turns.append({"role": "user", "content": piece if i else f"Read this and keep it in mind.\n\n{piece}"})
-        t0 = time.perf_counter()
-        raw = client.chat.completions.with_raw_response.create(model=model, messages=turns, max_tokens=max_tokens,
-                                                               temperature=0, stream=True)
-        ttft, text = None, []
-        for chunk in raw.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append(chunk.choices[0].delta.content)
-        turns.append({"role": "assistant", "content": "".join(text)})
-        out.append({"turn": i + 1, "ttft_s": ttft, "source": raw.headers.get("x-muser-source"),
-                    "bytes": int(raw.headers.get("x-muser-bytes") or 0)})
-    return out
+from _common import corpus_ids, run, summarize, write_receipt
 
 
 def main() -> int:
@@ -114,8 +45,9 @@ def main() -> int:
     args = ap.parse_args()
     import openai
 
+    from muser_cli.bench.agent import conversation, mlx_lm_conversations, wait_url
     from muser_cli.bench.common import machine, pinning, resolve_bench_model
-    from muser_cli.bench.loopback import MUSER, make_nodes, node_env, wait_listening
+    from muser_cli.bench.loopback import MUSER, drain_in_background, make_nodes, node_env, wait_listening
     from muser_cli.tokens import decode_text
 
     info = resolve_bench_model(args.model)
@@ -140,7 +72,7 @@ def main() -> int:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         procs.append(producer)
         address = wait_listening(producer, "producer", timeout=600)
-        drain(producer)
+        drain_in_background(producer)
         servers = {
             "producer": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", "--producer", address, *common],
             "local": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", *common],
@@ -156,7 +88,8 @@ def main() -> int:
             conversation(client, "default", slices(-1)[:2], args.max_tokens)  # warm-up
             lanes[lane] = [conversation(client, "default", slices(r), args.max_tokens) for r in range(args.reps)]
         if args.mlx_lm:
-            lanes["mlx-lm"] = run_mlx_lm(args, info, pins, slices)
+            lanes["mlx-lm"] = mlx_lm_conversations(str(info.path), pins, slices, reps=args.reps,
+                                                   max_tokens=args.max_tokens)
     finally:
         for p in procs:
             with contextlib.suppress(OSError):
@@ -178,36 +111,5 @@ def main() -> int:
     return 0
 
 
-def run_mlx_lm(args, info, pins, slices) -> list[list[dict]]:
-    """The same conversations against ``mlx_lm.server`` on the consumer's core."""
-    import socket
-
-    import openai
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(pins.command("consumer", [sys.executable, "-m", "mlx_lm.server", "--model", str(info.path),
-                                                      "--host", "127.0.0.1", "--port", str(port)]),
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        end = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > end or proc.poll() is not None:
-                    raise SystemExit("mlx_lm.server did not start") from None
-                time.sleep(1)
-        conversation(client, str(info.path), slices(-1)[:2], args.max_tokens)
-        return [conversation(client, str(info.path), slices(r), args.max_tokens) for r in range(args.reps)]
-    finally:
-        proc.terminate()
-        proc.wait(60)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

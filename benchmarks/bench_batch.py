@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_receipt  # noqa: E402
+from _common import write_receipt
 
 
 def main() -> None:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import corpus_ids, summarize, write_receipt  # noqa: E402
+from _common import corpus_ids, summarize, write_receipt
 
 
 def main() -> int:
@@ -33,6 +30,7 @@ def main() -> int:
     args = ap.parse_args()
     import tempfile
 
+    from muser_cli.bench.fallback import EndTimed, failing_producers
     from muser_cli.bench.loopback import make_nodes
     from muser_cli.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
@@ -47,52 +45,6 @@ def main() -> int:
     eng = TorchEngine(info, dtype="float32", threads=1)
     prompt = decode_text(info, corpus_ids(info, args.depth))
 
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    down_addr = "127.0.0.1:%d" % closed.getsockname()[1]
-    closed.close()  # nobody listens there now: connection refused
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen(16)
-    hung_addr = "127.0.0.1:%d" % hung.getsockname()[1]
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept_and_say_nothing() -> None:
-        hung.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(hung.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
-
-    class Timed:
-        """The pull's reader, noting when it ends (the moment decode knows to fall back)."""
-
-        def __init__(self, inner, t0):
-            self.inner, self.t0, self.end = inner, t0, None
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def _note(self, data):
-            if not data and self.end is None:
-                self.end = time.perf_counter() - self.t0
-            return data
-
-        def read(self, *a):
-            return self._note(self.inner.read(*a))
-
-        def read1(self, *a):
-            return self._note(self.inner.read1(*a))
-
-        def readinto(self, b):
-            n = self.inner.readinto(b)
-            self._note(b"" if not n else b"x")
-            return n
-
     def run(kind: str) -> dict:
         t0 = time.perf_counter()
         src = None
@@ -101,7 +53,7 @@ def main() -> int:
             pulling = start_pull_pipe(addr, prompt=prompt, model="default", chat=False, chunk_tokens=None,
                                       dtype="float32", engine="torch",
                                       timeout=args.hung_timeout if kind == "hung" else None, have=False)
-            src = Timed(pulling.reader, t0)
+            src = EndTimed(pulling.reader, t0)
         out = decode(src, model="default", prompt=prompt, max_new_tokens=2, dtype="float32", threads=1,
                      resident=eng, reuse=False, fallback_reason="no producer")
         return {"gave_up_s": src.end if src is not None else None, "ttft_s": out.ttft_s,
@@ -109,15 +61,12 @@ def main() -> int:
                 "reason": out.reason}
 
     got: dict[str, list[dict]] = {"local": [], "down": [], "hung": []}
-    for rnd in range(args.reps + 1):
-        for kind in got:
-            r = run(kind)
-            if rnd:
-                got[kind].append(r)
-    stop.set()
-    for s in held:
-        s.close()
-    hung.close()
+    with failing_producers() as (down_addr, hung_addr):
+        for rnd in range(args.reps + 1):
+            for kind in got:
+                r = run(kind)
+                if rnd:
+                    got[kind].append(r)
     tokens = {tuple(r["tokens"]) for rs in got.values() for r in rs}
     if len(tokens) != 1:
         raise SystemExit(f"the three decoded different tokens: {tokens}")

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_receipt  # noqa: E402
+from _common import write_receipt
 
-from muser_cli.engines.mlx import blas as mlx_blas  # noqa: E402
+from muser_cli.engines.mlx import blas as mlx_blas
 
 mlx_blas.ensure_fast_blas()
 

@@ -18,13 +18,11 @@ draws) and results/pack-cli-*.json.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import RESULTS, write_receipt  # noqa: E402
+from _common import RESULTS, write_receipt
 
 
 def cli_compare(args, info) -> int:

@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import summarize, write_receipt  # noqa: E402
+from _common import summarize, write_receipt
 
-from muser_cli.bench.common import SOURCE_ROOT  # noqa: E402
-from muser_cli.bench.pack_study import fresh_load  # noqa: E402
+from muser_cli.bench.common import SOURCE_ROOT
+from muser_cli.bench.pack_study import fresh_load
 
 
 def main() -> int:

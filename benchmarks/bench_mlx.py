@@ -20,12 +20,8 @@ Writes a JSON receipt under benchmarks/results/ (mlx-<time>.json).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from muser_cli.engines.mlx import blas as mlx_blas  # noqa: E402
+from muser_cli.engines.mlx import blas as mlx_blas
 
 mlx_blas.ensure_fast_blas()  # before anything imports mlx.core
 

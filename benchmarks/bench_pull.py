@@ -27,22 +27,17 @@ and TTFT of the follow-up vs the full first request.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_receipt  # noqa: E402
+from _common import bench_args, write_receipt
+
+
+def follow_up(ap) -> None:
+    ap.add_argument("--follow-up", action="store_true")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--depth", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--settle", type=float, default=10.0)
-    ap.add_argument("--follow-up", action="store_true")
-    args = ap.parse_args()
-
+    args = bench_args(follow_up, depth=2048, reps=5, settle=10.0)
     from muser_cli.bench.pull_lanes import run_pull
 
     payload = run_pull(depth=args.depth, reps=args.reps, settle=args.settle, follow_up=args.follow_up,

@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_receipt  # noqa: E402
+from _common import write_receipt
 
 FIXTURES = [
     "The capital of France is",

@@ -11,23 +11,16 @@ figure is steady. Receipt: benchmarks/results/receive-cpu-*.json.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from _common import bench_args, write_receipt
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import write_receipt  # noqa: E402
+
+def notes(ap) -> None:
+    ap.add_argument("--spool", default="", help="the receiver's output folder (default: a temporary folder on disk)")
+    ap.add_argument("--label", default="", help="a note for the receipt (e.g. which tree)")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=float, default=64.0)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--probe-seconds", type=float, default=1.0)
-    ap.add_argument("--spool", default="", help="the receiver's output folder (default: a temporary folder on disk)")
-    ap.add_argument("--label", default="", help="a note for the receipt (e.g. which tree)")
-    args = ap.parse_args()
-
+    args = bench_args(notes, mb=64.0, reps=5, probe_seconds=1.0)
     from muser_cli.bench.receive_cpu import run_receive_cpu
 
     out = run_receive_cpu(args.mb, reps=args.reps, probe_seconds=args.probe_seconds, spool=args.spool or None,

@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from _common import corpus_ids, write_receipt  # noqa: E402
+from _common import corpus_ids, write_receipt
 
 
 def note(line: str) -> None:

@@ -9,12 +9,9 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from _common import corpus_ids, measure, summarize, write_receipt  # noqa: E402
+from _common import corpus_ids, measure, summarize, write_receipt
 
 
 def main() -> int:

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import summarize, write_receipt  # noqa: E402
+from _common import summarize, write_receipt
 
 N_NEW = 32
 N_FORCED = 16  # teacher-forced positions (each is one torch decode from the installed rows)

@@ -22,6 +22,14 @@ _JSON = "Print the receipt as one JSON object on stdout instead of the table."
 _MODEL = ("Model folder, .gguf file, 'default' (the embedded model) or 'tiny' (a random 1-layer Llama "
           "with 132k positions, written once: quick runs).")
 
+# The options lane, pack and wire share (one definition each, so their help cannot drift).
+_MODEL_OPT = typer.Option("default", "--model", "-m", help=_MODEL)
+_DEPTHS_OPT = typer.Option("512,2048,8064", "--depths", help="Prompt depths in tokens, comma-separated.")
+_REPS_OPT = typer.Option(5, "--reps", help=_REPS)
+_PLOT_OPT = typer.Option(None, "--plot", help=_PLOT)
+_RECEIPT_OPT = typer.Option(None, "--receipt", help=_RECEIPT)
+_JSON_OPT = typer.Option(False, "--json", help=_JSON)
+
 
 def _progress(line: str) -> None:
     info(f"bench: {line}")
@@ -40,9 +48,9 @@ def _report(result, as_json: bool) -> None:
 
 @bench_app.command("lane")
 def lane_cmd(
-    model: str = typer.Option("default", "--model", "-m", help=_MODEL),
-    depths: str = typer.Option("512,2048,8064", "--depths", help="Prompt depths in tokens, comma-separated."),
-    reps: int = typer.Option(5, "--reps", help=_REPS),
+    model: str = _MODEL_OPT,
+    depths: str = _DEPTHS_OPT,
+    reps: int = _REPS_OPT,
     live: bool = typer.Option(False, "--live", help="Also run the live streamed lane: whole `prefill | send` and "
                               "`receive | decode` processes (slower: each run starts four processes)."),
     settle: float = typer.Option(8.0, "--settle", help="With --live: seconds the consumer gets to load its model "
@@ -51,9 +59,9 @@ def lane_cmd(
     codec: str = typer.Option("none", "--codec", help="none | zstd+bytegroup"),
     threads: int = typer.Option(0, "--threads", help="Compute threads per side (0: 1 when pinned, else the CPUs up to 8)."),
     no_pin: bool = typer.Option(False, "--no-pin", help="Do not pin producer and consumer to two different cores."),
-    plot: Optional[str] = typer.Option(None, "--plot", help=_PLOT),
-    receipt: Optional[str] = typer.Option(None, "--receipt", help=_RECEIPT),
-    as_json: bool = typer.Option(False, "--json", help=_JSON),
+    plot: Optional[str] = _PLOT_OPT,
+    receipt: Optional[str] = _RECEIPT_OPT,
+    as_json: bool = _JSON_OPT,
 ) -> None:
     """Time to first token by prompt depth: local prefill against a handoff over loopback TLS.
 
@@ -70,16 +78,16 @@ def lane_cmd(
 
 @bench_app.command("pack")
 def pack_cmd(
-    model: str = typer.Option("default", "--model", "-m", help=_MODEL),
-    depths: str = typer.Option("512,2048,8064", "--depths", help="Prompt depths in tokens, comma-separated."),
-    reps: int = typer.Option(5, "--reps", help=_REPS),
+    model: str = _MODEL_OPT,
+    depths: str = _DEPTHS_OPT,
+    reps: int = _REPS_OPT,
     synthetic: bool = typer.Option(False, "--synthetic", help="Random bf16 rows of the model's shape instead of a "
                                    "real prefill (zstd ratios are then not real)."),
     no_peers: bool = typer.Option(False, "--no-peers", help="Leave out mlx-lm's prompt cache even when installed."),
     threads: int = typer.Option(0, "--threads", help="Threads of the one prefill that makes the KV (0: the CPUs up to 8)."),
-    plot: Optional[str] = typer.Option(None, "--plot", help=_PLOT),
-    receipt: Optional[str] = typer.Option(None, "--receipt", help=_RECEIPT),
-    as_json: bool = typer.Option(False, "--json", help=_JSON),
+    plot: Optional[str] = _PLOT_OPT,
+    receipt: Optional[str] = _RECEIPT_OPT,
+    as_json: bool = _JSON_OPT,
 ) -> None:
     """kvpack pack, unpack, save and load: times and bytes against mlx-lm's prompt cache and memcpy."""
     from muser_cli.bench.api import bench_pack
@@ -93,12 +101,12 @@ def pack_cmd(
 @bench_app.command("wire")
 def wire_cmd(
     sizes: str = typer.Option("1,8,64", "--sizes", help="Payload sizes in MB, comma-separated."),
-    reps: int = typer.Option(5, "--reps", help=_REPS),
+    reps: int = _REPS_OPT,
     probe_seconds: float = typer.Option(1.0, "--probe-seconds", help="Seconds of each raw TLS probe."),
     no_pin: bool = typer.Option(False, "--no-pin", help="Do not pin sender and receiver to two different cores."),
-    plot: Optional[str] = typer.Option(None, "--plot", help=_PLOT),
-    receipt: Optional[str] = typer.Option(None, "--receipt", help=_RECEIPT),
-    as_json: bool = typer.Option(False, "--json", help=_JSON),
+    plot: Optional[str] = _PLOT_OPT,
+    receipt: Optional[str] = _RECEIPT_OPT,
+    as_json: bool = _JSON_OPT,
 ) -> None:
     """Throughput by payload size over loopback mutual TLS: kvpack send against probe-link's raw rate."""
     from muser_cli.bench.api import bench_wire

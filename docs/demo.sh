@@ -9,12 +9,12 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 consumer="$work/consumer" producer="$work/producer"
 : "${MUSER_MODELS:=$PWD/tests/.cache/models}"; export MUSER_MODELS
 model="${DEMO_MODEL:-default}"  # the embedded SmolLM2-135M; the tests run the demo on a tiny model folder
-cat > "$work/doc.txt" <<'TXT'
+cat > "$work/rhine.txt" <<'TXT'
 The Rhine is a European river that begins in the Swiss canton of Graubünden in the
 southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austrian and
 Swiss-German borders, then flows through Germany and the Netherlands into the North Sea.
-Question: through which countries does the Rhine flow?
 TXT
+{ cat "$work/rhine.txt"; echo "Question: through which countries does the Rhine flow?"; } > "$work/doc.txt"
 echo "== onboarding: consumer node init | node export --producer; producer node join"
 MUSER_HOME="$consumer" muser -q node init --name consumer
 MUSER_HOME="$consumer" muser -q node export --producer producer -o "$work/producer.bundle"
@@ -85,12 +85,7 @@ sys.exit(0 if same else 1)
 PY
 
 # The pull lane: the producer stays resident (model loaded once) and the consumer asks it.
-cat > "$work/follow.txt" <<'TXT'
-The Rhine is a European river that begins in the Swiss canton of Graubünden in the
-southeastern Swiss Alps. It forms part of the Swiss-Liechtenstein, Swiss-Austrian and
-Swiss-German borders, then flows through Germany and the Netherlands into the North Sea.
-Question: into which sea does the Rhine flow?
-TXT
+{ cat "$work/rhine.txt"; echo "Question: into which sea does the Rhine flow?"; } > "$work/follow.txt"
 echo "== producer: prefill --serve (resident); consumer: decode --producer, twice on one document"
 MUSER_HOME="$producer" muser prefill --serve 127.0.0.1:0 -m "$model" --json 2> "$work/serve.log" &
 serving=$!

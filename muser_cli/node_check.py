@@ -63,45 +63,88 @@ class CheckReport:
 NAMES = ("reachable", "mutual auth", "request", "clock", "model", "link", "audit")
 
 
+class _Failed(Exception):
+    """A check failed: its name, the error (its exit status is the command's) and the line shown."""
+
+    def __init__(self, name: str, error: MuserError, detail: str | None = None) -> None:
+        super().__init__(name)
+        self.name, self.error, self.detail = name, error, detail or str(error)
+
+
+@dataclass
+class _Run:
+    """What the checks share: the producer dialled, this node's identity, the rows so far."""
+    host: str
+    port: int
+    where: str
+    identity: Any
+    timeout: float
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def connect_s(self) -> float:
+        return min(self.timeout, 10.0)
+
+    def passed(self, name: str, detail: str, data: dict[str, Any] | None = None) -> None:
+        self.rows.append(Row(name, True, detail, data or {}))
+
+
 def check_producer(producer: str, *, model: str | None = None, timeout: float = 30.0, threads: int = 1,
                    chunk_tokens: int | None = None, probe_s: float = 1.0) -> CheckReport:
     """Run the checks of the module doc against ``producer`` (HOST:PORT); never raises for a
     failed check: the report holds it."""
     from muser_cli import paths
-    from muser_cli.handoff.header import DEFAULT_WINDOW_S
-    from muser_cli.handoff.link import format_hostport, map_error, parse_hostport
+    from muser_cli.handoff.link import format_hostport, parse_hostport
     from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull_client import connect
 
     host, port = parse_hostport(producer)  # a bad address is a usage error, raised
     where = format_hostport(host, port)
-    identity = load_identity(paths.keys_dir())
-    rows: list[Row] = []
-    report = CheckReport(where, rows)
+    run = _Run(host, port, where, load_identity(paths.keys_dir()), timeout)
+    report = CheckReport(where, run.rows)
+    try:
+        _check_reachable(run)
+        _check_mutual_auth(run)
+        with tempfile.TemporaryDirectory(prefix="muser-check-") as tmp:
+            out = Path(tmp) / "check.kvpack"
+            ask = _check_request(run, out, model=model, chunk_tokens=chunk_tokens)
+            _check_link(run, probe_s)
+            try:
+                spot = _audit(out, model=model, threads=threads)
+            except MuserError as exc:
+                raise _Failed("audit", exc) from None
+        run.passed("audit", f"{len(ask.token_ids)}-token test prefill: positions {spot['positions'][0]}.."
+                            f"{spot['positions'][1]} recomputed here, worst layer {spot['worst_layer']} rel "
+                            f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}", {"spot_check": spot})
+    except _Failed as failed:
+        run.rows.append(Row(failed.name, False, failed.detail))
+        for rest in NAMES[len(run.rows):]:
+            run.rows.append(Row(rest, None, "not run"))
+        report.error = failed.error
+    return report
 
-    def fail(name: str, exc: MuserError, detail: str | None = None) -> CheckReport:
-        rows.append(Row(name, False, detail or str(exc)))
-        for rest in NAMES[len(rows):]:
-            rows.append(Row(rest, None, "not run"))
-        report.error = exc
-        return report
 
-    # reachable
+def _check_reachable(run: _Run) -> None:
+    from muser_cli.handoff.link import map_error
+
     t0 = time.monotonic()
     try:
-        socket.create_connection((host, port), timeout=min(timeout, 10.0)).close()
+        socket.create_connection((run.host, run.port), timeout=run.connect_s).close()
     except OSError as exc:
-        return fail("reachable", map_error(exc, f"connecting to {where}"))
-    rows.append(Row("reachable", True, f"TCP connect in {(time.monotonic() - t0) * 1000:.1f} ms",
-                    {"connect_ms": round((time.monotonic() - t0) * 1000, 3)}))
-    # mutual auth (a handshake alone: the producer sees a connection that sends no request)
-    try:
-        sock, _ = connect(where, identity, min(timeout, 10.0))
-    except MuserError as exc:
-        return fail("mutual auth", exc)
-    try:
-        from muser_cli.handoff.certs import peer_common_name
+        raise _Failed("reachable", map_error(exc, f"connecting to {run.where}")) from None
+    run.passed("reachable", f"TCP connect in {(time.monotonic() - t0) * 1000:.1f} ms",
+               {"connect_ms": round((time.monotonic() - t0) * 1000, 3)})
 
+
+def _check_mutual_auth(run: _Run) -> None:
+    """A handshake alone: the producer sees a connection that sends no request."""
+    from muser_cli.handoff.certs import peer_common_name
+    from muser_cli.handoff.pull_client import connect
+
+    try:
+        sock, _ = connect(run.where, run.identity, run.connect_s)
+    except MuserError as exc:
+        raise _Failed("mutual auth", exc) from None
+    try:
         der = sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
         version = sock.version()
@@ -112,72 +155,77 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
             pass
     finally:
         sock.close()
-    rows.append(Row("mutual auth", True, f"{version}, producer certificate {cn!r} from this node's CA",
-                    {"producer_name": cn, "tls": version}))
-    # the test request: request -> clock -> model -> audit
+    run.passed("mutual auth", f"{version}, producer certificate {cn!r} from this node's CA",
+               {"producer_name": cn, "tls": version})
+
+
+_AUTHENTICATED = "signed request authenticated (key id, MAC)"
+
+
+def _check_request(run: _Run, out: Path, *, model: str | None, chunk_tokens: int | None) -> Any:
+    """The test request, pulled into ``out``: the request, clock and model rows. Returns the ask."""
+    from muser_cli.handoff.header import DEFAULT_WINDOW_S
     from muser_cli.serve import ask_for, pull_prompt
 
     try:
         ask = ask_for(TEST_PROMPT, model=model, chat=False, chunk_tokens=chunk_tokens, dtype=None, engine="torch")
     except MuserError as exc:
-        return fail("request", exc, f"this consumer cannot make the test request: {exc}")
+        raise _Failed("request", exc, f"this consumer cannot make the test request: {exc}") from None
     seen: dict[str, Any] = {}
 
     def on_event(kind: str, f: dict[str, Any]) -> None:
         if kind == "header":
             seen.update(f)
 
-    with tempfile.TemporaryDirectory(prefix="muser-check-") as tmp:
-        out = Path(tmp) / "check.kvpack"
-        t1 = time.monotonic()
-        try:
-            got = pull_prompt(where, ask, output=out, timeout=timeout, on_event=on_event)
-        except MuserError as exc:
-            text = str(exc)
-            if "refused: stale" in text:
-                rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
-                return fail("clock", exc, f"the producer refused our issued-at: clocks differ by more than "
-                                          f"its window ({text})")
-            if "refused: model" in text:
-                rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
-                rows.append(Row("clock", True, "issued-at accepted by the producer (within its window)"))
-                return fail("model", exc)  # the one refusal table: another model is mismatched data (65)
-            if not seen:
-                return fail("request", exc)
-            rows.append(Row("request", True, "signed request authenticated (key id, MAC)"))
-            return fail("clock" if "issued" in text and isinstance(exc, AuthError) else "audit", exc)
-        pull_s = time.monotonic() - t1
-        rows.append(Row("request", True, f"signed request authenticated and served ({got['payload_bytes']} bytes "
-                                         f"in {pull_s * 1000:.0f} ms)", {"bytes": got["payload_bytes"],
-                                                                          "pull_s": round(pull_s, 6)}))
-        skew_s = (seen["issued_at_ms"] - seen["received_ms"]) / 1000 if seen else 0.0
-        rows.append(Row("clock", True, f"producer clock {skew_s:+.3f} s from ours (window ±{DEFAULT_WINDOW_S:g} s)",
-                        {"skew_s": round(skew_s, 3), "window_s": DEFAULT_WINDOW_S}))
-        fp = ask.model_fingerprint
-        rows.append(Row("model", True, f"serves this consumer's model {fp[:23]}... and tokenizer",
-                        {"model_fingerprint": fp, "tokenizer_fingerprint": ask.tokenizer_fingerprint}))
-        if probe_s > 0:
-            from muser_cli.handoff.probe_link import probe_peer
+    t1 = time.monotonic()
+    try:
+        got = pull_prompt(run.where, ask, output=out, timeout=run.timeout, on_event=on_event)
+    except MuserError as exc:
+        raise _request_failed(run, exc, bool(seen)) from None
+    pull_s = time.monotonic() - t1
+    run.passed("request", f"signed request authenticated and served ({got['payload_bytes']} bytes "
+                          f"in {pull_s * 1000:.0f} ms)", {"bytes": got["payload_bytes"], "pull_s": round(pull_s, 6)})
+    skew_s = (seen["issued_at_ms"] - seen["received_ms"]) / 1000 if seen else 0.0
+    run.passed("clock", f"producer clock {skew_s:+.3f} s from ours (window ±{DEFAULT_WINDOW_S:g} s)",
+               {"skew_s": round(skew_s, 3), "window_s": DEFAULT_WINDOW_S})
+    fp = ask.model_fingerprint
+    run.passed("model", f"serves this consumer's model {fp[:23]}... and tokenizer",
+               {"model_fingerprint": fp, "tokenizer_fingerprint": ask.tokenizer_fingerprint})
+    return ask
 
-            try:
-                rate = probe_peer(where, identity, seconds=probe_s, connect_s=min(timeout, 10.0))
-            except MuserError as exc:
-                return fail("link", exc)
-            up, down = rate["up_Bps"] / 1e6, rate["down_Bps"] / 1e6
-            rows.append(Row("link", True, f"consumer->producer {up:,.1f} MB/s, producer->consumer {down:,.1f} MB/s "
-                                          f"({probe_s:g} s each way)",
-                            {"consumer_to_producer_MBps": round(up, 3), "producer_to_consumer_MBps": round(down, 3),
-                             "probe_s": probe_s}))
-        else:
-            rows.append(Row("link", None, "not measured (probe seconds 0)"))
-        try:
-            spot = _audit(out, model=model, threads=threads)
-        except MuserError as exc:
-            return fail("audit", exc)
-    rows.append(Row("audit", True, f"{len(ask.token_ids)}-token test prefill: positions {spot['positions'][0]}.."
-                                   f"{spot['positions'][1]} recomputed here, worst layer {spot['worst_layer']} rel "
-                                   f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}", {"spot_check": spot}))
-    return report
+
+def _request_failed(run: _Run, exc: MuserError, header_seen: bool) -> _Failed:
+    """Which check a failed test pull fails (the rows before it passed)."""
+    text = str(exc)
+    if "refused: stale" in text:
+        run.passed("request", _AUTHENTICATED)
+        return _Failed("clock", exc, f"the producer refused our issued-at: clocks differ by more than "
+                                     f"its window ({text})")
+    if "refused: model" in text:
+        run.passed("request", _AUTHENTICATED)
+        run.passed("clock", "issued-at accepted by the producer (within its window)")
+        return _Failed("model", exc)  # the one refusal table: another model is mismatched data (65)
+    if not header_seen:
+        return _Failed("request", exc)
+    run.passed("request", _AUTHENTICATED)
+    return _Failed("clock" if "issued" in text and isinstance(exc, AuthError) else "audit", exc)
+
+
+def _check_link(run: _Run, probe_s: float) -> None:
+    if not probe_s > 0:
+        run.rows.append(Row("link", None, "not measured (probe seconds 0)"))
+        return
+    from muser_cli.handoff.probe_link import probe_peer
+
+    try:
+        rate = probe_peer(run.where, run.identity, seconds=probe_s, connect_s=run.connect_s)
+    except MuserError as exc:
+        raise _Failed("link", exc) from None
+    up, down = rate["up_Bps"] / 1e6, rate["down_Bps"] / 1e6
+    run.passed("link", f"consumer->producer {up:,.1f} MB/s, producer->consumer {down:,.1f} MB/s "
+                       f"({probe_s:g} s each way)",
+               {"consumer_to_producer_MBps": round(up, 3), "producer_to_consumer_MBps": round(down, 3),
+                "probe_s": probe_s})
 
 
 def _audit(path: Path, *, model: str | None, threads: int) -> dict[str, Any]:

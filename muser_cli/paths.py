@@ -13,31 +13,26 @@ def _home() -> Path | None:
     return Path(value).expanduser() if value else None
 
 
-def data_dir() -> Path:
+def _home_or_platform(sub: str, platform_dir: str) -> Path:
+    """``$MUSER_HOME/<sub>`` when MUSER_HOME is set, else platformdirs' ``platform_dir`` for muser."""
     home = _home()
     if home is not None:
-        return home / "data"
+        return home / sub
     import platformdirs
 
-    return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+    return Path(getattr(platformdirs, platform_dir)(APP_NAME, appauthor=False))
+
+
+def data_dir() -> Path:
+    return _home_or_platform("data", "user_data_dir")
 
 
 def cache_dir() -> Path:
-    home = _home()
-    if home is not None:
-        return home / "cache"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir(APP_NAME, appauthor=False))
+    return _home_or_platform("cache", "user_cache_dir")
 
 
 def config_dir() -> Path:
-    home = _home()
-    if home is not None:
-        return home / "config"
-    import platformdirs
-
-    return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
+    return _home_or_platform("config", "user_config_dir")
 
 
 def models_dir() -> Path:

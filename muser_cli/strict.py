@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 from muser_cli.errors import DataError, MuserError, UsageError
 
@@ -55,6 +55,31 @@ def depth_ok(data: bytes | str, limit: int = MAX_DEPTH) -> bool:
     return True
 
 
+def is_sha256_ref(value: Any) -> bool:
+    """Whether ``value`` is ``sha256:`` and 64 hex digits (a fingerprint or digest as muser writes it)."""
+    if not isinstance(value, str) or not value.startswith("sha256:") or len(value) != 71:
+        return False
+    try:
+        int(value[7:], 16)
+    except ValueError:
+        return False
+    return True
+
+
+def unique_keys(what: str, error: type[MuserError] = DataError) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json.loads`` object hook that refuses a key given twice: one ``error`` line naming ``what``."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise error(f"{what}: duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    return pairs
+
+
 def loads(data: bytes | str, what: str, *, limit: int, error: type[MuserError] = DataError,
           max_depth: int = MAX_DEPTH) -> Any:
     """Parse untrusted JSON. Refuses: more than ``limit`` bytes, non-UTF-8, nesting deeper
@@ -69,13 +94,7 @@ def loads(data: bytes | str, what: str, *, limit: int, error: type[MuserError] =
     if not depth_ok(text, max_depth):
         raise error(f"{what}: JSON nested deeper than {max_depth}")
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in items:
-            if k in out:
-                raise error(f"{what}: duplicate key {k!r}")
-            out[k] = v
-        return out
+    pairs = unique_keys(what, error)
 
     def no_constants(name: str) -> Any:
         raise error(f"{what}: {name} is not allowed")

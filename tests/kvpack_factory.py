@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import threading
+from contextlib import contextmanager
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
@@ -112,3 +116,63 @@ def forged_big_frame(*, pad: int = 512) -> tuple[bytes, int]:
     PackWriter(buf, header)
     declared = header.row_bytes(0) * 32
     return buf.getvalue() + FRAME_HEADER.pack(TAG_DATA, 0, 0, 0, 32, 0, 0, 0, declared, declared) + bytes(pad), declared
+
+
+def corrupted(data, blob: bytes) -> bytes:
+    """``blob`` with up to three flips, cuts or insertions drawn from hypothesis ``data``."""
+    from hypothesis import strategies as st
+
+    b = bytearray(blob)
+    for _ in range(data.draw(st.integers(0, 3))):
+        if not b:
+            break
+        pos = data.draw(st.integers(0, len(b) - 1))
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if kind == "flip":
+            b[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "cut":
+            del b[pos:]
+        else:
+            b[pos:pos] = data.draw(st.binary(min_size=1, max_size=70))
+    return bytes(b)
+
+
+def verdict(fn) -> tuple[str, object]:
+    """``("ok", fn())``, or ``("refused", the message)`` where ``fn`` raised KVPackError."""
+    from muser_cli.errors import KVPackError
+
+    try:
+        return "ok", fn()
+    except KVPackError as exc:
+        return "refused", str(exc)
+
+
+def fed_root(blob: bytes, step: int, *, decode: bool = True) -> bytes | None:
+    """The root digest of ``blob`` fed to a PackReader ``step`` bytes at a time."""
+    from muser_cli.kvpack import PackReader
+
+    reader = PackReader(decode=decode)
+    for i in range(0, len(blob), step):
+        reader.feed(blob[i:i + step])
+    reader.finish()
+    return reader.root_digest
+
+
+@contextmanager
+def pipe_in_pieces(data: bytes, step: int) -> Iterator[BinaryIO]:
+    """The read end of a pipe that a thread fills with ``data``, ``step`` bytes a write."""
+    r, w = os.pipe()
+
+    def feed() -> None:
+        with os.fdopen(w, "wb") as out:
+            for i in range(0, len(data), step):
+                out.write(data[i:i + step])
+                out.flush()
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        with os.fdopen(r, "rb") as src:
+            yield src
+    finally:
+        t.join()

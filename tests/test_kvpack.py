@@ -19,7 +19,7 @@ from muser_cli.kvpack import PackReader, read_pack_bytes
 from muser_cli.kvpack.format import FRAME_HEADER, MAGIC, PREAMBLE, canonical_json, pad_len
 
 import kvpack_factory
-from kvpack_factory import llama_layers, make_pack
+from kvpack_factory import corrupted, fed_root, llama_layers, make_pack, pipe_in_pieces, verdict
 
 VERSIONS = {"v1.0": (0, "sha256", 0), "v1.1-blake3": (1, "blake3", 0), "v1.1-sha256": (1, "sha256", 0),
             "v1.2-ring": (2, "blake3", 1), "v1.3-latent": (3, "blake3", 1)}
@@ -456,33 +456,10 @@ def test_property_whole_buffer_and_streaming_readers_agree(data):
     """read_buffer (parallel digests, in place) and PackReader (in pieces) give one verdict."""
     codec = data.draw(st.sampled_from(["none", "zstd", "zstd+bytegroup"]))
     blob, _, _ = make_pack(23, codec=codec, layers=llama_layers(2), chunk=4)
-    b = bytearray(blob)
-    for _ in range(data.draw(st.integers(0, 3))):
-        pos = data.draw(st.integers(0, len(b) - 1)) if b else 0
-        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
-        if not b:
-            break
-        if kind == "flip":
-            b[pos] ^= 1 << data.draw(st.integers(0, 7))
-        elif kind == "cut":
-            del b[pos:]
-        else:
-            b[pos:pos] = data.draw(st.binary(min_size=1, max_size=70))
-    blob = bytes(b)
-
-    def verdict(fn):
-        try:
-            return "ok", fn()
-        except KVPackError as exc:
-            return "refused", str(exc)
+    blob = corrupted(data, blob)
 
     def pieces():
-        reader = PackReader()
-        step = data.draw(st.integers(1, 300))
-        for i in range(0, len(blob), step):
-            reader.feed(blob[i:i + step])
-        reader.finish()
-        return reader.root_digest
+        return fed_root(blob, data.draw(st.integers(1, 300)))
 
     def events():
         from muser_cli.kvpack import EndEvent, buffer_events
@@ -598,25 +575,11 @@ def test_writable_input_is_copied_unless_handed_over():
 
 
 def test_pipe_reads_with_readinto_into_buffers_of_each_step(tmp_path):
-    import os
-    import threading
-
     from muser_cli.kvpack import read_pack
 
     data, _, rows = make_pack(41, codec="zstd+bytegroup")
-    r, w = os.pipe()
-
-    def feed():
-        with os.fdopen(w, "wb") as out:
-            for i in range(0, len(data), 777):
-                out.write(data[i:i + 777])
-                out.flush()
-
-    t = threading.Thread(target=feed)
-    t.start()
-    with os.fdopen(r, "rb") as src:
+    with pipe_in_pieces(data, 777) as src:
         pack = read_pack(src)  # a pipe: not mapped, read step by step
-    t.join()
     assert _same(pack.layers, rows) and pack.total_bytes == len(data)
 
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpack_factory import frame_offsets, kinds_layers, make_pack, make_rows, plain_header
+from kvpack_factory import corrupted, fed_root, frame_offsets, kinds_layers, make_pack, make_rows, plain_header, verdict
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack import EndEvent, FrameEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 from muser_cli.kvpack.format import canonical_json, parse_header
@@ -124,9 +124,14 @@ def test_a_cut_stream_resumes_from_the_last_whole_chunk_with_that_chunks_snapsho
     (lambda l: l.update(kv_lora_rank=0), r"kv_lora_rank=0 outside"),
 ])
 def test_latent_layer_descriptions_are_checked(mutate, needle):
+    _refused_with_layer_changed(0, mutate, needle)
+
+
+def _refused_with_layer_changed(index, mutate, needle):
+    """The kinds pack's header with layer ``index`` changed by ``mutate`` is refused, saying ``needle``."""
     data, _, _ = _kinds_pack()
     obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
-    mutate(obj["layers"][0])
+    mutate(obj["layers"][index])
     with pytest.raises(KVPackError, match=needle):
         parse_header(canonical_json(obj), 1, 3)
 
@@ -142,11 +147,7 @@ def test_latent_layer_descriptions_are_checked(mutate, needle):
     (lambda l: l["tensors"][0].update(order="C"), r"must have exactly the keys"),
 ])
 def test_state_layer_descriptions_are_checked(mutate, needle):
-    data, _, _ = _kinds_pack()
-    obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
-    mutate(obj["layers"][1])
-    with pytest.raises(KVPackError, match=needle):
-        parse_header(canonical_json(obj), 1, 3)
+    _refused_with_layer_changed(1, mutate, needle)
 
 
 def test_the_writer_refuses_a_missing_or_misshapen_snapshot():
@@ -188,33 +189,10 @@ def test_property_readers_agree_on_corrupted_kinds_packs(data):
     """The whole-buffer reader, buffer_events, PackReader in pieces (decoding and verify-only)
     and the stream reader give one verdict -- the same root, or the same message."""
     codec = data.draw(st.sampled_from(["none", "zstd", "zstd+bytegroup"]))
-    blob = bytearray(_kinds_pack(n=13, codec=codec)[0])
-    for _ in range(data.draw(st.integers(0, 3))):
-        if not blob:
-            break
-        pos = data.draw(st.integers(0, len(blob) - 1))
-        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
-        if kind == "flip":
-            blob[pos] ^= 1 << data.draw(st.integers(0, 7))
-        elif kind == "cut":
-            del blob[pos:]
-        else:
-            blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=70))
-    raw = bytes(blob)
-
-    def verdict(fn):
-        try:
-            return "ok", fn()
-        except KVPackError as exc:
-            return "refused", str(exc)
+    raw = corrupted(data, _kinds_pack(n=13, codec=codec)[0])
 
     def pieces(decode: bool):
-        reader = PackReader(decode=decode)
-        step = data.draw(st.integers(1, 300))
-        for i in range(0, len(raw), step):
-            reader.feed(raw[i:i + step])
-        reader.finish()
-        return reader.root_digest
+        return fed_root(raw, data.draw(st.integers(1, 300)), decode=decode)
 
     whole = verdict(lambda: read_pack_bytes(raw).root_digest)
     assert whole == verdict(lambda: pieces(True)) == verdict(lambda: pieces(False))

@@ -15,8 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpack_factory
-from kvpack_factory import llama_layers
-from muser_cli.errors import KVPackError
+from kvpack_factory import corrupted, llama_layers, verdict
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, read_pack_bytes
 
 VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
@@ -34,11 +33,7 @@ def _pack(version: str, n: int = 23, codec: str = "none", chunk: int = 4, layers
     return buf.getvalue()
 
 
-def _verdict(fn):
-    try:
-        return "ok", fn()
-    except KVPackError as exc:
-        return "refused", str(exc)
+_verdict = verdict
 
 
 def _fed(blob: bytes, step: int, *, decode: bool, writable: bool = False):
@@ -124,19 +119,7 @@ def test_every_bit_flip_and_cut_is_refused_with_the_same_message(version):
 def test_property_verify_only_and_decoding_readers_agree(data):
     version = data.draw(st.sampled_from(sorted(VERSIONS)))
     codec = data.draw(st.sampled_from(["none", "zstd", "zstd+bytegroup"]))
-    b = bytearray(_pack(version, codec=codec))
-    for _ in range(data.draw(st.integers(0, 3))):
-        if not b:
-            break
-        pos = data.draw(st.integers(0, len(b) - 1))
-        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
-        if kind == "flip":
-            b[pos] ^= 1 << data.draw(st.integers(0, 7))
-        elif kind == "cut":
-            del b[pos:]
-        else:
-            b[pos:pos] = data.draw(st.binary(min_size=1, max_size=70))
-    blob = bytes(b)
+    blob = corrupted(data, _pack(version, codec=codec))
     step = data.draw(st.integers(1, 300))
     whole = _verdict(lambda: read_pack_bytes(blob).root_digest)
     assert _verdict(lambda: _fed(blob, step, decode=False)[0]) == whole

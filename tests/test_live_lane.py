@@ -13,6 +13,7 @@ import io
 import pytest
 
 from muser_cli.engines.torch.engine import TorchEngine
+from muser_cli.kvpack.parser import frame_ends
 from muser_cli.prefill import prefill
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
@@ -95,20 +96,7 @@ def test_streamed_prefill_on_mlx_equals_the_finished_pack(tiny_hybrid, monkeypat
 
 # ---------------------------------------------------------------------- consumer side
 
-def _frame_ends(data: bytes) -> tuple[int, list[int]]:
-    """(bytes of preamble + header, the byte offset just after each data frame)."""
-    from muser_cli.kvpack import FrameEvent, HeaderEvent, PackReader
-
-    reader, pos, head, ends = PackReader(), 0, 0, []
-    while pos < len(data):
-        n = max(1, reader.want())
-        for ev in reader.feed(data[pos : pos + n]):
-            if isinstance(ev, HeaderEvent):
-                head = pos + n
-            elif isinstance(ev, FrameEvent):
-                ends.append(pos + n)
-        pos += n
-    return head, ends
+_frame_ends = frame_ends  # (bytes of preamble + header, the byte offset just after each data frame)
 
 
 def _decode(model, data: bytes | None, prompt: str | None, **kw):

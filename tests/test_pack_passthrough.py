@@ -9,14 +9,12 @@ own and equals what the writer makes from the same rows.
 from __future__ import annotations
 
 import io
-import os
-import threading
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from kvpack_factory import frame_offsets, llama_layers, make_header, make_rows
+from kvpack_factory import frame_offsets, llama_layers, make_header, make_rows, pipe_in_pieces
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack import PackWriter, read_pack_bytes, write_pack
 from muser_cli.kvpack import digest as digest_mod
@@ -129,20 +127,9 @@ def test_a_flipped_payload_bit_is_refused_and_no_end_frame_written(version):
 def test_a_pipe_in_pieces_streams_the_same_bytes():
     header = _header("v1.1-blake3", n=90, chunk=8)
     data = _written(header, make_rows(header, 6), "none")
-    r, w = os.pipe()
-
-    def feed():
-        with os.fdopen(w, "wb") as out:
-            for i in range(0, len(data), 1000):
-                out.write(data[i:i + 1000])
-                out.flush()
-
-    t = threading.Thread(target=feed)
-    t.start()
     out = io.BytesIO()
-    with os.fdopen(r, "rb") as src:
+    with pipe_in_pieces(data, 1000) as src:
         res = pack(src, out, codec="none")
-    t.join()
     assert out.getvalue() == data and res.bytes_in == len(data) and res.bytes_out == len(data)
 
 

@@ -62,9 +62,19 @@ def bits(t):
 def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, block_size):
     import torch
 
-    dtype = getattr(torch, dtype_name)
-    heads, num_blocks = 2, 5
     T = 2 * block_size + 9  # three blocks, the last one partial
+    table, kv_cache, key, value = kernel_written(ops, isa, getattr(torch, dtype_name), T, block_size, head_dim)
+    _, got = read_back(kv_cache, table, isa, T, block_size, key, value, "keys", head_dim=head_dim)
+    # The GPU view of these bytes (what the connector read before layouts were checked) is wrong.
+    wrong = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
+    assert not np.array_equal(wrong.keys, got.keys)
+
+
+def kernel_written(ops, isa, dtype, T, block_size, head_dim, heads=2, num_blocks=5):
+    """``T`` random rows written by vLLM's ``cpu_attn_reshape_and_cache`` into a fresh cache
+    under a random three-block table: (table, cache, keys, values)."""
+    import torch
+
     rng = np.random.default_rng(block_size + head_dim)
     table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]  # block 0 = vLLM's null block
     kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, dtype)
@@ -75,20 +85,23 @@ def test_cpu_attn_kernel_writes_what_we_read(ops, isa, head_dim, dtype_name, blo
     # As CPUAttentionBackendImpl.do_kv_cache_update: (B, H, N, 2D) viewed as (B, H, 2N, D), cut in two.
     k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+    return table, kv_cache, key, value
 
+
+def read_back(kv_cache, table, isa, T, block_size, key, value, part_side, **kw):
+    """The layout resolved for ``isa``, and the rows gathered under it: all of them equal to
+    what the kernel was given, and a chunk across a block edge (its ``part_side`` compared),
+    as the connector reads during chunked prefill."""
     lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
                             kv_cache_layout="LBHNC", isa=isa)
-    got = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout=lay.layout, head_dim=head_dim,
-                            block_size=block_size)
+    got = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout=lay.layout, block_size=block_size, **kw)
     np.testing.assert_array_equal(got.keys, bits(key.transpose(0, 1)))
     np.testing.assert_array_equal(got.values, bits(value.transpose(0, 1)))
-    # Chunk by chunk, as the connector reads during chunked prefill.
     mid = G.gather_paged_kv(kv_cache, table, start=block_size - 5, stop=block_size + 20, layout=lay.layout,
                             block_size=block_size)
-    np.testing.assert_array_equal(mid.keys, bits(key[block_size - 5 : block_size + 20].transpose(0, 1)))
-    # The GPU view of these bytes (what the connector read before layouts were checked) is wrong.
-    wrong = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
-    assert not np.array_equal(wrong.keys, got.keys)
+    sent = {"keys": key, "values": value}[part_side]
+    np.testing.assert_array_equal(getattr(mid, part_side), bits(sent[block_size - 5 : block_size + 20].transpose(0, 1)))
+    return lay, got
 
 
 def cpu_has_amx():
@@ -104,27 +117,10 @@ def test_cpu_attn_amx_kernel_writes_what_we_read(ops, head_dim, block_size):
     """The AMX interior (bfloat16 only: vLLM picks 'amx' for bfloat16 on CPUs with AMX tiles)."""
     import torch
 
-    heads, num_blocks = 2, 5
     T = 2 * block_size + 9
-    rng = np.random.default_rng(block_size + head_dim)
-    table = [int(b) for b in rng.permutation(np.arange(1, num_blocks))[:3]]
-    kv_cache = vllm_cpu_cache(num_blocks, heads, block_size, head_dim, torch.bfloat16)
-    key = torch.randn(T, heads, head_dim).to(torch.bfloat16)
-    value = torch.randn(T, heads, head_dim).to(torch.bfloat16)
-    pos = torch.arange(T)
-    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-    k_cache, v_cache = kv_cache.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, "amx")
-
-    lay = LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=block_size, kernel_block_size=block_size,
-                            kv_cache_layout="LBHNC", isa="amx")
+    table, kv_cache, key, value = kernel_written(ops, "amx", torch.bfloat16, T, block_size, head_dim)
+    lay, got = read_back(kv_cache, table, "amx", T, block_size, key, value, "values")
     assert lay.layout == "CPU_AMX"
-    got = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout=lay.layout, block_size=block_size)
-    np.testing.assert_array_equal(got.keys, bits(key.transpose(0, 1)))
-    np.testing.assert_array_equal(got.values, bits(value.transpose(0, 1)))
-    mid = G.gather_paged_kv(kv_cache, table, start=block_size - 5, stop=block_size + 20, layout=lay.layout,
-                            block_size=block_size)
-    np.testing.assert_array_equal(mid.values, bits(value[block_size - 5 : block_size + 20].transpose(0, 1)))
     # The vec reader on the AMX bytes is wrong: the two interiors really differ.
     wrong = G.gather_paged_kv(kv_cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
     assert not np.array_equal(wrong.keys, got.keys) and not np.array_equal(wrong.values, got.values)

@@ -78,6 +78,18 @@ def put_bhnc(cache, table, keys, values, *, start=0, block_size=None, ks=None, v
             cache[kb, :, off, :] = cell
 
 
+def filled(rng, layout, num_layers, layer, B, H, T, N, D, dtype, *, Dv=None, table_blocks=None, bs=None):
+    """``T`` random rows (K of ``D``, V of ``Dv`` dims) written as vLLM writes them into one
+    layer's view of a ``layout`` allocation, under a random table of ``bs``-token blocks
+    (default ``N``) over ``table_blocks`` (default ``B``): (cache, table, keys, values)."""
+    Dv = D if Dv is None else Dv
+    k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, Dv, dtype)
+    cache = vllm_cache(VLLM_LAYOUTS[layout], num_layers, layer, B, H, N, D + Dv, dtype)
+    table = table_for(rng, T, bs or N, table_blocks or B)
+    put_bhnc(cache, table, k, v, block_size=bs)
+    return cache, table, k, v
+
+
 def put_legacy(cache, name, table, keys, values):
     N = cache.shape[{"KBNHD": 2, "KBHND": 3, "BKNHD": 2, "BKHND": 3}[name]]
     for i in range(keys.shape[1]):
@@ -102,10 +114,7 @@ def put_legacy(cache, name, table, keys, values):
 def test_vllm_layouts_round_trip(layout, block_size):
     rng = np.random.default_rng(hash((layout, block_size)) % 2**32)
     H, D, T, num_blocks = 2, 8, 3 * block_size + 5, 9  # partial last block
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS[layout], 3, 1, num_blocks, H, block_size, 2 * D, np.uint16)
-    table = table_for(rng, T, block_size, num_blocks)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, layout, 3, 1, num_blocks, H, T, block_size, D, np.uint16)
     got = L.gather_paged_kv(cache, table, start=0, stop=T)
     assert got.dtype == "bfloat16" and got.first_row == 0 and got.rows == T
     assert got.keys.shape == (H, T, D) and got.keys.flags.c_contiguous
@@ -121,10 +130,7 @@ def test_vllm_layouts_round_trip(layout, block_size):
 def test_storage_dtypes_and_unequal_v_head_dim(dtype, name):
     rng = np.random.default_rng(1)
     H, D, Dv, T, bs = 3, 16, 8, 40, 16
-    k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, Dv, dtype)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 6, H, bs, D + Dv, dtype)
-    table = table_for(rng, T, bs, 6)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 6, H, T, bs, D, dtype, Dv=Dv)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, head_dim=D, v_head_dim=Dv)
     assert got.dtype == name and got.keys.dtype == dtype
     np.testing.assert_array_equal(got.keys, k)
@@ -154,10 +160,8 @@ def test_kernel_blocks_inside_manager_blocks(layout):
     """vLLM may split a 32-token manager block into two 16-token kernel blocks."""
     rng = np.random.default_rng(3)
     H, D, T, manager_bs, kernel_bs, num_blocks = 2, 8, 75, 32, 16, 5
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS[layout], 2, 0, num_blocks * 2, H, kernel_bs, 2 * D, np.uint16)
-    table = table_for(rng, T, manager_bs, num_blocks)
-    put_bhnc(cache, table, k, v, block_size=manager_bs)
+    cache, table, k, v = filled(rng, layout, 2, 0, num_blocks * 2, H, T, kernel_bs, D, np.uint16,
+                                table_blocks=num_blocks, bs=manager_bs)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, block_size=manager_bs)
     np.testing.assert_array_equal(got.keys, k)
     np.testing.assert_array_equal(got.values, v)
@@ -170,10 +174,7 @@ def test_sliding_window_with_null_blocks(block_size):
     """Blocks wholly before the window are the null block (id 0); the window is exact."""
     rng = np.random.default_rng(block_size)
     H, D, T, window, num_blocks = 2, 8, 5 * block_size + 3, block_size + 4, 12
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS["LBHNC"], 1, 0, num_blocks, H, block_size, 2 * D, np.uint16)
-    table = table_for(rng, T, block_size, num_blocks)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBHNC", 1, 0, num_blocks, H, T, block_size, D, np.uint16)
     first, stop = L.layer_rows_for("sliding", window, T)
     assert (first, stop) == (T - window + 1, T)
     nulled = [0 if (j + 1) * block_size <= first else b for j, b in enumerate(table)]
@@ -207,10 +208,7 @@ def test_fp8_tables_match_torch():
 def test_fp8_with_scales(scale_kind):
     rng = np.random.default_rng(5)
     H, D, T, bs = 4, 16, 50, 16
-    k, v = rows(rng, H, T, D, np.uint8), rows(rng, H, T, D, np.uint8)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 8, H, bs, 2 * D, np.uint8)
-    table = table_for(rng, T, bs, 8)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 8, H, T, bs, D, np.uint8)
     ks = np.float32(0.37) if scale_kind == "per_tensor" else rng.uniform(0.1, 2, H).astype(np.float32)
     vs = np.array([0.5], np.float32) if scale_kind == "per_tensor" else rng.uniform(0.1, 2, H).astype(np.float32)
     got = L.gather_paged_kv(cache, table, start=0, stop=T, quant="fp8", k_scale=ks, v_scale=vs)
@@ -266,10 +264,7 @@ def test_torch_tensors_by_duck_typing():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
     H, D, T, bs = 2, 8, 33, 16
-    k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    cache = vllm_cache(VLLM_LAYOUTS["LBNHC"], 1, 0, 6, H, bs, 2 * D, np.uint16)
-    table = table_for(rng, T, bs, 6)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "LBNHC", 1, 0, 6, H, T, bs, D, np.uint16)
     # A strided torch view of an LBNHC allocation, as vLLM hands it over.
     phys = torch.from_numpy(np.ascontiguousarray(cache.transpose(0, 2, 1, 3)).view(np.int16))  # (B, N, H, C)
     tcache = phys.view(torch.bfloat16).permute(0, 2, 1, 3)
@@ -288,10 +283,7 @@ def test_torch_tensors_by_duck_typing():
 def test_gather_by_slot_mapping():
     rng = np.random.default_rng(9)
     H, D, T, bs = 2, 4, 45, 16
-    k, v = rows(rng, H, T, D, np.float32), rows(rng, H, T, D, np.float32)
-    cache = vllm_cache(VLLM_LAYOUTS["BHLNC"], 2, 1, 7, H, bs, 2 * D, np.float32)
-    table = table_for(rng, T, bs, 7)
-    put_bhnc(cache, table, k, v)
+    cache, table, k, v = filled(rng, "BHLNC", 2, 1, 7, H, T, bs, D, np.float32)
     slots = [table[p // bs] * bs + p % bs for p in range(T)]
     got = L.gather_slots(cache, slots[20:])
     np.testing.assert_array_equal(got.keys, k[:, 20:])
@@ -358,17 +350,23 @@ def test_module_imports_nothing_heavy():
 def put_cpu_vec(cache, table, keys, values, *, block_size=None):
     """What vLLM's CPU ``vec`` kernel stores, one element at a time, from its description:
     per (block, head) ``block_size * D`` elements of K as ``[d][slot]``, then V as ``[slot][d]``."""
+    for flat, kb, h, i, slot, d, N, D in cpu_elements(cache, table, keys.shape[1], block_size):
+        flat[kb, h, d * N + slot] = keys[h, i, d]
+        flat[kb, h, N * D + slot * D + d] = values[h, i, d]
+
+
+def cpu_elements(cache, table, T, block_size=None):
+    """Each element of ``T`` rows in a CPU_ATTN cache: (its block-and-head interior as one flat
+    axis, kernel block, head, row, slot in the block, dim, block size N, head_dim D)."""
     B, H, N, C = cache.shape
     D = C // 2
     flat = cache.reshape(B, H, N * C)  # the dense (block, head) interior
     bs = block_size or N
-    for i in range(keys.shape[1]):
+    for i in range(T):
         kb = table[i // bs] * (bs // N) + (i % bs) // N
-        slot = i % N
         for h in range(H):
             for d in range(D):
-                flat[kb, h, d * N + slot] = keys[h, i, d]
-                flat[kb, h, N * D + slot * D + d] = values[h, i, d]
+                yield flat, kb, h, i, i % N, d, N, D
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.float16, np.float32])
@@ -381,18 +379,23 @@ def test_cpu_vec_layout_round_trip(dtype, block_size, kernel_split):
     cache = np.zeros((num_blocks * kernel_split, H, N, 2 * D), dtype=dtype)
     table = table_for(rng, T, block_size, num_blocks)
     k, v = rows(rng, H, T, D, dtype), rows(rng, H, T, D, dtype)
-    put_cpu_vec(cache, table, k, v, block_size=block_size)
-    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
-    np.testing.assert_array_equal(got.keys, k)
-    np.testing.assert_array_equal(got.values, v)
-    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_KT_V", block_size=block_size)
-    np.testing.assert_array_equal(part.keys, k[:, 5 : block_size + 3])
+    cpu_round_trip("CPU_KT_V", put_cpu_vec, cache, table, k, v, block_size, part_side="keys")
     # The GPU view of the same bytes is wrong (what the connector read before it checked the backend).
     gpu = L.gather_paged_kv(cache, table, start=0, stop=T, layout="BHNC", block_size=block_size)
     assert not np.array_equal(gpu.keys, k)
-    # scatter_rows writes the same bytes as the independent writer above.
+
+
+def cpu_round_trip(layout, put, cache, table, k, v, block_size, *, part_side):
+    """Rows written by the independent writer ``put`` read back whole and in part (``part_side``
+    compared), and scatter_rows writing the same bytes as ``put``."""
+    put(cache, table, k, v, block_size=block_size)
+    got = L.gather_paged_kv(cache, table, start=0, stop=k.shape[1], layout=layout, block_size=block_size)
+    np.testing.assert_array_equal(got.keys, k)
+    np.testing.assert_array_equal(got.values, v)
+    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout=layout, block_size=block_size)
+    np.testing.assert_array_equal(getattr(part, part_side), {"keys": k, "values": v}[part_side][:, 5 : block_size + 3])
     again = np.zeros_like(cache)
-    L.scatter_rows(again, table, k, v, layout="CPU_KT_V", block_size=block_size)
+    L.scatter_rows(again, table, k, v, layout=layout, block_size=block_size)
     np.testing.assert_array_equal(again, cache)
 
 
@@ -413,18 +416,10 @@ def put_cpu_amx(cache, table, keys, values, *, block_size=None):
     address arithmetic (cpu_attn_amx.hpp reshape_and_cache, bfloat16: 2 elements a 4-byte word):
     K at word ``(slot // 16) * 16 * (D / 2) + (d // 2) * 16 + slot % 16``, element ``d % 2``;
     V at ``(d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2``."""
-    B, H, N, C = cache.shape
-    D = C // 2
-    flat = cache.reshape(B, H, N * C)
-    bs = block_size or N
-    for i in range(keys.shape[1]):
-        kb = table[i // bs] * (bs // N) + (i % bs) // N
-        slot = i % N
-        for h in range(H):
-            for d in range(D):
-                word = (slot // 16) * 16 * (D // 2) + (d // 2) * 16 + slot % 16
-                flat[kb, h, 2 * word + d % 2] = keys[h, i, d]
-                flat[kb, h, N * D + (d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = values[h, i, d]
+    for flat, kb, h, i, slot, d, N, D in cpu_elements(cache, table, keys.shape[1], block_size):
+        word = (slot // 16) * 16 * (D // 2) + (d // 2) * 16 + slot % 16
+        flat[kb, h, 2 * word + d % 2] = keys[h, i, d]
+        flat[kb, h, N * D + (d // 16) * N * 16 + (slot // 2) * 32 + (d % 16) * 2 + slot % 2] = values[h, i, d]
 
 
 @pytest.mark.parametrize("block_size,kernel_split,D", [(32, 1, 32), (128, 1, 16), (64, 2, 48)])
@@ -435,18 +430,10 @@ def test_cpu_amx_layout_round_trip(block_size, kernel_split, D):
     cache = np.zeros((6 * kernel_split, H, N, 2 * D), dtype=np.uint16)  # bfloat16 bits
     table = table_for(rng, T, block_size, 6)
     k, v = rows(rng, H, T, D, np.uint16), rows(rng, H, T, D, np.uint16)
-    put_cpu_amx(cache, table, k, v, block_size=block_size)
-    got = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(got.keys, k)
-    np.testing.assert_array_equal(got.values, v)
-    part = L.gather_paged_kv(cache, table, start=5, stop=block_size + 3, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(part.values, v[:, 5 : block_size + 3])
+    cpu_round_trip("CPU_AMX", put_cpu_amx, cache, table, k, v, block_size, part_side="values")
     # The vec reader on the same bytes is wrong (what a connector accepting 'amx' unchecked would read).
     vec = L.gather_paged_kv(cache, table, start=0, stop=T, layout="CPU_KT_V", block_size=block_size)
     assert not np.array_equal(vec.keys, k) and not np.array_equal(vec.values, v)
-    again = np.zeros_like(cache)
-    L.scatter_rows(again, table, k, v, layout="CPU_AMX", block_size=block_size)
-    np.testing.assert_array_equal(again, cache)
 
 
 def test_cpu_amx_layout_refuses_what_it_cannot_read():

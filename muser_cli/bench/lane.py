@@ -180,38 +180,22 @@ def _last_json(text: str) -> dict[str, Any]:
 def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settle: float,
                   threads: int = 1) -> dict[str, Any]:
     """One run of the live lane: consumer pipeline first (resident), then the producer's."""
-    from muser_cli.bench.loopback import MUSER, node_env, wait_listening
+    from muser_cli.bench.loopback import MUSER, node_env, push_once
 
-    cons, prod = node_env(nodes.consumer_home, threads=threads), node_env(nodes.producer_home, threads=threads)
-    recv = subprocess.Popen(pins.command("consumer", [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once",
-                                                      "--timeout", "600"]),
-                            env=cons, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    dec = subprocess.Popen(pins.command("consumer", [*MUSER, "decode", "-m", model, "-n", "1", "--json", "--dtype",
-                                                     dtype, "--threads", str(threads)]),
-                           env=cons, stdin=recv.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    recv.stdout.close()
-    try:
-        addr = wait_listening(recv, "bench lane (streamed)")
-        time.sleep(settle)  # the consumer is resident: its model is loaded before the producer starts
-        pre = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads",
-                                                         str(threads), "--dtype", dtype, "--json"]),
-                               env=prod, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        snd = subprocess.run(pins.command("producer", [*MUSER, "send", "--to", addr, "--json"]), env=prod,
-                             stdin=pre.stdout, capture_output=True)
-        pre.stdout.close()
-        pre_err = pre.stderr.read().decode(errors="replace")
-        pre.wait()
-        out, err = dec.communicate(timeout=600)
-        recv.wait(timeout=60)
-    finally:
-        for proc in (recv, dec):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if pre.returncode or snd.returncode or dec.returncode:
-        raise MuserError(f"bench lane: the streamed lane failed (prefill {pre.returncode}, send {snd.returncode}, "
-                         f"decode {dec.returncode}): {err.decode(errors='replace')[-300:].strip()}")
-    p, d = _last_json(pre_err), json.loads(out)
+    receive = [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "600"]
+    got = push_once(pins.command("consumer", receive),
+                    pins.command("consumer", [*MUSER, "decode", "-m", model, "-n", "1", "--json", "--dtype", dtype,
+                                              "--threads", str(threads)]),
+                    pins.command("producer", [*MUSER, "prefill", "-m", model, str(doc), "--threads", str(threads),
+                                              "--dtype", dtype, "--json"]),
+                    lambda addr: pins.command("producer", [*MUSER, "send", "--to", addr, "--json"]),
+                    cons_env=node_env(nodes.consumer_home, threads=threads),
+                    prod_env=node_env(nodes.producer_home, threads=threads), settle=settle,
+                    what="bench lane (streamed)", keep_prefill_err=True)  # settle: the consumer is resident
+    if got.failed:
+        raise MuserError(f"bench lane: the streamed lane failed (prefill {got.prefill}, send {got.send}, "
+                         f"decode {got.decode}): {got.err.decode(errors='replace')[-300:].strip()}")
+    p, d = _last_json(got.prefill_err), json.loads(got.out)
     start = p["started_unix"] + p["prefill_start_s"]
     ttft = d["started_unix"] + d["first_token_s"] - start
     return {"prefill": p["prefill_s"], "ttft": ttft, "exposed": (ttft - p["prefill_s"]) / p["prefill_s"],

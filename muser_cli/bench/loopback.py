@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from muser_cli.bench.common import Pinning
 from muser_cli.errors import TempFailure
@@ -87,7 +88,7 @@ def receiver_process(nodes: Nodes, out_dir: Path, pin: Pinning):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         addr = wait_listening(proc, "bench")
-        _drain_in_background(proc)
+        drain_in_background(proc)
         yield addr, proc
     finally:
         with contextlib.suppress(OSError):
@@ -97,8 +98,8 @@ def receiver_process(nodes: Nodes, out_dir: Path, pin: Pinning):
             proc.stderr.close()
 
 
-def _drain_in_background(proc: subprocess.Popen) -> None:
-    """Keep reading the receiver's stderr so a chatty receiver never blocks on a full pipe."""
+def drain_in_background(proc: subprocess.Popen) -> None:
+    """Keep reading a child's stderr so a chatty process never blocks on a full pipe."""
     import threading
 
     def drain() -> None:
@@ -107,3 +108,49 @@ def _drain_in_background(proc: subprocess.Popen) -> None:
                 pass
 
     threading.Thread(target=drain, daemon=True).start()
+
+
+@dataclass
+class Pushed:
+    """One push through a resident ``receive --once | decode``: exit statuses, what the
+    consumer's decode wrote, the producer's stderr (when kept) and when the producer started."""
+    prefill: int
+    send: int
+    decode: int
+    out: bytes
+    err: bytes
+    prefill_err: str
+    t0: float
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.prefill or self.send or self.decode)
+
+
+def push_once(recv_argv: list[str], dec_argv: list[str], pre_argv: list[str], send_argv: Callable[[str], list[str]],
+              *, cons_env: dict[str, str], prod_env: dict[str, str], settle: float, what: str,
+              keep_prefill_err: bool = False) -> Pushed:
+    """The consumer's ``receive | decode`` first (resident: ``settle`` seconds to load its
+    model), then the producer's ``prefill | send`` to the address receive printed."""
+    recv = subprocess.Popen(recv_argv, env=cons_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    dec = subprocess.Popen(dec_argv, env=cons_env, stdin=recv.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    recv.stdout.close()
+    try:
+        addr = wait_listening(recv, what)
+        time.sleep(settle)
+        t0 = time.time()
+        pre = subprocess.Popen(pre_argv, env=prod_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE if keep_prefill_err else subprocess.DEVNULL)
+        snd = subprocess.run(send_argv(addr), env=prod_env, stdin=pre.stdout, capture_output=True)
+        pre.stdout.close()
+        pre_err = pre.stderr.read().decode(errors="replace") if keep_prefill_err else ""
+        pre.wait()
+        out, err = dec.communicate(timeout=600)
+        recv.wait(timeout=60)
+    finally:
+        for proc in (recv, dec):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return Pushed(pre.returncode, snd.returncode, dec.returncode, out, err, pre_err, t0)

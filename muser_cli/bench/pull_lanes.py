@@ -85,34 +85,16 @@ class Lanes:
 
     def push(self) -> dict:
         """A resident ``receive --once | decode`` and a one-shot ``prefill | send``."""
-        from muser_cli.bench.loopback import wait_listening
+        from muser_cli.bench.loopback import push_once
 
-        recv = subprocess.Popen(self._cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once", "--timeout",
-                                          "600"), env=self.cons, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
-        dec = subprocess.Popen(self._cmd("consumer", "decode", "-n", "1", "--json", *COMMON), env=self.cons,
-                               stdin=recv.stdout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        recv.stdout.close()
-        try:
-            to = wait_listening(recv, "bench pull (push receiver)")
-            time.sleep(self.settle)  # the consumer is resident
-            t0 = time.time()
-            pre = subprocess.Popen(self._cmd("producer", "prefill", *COMMON, str(self.doc)), env=self.prod,
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            snd = subprocess.run(self._cmd("producer", "send", "--to", to), env=self.prod, stdin=pre.stdout,
-                                 capture_output=True)
-            pre.stdout.close()
-            pre.wait()
-            out, err = dec.communicate(timeout=600)
-            recv.wait(timeout=60)
-        finally:
-            for proc in (recv, dec):
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if pre.returncode or snd.returncode or dec.returncode:
-            raise MuserError(f"bench pull: push failed: {err.decode(errors='replace')[-400:]}")
-        ttft, d = _ttft_of(out, t0)
+        got = push_once(self._cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "600"),
+                        self._cmd("consumer", "decode", "-n", "1", "--json", *COMMON),
+                        self._cmd("producer", "prefill", *COMMON, str(self.doc)),
+                        lambda to: self._cmd("producer", "send", "--to", to), cons_env=self.cons, prod_env=self.prod,
+                        settle=self.settle, what="bench pull (push receiver)")  # settle: the consumer is resident
+        if got.failed:
+            raise MuserError(f"bench pull: push failed: {got.err.decode(errors='replace')[-400:]}")
+        ttft, d = _ttft_of(got.out, got.t0)
         return {"ttft": ttft, "token": d["token_ids"][0], "source": d["source"]}
 
     def stop(self) -> list[dict]:

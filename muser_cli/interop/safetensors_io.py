@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Mapping
 import numpy as np
 
 from muser_cli.errors import DataError
+from muser_cli.strict import unique_keys
 
 # safetensors dtype -> numpy dtype (bfloat16 is carried as raw uint16 bits, as elsewhere in muser)
 NP_DTYPES: dict[str, str] = {
@@ -44,15 +45,6 @@ class SafetensorsFile:
     metadata: dict[str, str]
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DataError(f"safetensors header: duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def parse(buffer: Any, *, name: str = "input") -> SafetensorsFile:
     """Parse a whole safetensors file held in ``buffer`` (bytes, mmap). Every size, dtype
     and offset is checked before an array view is made; nothing is copied."""
@@ -64,7 +56,7 @@ def parse(buffer: Any, *, name: str = "input") -> SafetensorsFile:
     if hlen < 2 or hlen > MAX_HEADER_BYTES or 8 + hlen > total:
         raise DataError(f"{name}: safetensors header length {hlen} does not fit a file of {total} bytes")
     try:
-        header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"), object_pairs_hook=unique_keys("safetensors header"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{name}: the safetensors header is not JSON: {exc}") from None
     if not isinstance(header, dict):

@@ -12,6 +12,7 @@ own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Union
 
 import numpy as np
@@ -58,6 +59,30 @@ class EndEvent:
 Event = Union[HeaderEvent, FrameEvent, EndEvent]
 
 
+class _State(Enum):
+    """Where the reader stands in the pack."""
+    PREAMBLE = "preamble"
+    HEADER = "header"
+    FRAME_HEADER = "frame_header"
+    FRAME_BODY = "frame_body"  # decode=True: the whole body gathered, then verified
+    FRAME_PAYLOAD = "frame_payload"  # decode=False: the payload hashed as it arrives
+    FRAME_TAIL = "frame_tail"  # decode=False: padding and digest after the payload
+    END_DIGEST = "end_digest"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """The frame being read: its header as received and what the header declared (the
+    end frame carries only its header)."""
+    head: bytes
+    layer: int = 0
+    start: int = 0
+    count: int = 0
+    codec: int = 0
+    raw_len: int = 0
+    stored_len: int = 0
+
 
 class PackReader:
     """Feed bytes, get events. ``finish()`` at end of input raises if the pack is incomplete.
@@ -78,7 +103,7 @@ class PackReader:
         self._pend_len = 0
         self._pend_need = 0
         self._pos = 0  # bytes consumed
-        self._state = "preamble"
+        self._state = _State.PREAMBLE
         self._max_bytes = max_bytes
         self._decode = decode
         self._max_minor = max_minor
@@ -90,7 +115,7 @@ class PackReader:
         self._hlen = 0
         self._minor = 0
         self._pre = b""
-        self._frame: tuple | None = None
+        self._frame: _Frame | None = None
         self.root_digest: bytes | None = None
         self._src = memoryview(b"")
         self._off = 0
@@ -99,7 +124,7 @@ class PackReader:
 
     @property
     def done(self) -> bool:
-        return self._state == "done"
+        return self._state is _State.DONE
 
     @property
     def bytes_consumed(self) -> int:
@@ -111,25 +136,26 @@ class PackReader:
         return self._chain.name if self._chain is not None else None
 
     def _need(self) -> int:
+        """Bytes the current step reads in one piece."""
         st = self._state
-        if st == "preamble":
+        if st is _State.PREAMBLE:
             return PREAMBLE.size
-        if st == "header":
+        if st is _State.HEADER:
             return header_block_len(self._hlen)
-        if st == "frame_body":
-            return body_len(self._frame[6])  # type: ignore[index]
-        if st == "frame_payload":
-            return self._frame[6] - self._body_seen  # type: ignore[index]
-        if st == "frame_tail":
-            return pad_len(self._frame[6]) + DIGEST_BLOCK  # type: ignore[index]
-        if st in ("frame_header", "end_digest"):
+        if st is _State.FRAME_BODY:
+            return body_len(self._cur.stored_len)
+        if st is _State.FRAME_PAYLOAD:
+            return self._cur.stored_len - self._body_seen
+        if st is _State.FRAME_TAIL:
+            return pad_len(self._cur.stored_len) + DIGEST_BLOCK
+        if st in (_State.FRAME_HEADER, _State.END_DIGEST):
             return FRAME_HEADER.size
         return 0
 
     def want(self) -> int:
         """Bytes still needed to complete the current step (0 when done): a pull-based
         caller that reads exactly this much gets zero-copy parsing."""
-        if self._state == "done":
+        if self._state is _State.DONE:
             return 0
         return max(0, self._need() - self._pend_len)
 
@@ -137,7 +163,7 @@ class PackReader:
         """Parse ``data``. ``owned=True``: the caller will never write to this buffer again,
         so frames may be handed out as views of it."""
         n = len(data)
-        if n and self._state == "done":
+        if n and self._state is _State.DONE:
             raise KVPackError("bytes after the end frame")
         if self._max_bytes is not None and self._pos + self._pend_len + n > self._max_bytes:
             raise KVPackError(f"pack larger than the allowed {self._max_bytes} bytes")
@@ -151,7 +177,7 @@ class PackReader:
         if self._pend is not None:
             view = self._gather(view, events)
             if self._pend is not None:  # still incomplete
-                if self._state == "preamble":
+                if self._state is _State.PREAMBLE:
                     check_magic(self._pend[: self._pend_len])
                 return events
         if len(view):
@@ -190,19 +216,20 @@ class PackReader:
             rest = self._src[self._off :]
             self._src, self._off = memoryview(b""), 0
         if len(rest):
-            if self._state == "done":
+            if self._state is _State.DONE:
                 raise KVPackError("bytes after the end frame")
             need = self._need()
             self._pend_need = need
             self._pend = np.empty(min(need, max(len(rest), 1 << 20)), dtype=np.uint8)
             self._pend[: len(rest)] = np.frombuffer(rest, dtype=np.uint8)
             self._pend_len = len(rest)
-            if self._state == "preamble":
+            if self._state is _State.PREAMBLE:
                 check_magic(rest)
 
     def finish(self) -> None:
-        if self._state != "done":
-            where = {"preamble": "in the preamble", "header": "in the header"}.get(self._state, f"after {self._seq} frames")
+        if self._state is not _State.DONE:
+            where = {_State.PREAMBLE: "in the preamble", _State.HEADER: "in the header"}.get(
+                self._state, f"after {self._seq} frames")
             if self._pos == 0 and not self._pend_len:
                 raise KVPackError("empty input: no kvpack")
             raise KVPackError(f"truncated kvpack: input ended {where}")
@@ -217,109 +244,149 @@ class PackReader:
         return out
 
     def _step(self) -> Event | bool | None:
-        st = self._state
-        if st == "preamble":
-            check_magic(self._src[self._off :])
-            pre = self._take(PREAMBLE.size)
-            if pre is None:
-                return None
-            self._minor, self._hlen = check_preamble(pre, self._max_minor, self._max_bytes)
-            self._pre = bytes(pre)
-            self._state = "header"
-            return True
-        if st == "header":
-            block = self._take(header_block_len(self._hlen))
-            if block is None:
-                return None
-            header, d_header = check_header(block, self._pre, self._hlen, self._minor)
-            self.header = header
-            self._plan = list(header.frame_plan())
-            self._chain = Chain(self._minor, header.digest or "sha256", d_header)
-            self._state = "frame_header"
-            return HeaderEvent(header)
-        if st == "frame_header":
-            fh = self._take(FRAME_HEADER.size)
-            if fh is None:
-                return None
-            assert self.header is not None
-            got = check_frame_header(fh, self._seq, self._plan, self.header, self._raw_total, self._pos,
-                                      self._max_bytes)
-            if got[0] == "end":
-                self._frame = ("end", bytes(fh))
-                self._state = "end_digest"
-                return True
-            _, layer, start, count, codec, raw_len, stored_len = got
-            self._frame = (bytes(fh), layer, start, count, codec, raw_len, stored_len)
-            if self._decode:
-                self._state = "frame_body"
-            else:  # hash as it arrives
-                assert self._chain is not None
-                self._running = self._chain.running(self._frame[0])
-                self._body_seen = 0
-                self._state = "frame_payload"
-            return True
-        if st == "frame_payload":
-            stored_len = self._frame[6]  # type: ignore[index]
-            take = min(stored_len - self._body_seen, len(self._src) - self._off)
-            if take:
-                assert self._running is not None
-                self._running.update(self._src[self._off : self._off + take])
-                self._off += take
-                self._pos += take
-                self._body_seen += take
-            if self._body_seen < stored_len:
-                return None  # all of the input is consumed: nothing is left to gather
-            self._state = "frame_tail"
-            return True
-        if st == "frame_tail":
-            fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
-            pad = pad_len(stored_len)
-            tail = self._take(pad + DIGEST_BLOCK)
-            if tail is None:
-                return None
-            if any(tail[:pad]) or any(tail[-32:]):
-                raise KVPackError(f"frame {self._seq}: non-zero padding")
-            assert self._running is not None and self._chain is not None and self.header is not None
-            digest, p = self._running.finish()
-            self._running = None
-            if digest != tail[pad : pad + 32]:
-                raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
-            self._chain.value = digest
-            self._raw_total += raw_len
-            keys, values = decode_frame(self.header, layer, count, codec, memoryview(b""), raw_len, False)
-            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values, None, p)
-            self._seq += 1
-            self._state = "frame_header"
-            return ev
-        if st == "frame_body":
-            fh, layer, start, count, codec, raw_len, stored_len = self._frame  # type: ignore[misc]
-            body = self._take(body_len(stored_len))
-            if body is None:
-                return None
-            stored = body[:stored_len]
-            check_padding(body, stored_len, self._seq)
-            assert self._chain is not None and self.header is not None
-            p = self._chain.payload((stored,))
-            digest = self._chain.compute(fh, (stored,), p)
-            if digest != body[-DIGEST_BLOCK:-32]:
-                raise KVPackError(f"frame {self._seq} (layer {layer}, start {start}): digest mismatch (corrupt)")
-            self._chain.value = digest
-            self._raw_total += raw_len
-            keys, values = decode_frame(self.header, layer, count, codec, stored, raw_len, self._decode)
-            ev = FrameEvent(self._seq, layer, start, count, codec, stored_len, keys, values, stored, p)
-            self._seq += 1
-            self._state = "frame_header"
-            return ev
-        if st == "end_digest":
-            block = self._take(DIGEST_BLOCK)
-            if block is None:
-                return None
-            _, fh = self._frame  # type: ignore[misc]
-            assert self._chain is not None
-            root = self._chain.root(fh)
-            check_root(block, root)
-            self.root_digest = root
-            self._state = "done"
-            return EndEvent(root, self._pos, self._raw_total)
-        return None
+        """One step of the state machine: an event, True (progress, no event) or None
+        (the input so far does not complete the step)."""
+        step = _STEPS.get(self._state)
+        return step(self) if step is not None else None
 
+    def _step_preamble(self) -> Event | bool | None:
+        check_magic(self._src[self._off :])
+        pre = self._take(PREAMBLE.size)
+        if pre is None:
+            return None
+        self._minor, self._hlen = check_preamble(pre, self._max_minor, self._max_bytes)
+        self._pre = bytes(pre)
+        self._state = _State.HEADER
+        return True
+
+    def _step_header(self) -> Event | bool | None:
+        block = self._take(header_block_len(self._hlen))
+        if block is None:
+            return None
+        header, d_header = check_header(block, self._pre, self._hlen, self._minor)
+        self.header = header
+        self._plan = list(header.frame_plan())
+        self._chain = Chain(self._minor, header.digest or "sha256", d_header)
+        self._state = _State.FRAME_HEADER
+        return HeaderEvent(header)
+
+    def _step_frame_header(self) -> Event | bool | None:
+        fh = self._take(FRAME_HEADER.size)
+        if fh is None:
+            return None
+        assert self.header is not None
+        got = check_frame_header(fh, self._seq, self._plan, self.header, self._raw_total, self._pos,
+                                  self._max_bytes)
+        if got[0] == "end":
+            self._frame = _Frame(bytes(fh))
+            self._state = _State.END_DIGEST
+            return True
+        _, layer, start, count, codec, raw_len, stored_len = got
+        self._frame = _Frame(bytes(fh), layer, start, count, codec, raw_len, stored_len)
+        if self._decode:
+            self._state = _State.FRAME_BODY
+        else:  # hash as it arrives
+            assert self._chain is not None
+            self._running = self._chain.running(self._frame.head)
+            self._body_seen = 0
+            self._state = _State.FRAME_PAYLOAD
+        return True
+
+    def _step_frame_payload(self) -> Event | bool | None:
+        stored_len = self._cur.stored_len
+        take = min(stored_len - self._body_seen, len(self._src) - self._off)
+        if take:
+            assert self._running is not None
+            self._running.update(self._src[self._off : self._off + take])
+            self._off += take
+            self._pos += take
+            self._body_seen += take
+        if self._body_seen < stored_len:
+            return None  # all of the input is consumed: nothing is left to gather
+        self._state = _State.FRAME_TAIL
+        return True
+
+    def _step_frame_tail(self) -> Event | bool | None:
+        pad = pad_len(self._cur.stored_len)
+        tail = self._take(pad + DIGEST_BLOCK)
+        if tail is None:
+            return None
+        if any(tail[:pad]) or any(tail[-32:]):
+            raise KVPackError(f"frame {self._seq}: non-zero padding")
+        assert self._running is not None
+        digest, p = self._running.finish()
+        self._running = None
+        return self._frame_verified(digest, tail[pad : pad + 32], None, p)
+
+    def _step_frame_body(self) -> Event | bool | None:
+        f = self._cur
+        body = self._take(body_len(f.stored_len))
+        if body is None:
+            return None
+        stored = body[: f.stored_len]
+        check_padding(body, f.stored_len, self._seq)
+        assert self._chain is not None
+        p = self._chain.payload((stored,))
+        digest = self._chain.compute(f.head, (stored,), p)
+        return self._frame_verified(digest, body[-DIGEST_BLOCK:-32], stored, p)
+
+    def _frame_verified(self, digest: bytes, sent: memoryview, stored: memoryview | None,
+                        p: bytes | None) -> FrameEvent:
+        """The frame's digest against the one sent; on a match, link it and emit the frame
+        (``stored`` None: decode=False, the payload was hashed as it arrived)."""
+        f = self._cur
+        if digest != sent:
+            raise KVPackError(f"frame {self._seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+        assert self._chain is not None and self.header is not None
+        self._chain.value = digest
+        self._raw_total += f.raw_len
+        payload = stored if stored is not None else memoryview(b"")
+        keys, values = decode_frame(self.header, f.layer, f.count, f.codec, payload, f.raw_len,
+                                    stored is not None and self._decode)
+        ev = FrameEvent(self._seq, f.layer, f.start, f.count, f.codec, f.stored_len, keys, values, stored, p)
+        self._seq += 1
+        self._state = _State.FRAME_HEADER
+        return ev
+
+    def _step_end_digest(self) -> Event | bool | None:
+        block = self._take(DIGEST_BLOCK)
+        if block is None:
+            return None
+        assert self._chain is not None
+        root = self._chain.root(self._cur.head)
+        check_root(block, root)
+        self.root_digest = root
+        self._state = _State.DONE
+        return EndEvent(root, self._pos, self._raw_total)
+
+    @property
+    def _cur(self) -> _Frame:
+        assert self._frame is not None
+        return self._frame
+
+
+# The state machine as a table: each state's step (DONE has none: nothing more is read).
+_STEPS = {
+    _State.PREAMBLE: PackReader._step_preamble,
+    _State.HEADER: PackReader._step_header,
+    _State.FRAME_HEADER: PackReader._step_frame_header,
+    _State.FRAME_PAYLOAD: PackReader._step_frame_payload,
+    _State.FRAME_TAIL: PackReader._step_frame_tail,
+    _State.FRAME_BODY: PackReader._step_frame_body,
+    _State.END_DIGEST: PackReader._step_end_digest,
+}
+
+
+def frame_ends(data: bytes) -> tuple[int, list[int]]:
+    """Where a whole pack's preamble and header end, and the byte offset just after each of
+    its data frames (the places a stream cut there leaves only whole frames)."""
+    reader, pos, head, ends = PackReader(), 0, 0, []
+    while pos < len(data):
+        n = max(1, reader.want())
+        for ev in reader.feed(data[pos : pos + n]):
+            if isinstance(ev, HeaderEvent):
+                head = pos + n
+            elif isinstance(ev, FrameEvent):
+                ends.append(pos + n)
+        pos += n
+    return head, ends

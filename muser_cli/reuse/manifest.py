@@ -17,7 +17,7 @@ from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.reuse.chain import Scope, chain_at, scope_of_header, servable
-from muser_cli.strict import loads
+from muser_cli.strict import is_sha256_ref, loads
 
 MANIFEST_FORMAT = "muser-have"
 MANIFEST_VERSION = (1, 0)
@@ -26,12 +26,8 @@ BASE_SCHEME = "muser-reuse/v1"
 
 
 def _fp(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value.startswith("sha256:") or len(value) != 71:
+    if not is_sha256_ref(value):
         raise DataError(f"have manifest: {where} is not a sha256 value")
-    try:
-        int(value[7:], 16)
-    except ValueError:
-        raise DataError(f"have manifest: {where} is not a sha256 value") from None
     return value
 
 

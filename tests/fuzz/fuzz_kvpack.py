@@ -28,17 +28,15 @@ try:
 except ImportError:  # the pytest drive needs none of it
     atheris = None
 
+import contextlib  # noqa: E402
 import json  # noqa: E402,F401  (imported first: only muser's own code is instrumented)
 from dataclasses import replace  # noqa: E402
 
 import numpy  # noqa: E402,F401
 import zstandard  # noqa: E402,F401
 
-if atheris is not None:
-    with atheris.instrument_imports(include=["muser_cli"]):
-        from muser_cli.errors import KVPackError
-        from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
-else:
+# muser's own modules, instrumented when atheris drives this file
+with atheris.instrument_imports(include=["muser_cli"]) if atheris is not None else contextlib.nullcontext():
     from muser_cli.errors import KVPackError
     from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 

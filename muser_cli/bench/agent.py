@@ -1,0 +1,100 @@
+"""The agent-refresh workload's parts (benchmarks/bench_agent_refresh.py): a growing
+conversation through the OpenAI client, the endpoint a starting ``decode --serve`` prints,
+and the same conversations against ``mlx_lm.server``. Nothing here prints or exits."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+from muser_cli.bench.common import Pinning
+from muser_cli.errors import TempFailure
+
+_URL = re.compile(r"listening on http://(\S+)/v1")
+
+
+def wait_url(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    """The endpoint a starting ``decode --serve`` prints; its stderr is read on a thread from
+    then on (a line reader, so two lines arriving together are both seen)."""
+    import queue
+    import threading
+
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for raw in proc.stderr:
+                lines.put(raw.decode(errors="replace"))
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        m = _URL.search(line)
+        if m:
+            return f"http://{m.group(1)}/v1"
+        if not line:
+            break
+    proc.kill()
+    raise TempFailure(f"{what} did not start")
+
+
+def conversation(client: Any, model: str, slices: list[str], max_tokens: int) -> list[dict]:
+    """One agent session: each turn adds the last answer and the next slice; per-turn TTFT."""
+    turns: list[dict] = []
+    out = []
+    for i, piece in enumerate(slices):
+        turns.append({"role": "user", "content": piece if i else f"Read this and keep it in mind.\n\n{piece}"})
+        t0 = time.perf_counter()
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=turns, max_tokens=max_tokens,
+                                                               temperature=0, stream=True)
+        ttft, text = None, []
+        for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(chunk.choices[0].delta.content)
+        turns.append({"role": "assistant", "content": "".join(text)})
+        out.append({"turn": i + 1, "ttft_s": ttft, "source": raw.headers.get("x-muser-source"),
+                    "bytes": int(raw.headers.get("x-muser-bytes") or 0)})
+    return out
+
+
+def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int], list[str]], *, reps: int,
+                         max_tokens: int) -> list[list[dict]]:
+    """The same conversations against ``mlx_lm.server`` on the consumer's core."""
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(pins.command("consumer", [sys.executable, "-m", "mlx_lm.server", "--model", model_path,
+                                                      "--host", "127.0.0.1", "--port", str(port)]),
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        end = time.monotonic() + 300
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > end or proc.poll() is not None:
+                    raise TempFailure("mlx_lm.server did not start") from None
+                time.sleep(1)
+        conversation(client, model_path, slices(-1)[:2], max_tokens)
+        return [conversation(client, model_path, slices(r), max_tokens) for r in range(reps)]
+    finally:
+        proc.terminate()
+        proc.wait(60)

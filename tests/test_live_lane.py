@@ -167,16 +167,22 @@ def test_corrupt_frame_is_refused_even_with_a_prompt(tiny_llama, streamed):
 
 
 def test_cut_stream_on_a_sliding_window_model(tiny_hybrid):
-    """Sliding layers ship only their last window-1 rows, so a cut before them keeps
-    nothing; the tokens are still the full fallback's."""
-    out = io.BytesIO()
-    prefill(PROMPT, out, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32")
-    data = out.getvalue()
-    _, ends = _frame_ends(data)
+    """With the sliding history (the default) a sliding layer ships every row chunk by chunk,
+    so a cut keeps its whole chunks; without it (--no-history) the sliding layers ship only
+    their last window-1 rows, at the end, so a cut before them keeps nothing. The tokens are
+    the full fallback's either way."""
     local = _decode(tiny_hybrid, b"", PROMPT, chunk_tokens=8)
-    got = _decode(tiny_hybrid, data[: ends[len(ends) // 2]], PROMPT)
-    assert got.token_ids == local.token_ids and got.fallback
-    assert got.handoff_rows == 0 and got.source == "local"
+    for history in (True, False):
+        out = io.BytesIO()
+        prefill(PROMPT, out, model=str(tiny_hybrid.path), chunk_tokens=8, dtype="float32", history=history)
+        data = out.getvalue()
+        _, ends = _frame_ends(data)
+        got = _decode(tiny_hybrid, data[: ends[len(ends) // 2]], PROMPT)
+        assert got.token_ids == local.token_ids and got.fallback
+        if history:
+            assert got.handoff_rows > 0 and got.source == "partial+local"
+        else:
+            assert got.handoff_rows == 0 and got.source == "local"
 
 
 # ---------------------------------------------------------------------- verify in a pipe

@@ -57,11 +57,12 @@ def info(request):
     return request.getfixturevalue(request.param)
 
 
-def reference(info, ids):
-    """A full prefill of ``ids`` on the schedule, no store, no memory."""
+def reference(info, ids, history: bool = False):
+    """A full prefill of ``ids`` on the schedule, no store, no memory (``history``: with the
+    sliding history, docs/kvpack.md 1.3; the store tests below serve packs without it)."""
     from muser_cli.serve import ResidentProducer
 
-    prod = ResidentProducer(str(info.path), dtype="float32")
+    prod = ResidentProducer(str(info.path), dtype="float32", history=history)
     prod.keep_last = False
     return serve_one(prod, request(info, ids))
 
@@ -70,13 +71,13 @@ def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(in
     from muser_cli.reuse import Store
     from muser_cli.serve import ResidentProducer
 
-    first = ResidentProducer(str(info.path), dtype="float32", store=True)
+    first = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)
     stats, _ = serve_one(first, request(info, DOC))
     assert stats["reused_rows"] == 0 and stats["reused_from"] is None
     assert stats["stored"] and "store_error" not in stats, stats
     assert [e.id for e in Store().entries()] == [stats["stored"]]
 
-    again = ResidentProducer(str(info.path), dtype="float32", store=True)  # its memory is empty: a restart
+    again = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)  # its memory is empty: a restart
     stats, pack = serve_one(again, request(info, FOLLOW))
     assert stats["reused_from"] == "store" and stats["reused_rows"] >= CHUNK, stats
     assert stats["reused_rows"] % CHUNK == 0 and stats["stored"], stats
@@ -84,7 +85,7 @@ def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(in
 
     # the document again, on a third start: the store holds all of its rows (a full hit,
     # nothing computed or stored again)
-    third = ResidentProducer(str(info.path), dtype="float32", store=True)
+    third = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)
     stats, pack = serve_one(third, request(info, DOC))
     assert stats["reused_from"] == "store" and stats["reused_rows"] == len(DOC) - 1, stats
     assert "stored" not in stats
@@ -95,8 +96,8 @@ def test_a_delta_request_is_answered_from_the_store_with_the_same_rows(info):
     from muser_cli.reuse.chain import Scope, chain_at
     from muser_cli.serve import ResidentProducer
 
-    serve_one(ResidentProducer(str(info.path), dtype="float32", store=True), request(info, DOC))
-    prod = ResidentProducer(str(info.path), dtype="float32", store=True)
+    serve_one(ResidentProducer(str(info.path), dtype="float32", store=True, history=False), request(info, DOC))
+    prod = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)
     scope = Scope(info.fingerprint, info.tokenizer_fingerprint, "float32", CHUNK)
     req = request(info, FOLLOW, have_tokens=16, have_chain=chain_at(scope, list(FOLLOW), 16))
     stats, pack = serve_one(prod, req)
@@ -109,6 +110,20 @@ def test_a_delta_request_is_answered_from_the_store_with_the_same_rows(info):
         assert a.first_row + n == b.first_row + np.asarray(b.keys).shape[1]
         assert np.asarray(a.keys).tobytes() == np.asarray(b.keys)[:, off:off + n].tobytes()
         assert np.asarray(a.values).tobytes() == np.asarray(b.values)[:, off:off + n].tobytes()
+
+
+def test_with_the_sliding_history_a_producer_computes_what_no_store_entry_holds(tiny_hybrid):
+    """A pack with the sliding history (the default) carries every sliding row; a store entry
+    or a remembered prompt holds the window only past the consumer's own prefix, so the
+    producer computes those rows itself rather than ship a pack its header would misdescribe."""
+    from muser_cli.serve import ResidentProducer
+
+    serve_one(ResidentProducer(str(tiny_hybrid.path), dtype="float32", store=True), request(tiny_hybrid, DOC))
+    again = ResidentProducer(str(tiny_hybrid.path), dtype="float32", store=True)
+    stats, pack = serve_one(again, request(tiny_hybrid, FOLLOW))
+    assert stats["reused_rows"] == 0, stats
+    assert pack.header.ring_extra == pack.header.rows_end and all(l.first_row == 0 for l in pack.layers)
+    same_rows(pack, reference(tiny_hybrid, FOLLOW, history=True)[1])
 
 
 def test_without_store_the_producer_neither_reads_nor_writes_it(tiny_llama):

@@ -127,8 +127,8 @@ class Engine(abc.ABC):
 
     @property
     def ring_extra(self) -> int:
-        """:attr:`RING_EXTRA` for a model with a sliding layer, else 0."""
-        return self.RING_EXTRA if any(s.kind == "sliding" for s in self.info.layers) else 0
+        """:attr:`RING_EXTRA` for a model with a sliding or chunked layer, else 0."""
+        return self.RING_EXTRA if any(s.kind in ("sliding", "chunked") for s in self.info.layers) else 0
 
     def prefill_from(
         self,

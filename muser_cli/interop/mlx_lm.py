@@ -410,8 +410,8 @@ def prompt_cache_tensors(header: PackHeader, layers: Sequence[LayerKV], *, model
             scalar(f"{index}.3", 0)
             scalar(f"{index}.4", spec.window)
             scalar(f"{index}.5", idx)
-        else:  # the kvpack reader admits only full and sliding
-            raise DataError(f"layer {index}: a {spec.kind} layer has no mlx-lm cache class")
+        else:  # chunked (kvpack 1.4): mlx-lm's ChunkedKVCache belongs to its composite llama4 only
+            raise DataError(f"layer {index}: a {spec.kind} layer has no mlx-lm cache class muser exports")
     meta[METADATA_KEY] = json.dumps({
         "tokens": len(header.token_ids), "rows": rows, "next_token_ids": [header.token_ids[-1]],
         "model_fingerprint": header.model_fingerprint, "tokenizer_fingerprint": header.tokenizer_fingerprint,

@@ -133,7 +133,7 @@ def _parse_latent(obj: dict, where: str, fail: Callable[[str], MuserError]) -> L
 
 
 def _parse_chunked(obj: dict, where: str, fail: Callable[[str], MuserError]) -> LayerSpec:
-    """v1.4 ``chunked``: {kind, kv_heads, head_dim, v_head_dim, chunk, rope} (docs/kvpack.md 1.5)."""
+    """v1.4 ``chunked``: {kind, kv_heads, head_dim, v_head_dim, chunk, rope} (docs/kvpack.md 1.6)."""
     _exact_keys(obj, {"kind", "kv_heads", "head_dim", "v_head_dim", "chunk", "rope"}, where, fail)
     kv_heads = _int(obj, "kv_heads", where, 1, MAX_HEADS, fail)
     head_dim = _int(obj, "head_dim", where, 1, MAX_HEAD_DIM, fail)

@@ -29,7 +29,10 @@ APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window",
                  "exaone4": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
 MLX_REFUSED = {"gemma2": "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
-                         "past its window it computes another model"}
+                         "past its window it computes another model",
+               "llama4_text": "mlx-lm 0.32's llama4_text has no chunked attention (every layer attends to everything): "
+                              "past its first chunk it computes another model (its composite llama4 has chunks, but "
+                              "not for a text-only folder)"}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
 _MLX_MODULE = {"muse_glimmer_text": "muse_glimmer"}
 # mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal

@@ -407,7 +407,7 @@ class TorchEngine(Engine):
                 keys = to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
                 values = to_torch(kv.values, self.torch_dtype).unsqueeze(0)
             if spec.kind == "chunked":
-                keys, values = _chunk_ring(keys, values, rows, spec.chunk)
+                keys, values = chunk_ring(keys, values, rows, spec.chunk)
             cache.update(keys, values, index)
             if spec.kind in ("sliding", "chunked"):
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
@@ -455,7 +455,7 @@ class TorchEngine(Engine):
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
 
 
-def _chunk_ring(keys: "torch.Tensor", values: "torch.Tensor", rows: int, chunk: int | None
+def chunk_ring(keys: "torch.Tensor", values: "torch.Tensor", rows: int, chunk: int | None
                 ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """A chunked layer's rows (those of the current chunk) as transformers' own layer holds them
     after ``rows`` positions: its last ``min(rows, chunk - 1)`` rows, the older ones belonging to

@@ -46,6 +46,7 @@ class Family:
     torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
+    chunked: bool = False  # its modeling implements chunked_attention layers (attention_chunk_size)
     notes: str = ""
     # What the cache holds: "rows" (K and V rows), "latent" (MLA: a latent and a shared RoPE
     # key per position), "gated_delta_net" or "mamba2" (hybrids: recurrent state layers
@@ -76,7 +77,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True,
            notes="full layers NoPE when a window is set"),
     Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
-    Family("llama4_text", style="interleaved", nope="no_rope_layers", layers="llama4", qk_norm=True,
+    Family("llama4_text", style="interleaved", nope="no_rope_layers", layers="llama4", qk_norm=True, chunked=True,
            notes="chunked-local attention (attention_chunk_size) on its RoPE layers, kvpack 1.4 chunked: a pack "
                  "carries the current chunk's rows; full NoPE layers where no_rope_layers is 0 (every 4th)"),
     Family("deepseek_v3", cache="latent", layers="all_full",
@@ -280,9 +281,10 @@ def _layer_kinds(config: dict[str, Any], family: Family, n_layers: int, window: 
         raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
     kinds = []
     for value in layer_types:
-        if value not in ("full_attention", "sliding_attention", "chunked_attention"):
-            raise ConfigError(f"unsupported layer type {value!r} in config.json",
-                              hint="supported: full_attention, sliding_attention, chunked_attention")
+        known = ("full_attention", "sliding_attention") + (("chunked_attention",) if family.chunked else ())
+        if value not in known:
+            raise ConfigError(f"unsupported layer type {value!r} in config.json of a {family.name} model",
+                              hint="supported: " + ", ".join(known))
         kinds.append(value.split("_")[0])
     return kinds
 

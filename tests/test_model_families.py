@@ -64,7 +64,7 @@ def _assert_rows_match(info, layers, own_rows, rows: int, engine_name: str) -> N
     and the engine's own cache holds exactly the rows muser's description says a layer carries."""
     for index, (spec, kv, (own_k, own_v)) in enumerate(zip(info.layers, layers, own_rows)):
         held = own_k.shape[1]
-        if spec.kind == "chunked":  # transformers keeps a chunked layer in a ring of chunk - 1 rows; its mask
+        if spec.kind == "chunked" and engine_name == "torch":  # transformers keeps it in a ring of chunk - 1; its mask
             assert held == min(rows, spec.chunk - 1)  # reads only the current chunk's, what a pack carries
             held = spec.carried_rows(rows)
             own_k, own_v = own_k[:, own_k.shape[1] - held:], own_v[:, own_v.shape[1] - held:]
@@ -259,7 +259,7 @@ def test_model_check_prices_llama4_chunked_layers_and_names_what_cannot_move_the
     RoPE, kvpack 1.4) and 12 full NoPE ones, 8 KV heads x 128. A chunked layer ships the rows of
     the chunk its last position is in (and the ring row): 131,072 tokens -> 8,191 rows; 8,193
     tokens -> 8,192 rows (its rows end on a chunk boundary: the ring row reaches back a chunk).
-    mlx-lm's llama4_text has no chunked attention: refused with that reason."""
+    The MLX engine runs it through mlx-lm's llama4 (its llama4_text has no chunked attention)."""
     from transformers import Llama4TextConfig
 
     Llama4TextConfig().save_pretrained(str(tmp_path))
@@ -273,10 +273,13 @@ def test_model_check_prices_llama4_chunked_layers_and_names_what_cannot_move_the
     assert report["plan"][0]["chunk"] == 8192 and "window" not in report["plan"][0]
     edge = json.loads(_cli("model", "check", tmp_path, "--tokens", 8193, "--json").stdout)
     assert {c["kind"]: c["rows"] for c in edge["classes"]} == {"chunked": 8192, "full": 8192}
+    from muser_cli import modelcheck
+
     assert report["engines"]["torch"]["produce"] and report["engines"]["torch"]["consume"]
-    assert not report["engines"]["mlx"]["produce"] and "no chunked attention" in report["engines"]["mlx"]["reason"]
+    mlx_here = modelcheck._installed("mlx", "mlx_lm") is None
+    assert report["engines"]["mlx"]["produce"] is mlx_here and report["engines"]["mlx"]["tested"]
     text = _cli("model", "check", tmp_path, "--tokens", 131072).stdout
-    assert "chunked (chunk 8192)" in text and "llama4_text has no chunked attention" in text
+    assert "chunked (chunk 8192)" in text
 
 
 def test_model_check_names_what_it_cannot_move(tmp_path):
@@ -374,8 +377,7 @@ def test_docs_models_matrix_is_current():
 
 @pytest.mark.mlx
 def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
-    """gemma2: mlx-lm 0.32 has no sliding window, llama4_text no chunked attention (refused by
-    name); gpt-oss with its own
+    """gemma2: mlx-lm 0.32 has no sliding window (refused by name); gpt-oss with its own
     ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe). Refused before any token."""
     import shutil
 
@@ -387,8 +389,6 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
 
     with pytest.raises(ConfigError, match="the mlx engine cannot run gemma2: .*no sliding-window attention"):
         get_engine("mlx", tiny_family("gemma2"), dtype="float32", threads=1)
-    with pytest.raises(ConfigError, match="the mlx engine cannot run llama4_text: .*no chunked attention"):
-        get_engine("mlx", tiny_family("llama4_text"), dtype="float32", threads=1)
     folder = tmp_path / "gpt-oss-untruncated"
     shutil.copytree(tiny_family("gpt_oss").path, folder)
     config = json.loads((folder / "config.json").read_text())

@@ -464,8 +464,8 @@ def chunk_ring(keys: "torch.Tensor", values: "torch.Tensor", rows: int, chunk: i
     pad = min(rows, chunk - 1) - keys.shape[-2]
     if pad <= 0:
         return keys, values
-    zk = torch.zeros((*keys.shape[:-2], pad, keys.shape[-1]), dtype=keys.dtype)
-    zv = torch.zeros((*values.shape[:-2], pad, values.shape[-1]), dtype=values.dtype)
+    zk = torch.zeros((*keys.shape[:-2], pad, keys.shape[-1]), dtype=keys.dtype, device=keys.device)
+    zv = torch.zeros((*values.shape[:-2], pad, values.shape[-1]), dtype=values.dtype, device=values.device)
     return torch.cat([zk, keys], dim=-2), torch.cat([zv, values], dim=-2)
 
 

@@ -22,7 +22,8 @@ def _render(report: dict) -> str:
     lines.append(f"  {'class':<22} {'layers':>6}  {'kv heads x dims':<16} {'rope':<40} {'B/token/layer':>13}"
                  + (f" {'rows':>9} {'payload':>12}" if "tokens" in report else ""))
     for c in report["classes"]:
-        kind = c["kind"] + (f" (window {c['window']})" if c["window"] else "")
+        kind = c["kind"] + (f" (window {c['window']})" if c["window"] else f" (chunk {c['chunk']})" if c.get("chunk")
+                            else "")
         row = f"  {kind:<22} {c['layers']:>6}  {c['shape']:<16} {c['rope']:<40} {c['bytes_per_token_per_layer']:>13}"
         if "tokens" in report:
             row += f" {c['rows']:>9} {c['payload_bytes']:>12}"

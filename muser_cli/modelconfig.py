@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import LayerSpec, RopeSpec, latent_spec, state_spec
+from muser_cli.kvpack.layers import LayerSpec, RopeSpec, chunked_spec, latent_spec, state_spec
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,15 @@ class Family:
     # layer_types when config.json has none: "window" (every layer sliding iff a window is
     # set, transformers' generic rule), "qwen2" (use_sliding_window/max_window_layers),
     # "every:N" (every Nth layer full, counted from the first), "back:N" (every Nth counted
-    # back from the last), "alternate" (sliding, full, ...), "all_full".
+    # back from the last), "alternate" (sliding, full, ...), "all_full", "llama4" (chunked
+    # where no_rope_layers says RoPE and attention_chunk_size is set, full elsewhere).
     layers: str = "window"
     head_dim_derived: bool = False  # hidden_size / heads, whatever head_dim says
     text_config: bool = False  # a composite config: the text tower's keys are under text_config
     torch_auto: str = "AutoModelForCausalLM"  # "" where transformers has no LM class for the config
     qk_norm: bool = False  # informational: the model normalises Q and K (its own business)
     sinks: bool = False  # informational: learned attention sinks (weights, not KV rows)
+    chunked: bool = False  # its modeling implements chunked_attention layers (attention_chunk_size)
     notes: str = ""
     # What the cache holds: "rows" (K and V rows), "latent" (MLA: a latent and a shared RoPE
     # key per position), "gated_delta_net" or "mamba2" (hybrids: recurrent state layers
@@ -75,8 +77,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("exaone4", nope="full_if_window", window=4096, layers="every:4", qk_norm=True,
            notes="full layers NoPE when a window is set"),
     Family("gpt_oss", window=128, layers="alternate", sinks=True, notes="YaRN RoPE"),
-    Family("llama4_text", nope="no_rope_layers", layers="all_full", qk_norm=True,
-           notes="refused: chunked attention has no kvpack layer kind yet"),
+    Family("llama4_text", style="interleaved", nope="no_rope_layers", layers="llama4", qk_norm=True, chunked=True,
+           notes="chunked-local attention (attention_chunk_size) on its RoPE layers, kvpack 1.4 chunked: a pack "
+                 "carries the current chunk's rows; full NoPE layers where no_rope_layers is 0 (every 4th)"),
     Family("deepseek_v3", cache="latent", layers="all_full",
            notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token); no engine moves them yet"),
     Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,
@@ -228,10 +231,16 @@ def _row_specs(config: dict[str, Any], family: Family) -> tuple[LayerSpec, ...]:
     kinds = _layer_kinds(config, family, n_layers, window)
     if any(kind == "sliding" for kind in kinds) and not (isinstance(window, int) and window >= 2):
         raise ConfigError(f"config.json has sliding layers but sliding_window is {window!r}")
+    chunk = config.get("attention_chunk_size")
+    if "chunked" in kinds and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 2):
+        raise ConfigError(f"config.json has chunked attention layers but attention_chunk_size is {chunk!r}")
     nope = _nope_layers(config, family, kinds)
     specs = []
     for i, kind in enumerate(kinds):
         rope = None if i in nope else _rope_spec(config, f"{kind}_attention", head_dim, family.style)
+        if kind == "chunked":
+            specs.append(chunked_spec(kv_heads, head_dim, head_dim, int(chunk), rope))
+            continue
         specs.append(LayerSpec(kind=kind, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
                                window=int(window) if kind == "sliding" else None, rope=rope))
     return tuple(specs)
@@ -256,6 +265,11 @@ def _default_layer_types(config: dict[str, Any], rule: str, n_layers: int, windo
         return [sliding if (i + 1) % 2 else full for i in range(n_layers)]
     if rule == "all_full":
         return [full] * n_layers
+    if rule == "llama4":  # Llama4TextConfig: chunked where RoPE (no_rope_layers 1), if a chunk size is set
+        flags = config.get("no_rope_layers") or [int((i + 1) % int(config.get("no_rope_layer_interval", 4)) != 0)
+                                                 for i in range(n_layers)]
+        chunked = config.get("attention_chunk_size") is not None
+        return ["chunked_attention" if flag and chunked else full for flag in flags]
     return [sliding if window is not None else full] * n_layers  # transformers' generic rule
 
 
@@ -267,14 +281,10 @@ def _layer_kinds(config: dict[str, Any], family: Family, n_layers: int, window: 
         raise ConfigError(f"config.json: layer_types does not list {n_layers} layers")
     kinds = []
     for value in layer_types:
-        if value == "chunked_attention":
-            raise ConfigError(
-                f"{family.name}: layer type chunked_attention (attention_chunk_size {config.get('attention_chunk_size')}) has no "
-                "kvpack layer kind yet: a chunked layer attends only within its chunk, neither full nor sliding",
-                hint="muser cannot move this model's KV; decode it locally")
-        if value not in ("full_attention", "sliding_attention"):
-            raise ConfigError(f"unsupported layer type {value!r} in config.json",
-                              hint="supported: full_attention, sliding_attention")
+        known = ("full_attention", "sliding_attention") + (("chunked_attention",) if family.chunked else ())
+        if value not in known:
+            raise ConfigError(f"unsupported layer type {value!r} in config.json of a {family.name} model",
+                              hint="supported: " + ", ".join(known))
         kinds.append(value.split("_")[0])
     return kinds
 

@@ -18,6 +18,7 @@ import os
 from muser_cli.errors import ConfigError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.format import MAX_FRAME_ROWS
+from muser_cli.kvpack.layers import extra_matters
 from muser_cli.modelinfo import ModelInfo
 from muser_cli.units import plural
 
@@ -75,8 +76,8 @@ def build_header(
     producer = {"engine": engine, "threads": threads, "muser": __version__}
     producer.update(extra or {})
     rows = len(ids) - 1
-    if not any(s.kind == "sliding" and s.window is not None and rows > s.window - 1 for s in info.layers):
-        ring_extra = 0
+    if not any(extra_matters(s, rows, ring_extra) for s in info.layers):  # no sliding layer past its window,
+        ring_extra = 0  # no chunked layer whose extra rows reach into an earlier chunk
     if ring_extra and newest_write_minor() < 2:
         ring_extra = 0  # a 1.1 pack: the extra ring row stays out (write_pack skips rows before the header's)
     return PackHeader(

@@ -18,6 +18,7 @@ from pathlib import Path
 VOCAB_SIZE = 512
 MAX_POSITIONS = 256
 SLIDING_WINDOW = 8
+CHUNK_SIZE = 16  # the tiny Llama 4's attention_chunk_size
 ROPE_THETA = 10000.0
 # Random init with a wider spread than the default 0.02, so greedy decoding from a
 # random model is sensitive to its KV instead of collapsing onto one token.
@@ -194,6 +195,13 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096,
                                      # gpt-oss's own is False; mlx-lm 0.32's YaRN always truncates
                                      "truncate": True}}),
+    # Llama 4's text model: chunked-local attention (chunk 16, shorter than a test prompt) on
+    # the RoPE layers, full NoPE every 4th (no_rope_layers' default); MoE on every other layer;
+    # floor_scale 32 so the NoPE layers' query temperature tuning changes within a test prompt
+    "llama4_text": ("Llama4TextConfig", {"attention_chunk_size": CHUNK_SIZE, "intermediate_size_mlp": 128,
+                                         "num_local_experts": 4, "num_experts_per_tok": 1,
+                                         "interleave_moe_layer_step": 2, "floor_scale": 32,
+                                         "tie_word_embeddings": False}),
 }
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, RopeSpec
-from muser_cli.kvpack.layers import StateKV, latent_spec, state_spec
+from muser_cli.kvpack.layers import StateKV, chunked_spec, latent_spec, state_spec
 
 CASES = ("full-rope", "sliding-rope", "full-nope")
 CASES_V1_3 = ("latent-rope", "hybrid-state")  # kvpack 1.3's layer kinds
+CASES_V1_4 = ("chunked-rope",)  # kvpack 1.4's chunked kind
 FP_MODEL = "sha256:" + "6d" * 32
 FP_TOK = "sha256:" + "74" * 32
 
@@ -23,6 +24,8 @@ def golden_header(layer_class: str) -> PackHeader:
     elif layer_class == "hybrid-state":  # a recurrent layer (bf16 conv window, f32 state) then a full one
         layers = (state_spec("gated_delta_net", [("conv", (12, 4), "bfloat16"), ("recurrent", (2, 4, 4), "float32")]),
                   LayerSpec("full", 1, 8, 8, rope=RopeSpec(10000.0, 8)))
+    elif layer_class == "chunked-rope":  # Llama 4's pattern: chunked-local attention with RoPE, then a full NoPE layer
+        layers = (chunked_spec(2, 8, 8, 5, RopeSpec(500000.0, 8)), LayerSpec("full", 1, 8, 8, rope=None))
     else:
         layers = (LayerSpec("full", 1, 8, 8, rope=None),) * 2
     return PackHeader(FP_MODEL, FP_TOK, tuple(range(100, 121)), layers, "bfloat16", 8,

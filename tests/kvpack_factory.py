@@ -39,6 +39,17 @@ def kinds_layers() -> tuple[LayerSpec, ...]:
     )
 
 
+def chunked_layers() -> tuple[LayerSpec, ...]:
+    """kvpack 1.4's chunked kind as Llama 4 lays it out: chunked-local layers with RoPE, a full NoPE one."""
+    from muser_cli.kvpack.layers import chunked_spec
+
+    return (
+        chunked_spec(2, 16, 16, 4, RopeSpec(500000.0, 16)),
+        chunked_spec(2, 16, 16, 4, RopeSpec(500000.0, 16)),
+        LayerSpec("full", 2, 16, 16, rope=None),
+    )
+
+
 def make_state(header: PackHeader, i: int, rng: np.random.Generator):
     """Random snapshots of state layer ``i`` at every chunk end its frames need."""
     from muser_cli.kvpack.layers import DTYPES, StateKV

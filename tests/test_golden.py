@@ -24,6 +24,7 @@ MANIFEST = json.loads((GOLDEN / "MANIFEST.json").read_text())  # v1.0
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_1.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_2.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_3.json").read_text()))
+MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_4.json").read_text()))
 DOCS = (Path(__file__).resolve().parent.parent / "docs" / "kvpack.md").read_text()
 
 
@@ -40,7 +41,7 @@ def _parts(name: str) -> tuple[int, str, str, str]:
 
 def _header(name: str):
     minor, layer_class, _, digest = _parts(name)
-    return replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=1 if minor == 2 else 0)
+    return replace(golden_header(layer_class), minor=minor, digest=digest, ring_extra=1 if minor in (2, 4) else 0)
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
@@ -105,10 +106,52 @@ def test_a_reader_limited_to_v1_2_refuses_v1_3_naming_the_new_kinds(name):
             read()
 
 
+@pytest.mark.parametrize("name", sorted(n for n in MANIFEST if n.startswith("v1_4")))
+def test_a_reader_limited_to_v1_3_refuses_v1_4_naming_the_chunked_kind(name):
+    data = (GOLDEN / name).read_bytes()
+    for read in (lambda: PackReader(max_minor=3).feed(data), lambda: read_pack_bytes(data, max_minor=3)):
+        with pytest.raises(KVPackError, match=r"version 1\.4 is newer than this reader's 1\.3 .*1\.4 adds layer kind "
+                                              r"chunked"):
+            read()
+
+
+def test_a_1_3_header_holding_a_chunked_layer_is_refused_by_the_kinds_name():
+    from muser_cli.kvpack.format import canonical_json
+    from muser_cli.kvpack.validate import parse_header
+
+    data = (GOLDEN / "v1_4-chunked-rope-none-blake3.kvpack").read_bytes()
+    obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])
+    with pytest.raises(KVPackError, match=r"layers\[0\]\.kind 'chunked' needs kvpack 1\.4 \(this header is 1\.3\)"):
+        parse_header(canonical_json({**obj, "version": [1, 3]}), 1, 3)
+    assert parse_header(canonical_json(obj), 1, 4).layers[0].chunk == 5
+    for bad, msg in (({"chunk": 1}, r"chunk=1 outside \[2, "), ({"window": 5}, "must have exactly the keys"),
+                     ({"chunk": None}, r"chunk has the wrong type")):
+        layer = {**obj["layers"][0], **bad}
+        with pytest.raises(KVPackError, match=msg):
+            parse_header(canonical_json({**obj, "layers": [layer, obj["layers"][1]]}), 1, 4)
+
+
+def test_v1_4_chunked_layers_carry_the_current_chunk_and_the_ring_row():
+    """21 tokens (end 20), chunk 5: the chunk of position 20 starts at 20, so without ring_extra
+    the chunked layer carries nothing; with ring_extra 1 it carries the chunk of position 19,
+    [15, 20), so the last position can be recomputed from the pack (docs/kvpack.md 1.3)."""
+    pack = read_pack_bytes((GOLDEN / "v1_4-chunked-rope-none-blake3.kvpack").read_bytes())
+    h = pack.header
+    assert h.ring_extra == 1 and h.raw["ring_extra"] == 1 and h.layer_first_row(0) == 15 and h.layer_rows(0) == 5
+    assert pack.layers[0].first_row == 15 and pack.layers[0].keys.shape == (2, 5, 8)
+    assert [f for f in h.frame_plan() if f[0] == 0] == [(0, 15, 1), (0, 16, 4)]
+    assert replace(h, ring_extra=0).layer_rows(0) == 0  # what a decoding cache holds after 20 positions
+    spec = h.layers[0]
+    assert [spec.carried_rows(n) for n in (0, 1, 4, 5, 6, 9, 10, 11)] == [0, 1, 4, 0, 1, 4, 0, 1]
+    assert [spec.carried_rows(n, 1) for n in (0, 1, 4, 5, 6, 9, 10, 11)] == [0, 1, 4, 5, 1, 4, 5, 1]
+    assert [spec.carried_rows(n, 3) for n in (5, 6, 7, 8)] == [5, 6, 7, 3]
+
+
 @pytest.mark.parametrize("kind", ["latent", "state"])
 def test_a_1_2_header_holding_a_1_3_kind_is_refused_by_the_kinds_name(kind):
     """A header that claims 1.2 but holds a 1.3 layer kind names the kind and the version it needs."""
-    from muser_cli.kvpack.format import canonical_json, parse_header
+    from muser_cli.kvpack.format import canonical_json
+    from muser_cli.kvpack.validate import parse_header
 
     name = {"latent": "v1_3-latent-rope-none-blake3.kvpack", "state": "v1_3-hybrid-state-none-blake3.kvpack"}[kind]
     data = (GOLDEN / name).read_bytes()
@@ -146,7 +189,7 @@ def test_ring_extra_is_refused_where_it_has_no_place():
     data = (GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes()
     hlen = struct.unpack_from("<I", data, 12)[0]
     obj = json.loads(data[16:16 + hlen])
-    from muser_cli.kvpack.format import parse_header
+    from muser_cli.kvpack.validate import parse_header
 
     def canon(o):
         return json.dumps(o, sort_keys=True, separators=(",", ":")).encode()
@@ -157,15 +200,15 @@ def test_ring_extra_is_refused_where_it_has_no_place():
     with pytest.raises(KVPackError, match=r"ring_extra=0 outside \[1, "):
         parse_header(canon({**obj, "ring_extra": 0}), 1, 2)
     full = {**obj, "layers": [{**l, "kind": "full", "window": None} for l in obj["layers"]]}
-    with pytest.raises(KVPackError, match="ring_extra needs a sliding layer"):
+    with pytest.raises(KVPackError, match="ring_extra needs a sliding or chunked layer"):
         parse_header(canon(full), 1, 2)
 
 
 def test_a_newer_minor_is_refused_by_version_not_as_corruption():
     data = bytearray((GOLDEN / "v1_2-sliding-rope-none-blake3.kvpack").read_bytes())
-    data[10:12] = struct.pack("<H", 4)  # one past the newest (1.3 since the latent and state kinds)
+    data[10:12] = struct.pack("<H", 5)  # one past the newest (1.4 since the chunked kind)
     for read in (read_pack_bytes, lambda d: read_pack(io.BytesIO(d))):
-        with pytest.raises(KVPackError, match=r"version 1\.4 is newer than this reader's 1\.3"):
+        with pytest.raises(KVPackError, match=r"version 1\.5 is newer than this reader's 1\.4"):
             read(bytes(data))
 
 
@@ -176,7 +219,7 @@ def _spec_verify(data: bytes) -> dict:
 
     assert data[:8] == b"\x89KVPACK\n"
     major, minor, hlen = struct.unpack_from("<HHI", data, 8)
-    assert major == 1 and minor in (0, 1, 2, 3)
+    assert major == 1 and minor in (0, 1, 2, 3, 4)
     hjson = data[16:16 + hlen]
     obj = json.loads(hjson)
     assert json.dumps(obj, sort_keys=True, separators=(",", ":")).encode() == hjson

@@ -22,17 +22,21 @@ import kvpack_factory
 from kvpack_factory import corrupted, fed_root, llama_layers, make_pack, pipe_in_pieces, verdict
 
 VERSIONS = {"v1.0": (0, "sha256", 0), "v1.1-blake3": (1, "blake3", 0), "v1.1-sha256": (1, "sha256", 0),
-            "v1.2-ring": (2, "blake3", 1), "v1.3-latent": (3, "blake3", 1)}
+            "v1.2-ring": (2, "blake3", 1), "v1.3-latent": (3, "blake3", 1), "v1.4-chunked": (4, "blake3", 1)}
 
 
 def _as_version(h, minor: int, digest: str, ring_extra: int):
     """``h`` written as a version; v1.2 adds ring rows wherever the header has a sliding layer;
-    v1.3 also makes every full layer a latent (MLA) one of the same row width."""
-    from muser_cli.kvpack.layers import latent_spec
+    v1.3 also makes every full layer a latent (MLA) one of the same row width; v1.4 instead
+    makes every sliding layer a chunked one whose chunk is the window."""
+    from muser_cli.kvpack.layers import chunked_spec, latent_spec
 
     ring = ring_extra if any(s.kind == "sliding" for s in h.layers) else 0
     layers = h.layers
-    if minor >= 3:
+    if minor >= 4:
+        layers = tuple(chunked_spec(s.kv_heads, s.head_dim, s.v_head_dim, s.window, s.rope) if s.kind == "sliding" else s
+                       for s in h.layers)
+    elif minor >= 3:
         layers = tuple(latent_spec(s.kv_heads * s.head_dim, s.kv_heads * s.v_head_dim, s.rope) if s.kind == "full" else s
                        for s in h.layers)
     return replace(h, minor=minor, digest=digest, ring_extra=ring, layers=layers)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from kvpack_factory import corrupted, fed_root, frame_offsets, kinds_layers, make_pack, make_rows, plain_header, verdict
 from muser_cli.errors import KVPackError
 from muser_cli.kvpack import EndEvent, FrameEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
-from muser_cli.kvpack.format import canonical_json, parse_header
+from muser_cli.kvpack.format import canonical_json
+from muser_cli.kvpack.validate import parse_header
 from muser_cli.kvpack.layers import StateKV, latent_spec, state_spec
 from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.kvpack.summary import summarize

@@ -64,6 +64,10 @@ def _assert_rows_match(info, layers, own_rows, rows: int, engine_name: str) -> N
     and the engine's own cache holds exactly the rows muser's description says a layer carries."""
     for index, (spec, kv, (own_k, own_v)) in enumerate(zip(info.layers, layers, own_rows)):
         held = own_k.shape[1]
+        if spec.kind == "chunked" and engine_name == "torch":  # transformers keeps it in a ring of chunk - 1; its mask
+            assert held == min(rows, spec.chunk - 1)  # reads only the current chunk's, what a pack carries
+            held = spec.carried_rows(rows)
+            own_k, own_v = own_k[:, own_k.shape[1] - held:], own_v[:, own_v.shape[1] - held:]
         assert held == spec.carried_rows(rows), f"{engine_name} layer {index} ({spec.kind}) holds {held} rows"
         k, v = kv.keys[:, kv.keys.shape[1] - held:], kv.values[:, kv.values.shape[1] - held:]
         assert kv.first_row + kv.keys.shape[1] == rows
@@ -75,8 +79,8 @@ def _assert_rows_match(info, layers, own_rows, rows: int, engine_name: str) -> N
 def test_torch_rows_are_transformers_own_and_handoff_equals_fallback(family, tiny_family):
     info = tiny_family(family)
     ids = encode_prompt(info, PROMPT)
-    windows = [s.window for s in info.layers if s.kind == "sliding"]
-    assert all(w < len(ids) - 1 for w in windows), "the prompt must wrap every ring"
+    windows = [s.window for s in info.layers if s.kind == "sliding"] + [s.chunk for s in info.layers if s.kind == "chunked"]
+    assert all(w < len(ids) - 1 for w in windows), "the prompt must wrap every ring and cross every chunk"
     eng = engine("torch", info)
     rows = len(ids) - 1
     layers = eng.prefill(ids[:-1], chunk_tokens=rows)  # one forward, as the model's own below
@@ -250,13 +254,41 @@ def test_prefill_and_decode_refuse_latent_and_state_families_by_name(family, tmp
     assert dec.exit_code == 78 and f"{family}: its " in dec.output
 
 
-def test_model_check_names_what_it_cannot_move(tmp_path):
-    """Llama 4's chunked attention has no kvpack layer kind yet: refused with that reason."""
+def test_model_check_prices_llama4_chunked_layers_and_names_what_cannot_move_them(tmp_path):
+    """Llama 4's default text config (Llama4TextConfig): 36 chunked-local layers (chunk 8,192,
+    RoPE, kvpack 1.4) and 12 full NoPE ones, 8 KV heads x 128. A chunked layer ships the rows of
+    the chunk its last position is in (and the ring row): 131,072 tokens -> 8,191 rows; 8,193
+    tokens -> 8,192 rows (its rows end on a chunk boundary: the ring row reaches back a chunk).
+    The MLX engine runs it through mlx-lm's llama4 (its llama4_text has no chunked attention)."""
     from transformers import Llama4TextConfig
 
-    Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8).save_pretrained(str(tmp_path))
+    Llama4TextConfig().save_pretrained(str(tmp_path))
+    report = json.loads(_cli("model", "check", tmp_path, "--tokens", 131072, "--json").stdout)
+    by_kind = {c["kind"]: c for c in report["classes"]}
+    chunked, full = by_kind["chunked"], by_kind["full"]
+    assert chunked["layers"] == 36 and chunked["chunk"] == 8192 and chunked["window"] is None
+    assert chunked["rope"] == "theta 500000, 128/128 dims, interleaved" and full["rope"] == "NoPE"
+    assert chunked["rows"] == 8191 and full["rows"] == 131071 and full["layers"] == 12
+    assert report["payload_bytes"] == (36 * 8191 + 12 * 131071) * 8 * 256 * 2 and report["kvpack_version"] == "1.4"
+    assert report["plan"][0]["chunk"] == 8192 and "window" not in report["plan"][0]
+    edge = json.loads(_cli("model", "check", tmp_path, "--tokens", 8193, "--json").stdout)
+    assert {c["kind"]: c["rows"] for c in edge["classes"]} == {"chunked": 8192, "full": 8192}
+    from muser_cli import modelcheck
+
+    assert report["engines"]["torch"]["produce"] and report["engines"]["torch"]["consume"]
+    mlx_here = modelcheck._installed("mlx", "mlx_lm") is None
+    assert report["engines"]["mlx"]["produce"] is mlx_here and report["engines"]["mlx"]["tested"]
+    text = _cli("model", "check", tmp_path, "--tokens", 131072).stdout
+    assert "chunked (chunk 8192)" in text
+
+
+def test_model_check_names_what_it_cannot_move(tmp_path):
+    """A layer type muser has no kind for is refused with that reason (78)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 1,
+        "layer_types": ["full_attention", "linear_attention"]}))
     result = CliRunner().invoke(app, ["model", "check", str(tmp_path)])
-    assert result.exit_code == 78 and "chunked_attention" in result.output and "llama4_text" in result.output
+    assert result.exit_code == 78 and "unsupported layer type 'linear_attention'" in result.output
 
 
 def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
@@ -408,6 +440,50 @@ def test_gate_refuses_a_planted_fault_in_each_layer_kind(fault, tiny_muse_glimme
     assert tokens == []
 
 
+@pytest.mark.parametrize("fault", ["chunk_shifted_by_one", "chunk_row_scaled", "clean"])
+def test_gate_checks_llama4_chunked_layers_and_refuses_a_planted_fault(fault, tiny_family):
+    """A Llama 4 pack "from another engine" whose rows end on a chunk boundary (its chunked layers
+    carry the whole previous chunk through the ring row, docs/kvpack.md 1.3): the default gate
+    checks every layer, chunked ones included, and passes it; with one chunked layer's rows
+    shifted by a row, or one row scaled, it refuses before any token, naming that layer."""
+    from dataclasses import replace
+
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import LayerKV, read_pack, write_pack
+
+    info = tiny_family("llama4_text")
+    chunk = info.layers[0].chunk
+    text = next(PROMPT[:cut] for cut in range(20, len(PROMPT))
+                if len(encode_prompt(info, PROMPT[:cut])) - 1 == 2 * chunk)  # rows end on a chunk boundary
+    out = io.BytesIO()
+    prefill(text, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    assert pack.header.minor == 4 and pack.header.ring_extra == 1
+    assert [(l.first_row, l.keys.shape[1]) for l in pack.layers] == [(chunk, chunk)] * 3 + [(0, 2 * chunk)]
+    layers = list(pack.layers)
+    kv = layers[1]
+    if fault == "chunk_shifted_by_one":
+        layers[1] = LayerKV(keys=np.roll(kv.keys, 1, axis=1), values=kv.values, first_row=kv.first_row)
+    elif fault == "chunk_row_scaled":
+        keys = kv.keys.copy()
+        keys[:, 5] *= 1.5  # float32 rows: one position of one layer wrong
+        layers[1] = LayerKV(keys=keys, values=kv.values, first_row=kv.first_row)
+    planted = io.BytesIO()
+    write_pack(planted, replace(pack.header, producer={**pack.header.producer, "engine": "vllm"}), layers)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=text, max_new_tokens=4, threads=1)
+    if fault == "clean":
+        got = decode(io.BytesIO(planted.getvalue()), model=str(info.path), max_new_tokens=4, threads=1)
+        spot = got.spot_check
+        assert spot["ran"] and spot["ok"] and spot["layers_checked"] == 4 and not spot["layers_unchecked"]
+        assert got.token_ids == local.token_ids
+        return
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="before the first token.*layer 1"):
+        decode(io.BytesIO(planted.getvalue()), model=str(info.path), max_new_tokens=4, threads=1,
+               on_token=tokens.append)
+    assert tokens == []
+
+
 @pytest.mark.parametrize("family", sorted(TESTED["torch"] - {"llama", "cohere2"}))  # those two: test_interop_*.py
 def test_interop_exports_continue_like_muser_decode(family, tiny_family, tmp_path):
     """transformers' ``generate`` from ``to_transformers(pack)`` and mlx-lm's ``generate_step``
@@ -460,7 +536,7 @@ def _has_mlx() -> bool:
     return True
 
 
-SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "muse_glimmer"]
+SLIDING_FAMILIES = ["exaone4", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "muse_glimmer"]  # and chunked
 
 
 @pytest.mark.parametrize("family", SLIDING_FAMILIES)

@@ -135,8 +135,8 @@ class Engine(abc.ABC):
 
     @property
     def ring_extra(self) -> int:
-        """:attr:`RING_EXTRA` for a model with a sliding layer, else 0."""
-        return self.RING_EXTRA if any(s.kind == "sliding" for s in self.info.layers) else 0
+        """:attr:`RING_EXTRA` for a model with a sliding or chunked layer, else 0."""
+        return self.RING_EXTRA if any(s.kind in ("sliding", "chunked") for s in self.info.layers) else 0
 
     @property
     def keeps_history(self) -> bool:

@@ -15,6 +15,9 @@ classes muser reads (mlx-lm 0.25 - 0.32):
 
 Class names in the file are data, never code: a closed table maps ``KVCache`` to a full
 layer and ``RotatingKVCache`` to a sliding one (``keep == 0``); any other name is refused.
+The export also writes a kvpack 1.4 chunked layer (Llama 4) as ``ChunkedKVCache``:
+``state = (keys, values, offset, chunk_size, start_position)``, the carried rows being
+positions ``[start_position, offset)``; importing one is not supported yet (refused by name).
 
 Boundary. A kvpack carries prompt[:-1] and its consumer runs the last prompt token. An
 exported file holds exactly the pack's rows (offset = tokens - 1); the mlx-lm user feeds
@@ -410,8 +413,15 @@ def prompt_cache_tensors(header: PackHeader, layers: Sequence[LayerKV], *, model
             scalar(f"{index}.3", 0)
             scalar(f"{index}.4", spec.window)
             scalar(f"{index}.5", idx)
-        else:  # the kvpack reader admits only full and sliding
-            raise DataError(f"layer {index}: a {spec.kind} layer has no mlx-lm cache class")
+        elif spec.kind == "chunked":  # kvpack 1.4 (Llama 4): mlx-lm's ChunkedKVCache, rows [start_position, offset)
+            classes.append("ChunkedKVCache")
+            tensors[f"{index}.0"] = (sdt, keys[None])
+            tensors[f"{index}.1"] = (sdt, values[None])
+            scalar(f"{index}.2", rows)
+            scalar(f"{index}.3", int(spec.chunk or 0))
+            scalar(f"{index}.4", rows - keys.shape[1])
+        else:
+            raise DataError(f"layer {index}: a {spec.kind} layer has no mlx-lm cache class muser exports")
     meta[METADATA_KEY] = json.dumps({
         "tokens": len(header.token_ids), "rows": rows, "next_token_ids": [header.token_ids[-1]],
         "model_fingerprint": header.model_fingerprint, "tokenizer_fingerprint": header.tokenizer_fingerprint,

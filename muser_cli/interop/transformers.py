@@ -60,8 +60,17 @@ def _layout(model: Any) -> list[tuple[str, int | None]]:
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    return [("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
-            for layer in cache.layers]
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    built = [("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
+             for layer in cache.layers]
+    # a chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask differs)
+    return [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
+            for i, b in enumerate(built)]
+
+
+def _size(spec: Any) -> int | None:
+    """The window of a sliding layer, the chunk of a chunked one (None for a full one)."""
+    return spec.chunk if spec.kind == "chunked" else spec.window
 
 
 def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLike | None = None) -> Any:
@@ -80,7 +89,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     import torch
     from transformers import DynamicCache
 
-    from muser_cli.engines.torch.engine import to_torch
+    from muser_cli.engines.torch.engine import chunk_ring, to_torch
     from muser_cli.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
 
@@ -92,7 +101,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
     built = _layout(model)
-    described = [(spec.kind, spec.window) for spec in header.layers]
+    described = [(spec.kind, _size(spec)) for spec in header.layers]
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end
@@ -103,8 +112,10 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
         keys = to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
         values = to_torch(kv.values, dtype).unsqueeze(0).to(device)
+        if spec.kind == "chunked":  # as transformers holds it: rows of earlier chunks (masked) as zeros
+            keys, values = chunk_ring(keys, values, rows, spec.chunk)
         cache.update(keys, values, index)
-        if spec.kind == "sliding":
+        if spec.kind in ("sliding", "chunked"):
             cache.layers[index].cumulative_length = rows  # absolute length, not rows held
     return cache
 
@@ -141,8 +152,9 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
             raise DataError(f"layer {index} of the cache holds no rows")
         if keys.shape[0] != 1:
             raise UsageError(f"a kvpack holds one prompt; the cache has a batch of {keys.shape[0]}")
-        sliding = bool(getattr(layer, "is_sliding", False))
-        if (spec.kind == "sliding") != sliding or (sliding and getattr(layer, "sliding_window", None) != spec.window):
+        sliding = bool(getattr(layer, "is_sliding", False))  # a chunked layer too: transformers' sliding layer
+        if (spec.kind in ("sliding", "chunked")) != sliding or (sliding and getattr(layer, "sliding_window", None)
+                                                                 != _size(spec)):
             raise DataError(f"layer {index}: the cache layer is {'sliding' if sliding else 'full'}, "
                             f"the model describes {spec.kind}")
         held = keys.shape[2]

@@ -14,8 +14,9 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack.codec import decode_payload
 from muser_cli.kvpack.format import (
     CODEC_NAMES, DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, MINOR_ADDS, PREAMBLE, TAG_DATA, TAG_END, PackHeader,
-    header_digest, pad_len, parse_header,
+    header_digest, pad_len,
 )
+from muser_cli.kvpack.validate import parse_header
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.kvpack.quant import decode_int8
 

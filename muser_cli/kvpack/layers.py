@@ -1,7 +1,7 @@
 """Layer descriptions carried in a kvpack header (pure Python, no ML framework).
 
 A layer is described by what a consumer must honour to use its rows:
-its attention class (full or sliding window), whether RoPE was applied to the cached
+its attention class (full, sliding window or chunked-local), whether RoPE was applied to the cached
 keys and with which parameters (or NoPE), the number of KV heads and the head dims.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-LAYER_KINDS = ("full", "sliding", "latent", "state")
-ROW_KINDS = ("full", "sliding", "latent")  # kinds whose frames are rows of positions
-NEW_KINDS_MINOR = {"latent": 3, "state": 3}  # the kvpack minor that introduced each later kind
+LAYER_KINDS = ("full", "sliding", "latent", "state", "chunked")
+ROW_KINDS = ("full", "sliding", "latent", "chunked")  # kinds whose frames are rows of positions
+NEW_KINDS_MINOR = {"latent": 3, "state": 3, "chunked": 4}  # the kvpack minor that introduced each later kind
+LOCAL_KINDS = ("sliding", "chunked")  # kinds that carry only their last rows, and ring_extra more
 MAX_STATE_TENSORS = 16
 STATE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
 ROPE_STYLES = ("rotate_half", "interleaved")
@@ -71,6 +72,8 @@ class LayerSpec:
     laid out as a one-head row layer (``kv_heads`` == 1); see :func:`latent_spec`.
     ``kind == "state"`` (v1.3, recurrent layers): no rows; a snapshot of ``tensors`` at
     a position (``kv_heads``/``head_dim``/``v_head_dim`` are 0); see :func:`state_spec`.
+    ``kind == "chunked"`` (v1.4, chunked-local attention, Llama 4): position p attends to
+    ``[floor(p / chunk) * chunk, p]``, so a cache holds only the current chunk's rows.
     """
 
     kind: str
@@ -81,6 +84,7 @@ class LayerSpec:
     rope: RopeSpec | None = None
     tensors: tuple[StateTensor, ...] = ()  # state only
     mixer: str = ""  # state only: the recurrence that reads the tensors (e.g. "gated_delta_net", "mamba2")
+    chunk: int | None = None  # chunked only: attention_chunk_size
 
     @property
     def state_bytes(self) -> int:
@@ -93,13 +97,18 @@ class LayerSpec:
         return min(DTYPES[t.dtype][0] for t in self.tensors)
 
     def carried_rows(self, total_rows: int, extra: int = 0) -> int:
-        """How many of ``total_rows`` cached positions this layer holds: every one (full), or
-        the last ``window - 1`` (sliding) plus ``extra`` older ring rows (a pack's
-        ``ring_extra``, which lets a consumer recompute the last ``extra`` positions
-        exactly). ``extra=0`` is what an engine's cache holds for decoding."""
+        """How many of ``total_rows`` cached positions this layer holds: every one (full), the
+        last ``window - 1`` (sliding), or those of the current chunk, positions
+        ``[floor(total_rows / chunk) * chunk, total_rows)`` (chunked) -- plus ``extra`` older
+        rows (a pack's ``ring_extra``, which lets a consumer recompute the last ``extra``
+        positions exactly: a chunked layer then starts at the chunk of position
+        ``total_rows - extra``). ``extra=0`` is what an engine's cache holds for decoding."""
         if self.kind == "sliding":
             assert self.window is not None
             return min(total_rows, self.window - 1 + extra)
+        if self.kind == "chunked":
+            assert self.chunk is not None
+            return total_rows - (max(0, total_rows - extra) // self.chunk) * self.chunk
         return total_rows
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +117,10 @@ class LayerSpec:
                     "rope": None if self.rope is None else self.rope.to_json()}
         if self.kind == "state":
             return {"kind": "state", "mixer": self.mixer, "tensors": [t.to_json() for t in self.tensors]}
+        if self.kind == "chunked":
+            return {"kind": "chunked", "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                    "v_head_dim": self.v_head_dim, "chunk": self.chunk,
+                    "rope": None if self.rope is None else self.rope.to_json()}
         return {
             "kind": self.kind,
             "kv_heads": self.kv_heads,
@@ -180,17 +193,37 @@ class LayerKV:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def chunked_spec(kv_heads: int, head_dim: int, v_head_dim: int, chunk: int, rope: RopeSpec | None) -> LayerSpec:
+    """A chunked-local attention layer (v1.4) of ``chunk`` positions per chunk."""
+    return LayerSpec(kind="chunked", kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, chunk=chunk,
+                     rope=rope)
+
+
+def extra_matters(spec: LayerSpec, rows: int, extra: int) -> bool:
+    """Whether ``extra`` ring rows change what ``spec`` carries after ``rows`` positions (a
+    sliding layer past its window; a chunked layer whose extra rows reach into an earlier chunk)."""
+    return extra > 0 and spec.kind in LOCAL_KINDS and spec.carried_rows(rows, extra) > spec.carried_rows(rows)
+
+
 def ring_extra_held(specs: "tuple[LayerSpec, ...] | list[LayerSpec]", layers: "list[LayerKV]", rows: int) -> int:
     """The ``ring_extra`` a pack of ``layers`` (each ending at ``rows``) can declare: the
     fewest rows beyond ``window - 1`` any sliding layer past its window holds (0 when none
-    is past its window, or one holds no more). A layer holding every row from position 0
+    is past its window, or one holds no more), and no more than each chunked layer holds
+    (for it, the largest k whose rows it holds). A layer holding every row from position 0
     (the sliding history) bounds nothing: any ``ring_extra`` gives it all it holds."""
-    past = [(rows - kv.first_row - (spec.window - 1), kv.first_row == 0) for spec, kv in zip(specs, layers)
-            if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1]
-    if not past:
+    bounded, whole = [], []
+    for spec, kv in zip(specs, layers):
+        if spec.kind == "sliding" and spec.window is not None and rows > spec.window - 1:
+            extra = rows - kv.first_row - (spec.window - 1)
+        elif spec.kind == "chunked" and extra_matters(spec, rows, rows):
+            # carried_rows grows with k; the largest k whose rows start at or after first_row
+            extra = rows - kv.first_row if kv.first_row % int(spec.chunk or 1) == 0 else 0
+        else:
+            continue
+        (whole if kv.first_row == 0 else bounded).append(extra)
+    if not bounded and not whole:
         return 0
-    bounded = [extra for extra, whole in past if not whole]
-    extra = min(bounded) if bounded else max(extra for extra, _ in past)
+    extra = min(bounded) if bounded else max(whole)
     return min(max(0, extra), 1 << 22)  # MAX_RING_EXTRA (format.py)
 
 

@@ -110,4 +110,4 @@ def resumable(layers: Sequence[LayerSpec], rows_end: int, n: int) -> bool:
     last window-1 rows before n, and the entry carries only those before ``rows_end``.)"""
     if not 0 < n <= rows_end:
         return False
-    return all(ring_first(s, rows_end) <= ring_first(s, n) for s in layers if s.kind == "sliding")
+    return all(ring_first(s, rows_end) <= ring_first(s, n) for s in layers if s.kind in ("sliding", "chunked"))

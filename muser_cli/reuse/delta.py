@@ -52,12 +52,12 @@ def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, 
 
 
 def merge(prefix: Sequence[LayerKV], delta: KVPack) -> list[LayerKV]:
-    """Full layers: ``prefix`` rows [0, held) then the delta's; sliding layers: the delta's ring."""
+    """Full layers: ``prefix`` rows [0, held) then the delta's; sliding and chunked layers: the delta's own rows."""
     h = delta.header
     held = h.rows_start
     out = []
     for i, (spec, mine, theirs) in enumerate(zip(h.layers, prefix, delta.layers)):
-        if spec.kind == "sliding":
+        if spec.kind in ("sliding", "chunked"):
             out.append(theirs)
             continue
         if mine.first_row != 0 or mine.keys.shape[1] < held:

@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 to v1.3 (1.3: latent and state layers).
+"""Coverage-guided fuzzing of the kvpack readers (atheris), v1.0 to v1.4 (1.3: latent and state layers; 1.4: chunked layers).
 
 Contract: any input either parses into a verified pack or raises KVPackError; no other
 exception, no hang; and the readers agree -- the whole-buffer reader (read_buffer:
@@ -40,13 +40,13 @@ with atheris.instrument_imports(include=["muser_cli"]) if atheris is not None el
     from muser_cli.errors import KVPackError
     from muser_cli.kvpack import EndEvent, PackReader, buffer_events, read_pack, read_pack_bytes, write_pack
 
-from kvpack_factory import kinds_layers, llama_layers, make_rows  # noqa: E402
+from kvpack_factory import chunked_layers, kinds_layers, llama_layers, make_rows  # noqa: E402
 from kvpack_factory import plain_header as make_header  # noqa: E402  (each seed names its own version)
 
 
 def seed_pack(n: int, minor: int, digest: str, codec: str = "none", **kw) -> bytes:
     h = make_header(n, **kw)
-    ring = 1 if minor >= 2 and any(spec.kind == "sliding" for spec in h.layers) else 0  # v1.2: ring_extra rows
+    ring = 1 if minor >= 2 and any(spec.kind in ("sliding", "chunked") for spec in h.layers) else 0  # ring_extra rows
     header = replace(h, minor=minor, digest=digest, ring_extra=ring)
     buf = io.BytesIO()
     write_pack(buf, header, make_rows(header), codec=codec)
@@ -60,6 +60,9 @@ for minor, digest in ((0, "sha256"), (1, "blake3"), (1, "sha256"), (2, "blake3")
 # v1.3: the latent and state kinds (a state layer's snapshot per chunk, superseding the last)
 SEEDS += [seed_pack(9, 3, "blake3", c, layers=kinds_layers(), chunk=4) for c in ("none", "zstd+bytegroup")]
 SEEDS.append(seed_pack(9, 3, "sha256", layers=kinds_layers(), chunk=4))
+# v1.4: the chunked kind (13 tokens, chunk 4: the ring row reaches into the previous chunk)
+SEEDS += [seed_pack(13, 4, "blake3", c, layers=chunked_layers(), chunk=4) for c in ("none", "zstd+bytegroup")]
+SEEDS.append(seed_pack(13, 4, "sha256", layers=chunked_layers(), chunk=4))
 
 
 class _Bytes:

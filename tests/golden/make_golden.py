@@ -4,12 +4,16 @@ regenerate the files of an earlier one: they pin what every later reader must re
     python tests/golden/make_golden.py 1.1     # writes the v1_1-* files and MANIFEST-v1_1.json
     python tests/golden/make_golden.py 1.2     # writes the v1_2-* files and MANIFEST-v1_2.json
     python tests/golden/make_golden.py 1.3     # writes the v1_3-* files and MANIFEST-v1_3.json
+    python tests/golden/make_golden.py 1.4     # writes the v1_4-* files and MANIFEST-v1_4.json
 The v1.0 files (v1_0-*, MANIFEST.json) were written by this script's v1.0 form on
 2026-11-29 and are never rewritten. One file per layer class x codec (and int8); v1.1
 adds the sha256 digest for the uncompressed files (blake3 is its default). v1.2 differs
 from v1.1 only for sliding layers (``ring_extra``): its files are the sliding class with
 ``ring_extra`` 1 (window rows, not window - 1). v1.3 adds the layer kinds: its files are
 the latent class (two MLA layers) and the hybrid class (a state layer, then a full one).
+v1.4 adds the chunked kind: its files are the chunked class (a chunked layer of chunk 5,
+then a full NoPE one) with ``ring_extra`` 1, as muser's producers write it (21 tokens: the
+chunked layer carries positions [15, 20), the ring row reaching into the previous chunk).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from golden_rows import CASES, CASES_V1_3, golden_header, golden_rows  # noqa: E402
+from golden_rows import CASES, CASES_V1_3, CASES_V1_4, golden_header, golden_rows  # noqa: E402
 
 from muser_cli.kvpack import write_pack  # noqa: E402
 from muser_cli.pack import pack  # noqa: E402
@@ -33,9 +37,10 @@ VARIANTS = {
     "1.1": [(codec, "blake3") for codec in ("none", "zstd", "zstd+bytegroup", "int8")] + [("none", "sha256")],
     "1.2": [(codec, "blake3") for codec in ("none", "zstd+bytegroup", "int8")] + [("none", "sha256")],
     "1.3": [(codec, "blake3") for codec in ("none", "zstd+bytegroup", "int8")] + [("none", "sha256")],
+    "1.4": [(codec, "blake3") for codec in ("none", "zstd+bytegroup", "int8")] + [("none", "sha256")],
 }
-CLASSES = {"1.1": CASES, "1.2": ("sliding-rope",), "1.3": CASES_V1_3}
-RING_EXTRA = {"1.1": 0, "1.2": 1, "1.3": 0}
+CLASSES = {"1.1": CASES, "1.2": ("sliding-rope",), "1.3": CASES_V1_3, "1.4": CASES_V1_4}
+RING_EXTRA = {"1.1": 0, "1.2": 1, "1.3": 0, "1.4": 1}
 
 
 def main(version: str) -> None:

@@ -61,8 +61,10 @@ def install_rotating(mx: Any, cache: Any, keys: Any, values: Any, rows: int, chu
 def temporal(cache: Any) -> tuple[Any, Any]:
     """(keys, values) of an mlx-lm cache, oldest row first: (1, kv_heads, held, head_dim)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 
+    if isinstance(cache, ChunkedKVCache):  # llama4's chunked layers: rows [start_position, offset)
+        return cache.keys_and_values()
     if not isinstance(cache, RotatingKVCache):
         return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
     keys, values, offset, keep, _, idx = cache.state

@@ -26,12 +26,13 @@ _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": Tr
 # Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
 APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
                  "smollm3": lambda attn: type(getattr(attn, "rope", None)).__name__ not in ("NoPE", "NoneType"),
-                 "exaone4": lambda attn: bool(getattr(attn, "use_rope", True))}
+                 "exaone4": lambda attn: bool(getattr(attn, "use_rope", True)),
+                 "llama4_text": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
 MLX_REFUSED = {"gemma2": "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
                          "past its window it computes another model"}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
-_MLX_MODULE = {"muse_glimmer_text": "muse_glimmer"}
+_MLX_MODULE = {"muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 # mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal
 # checkpoint's vision tower as transformers 5 names it), dropped before its sanitize.
 _DROP_WEIGHTS = {"muse_glimmer": ("model.vision_tower.", "model.vision_adapter.", "model.vision_projection.")}
@@ -82,6 +83,11 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
             overrides["sliding_window_pattern"] = pattern
     if ropes and ropes[0].dims != specs[0].head_dim:  # partial rotary: transformers 5 moved the factor
         overrides["partial_rotary_factor"] = ropes[0].dims / specs[0].head_dim
+    if model_type == "llama4_text":  # mlx-lm's llama4 (chunked attention) nests the text tower
+        overrides = {"model_type": "llama4",
+                     "text_config": {**config, **{k: v for k, v in overrides.items() if k != "model_type"},
+                                     "rope_scaling": overrides.get("rope_scaling"), "model_type": "llama4_text"}}
+        return overrides
     rule = _FAMILY_KEYS.get(model_type)
     if rule is not None:
         overrides.update(rule(config, specs))
@@ -162,7 +168,13 @@ def _gpt_oss_weights(weights: dict) -> dict:
     return out
 
 
-_TRANSLATE_WEIGHTS = {"gpt_oss": _gpt_oss_weights}
+def _llama4_text_weights(weights: dict) -> dict:
+    """A text-only Llama 4 folder's weights (``model.*``, ``lm_head.*``) under the names mlx-lm's
+    composite llama4 gives its text tower (``language_model.``); its sanitize splits the experts."""
+    return {("language_model." + k if k.startswith(("model.", "lm_head.")) else k): v for k, v in weights.items()}
+
+
+_TRANSLATE_WEIGHTS = {"gpt_oss": _gpt_oss_weights, "llama4": _llama4_text_weights}
 
 
 def _sliding_pattern(layer_types: Any) -> int | None:

@@ -21,7 +21,9 @@ drops it). Installing them
 reproduces the state mlx-lm itself reaches after a prefill
 (:func:`~muser_cli.engines.mlx.cache.install_rotating`), so the first decode step
 overwrites the oldest slot, not a newer one; extraction un-rotates the ring
-(:func:`~muser_cli.engines.mlx.cache.temporal`).
+(:func:`~muser_cli.engines.mlx.cache.temporal`). Chunked layers (Llama 4, through
+mlx-lm's ``llama4``) are ``ChunkedKVCache``: it holds rows ``[start_position, offset)`` and
+masks by absolute chunk, so a pack's rows of the current chunk go in as they are.
 
 Schedule. :meth:`MLXEngine.prefill` runs token_ids in fixed chunks of ``chunk_tokens``
 into one set of caches (the same schedule as ``mlx_lm.generate_step`` with
@@ -262,7 +264,7 @@ class MLXEngine(Engine):
 
     def _check_model(self) -> None:
         """Refuse a loaded model whose caches or RoPE differ from ``info.layers``."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+        from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
         specs = self.info.layers
         caches = self._make_cache(self.model)
@@ -275,11 +277,14 @@ class MLXEngine(Engine):
                 built = ("full", None)
             elif type(cache) is RotatingKVCache and cache.keep == 0:
                 built = ("sliding", cache.max_size)
+            elif type(cache) is ChunkedKVCache:
+                built = ("chunked", cache.chunk_size)
             else:
                 raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
-            if built != (spec.kind, spec.window):
+            size = spec.chunk if spec.kind == "chunked" else spec.window
+            if built != (spec.kind, size):
                 raise IdentityMismatch(
-                    f"layer {index} kind: the model describes {_kind_text(spec.kind, spec.window)}, "
+                    f"layer {index} kind: the model describes {_kind_text(spec.kind, size)}, "
                     f"mlx-lm builds {_kind_text(*built)}",
                     hint="mlx-lm's implementation of this architecture lays the layers out differently")
             attn = getattr(block, "self_attn", None)
@@ -409,6 +414,10 @@ class MLXEngine(Engine):
             values = self._to_mx(kv.values)[None]
             if spec.kind == "sliding":
                 install_rotating(self.mx, cache, keys, values, rows, chunk_tokens or DEFAULT_CHUNK_TOKENS)
+            elif spec.kind == "chunked":  # mlx-lm's ChunkedKVCache holds rows [start_position, offset)
+                if carried:
+                    cache.update_and_fetch(keys, values)
+                cache.offset, cache.start_position = rows, rows - carried
             else:
                 cache.update_and_fetch(keys, values)
         return caches
@@ -511,6 +520,8 @@ def _np_storage(dtype: str) -> np.dtype:
 
 
 def _kind_text(kind: str, window: int | None) -> str:
+    if kind == "chunked":
+        return f"chunked (chunk {window})"
     return f"sliding (window {window})" if kind == "sliding" else "full attention"
 
 

@@ -208,10 +208,13 @@ class TorchEngine(Engine):
         positions rows..: the rows every layer then holds (used by ``verify --audit``)."""
         ids = self._check_ids(token_ids)
         self._check_decode_args(rows, ids, 0)
+        # a chunked layer keeps the recomputed rows even where they close a chunk (its decoding
+        # cache would drop them): they are what the caller compares
+        ring = len(ids) if any(spec.kind == "chunked" for spec in self.info.layers) else 0
         with self._session():
-            cache = self._install(layers, rows, extra=len(ids))
+            cache = self._install(layers, rows, extra=len(ids), ring=ring)
             self._forward(ids, rows, cache, keep=1)
-            return self._extract(cache, rows + len(ids))
+            return self._extract(cache, rows + len(ids), ring)
 
     def recompute_at(self, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
                      token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -273,11 +276,15 @@ class TorchEngine(Engine):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or []
         built = [
             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
             for layer in cache.layers
         ]
-        described = [(spec.kind, spec.window) for spec in self.info.layers]
+        # transformers keeps a chunked-attention layer in a sliding layer of the chunk's size (only its mask differs)
+        built = [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
+                 for i, b in enumerate(built)]
+        described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
@@ -356,6 +363,8 @@ class TorchEngine(Engine):
                 values = torch.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=self.torch_dtype)
             else:
                 keys, values = layer.keys[0], layer.values[0]  # (kv_heads, rows, head_dim)
+            if spec.kind == "chunked" and keys.shape[1] > carried:  # its ring holds up to chunk - 1 (+ ring) rows
+                keys, values = keys[:, keys.shape[1] - carried:], values[:, values.shape[1] - carried:]
             if tuple(keys.shape) != (spec.kv_heads, carried, spec.head_dim) or tuple(values.shape) != (
                 spec.kv_heads,
                 carried,
@@ -404,8 +413,10 @@ class TorchEngine(Engine):
             else:
                 keys = to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
                 values = to_torch(kv.values, self.torch_dtype).unsqueeze(0)
+            if spec.kind == "chunked":
+                keys, values = chunk_ring(keys, values, rows, spec.chunk)
             cache.update(keys, values, index)
-            if spec.kind == "sliding":
+            if spec.kind in ("sliding", "chunked"):
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
         return cache
 
@@ -449,6 +460,20 @@ class TorchEngine(Engine):
         decode_s = time.perf_counter() - first_done if tokens else 0.0
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads())
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
+
+
+def chunk_ring(keys: "torch.Tensor", values: "torch.Tensor", rows: int, chunk: int | None
+                ) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """A chunked layer's rows (those of the current chunk) as transformers' own layer holds them
+    after ``rows`` positions: its last ``min(rows, chunk - 1)`` rows, the older ones belonging to
+    earlier chunks, which its chunked mask never lets a later position see: zeros here."""
+    assert chunk is not None
+    pad = min(rows, chunk - 1) - keys.shape[-2]
+    if pad <= 0:
+        return keys, values
+    zk = torch.zeros((*keys.shape[:-2], pad, keys.shape[-1]), dtype=keys.dtype, device=keys.device)
+    zv = torch.zeros((*values.shape[:-2], pad, values.shape[-1]), dtype=values.dtype, device=values.device)
+    return torch.cat([zk, keys], dim=-2), torch.cat([zv, values], dim=-2)
 
 
 def to_numpy(t: "torch.Tensor") -> np.ndarray:

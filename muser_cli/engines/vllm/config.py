@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.errors import ConfigError, UsageError
-from muser_cli.kvpack.format import parse_layer_spec
+from muser_cli.kvpack.validate import parse_layer_spec
 from muser_cli.kvpack.layers import DTYPES, LayerSpec
 
 CONNECTOR_CLASS = "MuserConnector"
@@ -45,7 +45,7 @@ _CACHE_DTYPES: dict[str, tuple[str, str | None]] = {
 
 def layer_spec_from_json(obj: Any, i: int = 0) -> LayerSpec:
     """A :class:`LayerSpec` from its ``to_json()`` form, by the kvpack header's own strict
-    parser (:func:`muser_cli.kvpack.format.parse_layer_spec`); ConfigError on anything odd."""
+    parser (:func:`muser_cli.kvpack.validate.parse_layer_spec`); ConfigError on anything odd."""
     return parse_layer_spec(obj, f"connector layers[{i}]", fail=ConfigError)
 
 

@@ -66,7 +66,7 @@ class FrameEmitter:
 def set_history(eng, history: bool | None) -> None:
     """Ask ``eng`` for the sliding history (``history`` None: where it can write it); True on an
     engine that cannot, for a model with a sliding layer, is a UsageError."""
-    sliding = any(s.kind == "sliding" for s in eng.info.layers)
+    sliding = any(s.kind in ("sliding", "chunked") for s in eng.info.layers)
     if history and sliding and not eng.writes_history:
         raise UsageError(f"the {eng.name} engine cannot write the sliding history of {eng.info.name}",
                          hint="drop --history, or prefill with --engine torch")

@@ -443,9 +443,10 @@ def test_gate_refuses_a_planted_fault_in_each_layer_kind(fault, tiny_muse_glimme
 @pytest.mark.parametrize("fault", ["chunk_shifted_by_one", "chunk_row_scaled", "clean"])
 def test_gate_checks_llama4_chunked_layers_and_refuses_a_planted_fault(fault, tiny_family):
     """A Llama 4 pack "from another engine" whose rows end on a chunk boundary (its chunked layers
-    carry the whole previous chunk through the ring row, docs/kvpack.md 1.3): the default gate
-    checks every layer, chunked ones included, and passes it; with one chunked layer's rows
-    shifted by a row, or one row scaled, it refuses before any token, naming that layer."""
+    carry every row: the history prefill writes by default, docs/kvpack.md 1.3): the default gate
+    checks every layer at every position, chunked ones included, and passes it; with one
+    chunked layer's rows shifted by a row, or one row scaled, it refuses before any token,
+    naming that layer."""
     from dataclasses import replace
 
     from muser_cli.errors import SpotCheckFailed
@@ -458,15 +459,15 @@ def test_gate_checks_llama4_chunked_layers_and_refuses_a_planted_fault(fault, ti
     out = io.BytesIO()
     prefill(text, out, model=str(info.path), chunk_tokens=16, threads=1)
     pack = read_pack(io.BytesIO(out.getvalue()))
-    assert pack.header.minor == 4 and pack.header.ring_extra == 1
-    assert [(l.first_row, l.keys.shape[1]) for l in pack.layers] == [(chunk, chunk)] * 3 + [(0, 2 * chunk)]
+    assert pack.header.minor == 4 and pack.header.ring_extra == 2 * chunk
+    assert [(l.first_row, l.keys.shape[1]) for l in pack.layers] == [(0, 2 * chunk)] * 4
     layers = list(pack.layers)
     kv = layers[1]
     if fault == "chunk_shifted_by_one":
         layers[1] = LayerKV(keys=np.roll(kv.keys, 1, axis=1), values=kv.values, first_row=kv.first_row)
     elif fault == "chunk_row_scaled":
         keys = kv.keys.copy()
-        keys[:, 5] *= 1.5  # float32 rows: one position of one layer wrong
+        keys[:, chunk + 5] *= 1.5  # float32 rows: one position of one layer wrong
         layers[1] = LayerKV(keys=keys, values=kv.values, first_row=kv.first_row)
     planted = io.BytesIO()
     write_pack(planted, replace(pack.header, producer={**pack.header.producer, "engine": "vllm"}), layers)

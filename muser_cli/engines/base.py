@@ -143,7 +143,7 @@ class Engine(abc.ABC):
         """Whether this engine's packs carry the sliding history (:attr:`history` asked, the
         engine able, the model with a sliding layer)."""
         return (self.history and self.writes_history
-                and any(s.kind == "sliding" for s in self.info.layers))
+                and any(s.kind in ("sliding", "chunked") for s in self.info.layers))
 
     def pack_ring_extra(self, end: int, start: int = 0) -> int:
         """The ``ring_extra`` of a pack of rows [start, end) made by this engine: with the

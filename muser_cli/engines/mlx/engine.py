@@ -311,7 +311,7 @@ class MLXEngine(Engine):
             return None
         history: dict[int, list] = {}
         for i, spec in enumerate(self.info.layers):
-            if spec.kind != "sliding":
+            if spec.kind not in ("sliding", "chunked"):
                 continue
             history[i] = []
             if caches is not None and rows:

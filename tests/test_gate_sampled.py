@@ -443,3 +443,35 @@ def test_a_foreign_hybrid_delta_is_checked_in_full_over_its_own_rows(tiny_hybrid
     with pytest.raises(SpotCheckFailed, match="sampled across the prompt"):
         _decode(tiny_hybrid, bad, engine="mlx", on_token=tokens.append)
     assert tokens == []
+
+
+@pytest.mark.parametrize("family", ["tiny_hybrid", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"])
+def test_a_hybrid_pack_with_its_history_is_checked_in_one_step_as_position_by_position(family, request):
+    """With every layer's rows from position 0, the gate's positions go through one masked
+    forward (each layer type its own mask: the window, the chunk) instead of one step each;
+    the rows it recomputes are those of the step-by-step recomputation."""
+    from muser_cli.audit import _prefix
+
+    info = request.getfixturevalue("tiny_hybrid") if family == "tiny_hybrid" else request.getfixturevalue(
+        "tiny_family")(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=8, dtype="float32")
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    h, layers = pack.header, list(pack.layers)
+    eng = get_engine("torch", info, dtype="float32", threads=1)
+    assert eng.recomputes_at_hybrid(layers, h.rows_end)
+    positions = [0, 3, h.rows_end // 3, h.rows_end // 2, h.rows_end - 2, h.rows_end - 1]
+    ids = list(h.token_ids)
+    one = eng.recompute_at(layers, rows=h.rows_end, positions=positions, token_ids=[ids[p] for p in positions])
+    for j, p in enumerate(positions):
+        prefix, _ = _prefix(h.layers, layers, p)
+        step = eng.recompute(prefix, rows=p, token_ids=[ids[p]])
+        for i, l in enumerate(step):
+            for a, b in ((one[i][0][:, j], l.keys[:, p - l.first_row]), (one[i][1][:, j], l.values[:, p - l.first_row])):
+                assert np.allclose(a, b, rtol=1e-4, atol=1e-5), (family, i, p, float(np.abs(a - b).max()))
+    checked = sample_check(h, layers, eng, seed=1, reason="test")
+    assert checked.method == "one-step" and checked.complete and checked.ok
+    no_history = io.BytesIO()
+    prefill(PROMPT, no_history, model=str(info.path), chunk_tokens=8, dtype="float32", history=False)
+    short = read_pack(io.BytesIO(no_history.getvalue()))
+    assert not eng.recomputes_at_hybrid(list(short.layers), short.header.rows_end)

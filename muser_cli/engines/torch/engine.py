@@ -221,27 +221,94 @@ class TorchEngine(Engine):
         """Each layer's K and V at ``positions`` (each < ``rows``; ``token_ids`` the tokens
         there), recomputed from ``layers``' own rows before each position: one forward of
         ``len(positions)`` tokens over the installed rows, each attending only to the rows
-        before its position and to itself (a custom mask). Full-attention models only (the
-        audit goes position by position on others). Per layer ``(heads, m, dim)`` arrays."""
-        if any(spec.kind != "full" for spec in self.info.layers):
-            raise UsageError("recompute_at needs a model whose layers are all full attention")
+        before its position and to itself (a custom mask). A model with sliding-window or
+        chunked layers needs their history (every row from 0, docs/kvpack.md 1.3): every layer
+        is then held whole and each layer type gets its own mask (the window, the chunk), which
+        transformers takes per type (:meth:`recomputes_at_hybrid`). Per layer ``(heads, m, dim)``
+        arrays."""
+        hybrid = any(spec.kind != "full" for spec in self.info.layers)
+        if hybrid and not self.recomputes_at_hybrid(layers, rows):
+            raise UsageError("recompute_at on this model needs every layer's rows from position 0 (the sliding "
+                             "history) and per-type masks")
         ids = self._check_ids(token_ids)
         pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
         if len(ids) != len(pos) or not ids or int(pos.min()) < 0 or int(pos.max()) >= rows:
             raise UsageError(f"recompute_at: {len(pos)} positions in [0, {rows}) for {len(ids)} tokens")
         m = len(ids)
         with self._session():
-            cache = self._install(layers, rows, extra=m, adopt=True)
-            allowed = torch.arange(rows + m)[None, :] < pos[:, None]
-            allowed[:, rows:] = torch.eye(m, dtype=torch.bool)
-            mask = allowed[None, None]
-            if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
-                low = torch.finfo(self.torch_dtype).min
-                mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
+            if hybrid:
+                cache = self._install_whole(layers, rows, extra=m)
+                mask: Any = {t: self._mask_at(self._attention_of(t), pos, rows) for t in set(self._layer_types())}
+            else:
+                cache = self._install(layers, rows, extra=m, adopt=True)
+                mask = self._mask_at(("full", None), pos, rows)
             self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
                        use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
             return [(to_numpy(layer.keys[0, :, rows : rows + m]), to_numpy(layer.values[0, :, rows : rows + m]))
                     for layer in cache.layers]
+
+    # Model types whose transformers forward takes ``attention_mask`` as a mapping from layer
+    # type to mask (``causal_mask_mapping := attention_mask``), read in the pinned modelling code.
+    MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "llama4_text"})
+
+    def recomputes_at_hybrid(self, layers: Sequence[LayerKV], rows: int) -> bool:
+        """Whether :meth:`recompute_at` can take this hybrid model in one step: its family
+        takes per-type masks, the config names each layer's type, and every layer holds its
+        rows from position 0 (``layers``: a pack with the sliding history)."""
+        if self.info.architecture not in self.MASK_MAPPING_TYPES and self._model_type() not in self.MASK_MAPPING_TYPES:
+            return False
+        types = self._layer_types()
+        if len(types) != len(self.info.layers) or any(self._attention_of(t)[0] is None for t in set(types)):
+            return False
+        return all(l.first_row == 0 and l.keys.shape[1] >= rows for l in layers)
+
+    def _model_type(self) -> str:
+        return str(getattr(self.model.config.get_text_config(decoder=True), "model_type", ""))
+
+    def _layer_types(self) -> list[str]:
+        return list(getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or [])
+
+    def _attention_of(self, layer_type: str) -> tuple[str | None, int | None]:
+        """(kind, window or chunk) of the layers of ``layer_type``, from the pack's own specs."""
+        kinds = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+        kind = kinds.get(layer_type)
+        specs = [s for s, t in zip(self.info.layers, self._layer_types()) if t == layer_type]
+        if kind is None or not specs or any(s.kind != kind for s in specs):
+            return None, None
+        sizes = {s.window if kind == "sliding" else s.chunk if kind == "chunked" else None for s in specs}
+        return (kind, sizes.pop()) if len(sizes) == 1 else (None, None)
+
+    def _mask_at(self, attention: tuple[str | None, int | None], pos: "torch.Tensor", rows: int) -> "torch.Tensor":
+        """The mask of ``len(pos)`` queries at positions ``pos`` over ``rows`` installed rows and
+        themselves: rows before each position (within its window, or its chunk), and itself."""
+        kind, size = attention
+        r = torch.arange(rows + len(pos))[None, :]
+        allowed = r < pos[:, None]
+        if kind == "sliding":
+            allowed &= r > pos[:, None] - int(size)
+        elif kind == "chunked":
+            allowed &= r >= (pos[:, None] // int(size)) * int(size)
+        allowed[:, rows:] = torch.eye(len(pos), dtype=torch.bool)
+        mask = allowed[None, None]
+        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
+            low = torch.finfo(self.torch_dtype).min
+            mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
+        return mask
+
+    def _install_whole(self, layers: Sequence[LayerKV], rows: int, *, extra: int) -> Any:
+        """A cache whose every layer, sliding and chunked ones too, holds rows [0, rows) whole
+        (the masks, not the cache, then keep each within its window), with room for ``extra``."""
+        from transformers import DynamicCache
+
+        from muser_cli.engines.torch.cache import SizedLayer
+
+        cache = DynamicCache()
+        cache.layers = [SizedLayer(rows + extra, self.torch_dtype) for _ in self.info.layers]
+        for index, kv in enumerate(layers):
+            keys = _view_torch(kv.keys[:, :rows]).unsqueeze(0)
+            values = _view_torch(kv.values[:, :rows]).unsqueeze(0)
+            cache.update(keys, values, index)
+        return cache
 
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""

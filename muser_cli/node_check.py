@@ -68,10 +68,10 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
     """Run the checks of the module doc against ``producer`` (HOST:PORT); never raises for a
     failed check: the report holds it."""
     from muser_cli import paths
-    from muser_cli.handoff.header import DEFAULT_WINDOW_S
+    from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
     from muser_cli.handoff.link import format_hostport, map_error, parse_hostport
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull_client import connect
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.pull.client import connect
 
     host, port = parse_hostport(producer)  # a bad address is a usage error, raised
     where = format_hostport(host, port)
@@ -100,7 +100,7 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
     except MuserError as exc:
         return fail("mutual auth", exc)
     try:
-        from muser_cli.handoff.certs import peer_common_name
+        from muser_cli.handoff.trust.certs import peer_common_name
 
         der = sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""

@@ -3,7 +3,7 @@
 Producer: :class:`ResidentProducer` holds one model and engine, loaded once, and computes a
 consumer's request on the canonical schedule, streaming each chunk's frames through
 prefill's :class:`~muser_cli.prefill.FrameEmitter` as the chunk finishes; :func:`serve`
-runs it behind :class:`muser_cli.handoff.pull_server.PullServer`.
+runs it behind :class:`muser_cli.handoff.pull.server.PullServer`.
 
 Consumer: :func:`pull_prompt` tokenizes the prompt here (the consumer's tokenization is
 authoritative: it sends those token ids, or with ``send_text`` the text for the producer to
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import MuserError, TempFailure, UsageError
-from muser_cli.handoff.pull import PullRequest
-from muser_cli.handoff.spool import Refusal
+from muser_cli.handoff.wire.pull_protocol import PullRequest
+from muser_cli.handoff.push.spool import Refusal
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -321,8 +321,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
-    from muser_cli.handoff.node import load_identities
-    from muser_cli.handoff.pull_server import PullServer, ServeConfig
+    from muser_cli.handoff.trust.node import load_identities
+    from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
@@ -412,9 +412,9 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
                 timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull_client import pull
-    from muser_cli.handoff.receiver import Destination
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.pull.client import pull
+    from muser_cli.handoff.push.receiver import Destination
 
     identity = load_identity(paths.keys_dir())
     destination = Destination(file=output) if output is not None else None

@@ -75,7 +75,7 @@ class ProducerMetrics:
         self.probes = Counter("muser_producer_probes", "Link probes, by outcome", ["outcome"], registry=r)
 
     def observe(self, kind: str, f: dict[str, Any]) -> None:
-        """One event of :class:`muser_cli.handoff.pull_server.PullServer`."""
+        """One event of :class:`muser_cli.handoff.pull.server.PullServer`."""
         if kind == "tls_failed":
             self.refused.inc()
         elif kind == "probe":

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from muser_cli.errors import MuserError, TempFailure
-from muser_cli.handoff.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import DEFAULT_IDLE_S
-from muser_cli.handoff.refusal import Refusal, error_class
+from muser_cli.handoff.wire.refusal import Refusal, error_class
 
 DEFAULT_MAX_PAYLOAD = 64 << 30
 EventFn = Callable[[str, dict[str, Any]], None]

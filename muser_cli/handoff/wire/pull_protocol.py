@@ -1,5 +1,5 @@
 """The pull lane's request/answer core: a consumer asks a resident producer for a prompt's KV.
-No I/O whatsoever (like :mod:`muser_cli.handoff.protocol`).
+No I/O whatsoever (like :mod:`muser_cli.handoff.wire.protocol`).
 
 Over one TLS 1.3 connection (ALPN ``muser-pull/1``; the CONSUMER dials, the PRODUCER
 listens; both present certificates from the consumer's private CA):
@@ -45,9 +45,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
+from muser_cli.handoff.wire.header import MAC_BYTES, canonical, strict_json
 from muser_cli.strict import loads
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
     NeedData, decode_body, encode_event, take_frame,
 )

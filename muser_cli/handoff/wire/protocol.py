@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from muser_cli.errors import ProtocolError
-from muser_cli.handoff.header import (
+from muser_cli.handoff.wire.header import (
     MAC_BYTES, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, HandoffHeader, HandoffTrailer, canonical, parse_header,
     parse_trailer, strict_json,
 )

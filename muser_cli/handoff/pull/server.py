@@ -1,7 +1,7 @@
 """The resident producer's sockets: accept enrolled consumers, check their requests, queue,
 and answer each with a Handoff V3 stream whose frames leave as the chunks are computed.
 
-Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.handoff.pull`):
+Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.handoff.wire.pull_protocol`):
   * every TCP connection gets its own thread for the TLS 1.3 handshake (ALPN
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
@@ -50,24 +50,24 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol
 
 from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
-from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.header import DEFAULT_WINDOW_S
-from muser_cli.handoff.ledger import Ledger, LedgerError, Record
+from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.trust.ledger import Ledger, LedgerError, Record
 from muser_cli.handoff.link import (
     DEFAULT_IDLE_S, Link, consumer_sni, format_hostport, listen_socket, map_error, server_context,
 )
-from muser_cli.handoff.node import Identity
-from muser_cli.handoff.nodedir import note_peer
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
 )
-from muser_cli.handoff.pull import (
+from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
     Request, Serving, Side, check_fresh, verify_request_mac,
 )
-from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit_over
-from muser_cli.handoff.spool import Refusal
+from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
+from muser_cli.handoff.push.spool import Refusal
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -235,7 +235,7 @@ class PullServer:
 
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
-            from muser_cli.handoff.receipt import Events
+            from muser_cli.handoff.push.receipt import Events
 
             Events.of(self)(kind, fields)
 

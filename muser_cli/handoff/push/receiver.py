@@ -31,7 +31,7 @@ Contract of :class:`Receiver` (one per listening socket; Handoff V3, docs/handof
     returns what was accepted and emits ``drained`` with the counts.
 
 The probes' receiving side lives in :mod:`~muser_cli.handoff.probes`; the settings and the
-record of an accepted handoff in :mod:`~muser_cli.handoff.receipt` (importable from here).
+record of an accepted handoff in :mod:`~muser_cli.handoff.push.receipt` (importable from here).
 """
 
 from __future__ import annotations
@@ -47,21 +47,21 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import AuthError, MuserError, TempFailure, UsageError
-from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.clock import since_start, unix_of
-from muser_cli.handoff.header import check_window, verify_mac, verify_trailer_mac
-from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
+from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.push.clock import since_start, unix_of
+from muser_cli.handoff.wire.header import check_window, verify_mac, verify_trailer_mac
+from muser_cli.handoff.trust.ledger import Ledger, LedgerError, LedgerFull, Record
 from muser_cli.handoff.link import Link, format_hostport, listen_socket, map_error, reject_error, server_context
-from muser_cli.handoff.node import Identity
-from muser_cli.handoff.nodedir import note_peer
-from muser_cli.handoff.payload import PayloadInspector
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.trust.nodedir import note_peer
+from muser_cli.handoff.push.payload import PayloadInspector
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     ALPN, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeUp,
     Ready, Reject, Role, State, Trailer,
 )
-from muser_cli.handoff.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, Events, ReceiveConfig, stream_failure
-from muser_cli.handoff.spool import (
+from muser_cli.handoff.push.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, Events, ReceiveConfig, stream_failure
+from muser_cli.handoff.push.spool import (
     Destination, DownstreamGone, FileSink, Refusal, SpoolWorker, StreamSink, remove_stale_parts,
 )
 

@@ -20,7 +20,8 @@ import pytest
 from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd, pack_bytes, pack_file, receivers  # noqa: F401
 from muser_cli.errors import AuthError, UsageError
 from muser_cli.handoff.trust import node
-from muser_cli.handoff.pull.server import PullServer, ServeConfig, _Admission
+from muser_cli.handoff.pull.admission import Admission as _Admission
+from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "

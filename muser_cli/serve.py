@@ -312,12 +312,14 @@ class ResidentProducer:
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
-          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8) -> dict[str, int]:
+          stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
+          live=None) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
     server's counters (served, refused, failed, turned_away: told busy while stopping).
     ``store``: continue from this machine's reuse store too and keep every result there.
     ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
-    and MLX run one."""
+    and MLX run one. ``live``: where the server keeps its open connections
+    (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``)."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
@@ -339,7 +341,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch)
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
-                        more=more)
+                        more=more, live=live)
     try:
         server.bind()
         if stop is not None:

@@ -61,6 +61,57 @@ class Events:
                                             f"({type(exc).__name__}: {exc}); later failures are only counted"})
 
 
+class LiveConnections:
+    """Who is connected now (``prefill --serve --metrics``: ``/connections`` and the
+    ``muser_producer_connections`` gauge): one entry per open connection, from accept to close.
+    A listener runs each connection on a thread of its own, and only that thread makes,
+    changes (:meth:`note`) and drops its entry. ``state``: ``handshake`` (TLS, then the
+    request and its checks), ``queued``, ``prefilling`` (admitted; the pack's header not
+    ready yet), ``streaming``, ``probing``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, dict[str, Any]] = {}
+
+    def enter(self, peer: str) -> None:
+        with self._lock:
+            self._open[threading.get_ident()] = {"peer": peer, "consumer": "", "state": "handshake",
+                                                 "since_unix": time.time(), "link": None}
+
+    def note(self, **fields: Any) -> None:
+        """Change the calling connection's entry: ``consumer``, ``state``, or ``link`` (whose
+        bytes written are its ``bytes_sent``)."""
+        with self._lock:
+            entry = self._open.get(threading.get_ident())
+            if entry is not None:
+                entry.update(fields)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._open.pop(threading.get_ident(), None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The open connections, oldest first: consumer (its certificate's name; empty until
+        the handshake passed), peer address, since (Unix time), age, state, bytes sent."""
+        with self._lock:
+            entries = [dict(e) for e in self._open.values()]
+        now = time.time()
+        out = []
+        for e in sorted(entries, key=lambda e: e["since_unix"]):
+            link = e.pop("link")
+            out.append({**e, "since_unix": round(e["since_unix"], 3), "age_s": round(max(0.0, now - e["since_unix"]), 3),
+                        "bytes_sent": link.bytes_out if link is not None else 0})
+        return out
+
+    def by_consumer(self) -> dict[str, int]:
+        """How many connections each consumer has open now ("" while their handshake runs)."""
+        counts: dict[str, int] = {}
+        with self._lock:
+            for e in self._open.values():
+                counts[e["consumer"]] = counts.get(e["consumer"], 0) + 1
+        return counts
+
+
 def reject_and_linger(link: Link, code: str, message: str, *, live: bool, during: str) -> None:
     """Tell the peer ``Reject(code)`` (when its exchange is still ``live``), then let it read
     that before our close turns into a reset. Best effort: the peer may be gone (the caller
@@ -85,15 +136,17 @@ class Listener:
     ``thread_name``, and defines :meth:`_connect` (the link for a connection whose handshake
     passed) and :meth:`_converse` (what happens on it). ``config`` has ``host``, ``port``,
     ``handshake_s`` and ``max_pending``. ``counters`` is the subclass's: the base counts
-    ``connections``, and ``dropped`` and ``tls_failed`` where the subclass keeps them."""
+    ``connections``, and ``dropped`` and ``tls_failed`` where the subclass keeps them.
+    ``live``: where the open connections are kept (:class:`LiveConnections`), if anywhere."""
 
     alpn = ""
     backlog = 128
     thread_name = "muser-conn"
 
     def __init__(self, config: Any, *, ctx: ssl.SSLContext, ledger_dir: Path, on_event: EventFn | None,
-                 counters: dict[str, int]) -> None:
+                 counters: dict[str, int], live: LiveConnections | None = None) -> None:
         self.config = config
+        self.live = live
         self.ledger_dir = ledger_dir
         self.on_event = on_event
         self.counters = counters
@@ -113,6 +166,11 @@ class Listener:
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
             Events.of(self)(kind, fields)
+
+    def _note(self, **fields: Any) -> None:
+        """Change this connection's entry in :attr:`live` (kept only where a listener keeps one)."""
+        if self.live is not None:
+            self.live.note(**fields)
 
     def _count(self, key: str) -> None:
         """Count one ``key`` where this listener keeps that counter (call with ``_lock`` held)."""
@@ -175,10 +233,13 @@ class Listener:
     def _handle(self, sock: socket.socket, addr: tuple) -> None:
         peer = format_hostport(str(addr[0]), int(addr[1]))
         start = time.monotonic()
+        if self.live is not None:
+            self.live.enter(peer)
         try:
             tls = self._handshake(sock, peer)
             if tls is not None:
                 link = self._connect(tls, start)
+                self._note(link=link)
                 try:
                     self._converse(link, peer, tls, start)
                 finally:
@@ -186,6 +247,8 @@ class Listener:
         except BaseException as exc:  # noqa: BLE001 - a connection thread must never die loudly
             self._emit("error", peer=peer, error=f"{type(exc).__name__}: {exc}")
         finally:
+            if self.live is not None:
+                self.live.leave()
             with self._lock:
                 self._pending -= 1
 
@@ -221,4 +284,4 @@ class Listener:
         raise NotImplementedError
 
 
-__all__ = ["EventFn", "Events", "Listener", "reject_and_linger"]
+__all__ = ["EventFn", "Events", "Listener", "LiveConnections", "reject_and_linger"]

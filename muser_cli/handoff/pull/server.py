@@ -51,7 +51,7 @@ from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.trust.ledger import LedgerError, Record
 from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, server_context
-from muser_cli.handoff.listener import EventFn, Listener, reject_and_linger
+from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
 from muser_cli.handoff.pull.admission import Admission
 from muser_cli.handoff.trust.node import Identity
 from muser_cli.handoff.trust.nodedir import note_peer
@@ -132,13 +132,16 @@ class PullServer(Listener):
     alpn, backlog, thread_name = ALPN_PULL, 64, "muser-pull"
 
     def __init__(self, identity: Identity, config: ServeConfig, *, ledger_dir: Path, compute: Compute,
-                 on_event: EventFn | None = None, more: list[Identity] | None = None) -> None:
-        """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin)."""
+                 on_event: EventFn | None = None, more: list[Identity] | None = None,
+                 live: LiveConnections | None = None) -> None:
+        """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin);
+        ``live``: where its open connections are kept (a new :class:`LiveConnections` if none)."""
         self.identity = identity
         self.compute = compute
         self._idents = _Identities([identity, *(more or [])])
         super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
-                         counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0})
+                         counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0},
+                         live=live or LiveConnections())
         self._admit = Admission(getattr(compute, "max_concurrent", 1))
         self._waiting = 0
         self._waiting_by: dict[str, int] = {}  # consumer -> its requests waiting (each bounded by max_queue)
@@ -223,6 +226,7 @@ class PullServer(Listener):
         identity = identity or self.identity
         der = link.sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
+        self._note(consumer=cn)
         who = f"{peer} ({cn})" if cn else peer
         req: PullRequest | ProbeRequest | None = None
         probe = False
@@ -276,6 +280,7 @@ class PullServer(Listener):
                 self._waiting += 1
                 self._waiting_by[consumer] = place
             try:
+                self._note(state="queued")
                 link.send(Queued(place), "telling the consumer its place")
                 if not self._admit.wait(probe, self._stop.is_set, who=consumer):
                     raise self._turn_away()
@@ -286,6 +291,7 @@ class PullServer(Listener):
                     if not self._waiting_by[consumer]:
                         del self._waiting_by[consumer]
         try:
+            self._note(state="probing" if probe else "prefilling")
             if isinstance(req, ProbeRequest):
                 self._probe(link, who, req, identity)
                 return
@@ -385,6 +391,7 @@ class PullServer(Listener):
             try:
                 source = PackSource(reader)
                 first_frame_s = round(time.monotonic() - t0, 6)  # the header is in: what ships first is ready
+                self._note(state="streaming")
             except KVPackError as exc:
                 worker.join()
                 reason = f"the producer could not start the pack ({box.get('error') or exc})"

@@ -97,11 +97,17 @@ def join_cmd(
 
 
 @node_app.command("ls")
-def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
+def ls_cmd(
+    as_json: bool = typer.Option(False, "--json"),
+    connected: Optional[str] = typer.Option(None, "--connected", metavar="HOST:PORT", help="Instead: who is connected now to the resident producer whose `prefill --serve --metrics` is HOST:PORT (consumer, address, state, bytes sent)."),
+) -> None:
     """Show this node's identity, keys (never secrets) and peers: each one's role and when it last authenticated here."""
     from muser_cli.handoff.api import node_ls
 
     with guarded(as_json=as_json):
+        if connected is not None:
+            _ls_connected(connected, as_json)
+            return
         res = node_ls()
         if as_json:
             emit_json(res)
@@ -121,6 +127,22 @@ def ls_cmd(as_json: bool = typer.Option(False, "--json")) -> None:
             seen = (f"last seen {p['last_seen']} from {p['address']} ({p['via']})" if p["last_seen"]
                     else "never seen")
             typer.echo(f"peer {p['name']:<20} {p['role']:<8}  {seen}")
+
+
+def _ls_connected(address: str, as_json: bool) -> None:
+    from muser_cli.service.metrics import read_connections
+
+    conns = read_connections(address)
+    if as_json:
+        emit_json({"address": address, "connections": conns})
+        return
+    if not conns:
+        typer.echo(f"no connection open at the producer behind {address}")
+    for c in conns:
+        f = {k: "".join(ch if " " <= ch <= "~" else "?" for ch in str(c.get(k, ""))) for k in
+             ("consumer", "state", "peer", "age_s", "bytes_sent")}  # another machine's text: printable only
+        typer.echo(f"connected {f['consumer'] or '(handshake)':<20} {f['state']:<10} from {f['peer']}  "
+                   f"for {f['age_s']} s  {f['bytes_sent']} bytes sent")
 
 
 @node_app.command("revoke")

@@ -127,7 +127,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
 
     stop, got = drain_on_signals(on_signal=draining)
 
-    observe = _metrics(metrics, say)
+    observe, live = _metrics(metrics, say)
 
     def on_event(kind: str, f: dict) -> None:
         if observe is not None:
@@ -155,7 +155,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
-                   max_batch=max_batch)
+                   max_batch=max_batch, live=live)
     summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
     if as_json:
         sys.stderr.write(json.dumps({"event": "stopped", "ts": utc_stamp(), **summary}, sort_keys=True) + "\n")
@@ -167,11 +167,12 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
 
 
 def _metrics(listen: Optional[str], say):
-    """``--metrics HOST:PORT``: the producer's Prometheus metrics served; the event observer."""
+    """``--metrics HOST:PORT``: the producer's Prometheus metrics (and ``/connections``) served;
+    (the event observer, where the server keeps its open connections), or (None, None)."""
     if listen is None:
-        return None
+        return None, None
     from muser_cli.service.metrics import serve_producer_metrics
 
-    observe, (host, port) = serve_producer_metrics(listen)
+    observe, (host, port), live = serve_producer_metrics(listen)
     say(f"prefill: metrics on http://{host}:{port}/metrics")
-    return observe
+    return observe, live

@@ -1,7 +1,7 @@
 """A pack's binding: is it for this model, this tokenizer, this prompt? Checked before any decode.
 
 (Named for what it checks, so it is not confused with a node's credentials,
-:class:`muser_cli.handoff.node.Identity`.)"""
+:class:`muser_cli.handoff.trust.node.Identity`.)"""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
     failed check: the report holds it."""
     from muser_cli import paths
     from muser_cli.handoff.link import format_hostport, parse_hostport
-    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.trust.node import load_identity
 
     host, port = parse_hostport(producer)  # a bad address is a usage error, raised
     where = format_hostport(host, port)
@@ -137,8 +137,8 @@ def _check_reachable(run: _Run) -> None:
 
 def _check_mutual_auth(run: _Run) -> None:
     """A handshake alone: the producer sees a connection that sends no request."""
-    from muser_cli.handoff.certs import peer_common_name
-    from muser_cli.handoff.pull_client import connect
+    from muser_cli.handoff.trust.certs import peer_common_name
+    from muser_cli.handoff.pull.client import connect
 
     try:
         sock, _ = connect(run.where, run.identity, run.connect_s)
@@ -164,7 +164,7 @@ _AUTHENTICATED = "signed request authenticated (key id, MAC)"
 
 def _check_request(run: _Run, out: Path, *, model: str | None, chunk_tokens: int | None) -> Any:
     """The test request, pulled into ``out``: the request, clock and model rows. Returns the ask."""
-    from muser_cli.handoff.header import DEFAULT_WINDOW_S
+    from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
     from muser_cli.serve import ask_for, pull_prompt
 
     try:

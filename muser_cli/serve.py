@@ -3,7 +3,7 @@
 Producer: :class:`ResidentProducer` holds one model and engine, loaded once, and computes a
 consumer's request on the canonical schedule, streaming each chunk's frames through
 prefill's :class:`~muser_cli.prefill.FrameEmitter` as the chunk finishes; :func:`serve`
-runs it behind :class:`muser_cli.handoff.pull_server.PullServer`.
+runs it behind :class:`muser_cli.handoff.pull.server.PullServer`.
 
 Consumer: :func:`pull_prompt` tokenizes the prompt here (the consumer's tokenization is
 authoritative: it sends those token ids, or with ``send_text`` the text for the producer to
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import DataError, MuserError, TempFailure, UsageError
-from muser_cli.handoff.pull import PullRequest
-from muser_cli.handoff.spool import Refusal
+from muser_cli.handoff.wire.pull_protocol import PullRequest
+from muser_cli.handoff.push.spool import Refusal
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -325,17 +325,18 @@ class ResidentProducer:
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           on_event: EventFn | None = None, engine_options: dict | None = None,
           stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
-          history: bool | None = None) -> dict[str, int]:
+          live=None, history: bool | None = None) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
     server's counters (served, refused, failed, turned_away: told busy while stopping).
     ``store``: continue from this machine's reuse store too and keep every result there.
     ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
-    and MLX run one."""
+    and MLX run one. ``live``: where the server keeps its open connections
+    (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``)."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
-    from muser_cli.handoff.node import load_identities
-    from muser_cli.handoff.pull_server import PullServer, ServeConfig
+    from muser_cli.handoff.trust.node import load_identities
+    from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
@@ -352,7 +353,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch, history=history)
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
-                        more=more)
+                        more=more, live=live)
     try:
         server.bind()
         if stop is not None:
@@ -425,9 +426,9 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
                 timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull_client import pull
-    from muser_cli.handoff.receiver import Destination
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.pull.client import pull
+    from muser_cli.handoff.push.receiver import Destination
 
     identity = load_identity(paths.keys_dir())
     destination = Destination(file=output) if output is not None else None

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from kvpack_factory import make_pack
-from muser_cli.handoff import node
-from muser_cli.handoff.node import Identity, load_identity
-from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.trust import node
+from muser_cli.handoff.trust.node import Identity, load_identity
+from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
 
 LOOPBACK = "127.0.0.1"
 

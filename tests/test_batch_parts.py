@@ -12,7 +12,7 @@ from muser_cli.batch.jobs import BadJob, Defaults, Job, read_jobs
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.errors import AuthError, DataError, MissingInput, ProtocolError, TempFailure, UsageError
-from muser_cli.handoff.pull import PullRequest, new_request_id, parse_request, sign_request
+from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request
 
 
 def jobs_of(tmp_path, *lines: str, defaults=Defaults()):
@@ -193,14 +193,14 @@ def test_a_request_with_have_round_trips_and_without_it_is_unchanged():
 def test_a_malformed_have_is_a_protocol_error(have):
     obj = make_request().to_json()
     obj["have"] = have
-    from muser_cli.handoff.header import canonical
+    from muser_cli.handoff.wire.header import canonical
 
     with pytest.raises(ProtocolError):
         parse_request(canonical(obj))
 
 
 def test_the_resident_producer_refuses_a_have_chain_that_is_not_the_prompts(tiny_llama):
-    from muser_cli.handoff.spool import Refusal
+    from muser_cli.handoff.push.spool import Refusal
     from muser_cli.reuse.chain import Scope, chain_at
     from muser_cli.serve import ResidentProducer
 

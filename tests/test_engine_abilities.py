@@ -97,8 +97,8 @@ class Batching(Minimal):
 
 
 def test_the_resident_producer_reads_the_declared_abilities(tiny_llama):
-    from muser_cli.handoff.pull import PullRequest
-    from muser_cli.handoff.spool import Refusal
+    from muser_cli.handoff.wire.pull_protocol import PullRequest
+    from muser_cli.handoff.push.spool import Refusal
     from muser_cli.serve import ResidentProducer
 
     def producer(eng):

@@ -13,7 +13,7 @@ import pytest
 
 from muser_cli import errors
 from muser_cli.errors import ExitStatus, IdentityMismatch
-from muser_cli.handoff.protocol import REJECT_CODES, Reject
+from muser_cli.handoff.wire.protocol import REJECT_CODES, Reject
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,9 @@ def test_one_table_every_side_agrees(code):
     """The sender (link), the consumer (pull_client), a receiver cut mid-stream (receipt) and a
     refusal raised on this side (refusal_error) give one class for each Reject code."""
     from muser_cli.handoff.link import reject_error
-    from muser_cli.handoff.pull_client import _refused
-    from muser_cli.handoff.receipt import stream_failure
-    from muser_cli.handoff.refusal import REJECT_ERRORS, Refusal, refusal_error
+    from muser_cli.handoff.pull.client import _refused
+    from muser_cli.handoff.push.receipt import stream_failure
+    from muser_cli.handoff.wire.refusal import REJECT_ERRORS, Refusal, refusal_error
 
     want = REJECT_ERRORS[code]
     got = {type(reject_error(Reject(code, "x"))), type(_refused(Reject(code, "x"), "p:1")),
@@ -64,7 +64,7 @@ def test_one_table_every_side_agrees(code):
 
 def test_a_model_refusal_is_mismatched_data_65_on_both_lanes():
     from muser_cli.handoff.link import reject_error
-    from muser_cli.handoff.pull_client import _refused
+    from muser_cli.handoff.pull.client import _refused
 
     for exc in (reject_error(Reject("model", "serves sha256:a")), _refused(Reject("model", "serves sha256:a"), "p:1")):
         assert isinstance(exc, IdentityMismatch) and exc.exit_status == ExitStatus.DATA == 65
@@ -74,7 +74,7 @@ def test_a_producer_of_another_model_is_dropped_from_the_pool_as_its_docstring_s
     """The pool's rule: one that refused us for good (authentication, another model) is dropped;
     a refusal of one request (a DataError about the job) is not held against it."""
     from muser_cli.batch.pool import ProducerPool
-    from muser_cli.handoff.pull_client import _refused
+    from muser_cli.handoff.pull.client import _refused
 
     pool = ProducerPool(["127.0.0.1:1"])
     addr = pool.pick()

@@ -443,7 +443,7 @@ def test_remote_exit_statuses_75_76_77_78_are_one_line(tmp_path):
 
     from kvpack_factory import make_pack
     from handoff_kit import env_for, keys_dir_of, make_nodes, muser_cmd, spawn_receiver
-    from muser_cli.handoff import node
+    from muser_cli.handoff.trust import node
 
     nodes = make_nodes(tmp_path / "nodes")
     src = tmp_path / "in.kvpack"

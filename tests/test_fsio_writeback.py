@@ -51,7 +51,7 @@ def test_atomic_writer_publishes_a_large_file_whole(tmp_path, monkeypatch):
 def test_a_spool_whose_publish_fails_leaves_no_part(tmp_path):
     """The receiver's spool: a publish that fails before its rename (here the early flush
     met a closed fd) is refused, and discard removes the part -- nothing unverifiable stays."""
-    from muser_cli.handoff.spool import FileSink
+    from muser_cli.handoff.push.spool import FileSink
 
     sink = FileSink(tmp_path / "x.kvpack")
     sink.write(os.urandom(1 << 16), 0)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from muser_cli.errors import AuthError, DataError, TempFailure
-from muser_cli.handoff import header as hh
-from muser_cli.handoff import node, receiver as receiver_mod
-from muser_cli.handoff.node import load_identity
-from muser_cli.handoff.sender import PreparedHandoff, prepare_handoff, transmit
+from muser_cli.handoff.wire import header as hh
+from muser_cli.handoff.trust import node
+from muser_cli.handoff.push import receiver as receiver_mod
+from muser_cli.handoff.trust.node import load_identity
+from muser_cli.handoff.push.sender import PreparedHandoff, prepare_handoff, transmit
 
 from handoff_kit import (  # noqa: F401 - fixtures
     copy_home, keys_dir_of, ledger_records, make_nodes, nodes, pack_bytes, pack_file, receivers, spawn_receiver,

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from muser_cli.errors import TempFailure
-from muser_cli.handoff.sender import prepare_handoff, transmit
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from handoff_kit import (  # noqa: F401 - fixtures
@@ -96,7 +96,7 @@ def test_f37_one_byte_segments_and_slow_close(nodes, pack_file, receivers, tmp_p
 
 
 def test_f37_probe_through_small_segment_relay(nodes, receivers, tmp_path):
-    from muser_cli.handoff.sender import probe_link
+    from muser_cli.handoff.push.sender import probe_link
 
     run = receivers(nodes.consumer, tmp_path)
     relay = Relay(port_of(run), chunk=512)

@@ -14,9 +14,9 @@ import pytest
 
 from muser_cli import fsio
 from muser_cli.errors import AuthError, TempFailure
-from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record, repair
-from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
-from muser_cli.handoff.sender import prepare_handoff, transmit
+from muser_cli.handoff.trust.ledger import Ledger, LedgerError, LedgerFull, Record, repair
+from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from handoff_kit import (  # noqa: F401 - fixtures

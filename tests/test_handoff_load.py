@@ -10,7 +10,7 @@ import time
 import pytest
 
 from muser_cli.errors import DataError, TempFailure
-from muser_cli.handoff.sender import prepare_handoff, transmit
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from handoff_kit import ledger_records, nodes, pack_bytes, pack_file, receivers  # noqa: F401
@@ -137,7 +137,7 @@ def test_serving_with_timeout_returns_what_it_accepted(nodes, pack_file, tmp_pat
     """Without --once, --timeout ends the service: exit 0 if something was accepted, else 75."""
     import threading as th
 
-    from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
+    from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
 
     r = Receiver(nodes.consumer, ReceiveConfig(port=0, once=False, timeout=1.5), ledger_dir=tmp_path / "l",
                  destination=Destination(directory=tmp_path / "o"))

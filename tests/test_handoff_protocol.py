@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff import header as hh
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire import header as hh
+from muser_cli.handoff.wire.protocol import (
     MAX_BODY, MAX_DATA_BYTES, NEED_DATA, PREFIX, Ack, Connection, ConnectionClosed, Data, Go, Header,
     LocalProtocolError, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Pulse, Ready, Reject, Role, State, Trailer,
     TRANSITIONS, encode_event,
@@ -352,7 +352,7 @@ def _streaming_pair(size: int) -> MemoryLink:
 
 @pytest.mark.parametrize("how", ["body_view", "receive_data", "mixed"])
 def test_large_data_body_is_read_into_its_own_buffer(how):
-    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+    from muser_cli.handoff.wire.protocol import DIRECT_BODY_MIN
 
     n = DIRECT_BODY_MIN + 12345
     payload = bytes(range(256)) * (n // 256) + b"z" * (n % 256)
@@ -383,7 +383,7 @@ def test_large_data_body_is_read_into_its_own_buffer(how):
 
 
 def test_large_data_body_refused_at_its_prefix_and_eof_in_it():
-    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+    from muser_cli.handoff.wire.protocol import DIRECT_BODY_MIN
 
     n = DIRECT_BODY_MIN * 2
     link = _streaming_pair(n - 1)  # one byte less declared than the frame claims
@@ -411,7 +411,7 @@ def test_send_parts_counts_bytes_of_any_view():
     by its byte length, never its element count."""
     import array
 
-    from muser_cli.handoff.protocol import DIRECT_BODY_MIN
+    from muser_cli.handoff.wire.protocol import DIRECT_BODY_MIN
 
     words = array.array("H", range(DIRECT_BODY_MIN))  # 2 bytes each: 2 x DIRECT_BODY_MIN bytes
     link = _streaming_pair(2 * DIRECT_BODY_MIN)

@@ -22,12 +22,12 @@ import pytest
 
 from muser_cli.errors import AuthError, DataError, TempFailure
 from muser_cli.handoff import link as link_mod
-from muser_cli.handoff import sender as sender_mod
-from muser_cli.handoff.header import HandoffTrailer
-from muser_cli.handoff.protocol import Role
-from muser_cli.handoff.receiver import Destination, ReceiveConfig, Receiver
-from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit
-from muser_cli.handoff.spool import remove_stale_parts
+from muser_cli.handoff.push import sender as sender_mod
+from muser_cli.handoff.wire.header import HandoffTrailer
+from muser_cli.handoff.wire.protocol import Role
+from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit
+from muser_cli.handoff.push.spool import remove_stale_parts
 
 import stream_producer
 from handoff_kit import (  # noqa: F401 - fixtures
@@ -501,7 +501,7 @@ def test_stream_tail_finds_the_root_only_at_a_real_end(tmp_path):
     import random
 
     from muser_cli.errors import KVPackError
-    from muser_cli.handoff.payload import StreamTail
+    from muser_cli.handoff.push.payload import StreamTail
     from muser_cli.kvpack import read_pack
 
     data = stream_producer.pack_bytes(**SMALL)

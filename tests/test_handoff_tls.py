@@ -11,11 +11,11 @@ import time
 import pytest
 
 from muser_cli.errors import AuthError, MuserError, ProtocolError, TempFailure
-from muser_cli.handoff import node
+from muser_cli.handoff.trust import node
 from muser_cli.handoff.link import Link, client_context
-from muser_cli.handoff.node import load_identity
-from muser_cli.handoff.protocol import ALPN, Connection, Role
-from muser_cli.handoff.sender import prepare_handoff, transmit
+from muser_cli.handoff.trust.node import load_identity
+from muser_cli.handoff.wire.protocol import ALPN, Connection, Role
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from handoff_kit import port_of, wait_for, keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
 

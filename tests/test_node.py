@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from muser_cli.commands import app
 from muser_cli.errors import ConfigError, DataError, UsageError
-from muser_cli.handoff import node
+from muser_cli.handoff.trust import node
 
 from handoff_kit import keys_dir_of
 

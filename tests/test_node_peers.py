@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from muser_cli.commands import app
 from muser_cli.errors import ConfigError
-from muser_cli.handoff import node
-from muser_cli.handoff.nodedir import peer_table, read_peers, record_peer
+from muser_cli.handoff.trust import node
+from muser_cli.handoff.trust.nodedir import peer_table, read_peers, record_peer
 
 from handoff_kit import keys_dir_of, make_nodes
 
@@ -50,7 +50,7 @@ def test_a_damaged_record_is_a_config_error_and_a_sighting_starts_it_again(tmp_p
 def test_sightings_from_threads_and_processes_are_never_lost(tmp_path):
     d = tmp_path / "n"
     node.init_node(d, name="consumer")
-    script = ("import sys; from pathlib import Path; from muser_cli.handoff.nodedir import record_peer\n"
+    script = ("import sys; from pathlib import Path; from muser_cli.handoff.trust.nodedir import record_peer\n"
               "for i in range(15): record_peer(Path(sys.argv[1]), f'{sys.argv[2]}-{i}', role='producer')\n")
     procs = [subprocess.Popen([sys.executable, "-c", script, str(d), f"proc{n}"]) for n in range(2)]
     threads = [threading.Thread(target=lambda n=n: [record_peer(d, f"thread{n}-{i}", role="consumer")

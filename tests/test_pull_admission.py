@@ -1,4 +1,4 @@
-"""The resident producer's admission (muser_cli.handoff.pull_server._Admission): one request at
+"""The resident producer's admission (muser_cli.handoff.pull.admission.Admission): one request at
 a time on torch/MLX, up to the compute's ``max_concurrent`` on a batching engine (vLLM), and a
 link probe always alone -- never measured against a running prefill, never slowing one."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from muser_cli.handoff.pull_server import _Admission
+from muser_cli.handoff.pull.admission import Admission as _Admission
 from muser_cli.serve import ResidentProducer
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from handoff_kit import make_nodes
-from muser_cli.handoff.pull_server import PullServer, ServeConfig
+from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
 TRICKLE_S = 0.5
 
@@ -51,8 +51,8 @@ def producer(tmp_path):
 
 def _request_frame(nodes) -> bytes:
     """A well-formed, signed Request frame's bytes, as a consumer would send it."""
-    from muser_cli.handoff.pull import PullConnection, PullRequest, Request, Side, new_request_id, sign_request
-    from muser_cli.handoff.pull_client import key_for
+    from muser_cli.handoff.wire.pull_protocol import PullConnection, PullRequest, Request, Side, new_request_id, sign_request
+    from muser_cli.handoff.pull.client import key_for
 
     key = key_for(nodes.consumer, nodes.producer.name)
     req = PullRequest(key_id=key.key_id, request_id=new_request_id(), issued_at_ms=int(time.time() * 1000),
@@ -91,7 +91,7 @@ def _wait_pending_zero(server: PullServer, timeout: float) -> float | None:
 
 def test_a_trickled_request_loses_its_slot_at_request_s(producer):
     from muser_cli.handoff.link import client_context
-    from muser_cli.handoff.pull import ALPN_PULL
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL
 
     server, nodes, request_s = producer["server"], producer["nodes"], producer["config"].request_s
     frame = _request_frame(nodes)

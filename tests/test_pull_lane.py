@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from muser_cli.handoff import node
+from muser_cli.handoff.trust import node
 from handoff_kit import Producer, copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
@@ -105,10 +105,10 @@ def test_a_stranger_is_refused_77_before_any_prefill(lane):
 def test_a_replayed_request_is_refused(lane):
     """The same signed request bytes sent twice: the second is refused (replay) before any work."""
     from muser_cli.handoff.link import client_context
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull import ALPN_PULL, PullConnection, PullRequest, Request, Side, new_request_id, sign_request
-    from muser_cli.handoff.pull_client import key_for
-    from muser_cli.handoff.protocol import Reject
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, PullRequest, Request, Side, new_request_id, sign_request
+    from muser_cli.handoff.pull.client import key_for
+    from muser_cli.handoff.wire.protocol import Reject
     from muser_cli.serve import ask_for
     import socket
 
@@ -386,9 +386,9 @@ def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypa
     so nothing ``verify`` would refuse is ever published."""
     import muser_cli.serve as serve_mod
     from muser_cli.errors import DataError
-    from muser_cli.handoff.pull_client import pull
-    from muser_cli.handoff.pull_server import PullServer, ServeConfig
-    from muser_cli.handoff.receiver import Destination
+    from muser_cli.handoff.pull.client import pull
+    from muser_cli.handoff.pull.server import PullServer, ServeConfig
+    from muser_cli.handoff.push.receiver import Destination
     from muser_cli.reuse.chain import Scope, chain_at
     from muser_cli.tokens import encode_prompt
 
@@ -486,8 +486,8 @@ def test_silent_and_half_open_clients_are_dropped_without_delaying_others(lane):
     import ssl
 
     from muser_cli.handoff.link import client_context
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.pull import ALPN_PULL
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL
 
     p = lane["producer"]
     host, port = p.address.rsplit(":", 1)

@@ -19,8 +19,9 @@ import pytest
 
 from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd, pack_bytes, pack_file, receivers  # noqa: F401
 from muser_cli.errors import AuthError, UsageError
-from muser_cli.handoff import node
-from muser_cli.handoff.pull_server import PullServer, ServeConfig, _Admission
+from muser_cli.handoff.trust import node
+from muser_cli.handoff.pull.admission import Admission as _Admission
+from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -140,7 +141,7 @@ def inproc(tmp_path):
 
 
 def _pull_thread(env: dict, who: str, results: dict, i: int) -> threading.Thread:
-    from muser_cli.handoff.pull_client import pull
+    from muser_cli.handoff.pull.client import pull
 
     def go() -> None:
         try:
@@ -199,7 +200,7 @@ def test_each_consumer_is_checked_against_its_own_ca_and_keyring(inproc):
     import ssl
 
     from muser_cli.handoff import link
-    from muser_cli.handoff.pull_client import connect
+    from muser_cli.handoff.pull.client import connect
 
     env = inproc
     b = env["c"]["mac-b"]["identity"]
@@ -233,7 +234,7 @@ def test_a_consumer_still_checks_the_dialled_name_against_the_producers_certific
     """The consumer's server name names the consumer, so the host dialled is checked by muser
     (``link.check_peer_host``): 127.0.0.2 is not in the producer's certificate -> 77 after the
     handshake, before any request is sent."""
-    from muser_cli.handoff.pull_client import connect
+    from muser_cli.handoff.pull.client import connect
 
     c = two_consumers(tmp_path)
     first, *more = node.load_identities(keys_dir_of(c["producer_home"]))
@@ -273,7 +274,7 @@ def test_send_to_a_consumer_signs_and_dials_as_that_consumers_producer(tmp_path,
     with open(pack_file, "rb") as f, pytest.raises(AuthError):
         api.send(f, to=other.to, rate=None, key_id=None, timeout=60, connect_timeout=10, idle_timeout=10)
     assert not other.accepted
-    from muser_cli.handoff.nodedir import identity_for
+    from muser_cli.handoff.trust.nodedir import identity_for
 
     pdir = keys_dir_of(c["producer_home"])
     assert identity_for(pdir, host="mac-b").consumer == "mac-b"

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from muser_cli.handoff import node
+from muser_cli.handoff.trust import node
 from handoff_kit import Producer, env_for, keys_dir_of, make_nodes, muser_cmd
 
 
@@ -74,10 +74,10 @@ def test_a_stranger_cannot_probe_the_producer(served, tmp_path):
 def test_a_replayed_probe_request_is_refused(served):
     """The same signed probe bytes twice: the first is answered, the second refused (replay)."""
     from muser_cli.handoff.link import client_context
-    from muser_cli.handoff.node import load_identity
-    from muser_cli.handoff.protocol import Reject
-    from muser_cli.handoff.pull import ALPN_PULL, Probe, ProbeRequest, PullConnection, Side, new_request_id, sign_probe
-    from muser_cli.handoff.pull_client import key_for
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.wire.protocol import Reject
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, Probe, ProbeRequest, PullConnection, Side, new_request_id, sign_probe
+    from muser_cli.handoff.pull.client import key_for
 
     ident = load_identity(keys_dir_of(served["nodes"].consumer_home))
     key = key_for(ident, "gx10")
@@ -145,13 +145,13 @@ def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
 def test_a_probe_request_buys_one_up_and_one_down_probe(served):
     """The probe holds the producer's admission: a third probe on it is refused (protocol)."""
     from muser_cli.errors import ProtocolError
-    from muser_cli.handoff.certs import peer_common_name
+    from muser_cli.handoff.trust.certs import peer_common_name
     from muser_cli.handoff.link import Link
-    from muser_cli.handoff.node import load_identity
+    from muser_cli.handoff.trust.node import load_identity
     from muser_cli.handoff.probes import measure
-    from muser_cli.handoff.protocol import Ready
-    from muser_cli.handoff.pull import PullConnection, Side
-    from muser_cli.handoff.pull_client import connect, request_probe
+    from muser_cli.handoff.wire.protocol import Ready
+    from muser_cli.handoff.wire.pull_protocol import PullConnection, Side
+    from muser_cli.handoff.pull.client import connect, request_probe
 
     p = served["producer"]
     ident = load_identity(keys_dir_of(served["nodes"].consumer_home))

@@ -1,4 +1,4 @@
-"""The pull lane's request/answer core (muser_cli/handoff/pull.py): no sockets, bytes only."""
+"""The pull lane's request/answer core (muser_cli/handoff/wire/pull_protocol.py): no sockets, bytes only."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.header import canonical
-from muser_cli.handoff.protocol import PREFIX, LocalProtocolError, NEED_DATA, Reject
-from muser_cli.handoff.pull import (
+from muser_cli.handoff.wire.header import canonical
+from muser_cli.handoff.wire.protocol import PREFIX, LocalProtocolError, NEED_DATA, Reject
+from muser_cli.handoff.wire.pull_protocol import (
     MAX_REQUEST_BYTES, PullConnection, PullRequest, PullState, Queued, Request, Serving, Side, check_fresh,
     new_request_id, parse_request, sign_request, verify_request_mac,
 )
@@ -128,7 +128,7 @@ def test_unknown_frame_type_and_cut_prefix():
 
 
 # ----------------------------------------------------------------------------- the link probe request
-from muser_cli.handoff.pull import (  # noqa: E402
+from muser_cli.handoff.wire.pull_protocol import (  # noqa: E402
     MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, parse_probe, sign_probe,
 )
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from muser_cli.handoff.pull import PullRequest, new_request_id
+from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id
 
 CHUNK = 8
 DOC = tuple(range(5, 46))  # 41 tokens: 40 rows, a whole number of chunks (a sliding ring resumes there)

@@ -17,8 +17,8 @@ import subprocess
 import pytest
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.header import canonical
-from muser_cli.handoff.pull import PullRequest, new_request_id, parse_request, sign_request, verify_request_mac
+from muser_cli.handoff.wire.header import canonical
+from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request, verify_request_mac
 from handoff_kit import Producer, env_for, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "

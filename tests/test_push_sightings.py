@@ -11,10 +11,10 @@ import subprocess
 from typer.testing import CliRunner
 
 from muser_cli.commands import app
-from muser_cli.handoff.node import load_identity
-from muser_cli.handoff.nodedir import peer_table, read_peers
-from muser_cli.handoff.receiver import ReceiveConfig, Receiver
-from muser_cli.handoff.sender import prepare_handoff, transmit
+from muser_cli.handoff.trust.node import load_identity
+from muser_cli.handoff.trust.nodedir import peer_table, read_peers
+from muser_cli.handoff.push.receiver import ReceiveConfig, Receiver
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from handoff_kit import (  # noqa: F401 - fixtures
     copy_home, env_for, keys_dir_of, make_nodes, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
@@ -80,7 +80,7 @@ def test_an_unwritable_record_never_fails_the_handoff(pack_file, tmp_path):
     consumer, producer = load_identity(keys_dir_of(n.consumer_home)), load_identity(keys_dir_of(n.producer_home))
     events: list[tuple[str, dict]] = []
     out = tmp_path / "got.kvpack"
-    from muser_cli.handoff.spool import Destination
+    from muser_cli.handoff.push.spool import Destination
 
     rx = Receiver(consumer, ReceiveConfig(host="127.0.0.1", port=0, once=True, timeout=30),
                   ledger_dir=tmp_path / "ledger", destination=Destination(file=out),

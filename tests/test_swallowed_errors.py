@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from muser_cli.errors import DataError
-from muser_cli.handoff.pull import PullConnection, Side
-from muser_cli.handoff.pull_server import PullServer
-from muser_cli.handoff.receiver import Receiver
-from muser_cli.handoff.refusal import Refusal
+from muser_cli.handoff.wire.pull_protocol import PullConnection, Side
+from muser_cli.handoff.pull.server import PullServer
+from muser_cli.handoff.push.receiver import Receiver
+from muser_cli.handoff.wire.refusal import Refusal
 
 
 def _listener(fail_on: set[str]):

@@ -117,7 +117,7 @@ def test_resident_vllm_producer_refuses_past_max_model_len_at_admission(engine, 
     """A prompt over the engine's max_model_len (the vLLM option; lowered here on our side of
     the shared engine) is refused when the request is checked, so it never joins (and fails)
     a batch of others; one within it is admitted."""
-    from muser_cli.handoff.pull import PullRequest, new_request_id
+    from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id
     from muser_cli.serve import Refusal, ResidentProducer
 
     rp = ResidentProducer(str(tiny32.path), engine="vllm", dtype=engine.dtype, loaded=engine, max_batch=4)
@@ -140,9 +140,9 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
     else waited when it came); the other two are waiting when the engine is free again and are
     computed as one batch; each consumer receives a verified pack of its own prompt whose rows
     equal that prompt's single prefill."""
-    from muser_cli.handoff.pull_client import pull
-    from muser_cli.handoff.pull_server import PullServer, ServeConfig
-    from muser_cli.handoff.receiver import Destination
+    from muser_cli.handoff.pull.client import pull
+    from muser_cli.handoff.pull.server import PullServer, ServeConfig
+    from muser_cli.handoff.push.receiver import Destination
     from muser_cli.kvpack import read_pack
     from muser_cli.serve import ResidentProducer
 

@@ -102,7 +102,7 @@ class Lab:
     def __init__(self, root: Path, model: str, doc_tokens: int, questions: int, max_tokens: int,
                  chunk: int | None, progress: Progress) -> None:
         from muser_cli import paths
-        from muser_cli.handoff import node
+        from muser_cli.handoff.trust import node
 
         cores = sorted(os.sched_getaffinity(0))
         self.producer_core, self.consumer_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)

@@ -46,7 +46,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
              settle: float = 8.0, progress: Progress = no_progress) -> BenchResult:
     from muser_cli.bench.loopback import make_nodes, receiver
     from muser_cli.engines.registry import get_engine
-    from muser_cli.handoff.sender import prepare_handoff, transmit
+    from muser_cli.handoff.push.sender import prepare_handoff, transmit
     from muser_cli.kvpack import read_pack, write_pack
     from muser_cli.schedule import build_header
 

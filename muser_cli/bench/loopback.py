@@ -29,11 +29,11 @@ class Nodes:
     work: Path
     consumer_home: Path
     producer_home: Path
-    producer: object  # muser_cli.handoff.node.Identity
+    producer: object  # muser_cli.handoff.trust.node.Identity
 
 
 def make_nodes(work: Path) -> Nodes:
-    from muser_cli.handoff import node
+    from muser_cli.handoff.trust import node
 
     consumer_home, producer_home = work / "consumer", work / "producer"
     node.init_node(consumer_home / "config" / "node", name="consumer")

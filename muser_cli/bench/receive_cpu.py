@@ -33,8 +33,8 @@ def proc_cpu(pid: int) -> float:
 
 def upload_probe(to: str, identity, seconds: float) -> tuple[int, float]:
     """(bytes sent, the receiver's counted rate in B/s): the upload half of probe-link."""
-    from muser_cli.handoff.protocol import Data, ProbeEnd, ProbeResult, ProbeUp
-    from muser_cli.handoff.sender import DEFAULT_DATA_CHUNK, open_link
+    from muser_cli.handoff.wire.protocol import Data, ProbeEnd, ProbeResult, ProbeUp
+    from muser_cli.handoff.push.sender import DEFAULT_DATA_CHUNK, open_link
 
     link, _ready, _ = open_link(to, identity, total_s=4 * seconds + 60)
     block = os.urandom(DEFAULT_DATA_CHUNK)
@@ -58,7 +58,7 @@ def upload_probe(to: str, identity, seconds: float) -> tuple[int, float]:
 
 
 def _one_round(pid: int, to: str, nodes, src: Path, inbox: Path, probe_seconds: float) -> dict[str, float]:
-    from muser_cli.handoff.sender import prepare_handoff, transmit
+    from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
     c0 = proc_cpu(pid)
     sent, probe_rate = upload_probe(to, nodes.producer, probe_seconds)

@@ -47,7 +47,7 @@ def synthetic_pack(megabytes: float, *, seed: int = 0):
 def run_wire(sizes_mb: Sequence[float], *, reps: int = 5, probe_seconds: float = 1.0, pin: bool = True,
              progress: Progress = no_progress) -> BenchResult:
     from muser_cli.bench.loopback import make_nodes, receiver
-    from muser_cli.handoff.sender import prepare_handoff, probe_link, transmit
+    from muser_cli.handoff.push.sender import prepare_handoff, probe_link, transmit
     from muser_cli.kvpack import write_pack
 
     pins = pinning(pin)

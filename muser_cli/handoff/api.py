@@ -16,12 +16,12 @@ from muser_cli import paths
 from muser_cli.errors import UsageError
 from muser_cli.fsio import check_output_path
 from muser_cli.strict import parse_size as strict_parse_size
-from muser_cli.handoff.ledger import repair
+from muser_cli.handoff.trust.ledger import repair
 from muser_cli.handoff.link import parse_hostport
-from muser_cli.handoff.node import describe_node, export_producer, init_node, join_node, load_identity, revoke_key
-from muser_cli.handoff.nodedir import identity_for
-from muser_cli.handoff.receiver import Destination, ReceiveConfig, receive as receive_
-from muser_cli.handoff.sender import probe_link as probe_, send as send_
+from muser_cli.handoff.trust.node import describe_node, export_producer, init_node, join_node, load_identity, revoke_key
+from muser_cli.handoff.trust.nodedir import identity_for
+from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, receive as receive_
+from muser_cli.handoff.push.sender import probe_link as probe_, send as send_
 from muser_cli.strict import parse_rate
 
 

@@ -1,6 +1,6 @@
 """Sockets under the protocol core: TLS 1.3 contexts, addresses, deadlines, error mapping.
 
-A :class:`Link` drives a :class:`~muser_cli.handoff.protocol.Connection` over a blocking
+A :class:`Link` drives a :class:`~muser_cli.handoff.wire.protocol.Connection` over a blocking
 TLS socket. Every read and write is bounded by ``min(idle, time left to the deadline)``,
 so nothing can hang: a silent peer costs at most the idle timeout, a slow one at most
 the total deadline. Socket and TLS failures become muser errors here, in one place:
@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from muser_cli.errors import AuthError, ConfigError, MuserError, ProtocolError, TempFailure, UsageError
-from muser_cli.handoff.node import Identity
-from muser_cli.handoff.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
-from muser_cli.handoff.refusal import error_class
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.wire.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
+from muser_cli.handoff.wire.refusal import error_class
 
 RECV_BYTES = 256 * 1024
 DEFAULT_CONNECT_S = 10.0

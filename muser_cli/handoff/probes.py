@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from muser_cli.errors import ProtocolError, TempFailure
 from muser_cli.handoff.link import Link, reject_error
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     DEFAULT_DATA_CHUNK, ConnectionClosed, Data, ProbeDown, ProbeEnd, ProbeResult, ProbeUp, Reject,
 )
 

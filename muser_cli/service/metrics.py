@@ -4,7 +4,9 @@ only when a service starts): each service has its own registry, served as text f
 Consumer (``decode --serve``): TTFT and per-token latency by source, bytes shipped, rows
 held, fallbacks by reason, gate refusals, producer health, queue depth, requests by status.
 Producer (``prefill --serve --metrics``): requests by outcome, bytes shipped, rows computed
-and held, prefill and request seconds, refused handshakes."""
+and held, prefill and request seconds, refused handshakes, connections open now by consumer;
+and, on the same port, ``/connections``: who is connected now, as JSON (:func:`read_connections`
+reads it: ``muser node ls --connected``)."""
 
 from __future__ import annotations
 
@@ -54,11 +56,40 @@ class ConsumerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class _ConnectionsGauge:
+    """``muser_producer_connections{consumer}``, read from the server's open connections at each
+    scrape; a consumer seen before and gone now reads 0 (its series does not vanish)."""
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self.seen: set[str] = set()
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        gauge = GaugeMetricFamily("muser_producer_connections",
+                                  "Connections open now, by consumer ('' while the TLS handshake runs)",
+                                  labels=["consumer"])
+        now = self.live.by_consumer()
+        self.seen |= set(now)
+        for consumer in sorted(self.seen):
+            gauge.add_metric([consumer], now.get(consumer, 0))
+        yield gauge
+
+
 class ProducerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, live: Any = None) -> None:
+        """``live``: the server's :class:`~muser_cli.handoff.listener.LiveConnections` (the
+        connections gauge and ``/connections``), if any."""
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
+        self.live = live
         self.registry = r = CollectorRegistry()
+        if live is not None:
+            r.register(_ConnectionsGauge(live))
         self.requests = Counter("muser_producer_requests", "Pull requests, by outcome", ["outcome"], registry=r)
         self.shipped = Counter("muser_shipped_bytes", "Pack payload bytes shipped to consumers", registry=r)
         self.computed = Counter("muser_producer_rows_shipped", "Rows shipped (computed or reused here)", registry=r)
@@ -75,7 +106,7 @@ class ProducerMetrics:
         self.probes = Counter("muser_producer_probes", "Link probes, by outcome", ["outcome"], registry=r)
 
     def observe(self, kind: str, f: dict[str, Any]) -> None:
-        """One event of :class:`muser_cli.handoff.pull_server.PullServer`."""
+        """One event of :class:`muser_cli.handoff.pull.server.PullServer`."""
         if kind == "tls_failed":
             self.refused.inc()
         elif kind == "probe":
@@ -96,20 +127,57 @@ class ProducerMetrics:
                 self.ttft.observe(_num(f["first_frame_s"]))
 
     def serve(self, listen: str) -> tuple[str, int]:
-        """Serve ``/metrics`` (plain HTTP) on ``listen`` on a daemon thread; the bound address."""
-        from prometheus_client import start_http_server
+        """Serve the metrics (plain HTTP, any path) and ``/connections`` (JSON) on ``listen``, on
+        daemon threads; the bound address."""
+        import socket
+        import threading
+        from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+        from prometheus_client import make_wsgi_app
+        from prometheus_client.exposition import ThreadingWSGIServer
 
         from muser_cli.handoff.link import parse_hostport
 
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # the library never prints
+                return None
+
         host, port = parse_hostport(listen, listen=True)
-        server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=self.registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(host or "127.0.0.1", port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        server = make_server(sockaddr[0], port, self._app(make_wsgi_app(self.registry)), Server, handler_class=Quiet)
+        threading.Thread(target=server.serve_forever, name="muser-metrics", daemon=True).start()
         return server.server_address[0], server.server_address[1]
+
+    def _app(self, metrics_app):
+        """The WSGI app: ``/connections`` when this producer keeps its connections, else the metrics."""
+        import json
+
+        live = self.live
+
+        def app(environ: dict, start_response):
+            if live is None or environ.get("PATH_INFO") != "/connections":
+                return metrics_app(environ, start_response)
+            body = json.dumps({"connections": live.snapshot()}, sort_keys=True).encode()
+            start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+            return [body]
+
+        return app
 
 
 def serve_producer_metrics(listen: str):
-    """:class:`ProducerMetrics` served on ``listen``: (its event observer, the bound address)."""
+    """:class:`ProducerMetrics` served on ``listen``: (its event observer, the bound address,
+    the :class:`~muser_cli.handoff.listener.LiveConnections` the server is to keep its open
+    connections in)."""
+    from muser_cli.handoff.listener import LiveConnections
+
+    live = LiveConnections()
     try:
-        m = ProducerMetrics()
+        m = ProducerMetrics(live)
     except ImportError as exc:
         from muser_cli.errors import ConfigError
 
@@ -120,7 +188,39 @@ def serve_producer_metrics(listen: str):
         from muser_cli.handoff.link import listen_error, parse_hostport
 
         raise listen_error(exc, listen, parse_hostport(listen, listen=True)[1]) from None
-    return m.observe, address
+    return m.observe, address, live
+
+
+def read_connections(address: str, *, timeout: float = 10.0) -> list[dict[str, Any]]:
+    """Who is connected now to the resident producer whose metrics are served on ``address``
+    (``prefill --serve --metrics``): its ``/connections``. Unreachable: TempFailure (75);
+    an answer that is not a producer's: ProtocolError (76)."""
+    import urllib.error
+    import urllib.request
+
+    from muser_cli.errors import ProtocolError, TempFailure
+    from muser_cli.handoff.link import format_hostport, parse_hostport
+    from muser_cli.strict import loads
+
+    host, port = parse_hostport(address)
+    url = f"http://{format_hostport(host, port)}/connections"
+    hint = "give the address a producer's --metrics serves on"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback or LAN: never a proxy
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            body = resp.read(_MAX_CONNECTIONS_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        raise ProtocolError(f"{address} answered /connections with HTTP {exc.code}", hint=hint) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise TempFailure(f"cannot reach {address}: {getattr(exc, 'reason', exc)}", hint=hint) from None
+    obj = loads(body, f"{address}/connections", limit=_MAX_CONNECTIONS_BYTES, error=ProtocolError)
+    conns = obj.get("connections") if isinstance(obj, dict) else None
+    if not isinstance(conns, list) or not all(isinstance(c, dict) for c in conns):
+        raise ProtocolError(f"{address}/connections is not a producer's list of connections", hint=hint)
+    return conns
+
+
+_MAX_CONNECTIONS_BYTES = 4 << 20
 
 
 def _num(v: Any) -> float:

@@ -32,14 +32,14 @@ import re  # noqa: E402,F401
 if atheris is not None:
     with atheris.instrument_imports(include=["muser_cli"]):
         from muser_cli.errors import MuserError
-        from muser_cli.handoff import pull
-        from muser_cli.handoff.header import parse_header, parse_trailer
-        from muser_cli.handoff.protocol import Connection, ConnectionClosed, Role
+        from muser_cli.handoff.wire import pull_protocol as pull
+        from muser_cli.handoff.wire.header import parse_header, parse_trailer
+        from muser_cli.handoff.wire.protocol import Connection, ConnectionClosed, Role
 else:
     from muser_cli.errors import MuserError
-    from muser_cli.handoff import pull
-    from muser_cli.handoff.header import parse_header, parse_trailer
-    from muser_cli.handoff.protocol import Connection, ConnectionClosed, Role
+    from muser_cli.handoff.wire import pull_protocol as pull
+    from muser_cli.handoff.wire.header import parse_header, parse_trailer
+    from muser_cli.handoff.wire.protocol import Connection, ConnectionClosed, Role
 
 MAX_EVENTS = 10_000
 

@@ -28,23 +28,23 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure
-from muser_cli.handoff.certs import peer_common_name
-from muser_cli.handoff.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.trust.certs import peer_common_name
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import (
     DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, check_peer_host, format_hostport, map_error, parse_hostport,
     sni_client_context, unresolved,
 )
-from muser_cli.handoff.node import Identity, KeyEntry
-from muser_cli.handoff.nodedir import note_peer
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.trust.node import Identity, KeyEntry
+from muser_cli.handoff.trust.nodedir import note_peer
+from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
-from muser_cli.handoff.pull import (
+from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
     new_request_id, sign_probe, sign_request,
 )
-from muser_cli.handoff.receiver import Accepted, Destination, ReceiveConfig, Receiver
-from muser_cli.handoff.refusal import Refusal, error_class, refusal_error
+from muser_cli.handoff.push.receiver import Accepted, Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.wire.refusal import Refusal, error_class, refusal_error
 
 EventFn = Callable[[str, dict[str, Any]], None]
 

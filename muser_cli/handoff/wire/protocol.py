@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 from muser_cli.errors import ProtocolError
-from muser_cli.handoff.header import (
+from muser_cli.handoff.wire.header import (
     MAC_BYTES, MAX_HEADER_BYTES, MAX_TRAILER_BYTES, HandoffHeader, HandoffTrailer, canonical, parse_header,
     parse_trailer, strict_json,
 )
@@ -299,33 +299,66 @@ def take_frame(buf: bytearray, eof: bool, by_code: dict[int, type], max_body: di
     return cls, body
 
 
-class Connection:
-    """One side of one handoff connection. Pure state: bytes in, events out, bytes out."""
+class FrameMachine:
+    """One side of a framed exchange, pure state: what both sans-IO cores share (this V3
+    :class:`Connection` and the pull lane's ``PullConnection``). A subclass names its closed
+    table (``table``: (state, who sends, event type) -> next state), the states after which
+    no frame may follow (``ended``), the state a Reject leads to (``closed``) and what the
+    exchange is called in its errors (``noun``); :meth:`_step` is its own bookkeeping for a
+    legal event. A Reject is legal in any state not ended; anything not in the table is a
+    protocol error, raised as ``error`` (ours: a bug; the peer's: :class:`ProtocolError`)."""
 
-    def __init__(self, our_role: Role) -> None:
+    table: dict[tuple[Any, Any, type], Any]
+    ended: tuple[Any, ...]
+    closed: Any
+    noun = "connection"
+
+    def __init__(self, our_role: Any, their_role: Any, state: Any) -> None:
         self.our_role = our_role
-        self.their_role = Role.RECEIVER if our_role is Role.SENDER else Role.SENDER
-        self.state = State.START
-        self.size_bound = 0  # declared by the Header
-        self.payload_seen = 0  # Data bytes of the handoff so far
-        self.header: HandoffHeader | None = None
+        self.their_role = their_role
+        self.state = state
         self.reject: Reject | None = None
         self._buf = bytearray()
         self._eof = False
+
+    def _advance(self, who: Any, event: Any, error: type[Exception]) -> None:
+        if self.state in self.ended:
+            raise error(f"{type(event).__name__} after the {self.noun} is {self.state.value}")
+        if isinstance(event, Reject):
+            self.reject = event
+            self.state = self.closed
+            return
+        nxt = self.table.get((self.state, who, type(event)))
+        if nxt is None:
+            raise error(f"{who.value} may not send {type(event).__name__} in state {self.state.value}")
+        self._step(event, error)
+        self.state = nxt
+
+    def _step(self, event: Any, error: type[Exception]) -> None:
+        """A legal event's own bookkeeping, before the state moves (none here)."""
+
+    def _admit(self, cls: type, length: int) -> None:
+        # Refuse a frame the state forbids as soon as its prefix is in, before its body
+        # (an ended state has no entry in the table: everything but Reject is refused there).
+        if cls is not Reject and (self.state, self.their_role, cls) not in self.table:
+            raise ProtocolError(f"{self.their_role.value} may not send {cls.__name__} in state {self.state.value}")
+
+
+class Connection(FrameMachine):
+    """One side of one handoff connection. Pure state: bytes in, events out, bytes out."""
+
+    table, ended, closed = TRANSITIONS, TERMINAL, State.CLOSED
+
+    def __init__(self, our_role: Role) -> None:
+        super().__init__(our_role, Role.RECEIVER if our_role is Role.SENDER else Role.SENDER, State.START)
+        self.size_bound = 0  # declared by the Header
+        self.payload_seen = 0  # Data bytes of the handoff so far
+        self.header: HandoffHeader | None = None
         self._body: bytearray | None = None  # a large Data body being read in place
         self._body_have = 0
 
     # -- transitions
-    def _advance(self, role: Role, event: Event, error: type[Exception]) -> None:
-        if self.state in TERMINAL:
-            raise error(f"{type(event).__name__} after the connection is {self.state.value}")
-        if isinstance(event, Reject):
-            self.reject = event
-            self.state = State.CLOSED
-            return
-        nxt = TRANSITIONS.get((self.state, role, type(event)))
-        if nxt is None:
-            raise error(f"{role.value} may not send {type(event).__name__} in state {self.state.value}")
+    def _step(self, event: Event, error: type[Exception]) -> None:
         if isinstance(event, Header):
             header = event.header or parse_header(event.raw)
             self.header = header
@@ -337,7 +370,6 @@ class Connection:
             self.payload_seen += len(event.data)
         if isinstance(event, Trailer) and event.trailer is None:
             parse_trailer(event.raw)  # our own send: a malformed trailer is a bug (raises ProtocolError)
-        self.state = nxt
 
     def send(self, event: Event) -> bytes:
         if isinstance(event, Data) and len(event.data) > MAX_DATA_BYTES:
@@ -434,9 +466,7 @@ class Connection:
         return event
 
     def _admit(self, cls: type, length: int) -> None:
-        # Refuse a frame the state forbids as soon as its prefix is in, before its body.
-        if cls is not Reject and (self.state in TERMINAL or (self.state, self.their_role, cls) not in TRANSITIONS):
-            raise ProtocolError(f"{self.their_role.value} may not send {cls.__name__} in state {self.state.value}")
+        super()._admit(cls, length)
         if cls is Data and self.state is State.STREAMING and self.payload_seen + length > self.size_bound:
             raise ProtocolError(f"payload exceeds the declared bound of {self.size_bound} bytes")
 

@@ -10,7 +10,7 @@ another model or tokenizer, on both lanes (docs/cli-contract.md).
 from __future__ import annotations
 
 from muser_cli.errors import AuthError, DataError, IdentityMismatch, MuserError, ProtocolError, TempFailure
-from muser_cli.handoff.protocol import REJECT_CODES
+from muser_cli.handoff.wire.protocol import REJECT_CODES
 
 REJECT_ERRORS: dict[str, type[MuserError]] = {
     "busy": TempFailure, "timeout": TempFailure, "storage": TempFailure, "aborted": TempFailure,

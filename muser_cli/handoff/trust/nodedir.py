@@ -17,7 +17,7 @@ Layout (``muser_cli.paths.keys_dir()``):
                  (:func:`record_peer`; read by :func:`peer_table` for ``node ls``)
 
 Every failure is a :class:`~muser_cli.errors.ConfigError`. The verbs that make and change
-a node directory are in :mod:`muser_cli.handoff.node`.
+a node directory are in :mod:`muser_cli.handoff.trust.node`.
 """
 
 from __future__ import annotations

@@ -31,15 +31,13 @@ Contract of :class:`Receiver` (one per listening socket; Handoff V3, docs/handof
     returns what was accepted and emits ``drained`` with the counts.
 
 The probes' receiving side lives in :mod:`~muser_cli.handoff.probes`; the settings and the
-record of an accepted handoff in :mod:`~muser_cli.handoff.receipt` (importable from here).
+record of an accepted handoff in :mod:`~muser_cli.handoff.push.receipt` (importable from here).
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
-import select
-import socket
 import ssl
 import threading
 import time
@@ -47,26 +45,32 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import AuthError, MuserError, TempFailure, UsageError
-from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.clock import since_start, unix_of
-from muser_cli.handoff.header import check_window, verify_mac, verify_trailer_mac
-from muser_cli.handoff.ledger import Ledger, LedgerError, LedgerFull, Record
-from muser_cli.handoff.link import Link, format_hostport, listen_socket, map_error, reject_error, server_context
-from muser_cli.handoff.node import Identity
-from muser_cli.handoff.nodedir import note_peer
-from muser_cli.handoff.payload import PayloadInspector
+from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.push.clock import since_start, unix_of
+from muser_cli.handoff.wire.header import check_window, verify_mac, verify_trailer_mac
+from muser_cli.handoff.trust.ledger import Ledger, LedgerError, LedgerFull, Record
+from muser_cli.handoff.link import Link, reject_error, server_context
+from muser_cli.handoff.listener import EventFn, Listener, reject_and_linger
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.trust.nodedir import note_peer
+from muser_cli.handoff.push.payload import PayloadInspector
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     ALPN, MAX_DATA_BYTES, PROTOCOL_VERSION, Ack, Connection, ConnectionClosed, Data, Go, Header, ProbeDown, ProbeUp,
     Ready, Reject, Role, State, Trailer,
 )
-from muser_cli.handoff.receipt import DEFAULT_MAX_PAYLOAD, Accepted, EventFn, Events, ReceiveConfig, stream_failure
-from muser_cli.handoff.spool import (
+from muser_cli.handoff.push.receipt import DEFAULT_MAX_PAYLOAD, Accepted, ReceiveConfig, stream_failure
+from muser_cli.handoff.push.spool import (
     Destination, DownstreamGone, FileSink, Refusal, SpoolWorker, StreamSink, remove_stale_parts,
 )
 
 
-class Receiver:
+class Receiver(Listener):
+    """The push lane's TLS listener (module doc); the accepting, the handshake and the ledgers
+    are :class:`~muser_cli.handoff.listener.Listener`'s."""
+
+    alpn, backlog, thread_name = ALPN, 128, "muser-conn"
+
     def __init__(
         self, identity: Identity, config: ReceiveConfig, *, ledger_dir: Path, destination: Destination | None = None,
         on_event: EventFn | None = None, out_stream: BinaryIO | None = None,
@@ -76,45 +80,23 @@ class Receiver:
         if out_stream is not None and not config.once:
             raise UsageError("a receiver that streams to its output accepts one handoff (--once)")
         self.identity = identity
-        self.config = config
-        self.ledger_dir = ledger_dir
         self.destination = destination or Destination()
         self.out_stream = out_stream
-        self.on_event = on_event
+        super().__init__(config, ctx=server_context(identity), ledger_dir=ledger_dir, on_event=on_event,
+                         counters={"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0,
+                                   "turned_away": 0})
         self._stream_failure: BaseException | None = None
         self._streaming = 0  # sessions past Go
-        self._ctx = server_context(identity)
-        self._lsock: socket.socket | None = None
-        self.address: tuple[str, int] | None = None
-        self._ledgers: dict[str, Ledger] = {}
-        self._ledger_lock = threading.Lock()
-        self._state_lock = threading.Lock()
         self._admit = threading.Lock()
         self._finish_lock = threading.Lock()
-        self._stop = threading.Event()
         self._results: queue.Queue[Any] = queue.Queue()
-        self._pending = 0
         self._waiting = 0
         self._committed = 0  # accepted but not yet reported (ack in flight)
         self._closed_for_new = False  # once: a handoff was accepted; timeout: gave up
         self._draining = threading.Event()  # drain(): finish what streams, start nothing new
-        self.counters = {"connections": 0, "tls_failed": 0, "rejected": 0, "accepted": 0, "dropped": 0,
-                         "turned_away": 0}
-        self._open_existing_ledgers()
         self.stale_removed = self._remove_stale_parts()
 
     # -- setup
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
-            Events.of(self)(kind, fields)
-
-    def _open_existing_ledgers(self) -> None:
-        """Refuse to run at all on a torn or corrupt ledger."""
-        if not self.ledger_dir.exists():
-            return
-        for path in sorted(self.ledger_dir.glob("*.ledger")):
-            self._ledger(path.name[: -len(".ledger")])
-
     def _remove_stale_parts(self) -> list[Path]:
         """Spool parts that receivers killed mid-handoff left in our destination: removed, never published."""
         scope = self.destination.spool_scope() if self.out_stream is None else None
@@ -124,29 +106,15 @@ class Receiver:
         # No live session holds a spool part longer than a session may last.
         return remove_stale_parts(directory, names, max_age_s=self.config.session_s + 60)
 
-    def _ledger(self, key_id: str) -> Ledger:
-        with self._ledger_lock:
-            led = self._ledgers.get(key_id)
-            if led is None:
-                led = Ledger(self.ledger_dir, key_id).open()
-                self._ledgers[key_id] = led
-            return led
-
-    def bind(self) -> tuple[str, int]:
-        self._lsock = listen_socket(self.config.host, self.config.port, backlog=128)
-        self.address = self._lsock.getsockname()[:2]
-        return self.address
-
     # -- main loop
     def serve(self, *, on_accept: Callable[[Accepted], None] | None = None,
               drain: threading.Event | None = None) -> list[Accepted]:
         """Run until done (module doc); once ``drain`` is set, :meth:`drain`."""
         if self._lsock is None:
             self.bind()
-        assert self.address is not None
         if self.stale_removed:
             self._emit("stale_removed", count=len(self.stale_removed), paths=[str(p) for p in self.stale_removed])
-        self._emit("listening", address=format_hostport(*self.address), port=self.address[1])
+        self._listening()
         acceptor = threading.Thread(target=self._accept_loop, name="muser-accept", daemon=True)
         acceptor.start()
         deadline = None if self.config.timeout is None else time.monotonic() + self.config.timeout
@@ -199,92 +167,27 @@ class Receiver:
         return accepted
 
     def _drained(self) -> bool:
-        with self._finish_lock, self._state_lock:
+        with self._finish_lock, self._lock:
             return self._streaming == 0 and self._committed == 0 and self._results.empty()
 
     def stop(self) -> None:
-        self._stop.set()
+        super().stop()
         if self._lsock is not None:
             with contextlib.suppress(OSError):
                 self._lsock.close()
 
-    def close(self) -> None:
-        self.stop()
-        for led in self._ledgers.values():
-            led.close()
-
-    def _accept_loop(self) -> None:
-        lsock = self._lsock
-        assert lsock is not None
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([lsock], [], [], 0.2)
-                if not ready:
-                    continue
-                sock, addr = lsock.accept()
-            except (OSError, ValueError):
-                if self._stop.is_set() or self._draining.is_set():
-                    return
-                continue
-            with self._state_lock:
-                self.counters["connections"] += 1
-                if self._pending >= self.config.max_pending:
-                    self.counters["dropped"] += 1
-                    sock.close()
-                    continue
-                self._pending += 1
-            threading.Thread(target=self._handle, args=(sock, addr), name="muser-conn", daemon=True).start()
-
     # -- one connection
-    def _handle(self, sock: socket.socket, addr: tuple) -> None:
-        peer = format_hostport(str(addr[0]), int(addr[1]))
-        start = time.monotonic()
-        try:
-            tls = self._handshake(sock, peer)
-            if tls is None:
-                return
-            link = Link(tls, Connection(Role.RECEIVER), idle_s=self.config.idle_s, deadline=start + self.config.session_s)
-            try:
-                self._admitted_session(link, peer, start)
-            finally:
-                link.close()
-        except BaseException as exc:  # noqa: BLE001 - a connection thread must never die loudly
-            self._emit("error", peer=peer, error=f"{type(exc).__name__}: {exc}")
-        finally:
-            with self._state_lock:
-                self._pending -= 1
+    def _connect(self, tls: ssl.SSLSocket, start: float) -> Link:
+        return Link(tls, Connection(Role.RECEIVER), idle_s=self.config.idle_s, deadline=start + self.config.session_s)
 
-    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are written whole
-            sock.settimeout(self.config.handshake_s)
-            # suppress_ragged_eofs=False: a TCP stream cut without TLS close_notify is a cut (75),
-            # never mistaken for a clean close.
-            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False,
-                                        suppress_ragged_eofs=False)
-            tls.do_handshake()
-        except BaseException as exc:  # noqa: BLE001
-            sock.close()
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            with self._state_lock:
-                self.counters["tls_failed"] += 1
-            self._emit("tls_failed", peer=peer, reason=str(map_error(exc, "in the TLS handshake")))
-            return None
-        if tls.selected_alpn_protocol() != ALPN:
-            self._emit("tls_failed", peer=peer, reason=f"client did not offer ALPN {ALPN}")
-            tls.close()
-            return None
-        return tls
-
-    def _admitted_session(self, link: Link, peer: str, start: float) -> None:
+    def _converse(self, link: Link, peer: str, tls: ssl.SSLSocket, start: float) -> None:
         der = link.sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
         who = f"{peer} ({cn})" if cn else peer
         if der and peer_serial_hex(der) in self.identity.revoked_serials():
             self._refuse(link, who, Refusal("auth", "this certificate was revoked"))
             return
-        with self._state_lock:
+        with self._lock:
             if self._waiting >= self.config.queue:
                 busy = True
             else:
@@ -302,7 +205,7 @@ class Receiver:
                     admitted = True
                     break
         finally:
-            with self._state_lock:
+            with self._lock:
                 self._waiting -= 1
         if not admitted or self._closed_for_new or self._draining.is_set():
             if admitted:
@@ -353,29 +256,16 @@ class Receiver:
         if locked:
             self.counters["turned_away"] += 1
         else:
-            with self._state_lock:
+            with self._lock:
                 self.counters["turned_away"] += 1
         return "receiver is shutting down"
 
     def _refuse(self, link: Link, who: str, refusal: Refusal) -> None:
-        with self._state_lock:
+        with self._lock:
             self.counters["rejected"] += 1
         self._emit("rejected", peer=who, code=refusal.code, reason=refusal.message)
-        with contextlib.suppress(MuserError, OSError):
-            if link.conn.state not in (State.DONE, State.CLOSED):
-                link.send(Reject(refusal.code, refusal.message), "sending a rejection")
-            # Let the peer read the Reject before our close turns into a reset.
-            end = time.monotonic() + 0.5
-            link.sock.settimeout(0.1)
-            while time.monotonic() < end:
-                try:
-                    if not link.sock.recv(1 << 16):
-                        break
-                except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError):
-                    break  # the peer has gone
-                except (OSError, ssl.SSLError):
-                    if time.monotonic() >= end:
-                        break
+        reject_and_linger(link, refusal.code, refusal.message, live=link.conn.state not in (State.DONE, State.CLOSED),
+                          during="sending a rejection")
         if refusal.fatal is not None:
             self._results.put(refusal.fatal)
 
@@ -433,7 +323,7 @@ class Receiver:
         published = False
         t_first = t_last = None
         commit_s = 0.0
-        with self._state_lock:
+        with self._lock:
             if self._draining.is_set():  # nothing new starts streaming once drain() was called
                 worker.stop()
                 sink.discard()
@@ -501,7 +391,7 @@ class Receiver:
             worker.stop()  # nothing writes after this
             if not published:
                 sink.discard()
-            with self._state_lock:
+            with self._lock:
                 self._streaming -= 1
         accepted = Accepted(
             handoff_id=h.handoff_id, key_id=h.key_id, sender=h.sender, peer=who, payload_bytes=payload.size,
@@ -517,7 +407,7 @@ class Receiver:
         except MuserError as exc:
             accepted.acked = False
             self._emit("ack_failed", peer=who, handoff_id=h.handoff_id, reason=str(exc))
-        with self._state_lock:
+        with self._lock:
             self.counters["accepted"] += 1
         if seen_from is not None:  # the sender authenticated: its certificate, header and trailer MACs
             failed = note_peer(self.identity, cn, role="producer", address=seen_from, key_id=h.key_id, via="push")

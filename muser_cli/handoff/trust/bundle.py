@@ -10,7 +10,7 @@ import hmac
 from typing import Any
 
 from muser_cli.errors import DataError
-from muser_cli.handoff.nodedir import parse_key_entry
+from muser_cli.handoff.trust.nodedir import parse_key_entry
 from muser_cli.strict import canonical_json, loads
 
 BUNDLE_FORMAT = "muser-node-bundle"

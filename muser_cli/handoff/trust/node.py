@@ -10,7 +10,7 @@ Roles:
   * :func:`revoke_key` marks a key id (and the certificate issued with it) revoked.
 
 The node directory (its files, keyring and :class:`Identity`) is described in
-:mod:`~muser_cli.handoff.nodedir`, the bundle in :mod:`~muser_cli.handoff.bundle`; their
+:mod:`~muser_cli.handoff.trust.nodedir`, the bundle in :mod:`~muser_cli.handoff.trust.bundle`; their
 names are importable from here.
 
 The library never prints; every failure is a :class:`~muser_cli.errors.MuserError`.
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from muser_cli.errors import ConfigError, UsageError
-from muser_cli.handoff.bundle import (  # noqa: F401 - importable from here
+from muser_cli.handoff.trust.bundle import (  # noqa: F401 - importable from here
     BUNDLE_FORMAT, BUNDLE_VERSION, MAX_BUNDLE_BYTES, bundle_checksum, parse_bundle, seal_bundle,
 )
-from muser_cli.handoff.certs import (  # noqa: F401 - re-exported for callers and tests
+from muser_cli.handoff.trust.certs import (  # noqa: F401 - re-exported for callers and tests
     NAME_RE, cert_pem, issue_cert, key_pem, make_ca, peer_common_name, peer_serial_hex, serial_hex,
 )
-from muser_cli.handoff.nodedir import (  # noqa: F401 - importable from here
+from muser_cli.handoff.trust.nodedir import (  # noqa: F401 - importable from here
     CONSUMERS_DIR, FORMAT_VERSION, HINT_INIT, KEY_ID_RE, KEYRING_FORMAT, MAX_KEYRING_BYTES, NODE_FORMAT, Identity,
     KeyEntry, consumer_dirs, ensure_private_dir, load_identities, load_identity, peer_table, read_keyring,
     read_private, write_keyring, write_node_json, write_private,

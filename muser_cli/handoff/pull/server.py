@@ -1,7 +1,7 @@
 """The resident producer's sockets: accept enrolled consumers, check their requests, queue,
 and answer each with a Handoff V3 stream whose frames leave as the chunks are computed.
 
-Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.handoff.pull`):
+Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.handoff.wire.pull_protocol`):
   * every TCP connection gets its own thread for the TLS 1.3 handshake (ALPN
     ``muser-pull/1``, client certificate from the consumer's private CA required), bounded
     by the handshake timeout; at most ``max_pending`` connections at once;
@@ -39,37 +39,32 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
-import socket
 import ssl
 import threading
 import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
-from muser_cli.handoff.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.header import DEFAULT_WINDOW_S
-from muser_cli.handoff.ledger import Ledger, LedgerError, Record
-from muser_cli.handoff.link import (
-    DEFAULT_IDLE_S, Link, consumer_sni, format_hostport, listen_socket, map_error, server_context,
-)
-from muser_cli.handoff.node import Identity
-from muser_cli.handoff.nodedir import note_peer
+from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.trust.ledger import LedgerError, Record
+from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, server_context
+from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
+from muser_cli.handoff.pull.admission import Admission
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
-from muser_cli.handoff.protocol import (
+from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
 )
-from muser_cli.handoff.pull import (
+from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
     Request, Serving, Side, check_fresh, verify_request_mac,
 )
-from muser_cli.handoff.sender import PackSource, prepare_handoff, transmit_over
-from muser_cli.handoff.spool import Refusal
-
-EventFn = Callable[[str, dict[str, Any]], None]
+from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
+from muser_cli.handoff.wire.refusal import Refusal
 
 
 class Compute(Protocol):
@@ -98,83 +93,6 @@ class ServeConfig:
     session_s: float = 3600.0
     max_pending: int = 64
     probe_max_s: float = 10.0  # the longest one probe direction runs, whatever the consumer asks
-
-
-class _Admission:
-    """Who computes now: up to ``slots`` requests at once (1 on torch/MLX; a batching engine's
-    limit on vLLM), or one probe alone (a probe is never measured against a running prefill,
-    nor slows one). Waiting requests queue per consumer and take turns round-robin: the
-    next turn goes to the first request of the consumer that waited longest since its last
-    turn, so one consumer's flood never starves another. ``enter`` returns False when
-    ``timeout`` passed first."""
-
-    def __init__(self, slots: int) -> None:
-        self.slots = max(1, int(slots))
-        self._cv = threading.Condition()
-        self._running = 0
-        self._probing = False
-        self._probe_waiting = 0  # a waiting probe holds new requests back, so it is not starved
-        self._queues: OrderedDict[str, deque[object]] = OrderedDict()  # consumer -> its waiting tickets
-
-    def _free(self, probe: bool, who: str = "", ticket: object = None) -> bool:
-        if probe:
-            return self._running == 0 and not self._probing
-        if self._probing or self._probe_waiting or self._running >= self.slots:
-            return False
-        first = next(iter(self._queues))  # the ticket's own consumer is queued: never empty here
-        return first == who and self._queues[first][0] is ticket
-
-    def enter(self, probe: bool, timeout: float | None = 0.0, who: str = "") -> bool:
-        """A turn within ``timeout`` seconds (None: however long it takes)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        return self.wait(probe, lambda: end is not None and time.monotonic() >= end,
-                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)), who=who)
-
-    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2, who: str = "") -> bool:
-        """Wait for a turn until ``stop()`` says the server is stopping (False then). A waiting
-        probe holds new requests back for the whole wait, not only while a poll runs."""
-        ticket, served = object(), False
-        with self._cv:
-            if probe:
-                self._probe_waiting += 1
-            else:
-                self._queues.setdefault(who, deque()).append(ticket)
-            try:
-                while not self._free(probe, who, ticket):
-                    if stop():
-                        return False
-                    if poll > 0:
-                        self._cv.wait(poll)
-                if probe:
-                    self._probing = True
-                else:
-                    self._running += 1
-                served = True
-                return True
-            finally:
-                if probe:
-                    self._probe_waiting -= 1
-                else:
-                    self._dequeue(who, ticket, served)
-                self._cv.notify_all()
-
-    def _dequeue(self, who: str, ticket: object, served: bool) -> None:
-        """Take ``ticket`` out of its consumer's queue; after a turn, a consumer that still
-        waits goes last (one that gave up keeps its place)."""
-        queue = self._queues[who]
-        queue.remove(ticket)
-        if not queue:
-            del self._queues[who]
-        elif served:
-            self._queues.move_to_end(who)
-
-    def leave(self, probe: bool) -> None:
-        with self._cv:
-            if probe:
-                self._probing = False
-            else:
-                self._running -= 1
-            self._cv.notify_all()
 
 
 def _ctx(identity: Identity) -> ssl.SSLContext:
@@ -207,122 +125,43 @@ class _Identities:
         return next((i for ctx, i in self.pairs if ctx is tls.context), self.pairs[0][1])
 
 
-class PullServer:
+class PullServer(Listener):
+    """The pull lane's TLS listener (module doc); the accepting, the handshake and the ledgers
+    are :class:`~muser_cli.handoff.listener.Listener`'s."""
+
+    alpn, backlog, thread_name = ALPN_PULL, 64, "muser-pull"
+
     def __init__(self, identity: Identity, config: ServeConfig, *, ledger_dir: Path, compute: Compute,
-                 on_event: EventFn | None = None, more: list[Identity] | None = None) -> None:
-        """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin)."""
+                 on_event: EventFn | None = None, more: list[Identity] | None = None,
+                 live: LiveConnections | None = None) -> None:
+        """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin);
+        ``live``: where its open connections are kept (a new :class:`LiveConnections` if none)."""
         self.identity = identity
-        self.config = config
-        self.ledger_dir = ledger_dir
         self.compute = compute
-        self.on_event = on_event
         self._idents = _Identities([identity, *(more or [])])
-        self._ctx = self._idents.default
-        self._lsock: socket.socket | None = None
-        self.address: tuple[str, int] | None = None
-        self._ledgers: dict[str, Ledger] = {}
-        self._lock = threading.Lock()
-        self._admit = _Admission(getattr(compute, "max_concurrent", 1))
+        super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
+                         counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0},
+                         live=live or LiveConnections())
+        self._admit = Admission(getattr(compute, "max_concurrent", 1))
         self._waiting = 0
         self._waiting_by: dict[str, int] = {}  # consumer -> its requests waiting (each bounded by max_queue)
-        self._pending = 0
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.counters = {"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0}
-        if ledger_dir.exists():  # a torn ledger: refuse to run at all
-            for path in sorted(ledger_dir.glob("*.ledger")):
-                self._ledger(path.name[: -len(".ledger")])
-
-    def _emit(self, kind: str, **fields: Any) -> None:
-        if self.on_event is not None:  # a callback that raises is reported once (a warning event), not dropped
-            from muser_cli.handoff.receipt import Events
-
-            Events.of(self)(kind, fields)
-
-    def _ledger(self, key_id: str) -> Ledger:
-        with self._lock:
-            led = self._ledgers.get(key_id)
-            if led is None:
-                led = Ledger(self.ledger_dir, key_id).open()
-                self._ledgers[key_id] = led
-            return led
-
-    def bind(self) -> tuple[str, int]:
-        self._lsock = listen_socket(self.config.host, self.config.port, backlog=64)
-        self.address = self._lsock.getsockname()[:2]
-        return self.address
 
     def serve(self) -> None:
-        if self._lsock is None:
-            self.bind()
-        assert self.address is not None and self._lsock is not None
-        self._emit("listening", address=format_hostport(*self.address), port=self.address[1])
-        lsock = self._lsock
-        while not self._stop.is_set():
-            try:
-                if not select.select([lsock], [], [], 0.2)[0]:
-                    continue
-                sock, addr = lsock.accept()
-            except (OSError, ValueError):
-                continue
-            with self._lock:
-                self.counters["connections"] += 1
-                if self._pending >= self.config.max_pending:
-                    sock.close()
-                    continue
-                self._pending += 1
-            t = threading.Thread(target=self._handle, args=(sock, addr), name="muser-pull", daemon=True)
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+        self._listening()
+        self._accept_loop()
+        assert self._lsock is not None
         with contextlib.suppress(OSError):
-            lsock.close()
+            self._lsock.close()
         for t in self._threads:  # the running request finishes; waiting ones are told busy
             t.join(timeout=self.config.session_s)
 
-    def stop(self) -> None:
-        self._stop.set()
-
-    def close(self) -> None:
-        self.stop()
-        for led in self._ledgers.values():
-            led.close()
-
     # -- one connection
-    def _handle(self, sock: socket.socket, addr: tuple) -> None:
-        peer = format_hostport(str(addr[0]), int(addr[1]))
-        try:
-            tls = self._handshake(sock, peer)
-            if tls is not None:
-                link = Link(tls, PullConnection(Side.PRODUCER), idle_s=self.config.request_s,
-                            deadline=time.monotonic() + self.config.session_s)
-                try:
-                    self._session(link, peer, self._idents.of(tls))
-                finally:
-                    link.close()
-        except BaseException as exc:  # noqa: BLE001 - a connection thread never dies loudly
-            self._emit("error", peer=peer, error=f"{type(exc).__name__}: {exc}")
-        finally:
-            with self._lock:
-                self._pending -= 1
+    def _connect(self, tls: ssl.SSLSocket, start: float) -> Link:
+        return Link(tls, PullConnection(Side.PRODUCER), idle_s=self.config.request_s,
+                    deadline=time.monotonic() + self.config.session_s)
 
-    def _handshake(self, sock: socket.socket, peer: str) -> ssl.SSLSocket | None:
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.config.handshake_s)
-            tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False,
-                                        suppress_ragged_eofs=False)
-            tls.do_handshake()
-        except BaseException as exc:  # noqa: BLE001
-            sock.close()
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            self._emit("tls_failed", peer=peer, reason=str(map_error(exc, "in the TLS handshake")))
-            return None
-        if tls.selected_alpn_protocol() != ALPN_PULL:
-            self._emit("tls_failed", peer=peer, reason=f"client did not offer ALPN {ALPN_PULL}")
-            tls.close()
-            return None
-        return tls
+    def _converse(self, link: Link, peer: str, tls: ssl.SSLSocket, start: float) -> None:
+        self._session(link, peer, self._idents.of(tls))
 
     def _turn_away(self) -> Refusal:
         """A request refused because the server is stopping (counted: the summary says how many)."""
@@ -341,22 +180,10 @@ class PullServer:
         else:
             self._emit("request", peer=who, outcome=refusal.code, reason=refusal.message, **fields,
                        tokens=len(req.token_ids) if req else None)
-        with contextlib.suppress(MuserError, OSError):  # the peer may be gone: the refusal is in the event above
-            conn = link.conn
-            live = (conn.state not in (PullState.SERVING, PullState.CLOSED) if isinstance(conn, PullConnection)
-                    else conn.state not in (State.DONE, State.CLOSED))
-            if live:
-                link.send(Reject(refusal.code, refusal.message), "sending a refusal")
-            end = time.monotonic() + 0.5  # let the consumer read it before our close becomes a reset
-            link.sock.settimeout(0.1)
-            while time.monotonic() < end:
-                try:
-                    if not link.sock.recv(1 << 16):
-                        break
-                except (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError):
-                    break
-                except (OSError, ssl.SSLError):
-                    continue
+        conn = link.conn  # the peer may be gone: the refusal is in the event above
+        live = (conn.state not in (PullState.SERVING, PullState.CLOSED) if isinstance(conn, PullConnection)
+                else conn.state not in (State.DONE, State.CLOSED))
+        reject_and_linger(link, refusal.code, refusal.message, live=live, during="sending a refusal")
 
     def _check(self, event: Request | Probe, cn: str, peer: str = "",
                identity: Identity | None = None) -> PullRequest | ProbeRequest:
@@ -399,6 +226,7 @@ class PullServer:
         identity = identity or self.identity
         der = link.sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
+        self._note(consumer=cn)
         who = f"{peer} ({cn})" if cn else peer
         req: PullRequest | ProbeRequest | None = None
         probe = False
@@ -452,6 +280,7 @@ class PullServer:
                 self._waiting += 1
                 self._waiting_by[consumer] = place
             try:
+                self._note(state="queued")
                 link.send(Queued(place), "telling the consumer its place")
                 if not self._admit.wait(probe, self._stop.is_set, who=consumer):
                     raise self._turn_away()
@@ -462,6 +291,7 @@ class PullServer:
                     if not self._waiting_by[consumer]:
                         del self._waiting_by[consumer]
         try:
+            self._note(state="probing" if probe else "prefilling")
             if isinstance(req, ProbeRequest):
                 self._probe(link, who, req, identity)
                 return
@@ -561,6 +391,7 @@ class PullServer:
             try:
                 source = PackSource(reader)
                 first_frame_s = round(time.monotonic() - t0, 6)  # the header is in: what ships first is ready
+                self._note(state="streaming")
             except KVPackError as exc:
                 worker.join()
                 reason = f"the producer could not start the pack ({box.get('error') or exc})"

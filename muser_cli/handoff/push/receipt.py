@@ -5,17 +5,15 @@ whose forwarded stream a failed handoff cut (:func:`stream_failure`).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from muser_cli.errors import MuserError, TempFailure
-from muser_cli.handoff.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import DEFAULT_IDLE_S
-from muser_cli.handoff.refusal import Refusal, error_class
+from muser_cli.handoff.wire.refusal import Refusal, error_class
 
 DEFAULT_MAX_PAYLOAD = 64 << 30
-EventFn = Callable[[str, dict[str, Any]], None]
 
 
 @dataclass
@@ -56,39 +54,6 @@ class Accepted:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class Events:
-    """A listener's ``on_event(kind, fields)``, called from connection threads. The callback is the
-    caller's: one that raises must not end the handoff or the thread, so the first failure is
-    reported once, as a ``warning`` event (which ``receive`` prints), later ones only counted in
-    :attr:`failures`; nothing is dropped silently."""
-
-    def __init__(self, on_event: EventFn | None) -> None:
-        self.on_event = on_event
-        self.failures = 0
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def of(owner: Any) -> "Events":
-        """The Events of ``owner`` (a receiver or a pull server) for its ``on_event``, made on first use."""
-        events = owner.__dict__.get("_events")
-        if events is None:
-            events = owner.__dict__.setdefault("_events", Events(owner.on_event))
-        return events
-
-    def __call__(self, kind: str, fields: dict[str, Any]) -> None:
-        if self.on_event is None:
-            return
-        try:
-            self.on_event(kind, fields)
-        except Exception as exc:  # noqa: BLE001 - the caller's callback: reported below, never fatal here
-            with self._lock:
-                self.failures += 1
-                first = self.failures == 1
-            if first and kind != "warning":
-                self("warning", {"warning": f"the event callback failed on a {kind!r} event "
-                                            f"({type(exc).__name__}: {exc}); later failures are only counted"})
 
 
 def stream_failure(exc: BaseException, frames: int) -> BaseException:

@@ -38,8 +38,8 @@ try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows: the pid/age rule alone decides
     fcntl = None  # type: ignore[assignment]
-from muser_cli.handoff.payload import PayloadInfo, PayloadInspector
-from muser_cli.handoff.refusal import Refusal  # noqa: F401  (the receiver's name for it, public)
+from muser_cli.handoff.push.payload import PayloadInfo, PayloadInspector
+from muser_cli.handoff.wire.refusal import Refusal  # noqa: F401  (the receiver's name for it, public)
 
 _HANDOFF_NAME = r"[0-9a-f]{32}\.kvpack"
 

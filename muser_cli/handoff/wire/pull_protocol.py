@@ -1,5 +1,5 @@
 """The pull lane's request/answer core: a consumer asks a resident producer for a prompt's KV.
-No I/O whatsoever (like :mod:`muser_cli.handoff.protocol`).
+No I/O whatsoever (like :mod:`muser_cli.handoff.wire.protocol`).
 
 Over one TLS 1.3 connection (ALPN ``muser-pull/1``; the CONSUMER dials, the PRODUCER
 listens; both present certificates from the consumer's private CA):
@@ -45,11 +45,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.header import MAC_BYTES, canonical, strict_json
+from muser_cli.handoff.wire.header import MAC_BYTES, canonical, strict_json
 from muser_cli.strict import loads
-from muser_cli.handoff.protocol import (
-    MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, LocalProtocolError, Reject,
-    NeedData, decode_body, encode_event, take_frame,
+from muser_cli.handoff.wire.protocol import (
+    MAX_CONTROL_BYTES, NEED_DATA, PREFIX, REJECT_CODES, ConnectionClosed, FrameMachine, LocalProtocolError,
+    Reject, NeedData, decode_body, encode_event, take_frame,
 )
 
 ALPN_PULL = "muser-pull/1"
@@ -322,31 +322,18 @@ def _decode(cls: type, body: bytes) -> PullEvent:
     return Serving()
 
 
-class PullConnection:
+class PullConnection(FrameMachine):
     """One side of the request/answer exchange. Bytes in, events out, bytes out."""
 
-    def __init__(self, side: Side) -> None:
-        self.side = side
-        self.their = P if side is C else C
-        self.state = PullState.START
-        self.reject: Reject | None = None
-        self._buf = bytearray()
-        self._eof = False
+    table, ended, closed, noun = TRANSITIONS, (PullState.SERVING, PullState.CLOSED), PullState.CLOSED, "exchange"
 
-    def _advance(self, who: Side, event: PullEvent, error: type[Exception]) -> None:
-        if self.state in (PullState.SERVING, PullState.CLOSED):
-            raise error(f"{type(event).__name__} after the exchange is {self.state.value}")
-        if isinstance(event, Reject):
-            self.reject, self.state = event, PullState.CLOSED
-            return
-        nxt = TRANSITIONS.get((self.state, who, type(event)))
-        if nxt is None:
-            raise error(f"{who.value} may not send {type(event).__name__} in state {self.state.value}")
-        self.state = nxt
+    def __init__(self, side: Side) -> None:
+        super().__init__(side, P if side is C else C, PullState.START)
+        self.side = side
 
     def send(self, event: PullEvent) -> bytes:
         data = encode(event)
-        self._advance(self.side, event, LocalProtocolError)
+        self._advance(self.our_role, event, LocalProtocolError)
         return data
 
     def send_parts(self, event: PullEvent) -> list[bytes]:
@@ -369,12 +356,8 @@ class PullConnection:
         if not isinstance(frame, tuple):
             return frame
         event = _decode(*frame)
-        self._advance(self.their, event, ProtocolError)
+        self._advance(self.their_role, event, ProtocolError)
         return event
-
-    def _admit(self, cls: type, length: int) -> None:
-        if cls is not Reject and (self.state, self.their, cls) not in TRANSITIONS:
-            raise ProtocolError(f"{self.their.value} may not send {cls.__name__} in state {self.state.value}")
 
     def leftover(self) -> bytes:
         """Bytes after ``Serving``: they belong to the V3 connection that follows."""

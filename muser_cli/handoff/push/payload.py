@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError
-from muser_cli.handoff.header import MAX_PAYLOAD_BYTES, HandoffHeader
+from muser_cli.handoff.wire.header import MAX_PAYLOAD_BYTES, HandoffHeader
 
 END_FRAME_BYTES = 128  # end frame header + digest block (docs/kvpack.md 2.4)
 

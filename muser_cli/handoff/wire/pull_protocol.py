@@ -68,6 +68,7 @@ _FP_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
 _KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "tokenizer_fingerprint",
          "model_fingerprint", "chunk_tokens", "dtype"}  # and exactly one of "token_ids", "prompt"
 _PROMPT_KEYS = {"text", "chat"}
+_ENGINE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 _HAVE_KEYS = {"held_tokens", "chain"}
 _PROBE_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "probe_ms"}
 
@@ -86,6 +87,9 @@ class PullRequest:
     dtype: str
     have_tokens: int = 0  # the consumer holds rows [0, have_tokens): answer with a delta from there
     have_chain: str | None = None  # their chain hash (on this request's schedule)
+    #: the engine the consumer decodes on (optional): a producer on the same engine may leave
+    #: the sliding history out (that consumer runs no numeric gate); None: unknown, send it
+    engine: str | None = None
     text: str | None = None  # text mode: the producer tokenizes this (token_ids empty until it did) ...
     chat: bool = False  # ... as one user turn of its chat template, or as is
 
@@ -101,6 +105,8 @@ class PullRequest:
             out["token_ids"] = list(self.token_ids)
         if self.have_tokens:
             out["have"] = {"held_tokens": self.have_tokens, "chain": self.have_chain}
+        if self.engine is not None:
+            out["engine"] = self.engine
         return out
 
 
@@ -129,10 +135,10 @@ def parse_request(raw: bytes) -> PullRequest:
     obj = loads(raw, "pull request", limit=MAX_REQUEST_BYTES, error=ProtocolError)
     if not isinstance(obj, dict):
         raise ProtocolError("pull request is not a JSON object")
-    rest = set(obj) - _KEYS - {"have"}
+    rest = set(obj) - _KEYS - {"have", "engine"}
     if not _KEYS <= set(obj) or rest not in ({"token_ids"}, {"prompt"}):
         raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)}, one of 'token_ids' or 'prompt', "
-                            "and an optional 'have'")
+                            "and an optional 'have' and 'engine'")
     if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
         raise ProtocolError(f"pull request version {obj['v']!r} is not {PULL_VERSION}")
     text, chat = None, False
@@ -165,6 +171,8 @@ def parse_request(raw: bytes) -> PullRequest:
         held = _int(have, "held_tokens", 1, len(ids) - 1 if text is None else MAX_TOKENS)
         chain = _str(have, "chain", _FP_RE)
         req = replace(req, have_tokens=held, have_chain=chain)
+    if "engine" in obj:
+        req = replace(req, engine=_str(obj, "engine", _ENGINE_RE))
     if canonical(obj) != raw:
         raise ProtocolError("pull request bytes are not canonical JSON")
     return req

@@ -49,12 +49,23 @@ def test_request_round_trips_and_its_mac_binds_every_byte():
     lambda o: o.update(request_id="XYZ"),
     lambda o: o.update(chunk_tokens=0),
     lambda o: o.update(key_id="bad key"),
+    lambda o: o.update(engine="Torch!"),
+    lambda o: o.update(engine=""),
+    lambda o: o.update(engine=3),
 ])
 def test_malformed_requests_are_protocol_errors(change):
     obj = make_request().to_json()
     change(obj)
     with pytest.raises(ProtocolError):
         parse_request(canonical(obj))
+
+
+def test_a_request_may_name_the_consumers_engine():
+    """Optional: a producer on the same engine may leave the sliding history out."""
+    req = make_request(engine="mlx")
+    raw, _ = sign_request(req, SECRET)
+    assert b'"engine":"mlx"' in raw and parse_request(raw) == req and parse_request(raw).engine == "mlx"
+    assert parse_request(sign_request(make_request(), SECRET)[0]).engine is None
 
 
 def test_non_canonical_request_bytes_are_refused():

@@ -115,7 +115,7 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
     rows.append(Row("mutual auth", True, f"{version}, producer certificate {cn!r} from this node's CA",
                     {"producer_name": cn, "tls": version}))
     # the test request: request -> clock -> model -> audit
-    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
     try:
         ask = ask_for(TEST_PROMPT, model=model, chat=False, chunk_tokens=chunk_tokens, dtype=None, engine="torch")

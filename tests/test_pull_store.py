@@ -59,7 +59,7 @@ def info(request):
 
 def reference(info, ids):
     """A full prefill of ``ids`` on the schedule, no store, no memory."""
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     prod = ResidentProducer(str(info.path), dtype="float32")
     prod.keep_last = False
@@ -68,7 +68,7 @@ def reference(info, ids):
 
 def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(info):
     from muser_cli.reuse import Store
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     first = ResidentProducer(str(info.path), dtype="float32", store=True)
     stats, _ = serve_one(first, request(info, DOC))
@@ -93,7 +93,7 @@ def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(in
 
 def test_a_delta_request_is_answered_from_the_store_with_the_same_rows(info):
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(info.path), dtype="float32", store=True), request(info, DOC))
     prod = ResidentProducer(str(info.path), dtype="float32", store=True)
@@ -113,7 +113,7 @@ def test_a_delta_request_is_answered_from_the_store_with_the_same_rows(info):
 
 def test_without_store_the_producer_neither_reads_nor_writes_it(tiny_llama):
     from muser_cli.reuse import Store
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(tiny_llama.path), dtype="float32", store=True), request(tiny_llama, DOC))
     before = Store().points(tiny_llama.fingerprint, tiny_llama.tokenizer_fingerprint, list(FOLLOW), len(FOLLOW) - 1)
@@ -126,7 +126,7 @@ def test_without_store_the_producer_neither_reads_nor_writes_it(tiny_llama):
 
 def test_the_last_request_wins_when_it_holds_the_deeper_prefix(tiny_llama):
     """Memory and store both hold a prefix: the deeper one is used (here the memory's)."""
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(tiny_llama.path), dtype="float32", store=True), request(tiny_llama, DOC[:20]))
     prod = ResidentProducer(str(tiny_llama.path), dtype="float32")

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Sequence
 
-from muser_cli.engines.base import RowsOf
+from muser_cli.engines.base import Engine, RowsOf
 from muser_cli.kvpack import LayerKV, PackHeader, PackWriter, write_pack
 from muser_cli.modelinfo import LayerSpec, ModelInfo
 from muser_cli.reuse.chain import resumable, scope_of_header
@@ -137,8 +137,8 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     assert isinstance(engine, EngineRows), "the last row source computes: EngineRows"
     eng = engine.eng
     t0 = time.perf_counter()
-    full = build_header(job.info, job.ids, dtype=job.dtype, chunk_tokens=job.chunk_tokens, engine=job.engine,
-                        threads=job.threads, extra=eng.producer_info(), ring_extra=eng.ring_extra)
+    full = pack_header(job.info, job.ids, dtype=job.dtype, chunk_tokens=job.chunk_tokens, engine=job.engine,
+                       threads=job.threads, eng=eng)
     header = full
     if job.have_tokens:
         header = delta_header(full, scope_of_header(full), job.have_tokens, job.have_chain)
@@ -166,6 +166,16 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     return Produced(header=writer.header, full=full, rows=made, bytes_written=writer.bytes_written, started=t0,
                     prefill_s=t1 - t0 - emit_s, write_s=emit_s + time.perf_counter() - t1, emit_s=emit_s,
                     first_frame=emitter.first_frame_s if emitter is not None else None)
+
+
+def pack_header(info: ModelInfo, ids: list[int], *, dtype: str, chunk_tokens: int, engine: str, threads: int,
+                eng: Engine | None = None) -> PackHeader:
+    """The header of a full pack of ``ids`` made on this schedule by ``engine`` (its name);
+    with ``eng``, the engine making the rows, its producer record and ring rows too. The
+    benchmarks that time making rows and writing them apart take their header here."""
+    return build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
+                        extra=eng.producer_info() if eng is not None else None,
+                        ring_extra=eng.ring_extra if eng is not None else 0)
 
 
 def stats_of(made: Produced, job: PackJob) -> dict[str, Any]:

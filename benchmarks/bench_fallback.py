@@ -35,7 +35,7 @@ def main() -> int:
     from muser_cli.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.models import resolve_model
-    from muser_cli.serve import start_pull_pipe
+    from muser_cli.pulllane.consumer import start_pull_pipe
     from muser_cli.tokens import decode_text
 
     work = Path(tempfile.mkdtemp(prefix="muser-bench-fallback-"))

@@ -31,14 +31,14 @@ def cli_compare(args, info) -> int:
     from muser_cli.bench.pack import fsync_write, synthetic_kv
     from muser_cli.bench.pack_study import pack_vs_cat
     from muser_cli.kvpack import write_pack
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp:
         big = Path(args.cli_pack) if args.cli_pack else Path(tmp) / "big.kvpack"
         depth = None if args.cli_pack else max(int(d) for d in args.depths.split(","))
         if depth:
             ids, layers = synthetic_kv(info, depth)
-            header = build_header(info, ids, dtype="bfloat16", chunk_tokens=512, engine="torch", threads=1)
+            header = pack_header(info, ids, dtype="bfloat16", chunk_tokens=512, engine="torch", threads=1)
             fsync_write(big, lambda fh: write_pack(fh, header, layers, codec="none"))
         res = pack_vs_cat(big, reps=args.cli_reps or args.reps, baseline=args.baseline or None)
     cat = res["cat"]["GBps"]["median"]

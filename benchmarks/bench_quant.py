@@ -41,7 +41,7 @@ def main() -> int:
     from muser_cli.kvpack import read_pack_bytes, write_pack
     from muser_cli.models import resolve_model
     from muser_cli.pack import pack
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
     from muser_cli.tokens import encode_prompt
 
     info = resolve_model("default")
@@ -50,7 +50,7 @@ def main() -> int:
     for text in FIXTURES:
         ids = encode_prompt(info, text, chat=True)
         layers = eng.prefill(ids[:-1], chunk_tokens=512)
-        header = build_header(info, ids, dtype=args.dtype, chunk_tokens=512, engine="torch", threads=eng.threads)
+        header = pack_header(info, ids, dtype=args.dtype, chunk_tokens=512, engine="torch", threads=eng.threads)
         src = io.BytesIO()
         write_pack(src, header, layers)
         lossless = read_pack_bytes(src.getvalue())

@@ -26,14 +26,14 @@ def main() -> int:
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack_bytes, write_pack
     from muser_cli.models import resolve_model
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     info = resolve_model("default")
     eng = get_engine("torch", info, dtype=args.dtype, threads=args.threads)
     rows = []
     for depth in [int(d) for d in args.depths.split(",")]:
         ids = corpus_ids(info, depth)
-        header = build_header(info, ids, dtype=args.dtype, chunk_tokens=512, engine="torch", threads=args.threads)
+        header = pack_header(info, ids, dtype=args.dtype, chunk_tokens=512, engine="torch", threads=args.threads)
         state = {}
 
         def do_prefill():

@@ -69,15 +69,14 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("--send-text needs --producer HOST:PORT")
             if producer is not None:
                 from muser_cli.errors import UsageError
-                from muser_cli.serve import start_pull_pipe
+                from muser_cli.pulllane.consumer import start_pull_pipe
 
                 if prompt_text is None or src != "-":
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
                 pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
                                           dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse,
                                           send_text=send_text)
-                inp = pulling.reader
-                reason = f"nothing from {producer}"
+                inp, reason = pulling.reader, pulling.empty_reason
             elif src != "-" and not Path(src).exists() and prompt_text is not None:
                 inp = None
                 reason = f"no kvpack at {src}"
@@ -96,12 +95,7 @@ def register(app: typer.Typer) -> None:
             if out.set_aside:
                 err(f"decode: warning: {out.set_aside}; the tokens come from a local prefill (--strict refuses it)")
             if pulling is not None:
-                pulling.join(timeout=5)
-                why = pulling.reason()
-                if why and out.source == "partial+local":
-                    out.reason = f"{out.reason}; {why}"
-                elif why and out.fallback:
-                    out.reason = why
+                pulling.explain(out)  # why the pull gave nothing, or not all, in decode's reason
             for line in out.store_problems:
                 err(f"decode: store: {line}")
             held = out.held_tokens

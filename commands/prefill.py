@@ -53,9 +53,10 @@ def register(app: typer.Typer) -> None:
 
                 options = parse_options(vllm_opt, source="--vllm-opt")
             if serve is not None:
-                _serve(serve, prompt=prompt, model=model, engine=engine, dtype=dtype, threads=threads,
-                       max_queue=max_queue, as_json=as_json, options=options,
-                       others=(chat, chunk, zstd, have, reuse, store, output), max_batch=max_batch, metrics=metrics,
+                _refuse_per_request_options(prompt=prompt, chat=chat, chunk=chunk, zstd=zstd, have=have, reuse=reuse,
+                                            output=output)
+                _serve(serve, model=model, engine=engine, dtype=dtype, threads=threads, max_queue=max_queue,
+                       as_json=as_json, options=options, store=store, max_batch=max_batch, metrics=metrics,
                        history=history)
                 return
             if metrics is not None:
@@ -98,19 +99,27 @@ def register(app: typer.Typer) -> None:
 _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": "from the reuse store"}
 
 
-def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
-           max_queue: int, as_json: bool, options: Optional[dict], others: tuple, max_batch: int = 8,
+def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int], zstd: Optional[int],
+                                have: Optional[str], reuse: bool, output: str) -> None:
+    """``--serve`` computes what each request names: one pack's options are a usage error."""
+    from muser_cli.errors import UsageError
+
+    given = {"a prompt": prompt != "-", "--chat": chat, "--chunk": chunk is not None, "--zstd": bool(zstd),
+             "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None)}
+    if any(given.values()):
+        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
+                         hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
+
+
+def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int, max_queue: int,
+           as_json: bool, options: Optional[dict], store: bool = False, max_batch: int = 8,
            metrics: Optional[str] = None, history: Optional[bool] = None) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
     from muser_cli.commands._common import drain_on_signals
     from muser_cli.errors import UsageError
-    from muser_cli.serve import serve
+    from muser_cli.pulllane.producer import serve
 
-    chat, chunk, zstd, have, reuse, store, output = others
-    if prompt != "-" or chat or chunk is not None or zstd or have or reuse or output not in ("-", None):
-        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
-                         hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
     from muser_cli.units import utc_stamp
@@ -155,7 +164,7 @@ def _serve(listen: str, *, prompt: str, model: Optional[str], engine: str, dtype
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
-                   max_batch=max_batch, live=live)
+                   max_batch=max_batch, live=live, history=history)
     summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
     if as_json:
         sys.stderr.write(json.dumps({"event": "stopped", "ts": utc_stamp(), **summary}, sort_keys=True) + "\n")

@@ -110,7 +110,7 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
 
     from muser_cli.commands._common import read_text_input
     from muser_cli.handoff.link import parse_hostport
-    from muser_cli.serve import ask_for, pull_prompt, with_have
+    from muser_cli.pulllane.consumer import ask_for, pull_prompt, with_have
 
     if prompt is None:
         raise UsageError("--from needs a PROMPT file (or - for stdin)")

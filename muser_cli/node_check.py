@@ -165,7 +165,7 @@ _AUTHENTICATED = "signed request authenticated (key id, MAC)"
 def _check_request(run: _Run, out: Path, *, model: str | None, chunk_tokens: int | None) -> Any:
     """The test request, pulled into ``out``: the request, clock and model rows. Returns the ask."""
     from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
-    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
     try:
         ask = ask_for(TEST_PROMPT, model=model, chat=False, chunk_tokens=chunk_tokens, dtype=None, engine="torch")

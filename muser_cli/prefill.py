@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
 from muser_cli import STARTED_AT
-from muser_cli.engines.base import RowsOf
-from muser_cli.kvpack import PackHeader, PackWriter, write_pack
+from muser_cli.kvpack import PackHeader
 from muser_cli.modelinfo import ProgressFn
 from muser_cli.models import resolve_model
+from muser_cli.produce import PackJob, PackSink, produce_pack, set_history
 from muser_cli.reuse import Store
-from muser_cli.reuse.chain import scope_of_header
-from muser_cli.reuse.delta import delta_header
-from muser_cli.rows import local_rows
-from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, build_header, check_chunk, check_prompt, default_dtype
+from muser_cli.rows import EngineRows, StoreRows
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 from muser_cli.tokens import encode_prompt
 
 if TYPE_CHECKING:
@@ -37,40 +35,6 @@ class PrefillResult:
     stored: str | None = None  # store entry id, with store=True
     prefill_start_s: float = 0.0  # since muser started: the engine began the prefill
     first_frame_s: float | None = None  # since muser started: the first frame left (streaming engines)
-
-
-class FrameEmitter:
-    """An ``on_chunk`` callback: writes every planned frame whose rows are final, then flushes
-    (so a pipe downstream — pack, send, decode — gets each chunk as it finishes)."""
-
-    def __init__(self, writer: PackWriter, out: BinaryIO) -> None:
-        self.writer = writer
-        self.out = out
-        self.seconds = 0.0  # time spent writing frames (not computing)
-        self.first_frame_s: float | None = None
-
-    def __call__(self, done: int, rows_of: RowsOf) -> None:
-        t0 = time.perf_counter()
-        wrote = False
-        while (exp := self.writer.expected()) is not None and exp[1] + exp[2] <= done:
-            layer, start, count = exp
-            self.writer.write_frame(layer, start, *rows_of(layer, start, start + count))
-            wrote = True
-        if wrote:
-            self.out.flush()
-            if self.first_frame_s is None:
-                self.first_frame_s = time.perf_counter()
-        self.seconds += time.perf_counter() - t0
-
-
-def set_history(eng, history: bool | None) -> None:
-    """Ask ``eng`` for the sliding history (``history`` None: where it can write it); True on an
-    engine that cannot, for a model with a sliding layer, is a UsageError."""
-    sliding = any(s.kind in ("sliding", "chunked") for s in eng.info.layers)
-    if history and sliding and not eng.writes_history:
-        raise UsageError(f"the {eng.name} engine cannot write the sliding history of {eng.info.name}",
-                         hint="drop --history, or prefill with --engine torch")
-    eng.history = history is not False and eng.writes_history
 
 
 def prefill(
@@ -126,39 +90,15 @@ def prefill(
     dtype = dtype or default_dtype(engine)
     eng = get_engine(engine, info, dtype=dtype, threads=threads, options=engine_options)
     set_history(eng, history)
-    t1 = time.perf_counter()
-    rows = len(ids) - 1
-    header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk_tokens, engine=engine, threads=threads,
-                          extra=eng.producer_info(), ring_extra=eng.pack_ring_extra(rows))
-    full_header = header
-    if have is not None and have.held_tokens:
-        header = delta_header(header, scope_of_header(header), have.held_tokens, have.chain)
-        header = replace(header, ring_extra=eng.pack_ring_extra(rows, header.rows_start))
-    # A stored prefix holds no sliding history: with it, every row is computed here.
-    may_reuse = (reuse or have is not None) and eng.resumes_prefill and not eng.keeps_history
-    # A streaming engine hands each chunk's rows to the writer as the chunk finishes: the
-    # header leaves first, then every frame as soon as its rows are final (same bytes as
-    # writing the finished pack, since frames go in the same order).
-    writer = PackWriter(out, header, codec=codec, level=level) if eng.streams_prefill else None
-    emitter = FrameEmitter(writer, out) if writer is not None else None
+    job = PackJob(info, ids, dtype, chunk_tokens, engine, threads,
+                  have_tokens=have.held_tokens if have is not None else 0,
+                  have_chain=have.chain if have is not None else None)
     # Rows from this machine's store only on an engine that can continue them (its own kernels).
-    made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens,
-                      reuse=may_reuse, progress=progress,
-                      on_chunk=emitter, ring_extra=header.ring_extra)
-    t2 = time.perf_counter()
-    if writer is None:
-        late = eng.producer_info()  # a non-streaming engine (vLLM) learns its backend and layout while prefilling
-        if late:
-            header = replace(header, producer={**header.producer, **late})
-        writer = write_pack(out, header, made.layers, codec=codec, level=level)
-    else:
-        writer.finish()
-    t3 = time.perf_counter()
-    stored = Store().put_layers(full_header, made.layers).entry.id if store else None
-    write_s = (emitter.seconds if emitter is not None else 0.0) + (t3 - t2)
-    return PrefillResult(header=writer.header, token_count=len(ids), load_s=t1 - t0,
-                         prefill_s=t2 - t1 - (emitter.seconds if emitter is not None else 0.0),
-                         write_s=write_s, bytes_written=writer.bytes_written,
-                         held_tokens=header.rows_start, reused_tokens=made.held, stored=stored,
-                         prefill_start_s=t1 - STARTED_AT,
-                         first_frame_s=(emitter.first_frame_s - STARTED_AT) if emitter and emitter.first_frame_s else None)
+    sources = [StoreRows(eng)] if (reuse or have is not None) and eng.resumes_prefill and not eng.keeps_history else []
+    made = produce_pack(job, [*sources, EngineRows(eng, progress=progress)], PackSink(out, codec, level))
+    stored = Store().put_layers(made.full, made.layers).entry.id if store else None
+    return PrefillResult(header=made.header, token_count=len(ids), load_s=made.started - t0,
+                         prefill_s=made.prefill_s, write_s=made.write_s, bytes_written=made.bytes_written,
+                         held_tokens=made.header.rows_start, reused_tokens=made.rows.held, stored=stored,
+                         prefill_start_s=made.started - STARTED_AT,
+                         first_frame_s=(made.first_frame - STARTED_AT) if made.first_frame else None)

@@ -1,7 +1,8 @@
-"""Where a prompt's KV rows come from on this machine: the store, or computed on the
-canonical schedule — the one place both ``prefill`` and ``decode``'s fallback ask.
+"""Where a prompt's KV rows come from on this machine: a row source that holds a prefix
+(the previous request's rows, the store), then the engine for the rest, on the canonical
+schedule — the one place ``prefill``, the resident producer and ``decode``'s fallback ask.
 
-A stored prefix that ends at a chunk boundary is continued (engines that declare
+A held prefix that ends at a chunk boundary is continued (engines that declare
 ``resumes_prefill``); a full hit needs no compute at all. Either way the rows are byte
 for byte the rows one full prefill on the same schedule would produce.
 """
@@ -9,7 +10,7 @@ for byte the rows one full prefill on the same schedule would produce.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from muser_cli.engines.base import ChunkFn, Engine, RowsOf
 from muser_cli.errors import SpotCheckFailed
@@ -28,9 +29,130 @@ class LocalRows:
     layers: list[LayerKV]
     chunk_tokens: int  # the schedule they were made on
     source: str  # "local" (computed), "store" (a full hit), "store+local" (a stored prefix, then computed)
-    held: int = 0  # rows taken from the store
+    held: int = 0  # rows taken from a source instead of computed
     entry: str | None = None  # the store entry they came from
     problems: list[str] = field(default_factory=list)  # store entries found corrupt (and removed)
+    origin: str | None = None  # the source of the held rows ("store", "memory"); None: all computed
+    producer: dict[str, Any] | None = None  # the producer record of the prefill that made them (a batch's)
+    batch: int | None = None  # computed together with batch - 1 other prompts
+
+
+@dataclass
+class Found:
+    """A prefix a row source holds: rows [0, held) of the prompt (all of them: a full hit)."""
+
+    held: int
+    layers: list[LayerKV]
+    origin: str  # the source's name
+    chunk_tokens: int  # the schedule they were made on
+    entry: str | None = None
+
+
+class RowSource(Protocol):
+    """A place that may hold a prefix of a prompt's rows (:class:`StoreRows`, the resident
+    producer's memory of its previous request)."""
+
+    def find(self, ids: list[int], *, dtype: str, chunk_tokens: int | None, ring_extra: int,
+             deeper_than: int) -> Found | None:
+        """The deepest exact prefix held of ``ids[:-1]`` on the schedule (``chunk_tokens``
+        None: any), when deeper than ``deeper_than`` rows; a full hit holds ``ring_extra``."""
+
+
+class StoreRows:
+    """This machine's reuse store as a row source. Another engine's rows (a foreign pack put
+    in the store) serve only once the numeric gate passed them (:func:`entry_may_serve`).
+    ``spare_rows``: a full hit's full layers come with that much room after their rows."""
+
+    name = "store"
+
+    def __init__(self, eng: Engine, store: Store | None = None, *, spare_rows: int = 0) -> None:
+        self.eng = eng
+        self.store = store
+        self.spare_rows = spare_rows
+        self.problems: list[str] = []
+
+    def find(self, ids: list[int], *, dtype: str, chunk_tokens: int | None, ring_extra: int,
+             deeper_than: int = 0) -> Found | None:
+        store = self.store or Store()  # made here: its index connection belongs to this thread
+        info = self.eng.info
+        if deeper_than > 0:  # nothing deeper is held: nothing is loaded
+            points = [p for p in store.points(info.fingerprint, info.tokenizer_fingerprint, ids, len(ids) - 1,
+                                              dtype=dtype, chunk_tokens=chunk_tokens) if p.resumable]
+            if not points or max(p.held for p in points) <= deeper_than:
+                return None
+        resume = None
+        for _ in range(MAX_REFUSED_ENTRIES + 1):
+            resume = find_resume(store, info.fingerprint, info.tokenizer_fingerprint, ids, dtype=dtype,
+                                 chunk_tokens=chunk_tokens, spare_rows=self.spare_rows, ring_extra=ring_extra)
+            if resume is None or entry_may_serve(store, resume.entry, resume.stored, self.eng, dtype=dtype):
+                break
+            resume = None  # refused by the gate and removed: look again
+        self.problems = list(store.problems)
+        if resume is None or resume.held <= deeper_than:
+            return None
+        return Found(resume.held, list(resume.layers), self.name, resume.scope.chunk_tokens, resume.entry)
+
+
+Compute = Callable[[list[int], int], tuple[list[LayerKV], dict[str, Any], int]]
+
+
+class EngineRows:
+    """The engine as the last row source: computes what no other source held, from position 0
+    or continuing a held prefix. ``batched``: computes a prompt from position 0 instead (a
+    batching engine's :meth:`prefill_many`, shared with other requests; rows, the batch's
+    producer record and its size)."""
+
+    name = "engine"
+
+    def __init__(self, eng: Engine, *, progress: ProgressFn | None = None, batched: Compute | None = None) -> None:
+        self.eng = eng
+        self.progress = progress
+        self.batched = batched
+
+    def complete(self, ids: list[int], found: Found | None, *, chunk_tokens: int,
+                 on_chunk: ChunkFn | None) -> LocalRows:
+        """The rows of ``ids[:-1]`` from ``found`` on (None: from position 0). ``on_chunk``
+        (engines that declare ``streams_prefill``) sees them as each chunk finishes, held ones included."""
+        eng, rows = self.eng, len(ids) - 1
+        kw: dict[str, Any] = {"on_chunk": on_chunk} if on_chunk is not None else {}
+        if self.progress is not None:
+            kw["progress"] = self.progress
+        if found is None and self.batched is not None:
+            layers, producer, batch = self.batched(ids[:-1], chunk_tokens)
+            return LocalRows(layers, chunk_tokens, "local", producer=producer, batch=batch)
+        if found is None:
+            return LocalRows(eng.prefill(ids[:-1], chunk_tokens=chunk_tokens, **kw), chunk_tokens, "local")
+        chunk, origin = found.chunk_tokens, found.origin
+        if found.held == rows:
+            if on_chunk is not None:
+                on_chunk(rows, rows_of_layers(found.layers))
+            return LocalRows(list(found.layers), chunk, origin, found.held, found.entry, origin=origin)
+        layers = eng.prefill_from(found.layers, rows=found.held, token_ids=ids[found.held : -1], chunk_tokens=chunk,
+                                  **kw)
+        return LocalRows(layers, chunk, f"{origin}+local", found.held, found.entry, origin=origin)
+
+
+def gather_rows(ids: Sequence[int], sources: Sequence[RowSource], engine: EngineRows, *, dtype: str,
+                chunk_tokens: int | None, ring_extra: int = 0, on_chunk: ChunkFn | None = None) -> LocalRows:
+    """The rows of prompt ``ids[:-1]``: the deepest prefix any of ``sources`` holds (asked in
+    order, each only for a deeper one than found so far), continued by ``engine``; computed
+    from position 0 on ``chunk_tokens`` (None: the default) when none holds one. A prefix
+    short of a full hit serves only an engine that declares ``resumes_prefill``."""
+    ids = list(ids)
+    rows = len(ids) - 1
+    found: Found | None = None
+    for source in sources:
+        if found is not None and found.held == rows:
+            break  # a full hit: nothing deeper to ask for
+        got = source.find(ids, dtype=dtype, chunk_tokens=chunk_tokens, ring_extra=ring_extra,
+                          deeper_than=found.held if found is not None else 0)
+        if got is not None:
+            found = got
+    if found is not None and found.held < rows and not engine.eng.resumes_prefill:
+        found = None  # this engine cannot continue a prefill: only a full hit helps
+    made = engine.complete(ids, found, chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS, on_chunk=on_chunk)
+    made.problems = [p for s in sources for p in getattr(s, "problems", ())]
+    return made
 
 
 def local_rows(
@@ -53,35 +175,9 @@ def local_rows(
     hit's full layers come with that much room after their rows, for the engine to adopt
     (``Engine.decode(adopt=True)``). ``ring_extra``: a full hit must hold that many ring
     rows beyond ``window - 1`` (the header a producer already wrote promises them)."""
-    ids = list(ids)
-    rows = len(ids) - 1
-    resume = None
-    problems: list[str] = []
-    if reuse:
-        store = store or Store()
-        for _ in range(MAX_REFUSED_ENTRIES + 1):
-            resume = find_resume(store, eng.info.fingerprint, eng.info.tokenizer_fingerprint, ids, dtype=dtype,
-                                 chunk_tokens=chunk_tokens, spare_rows=spare_rows, ring_extra=ring_extra)
-            if resume is None or entry_may_serve(store, resume.entry, resume.stored, eng, dtype=dtype):
-                break
-            resume = None  # refused by the gate and removed: look again
-        problems = list(store.problems)
-        if resume is not None and resume.held < rows and not eng.resumes_prefill:
-            resume = None  # this engine cannot continue a prefill: only a full hit helps
-    if resume is None:
-        chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-        kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
-        layers = eng.prefill(ids[:-1], chunk_tokens=chunk, progress=progress, **kw)
-        return LocalRows(layers, chunk, "local", problems=problems)
-    chunk = resume.scope.chunk_tokens
-    if resume.held == rows:
-        if on_chunk is not None:
-            on_chunk(rows, rows_of_layers(resume.layers))
-        return LocalRows(list(resume.layers), chunk, "store", resume.held, resume.entry, problems)
-    kw = {"on_chunk": on_chunk} if on_chunk is not None else {}
-    layers = eng.prefill_from(resume.layers, rows=resume.held, token_ids=ids[resume.held : -1],
-                              chunk_tokens=chunk, progress=progress, **kw)
-    return LocalRows(layers, chunk, "store+local", resume.held, resume.entry, problems)
+    sources = [StoreRows(eng, store or Store(), spare_rows=spare_rows)] if reuse else []
+    return gather_rows(ids, sources, EngineRows(eng, progress=progress), dtype=dtype, chunk_tokens=chunk_tokens,
+                       ring_extra=ring_extra, on_chunk=on_chunk)
 
 
 def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine, *, dtype: str) -> bool:

@@ -202,7 +202,7 @@ def test_a_malformed_have_is_a_protocol_error(have):
 def test_the_resident_producer_refuses_a_have_chain_that_is_not_the_prompts(tiny_llama):
     from muser_cli.handoff.push.spool import Refusal
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     prod = ResidentProducer(str(tiny_llama.path), dtype="float32")
     ids = tuple(range(5, 45))

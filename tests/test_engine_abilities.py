@@ -99,7 +99,7 @@ class Batching(Minimal):
 def test_the_resident_producer_reads_the_declared_abilities(tiny_llama):
     from muser_cli.handoff.wire.pull_protocol import PullRequest
     from muser_cli.handoff.push.spool import Refusal
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     def producer(eng):
         return ResidentProducer(str(tiny_llama.path), engine=eng.name, dtype="float32", loaded=eng, max_batch=4)

@@ -373,7 +373,7 @@ def test_a_resident_producer_never_serves_a_foreign_entry_the_gate_refuses(tiny_
     """``prefill --serve --store``: rows put from another engine's pack would otherwise leave
     as the producer's own (its header names its engine, so no consumer would check them)."""
     from muser_cli.reuse import Store
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
     from tests.test_pull_store import DOC, reference, request, same_rows, serve_one
 
     want = reference(tiny_llama, DOC)[1]

@@ -8,7 +8,7 @@ import threading
 import time
 
 from muser_cli.handoff.pull.admission import Admission as _Admission
-from muser_cli.serve import ResidentProducer
+from muser_cli.pulllane.producer import ResidentProducer
 
 
 def test_one_slot_admits_one_request_at_a_time():

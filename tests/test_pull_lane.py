@@ -109,7 +109,7 @@ def test_a_replayed_request_is_refused(lane):
     from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, PullRequest, Request, Side, new_request_id, sign_request
     from muser_cli.handoff.pull.client import key_for
     from muser_cli.handoff.wire.protocol import Reject
-    from muser_cli.serve import ask_for
+    from muser_cli.pulllane.consumer import ask_for
     import socket
 
     os.environ["MUSER_HOME"] = str(lane["nodes"].consumer_home)
@@ -325,7 +325,7 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     from muser_cli.kvpack import read_pack
     from muser_cli.models import resolve_model
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.pulllane.consumer import ask_for, pull_prompt
     from muser_cli.tokens import encode_prompt
 
     info = resolve_model(lane["model"])
@@ -384,7 +384,7 @@ def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypa
     """A producer that answers a have of 17 (chunk 8) with a delta from 17 -- one without
     the rounding above -- is refused by the consumer before ``Go`` (65): nothing written,
     so nothing ``verify`` would refuse is ever published."""
-    import muser_cli.serve as serve_mod
+    import muser_cli.pulllane.producer as serve_mod
     from muser_cli.errors import DataError
     from muser_cli.handoff.pull.client import pull
     from muser_cli.handoff.pull.server import PullServer, ServeConfig
@@ -529,7 +529,7 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
     (75); a ``decode --producer`` asking meanwhile is told busy too and prefills locally,
     with the local tokens. None hangs."""
     from muser_cli.errors import TempFailure
-    from muser_cli.serve import ask_for, pull_prompt
+    from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
     monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
     ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")

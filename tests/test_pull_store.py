@@ -60,7 +60,7 @@ def info(request):
 def reference(info, ids, history: bool = False):
     """A full prefill of ``ids`` on the schedule, no store, no memory (``history``: with the
     sliding history, docs/kvpack.md 1.3; the store tests below serve packs without it)."""
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     prod = ResidentProducer(str(info.path), dtype="float32", history=history)
     prod.keep_last = False
@@ -69,7 +69,7 @@ def reference(info, ids, history: bool = False):
 
 def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(info):
     from muser_cli.reuse import Store
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     first = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)
     stats, _ = serve_one(first, request(info, DOC))
@@ -94,7 +94,7 @@ def test_a_restarted_producer_continues_from_its_store_and_keeps_every_result(in
 
 def test_a_delta_request_is_answered_from_the_store_with_the_same_rows(info):
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(info.path), dtype="float32", store=True, history=False), request(info, DOC))
     prod = ResidentProducer(str(info.path), dtype="float32", store=True, history=False)
@@ -116,7 +116,7 @@ def test_with_the_sliding_history_a_producer_computes_what_no_store_entry_holds(
     """A pack with the sliding history (the default) carries every sliding row; a store entry
     or a remembered prompt holds the window only past the consumer's own prefix, so the
     producer computes those rows itself rather than ship a pack its header would misdescribe."""
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(tiny_hybrid.path), dtype="float32", store=True), request(tiny_hybrid, DOC))
     again = ResidentProducer(str(tiny_hybrid.path), dtype="float32", store=True)
@@ -128,7 +128,7 @@ def test_with_the_sliding_history_a_producer_computes_what_no_store_entry_holds(
 
 def test_without_store_the_producer_neither_reads_nor_writes_it(tiny_llama):
     from muser_cli.reuse import Store
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(tiny_llama.path), dtype="float32", store=True), request(tiny_llama, DOC))
     before = Store().points(tiny_llama.fingerprint, tiny_llama.tokenizer_fingerprint, list(FOLLOW), len(FOLLOW) - 1)
@@ -141,7 +141,7 @@ def test_without_store_the_producer_neither_reads_nor_writes_it(tiny_llama):
 
 def test_the_last_request_wins_when_it_holds_the_deeper_prefix(tiny_llama):
     """Memory and store both hold a prefix: the deeper one is used (here the memory's)."""
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     serve_one(ResidentProducer(str(tiny_llama.path), dtype="float32", store=True), request(tiny_llama, DOC[:20]))
     prod = ResidentProducer(str(tiny_llama.path), dtype="float32")

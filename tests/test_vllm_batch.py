@@ -118,7 +118,7 @@ def test_resident_vllm_producer_refuses_past_max_model_len_at_admission(engine, 
     the shared engine) is refused when the request is checked, so it never joins (and fails)
     a batch of others; one within it is admitted."""
     from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id
-    from muser_cli.serve import Refusal, ResidentProducer
+    from muser_cli.pulllane.producer import Refusal, ResidentProducer
 
     rp = ResidentProducer(str(tiny32.path), engine="vllm", dtype=engine.dtype, loaded=engine, max_batch=4)
     monkeypatch.setattr(engine, "max_model_len", 64)
@@ -144,7 +144,7 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
     from muser_cli.handoff.pull.server import PullServer, ServeConfig
     from muser_cli.handoff.push.receiver import Destination
     from muser_cli.kvpack import read_pack
-    from muser_cli.serve import ResidentProducer
+    from muser_cli.pulllane.producer import ResidentProducer
 
     ps = prompts(seed=12)
     want = [engine.prefill(p[:-1], chunk_tokens=CHUNK) for p in ps]

@@ -77,7 +77,7 @@ def teacher_forced(engine, layers, rows, last, reference):
 
 def write_pack(path, info, ids, layers, producer):
     from muser_cli.kvpack import write_pack as write
-    from muser_cli.prefill import build_header
+    from muser_cli.schedule import build_header
 
     header = build_header(info, ids, dtype="bfloat16", chunk_tokens=CHUNK, engine="vllm", threads=1, extra=producer)
     with open(path, "wb") as f:

@@ -447,10 +447,11 @@ class Batch:
         """What to ask a producer for ``p``: its ids on the batch's schedule, with what the store
         holds — or will hold once ``after`` (the job decoding now) is stored."""
         from muser_cli.reuse.chain import Scope, chain_at
-        from muser_cli.serve import PullAsk, with_have
+        from muser_cli.pulllane.consumer import PullAsk, with_have
 
         assert self.info is not None
-        ask = PullAsk(list(p.ids), self.info.tokenizer_fingerprint, self.info.fingerprint, self.chunk, self.dtype)
+        ask = PullAsk(list(p.ids), self.info.tokenizer_fingerprint, self.info.fingerprint, self.chunk, self.dtype,
+                      engine=self.config.engine)
         if not self.config.reuse:
             return ask
         ask = with_have(ask)
@@ -464,7 +465,7 @@ class Batch:
 
     def _live(self, p: Planned):
         """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched)."""
-        from muser_cli.serve import PipePull
+        from muser_cli.pulllane.consumer import PipePull
 
         addr = self.pool.pick()
         if addr is None:
@@ -481,7 +482,7 @@ class Batch:
             pass
 
     def _prefetch(self, p: Planned, *, after: Planned, schedule: int | None) -> _Fetch:
-        from muser_cli.serve import pull_prompt
+        from muser_cli.pulllane.consumer import pull_prompt
 
         fetch = _Fetch()
         assert self._spool is not None

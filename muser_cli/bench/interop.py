@@ -20,7 +20,7 @@ def make_pack(info, n: int, folder: Path, progress: Progress = no_progress) -> P
     """A real torch prefill (float32, chunk 512) of exactly ``n`` tokens of the docs, uncompressed."""
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import write_pack
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     path = folder / f"real-{n}.kvpack"
     ids = corpus_ids(info, n)
@@ -28,7 +28,7 @@ def make_pack(info, n: int, folder: Path, progress: Progress = no_progress) -> P
     t0 = time.perf_counter()
     layers = eng.prefill(ids[:-1], chunk_tokens=512)
     progress(f"prefill {n} tokens: {time.perf_counter() - t0:.1f}s")
-    header = build_header(info, ids, dtype="float32", chunk_tokens=512, engine="torch", threads=0)
+    header = pack_header(info, ids, dtype="float32", chunk_tokens=512, engine="torch", threads=0)
     with open(path, "wb") as out:
         write_pack(out, header, layers, codec="none")
     return path

@@ -48,7 +48,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
     from muser_cli.engines.registry import get_engine
     from muser_cli.handoff.push.sender import prepare_handoff, transmit
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     pins = pinning(pin)
     if threads is None or threads < 1:
@@ -63,7 +63,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
         with receiver(nodes, inbox, pins) as to:
             for depth in depths:
                 ids = corpus_ids(info, depth)
-                header = build_header(info, ids, dtype=dtype, chunk_tokens=512, engine="torch", threads=threads)
+                header = pack_header(info, ids, dtype=dtype, chunk_tokens=512, engine="torch", threads=threads)
                 doc = None
                 if live:
                     from muser_cli.tokens import decode_text

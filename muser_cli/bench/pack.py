@@ -297,7 +297,7 @@ def _kv(info, deepest: int, synthetic: bool, threads: int, progress: Progress):
 def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = False, threads: int = 1,
              peers: bool = True, study: Study = Study(), progress: Progress = no_progress) -> BenchResult:
     from muser_cli.kvpack import DEFAULT_DIGEST
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     deepest = max(depths)
     ids_all, kv_all, threads, prefill_s = _kv(info, deepest, synthetic, threads, progress)
@@ -312,7 +312,7 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
     try:
         for depth in depths:
             layers = prefix(kv_all, depth - 1)
-            base = build_header(info, ids_all[:depth], dtype="bfloat16", chunk_tokens=512, engine="torch",
+            base = pack_header(info, ids_all[:depth], dtype="bfloat16", chunk_tokens=512, engine="torch",
                                 threads=threads)
             headers = {DEFAULT_DIGEST_NAME: base}
             headers.update({d: replace(base, minor=DIGESTS[d][0], digest=DIGESTS[d][1]) for d in study.digests

@@ -38,11 +38,11 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
 
     from muser_cli.kvpack import read_pack_bytes, token_digest, write_pack
     from muser_cli.pack import pack
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
     from muser_cli.reuse import HaveManifest, Store
     from muser_cli.reuse.delta import layers_at
 
-    header = build_header(info, ids, dtype=dtype, chunk_tokens=chunk, engine="torch", threads=1)
+    header = pack_header(info, ids, dtype=dtype, chunk_tokens=chunk, engine="torch", threads=1)
     buf = io.BytesIO()
     write_pack(buf, header, layers)
     full = buf.getvalue()
@@ -50,7 +50,7 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
     for frac in (0.25, 0.5, 0.75):
         held = max(chunk, round(frac * (len(ids) - 1) / chunk) * chunk)
         store = Store(store_root / f"delta-{frac}")
-        prefix = build_header(info, ids[: held + 1], dtype=dtype, chunk_tokens=chunk, engine="torch", threads=1)
+        prefix = pack_header(info, ids[: held + 1], dtype=dtype, chunk_tokens=chunk, engine="torch", threads=1)
         pre = eng.prefill(ids[:held], chunk_tokens=chunk) if eng is not None else layers_at(layers, info.layers, held)
         store.put_layers(prefix, pre)
         p = store.points(info.fingerprint, info.tokenizer_fingerprint, ids, len(ids) - 1)[0]
@@ -158,14 +158,14 @@ def warm_read(info, depth: int, *, reps: int, threads: int, new_tokens: int = 32
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import LayerKV
     from muser_cli.reuse import Store
-    from muser_cli.schedule import build_header
+    from muser_cli.produce import pack_header
 
     ids = [int(t) for t in corpus_ids(info, depth)]
     rows = len(ids) - 1
     rng = np.random.default_rng(0)
     layers = [LayerKV(rng.standard_normal((s.kv_heads, rows, s.head_dim), dtype=np.float32),
                       rng.standard_normal((s.kv_heads, rows, s.v_head_dim), dtype=np.float32), 0) for s in info.layers]
-    header = build_header(info, ids, dtype="float32", chunk_tokens=CHUNK, engine="torch", threads=threads)
+    header = pack_header(info, ids, dtype="float32", chunk_tokens=CHUNK, engine="torch", threads=threads)
     st = Store()
     entry = st.put_layers(header, layers).entry
     del layers

@@ -255,7 +255,7 @@ class EngineWorker:
         return run(None, f"the pack from {live.producer} was refused: {state.refused}")
 
     def _pull(self, job: Job):
-        from muser_cli.serve import PipePull, ask_for, with_have
+        from muser_cli.pulllane.consumer import PipePull, ask_for, with_have
 
         addr = self.pool.pick()
         if addr is None:

@@ -160,13 +160,15 @@ def pull(
     destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
     idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
     have_tokens: int = 0, have_chain: str | None = None, text: str | None = None, chat: bool = False,
+    engine: str | None = None,
 ) -> Accepted:
     """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc).
 
     ``have_tokens``/``have_chain``: this consumer's store holds the first rows already; the
     producer answers with a delta pack from there (or, its choice, a full one).
     ``text``: send the prompt as this text (``chat``: as one user turn of the chat template)
-    and let the producer tokenize it; ``token_ids`` is still this consumer's own tokenization
+    and let the producer tokenize it; ``engine``: the engine this consumer decodes on (a
+    producer on the same one leaves the sliding history out); ``token_ids`` is still this consumer's own tokenization
     of it, and the pack is refused (DataError, 65, before ``Go``) unless it binds exactly those."""
     t_start = time.monotonic()
     first_by = None if timeout is None else t_start + timeout
@@ -181,7 +183,8 @@ def pull(
                           consumer=identity.name, token_ids=tuple(token_ids) if text is None else (),
                           tokenizer_fingerprint=tokenizer_fingerprint, model_fingerprint=model_fingerprint,
                           chunk_tokens=chunk_tokens, dtype=dtype, have_tokens=have_tokens,
-                          have_chain=have_chain if have_tokens else None, text=text, chat=chat if text else False)
+                          have_chain=have_chain if have_tokens else None, text=text, chat=chat if text else False,
+                          engine=engine)
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
         _await_serving(link, where, on_event)

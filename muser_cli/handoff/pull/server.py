@@ -68,7 +68,7 @@ from muser_cli.handoff.wire.refusal import Refusal
 
 
 class Compute(Protocol):
-    """What the server asks of the engine side (muser_cli.serve)."""
+    """What the server asks of the engine side (muser_cli.pulllane.producer)."""
 
     def check(self, request: PullRequest) -> PullRequest | None:
         """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve.

@@ -1,0 +1,162 @@
+"""The pull lane's consumer end above the sockets.
+
+:func:`ask_for` tokenizes the prompt here (the consumer's tokenization is authoritative: it
+sends those token ids, or with ``send_text`` the text for the producer to tokenize, and
+refuses a pack that binds other ids); :func:`pull_prompt` asks the producer and receives the
+verified pack; :func:`start_pull_pipe` does that on a thread into a pipe that ``decode``
+reads as its input, so a failed or cut pull is decode's ordinary empty or cut stream (local
+fallback), whose reason :meth:`PipePull.explain` then names.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from muser_cli.errors import MuserError
+
+EventFn = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class PullAsk:
+    token_ids: list[int]
+    tokenizer_fingerprint: str
+    model_fingerprint: str
+    chunk_tokens: int
+    dtype: str
+    have_tokens: int = 0  # this consumer's store holds rows [0, have_tokens) ...
+    have_chain: str | None = None  # ... with this chain hash: ask for a delta
+    text: str | None = None  # send the prompt as text (the producer tokenizes; token_ids still checks it) ...
+    chat: bool = False  # ... as one user turn of the chat template
+    engine: str | None = None  # the engine this consumer decodes on (a producer on it skips the sliding history)
+
+
+def with_have(ask: PullAsk, store=None) -> PullAsk:
+    """``ask`` with what this machine's store holds of the prompt (on the ask's schedule), so
+    the producer ships only the rest."""
+    from muser_cli.reuse import Store
+
+    store = store or Store()
+    ids = ask.token_ids
+    if len(ids) < 3:
+        return ask
+    for point in store.points(ask.model_fingerprint, ask.tokenizer_fingerprint, ids, len(ids) - 2, dtype=ask.dtype,
+                              chunk_tokens=ask.chunk_tokens):
+        if point.held % ask.chunk_tokens == 0:  # a delta from off the grid could not be merged exactly
+            return replace(ask, have_tokens=point.held, have_chain=point.chain)  # the deepest
+    return ask
+
+
+def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | None, dtype: str | None,
+            engine: str, send_text: bool = False) -> PullAsk:
+    """What to request: this consumer's own tokenization and model, on the canonical schedule.
+    ``send_text``: send the text (and ``chat``) for the producer to tokenize; the pack must
+    still bind this consumer's own token ids (else it is refused, 65)."""
+    from muser_cli.models import resolve_model
+    from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
+    from muser_cli.tokens import encode_prompt
+
+    check_chunk(chunk_tokens)
+    info = resolve_model(model)
+    ids = encode_prompt(info, prompt, chat=chat)
+    check_prompt(info, ids)
+    return PullAsk(list(ids), info.tokenizer_fingerprint, info.fingerprint, chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                   dtype or default_dtype(engine), text=prompt if send_text else None, chat=chat and send_text,
+                   engine=engine)
+
+
+def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
+                timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
+    from muser_cli import paths
+    from muser_cli.handoff.api import ledger_dir
+    from muser_cli.handoff.trust.node import load_identity
+    from muser_cli.handoff.pull.client import pull
+    from muser_cli.handoff.push.receiver import Destination
+
+    identity = load_identity(paths.keys_dir())
+    destination = Destination(file=output) if output is not None else None
+    accepted = pull(producer, identity, token_ids=ask.token_ids, tokenizer_fingerprint=ask.tokenizer_fingerprint,
+                    model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
+                    ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
+                    on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain, text=ask.text,
+                    chat=ask.chat, engine=ask.engine)
+    return {**accepted.to_json(), "held_tokens": ask.have_tokens}
+
+
+class PipePull:
+    """A pull on a thread, into a pipe: :attr:`reader` is decode's input; :attr:`error` says
+    why nothing (or not all) arrived, once the reader saw its end."""
+
+    def __init__(self, producer: str, make_ask: Callable[[], PullAsk], *, timeout: float | None) -> None:
+        r, w = os.pipe()
+        self.reader: BinaryIO = open(r, "rb")
+        self._w = w
+        self.error: BaseException | None = None
+        self.accepted: dict[str, Any] | None = None
+        self.producer = producer
+        self._thread = threading.Thread(target=self._run, args=(make_ask, timeout), name="muser-pull", daemon=True)
+        self._thread.start()
+
+    def _run(self, make_ask: Callable[[], PullAsk], timeout: float | None) -> None:
+        try:
+            with open(self._w, "wb") as out:
+                try:
+                    self.accepted = pull_prompt(self.producer, make_ask(), out_stream=out, timeout=timeout)
+                except BaseException as exc:  # noqa: BLE001 - decode falls back; the reason is reported
+                    self.error = exc
+        except OSError as exc:  # decode stopped reading
+            self.error = self.error or exc
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def empty_reason(self) -> str:
+        """decode's fallback reason should nothing arrive (:meth:`explain` then names why)."""
+        return f"nothing from {self.producer}"
+
+    def explain(self, out: Any, *, timeout: float = 5) -> None:
+        """Once decode finished reading: why the pull gave nothing, or not all, written into
+        decode's result ``out`` (its ``reason``, for a fallback or a cut stream)."""
+        self.join(timeout=timeout)
+        why = self.reason()
+        if why and out.source == "partial+local":
+            out.reason = f"{out.reason}; {why}"
+        elif why and out.fallback:
+            out.reason = why
+
+    def reason(self) -> str:
+        exc = self.error
+        if exc is None:
+            return ""
+        if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
+            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
+        return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
+
+
+def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
+                    dtype: str | None, engine: str, timeout: float | None, have: bool = True,
+                    send_text: bool = False) -> PipePull:
+    """``have``: tell the producer what this machine's store holds of the prompt, so only the
+    rest is computed there and shipped (a delta pack; decode merges it with the stored prefix).
+    ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`)."""
+    from muser_cli.handoff.link import parse_hostport
+
+    parse_hostport(producer)  # a bad address is a usage error, not a fallback
+
+    def make_ask() -> PullAsk:
+        ask = ask_for(prompt, model=model, chat=chat, chunk_tokens=chunk_tokens, dtype=dtype, engine=engine,
+                      send_text=send_text)
+        return with_have(ask) if have else ask
+
+    return PipePull(producer, make_ask, timeout=timeout)
+
+
+__all__ = ["PipePull", "PullAsk", "ask_for", "pull_prompt", "start_pull_pipe", "with_have"]

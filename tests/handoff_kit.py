@@ -67,6 +67,25 @@ def make_nodes(root: Path, *, producer: str = "gx10") -> Nodes:
     return Nodes(ch, ph, load_identity(keys_dir_of(ch)), load_identity(keys_dir_of(ph)), summary["key_id"])
 
 
+def first_pull_answer(ident: Identity, address: str, frame) -> object:
+    """Open a pull-lane connection to the producer at ``address`` as ``ident``, send ``frame``
+    (a signed Request or Probe) and return the producer's first answer event (Serving, Reject, …)."""
+    from muser_cli.handoff.link import client_context
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
+
+    host, port = address.rsplit(":", 1)
+    ctx = client_context(ident)
+    ctx.set_alpn_protocols([ALPN_PULL])
+    with socket.create_connection((host, int(port)), timeout=30) as s, ctx.wrap_socket(s, server_hostname=host) as tls:
+        pc = PullConnection(Side.CONSUMER)
+        tls.sendall(pc.send(frame))
+        while True:
+            pc.receive_data(tls.recv(65536))
+            ev = pc.next_event()
+            if ev is not None and type(ev).__name__ != "_NeedData":
+                return ev
+
+
 def copy_home(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst

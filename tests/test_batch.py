@@ -115,6 +115,19 @@ def test_jobs_from_stdin_and_a_missing_document_is_that_jobs_exit_66(model, expe
     assert summary["done"] == 1 and summary["failed"] == 1 and not summary["ok"]
 
 
+def stop_at_lines(proc, res, lines: int) -> None:
+    """SIGSTOP the batch ``proc`` the moment its results file ``res`` holds ``lines`` whole
+    lines: a tiny model finishes the other jobs in milliseconds, so a signal sent a little
+    later could land after the last one (SIGINT and SIGTERM stay pending until SIGCONT)."""
+    end = time.monotonic() + 240
+    while time.monotonic() < end and proc.poll() is None:
+        if res.exists() and res.read_bytes().count(b"\n") >= lines:
+            proc.send_signal(signal.SIGSTOP)
+            break
+        time.sleep(0.002)
+    assert proc.poll() is None, proc.stderr.read()
+
+
 # ----------------------------------------------------------------------------- resume
 def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, tmp_path):
     jobs = write_jobs(tmp_path)
@@ -122,13 +135,7 @@ def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, 
     home = tmp_path / "home"
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    end = time.monotonic() + 240
-    while time.monotonic() < end and proc.poll() is None:
-        if res.exists() and res.read_bytes().count(b"\n") >= 2:
-            proc.send_signal(signal.SIGSTOP)  # at once: a tiny model finishes the other jobs in milliseconds
-            break
-        time.sleep(0.002)
-    assert proc.poll() is None, proc.stderr.read()
+    stop_at_lines(proc, res, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = lines_of(res.read_bytes())
@@ -151,13 +158,7 @@ def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected,
     home = tmp_path / "home"
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    end = time.monotonic() + 240
-    while time.monotonic() < end and proc.poll() is None:
-        if res.exists() and res.read_bytes().strip():
-            proc.send_signal(signal.SIGSTOP)  # at once: a tiny model can finish the other jobs before SIGINT lands
-            break
-        time.sleep(0.002)
-    assert proc.poll() is None, proc.stderr.read()
+    stop_at_lines(proc, res, 1)
     proc.send_signal(signal.SIGINT)  # pending while stopped; handled the moment the run continues
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=240)
@@ -259,13 +260,7 @@ def test_producer_killed_mid_batch_every_job_still_completes(model, expected, la
                                           str(res), "--timeout", "20"),
                                 env=env_for(lane["nodes"].consumer_home), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
-        end = time.monotonic() + 240
-        while time.monotonic() < end and proc.poll() is None:
-            if res.exists() and res.read_bytes().strip():
-                proc.send_signal(signal.SIGSTOP)  # at once: the other jobs must meet a dead producer
-                break
-            time.sleep(0.002)
-        assert proc.poll() is None, proc.stderr.read()
+        stop_at_lines(proc, res, 1)  # the other jobs must meet a dead producer
         prod.proc.kill()
         prod.proc.wait()
         proc.send_signal(signal.SIGCONT)

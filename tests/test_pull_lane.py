@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import Producer, copy_home, env_for, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import Producer, copy_home, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -104,13 +104,11 @@ def test_a_stranger_is_refused_77_before_any_prefill(lane):
 
 def test_a_replayed_request_is_refused(lane):
     """The same signed request bytes sent twice: the second is refused (replay) before any work."""
-    from muser_cli.handoff.link import client_context
     from muser_cli.handoff.trust.node import load_identity
-    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, PullRequest, Request, Side, new_request_id, sign_request
+    from muser_cli.handoff.wire.pull_protocol import PullRequest, Request, new_request_id, sign_request
     from muser_cli.handoff.pull.client import key_for
     from muser_cli.handoff.wire.protocol import Reject
     from muser_cli.pulllane.consumer import ask_for
-    import socket
 
     os.environ["MUSER_HOME"] = str(lane["nodes"].consumer_home)
     try:
@@ -118,30 +116,15 @@ def test_a_replayed_request_is_refused(lane):
         ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
     finally:
         del os.environ["MUSER_HOME"]
-    host, port = lane["producer"].address.rsplit(":", 1)
     key = key_for(ident, "gx10")
     req = PullRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, tuple(ask.token_ids),
                       ask.tokenizer_fingerprint, ask.model_fingerprint, CHUNK, "float32")
     raw, mac = sign_request(req, key.secret)
-
-    def first_answer() -> object:
-        ctx = client_context(ident)
-        ctx.set_alpn_protocols([ALPN_PULL])
-        with socket.create_connection((host, int(port)), timeout=30) as s, \
-                ctx.wrap_socket(s, server_hostname=host) as tls:
-            pc = PullConnection(Side.CONSUMER)
-            tls.sendall(pc.send(Request(raw, mac, req)))
-            while True:
-                pc.receive_data(tls.recv(65536))
-                ev = pc.next_event()
-                if ev is not None and type(ev).__name__ != "_NeedData":
-                    return ev
-
     p = lane["producer"]
     before = len(p.events())
-    first = first_answer()  # Serving (then we hang up: the producer gives up the request)
+    first = first_pull_answer(ident, p.address, Request(raw, mac, req))  # Serving (then we hang up: given up)
     assert type(first).__name__ == "Serving"
-    second = first_answer()
+    second = first_pull_answer(ident, p.address, Request(raw, mac, req))
     assert isinstance(second, Reject) and second.code == "replay", second
     events = p.wait_events(before + 2)[before:]
     assert any(e["outcome"] == "replay" for e in events)

@@ -11,14 +11,13 @@ own ``muser-pull/1`` listener; each direction is counted at its receiving end.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import Producer, env_for, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import Producer, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
 
 
 @pytest.fixture(scope="module")
@@ -73,35 +72,19 @@ def test_a_stranger_cannot_probe_the_producer(served, tmp_path):
 
 def test_a_replayed_probe_request_is_refused(served):
     """The same signed probe bytes twice: the first is answered, the second refused (replay)."""
-    from muser_cli.handoff.link import client_context
     from muser_cli.handoff.trust.node import load_identity
     from muser_cli.handoff.wire.protocol import Reject
-    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, Probe, ProbeRequest, PullConnection, Side, new_request_id, sign_probe
+    from muser_cli.handoff.wire.pull_protocol import Probe, ProbeRequest, new_request_id, sign_probe
     from muser_cli.handoff.pull.client import key_for
 
     ident = load_identity(keys_dir_of(served["nodes"].consumer_home))
     key = key_for(ident, "gx10")
     req = ProbeRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, 200)
     raw, mac = sign_probe(req, key.secret)
-    host, port = served["producer"].address.rsplit(":", 1)
-
-    def first_answer() -> object:
-        ctx = client_context(ident)
-        ctx.set_alpn_protocols([ALPN_PULL])
-        with socket.create_connection((host, int(port)), timeout=30) as s, \
-                ctx.wrap_socket(s, server_hostname=host) as tls:
-            pc = PullConnection(Side.CONSUMER)
-            tls.sendall(pc.send(Probe(raw, mac, req)))
-            while True:
-                pc.receive_data(tls.recv(65536))
-                ev = pc.next_event()
-                if type(ev).__name__ != "_NeedData":
-                    return ev
-
     p = served["producer"]
     before = len(p.events("probe"))
-    assert type(first_answer()).__name__ == "Serving"
-    second = first_answer()
+    assert type(first_pull_answer(ident, p.address, Probe(raw, mac, req))).__name__ == "Serving"
+    second = first_pull_answer(ident, p.address, Probe(raw, mac, req))
     assert isinstance(second, Reject) and second.code == "replay", second
     events = p.wait_events(before + 2, "probe")[before:]
     # the first was admitted (then we left without probing), the second refused before admission

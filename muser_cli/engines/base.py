@@ -180,6 +180,12 @@ class Engine(abc.ABC):
         :attr:`recomputes_at` implement it."""
         raise UsageError(f"the {self.name} engine cannot recompute positions in one forward")
 
+    def recomputes_at_hybrid(self, layers: Sequence[LayerKV], rows: int) -> bool:
+        """Whether :meth:`recompute_at` takes this model's sliding-window or chunked layers too,
+        for ``layers`` (those of a pack with the sliding history: every row from position 0).
+        False unless an engine says otherwise (the gate then goes position by position)."""
+        return False
+
     def prefill_many(self, prompts: Sequence[Sequence[int]], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                      return_exceptions: bool = False) -> list:
         """Several prompts' rows computed together, one :meth:`prefill` result (or, with

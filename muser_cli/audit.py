@@ -27,15 +27,12 @@ BASE_TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 4e-2}
 CROSS_ENGINE_FACTOR = 2.0
 
 
-@dataclass
-class AuditReport:
-    positions: tuple[int, int]
-    mode: str  # "suffix" or "full-recompute"
+class _LayerVerdicts:
+    """``ok`` and ``worst`` of a comparison's per-layer results (``layers``: dicts with ``ok``,
+    ``rel_max`` and ``tolerance``, else the comparison's own ``tolerance``)."""
+
+    layers: list[dict]
     tolerance: float
-    layers: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-    #: the recomputed rows compared (what :func:`diagnose` reads the cause from)
-    fresh: list[LayerKV] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -46,6 +43,17 @@ class AuditReport:
         """The layer furthest over (or nearest to) its tolerance."""
         return max(self.layers, key=lambda l: l["rel_max"] / (l.get("tolerance") or self.tolerance or 1.0),
                    default=None)
+
+
+@dataclass
+class AuditReport(_LayerVerdicts):
+    positions: tuple[int, int]
+    mode: str  # "suffix" or "full-recompute"
+    tolerance: float
+    layers: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    #: the recomputed rows compared (what :func:`diagnose` reads the cause from)
+    fresh: list[LayerKV] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict:
         return {"positions": list(self.positions), "mode": self.mode, "tolerance": self.tolerance, "ok": self.ok,
@@ -234,7 +242,7 @@ def spot_check_reason(header, *, engine: str, dtype: str | None = None) -> str |
 
 
 @dataclass
-class SpotCheck:
+class SpotCheck(_LayerVerdicts):
     """What :func:`spot_check` compared: positions [start, end) of ``checked`` layers."""
 
     positions: tuple[int, int]
@@ -245,16 +253,6 @@ class SpotCheck:
     reason: str
     seconds: float
     fused: bool = False  # run inside the first decode step (SpotGate), not as a step of its own
-
-    @property
-    def ok(self) -> bool:
-        return all(l["ok"] for l in self.layers)
-
-    @property
-    def worst(self) -> dict | None:
-        """The layer furthest over (or nearest to) its tolerance."""
-        return max(self.layers, key=lambda l: l["rel_max"] / (l.get("tolerance") or self.tolerance or 1.0),
-                   default=None)
 
     def to_json(self) -> dict:
         worst = self.worst or {}

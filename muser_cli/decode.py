@@ -12,11 +12,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.audit import DEFAULT_SAMPLE_POSITIONS, SpotGate, sample_check, spot_check, spot_check_reason
+from muser_cli.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, SpotCheckFailed, UsageError
+from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
@@ -164,7 +165,7 @@ def decode(
     first token is decoded (``store`` keeps them after the last).
 
     Besides that last-position check, the gate recomputes :data:`DEFAULT_SAMPLE_POSITIONS`
-    positions drawn across the whole prompt in every layer (:func:`muser_cli.audit.sample_check`,
+    positions drawn across the whole prompt in every layer (:func:`muser_cli.gate.sample_check`,
     ``audit_seed``; None: an unpredictable seed, reported), wherever foreign rows enter: a
     whole pack, a delta merged with its base, a cut stream's kept chunks, a store entry.
 
@@ -332,7 +333,7 @@ def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int |
     the gate is fused into the first decode step (returned, to be given to the engine;
     ``on_pass`` runs once it passed); else it runs here, as a step of its own. Before either,
     positions sampled across the whole prompt are recomputed in every layer (the third
-    value: :meth:`muser_cli.audit.SampleCheck.to_json`)."""
+    value: :meth:`muser_cli.gate.SampleCheck.to_json`)."""
     if got.pack is None:
         return None, None, None
     header = got.pack.header

@@ -185,7 +185,8 @@ def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine
     them (:func:`muser_cli.audit.spot_check_reason`) or a passed gate is recorded with the
     entry; else the sampled gate runs now, on the whole entry, and is recorded. An entry it
     refuses is removed (a line in ``store.problems``) and serves nothing."""
-    from muser_cli.audit import sample_check, spot_check_reason
+    from muser_cli.audit import spot_check_reason
+    from muser_cli.gate import sample_check
 
     if stored is None:
         return True

@@ -112,7 +112,7 @@ def verify(
 def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:
     """The decode gate's positions sampled across the whole prompt, besides the suffix
     (``record["sampled"]``: what it compared); whether it passed, and one line."""
-    from muser_cli.audit import sample_check
+    from muser_cli.gate import sample_check
     from muser_cli.errors import SpotCheckFailed
 
     try:

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from muser_cli.audit import DEFAULT_SAMPLE_POSITIONS, sample_check
+from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import GateIncomplete, IdentityMismatch, SpotCheckFailed
@@ -260,16 +260,16 @@ def test_a_cut_foreign_stream_is_gated_before_its_chunks_are_kept(tiny_llama):
 
 def _count_checks(monkeypatch) -> list:
     """Every run of the sampled gate, wherever it is called from, appends to the list returned."""
-    from muser_cli import audit
     from muser_cli import decode as dec
+    from muser_cli import gate
 
     runs: list = []
-    real = audit.sample_check
+    real = gate.sample_check
 
     def counted(*a, **k):
         runs.append(1)
         return real(*a, **k)
-    monkeypatch.setattr(audit, "sample_check", counted)
+    monkeypatch.setattr(gate, "sample_check", counted)
     monkeypatch.setattr(dec, "sample_check", counted)
     return runs
 
@@ -450,7 +450,7 @@ def test_a_hybrid_pack_with_its_history_is_checked_in_one_step_as_position_by_po
     """With every layer's rows from position 0, the gate's positions go through one masked
     forward (each layer type its own mask: the window, the chunk) instead of one step each;
     the rows it recomputes are those of the step-by-step recomputation."""
-    from muser_cli.audit import _prefix
+    from muser_cli.audit import prefix_rows
 
     info = request.getfixturevalue("tiny_hybrid") if family == "tiny_hybrid" else request.getfixturevalue(
         "tiny_family")(family)
@@ -464,7 +464,7 @@ def test_a_hybrid_pack_with_its_history_is_checked_in_one_step_as_position_by_po
     ids = list(h.token_ids)
     one = eng.recompute_at(layers, rows=h.rows_end, positions=positions, token_ids=[ids[p] for p in positions])
     for j, p in enumerate(positions):
-        prefix, _ = _prefix(h.layers, layers, p)
+        prefix, _ = prefix_rows(h.layers, layers, p)
         step = eng.recompute(prefix, rows=p, token_ids=[ids[p]])
         for i, l in enumerate(step):
             for a, b in ((one[i][0][:, j], l.keys[:, p - l.first_row]), (one[i][1][:, j], l.values[:, p - l.first_row])):

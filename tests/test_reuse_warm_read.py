@@ -121,7 +121,7 @@ def test_the_torch_engine_adopts_a_stored_layer_and_decodes_the_same_tokens(tiny
     ``_adoptable`` check), and decoding from them gives the tokens of a copying install."""
     pytest.importorskip("torch")
     from muser_cli.engines.registry import get_engine
-    from muser_cli.engines.torch.engine import _adoptable
+    from muser_cli.engines.torch.arrays import adoptable as _adoptable
     from muser_cli.schedule import build_header
 
     eng = get_engine("torch", tiny_llama, dtype="float32", threads=1)

@@ -20,8 +20,9 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 from muser_cli.batch.jobs import BadJob, Job
+from muser_cli.batch.plan import Planned, mark_sharing
 from muser_cli.batch.results import Results
-from muser_cli.batch.runner import Batch, BatchConfig, Planned, ResultFn, Summary, Tally, failure, mark_sharing, one_line
+from muser_cli.batch.runner import Batch, BatchConfig, ResultFn, Summary, Tally, failure, one_line
 from muser_cli.errors import TempFailure, UsageError
 
 IN_FLIGHT_PER_WORKER = 2  # the next job is queued at its worker while this one runs: no idle gap

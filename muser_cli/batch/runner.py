@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.batch.jobs import BadJob, Job
+from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
@@ -41,15 +42,6 @@ class BatchConfig:
     timeout: float | None = None  # per pull: seconds to the producer's first frame
     audit: int | None = None
     reuse: bool = True  # the store: look there first, keep shared prefixes there
-
-
-@dataclass
-class Planned:
-    job: Job
-    ids: list[int]
-    group: Any
-    store: bool = False  # keep this job's cache: the next job shares a prefix it adds
-    shares_next: int = 0  # whole-chunk prefix shared with the next job in run order
 
 
 @dataclass
@@ -104,46 +96,8 @@ class Summary:
                 "ok": self.failed == 0 and not self.interrupted}
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def one_line(text: str, limit: int = 500) -> str:
     return " ".join(text.split())[:limit]
-
-
-def mark_sharing(order: Sequence["Planned"], chunk: int, reuse: bool) -> None:
-    """For jobs run in this order on one consumer: the whole-chunk prefix each shares with the
-    next, and whether to keep it in the store (the next gains from it, the previous did not
-    keep it already)."""
-    prev_shared = 0
-    for i, p in enumerate(order):
-        nxt = order[i + 1] if i + 1 < len(order) else None
-        shared = common_prefix(p.ids[:-1], nxt.ids[:-1]) // chunk * chunk if nxt is not None else 0
-        p.shares_next = shared
-        p.store = reuse and shared > prev_shared
-        prev_shared = shared
-
-
-def shared_prefixes(order: Sequence["Planned"], chunk: int) -> list[dict[str, Any]]:
-    """Each group of two or more jobs (one document, or one first chunk) and the whole-chunk
-    prefix all of them share: what the batch pays once."""
-    groups: dict[Any, list[Planned]] = {}
-    for p in order:
-        groups.setdefault(p.group, []).append(p)
-    out = []
-    for key, members in groups.items():
-        if len(members) < 2:
-            continue
-        shared = min(common_prefix(members[0].ids[:-1], m.ids[:-1]) for m in members[1:]) // chunk * chunk
-        out.append({"document": key[1] if key[0] == "doc" else None, "jobs": [m.job.id for m in members],
-                    "shared_tokens": shared})
-    return out
 
 
 def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     import torch
     from transformers import DynamicCache
 
-    from muser_cli.engines.torch.engine import chunk_ring, to_torch
+    from muser_cli.engines.torch.arrays import chunk_ring, to_torch
     from muser_cli.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
 
@@ -134,7 +134,7 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
     """The rows a kvpack of ``token_ids`` carries, read from a ``DynamicCache``; (layers, dtype)."""
     import torch
 
-    from muser_cli.engines.torch.engine import to_numpy
+    from muser_cli.engines.torch.arrays import to_numpy
 
     layers = getattr(cache, "layers", None)
     if layers is None:

@@ -7,7 +7,8 @@ from ``sliding_window_pattern``. :func:`mlx_config_overrides` bridges the names;
 :func:`check_rope` reads a loaded attention module and probes its rotation numerically
 against a :class:`~muser_cli.kvpack.layers.RopeSpec`, raising
 :class:`~muser_cli.errors.IdentityMismatch` naming the field (a lost ``rope_theta`` once
-made valid KV decode to garbage). No MLX import here.
+made valid KV decode to garbage). :func:`check_model` checks the loaded model's cache layout and
+heads the same way. No MLX import at module level.
 """
 
 from __future__ import annotations
@@ -189,6 +190,49 @@ def _sliding_pattern(layer_types: Any) -> int | None:
 
 
 # --------------------------------------------------------------------------- RoPE check
+
+
+def check_model(info: ModelInfo, model: Any, caches: list[Any]) -> None:
+    """Refuse a loaded model whose caches (``caches``: the set mlx-lm builds for it) or RoPE
+    differ from ``info.layers``. Imports mlx-lm (its cache classes)."""
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+
+    specs = info.layers
+    blocks = list(getattr(model, "layers", []))
+    if len(caches) != len(specs) or len(blocks) != len(specs):
+        raise IdentityMismatch(
+            f"model {info.name}: mlx-lm builds {len(caches)} cache layers, the model describes {len(specs)}")
+    for index, (spec, cache, block) in enumerate(zip(specs, caches, blocks)):
+        if type(cache) is KVCache:
+            built = ("full", None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            built = ("sliding", cache.max_size)
+        elif type(cache) is ChunkedKVCache:
+            built = ("chunked", cache.chunk_size)
+        else:
+            raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
+        size = spec.chunk if spec.kind == "chunked" else spec.window
+        if built != (spec.kind, size):
+            raise IdentityMismatch(
+                f"layer {index} kind: the model describes {_kind_text(spec.kind, size)}, "
+                f"mlx-lm builds {_kind_text(*built)}",
+                hint="mlx-lm's implementation of this architecture lays the layers out differently")
+        attn = getattr(block, "self_attn", None)
+        if attn is None:
+            raise IdentityMismatch(f"layer {index}: no attention module the mlx engine recognises")
+        for field_name, want, attr in (("kv_heads", spec.kv_heads, "n_kv_heads"), ("head_dim", spec.head_dim, "head_dim")):
+            got = getattr(attn, attr, None)
+            if got is not None and int(got) != want:
+                raise IdentityMismatch(f"layer {index} {field_name}: the model describes {want}, mlx-lm uses {got}")
+        rule = APPLIES_ROPE.get(info.architecture)
+        applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
+        check_rope(index, spec, attn.rope if applies else None, info.max_positions)
+
+
+def _kind_text(kind: str, window: int | None) -> str:
+    if kind == "chunked":
+        return f"chunked (chunk {window})"
+    return f"sliding (window {window})" if kind == "sliding" else "full attention"
 
 
 def check_rope(index: int, spec: LayerSpec, module: Any, max_positions: int) -> None:

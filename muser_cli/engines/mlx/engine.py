@@ -5,7 +5,7 @@ translating what the two libraries name differently (:func:`mlx_config_overrides
 transformers 5.x keeps RoPE under ``rope_parameters``, mlx-lm reads a top-level
 ``rope_theta``/``rope_scaling``; Cohere2 states ``layer_types``, mlx-lm derives them from
 ``sliding_window_pattern``. Then the loaded model is checked against ``info.layers``
-before anything runs (:meth:`MLXEngine._check_model`): the cache layout mlx-lm builds
+before anything runs (:func:`~muser_cli.engines.mlx.config.check_model`): the cache layout mlx-lm builds
 (full vs sliding, window), KV heads and head dims, and, per layer, the RoPE the model
 really applies, read from its modules and probed numerically against the
 :class:`~muser_cli.kvpack.layers.RopeSpec` (theta, dims, style, scaling). A difference
@@ -38,7 +38,6 @@ BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
 
 from __future__ import annotations
 
-import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Sequence
@@ -49,10 +48,11 @@ from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.errors import ConfigError, DataError, IdentityMismatch, PromptTooLong, UsageError
+from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
-    APPLIES_ROPE, MLX_REFUSED, read_config, check_rope, mlx_config_overrides, model_classes)
+    APPLIES_ROPE, MLX_REFUSED, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
+from muser_cli.engines.mlx.sampling import sampler
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
@@ -96,7 +96,7 @@ class MLXEngine(Engine):
         if dtype != "float32" or _param_dtype(self.model) != mx.float32:
             self.model.set_dtype(self.mx_dtype)
         self.load_s = time.perf_counter() - start
-        self._check_model()
+        check_model(info, self.model, self._make_cache(self.model))
 
     # ------------------------------------------------------------------ producer
 
@@ -262,42 +262,6 @@ class MLXEngine(Engine):
         """BLAS threads are per process (MKL's): set them on every call, as torch's are."""
         self.blas_threads = mlx_blas.set_threads(self.threads) if self.threads and self.threads > 0 else self.blas.threads
 
-    def _check_model(self) -> None:
-        """Refuse a loaded model whose caches or RoPE differ from ``info.layers``."""
-        from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
-
-        specs = self.info.layers
-        caches = self._make_cache(self.model)
-        blocks = list(getattr(self.model, "layers", []))
-        if len(caches) != len(specs) or len(blocks) != len(specs):
-            raise IdentityMismatch(
-                f"model {self.info.name}: mlx-lm builds {len(caches)} cache layers, the model describes {len(specs)}")
-        for index, (spec, cache, block) in enumerate(zip(specs, caches, blocks)):
-            if type(cache) is KVCache:
-                built = ("full", None)
-            elif type(cache) is RotatingKVCache and cache.keep == 0:
-                built = ("sliding", cache.max_size)
-            elif type(cache) is ChunkedKVCache:
-                built = ("chunked", cache.chunk_size)
-            else:
-                raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
-            size = spec.chunk if spec.kind == "chunked" else spec.window
-            if built != (spec.kind, size):
-                raise IdentityMismatch(
-                    f"layer {index} kind: the model describes {_kind_text(spec.kind, size)}, "
-                    f"mlx-lm builds {_kind_text(*built)}",
-                    hint="mlx-lm's implementation of this architecture lays the layers out differently")
-            attn = getattr(block, "self_attn", None)
-            if attn is None:
-                raise IdentityMismatch(f"layer {index}: no attention module the mlx engine recognises")
-            for field_name, want, attr in (("kv_heads", spec.kv_heads, "n_kv_heads"), ("head_dim", spec.head_dim, "head_dim")):
-                got = getattr(attn, attr, None)
-                if got is not None and int(got) != want:
-                    raise IdentityMismatch(f"layer {index} {field_name}: the model describes {want}, mlx-lm uses {got}")
-            rule = APPLIES_ROPE.get(self.info.architecture)
-            applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
-            check_rope(index, spec, attn.rope if applies else None, self.info.max_positions)
-
     def _vocab_size(self) -> int:
         return int(self.config.get("vocab_size") or (self.config.get("text_config") or {}).get("vocab_size") or 0)
 
@@ -428,7 +392,7 @@ class MLXEngine(Engine):
                   stop_on_eos: bool, on_token: Callable[[int], None] | None, start: float, stats: dict, *,
                   check_first: Callable[[RowsOf], None] | None = None) -> DecodeResult:
         mx = self.mx
-        pick = _sampler(mx, sampling)
+        pick = sampler(mx, sampling)
         eos = set(self.info.eos_token_ids) if stop_on_eos else set()
 
         def step(feed: Any) -> Any:
@@ -484,30 +448,6 @@ class MLXEngine(Engine):
         raise DataError(f"unexpected cache dtype {x.dtype}")
 
 
-def _sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
-    """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,)."""
-    if sampling.temperature <= 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-    state = {"key": mx.random.key(int(seed))}
-    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
-
-    def pick(logits: Any) -> Any:
-        state["key"], sub = mx.random.split(state["key"])
-        scaled = logits.astype(mx.float32) / temperature
-        if top_p >= 1.0:
-            return mx.random.categorical(scaled, key=sub)
-        order = mx.argsort(-scaled, axis=-1)  # (1, vocab), most likely first
-        ranked = mx.take_along_axis(scaled, order, axis=-1)
-        probs = mx.softmax(ranked, axis=-1)
-        before = mx.cumsum(probs, axis=-1) - probs  # mass ahead of each token; the top one always stays
-        ranked = mx.where(before >= top_p, -mx.inf, ranked)
-        choice = mx.random.categorical(ranked, key=sub)
-        return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-
-    return pick
-
-
 def _param_dtype(model: Any) -> Any:
     from mlx.utils import tree_flatten
 
@@ -517,12 +457,6 @@ def _param_dtype(model: Any) -> Any:
 
 def _np_storage(dtype: str) -> np.dtype:
     return np.dtype({"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}[dtype])
-
-
-def _kind_text(kind: str, window: int | None) -> str:
-    if kind == "chunked":
-        return f"chunked (chunk {window})"
-    return f"sliding (window {window})" if kind == "sliding" else "full attention"
 
 
 def _versions() -> dict[str, str]:

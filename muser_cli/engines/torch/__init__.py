@@ -2,6 +2,8 @@
 
 * :mod:`.engine` ``TorchEngine``
 * :mod:`.cache`  caches that keep their rows in place (sized full layers, sliding rings)
+* :mod:`.arrays` a pack's numpy rows as torch tensors and back
+* :mod:`.recompute` the masked one-step recompute of sampled positions (``recompute_at``)
 
 Importing this package imports neither torch nor transformers; :mod:`.engine` does.
 """

@@ -34,10 +34,10 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
+from muser_cli.engines.torch import recompute
+from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# numpy dtype of the arrays a pack carries -> the torch dtype those bytes mean.
-_FROM_NUMPY = {np.dtype("<f4"): torch.float32, np.dtype("<f2"): torch.float16, np.dtype("<u2"): torch.bfloat16}
 
 
 def _cache_keyword(model: Any) -> str:
@@ -225,90 +225,14 @@ class TorchEngine(Engine):
         chunked layers needs their history (every row from 0, docs/kvpack.md 1.3): every layer
         is then held whole and each layer type gets its own mask (the window, the chunk), which
         transformers takes per type (:meth:`recomputes_at_hybrid`). Per layer ``(heads, m, dim)``
-        arrays."""
-        hybrid = any(spec.kind != "full" for spec in self.info.layers)
-        if hybrid and not self.recomputes_at_hybrid(layers, rows):
-            raise UsageError("recompute_at on this model needs every layer's rows from position 0 (the sliding "
-                             "history) and per-type masks")
-        ids = self._check_ids(token_ids)
-        pos = torch.tensor([int(p) for p in positions], dtype=torch.long)
-        if len(ids) != len(pos) or not ids or int(pos.min()) < 0 or int(pos.max()) >= rows:
-            raise UsageError(f"recompute_at: {len(pos)} positions in [0, {rows}) for {len(ids)} tokens")
-        m = len(ids)
-        with self._session():
-            if hybrid:
-                cache = self._install_whole(layers, rows, extra=m)
-                mask: Any = {t: self._mask_at(self._attention_of(t), pos, rows) for t in set(self._layer_types())}
-            else:
-                cache = self._install(layers, rows, extra=m, adopt=True)
-                mask = self._mask_at(("full", None), pos, rows)
-            self.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
-                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            return [(to_numpy(layer.keys[0, :, rows : rows + m]), to_numpy(layer.values[0, :, rows : rows + m]))
-                    for layer in cache.layers]
-
-    # Model types whose transformers forward takes ``attention_mask`` as a mapping from layer
-    # type to mask (``causal_mask_mapping := attention_mask``), read in the pinned modelling code.
-    MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "llama4_text"})
+        arrays (:mod:`muser_cli.engines.torch.recompute`)."""
+        return recompute.recompute_at(self, layers, rows=rows, positions=positions, token_ids=token_ids)
 
     def recomputes_at_hybrid(self, layers: Sequence[LayerKV], rows: int) -> bool:
         """Whether :meth:`recompute_at` can take this hybrid model in one step: its family
         takes per-type masks, the config names each layer's type, and every layer holds its
         rows from position 0 (``layers``: a pack with the sliding history)."""
-        if self.info.architecture not in self.MASK_MAPPING_TYPES and self._model_type() not in self.MASK_MAPPING_TYPES:
-            return False
-        types = self._layer_types()
-        if len(types) != len(self.info.layers) or any(self._attention_of(t)[0] is None for t in set(types)):
-            return False
-        return all(l.first_row == 0 and l.keys.shape[1] >= rows for l in layers)
-
-    def _model_type(self) -> str:
-        return str(getattr(self.model.config.get_text_config(decoder=True), "model_type", ""))
-
-    def _layer_types(self) -> list[str]:
-        return list(getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or [])
-
-    def _attention_of(self, layer_type: str) -> tuple[str | None, int | None]:
-        """(kind, window or chunk) of the layers of ``layer_type``, from the pack's own specs."""
-        kinds = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
-        kind = kinds.get(layer_type)
-        specs = [s for s, t in zip(self.info.layers, self._layer_types()) if t == layer_type]
-        if kind is None or not specs or any(s.kind != kind for s in specs):
-            return None, None
-        sizes = {s.window if kind == "sliding" else s.chunk if kind == "chunked" else None for s in specs}
-        return (kind, sizes.pop()) if len(sizes) == 1 else (None, None)
-
-    def _mask_at(self, attention: tuple[str | None, int | None], pos: "torch.Tensor", rows: int) -> "torch.Tensor":
-        """The mask of ``len(pos)`` queries at positions ``pos`` over ``rows`` installed rows and
-        themselves: rows before each position (within its window, or its chunk), and itself."""
-        kind, size = attention
-        r = torch.arange(rows + len(pos))[None, :]
-        allowed = r < pos[:, None]
-        if kind == "sliding":
-            allowed &= r > pos[:, None] - int(size)
-        elif kind == "chunked":
-            allowed &= r >= (pos[:, None] // int(size)) * int(size)
-        allowed[:, rows:] = torch.eye(len(pos), dtype=torch.bool)
-        mask = allowed[None, None]
-        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":
-            low = torch.finfo(self.torch_dtype).min
-            mask = torch.zeros(mask.shape, dtype=self.torch_dtype).masked_fill(~mask, low)
-        return mask
-
-    def _install_whole(self, layers: Sequence[LayerKV], rows: int, *, extra: int) -> Any:
-        """A cache whose every layer, sliding and chunked ones too, holds rows [0, rows) whole
-        (the masks, not the cache, then keep each within its window), with room for ``extra``."""
-        from transformers import DynamicCache
-
-        from muser_cli.engines.torch.cache import SizedLayer
-
-        cache = DynamicCache()
-        cache.layers = [SizedLayer(rows + extra, self.torch_dtype) for _ in self.info.layers]
-        for index, kv in enumerate(layers):
-            keys = _view_torch(kv.keys[:, :rows]).unsqueeze(0)
-            values = _view_torch(kv.values[:, :rows]).unsqueeze(0)
-            cache.update(keys, values, index)
-        return cache
+        return recompute.recomputes_at_hybrid(self, layers, rows)
 
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int]) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
@@ -470,13 +394,13 @@ class TorchEngine(Engine):
             if rows == 0:
                 continue
             if adopt and spec.kind == "full" and hasattr(cache.layers[index], "adopt"):
-                bufs = _adoptable(kv.keys, rows + extra, self.torch_dtype), _adoptable(kv.values, rows + extra,
+                bufs = adoptable(kv.keys, rows + extra, self.torch_dtype), adoptable(kv.values, rows + extra,
                                                                                       self.torch_dtype)
                 if bufs[0] is not None and bufs[1] is not None:
                     cache.layers[index].adopt(bufs[0], bufs[1], rows)
                     continue
             if hasattr(cache.layers[index], "adopt"):  # sized: one copy (and cast) straight into its buffer
-                keys, values = _view_torch(kv.keys).unsqueeze(0), _view_torch(kv.values).unsqueeze(0)
+                keys, values = view_torch(kv.keys).unsqueeze(0), view_torch(kv.values).unsqueeze(0)
             else:
                 keys = to_torch(kv.keys, self.torch_dtype).unsqueeze(0)  # (1, kv_heads, rows, head_dim)
                 values = to_torch(kv.values, self.torch_dtype).unsqueeze(0)
@@ -527,78 +451,6 @@ class TorchEngine(Engine):
         decode_s = time.perf_counter() - first_done if tokens else 0.0
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads())
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
-
-
-def chunk_ring(keys: "torch.Tensor", values: "torch.Tensor", rows: int, chunk: int | None
-                ) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """A chunked layer's rows (those of the current chunk) as transformers' own layer holds them
-    after ``rows`` positions: its last ``min(rows, chunk - 1)`` rows, the older ones belonging to
-    earlier chunks, which its chunked mask never lets a later position see: zeros here."""
-    assert chunk is not None
-    pad = min(rows, chunk - 1) - keys.shape[-2]
-    if pad <= 0:
-        return keys, values
-    zk = torch.zeros((*keys.shape[:-2], pad, keys.shape[-1]), dtype=keys.dtype, device=keys.device)
-    zv = torch.zeros((*values.shape[:-2], pad, values.shape[-1]), dtype=values.dtype, device=values.device)
-    return torch.cat([zk, keys], dim=-2), torch.cat([zv, values], dim=-2)
-
-
-def to_numpy(t: "torch.Tensor") -> np.ndarray:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy()  # raw bits; numpy has no bfloat16
-    if t.dtype in (torch.float32, torch.float16):
-        return t.numpy()
-    raise DataError(f"unexpected cache dtype {t.dtype}")
-
-
-def _adoptable(a: Any, need: int, dtype: "torch.dtype") -> "torch.Tensor | None":
-    """``a``'s whole backing array as a ``(1, heads, capacity, dim)`` tensor sharing its
-    memory, when ``a`` is its leading rows, the array is C-contiguous, writable, in the
-    engine's dtype, and has room for ``need`` rows; else None (the caller copies)."""
-    base = getattr(a, "base", None)
-    if not isinstance(a, np.ndarray) or not isinstance(base, np.ndarray) or base.ndim != 3 or a.ndim != 3:
-        return None
-    if not (base.flags.c_contiguous and base.flags.writeable) or base.shape[1] < need:
-        return None
-    if (base.shape[0], base.shape[2]) != (a.shape[0], a.shape[2]) or a.strides != base.strides:
-        return None
-    if a.__array_interface__["data"][0] != base.__array_interface__["data"][0] or _FROM_NUMPY.get(base.dtype) != dtype:
-        return None
-    t = torch.from_numpy(base)
-    if dtype == torch.bfloat16:
-        t = t.view(torch.bfloat16)
-    return t.unsqueeze(0)
-
-
-def _view_torch(a: Any) -> "torch.Tensor":
-    """``a``'s memory as a tensor of the dtype its bytes mean, strides kept (no copy). Never
-    written: the sized layer copies it into its own buffer, casting as it goes."""
-    import warnings
-
-    a = np.asarray(a)
-    source = _FROM_NUMPY.get(a.dtype)
-    if source is None:
-        raise DataError(f"KV arrays of numpy dtype {a.dtype} are not a storage dtype (float32, float16, bfloat16 bits)")
-    if any(st < 0 for st in a.strides):
-        a = np.ascontiguousarray(a)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays (memory-mapped packs): only read here
-        t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if source == torch.bfloat16 else t
-
-
-def to_torch(a: Any, dtype: "torch.dtype") -> "torch.Tensor":
-    a = np.asarray(a)
-    source = _FROM_NUMPY.get(a.dtype)
-    if source is None:
-        raise DataError(f"KV arrays of numpy dtype {a.dtype} are not a storage dtype (float32, float16, bfloat16 bits)")
-    if not (a.flags.c_contiguous and a.flags.writeable):
-        a = np.array(a, order="C", copy=True)
-    t = torch.from_numpy(a)
-    if source == torch.bfloat16:
-        t = t.view(torch.bfloat16)
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _generator(sampling: Sampling) -> "torch.Generator | None":

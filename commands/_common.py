@@ -122,15 +122,21 @@ def emit_json(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def open_input(path: str | None) -> BinaryIO:
-    """Open a binary input: a file path, or stdin for ``-``/None."""
-    if path in (None, "-"):
-        return sys.stdin.buffer
+def _input_file(path: str) -> Path:
+    """``path`` as an input file: MissingInput when there is none, UsageError for a directory."""
     p = Path(path)
     if not p.exists():
         raise MissingInput(f"no such file: {path}")
     if p.is_dir():
         raise UsageError(f"{path} is a directory, not a file")
+    return p
+
+
+def open_input(path: str | None) -> BinaryIO:
+    """Open a binary input: a file path, or stdin for ``-``/None."""
+    if path in (None, "-"):
+        return sys.stdin.buffer
+    p = _input_file(path)
     try:
         return open(p, "rb")
     except PermissionError:
@@ -141,11 +147,7 @@ def read_text_input(path: str | None) -> str:
     if path in (None, "-"):
         data = sys.stdin.buffer.read()
     else:
-        p = Path(path)
-        if not p.exists():
-            raise MissingInput(f"no such file: {path}")
-        if p.is_dir():
-            raise UsageError(f"{path} is a directory, not a file")
+        p = _input_file(path)
         try:
             data = p.read_bytes()
         except PermissionError:

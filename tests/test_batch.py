@@ -129,13 +129,20 @@ def stop_at_lines(proc, res, lines: int) -> None:
 
 
 # ----------------------------------------------------------------------------- resume
-def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, tmp_path):
+def start_stopped(model, tmp_path, lines: int):
+    """A batch of the six questions started in the background and stopped (SIGSTOP) once
+    ``lines`` results are in: (the process, its jobs file, results file and home)."""
     jobs = write_jobs(tmp_path)
     res = tmp_path / "res.jsonl"
     home = tmp_path / "home"
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stop_at_lines(proc, res, 2)
+    stop_at_lines(proc, res, lines)
+    return proc, jobs, res, home
+
+
+def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, tmp_path):
+    proc, jobs, res, home = start_stopped(model, tmp_path, 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     before = lines_of(res.read_bytes())
@@ -153,12 +160,7 @@ def test_resume_after_sigkill_loses_no_job_and_does_none_twice(model, expected, 
 
 
 def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected, tmp_path):
-    jobs = write_jobs(tmp_path)
-    res = tmp_path / "res.jsonl"
-    home = tmp_path / "home"
-    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stop_at_lines(proc, res, 1)
+    proc, jobs, res, home = start_stopped(model, tmp_path, 1)
     proc.send_signal(signal.SIGINT)  # pending while stopped; handled the moment the run continues
     proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=240)

@@ -194,7 +194,7 @@ def produce(name, model_path, ids):
     from muser_cli.engines.vllm.engine import VLLMEngine
     from muser_cli.kvpack import read_pack, write_pack
     from muser_cli.models import resolve_model
-    from muser_cli.prefill import build_header
+    from muser_cli.produce import pack_header
     _p, _kind, opts, _env, _n = CONFIGS[name]
     dtype = DTYPE.get(name, "bfloat16")
     info = resolve_model(model_path)
@@ -246,8 +246,7 @@ def produce(name, model_path, ids):
         native = eng._llm.generate([{"prompt_token_ids": ids}],
                                    SamplingParams(max_tokens=N_NEW, temperature=0.0, ignore_eos=True), use_tqdm=False)
         res["vllm_native_tokens"] = list(native[0].outputs[0].token_ids)
-        header = build_header(info, ids, dtype=dtype, chunk_tokens=CHUNK, engine="vllm", threads=1,
-                              extra=eng.producer_info())
+        header = pack_header(info, ids, dtype=dtype, chunk_tokens=CHUNK, engine="vllm", threads=1, eng=eng)
         with open(pack_path, "wb") as f:
             write_pack(f, header, layers)
         eng.close()

@@ -33,7 +33,10 @@ def delta_header(header: PackHeader, scope: Scope, held: int, chain: str | None)
     if held == 0:
         return replace(header, rows_start=0, base=None)
     assert chain is not None
-    return replace(header, rows_start=held, base=base_object(scope, held, chain))
+    # The sliding history of a whole pack (ring_extra >= its rows) is, in a delta, every row
+    # from the consumer's prefix on: ring_extra end - held (docs/kvpack.md 1.3); a ring row stays.
+    ring = min(header.ring_extra, header.rows_end - held) if header.ring_extra else 0
+    return replace(header, rows_start=held, base=base_object(scope, held, chain), ring_extra=ring)
 
 
 def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, extra: int = 0) -> list[LayerKV]:

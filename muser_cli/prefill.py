@@ -94,7 +94,7 @@ def prefill(
                   have_tokens=have.held_tokens if have is not None else 0,
                   have_chain=have.chain if have is not None else None)
     # Rows from this machine's store only on an engine that can continue them (its own kernels).
-    sources = [StoreRows(eng)] if (reuse or have is not None) and eng.resumes_prefill and not eng.keeps_history else []
+    sources = [StoreRows(eng)] if (reuse or have is not None) and eng.resumes_prefill else []
     made = produce_pack(job, [*sources, EngineRows(eng, progress=progress)], PackSink(out, codec, level))
     stored = Store().put_layers(made.full, made.layers).entry.id if store else None
     return PrefillResult(header=made.header, token_count=len(ids), load_s=made.started - t0,

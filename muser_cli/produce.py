@@ -149,15 +149,15 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     header = full
     rows = len(job.ids) - 1
     if job.have_tokens:
-        header = delta_header(full, scope_of_header(full), job.have_tokens, job.have_chain)
-        header = replace(header, ring_extra=eng.pack_ring_extra(rows, header.rows_start))
+        header = delta_header(full, scope_of_header(full), job.have_tokens, job.have_chain)  # its history too
+    for source in held:  # set on every request: a memory serves the next one with its own bound
+        if isinstance(source, MemoryRows):
+            source.at_most = header.rows_start if eng.keeps_history else None
     if eng.keeps_history:
         # The sliding history: every sliding row from the consumer's prefix on. A held prefix
         # deeper than that holds only its window there, so none serves (the store's) or it is
         # taken no deeper than the consumer's own (the previous prompt's rows, memory).
         held = [s for s in held if isinstance(s, MemoryRows)]
-        for source in held:
-            source.at_most = header.rows_start
     writer = PackWriter(sink.out, header, codec=sink.codec, level=sink.level) if eng.streams_prefill else None
     emitter = None
     if writer is not None:
@@ -189,8 +189,7 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
 def set_history(eng: Engine, history: bool | None) -> None:
     """Ask ``eng`` for the sliding history (``history`` None: where it can write it); True on an
     engine that cannot, for a model with a sliding or chunked layer, is a UsageError."""
-    local = any(s.kind in ("sliding", "chunked") for s in eng.info.layers)
-    if history and local and not eng.writes_history:
+    if history and eng.has_local_layers and not eng.writes_history:
         raise UsageError(f"the {eng.name} engine cannot write the sliding history of {eng.info.name}",
                          hint="drop --history, or prefill with --engine torch")
     eng.history = history is not False and eng.writes_history

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 from muser_cli.errors import DataError, PromptTooLong, UsageError
-from muser_cli.kvpack.layers import LayerKV
+from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
@@ -134,16 +134,20 @@ class Engine(abc.ABC):
     history: bool = False
 
     @property
+    def has_local_layers(self) -> bool:
+        """Whether the model has a sliding-window or chunked layer (one that carries its last rows)."""
+        return any(s.kind in LOCAL_KINDS for s in self.info.layers)
+
+    @property
     def ring_extra(self) -> int:
         """:attr:`RING_EXTRA` for a model with a sliding or chunked layer, else 0."""
-        return self.RING_EXTRA if any(s.kind in ("sliding", "chunked") for s in self.info.layers) else 0
+        return self.RING_EXTRA if self.has_local_layers else 0
 
     @property
     def keeps_history(self) -> bool:
         """Whether this engine's packs carry the sliding history (:attr:`history` asked, the
         engine able, the model with a sliding layer)."""
-        return (self.history and self.writes_history
-                and any(s.kind in ("sliding", "chunked") for s in self.info.layers))
+        return self.history and self.writes_history and self.has_local_layers
 
     def pack_ring_extra(self, end: int, start: int = 0) -> int:
         """The ``ring_extra`` of a pack of rows [start, end) made by this engine: with the

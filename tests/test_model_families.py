@@ -377,18 +377,14 @@ def test_docs_models_matrix_is_current():
 
 @pytest.mark.mlx
 def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
-    """gemma2: mlx-lm 0.32 has no sliding window (refused by name); gpt-oss with its own
-    ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe). Refused before any token."""
+    """gpt-oss with its own ``truncate: false`` YaRN: mlx-lm truncates anyway (RoPE probe).
+    Refused before any token."""
     import shutil
 
     from muser_cli.errors import IdentityMismatch
     from muser_cli.models import resolve_model
 
     pytest.importorskip("mlx_lm")
-    from muser_cli.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="the mlx engine cannot run gemma2: .*no sliding-window attention"):
-        get_engine("mlx", tiny_family("gemma2"), dtype="float32", threads=1)
     folder = tmp_path / "gpt-oss-untruncated"
     shutil.copytree(tiny_family("gpt_oss").path, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -399,6 +395,44 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
     with pytest.raises(IdentityMismatch, match="layer 0 rope: mlx-lm's rotation differs.*yarn"):
         get_engine("mlx", info, dtype="float32", threads=1)
     get_engine("torch", info, dtype="float32", threads=1)  # transformers honours it
+
+
+@pytest.mark.mlx
+def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tiny_family):
+    """mlx-lm 0.32's own gemma2 attends to the whole prefix on every layer: its hidden states
+    equal the windowed model's while the prompt is within the window and differ past it. The
+    MLX engine's gemma2 (its sliding layers given a ring of the window and their own mask)
+    gives transformers' logits at every position of a prompt 5x the window, in one forward,
+    in chunks through its caches, and token by token."""
+    import torch
+
+    from muser_cli.engines.mlx import blas as mlx_blas
+
+    mlx_blas.ensure_fast_blas()
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    info = tiny_family("gemma2")
+    window = min(s.window for s in info.layers if s.kind == "sliding")
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 500, 5 * window)]
+    with torch.inference_mode():
+        want = engine("torch", info).model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    model = engine("mlx", info).model
+    caches = make_prompt_cache(model)
+    assert [type(c) is RotatingKVCache and c.max_size for c in caches] == [
+        s.kind == "sliding" and s.window for s in info.layers]
+    whole = np.array(model(mx.array([ids]))[0])
+    chunked = np.concatenate([np.array(model(mx.array([ids[a: a + 7]]), cache=caches)[0]) for a in range(0, len(ids), 7)])
+    caches = make_prompt_cache(model)
+    stepped = np.concatenate([np.array(model(mx.array([[t]]), cache=caches)[0]) for t in ids])
+    for got in (whole, chunked, stepped):
+        assert np.abs(got - want).max() < 1e-4
+    # mlx-lm's own module (its lm_head aside: it always ties it), the same weights
+    stock, _ = load_model(info.path, strict=False, model_config=engine("mlx", info).overrides)
+    apart = np.abs(np.array(stock.model(mx.array([ids]))[0]) - np.array(model.model(mx.array([ids]))[0])).max(axis=-1)
+    assert apart[:window].max() == 0.0 and apart[window:].min() > 1e-2
 
 
 def _rotate(keys: np.ndarray, first_row: int, theta: float = 10000.0) -> np.ndarray:

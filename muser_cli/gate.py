@@ -159,11 +159,14 @@ def _refuse_incomplete(result: SampleCheck, header) -> None:
     missed = m - min(l["positions"] for l in short)
     first = short[0]["layer"]
     windows = sorted({s.window for s in header.layers if s.kind == "sliding" and s.window})
+    chunks = sorted({s.chunk for s in header.layers if s.kind == "chunked" and s.chunk})
+    reach = ([f"the sliding window ({', '.join(map(str, windows))} tokens)"] if windows else []) + (
+        [f"the current attention chunk ({', '.join(map(str, chunks))} tokens)"] if chunks else [])
     made_by = (header.producer or {}).get("engine") or "an unnamed engine"
     raise GateIncomplete(
         f"pack refused by the numeric gate before the first token: it cannot be checked in full here -- layers "
         f"{first}..{short[-1]['layer']} could not be recomputed at {missed} of {m} positions sampled across the "
-        f"prompt (seed {result.seed}): they lie before the sliding window ({', '.join(map(str, windows))} tokens), "
+        f"prompt (seed {result.seed}): they lie before {' or '.join(reach) or 'the rows it carries'}, "
         f"whose older rows this pack does not carry (ring_extra {header.ring_extra}); rows nobody checked are not "
         f"decoded from",
         hint=f"have the producer ({made_by}) write the sliding history (muser prefill --history; a pull-lane "

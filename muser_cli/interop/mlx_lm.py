@@ -5,19 +5,22 @@ layer's cache ``state`` flattened as ``"<layer>.<field>"``, and ``__metadata__``
 three trees flattened the same way: ``0.<key>`` the user's metadata (``mlx_lm.generate``
 reads ``model`` and ``tokenizer_config``), ``1.<layer>`` the cache class names, and
 ``2.*`` a table naming which tensors are Python scalars (``2.0`` is an empty string;
-``2.<j>.0`` a tensor name, ``2.<j>.1`` ``scalar``/``string``/``none``). For the two
-classes muser reads (mlx-lm 0.25 - 0.32):
+``2.<j>.0`` a tensor name, ``2.<j>.1`` ``scalar``/``string``/``none``). For the three
+classes muser reads (mlx-lm 0.25 - 0.32; ``ChunkedKVCache`` from 0.32's ``llama4``):
 
 * ``KVCache``: ``state = (keys, values, offset)``; keys ``(1, kv_heads, L, head_dim)``,
   the first ``offset <= L`` rows valid (mlx-lm's buffer grows in steps of 256);
 * ``RotatingKVCache``: ``state = (keys, values, offset, keep, max_size, _idx)``; a ring
-  in physical order whose next write goes to ``_idx`` (wrapped when ``_idx < offset``).
+  in physical order whose next write goes to ``_idx`` (wrapped when ``_idx < offset``);
+* ``ChunkedKVCache``: ``state = (keys, values, offset, chunk_size, start_position)``; the
+  first ``offset - start_position`` rows valid (a buffer grown in steps of 256, as
+  ``KVCache``'s), holding positions ``[start_position, offset)``: mlx-lm trims the front to
+  at most ``chunk_size`` rows before each forward, so after one it holds at least the
+  current chunk's.
 
 Class names in the file are data, never code: a closed table maps ``KVCache`` to a full
-layer and ``RotatingKVCache`` to a sliding one (``keep == 0``); any other name is refused.
-The export also writes a kvpack 1.4 chunked layer (Llama 4) as ``ChunkedKVCache``:
-``state = (keys, values, offset, chunk_size, start_position)``, the carried rows being
-positions ``[start_position, offset)``; importing one is not supported yet (refused by name).
+layer, ``RotatingKVCache`` to a sliding one (``keep == 0``) and ``ChunkedKVCache`` to a
+kvpack 1.4 chunked one (Llama 4, its ``chunk_size`` the model's); any other name is refused.
 
 Boundary. A kvpack carries prompt[:-1] and its consumer runs the last prompt token. An
 exported file holds exactly the pack's rows (offset = tokens - 1); the mlx-lm user feeds
@@ -47,7 +50,8 @@ from muser_cli.kvpack.layers import DTYPES, ring_tail
 from muser_cli.modelinfo import ModelInfo
 
 #: the cache classes muser reads and writes: name -> (layer kind, number of state fields)
-CLASSES: dict[str, tuple[str, int]] = {"KVCache": ("full", 3), "RotatingKVCache": ("sliding", 6)}
+CLASSES: dict[str, tuple[str, int]] = {"KVCache": ("full", 3), "RotatingKVCache": ("sliding", 6),
+                                       "ChunkedKVCache": ("chunked", 5)}
 FLOAT_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 ST_DTYPES = {v: k for k, v in FLOAT_DTYPES.items()}
 #: mlx-lm's default prefill step (generate_step, cache_prompt): the schedule recorded for an
@@ -65,8 +69,9 @@ class MlxCacheLayer:
     values: np.ndarray
     offset: int
     keep: int = 0
-    max_size: int | None = None
+    max_size: int | None = None  # RotatingKVCache's ring size; ChunkedKVCache's chunk_size
     idx: int | None = None
+    start: int = 0  # ChunkedKVCache's start_position: the position of its first row
 
     def temporal(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(keys, values, first position): the valid rows oldest first, as mlx-lm's own
@@ -74,6 +79,9 @@ class MlxCacheLayer:
         k, v = self.keys[0], self.values[0]
         if self.cls == "KVCache":
             return k[:, : self.offset], v[:, : self.offset], 0
+        if self.cls == "ChunkedKVCache":
+            held = self.offset - self.start
+            return k[:, :held], v[:, :held], self.start
         size, idx = k.shape[1], int(self.idx or 0)
         if idx == size:
             tk, tv = k, v
@@ -172,6 +180,12 @@ def parse_prompt_cache(buffer: Any, *, name: str = "input") -> MlxPromptCache:
             if offset > rows:
                 raise DataError(f"{name}: layer {index} (KVCache) offset {offset} is past the {rows} rows it holds")
             layer = MlxCacheLayer(cls, keys.array, values.array, offset)
+        elif cls == "ChunkedKVCache":
+            offset, chunk_size, start = scalars
+            if start > offset or offset - start > rows:
+                raise DataError(f"{name}: layer {index} (ChunkedKVCache) holds positions [{start}, {offset}) "
+                                f"in {rows} rows")
+            layer = MlxCacheLayer(cls, keys.array, values.array, offset, max_size=chunk_size, start=start)
         else:
             offset, keep, max_size, idx = scalars
             if keep:
@@ -208,7 +222,8 @@ def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[
     """The rows a kvpack of ``token_ids`` carries, taken from ``cache`` after checking its
     layout against the model: layer count and kinds, windows, KV heads, head dims, and the
     cached length (``len(token_ids) - 1``, or ``len(token_ids)``: then the last row is left
-    out). Returns (layers, whether a last row was left out). Sliding layers give their
+    out). Returns (layers, whether a last row was left out). Chunked layers give the current
+    chunk's rows (kvpack 1.4), sliding layers their
     last ``window - 1`` rows (no ``ring_extra``: the pack is a v1.1 one, as mlx-lm's file
     does not say which extra rows are real after every schedule)."""
     specs = info.layers
@@ -228,6 +243,9 @@ def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[
         if kind == "sliding" and layer.max_size != spec.window:
             raise DataError(f"{name}: layer {index} ring holds {layer.max_size} positions, the model's window is "
                             f"{spec.window}")
+        if kind == "chunked" and layer.max_size != spec.chunk:
+            raise DataError(f"{name}: layer {index} has chunks of {layer.max_size} positions, the model's are "
+                            f"{spec.chunk}")
         _, heads, _, kdim = layer.keys.shape
         vdim = layer.values.shape[3]
         if (heads, kdim, vdim) != (spec.kv_heads, spec.head_dim, spec.v_head_dim):

@@ -445,7 +445,8 @@ def test_a_foreign_hybrid_delta_is_checked_in_full_over_its_own_rows(tiny_hybrid
     assert tokens == []
 
 
-@pytest.mark.parametrize("family", ["tiny_hybrid", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("family", ["tiny_hybrid", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "exaone4",
+                                    "muse_glimmer"])
 def test_a_hybrid_pack_with_its_history_is_checked_in_one_step_as_position_by_position(family, request):
     """With every layer's rows from position 0, the gate's positions go through one masked
     forward (each layer type its own mask: the window, the chunk) instead of one step each;

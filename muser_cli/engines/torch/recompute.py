@@ -19,7 +19,8 @@ from muser_cli.kvpack.layers import LayerKV
 
 # Model types whose transformers forward takes ``attention_mask`` as a mapping from layer
 # type to mask (``causal_mask_mapping := attention_mask``), read in the pinned modelling code.
-MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "llama4_text"})
+MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "llama4_text", "exaone4",
+                                "muse_glimmer_text"})
 
 
 def recompute_at(engine: Any, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],

@@ -207,11 +207,12 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 
 def make_tiny(family: str, directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
     """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer).
-    ``sizes``: over the common sizes (:data:`VLLM_SIZES`), for :data:`TINY_FAMILIES` and muse_glimmer."""
-    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer_text": make_tiny_muse_glimmer_text,
-               "llama4": make_tiny_llama4}
+    ``sizes``: over the common sizes (:data:`VLLM_SIZES`), for :data:`TINY_FAMILIES`, muse_glimmer and llama4."""
+    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer_text": make_tiny_muse_glimmer_text}
     if family == "muse_glimmer":
         return make_tiny_muse_glimmer(directory, seed, sizes)
+    if family == "llama4":
+        return make_tiny_llama4(directory, seed, sizes)
     if family in special:
         if sizes:
             raise ValueError(f"the tiny {family} has fixed sizes")
@@ -224,13 +225,13 @@ def make_tiny(family: str, directory: Path | str, seed: int = 0, sizes: dict | N
     return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)
 
 
-def make_tiny_llama4(directory: Path | str, seed: int = 0) -> Path:
+def make_tiny_llama4(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
     """The hub's composite Llama 4 (``Llama4ForConditionalGeneration``, ``model_type`` llama4):
     the tiny ``llama4_text`` as its ``text_config`` beside a 1-layer vision tower."""
     from transformers import Llama4Config, Llama4ForConditionalGeneration, Llama4TextConfig, Llama4VisionConfig
 
     _, extra = TINY_FAMILIES["llama4_text"]
-    text = Llama4TextConfig(**{**_common(), **extra})
+    text = Llama4TextConfig(**{**_common(), **(sizes or {}), **extra})
     vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                 image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                                 projector_output_dim=text.hidden_size)

@@ -398,13 +398,20 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
 
 
 @pytest.mark.mlx
-def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tiny_family):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tied, tiny_family, tmp_path):
     """mlx-lm 0.32's own gemma2 attends to the whole prefix on every layer: its hidden states
     equal the windowed model's while the prompt is within the window and differ past it. The
     MLX engine's gemma2 (its sliding layers given a ring of the window and their own mask)
     gives transformers' logits at every position of a prompt 5x the window, in one forward,
-    in chunks through its caches, and token by token."""
+    in chunks through its caches, and token by token; untied (the tiny model) and tied (as
+    the hub's Gemma 2 ships: no lm_head weight)."""
+    import shutil
+
     import torch
+    from safetensors.numpy import load_file, save_file
+
+    from muser_cli.models import resolve_model
 
     from muser_cli.engines.mlx import blas as mlx_blas
 
@@ -415,6 +422,15 @@ def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tiny_family):
     from mlx_lm.utils import load_model
 
     info = tiny_family("gemma2")
+    if tied:
+        folder = tmp_path / "gemma2-tied"
+        shutil.copytree(info.path, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+        weights = load_file(str(folder / "model.safetensors"))
+        save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        info = resolve_model(folder)
     window = min(s.window for s in info.layers if s.kind == "sliding")
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 500, 5 * window)]
     with torch.inference_mode():
@@ -430,7 +446,7 @@ def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tiny_family):
     for got in (whole, chunked, stepped):
         assert np.abs(got - want).max() < 1e-4
     # mlx-lm's own module (its lm_head aside: it always ties it), the same weights
-    stock, _ = load_model(info.path, strict=False, model_config=engine("mlx", info).overrides)
+    stock, _ = load_model(info.path, strict=tied, model_config=engine("mlx", info).overrides)
     apart = np.abs(np.array(stock.model(mx.array([ids]))[0]) - np.array(model.model(mx.array([ids]))[0])).max(axis=-1)
     assert apart[:window].max() == 0.0 and apart[window:].min() > 1e-2
 

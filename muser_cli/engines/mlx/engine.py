@@ -4,7 +4,8 @@ Loading. The same Hugging Face folder the torch engine reads is loaded with mlx-
 translating what the two libraries name differently (:func:`mlx_config_overrides`):
 transformers 5.x keeps RoPE under ``rope_parameters``, mlx-lm reads a top-level
 ``rope_theta``/``rope_scaling``; Cohere2 states ``layer_types``, mlx-lm derives them from
-``sliding_window_pattern``. Then the loaded model is checked against ``info.layers``
+``sliding_window_pattern``; mlx-lm's gemma2 has no sliding window, so its sliding layers get
+one (:mod:`muser_cli.engines.mlx.gemma2`). Then the loaded model is checked against ``info.layers``
 before anything runs (:func:`~muser_cli.engines.mlx.config.check_model`): the cache layout mlx-lm builds
 (full vs sliding, window), KV heads and head dims, and, per layer, the RoPE the model
 really applies, read from its modules and probed numerically against the

@@ -34,7 +34,7 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
-from muser_cli.engines.torch import recompute
+from muser_cli.engines.torch import latent, recompute
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -276,6 +276,9 @@ class TorchEngine(Engine):
         built = [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
                  for i, b in enumerate(built)]
         described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
+        if any(spec.kind == "latent" for spec in self.info.layers):  # MLA: a full layer of latent rows
+            latent.check_layout(self)
+            described = [("full", None) if d[0] == "latent" else d for d in described]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
@@ -393,7 +396,7 @@ class TorchEngine(Engine):
                 raise DataError(f"layer {index}: rows start at position {kv.first_row}, expected {rows - carried}")
             if rows == 0:
                 continue
-            if adopt and spec.kind == "full" and hasattr(cache.layers[index], "adopt"):
+            if adopt and spec.kind in ("full", "latent") and hasattr(cache.layers[index], "adopt"):
                 bufs = adoptable(kv.keys, rows + extra, self.torch_dtype), adoptable(kv.values, rows + extra,
                                                                                       self.torch_dtype)
                 if bufs[0] is not None and bufs[1] is not None:

@@ -25,7 +25,7 @@ MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "
 def recompute_at(engine: Any, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
                  token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """:meth:`TorchEngine.recompute_at`."""
-    hybrid = any(spec.kind != "full" for spec in engine.info.layers)
+    hybrid = any(spec.kind not in ("full", "latent") for spec in engine.info.layers)  # latent: full rows
     if hybrid and not recomputes_at_hybrid(engine, layers, rows):
         raise UsageError("recompute_at on this model needs every layer's rows from position 0 (the sliding "
                          "history) and per-type masks")

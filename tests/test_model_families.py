@@ -200,7 +200,8 @@ def test_model_check_prices_deepseek_v3_latent_layers_beside_the_expanded_form(t
     assert latent["bytes_per_token_per_layer"] == 1152 and latent["expanded_bytes_per_token_per_layer"] == 81920
     assert latent["expanded_over_latent"] == 71.11 and latent["rope"] == "theta 10000, 64/64 dims, interleaved"
     assert report["payload_bytes"] == 61 * 1152 * 131071 and report["expanded_payload_bytes"] == 61 * 81920 * 131071
-    assert report["kvpack_version"] == "1.3" and not report["engines"]["torch"]["produce"]
+    assert report["kvpack_version"] == "1.3" and report["engines"]["torch"]["produce"]  # moved since #27
+    assert not report["engines"]["mlx"]["produce"]
     assert report["plan"][0] == {"layer": 0, "kind": "latent", "kv_lora_rank": 512, "rope_dim": 64,
                                  "rope": {"theta": 10000.0, "dims": 64, "style": "interleaved", "scaling": None}}
     text = _cli("model", "check", tmp_path, "--tokens", 131072)
@@ -236,7 +237,7 @@ def test_model_check_prices_hybrid_state_layers_as_one_snapshot(family, tmp_path
     assert f"{state['mixer']} state: {state['state_bytes_per_layer']} bytes a snapshot a layer" in text
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])  # deepseek_v3 moves: test_latent_layers.py
 def test_prefill_and_decode_refuse_latent_and_state_families_by_name(family, tmp_path):
     """No engine moves these caches yet (issue 27's engines): 78 naming the family and its layers,
     before any weight or tokenizer is looked for, and nothing written."""

@@ -101,7 +101,8 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
     built = _layout(model)
-    described = [(spec.kind, _size(spec)) for spec in header.layers]
+    # a latent (MLA) layer: transformers' MLA attention caches the latent and the rope key in a full layer
+    described = [("full", None) if spec.kind == "latent" else (spec.kind, _size(spec)) for spec in header.layers]
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end

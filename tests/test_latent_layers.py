@@ -1,0 +1,231 @@
+"""Latent (MLA) layers end to end on DeepSeek-V3's tiny random model (issue #27).
+
+kvpack 1.3 carries a ``latent`` layer as a one-head row layer: per position the latent after
+``kv_a_layernorm`` (``kv_lora_rank`` values) and the shared RoPE key after the rotary
+(``qk_rope_head_dim``). Checked against transformers' OWN modules and cache objects:
+
+* the rows the torch producer extracts are what the model's own ``kv_a_proj_with_mqa``,
+  ``kv_a_layernorm`` and rotary make (forward hooks on transformers' modules, its own RoPE
+  function), and what its own ``DynamicCache`` holds after its own forward;
+* rows installed from a pack are the live cache's bytes, and expanded with the model's own
+  ``kv_b_proj`` (``expand_kv``) they are the per-head K and V the producer's attention reads;
+* torch -> torch through kvpack bytes decodes the tokens of the local fallback and of
+  ``generate_reference`` (the producer's live cache), a pack's bytes a token are
+  (rank + rope) x element a layer;
+* the numeric gate compares latent rows and refuses a planted fault (a scaled row) with 65
+  before the first token;
+* the lanes: a streamed pack, a cut-off stream and a delta from the store give the fallback's tokens.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from muser_cli.commands import app
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
+from muser_cli.engines.torch import latent
+from muser_cli.errors import SpotCheckFailed
+from muser_cli.kvpack import LayerKV, read_pack, read_pack_bytes, write_pack
+from muser_cli.kvpack.parser import frame_ends
+from muser_cli.prefill import prefill
+from muser_cli.tokens import encode_prompt
+
+PROMPT = (
+    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
+    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
+)
+NEW = 12
+_ENGINES: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    monkeypatch.setenv("MUSER_THREADS", "1")  # bit-exactness: one engine, dtype and thread count
+
+
+@pytest.fixture
+def mla(tiny_family):
+    return tiny_family("deepseek_v3")
+
+
+def torch_engine(info):
+    key = str(info.path)
+    if key not in _ENGINES:
+        _ENGINES[key] = get_engine("torch", info, dtype="float32", threads=1)
+    return _ENGINES[key]
+
+
+def _own_forward(eng, ids):
+    """transformers' own forward over ``ids`` into its own cache, with hooks on its own MLA
+    modules: per layer the latent after kv_a_layernorm, and the raw rope part of
+    kv_a_proj_with_mqa; and the model's own (cos, sin)."""
+    seen: dict = {"norm": {}, "proj": {}}
+    hooks = []
+    for i, attn in enumerate(latent.attentions(eng.model)):
+        hooks.append(attn.kv_a_layernorm.register_forward_hook(lambda m, a, out, i=i: seen["norm"].__setitem__(i, out)))
+        hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(
+            lambda m, a, out, i=i: seen["proj"].__setitem__(i, out)))
+    hooks.append(eng.model.model.rotary_emb.register_forward_hook(lambda m, a, out: seen.__setitem__("rope", out)))
+    try:
+        with torch.inference_mode():
+            out = eng.model(input_ids=torch.tensor([ids]), use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return (getattr(out, "cache", None) or out.past_key_values), seen
+
+
+def test_layer_specs_describe_deepseek_v3_as_latent_layers(mla):
+    cfg = json.loads((mla.path / "config.json").read_text())
+    assert [s.kind for s in mla.layers] == ["latent"] * cfg["num_hidden_layers"]
+    for s in mla.layers:
+        assert (s.kv_heads, s.head_dim, s.v_head_dim) == (1, cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+        assert s.rope.dims == cfg["qk_rope_head_dim"] and s.rope.style == "interleaved"
+
+
+def test_extracted_latent_rows_are_the_models_own(mla):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    eng = torch_engine(mla)
+    ids = encode_prompt(mla, PROMPT)[:-1]
+    rows = len(ids)
+    layers = eng.prefill(ids, chunk_tokens=rows)  # one forward, as the model's own below
+    cache, seen = _own_forward(eng, ids)
+    cos, sin = seen["rope"]
+    rank, rope = mla.layers[0].head_dim, mla.layers[0].v_head_dim
+    for i, kv in enumerate(layers):
+        assert kv.first_row == 0 and kv.keys.shape == (1, rows, rank) and kv.values.shape == (1, rows, rope)
+        # the latent: kv_a_layernorm's own output
+        assert np.array_equal(kv.keys[0], seen["norm"][i][0].numpy()), i
+        # the rope key: kv_a_proj_with_mqa's rope part through transformers' own RoPE (interleaved)
+        k_raw = seen["proj"][i][..., rank:].view(1, 1, rows, rope)
+        _, k_rot = ds.apply_rotary_pos_emb_interleave(k_raw, k_raw, cos, sin)
+        assert np.array_equal(kv.values[0], k_rot[0, 0].numpy()), i
+        # and what transformers' own cache object holds
+        own = cache.layers[i]
+        assert np.array_equal(kv.keys, own.keys[0].numpy()) and np.array_equal(kv.values, own.values[0].numpy())
+
+
+def test_installed_rows_and_their_expansion_equal_the_live_cache(mla):
+    eng = torch_engine(mla)
+    ids = encode_prompt(mla, PROMPT)[:-1]
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=16, dtype="float32", threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    assert pack.header.chunk_tokens == 16 and pack.header.rows_end == len(ids)
+    with eng._session():
+        live = eng._prefill_cache(ids, 16, None)  # the producer's live cache (its own chunk schedule)
+        installed = eng._install(pack.layers, len(ids))
+    for i, (a, b) in enumerate(zip(installed.layers, live.layers)):
+        assert a.keys.shape == b.keys.shape == (1, 1, len(ids), mla.layers[i].head_dim)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), i
+        # latent -> per-head K/V with the model's own kv_b_proj: what the attention reads
+        k, v = latent.expand(eng, i, pack.layers[i])
+        with torch.inference_mode():
+            own_k, own_v = latent.attentions(eng.model)[i].expand_kv(b.keys, b.values)
+        heads = eng.model.config.num_attention_heads
+        assert k.shape == (heads, len(ids), eng.model.config.qk_head_dim) and v.shape[0] == heads
+        assert torch.equal(k, own_k[0]) and torch.equal(v, own_v[0]), i
+        # expanded chunk by chunk (the producer's schedule): the same rows, to float rounding
+        kc, vc = latent.expand(eng, i, pack.layers[i], chunk_tokens=16)
+        assert torch.allclose(kc, k, rtol=1e-5, atol=1e-6) and torch.allclose(vc, v, rtol=1e-5, atol=1e-6)
+
+
+def test_handoff_equals_the_fallback_and_the_live_cache(mla):
+    eng = torch_engine(mla)
+    ids = encode_prompt(mla, PROMPT)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=16, dtype="float32", threads=1)
+    data = out.getvalue()
+    handed = decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1)
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype="float32", threads=1)
+    live = eng.generate_reference(ids[:-1], ids[-1:], NEW, chunk_tokens=16)
+    assert handed.fallback is False and local.fallback is True and handed.spot_check["ran"] is False
+    assert handed.token_ids == local.token_ids == live.token_ids
+    assert len(handed.token_ids) == NEW and len(set(handed.token_ids)) > 1
+    # a latent layer ships (kv_lora_rank + qk_rope_head_dim) x element a token, nothing per head
+    pack = read_pack_bytes(data)
+    h = pack.header
+    assert h.minor >= 3 and all(s.kind == "latent" for s in h.layers)
+    rows = h.rows_end
+    for kv, spec in zip(pack.layers, h.layers):
+        assert kv.keys.nbytes + kv.values.nbytes == rows * (spec.head_dim + spec.v_head_dim) * 4
+    assert h.codec["name"] == "none" and pack.stored_bytes == rows * sum(s.head_dim + s.v_head_dim for s in h.layers) * 4
+
+
+def test_cli_prefill_pipe_decode(mla, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    runner = CliRunner()
+    made = runner.invoke(app, ["prefill", "-m", str(mla.path), "--chunk", "16", str(prompt)], catch_exceptions=False)
+    assert made.exit_code == 0, made.stderr
+    got = runner.invoke(app, ["decode", "-m", str(mla.path), "-n", str(NEW), "--json"], input=made.stdout_bytes,
+                        catch_exceptions=False)
+    assert got.exit_code == 0, got.output
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    assert json.loads(got.stdout)["token_ids"] == local.token_ids
+
+
+# ---------------------------------------------------------------------- the numeric gate
+
+def _foreign(mla, *, plant=None) -> bytes:
+    """A torch pack relabelled as made by another engine (so decode gates it), every digest
+    right; ``plant(layers)`` edits its rows first."""
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=8, dtype="float32", threads=1)
+    p = read_pack(io.BytesIO(out.getvalue()))
+    layers = [LayerKV(np.array(l.keys), np.array(l.values), l.first_row) for l in p.layers]
+    if plant:
+        plant(layers)
+    again = io.BytesIO()
+    write_pack(again, replace(p.header, producer={**p.header.producer, "engine": "vllm"}), layers)
+    return again.getvalue()
+
+
+def test_gate_recomputes_latent_rows_of_a_foreign_pack(mla):
+    from muser_cli.gate import sample_check
+
+    data = _foreign(mla)
+    got = decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1)
+    spot = got.spot_check
+    assert spot["ran"] and spot["ok"] and spot["layers_checked"] == len(mla.layers) and not spot["layers_unchecked"]
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype="float32", threads=1)
+    assert got.token_ids == local.token_ids
+    # the one-step recompute returns latent rows: (1, m, rank) and (1, m, rope), equal to the pack's
+    pack = read_pack_bytes(data)
+    eng = torch_engine(mla)
+    check = sample_check(pack.header, list(pack.layers), eng, count=8, seed=5)
+    assert check.ok and check.method == "one-step" and check.complete
+    fresh = eng.recompute_at(list(pack.layers), rows=pack.header.rows_end, positions=[3, 20],
+                             token_ids=[pack.header.token_ids[3], pack.header.token_ids[20]])
+    for (k, v), kv in zip(fresh, pack.layers):
+        assert k.shape == (1, 2, mla.layers[0].head_dim) and v.shape == (1, 2, mla.layers[0].v_head_dim)
+        assert np.allclose(k, kv.keys[:, [3, 20]], rtol=1e-4, atol=1e-5)
+        assert np.allclose(v, kv.values[:, [3, 20]], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("part", ["latent", "rope"])
+def test_gate_refuses_a_scaled_latent_row_before_the_first_token(mla, part, tmp_path):
+    def plant(layers):
+        kv = layers[2]
+        (kv.keys if part == "latent" else kv.values)[:, 17] *= 1.5  # one row of layer 2
+
+    data = _foreign(mla, plant=plant)
+    rows = read_pack_bytes(data).header.rows_end
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="before the first token") as err:  # --audit rows: every position
+        decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1, audit=rows,
+               on_token=tokens.append)
+    assert tokens == [] and "layer 2" in str(err.value) and "latent" in str(err.value)
+    pack = tmp_path / "bad.kvpack"
+    pack.write_bytes(data)
+    cli = CliRunner().invoke(app, ["decode", "-m", str(mla.path), "--audit", str(rows), "-n", "4", str(pack)])
+    assert cli.exit_code == 65 and "before the first token" in cli.output

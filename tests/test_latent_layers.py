@@ -105,13 +105,18 @@ def test_extracted_latent_rows_are_the_models_own(mla):
         assert kv.first_row == 0 and kv.keys.shape == (1, rows, rank) and kv.values.shape == (1, rows, rope)
         # the latent: kv_a_layernorm's own output
         assert np.array_equal(kv.keys[0], seen["norm"][i][0].numpy()), i
-        # the rope key: kv_a_proj_with_mqa's rope part through transformers' own RoPE (interleaved)
+        # the rope key: kv_a_proj_with_mqa's rope part through transformers' own RoPE, which
+        # caches it [even dims, odd dims]; the pack carries the model's own (interleaved) order
         k_raw = seen["proj"][i][..., rank:].view(1, 1, rows, rope)
         _, k_rot = ds.apply_rotary_pos_emb_interleave(k_raw, k_raw, cos, sin)
-        assert np.array_equal(kv.values[0], k_rot[0, 0].numpy()), i
-        # and what transformers' own cache object holds
+        assert np.array_equal(kv.values[0][:, 0::2], k_rot[0, 0, :, : rope // 2].numpy()), i
+        assert np.array_equal(kv.values[0][:, 1::2], k_rot[0, 0, :, rope // 2 :].numpy()), i
+        # at position 0 RoPE is the identity: the pack's rope key is the projection's output as it is
+        assert np.array_equal(kv.values[0, 0], k_raw[0, 0, 0].numpy())
+        # and what transformers' own cache object holds (its rope keys in its own order)
         own = cache.layers[i]
-        assert np.array_equal(kv.keys, own.keys[0].numpy()) and np.array_equal(kv.values, own.values[0].numpy())
+        assert np.array_equal(kv.keys, own.keys[0].numpy())
+        assert np.array_equal(kv.values, latent.rope_to_pack(own.values[0]).numpy())
 
 
 def test_installed_rows_and_their_expansion_equal_the_live_cache(mla):
@@ -214,18 +219,42 @@ def test_gate_recomputes_latent_rows_of_a_foreign_pack(mla):
 
 @pytest.mark.parametrize("part", ["latent", "rope"])
 def test_gate_refuses_a_scaled_latent_row_before_the_first_token(mla, part, tmp_path):
-    def plant(layers):
-        kv = layers[2]
-        (kv.keys if part == "latent" else kv.values)[:, 17] *= 1.5  # one row of layer 2
+    from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_positions
 
-    data = _foreign(mla, plant=plant)
-    rows = read_pack_bytes(data).header.rows_end
+    rows = len(encode_prompt(mla, PROMPT)) - 1
+    seed = 7
+    at = sample_positions(rows, DEFAULT_SAMPLE_POSITIONS, seed)[5]  # a position the gate samples with this seed
+
+    def plant(where):
+        def edit(layers):
+            kv = layers[2]
+            (kv.keys if part == "latent" else kv.values)[:, where] *= 1.5  # one row of layer 2
+        return edit
+
+    data = _foreign(mla, plant=plant(at))
     tokens: list[int] = []
-    with pytest.raises(SpotCheckFailed, match="before the first token") as err:  # --audit rows: every position
-        decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1, audit=rows,
-               on_token=tokens.append)
-    assert tokens == [] and "layer 2" in str(err.value) and "latent" in str(err.value)
+    with pytest.raises(SpotCheckFailed, match="before the first token") as err:
+        decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1,
+               audit_seed=seed, on_token=tokens.append)
+    assert tokens == [] and "first layer 2" in str(err.value) and "(latent" in str(err.value)
+    # the CLI: 65, the fault on the last row (which the gate always recomputes, --audit 1)
     pack = tmp_path / "bad.kvpack"
-    pack.write_bytes(data)
-    cli = CliRunner().invoke(app, ["decode", "-m", str(mla.path), "--audit", str(rows), "-n", "4", str(pack)])
+    pack.write_bytes(_foreign(mla, plant=plant(rows - 1)))
+    cli = CliRunner().invoke(app, ["decode", "-m", str(mla.path), "-n", "4", str(pack)])
     assert cli.exit_code == 65 and "before the first token" in cli.output
+
+
+def test_transformers_interop_round_trip(mla):
+    """from_transformers(own cache) is the engine's pack; to_transformers(pack) is the own cache."""
+    import muser_cli
+
+    eng = torch_engine(mla)
+    ids = encode_prompt(mla, PROMPT)
+    cache, _ = _own_forward(eng, ids[:-1])
+    data = muser_cli.from_transformers(cache, ids, eng.model, info=mla, chunk_tokens=len(ids) - 1)
+    ours = eng.prefill(ids[:-1], chunk_tokens=len(ids) - 1)
+    for a, b in zip(read_pack_bytes(data).layers, ours):
+        assert np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values)
+    back = muser_cli.to_transformers(data, eng.model, info=mla)
+    for a, b in zip(back.layers, cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -29,15 +29,48 @@ from muser_cli.kvpack.layers import LayerKV
 LATENT_PARTS = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
 
 
+# The rope key's order. With ``rope_interleave`` (DeepSeek-V3's weights pair rotary dims
+# (0, 1), (2, 3), ...) transformers rotates the even and the odd dims and caches them side by
+# side, ``[even dims, odd dims]`` (``apply_rotary_pos_emb_interleave``); the pack carries the
+# key in the model's own order (pairs interleaved, RoPE style "interleaved", as mlx-lm and
+# vLLM cache it). The two are a permutation of the same values, moved without arithmetic.
+
+def deinterleaves(model: Any) -> bool:
+    """Whether transformers caches this model's rope keys de-interleaved (``rope_interleave``)."""
+    return bool(getattr(model.config.get_text_config(decoder=True), "rope_interleave", False))
+
+
+def rope_to_pack(t: torch.Tensor) -> torch.Tensor:
+    """transformers' ``[even dims, odd dims]`` -> the pack's interleaved order (a copy)."""
+    half = t.shape[-1] // 2
+    return torch.stack((t[..., :half], t[..., half:]), dim=-1).reshape(t.shape)
+
+
+def rope_from_pack(t: torch.Tensor) -> torch.Tensor:
+    """The pack's interleaved order -> transformers' ``[even dims, odd dims]`` (a copy)."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+def to_pack(engine: Any, index: int, values: torch.Tensor) -> torch.Tensor:
+    """A layer's cached values as the pack carries them (a latent layer's rope keys reordered)."""
+    return rope_to_pack(values) if engine._rope_order and engine.info.layers[index].kind == "latent" else values
+
+
+def from_pack(engine: Any, index: int, values: torch.Tensor) -> torch.Tensor:
+    """A pack's values of a layer as transformers caches them (the inverse of :func:`to_pack`)."""
+    return rope_from_pack(values) if engine._rope_order and engine.info.layers[index].kind == "latent" else values
+
+
 def attentions(model: Any) -> list[Any]:
     """The model's attention modules, one a decoder layer (the text model's own ``layers``)."""
     return [layer.self_attn for layer in model.model.layers]
 
 
-def check_layout(engine: Any) -> None:
+def check_layout(engine: Any) -> bool:
     """Every latent layer of ``engine.info.layers`` is an MLA attention of transformers that
     caches the latent (``kv_lora_rank`` = the spec's head_dim) and the rope key
-    (``qk_rope_head_dim`` = its v_head_dim), and expands them itself (``expand_kv``)."""
+    (``qk_rope_head_dim`` = its v_head_dim), and expands them itself (``expand_kv``). Returns
+    whether its rope keys are cached de-interleaved (:func:`deinterleaves`)."""
     mods = attentions(engine.model)
     if len(mods) != len(engine.info.layers):
         raise ConfigError(f"model {engine.info.name}: transformers built {len(mods)} layers, config.json describes "
@@ -55,6 +88,11 @@ def check_layout(engine: Any) -> None:
         if built != (spec.head_dim, spec.v_head_dim):
             raise ConfigError(f"model {engine.info.name}: layer {index} caches latent {built[0]} + rope {built[1]}, "
                               f"config.json describes {spec.head_dim} + {spec.v_head_dim}")
+        style = "interleaved" if deinterleaves(engine.model) else "rotate_half"
+        if spec.rope is not None and spec.rope.style != style:
+            raise ConfigError(f"model {engine.info.name}: layer {index}'s rope key is {style}, config.json describes "
+                              f"{spec.rope.style}")
+    return deinterleaves(engine.model)
 
 
 def expand(engine: Any, index: int, kv: LayerKV, *, chunk_tokens: int | None = None
@@ -70,7 +108,7 @@ def expand(engine: Any, index: int, kv: LayerKV, *, chunk_tokens: int | None = N
         raise DataError(f"layer {index} is not a latent layer")
     attn = attentions(engine.model)[index]
     latents = to_torch(kv.keys, engine.torch_dtype).unsqueeze(0)  # (1, 1, n, rank)
-    ropes = to_torch(kv.values, engine.torch_dtype).unsqueeze(0)  # (1, 1, n, rope)
+    ropes = from_pack(engine, index, to_torch(kv.values, engine.torch_dtype)).unsqueeze(0)  # (1, 1, n, rope)
     n = latents.shape[2]
     step = n if not chunk_tokens else max(1, int(chunk_tokens))
     keys, values = [], []

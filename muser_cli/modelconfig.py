@@ -83,7 +83,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                  "carries the current chunk's rows; full NoPE layers where no_rope_layers is 0 (every 4th)"),
     Family("deepseek_v3", cache="latent", layers="all_full",
            notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token), the latent after "
-                 "kv_a_layernorm and the rope key after RoPE, as transformers and mlx-lm cache them"),
+                 "kv_a_layernorm and the rope key after RoPE in the model's own (interleaved) order, as mlx-lm "
+                 "caches them (transformers caches the rope key de-interleaved: the torch engine reorders it)"),
     Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,
            notes="gated DeltaNet state layers beside gated full attention (kvpack 1.3 state); no engine moves them yet"),
     Family("granitemoehybrid", cache="mamba2", layers="all_full",

@@ -258,3 +258,90 @@ def test_transformers_interop_round_trip(mla):
     back = muser_cli.to_transformers(data, eng.model, info=mla)
     for a, b in zip(back.layers, cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+# ---------------------------------------------------------------------- lanes
+
+DOC = ("The producer computes the prompt once and ships its keys and values to the consumer. "
+       "The consumer checks every frame, installs the rows and decodes the next token itself.")
+MORE = (" A latent layer keeps one compressed row a position and one shared rope key; the heads come back "
+        "from the up-projection. When the network fails, the consumer falls back to a local prefill.")
+
+
+def _cli_ok(*args, input: bytes | None = None):
+    r = CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def test_streamed_pack_equals_the_finished_one_and_decodes_like_the_fallback(mla, monkeypatch):
+    """The V3 stream: frames leave while prefill runs (latent rows chunk by chunk), the bytes are
+    the finished pack's, and decoding them gives the fallback's tokens."""
+    from muser_cli.engines.torch.engine import TorchEngine
+
+    kw = dict(model=str(mla.path), chunk_tokens=8, dtype="float32", threads=1)
+    seen: list[tuple[int, int]] = []
+    out = io.BytesIO()
+    prefill(PROMPT, out, progress=lambda stage, done, total: seen.append((done, len(out.getbuffer()))), **kw)
+    with monkeypatch.context() as m:
+        m.setattr(TorchEngine, "streams_prefill", False)
+        whole = io.BytesIO()
+        prefill(PROMPT, whole, **kw)
+    assert out.getvalue() == whole.getvalue()
+    chunks = [(d, n) for d, n in seen if d > 0]
+    assert chunks[1][1] > chunks[0][1] > 0 and chunks[-2][1] < len(out.getvalue())  # bytes left chunk by chunk
+    got = decode(io.BytesIO(out.getvalue()), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1)
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype="float32",
+                   threads=1, chunk_tokens=8)
+    assert got.source == "handoff" and got.token_ids == local.token_ids
+
+
+def test_cut_stream_resumes_from_the_verified_chunks(mla):
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=8, dtype="float32", threads=1)
+    data = out.getvalue()
+    head, ends = frame_ends(data)
+    layers = len(mla.layers)
+    chunks = len(ends) // layers
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype="float32",
+                   threads=1, chunk_tokens=8)
+    rows = local.prompt_tokens - 1
+    for k in (1, chunks // 2, chunks - 1):
+        got = decode(io.BytesIO(data[: ends[k * layers - 1]]), model=str(mla.path), prompt=PROMPT,
+                     max_new_tokens=NEW, dtype="float32", threads=1)
+        assert got.token_ids == local.token_ids, k
+        assert got.source == "partial+local" and got.handoff_rows == 8 * k and got.local_rows == rows - 8 * k
+
+
+def test_delta_from_the_store_equals_the_full_pack_and_the_fallback(mla, tmp_path, monkeypatch):
+    """reuse put -> reuse have -> prefill --have (a delta of the suffix's latent rows) -> decode:
+    the same bytes as cutting the full pack, the same tokens as the full pack and a cold prefill."""
+    monkeypatch.setenv("MUSER_THREADS", "1")
+    m = mla.path
+    doc, doc2 = tmp_path / "doc.txt", tmp_path / "doc2.txt"
+    doc.write_text(DOC)
+    doc2.write_text(DOC + MORE)
+    pre, full, have, delta, cut = (tmp_path / n for n in ("doc.kvpack", "full.kvpack", "have.json", "delta.kvpack",
+                                                          "cut.kvpack"))
+    _cli_ok("prefill", "-m", m, "--chunk", "8", doc, "-o", pre)
+    assert "stored" in _cli_ok("reuse", "put", pre).stderr
+    _cli_ok("reuse", "have", "-m", m, doc2, "-o", have)
+    manifest = json.loads(have.read_text())
+    held = manifest["held_tokens"]
+    assert held > 0 and held % 8 == 0 and not manifest["complete"]
+    _cli_ok("prefill", "-m", m, doc2, "--have", have, "-o", delta)
+    _cli_ok("prefill", "-m", m, "--chunk", "8", doc2, "-o", full)
+    _cli_ok("pack", "--no-zstd", "--have", have, full, "-o", cut)
+    assert cut.read_bytes() == delta.read_bytes()
+    d = read_pack_bytes(delta.read_bytes())
+    assert d.header.rows_start == held and all(kv.first_row == held for kv in d.layers)
+    rank_rope = sum(s.head_dim + s.v_head_dim for s in d.header.layers)
+    assert d.stored_bytes == (d.header.rows_end - held) * rank_rope * 4  # only the suffix's latent rows
+    runs = {name: json.loads(_cli_ok("decode", "-m", m, *args, "-n", NEW, "--json", input=b"").stdout)
+            for name, args in (("delta", [delta]), ("full", [full]),
+                               ("cold", ["--chunk", "8", "--no-reuse", "--prompt", doc2]))}
+    assert runs["delta"]["source"] == "delta" and runs["delta"]["reuse"]["held_tokens"] == held
+    assert runs["delta"]["token_ids"] == runs["full"]["token_ids"] == runs["cold"]["token_ids"]
+    # warm from the store: a partial hit resumes the prefill from the stored latent rows
+    warm = json.loads(_cli_ok("decode", "-m", m, "--prompt", doc2, "-n", NEW, "--json", input=b"").stdout)
+    assert warm["source"] in ("store+local", "store") and warm["token_ids"] == runs["cold"]["token_ids"]

@@ -144,14 +144,30 @@ def test_installed_rows_and_their_expansion_equal_the_live_cache(mla):
         assert torch.allclose(kc, k, rtol=1e-5, atol=1e-6) and torch.allclose(vc, v, rtol=1e-5, atol=1e-6)
 
 
-def test_handoff_equals_the_fallback_and_the_live_cache(mla):
+def test_installed_rows_are_transformers_own_cache_after_its_own_forward(mla):
+    """One chunk (the shapes of the model's own forward): the cache a pack installs is, byte for
+    byte, the DynamicCache transformers' own forward leaves (its rope keys in its own order)."""
     eng = torch_engine(mla)
+    ids = encode_prompt(mla, PROMPT)[:-1]
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=len(ids), dtype="float32", threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    own, _ = _own_forward(eng, ids)
+    with eng._session():
+        installed = eng._install(pack.layers, len(ids))
+    for i, (a, b) in enumerate(zip(installed.layers, own.layers)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), i
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_handoff_equals_the_fallback_and_the_live_cache(mla, dtype):
+    eng = torch_engine(mla) if dtype == "float32" else get_engine("torch", mla, dtype=dtype, threads=1)
     ids = encode_prompt(mla, PROMPT)
     out = io.BytesIO()
-    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=16, dtype="float32", threads=1)
+    prefill(PROMPT, out, model=str(mla.path), chunk_tokens=16, dtype=dtype, threads=1)
     data = out.getvalue()
-    handed = decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1)
-    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype="float32", threads=1)
+    handed = decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype=dtype, threads=1)
+    local = decode(io.BytesIO(b""), model=str(mla.path), prompt=PROMPT, max_new_tokens=NEW, dtype=dtype, threads=1)
     live = eng.generate_reference(ids[:-1], ids[-1:], NEW, chunk_tokens=16)
     assert handed.fallback is False and local.fallback is True and handed.spot_check["ran"] is False
     assert handed.token_ids == local.token_ids == live.token_ids
@@ -161,9 +177,11 @@ def test_handoff_equals_the_fallback_and_the_live_cache(mla):
     h = pack.header
     assert h.minor >= 3 and all(s.kind == "latent" for s in h.layers)
     rows = h.rows_end
+    elem = 4 if dtype == "float32" else 2
     for kv, spec in zip(pack.layers, h.layers):
-        assert kv.keys.nbytes + kv.values.nbytes == rows * (spec.head_dim + spec.v_head_dim) * 4
-    assert h.codec["name"] == "none" and pack.stored_bytes == rows * sum(s.head_dim + s.v_head_dim for s in h.layers) * 4
+        assert kv.keys.nbytes + kv.values.nbytes == rows * (spec.head_dim + spec.v_head_dim) * elem
+    assert h.codec["name"] == "none"
+    assert pack.stored_bytes == rows * sum(s.head_dim + s.v_head_dim for s in h.layers) * elem
 
 
 def test_cli_prefill_pipe_decode(mla, tmp_path):
@@ -215,6 +233,18 @@ def test_gate_recomputes_latent_rows_of_a_foreign_pack(mla):
         assert k.shape == (1, 2, mla.layers[0].head_dim) and v.shape == (1, 2, mla.layers[0].v_head_dim)
         assert np.allclose(k, kv.keys[:, [3, 20]], rtol=1e-4, atol=1e-5)
         assert np.allclose(v, kv.values[:, [3, 20]], rtol=1e-4, atol=1e-5)
+
+
+def test_verify_audit_recomputes_latent_rows(mla, tmp_path):
+    pack = tmp_path / "p.kvpack"
+    pack.write_bytes(_foreign(mla))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(PROMPT)
+    r = CliRunner().invoke(app, ["verify", "-m", str(mla.path), "--audit", "4", "--prompt", str(prompt), str(pack),
+                                 "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["audit"]["ok"] is True and "positions sampled across the prompt" in checks["audit"]["detail"], checks
 
 
 @pytest.mark.parametrize("part", ["latent", "rope"])

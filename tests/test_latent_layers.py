@@ -418,3 +418,29 @@ def test_pull_lane_full_and_delta_give_the_fallbacks_tokens(mla, tmp_path):
         assert merged["source"] == "delta" and merged["token_ids"] == local["token_ids"], merged
     finally:
         assert producer.stop() == 0
+
+
+@pytest.mark.mlx
+def test_yarn_latent_pack_from_torch_passes_the_mlx_gate(tmp_path):
+    """DeepSeek-V3's own RoPE scaling (YaRN with mscale and mscale_all_dim, as its hub config has
+    it, scaled down to the tiny context): a torch pack passes MLX's numeric gate and MLX's first
+    tokens equal its own local decode."""
+    pytest.importorskip("mlx_lm")
+    import transformers
+
+    from muser_cli.models import resolve_model
+    from muser_cli.tinymodels import TINY_FAMILIES, _common, _write
+
+    _, extra = TINY_FAMILIES["deepseek_v3"]
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
+    config = transformers.DeepseekV3Config(**{**_common(), **extra, "rope_parameters": rope})
+    info = resolve_model(_write(transformers.AutoModelForCausalLM.from_config, config, tmp_path / "yarn", 0))
+    assert info.layers[0].rope.scaling["rope_type"] == "yarn"
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    crossed = decode(io.BytesIO(out.getvalue()), model=str(info.path), engine="mlx", max_new_tokens=8, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, engine="mlx", max_new_tokens=8, threads=1)
+    spot = crossed.spot_check
+    assert spot["ran"] and spot["ok"] and spot["layers_checked"] == len(info.layers)
+    assert crossed.token_ids[:4] == local.token_ids[:4]

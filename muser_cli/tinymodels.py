@@ -202,6 +202,14 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                          "num_local_experts": 4, "num_experts_per_tok": 1,
                                          "interleave_moe_layer_step": 2, "floor_scale": 32,
                                          "tie_word_embeddings": False}),
+    # DeepSeek-V3's multi-head latent attention (kvpack 1.3 latent layers: kv_lora_rank 32 + a
+    # rope key of 16 a token); MoE (4 routed experts, 2 groups) after one dense layer
+    "deepseek_v3": ("DeepseekV3Config", {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
+                                         "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                                         "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                         "tie_word_embeddings": False}),
 }
 
 

@@ -237,6 +237,8 @@ def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[
     out = []
     for index, (spec, layer) in enumerate(zip(specs, cache.layers)):
         kind = CLASSES[layer.cls][0]
+        if kind == "full" and spec.kind == "latent":  # mlx-lm's MLA caches the latent and the rope key in a KVCache
+            kind = "latent"
         if kind != spec.kind:
             raise DataError(f"{name}: layer {index} is an mlx-lm {layer.cls}, model {info.name} has a {spec.kind} "
                             "attention layer there")
@@ -415,7 +417,7 @@ def prompt_cache_tensors(header: PackHeader, layers: Sequence[LayerKV], *, model
         # window - 1 rows and a spare slot, as after its own prefill.
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)
         keys, values = np.asarray(kv.keys), np.asarray(kv.values)
-        if spec.kind == "full":
+        if spec.kind in ("full", "latent"):  # latent (MLA): mlx-lm's KVCache of the latent and the rope key
             classes.append("KVCache")
             tensors[f"{index}.0"] = (sdt, keys[None])
             tensors[f"{index}.1"] = (sdt, values[None])

@@ -90,6 +90,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     from transformers import DynamicCache
 
     from muser_cli.engines.torch.arrays import chunk_ring, to_torch
+    from muser_cli.engines.torch.latent import deinterleaves, rope_from_pack
     from muser_cli.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
 
@@ -101,7 +102,8 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
     built = _layout(model)
-    described = [(spec.kind, _size(spec)) for spec in header.layers]
+    # a latent (MLA) layer: transformers' MLA attention caches the latent and the rope key in a full layer
+    described = [("full", None) if spec.kind == "latent" else (spec.kind, _size(spec)) for spec in header.layers]
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end
@@ -112,6 +114,8 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
         keys = to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
         values = to_torch(kv.values, dtype).unsqueeze(0).to(device)
+        if spec.kind == "latent" and deinterleaves(model):  # transformers caches an MLA rope key de-interleaved
+            values = rope_from_pack(values)
         if spec.kind == "chunked":  # as transformers holds it: rows of earlier chunks (masked) as zeros
             keys, values = chunk_ring(keys, values, rows, spec.chunk)
         cache.update(keys, values, index)
@@ -130,11 +134,15 @@ def _ids(token_ids: Any) -> list[int]:
     return [int(t) for t in token_ids]
 
 
-def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> tuple[list[LayerKV], str]:
-    """The rows a kvpack of ``token_ids`` carries, read from a ``DynamicCache``; (layers, dtype)."""
+def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int], *, rope_deinterleaved: bool = False
+                 ) -> tuple[list[LayerKV], str]:
+    """The rows a kvpack of ``token_ids`` carries, read from a ``DynamicCache``; (layers, dtype).
+    ``rope_deinterleaved``: latent layers' rope keys are cached de-interleaved (an MLA model with
+    ``rope_interleave``, :func:`muser_cli.engines.torch.latent.deinterleaves`); the pack gets them interleaved."""
     import torch
 
     from muser_cli.engines.torch.arrays import to_numpy
+    from muser_cli.engines.torch.latent import rope_to_pack
 
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -178,6 +186,8 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
                             f"prompt needs [{first}, {rows})",
                             hint="a sliding layer keeps window - 1 rows: pass the cache before the last prompt token")
         a, b = first - first_held, rows - first_held
+        if spec.kind == "latent" and rope_deinterleaved:
+            values = rope_to_pack(values)
         out.append(LayerKV(keys=to_numpy(keys[0, :, a:b].cpu()), values=to_numpy(values[0, :, a:b].cpu()), first_row=first))
     assert dtype is not None
     return out, dtype
@@ -193,6 +203,7 @@ def from_transformers(cache: Any, token_ids: Any, model: Any, *, info: ModelInfo
     import torch
 
     from muser_cli.binding import require_identity
+    from muser_cli.engines.torch.latent import deinterleaves
     from muser_cli.kvpack import write_pack
     from muser_cli.schedule import build_header, check_chunk, check_prompt
 
@@ -200,7 +211,7 @@ def from_transformers(cache: Any, token_ids: Any, model: Any, *, info: ModelInfo
     minfo = _model_info(model, info)
     ids = _ids(token_ids)
     check_prompt(minfo, ids)
-    layers, dtype = cache_layers(cache, minfo.layers, ids)
+    layers, dtype = cache_layers(cache, minfo.layers, ids, rope_deinterleaved=deinterleaves(model))
     try:
         from importlib.metadata import version
 

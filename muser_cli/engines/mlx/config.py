@@ -82,7 +82,7 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         pattern = _sliding_pattern(config.get("layer_types"))
         if pattern is not None:
             overrides["sliding_window_pattern"] = pattern
-    if ropes and ropes[0].dims != specs[0].head_dim:  # partial rotary: transformers 5 moved the factor
+    if ropes and ropes[0].dims != specs[0].head_dim and specs[0].kind != "latent":  # partial rotary: transformers 5 moved the factor
         overrides["partial_rotary_factor"] = ropes[0].dims / specs[0].head_dim
     if model_type in ("llama4_text", "llama4"):  # mlx-lm's llama4 (chunked attention) nests the text tower
         text = config["text_config"] if model_type == "llama4" else config  # the hub's composite nests it already
@@ -217,6 +217,9 @@ def check_model(info: ModelInfo, model: Any, caches: list[Any]) -> None:
         else:
             raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
         size = spec.chunk if spec.kind == "chunked" else spec.window
+        if spec.kind == "latent":  # MLA: mlx-lm keeps the latent and the rope key in a KVCache
+            _check_latent(index, spec, cache, block, info.max_positions)
+            continue
         if built != (spec.kind, size):
             raise IdentityMismatch(
                 f"layer {index} kind: the model describes {_kind_text(spec.kind, size)}, "
@@ -232,6 +235,24 @@ def check_model(info: ModelInfo, model: Any, caches: list[Any]) -> None:
         rule = APPLIES_ROPE.get(info.architecture)
         applies = rule(attn) if rule else getattr(attn, "rope", None) is not None
         check_rope(index, spec, attn.rope if applies else None, info.max_positions)
+
+
+def _check_latent(index: int, spec: LayerSpec, cache: Any, block: Any, max_positions: int) -> None:
+    """A latent layer: a KVCache of one head whose keys are the latent after kv_a_layernorm
+    (kv_lora_rank) and whose values are the rope key after RoPE (qk_rope_head_dim), as mlx-lm's
+    MLA attention (deepseek_v3) caches them; its RoPE checked on the rope key's width."""
+    from mlx_lm.models.cache import KVCache
+
+    attn = getattr(block, "self_attn", None)
+    if type(cache) is not KVCache or attn is None or not hasattr(attn, "kv_a_layernorm"):
+        raise IdentityMismatch(f"layer {index} kind: the model describes latent (MLA) rows, mlx-lm builds "
+                               f"{type(cache).__name__} without an MLA attention")
+    built = (int(getattr(attn, "kv_lora_rank", -1)), int(getattr(attn, "qk_rope_head_dim", -1)))
+    if built != (spec.head_dim, spec.v_head_dim):
+        raise IdentityMismatch(f"layer {index}: the model describes latent {spec.head_dim} + rope {spec.v_head_dim}, "
+                               f"mlx-lm caches {built[0]} + {built[1]}")
+    rope_key = LayerSpec("full", 1, spec.v_head_dim, spec.v_head_dim, rope=spec.rope)
+    check_rope(index, rope_key, getattr(attn, "rope", None), max_positions)
 
 
 def _kind_text(kind: str, window: int | None) -> str:

@@ -34,7 +34,7 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
-from muser_cli.engines.torch import recompute
+from muser_cli.engines.torch import latent, recompute
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,6 +61,7 @@ class TorchEngine(Engine):
     sized_cache = True
     RING_EXTRA = 1
     _ring_ok = True
+    _rope_order = False  # latent layers' rope keys reordered between the cache and a pack (latent.py)
 
     @property
     def ring_extra(self) -> int:
@@ -276,6 +277,9 @@ class TorchEngine(Engine):
         built = [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
                  for i, b in enumerate(built)]
         described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
+        if any(spec.kind == "latent" for spec in self.info.layers):  # MLA: a full layer of latent rows
+            self._rope_order = latent.check_layout(self)
+            described = [("full", None) if d[0] == "latent" else d for d in described]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
@@ -339,7 +343,8 @@ class TorchEngine(Engine):
             first = n - held  # a prefill ring may hold more than a decoding cache
             if lo < first or hi > n:
                 raise DataError(f"layer {index}: rows [{lo}, {hi}) are not in the cache of [{first}, {n})")
-            return to_numpy(layer.keys[0, :, lo - first : hi - first]), to_numpy(layer.values[0, :, lo - first : hi - first])
+            return (to_numpy(layer.keys[0, :, lo - first : hi - first]),
+                    to_numpy(latent.to_pack(self, index, layer.values[0, :, lo - first : hi - first])))
         return rows_of
 
     def _extract(self, cache: Any, n: int, ring: int = 0) -> list[LayerKV]:
@@ -353,7 +358,7 @@ class TorchEngine(Engine):
                 keys = torch.empty((spec.kv_heads, 0, spec.head_dim), dtype=self.torch_dtype)
                 values = torch.empty((spec.kv_heads, 0, spec.v_head_dim), dtype=self.torch_dtype)
             else:
-                keys, values = layer.keys[0], layer.values[0]  # (kv_heads, rows, head_dim)
+                keys, values = layer.keys[0], latent.to_pack(self, index, layer.values[0])  # (kv_heads, rows, head_dim)
             if spec.kind == "chunked" and keys.shape[1] > carried:  # its ring holds up to chunk - 1 (+ ring) rows
                 keys, values = keys[:, keys.shape[1] - carried:], values[:, values.shape[1] - carried:]
             if tuple(keys.shape) != (spec.kv_heads, carried, spec.head_dim) or tuple(values.shape) != (
@@ -406,7 +411,7 @@ class TorchEngine(Engine):
                 values = to_torch(kv.values, self.torch_dtype).unsqueeze(0)
             if spec.kind == "chunked":
                 keys, values = chunk_ring(keys, values, rows, spec.chunk)
-            cache.update(keys, values, index)
+            cache.update(keys, latent.from_pack(self, index, values), index)
             if spec.kind in ("sliding", "chunked"):
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
         return cache

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from muser_cli.engines.torch import latent
 from muser_cli.engines.torch.arrays import to_numpy, view_torch
 from muser_cli.errors import UsageError
 from muser_cli.kvpack.layers import LayerKV
@@ -26,7 +27,7 @@ MASK_MAPPING_TYPES = frozenset({"gemma2", "gemma3_text", "cohere2", "gpt_oss", "
 def recompute_at(engine: Any, layers: Sequence[LayerKV], *, rows: int, positions: Sequence[int],
                  token_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """:meth:`TorchEngine.recompute_at`."""
-    hybrid = any(spec.kind != "full" for spec in engine.info.layers)
+    hybrid = any(spec.kind not in ("full", "latent") for spec in engine.info.layers)  # latent: full rows
     if hybrid and not recomputes_at_hybrid(engine, layers, rows):
         raise UsageError("recompute_at on this model needs every layer's rows from position 0 (the sliding "
                          "history) and per-type masks")
@@ -44,8 +45,9 @@ def recompute_at(engine: Any, layers: Sequence[LayerKV], *, rows: int, positions
             mask = _mask_at(engine, ("full", None), pos, rows)
         engine.model(input_ids=torch.tensor([ids], dtype=torch.long), position_ids=pos[None], attention_mask=mask,
                      use_cache=True, logits_to_keep=1, **{engine._cache_kw: cache})
-        return [(to_numpy(layer.keys[0, :, rows : rows + m]), to_numpy(layer.values[0, :, rows : rows + m]))
-                for layer in cache.layers]
+        return [(to_numpy(layer.keys[0, :, rows : rows + m]),
+                 to_numpy(latent.to_pack(engine, i, layer.values[0, :, rows : rows + m])))
+                for i, layer in enumerate(cache.layers)]
 
 
 def recomputes_at_hybrid(engine: Any, layers: Sequence[LayerKV], rows: int) -> bool:

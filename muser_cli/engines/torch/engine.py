@@ -34,7 +34,7 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
-from muser_cli.engines.torch import recompute
+from muser_cli.engines.torch import recompute, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -153,6 +153,7 @@ class TorchEngine(Engine):
                 chunk = ids[begin : begin + chunk_tokens]
                 self._forward(chunk, rows + begin, cache, keep=1)
                 done = rows + begin + len(chunk)
+                state.record(cache, self.info.layers, done)
                 if progress:
                     progress("prefill", done, total)
                 if on_chunk:
@@ -269,6 +270,7 @@ class TorchEngine(Engine):
         cache = DynamicCache(config=self.model.config)
         types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or []
         built = [
+            ("state", None) if state.is_state_layer(layer) else
             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
             for layer in cache.layers
         ]
@@ -276,6 +278,7 @@ class TorchEngine(Engine):
         built = [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
                  for i, b in enumerate(built)]
         described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
+        described = [(kind, None) if kind == "state" else (kind, arg) for kind, arg in described]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
@@ -321,6 +324,7 @@ class TorchEngine(Engine):
         for begin in range(0, total, chunk_tokens):
             chunk = ids[begin : begin + chunk_tokens]
             self._forward(chunk, begin, cache, keep=1)
+            state.record(cache, self.info.layers, begin + len(chunk))
             if progress:
                 progress("prefill", begin + len(chunk), total)
             if on_chunk:
@@ -334,6 +338,8 @@ class TorchEngine(Engine):
     def _rows_of(self, cache: Any, n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+            if self.info.layers[index].kind == "state":  # its snapshot at hi: (tensors, None)
+                return state.rows_of(cache, index, self.info.layers[index], lo, hi, n)  # type: ignore[return-value]
             layer = cache.layers[index]
             held = layer.keys.shape[-2] if n and getattr(layer, "is_initialized", False) else 0
             first = n - held  # a prefill ring may hold more than a decoding cache
@@ -347,6 +353,9 @@ class TorchEngine(Engine):
         (``ring``: the extra rows the cache's sliding layers keep, :meth:`_new_cache`)."""
         out = []
         for index, spec in enumerate(self.info.layers):
+            if spec.kind == "state":
+                out.append(state.extract(cache, index, spec, n))  # type: ignore[arg-type]
+                continue
             carried = spec.carried_rows(n, ring)
             layer = cache.layers[index]
             if n == 0 or not getattr(layer, "is_initialized", False):
@@ -380,6 +389,9 @@ class TorchEngine(Engine):
             raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
         cache = self._new_cache(rows + extra, ring)
         for index, (spec, kv) in enumerate(zip(specs, layers)):
+            if spec.kind == "state":
+                state.install(cache, index, spec, kv, rows, self.torch_dtype, state.conv_kernel(self.model.config))
+                continue
             carried = spec.carried_rows(rows)
             kv = ring_tail(kv, rows - carried, rows)
             want_k = (spec.kv_heads, carried, spec.head_dim)

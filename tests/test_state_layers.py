@@ -1,0 +1,115 @@
+"""Recurrent state layers (kvpack 1.3 ``state``, issue 27) through the torch engine.
+
+qwen3_next (gated DeltaNet) and granitemoehybrid (Mamba-2), each a tiny random model from
+transformers' config classes: 2 state layers beside 2 full-attention ones.
+
+* the snapshot muser extracts equals the conv window / recurrent matrix in transformers' OWN
+  ``LinearAttentionLayer`` after the model's own forward (conv: less its oldest column);
+* torch -> torch through kvpack bytes decodes the tokens of the local fallback;
+* a prefill resumed from a snapshot at a chunk boundary gives the same pack layers.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
+from muser_cli.kvpack import read_pack
+from muser_cli.kvpack.layers import StateKV
+from muser_cli.prefill import prefill
+from muser_cli.tokens import encode_prompt
+
+HYBRIDS = ["qwen3_next", "granitemoehybrid"]
+PROMPT = (
+    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
+    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
+)
+NEW = 10
+_ENGINES: dict = {}
+
+
+def engine(info):
+    if str(info.path) not in _ENGINES:
+        _ENGINES[str(info.path)] = get_engine("torch", info, dtype="float32", threads=1)
+    return _ENGINES[str(info.path)]
+
+
+def _own_cache(eng, ids: list[int], chunk: int):
+    """transformers' own DynamicCache after the model's own forwards over ``ids`` in chunks
+    of ``chunk`` (nothing of muser's: no position ids, no muser cache class)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=eng.model.config)
+    with torch.inference_mode():
+        for begin in range(0, len(ids), chunk):
+            eng.model(input_ids=torch.tensor([ids[begin:begin + chunk]]), cache=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_snapshots_are_transformers_own_state(family, tiny_family):
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)[:-1]
+    eng = engine(info)
+    states = [i for i, s in enumerate(info.layers) if s.kind == "state"]
+    assert states and len(states) < len(info.layers)
+    for chunk in (len(ids), 16):  # one forward; the chunked schedule (each forward continues the held state)
+        layers = eng.prefill(ids, chunk_tokens=chunk)
+        own = _own_cache(eng, ids, chunk)
+        for i in states:
+            snap, layer = layers[i], own.layers[i]
+            assert isinstance(snap, StateKV) and snap.position == len(ids)
+            assert type(layer).__name__ == "LinearAttentionLayer"
+            kernel = layer.conv_states[0].shape[-1]
+            own_conv = layer.conv_states[0][0].numpy()
+            own_rec = layer.recurrent_states[0][0].numpy()
+            assert snap.tensors["conv"].shape == (own_conv.shape[0], kernel - 1)
+            np.testing.assert_array_equal(snap.tensors["conv"], own_conv[:, 1:])
+            np.testing.assert_array_equal(snap.tensors["recurrent"], own_rec)
+            ends = sorted(snap.earlier) + [snap.position]  # one snapshot per chunk end
+            assert ends == list(range(chunk, len(ids), chunk)) + [len(ids)]
+        for i in (i for i, s in enumerate(info.layers) if s.kind == "full"):
+            np.testing.assert_array_equal(layers[i].keys, own.layers[i].keys[0].numpy())
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_torch_to_torch_through_a_pack_equals_the_local_fallback(family, tiny_family):
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    assert pack.header.minor >= 3
+    n_chunks = -(-(len(ids) - 1) // 16)
+    state_frames = [f for f in pack.header.frame_plan() if info.layers[f[0]].kind == "state"]
+    assert len(state_frames) == 2 * n_chunks  # a snapshot per chunk per state layer
+    handed = decode(io.BytesIO(out.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1)
+    reference = engine(info).generate_reference(ids[:-1], ids[-1:], NEW, chunk_tokens=16)
+    assert handed.fallback is False and local.fallback is True
+    assert handed.token_ids == local.token_ids == reference.token_ids
+    assert len(set(handed.token_ids)) > 1
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_prefill_resumes_from_a_snapshot_at_a_chunk_boundary(family, tiny_family):
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)[:-1]
+    eng = engine(info)
+    whole = eng.prefill(ids, chunk_tokens=16)
+    head = eng.prefill(ids[:32], chunk_tokens=16)
+    resumed = eng.prefill_from(head, rows=32, token_ids=ids[32:], chunk_tokens=16)
+    for a, b in zip(resumed, whole):
+        if isinstance(b, StateKV):
+            assert a.position == b.position
+            for name in b.tensors:
+                np.testing.assert_array_equal(a.tensors[name], b.tensors[name])
+            for p in range(48, len(ids), 16):  # the snapshots recorded after the resume point
+                np.testing.assert_array_equal(a.earlier[p]["recurrent"], b.earlier[p]["recurrent"])
+        else:
+            np.testing.assert_array_equal(a.keys, b.keys)

@@ -113,3 +113,29 @@ def test_prefill_resumes_from_a_snapshot_at_a_chunk_boundary(family, tiny_family
                 np.testing.assert_array_equal(a.earlier[p]["recurrent"], b.earlier[p]["recurrent"])
         else:
             np.testing.assert_array_equal(a.keys, b.keys)
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_cut_stream_resumes_from_the_last_verified_snapshot(family, tiny_family):
+    """A V3 stream cut after k whole chunks: the consumer keeps the rows and the newest
+    snapshot of those chunks, prefills only the rest, and decodes the local fallback's tokens."""
+    from stream_producer import frame_ends
+
+    info = tiny_family(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    data = out.getvalue()
+    ends = frame_ends(data)[1:]  # after each data frame
+    per_chunk = len(info.layers)  # every layer has a frame in every chunk (state: its snapshot)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1,
+                   chunk_tokens=16)
+    chunks = (len(ends) - 1) // per_chunk
+    for k in (1, chunks - 1):
+        got = decode(io.BytesIO(data[: ends[k * per_chunk - 1]]), model=str(info.path), prompt=PROMPT,
+                     max_new_tokens=NEW, threads=1)
+        assert got.source == "partial+local" and got.handoff_rows == 16 * k, k
+        assert got.token_ids == local.token_ids, k
+    # cut in the middle of a chunk's frames (its snapshot may have arrived): only whole chunks count
+    got = decode(io.BytesIO(data[: ends[per_chunk + 1]]), model=str(info.path), prompt=PROMPT,
+                 max_new_tokens=NEW, threads=1)
+    assert got.handoff_rows == 16 and got.token_ids == local.token_ids

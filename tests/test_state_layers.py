@@ -139,3 +139,70 @@ def test_cut_stream_resumes_from_the_last_verified_snapshot(family, tiny_family)
     got = decode(io.BytesIO(data[: ends[per_chunk + 1]]), model=str(info.path), prompt=PROMPT,
                  max_new_tokens=NEW, threads=1)
     assert got.handoff_rows == 16 and got.token_ids == local.token_ids
+
+
+def _cli(*args, input: bytes | None = None):
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def _decode_json(*args, **kw) -> dict:
+    import json
+
+    return json.loads(_cli("decode", *args, "--json", **kw).stdout)
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_store_and_delta_resume_from_a_stored_snapshot(family, tiny_family, tmp_path, monkeypatch):
+    """A stored document's pack keeps a snapshot per chunk: a follow-up prompt resumes from the
+    one at the deepest shared chunk boundary (store+local), a producer ships only the suffix as
+    a delta (its rows and one snapshot per chunk), and both decode the cold prefill's tokens.
+    The store's size counts the snapshots (an entry is its pack's bytes)."""
+    import json
+
+    from muser_cli.kvpack import read_pack_bytes
+    from muser_cli.reuse import Store, resolve_delta
+
+    monkeypatch.setenv("MUSER_THREADS", "1")
+    info = tiny_family(family)
+    m = info.path
+    doc, doc2 = tmp_path / "doc.txt", tmp_path / "doc2.txt"
+    doc.write_text(PROMPT)
+    doc2.write_text(PROMPT + " A follow-up question about the stored document, and one more clause.")
+    pre = tmp_path / "doc.kvpack"
+    _cli("prefill", "-m", m, "--chunk", "16", doc, "-o", pre)
+    assert "stored" in _cli("reuse", "put", pre).stderr
+    assert Store().total_bytes() == pre.stat().st_size  # every superseded snapshot counted
+
+    warm = _decode_json("-m", m, "--prompt", doc2, "-n", NEW, input=b"")
+    cold = _decode_json("-m", m, "--chunk", "16", "--no-reuse", "--prompt", doc2, "-n", NEW, input=b"")
+    assert warm["source"] == "store+local" and warm["reuse"]["held_tokens"] % 16 == 0
+    assert 0 < warm["reuse"]["held_tokens"] < warm["prompt_tokens"] - 1
+    assert warm["token_ids"] == cold["token_ids"]
+
+    have, delta, full = tmp_path / "have.json", tmp_path / "delta.kvpack", tmp_path / "full.kvpack"
+    _cli("reuse", "have", "-m", m, doc2, "-o", have)
+    held = json.loads(have.read_text())["held_tokens"]
+    _cli("prefill", "-m", m, doc2, "--have", have, "-o", delta)
+    _cli("prefill", "-m", m, "--chunk", "16", doc2, "-o", full)
+    cut = tmp_path / "cut.kvpack"
+    _cli("pack", "--no-zstd", "--have", have, full, "-o", cut)
+    assert cut.read_bytes() == delta.read_bytes()  # the delta is the full pack cut at held
+    d = read_pack_bytes(delta.read_bytes())
+    assert d.header.rows_start == held
+    merged, _ = resolve_delta(d, Store())
+    want = read_pack_bytes(full.read_bytes()).layers
+    for spec, a, b in zip(info.layers, merged, want):
+        if spec.kind == "state":
+            assert a.position == b.position and sorted(a.earlier) == sorted(b.earlier)
+            for name in b.tensors:
+                np.testing.assert_array_equal(a.tensors[name], b.tensors[name])
+        else:
+            np.testing.assert_array_equal(a.keys, b.keys)
+    via_delta = _decode_json("-m", m, delta, "-n", NEW)
+    assert via_delta["source"] == "delta" and via_delta["token_ids"] == cold["token_ids"]

@@ -107,7 +107,7 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
         if arr is None or tuple(np.shape(arr)) != t.shape:
             raise DataError(f"layer {index}: state {t.name!r} is {None if arr is None else tuple(np.shape(arr))}, "
                             f"expected {t.shape}")
-    conv = torch.from_numpy(np.ascontiguousarray(kv.tensors["conv"], dtype=np.float32)).to(dtype)
+    conv = torch.from_numpy(np.array(kv.tensors["conv"], dtype=np.float32)).to(dtype)
     if conv.shape[-1] != kernel - 1:
         raise DataError(f"layer {index}: a conv window of {conv.shape[-1]} columns for a kernel of {kernel}")
     window = torch.nn.functional.pad(conv, (1, 0)).unsqueeze(0)  # (1, channels, kernel)
@@ -118,6 +118,9 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
     layer.conv_states[0].copy_(window)
     layer.recurrent_states[0].copy_(recurrent)
     layer.has_previous_state[0] = True
+    held = cache.__dict__.setdefault(_SNAPS, {})  # a prefill resumed here carries them into its pack
+    for position, tensors in {**kv.earlier, rows: kv.tensors}.items():
+        held.setdefault(position, {})[index] = tensors
 
 
 def conv_kernel(config: Any) -> int:

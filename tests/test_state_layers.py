@@ -206,3 +206,9 @@ def test_store_and_delta_resume_from_a_stored_snapshot(family, tiny_family, tmp_
             np.testing.assert_array_equal(a.keys, b.keys)
     via_delta = _decode_json("-m", m, delta, "-n", NEW)
     assert via_delta["source"] == "delta" and via_delta["token_ids"] == cold["token_ids"]
+    # the producer starts from its own store (a partial hit, then a full one): the same bytes
+    for prompt, plain in ((doc2, full), (doc, pre)):
+        resumed = tmp_path / "resumed.kvpack"
+        r = _cli("prefill", "-m", m, "--chunk", "16", "--reuse", "--json", prompt, "-o", resumed)
+        assert json.loads(r.stdout)["reused_tokens"] > 0
+        assert resumed.read_bytes() == plain.read_bytes()

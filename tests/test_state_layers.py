@@ -281,3 +281,48 @@ def test_verify_audit_recomputes_state_spans(tiny_family, tmp_path):
     audit = report["summary"]["audit"] if "summary" in report else report["audit"]
     assert audit["ok"] and audit["mode"] == "state-checkpoint" and len(audit["span_ends"]) == 3
     assert all(l["rel_max"] == 0.0 for l in audit["layers"])  # its own engine: bit-exact
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_mlx_snapshots_are_mlx_lms_own_and_torch_packs_pass_the_gate_both_ways(family, tiny_family):
+    """MLX's extracted snapshot equals mlx-lm's own ArraysCache after mlx-lm's own forward
+    (conv transposed; gated DeltaNet's recurrent matrix transposed); a torch pack decodes on MLX
+    through the default gate (the state-checkpoint recompute ran and passed) with MLX's own
+    local decode's tokens, and an MLX pack on torch with torch's."""
+    from muser_cli.engines.mlx import blas as mlx_blas
+
+    mlx_blas.ensure_fast_blas()
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)[:-1]
+    eng = get_engine("mlx", info, dtype="float32", threads=1)
+    layers = eng.prefill(ids, chunk_tokens=len(ids))
+    caches = make_prompt_cache(eng.model)
+    eng.model(mx.array([ids]), cache=caches)  # mlx-lm's own forward, its own caches
+    for i, spec in enumerate(info.layers):
+        if spec.kind != "state":
+            continue
+        own_conv, own_rec = np.array(caches[i][0][0]), np.array(caches[i][1][0])
+        np.testing.assert_array_equal(layers[i].tensors["conv"], own_conv.T)
+        want = own_rec.swapaxes(-1, -2) if spec.mixer == "gated_delta_net" else own_rec
+        np.testing.assert_array_equal(layers[i].tensors["recurrent"], want)
+
+    kw = dict(model=str(info.path), max_new_tokens=NEW, threads=1)
+    made_by_torch = io.BytesIO()
+    prefill(PROMPT, made_by_torch, chunk_tokens=16, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    crossed = decode(io.BytesIO(made_by_torch.getvalue()), engine="mlx", **kw)
+    mlx_local = decode(io.BytesIO(b""), prompt=PROMPT, engine="mlx", **kw)
+    spot = crossed.spot_check
+    assert spot["ran"] and spot["ok"] and spot["method"] == "state-checkpoint" and not spot["layers_unchecked"]
+    assert crossed.token_ids[:4] == mlx_local.token_ids[:4]
+    made_by_mlx = io.BytesIO()
+    prefill(PROMPT, made_by_mlx, engine="mlx", chunk_tokens=16, model=str(info.path), threads=1)
+    back = decode(io.BytesIO(made_by_mlx.getvalue()), **kw)
+    torch_local = decode(io.BytesIO(b""), prompt=PROMPT, **kw)
+    assert back.spot_check["ran"] and back.spot_check["ok"] and back.token_ids[:4] == torch_local.token_ids[:4]
+    print(f"{family}: torch pack -> mlx worst rel {spot['worst_rel']:.2e}; mlx pack -> torch "
+          f"{back.spot_check['worst_rel']:.2e}; tokens mlx {crossed.token_ids} torch {torch_local.token_ids}")

@@ -284,8 +284,8 @@ def matrix_markdown() -> str:
     for name, family in sorted(FAMILIES.items()):
         lanes = []
         if name in TESTED["torch"]:
-            lanes.append("torch→torch bit-exact" + ("; transformers cache export" if family.cache == "rows" else
-                                                    "; cut-off stream and store resume"))
+            lanes.append("torch→torch bit-exact; transformers cache export" + (
+                "" if family.cache == "rows" else "; cut-off stream, store and delta resume"))
         if name in TESTED["mlx"] and name in TESTED["torch"]:
             lanes.append("torch→MLX, MLX→torch (gate)" + ("; mlx-lm prompt-cache export" if family.cache == "rows" else
                                                           ", the state recomputed from a checkpoint"))

@@ -61,7 +61,10 @@ def _layout(model: Any) -> list[tuple[str, int | None]]:
 
     cache = DynamicCache(config=model.config)
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    built = [("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
+    from muser_cli.engines.torch.state import is_state_layer
+
+    built = [("state", None) if is_state_layer(layer) else
+             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
              for layer in cache.layers]
     # a chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask differs)
     return [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
@@ -69,7 +72,7 @@ def _layout(model: Any) -> list[tuple[str, int | None]]:
 
 
 def _no_state(specs: Sequence[Any]) -> None:
-    """Refuse recurrent state layers by name: this export/import carries rows only (issue 27)."""
+    """Refuse latent (and, importing a cache, state) layers by name: rows only (issue 27)."""
     kinds = sorted({spec.kind for spec in specs if spec.kind in ("state", "latent")})
     if kinds:
         raise DataError(f"the transformers cache export/import carries rows only, not {' or '.join(kinds)} layers",
@@ -108,9 +111,10 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     if header.rows_start or header.base is not None:
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
-    _no_state(header.layers)
+    if any(spec.kind == "latent" for spec in header.layers):
+        _no_state(header.layers)
     built = _layout(model)
-    described = [(spec.kind, _size(spec)) for spec in header.layers]
+    described = [(spec.kind, None if spec.kind == "state" else _size(spec)) for spec in header.layers]
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end
@@ -118,6 +122,11 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     device = getattr(model, "device", torch.device("cpu"))
     cache = DynamicCache(config=model.config)
     for index, (spec, kv) in enumerate(zip(header.layers, p.layers)):
+        if spec.kind == "state":  # a recurrent layer: its newest snapshot, into transformers' own layer
+            from muser_cli.engines.torch import state
+
+            state.install(cache, index, spec, kv, rows, dtype, state.conv_kernel(model.config))
+            continue
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
         keys = to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
         values = to_torch(kv.values, dtype).unsqueeze(0).to(device)

@@ -326,3 +326,10 @@ def test_mlx_snapshots_are_mlx_lms_own_and_torch_packs_pass_the_gate_both_ways(f
     assert back.spot_check["ran"] and back.spot_check["ok"] and back.token_ids[:4] == torch_local.token_ids[:4]
     print(f"{family}: torch pack -> mlx worst rel {spot['worst_rel']:.2e}; mlx pack -> torch "
           f"{back.spot_check['worst_rel']:.2e}; tokens mlx {crossed.token_ids} torch {torch_local.token_ids}")
+
+
+def test_vllm_refuses_state_layers_by_name(tiny_family):
+    from muser_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot move qwen3_next's state layers"):
+        get_engine("vllm", tiny_family("qwen3_next"), dtype="float32", threads=1)

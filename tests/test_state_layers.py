@@ -333,3 +333,19 @@ def test_vllm_refuses_state_layers_by_name(tiny_family):
 
     with pytest.raises(ConfigError, match="cannot move qwen3_next's state layers"):
         get_engine("vllm", tiny_family("qwen3_next"), dtype="float32", threads=1)
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_bfloat16_pack_decodes_the_local_fallbacks_tokens(family, tiny_family):
+    """In bfloat16 the conv window is the model's bfloat16 widened exactly to the pack's
+    float32, the recurrent matrix float32 as transformers keeps it: still bit-exact."""
+    info = tiny_family(family)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1, dtype="bfloat16")
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    assert pack.header.dtype == "bfloat16"
+    assert {t.dtype for s in pack.header.layers if s.kind == "state" for t in s.tensors} == {"float32"}
+    handed = decode(io.BytesIO(out.getvalue()), model=str(info.path), max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1,
+                   dtype="bfloat16", chunk_tokens=16)
+    assert handed.spot_check["ran"] is False and handed.token_ids == local.token_ids

@@ -349,3 +349,29 @@ def test_bfloat16_pack_decodes_the_local_fallbacks_tokens(family, tiny_family):
     local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, max_new_tokens=NEW, threads=1,
                    dtype="bfloat16", chunk_tokens=16)
     assert handed.spot_check["ran"] is False and handed.token_ids == local.token_ids
+
+
+def test_decode_store_of_a_streamed_pack_keeps_its_newest_snapshot(tiny_family, tmp_path, monkeypatch):
+    """``decode --store`` of a streamed hybrid pack (which holds its newest snapshots only) stores
+    it with ``state_every`` past its end: an entry that serves its end (a full hit: no prefill)
+    and no chunk boundary it holds no snapshot for (``reuse have`` says 0 for a longer prompt)."""
+    import json
+
+    from muser_cli.kvpack import read_pack
+    from muser_cli.reuse import Store
+
+    monkeypatch.setenv("MUSER_THREADS", "1")
+    info = tiny_family("qwen3_next")
+    m = info.path
+    doc, doc2, pack = tmp_path / "doc.txt", tmp_path / "doc2.txt", tmp_path / "doc.kvpack"
+    doc.write_text(PROMPT)
+    doc2.write_text(PROMPT + " And a follow-up question about it.")
+    _cli("prefill", "-m", m, "--chunk", "16", doc, "-o", pack)
+    stored = _decode_json("-m", m, "-n", NEW, "--store", input=pack.read_bytes())
+    assert stored["stored"] and not stored.get("store_problems")
+    with open(Store().pack_path(stored["stored"]), "rb") as f:
+        entry = read_pack(f)
+    assert entry.header.state_every > 1 and all(not l.earlier for l in entry.layers if isinstance(l, StateKV))
+    warm = _decode_json("-m", m, "--prompt", doc, "-n", NEW, input=b"")
+    assert warm["source"] == "store" and warm["token_ids"] == stored["token_ids"]
+    assert json.loads(_cli("reuse", "have", "-m", m, doc2).stdout)["held_tokens"] == 0

@@ -57,11 +57,15 @@ def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, 
     return out
 
 
+class StateMissing(DataError):
+    """A state layer holds no snapshot at the position asked for (exit 65)."""
+
+
 def state_at(lk: StateKV, index: int, rows: int) -> StateKV:
     """A state layer's snapshot at ``rows`` with every one before it (a chunk end's, or the end's)."""
     tensors = lk.at(rows) if isinstance(lk, StateKV) else None
     if tensors is None:
-        raise DataError(f"layer {index} holds no state snapshot at position {rows}")
+        raise StateMissing(f"layer {index} holds no state snapshot at position {rows}")
     return StateKV(tensors=tensors, position=rows, earlier={p: t for p, t in lk.earlier.items() if p < rows})
 
 
@@ -98,9 +102,9 @@ def resolve_delta(pack: KVPack, store) -> tuple[list[LayerKV], str]:
                               chunk_tokens=scope.chunk_tokens, chain=chain):
         try:
             stored = store.load(point.entry)
-        except CorruptEntry:
+            return merge(stored.layers, pack), point.entry
+        except (CorruptEntry, StateMissing):  # StateMissing: an entry stored without a snapshot there
             continue
-        return merge(stored.layers, pack), point.entry
     raise BaseNotHeld(
         f"delta pack extends a {held}-token prefix (chain {chain[:19]}…) that this machine's store does not hold",
         hint="ask the producer for a full pack (no --have), or decode with --prompt to prefill locally")
@@ -148,6 +152,22 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
         tried.add(point.entry)
         return Resume(point.held, layers, point.entry, point.scope, stored)
     return None
+
+
+def with_held_snapshots(header: PackHeader, layers: Sequence) -> PackHeader:
+    """``header`` with a ``state_every`` whose frame plan asks its state layers only for
+    snapshots ``layers`` hold (a streamed pack keeps its last two: then only the end's, so a
+    stored entry resumes at its end only). StateMissing when no ``state_every`` fits."""
+    def fits(h: PackHeader) -> bool:
+        return all(layers[i].at(s + c) is not None for i, s, c in h.frame_plan() if h.layers[i].kind == "state")
+
+    if fits(header):
+        return header
+    every = max(2, -(-header.rows_end // header.grid))  # no grid chunk end due before the end
+    if every <= 1 << 16 and fits(cut := replace(header, state_every=every)):
+        return cut
+    raise StateMissing("the state layers' snapshots at the pack's chunk ends are not held here (a streamed pack "
+                       "keeps its newest): not stored")
 
 
 def cut_frame(header: PackHeader, layer: int, start: int, keys, values, count: int | None = None):

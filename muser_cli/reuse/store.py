@@ -133,6 +133,8 @@ class Store(StoreIndex):
     def _publish(self, tmp: Path, header: PackHeader, entry_id: str, nbytes: int) -> PutResult:
         scope = scope_of_header(header)
         points = chain_points(scope, header.token_ids, header.rows_end)
+        if any(spec.kind == "state" for spec in header.layers):  # served only where a state snapshot is held
+            points = [(held, chain) for held, chain in points if header.snapshot_due(held)]
         rows = [(chain, entry_id, held, int(resumable(header.layers, header.rows_end, held))) for held, chain in points]
         now = time.time()
         final = self.pack_path(entry_id)

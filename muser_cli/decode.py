@@ -19,7 +19,6 @@ from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, SpotCheckFailed, UsageError
 from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.gate_state import has_state
-from muser_cli.reuse.delta import with_held_snapshots
 from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
@@ -478,8 +477,6 @@ def _store(got: Rows, info: ModelInfo, ids: list[int], *, dtype: str, engine: st
                               threads=threads, extra=eng.producer_info(),
                               ring_extra=ring_extra_held(info.layers, got.layers, len(ids) - 1))
     st = Store()
-    if has_state(header):  # a streamed pack holds its newest snapshots only
-        header = with_held_snapshots(header, got.layers)
     entry = st.put_layers(header, got.layers).entry.id
     if got.pack is not None and spot and spot.get("ran") and spot.get("ok") and spot.get("sampled"):
         st.record_check(entry, engine=engine, dtype=dtype, result=spot["sampled"])

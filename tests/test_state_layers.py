@@ -375,3 +375,32 @@ def test_decode_store_of_a_streamed_pack_keeps_its_newest_snapshot(tiny_family, 
     warm = _decode_json("-m", m, "--prompt", doc, "-n", NEW, input=b"")
     assert warm["source"] == "store" and warm["token_ids"] == stored["token_ids"]
     assert json.loads(_cli("reuse", "have", "-m", m, doc2).stdout)["held_tokens"] == 0
+
+
+def test_reuse_put_of_a_delta_on_an_end_only_entry_merges_and_stores(tiny_family, tmp_path, monkeypatch):
+    """A delta whose base entry holds only its end snapshot (stored from a stream) merges and is
+    stored too (``state_every`` past its end), and decodes the cold prefill's tokens."""
+    import json
+
+    monkeypatch.setenv("MUSER_THREADS", "1")
+    info = tiny_family("granitemoehybrid")
+    m = info.path
+    doc, doc2 = tmp_path / "doc.txt", tmp_path / "doc2.txt"
+    short = PROMPT[:98]  # 33 tokens: its rows end at 32, a chunk point of the long prompt's chain
+    doc.write_text(short)
+    doc2.write_text(PROMPT)
+    pack = tmp_path / "doc.kvpack"
+    _cli("prefill", "-m", m, "--chunk", "16", doc, "-o", pack)
+    assert _decode_json("-m", m, "-n", 2, "--store", input=pack.read_bytes())["stored"]
+    have = tmp_path / "have.json"
+    _cli("reuse", "have", "-m", m, doc2, "-o", have)
+    held = json.loads(have.read_text())["held_tokens"]
+    delta = tmp_path / "delta.kvpack"
+    _cli("prefill", "-m", m, doc2, "--have", have, "-o", delta)
+    cold = _decode_json("-m", m, "--chunk", "16", "--no-reuse", "--prompt", doc2, "-n", NEW, input=b"")
+    assert held == 32
+    via = _decode_json("-m", m, delta, "-n", NEW)
+    assert via["source"] == "delta" and via["token_ids"] == cold["token_ids"]
+    assert "stored" in _cli("reuse", "put", delta).stderr
+    warm = _decode_json("-m", m, "--prompt", doc2, "-n", NEW, input=b"")
+    assert warm["token_ids"] == cold["token_ids"]

@@ -404,3 +404,37 @@ def test_reuse_put_of_a_delta_on_an_end_only_entry_merges_and_stores(tiny_family
     assert "stored" in _cli("reuse", "put", delta).stderr
     warm = _decode_json("-m", m, "--prompt", doc2, "-n", NEW, input=b"")
     assert warm["token_ids"] == cold["token_ids"]
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_mlx_resumes_a_prefill_and_a_cut_stream_from_a_snapshot(family, tiny_family):
+    """On MLX: a prefill resumed at a chunk boundary gives the same layers and snapshots as one
+    from 0; an MLX pack decodes MLX's local tokens (no gate), whole or cut after 2 chunks."""
+    from muser_cli.engines.mlx import blas as mlx_blas
+    from stream_producer import frame_ends
+
+    mlx_blas.ensure_fast_blas()
+    pytest.importorskip("mlx_lm")
+    info = tiny_family(family)
+    ids = encode_prompt(info, PROMPT)[:-1]
+    eng = get_engine("mlx", info, dtype="float32", threads=1)
+    whole = eng.prefill(ids, chunk_tokens=16)
+    resumed = eng.prefill_from(eng.prefill(ids[:32], chunk_tokens=16), rows=32, token_ids=ids[32:], chunk_tokens=16)
+    for a, b in zip(resumed, whole):
+        if isinstance(b, StateKV):
+            assert sorted(a.earlier) == sorted(b.earlier)
+            for name in b.tensors:
+                np.testing.assert_array_equal(a.tensors[name], b.tensors[name])
+        else:
+            np.testing.assert_array_equal(a.keys, b.keys)
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), engine="mlx", chunk_tokens=16, threads=1)
+    data = out.getvalue()
+    ends = frame_ends(data)[1:]
+    kw = dict(model=str(info.path), engine="mlx", max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), prompt=PROMPT, chunk_tokens=16, **kw)
+    full = decode(io.BytesIO(data), **kw)
+    assert full.spot_check["ran"] is False and full.token_ids == local.token_ids
+    cut = decode(io.BytesIO(data[: ends[2 * len(info.layers) - 1]]), prompt=PROMPT, **kw)
+    assert cut.source == "partial+local" and cut.handoff_rows == 32 and cut.token_ids == local.token_ids

@@ -20,7 +20,8 @@ from typing import Any
 from muser_cli.engines.mlx.config import MLX_REFUSED
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
-from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
+from muser_cli.modelconfig import (CACHE_WORDS, FAMILIES, STATE_DTYPE, cache_plan, expanded_row_bytes, family_of,
+                                   read_json, text_config)
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -85,7 +86,7 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
     dtype = dtype or _config_dtype(config)
     if dtype not in DTYPES:
         raise UsageError(f"no KV dtype {dtype!r}", hint="choose one of: " + ", ".join(DTYPES))
-    specs = cache_plan(config, state_dtype=dtype)
+    specs = cache_plan(config, state_dtype=STATE_DTYPE)  # what the engines' packs carry, whatever --dtype
     element = DTYPES[dtype][0]
     classes = layer_classes(specs, element, tokens)
     if family.cache == "latent":
@@ -202,8 +203,8 @@ def _notes(model_type: str) -> list[str]:
                      "expanded K/V expands them with the model's own up-projection (never the other way)")
     elif family.cache != "rows":
         notes.append("state layers ship one snapshot a layer, whatever the prompt length; a pack streams one per "
-                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); the recurrent "
-                     "state is priced in the KV dtype (an engine keeping it in float32: --dtype float32 for that part)")
+                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); both state "
+                     "tensors in float32, as the torch and MLX engines write them, whatever the rows' dtype")
     if family.qk_norm:
         notes.append("QK-norm (inside the model; the rows are post-norm keys)")
     if family.sinks:

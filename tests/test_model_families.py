@@ -212,9 +212,9 @@ def test_model_check_prices_deepseek_v3_latent_layers_beside_the_expanded_form(t
 
 @pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
 def test_model_check_prices_hybrid_state_layers_as_one_snapshot(family, tmp_path):
-    """Qwen3-Next: 36 gated DeltaNet layers (conv 3 x 8192, recurrent 32 x 128 x 128) beside 12
-    full layers; Granite-4 hybrid's default: 32 Mamba-2 layers (conv 3 x 8704, recurrent
-    128 x 64 x 256). A state costs the same at any prompt length."""
+    """Qwen3-Next: 36 gated DeltaNet layers (conv 8192 x 3, recurrent 32 x 128 x 128) beside 12
+    full layers; Granite-4 hybrid's default: 32 Mamba-2 layers (conv 8704 x 3, recurrent
+    128 x 64 x 256), float32 as the engines write them. A state costs the same at any prompt length."""
     from transformers import GraniteMoeHybridConfig, Qwen3NextConfig
 
     (Qwen3NextConfig() if family == "qwen3_next" else GraniteMoeHybridConfig()).save_pretrained(str(tmp_path))
@@ -224,14 +224,14 @@ def test_model_check_prices_hybrid_state_layers_as_one_snapshot(family, tmp_path
     if family == "qwen3_next":
         assert state["layers"] == 36 and state["mixer"] == "gated_delta_net"
         assert [t["shape"] for t in state["tensors"]] == [[8192, 3], [32, 128, 128]]  # conv: channels x kernel-1
-        assert state["state_bytes_per_layer"] == (3 * 8192 + 32 * 128 * 128) * 2 == 1097728
+        assert state["state_bytes_per_layer"] == (3 * 8192 + 32 * 128 * 128) * 4 == 2195456  # float32
         full = by_kind["full"]
         assert full["layers"] == 12 and full["payload_bytes"] == 12 * 2 * 512 * 2 * 131071
-        assert report["payload_bytes"] == 36 * 1097728 + full["payload_bytes"]
+        assert report["payload_bytes"] == 36 * 2195456 + full["payload_bytes"]
     else:
         assert state["layers"] == 32 and state["mixer"] == "mamba2" and set(by_kind) == {"state"}
-        assert state["state_bytes_per_layer"] == (3 * 8704 + 128 * 64 * 256) * 2 == 4246528
-        assert report["payload_bytes"] == 32 * 4246528
+        assert state["state_bytes_per_layer"] == (3 * 8704 + 128 * 64 * 256) * 4 == 8493056
+        assert report["payload_bytes"] == 32 * 8493056
     small = json.loads(_cli("model", "check", tmp_path, "--tokens", 2, "--json").stdout)
     assert {c["kind"]: c for c in small["classes"]}["state"]["payload_bytes"] == state["payload_bytes"]
     text = _cli("model", "check", tmp_path, "--tokens", 131072).stdout

@@ -110,10 +110,21 @@ def _compare(ours: np.ndarray, theirs: np.ndarray, dtype: str) -> tuple[float, f
     return diff, diff / scale
 
 
+def _rows_only(header) -> None:
+    """A pack with recurrent state layers is checked from its snapshot checkpoints
+    (:mod:`muser_cli.gate_state`), not by recomputing positions from rows: refused here by name."""
+    if any(spec.kind == "state" for spec in header.layers):
+        from muser_cli.errors import DataError
+
+        raise DataError("this pack has recurrent state layers: positions are not recomputed from rows, its state is "
+                        "recomputed from its own snapshot checkpoints (the numeric gate, verify --audit)")
+
+
 def audit(pack: KVPack, engine, n: int) -> AuditReport:
     """Compare ``n`` recomputed positions with the pack's rows. ``engine`` is a loaded Engine."""
     t0 = time.perf_counter()
     h = pack.header
+    _rows_only(h)
     end = h.rows_end
     ids = list(h.token_ids)
     n = max(1, min(n, end - h.rows_start))
@@ -310,6 +321,7 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
 
     t0 = time.perf_counter()
     h = pack.header
+    _rows_only(h)
     if h.rows_start != 0:
         raise UsageError("spot-check a delta pack after merging it with its base (positions must start at 0)")
     end = h.rows_end

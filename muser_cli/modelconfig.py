@@ -10,8 +10,8 @@ that description against the cache objects they build before anything runs.
 ``eos_token_ids`` reads the end-of-sequence ids. Families whose cache is not rows of K and
 V (``Family.cache``: latent attention, recurrent state) are described by
 :func:`cache_plan` in kvpack 1.3's layer kinds for ``muser model check``; ``layer_specs``
-describes latent (MLA) layers, which the engines move, and refuses recurrent-state families
-by name (78) until an engine moves them (issue 27). Pure Python.
+describes latent (MLA) layers and the hybrids' state layers, which the engines move (issue 27).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Family:
     notes: str = ""
     # What the cache holds: "rows" (K and V rows), "latent" (MLA: a latent and a shared RoPE
     # key per position), "gated_delta_net" or "mamba2" (hybrids: recurrent state layers
-    # beside full attention). "rows" and "latent" families move (layer_specs refuses state).
+    # beside full attention). All four move.
     cache: str = "rows"
 
 
@@ -90,9 +90,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                  "kv_a_layernorm and the rope key after RoPE in the model's own (interleaved) order, as mlx-lm "
                  "caches them (transformers caches the rope key de-interleaved: the torch engine reorders it)"),
     Family("qwen3_next", cache="gated_delta_net", layers="all_full", qk_norm=True,
-           notes="gated DeltaNet state layers beside gated full attention (kvpack 1.3 state); no engine moves them yet"),
+           notes="gated DeltaNet state layers beside gated full attention (kvpack 1.3 state: a snapshot per chunk)"),
     Family("granitemoehybrid", cache="mamba2", layers="all_full",
-           notes="Mamba-2 state layers beside full attention (kvpack 1.3 state); no engine moves them yet"),
+           notes="Mamba-2 state layers beside full attention (kvpack 1.3 state: a snapshot per chunk)"),
 )}
 CACHE_WORDS = {"latent": "latent attention (MLA) layers", "gated_delta_net": "gated DeltaNet state layers",
                "mamba2": "Mamba-2 state layers"}
@@ -141,13 +141,23 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, **nested, "model_type": config["model_type"]}
 
 
+#: the dtype of every tensor of an engine's state layers: transformers and mlx-lm keep the
+#: recurrent matrix in float32 whatever the model's dtype; a bfloat16 conv window widens exactly
+STATE_DTYPE = "float32"
+
+
 def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
-    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds.
-    MLA (deepseek_v3): kvpack 1.3 latent layers. A family with recurrent-state layers is refused
-    by name: no engine moves it yet."""
+    """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds:
+    row layers; kvpack 1.3 latent layers for MLA (deepseek_v3); for the hybrids (qwen3_next,
+    granitemoehybrid) state layers in :data:`STATE_DTYPE` beside full ones."""
     family = family_of(config)
     if family.cache == "latent":
         return cache_plan(config)
+    if family.cache in ("gated_delta_net", "mamba2"):
+        try:
+            return _hybrid_specs(text_config(config), family, STATE_DTYPE)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"config.json of a {family.name} model lacks a usable {exc}") from exc
     if family.cache != "rows":
         raise ConfigError(
             f"{family.name}: its {CACHE_WORDS[family.cache]} are described by kvpack 1.3, but no engine here "
@@ -188,8 +198,9 @@ def _latent_specs(config: dict[str, Any], family: Family) -> tuple[LayerSpec, ..
 
 def _hybrid_specs(config: dict[str, Any], family: Family, dtype: str) -> tuple[LayerSpec, ...]:
     """State layers where the config lists linear attention / mamba, full layers elsewhere.
-    Snapshot tensors: ``conv`` (kernel - 1 inputs x channels, the window before the position)
-    and ``recurrent``, both in ``dtype`` (muser model check's KV dtype)."""
+    Snapshot tensors: ``conv`` (channels x kernel - 1 inputs, the window before the position:
+    the layout transformers' conv state has, less its oldest column, which no later step
+    reads) and ``recurrent``, both in ``dtype``."""
     n = int(config["num_hidden_layers"])
     types = config.get("layer_types") or config.get("layers_block_type") or ["linear_attention"] * n
     if not isinstance(types, list) or len(types) != n:
@@ -198,14 +209,14 @@ def _hybrid_specs(config: dict[str, Any], family: Family, dtype: str) -> tuple[L
         k_heads, v_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
         dk, dv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
         kernel = int(config["linear_conv_kernel_dim"])
-        tensors = [("conv", (kernel - 1, 2 * k_heads * dk + v_heads * dv), dtype), ("recurrent", (v_heads, dk, dv), dtype)]
+        tensors = [("conv", (2 * k_heads * dk + v_heads * dv, kernel - 1), dtype), ("recurrent", (v_heads, dk, dv), dtype)]
     else:
         inner = int(config["mamba_expand"]) * int(config["hidden_size"])
         heads, groups, d_state = int(config["mamba_n_heads"]), int(config["mamba_n_groups"]), int(config["mamba_d_state"])
         d_head = config.get("mamba_d_head")
         d_head = inner // heads if d_head in (None, "auto") else int(d_head)
         kernel = int(config["mamba_d_conv"])
-        tensors = [("conv", (kernel - 1, inner + 2 * groups * d_state), dtype), ("recurrent", (heads, d_head, d_state), dtype)]
+        tensors = [("conv", (inner + 2 * groups * d_state, kernel - 1), dtype), ("recurrent", (heads, d_head, d_state), dtype)]
     state = state_spec(family.cache, tensors)
     rows = _row_specs({**config, "layer_types": ["full_attention"] * n}, family)
     if family.cache == "mamba2" and config.get("position_embedding_type") != "rope":

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from muser_cli.errors import ConfigError, DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
+from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, PackWriter, buffer_events, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
 from muser_cli.kvpack.reader import map_file, read_step
@@ -81,9 +81,6 @@ def delta_for(header: "PackHeader", have: HaveManifest) -> "PackHeader":
                         hint="pack the full prefill (or one cut for this manifest) instead")
     if held == 0:
         return header
-    if any(spec.kind == "state" for spec in header.layers):  # kvpack 1.3 state layers: no delta yet
-        raise ConfigError("a delta of a pack with state layers is not made yet: it needs the consumer's snapshot "
-                          f"at position {held} (issue 27, part 3)", hint="pack without --have: send the whole pack")
     scope = scope_of_header(header)
     if scope != have.scope:
         assert have.scope is not None
@@ -188,7 +185,7 @@ def _cut(header: "PackHeader", ev: FrameEvent):
     if header.rows_start == 0:
         return ev.start, ev.keys, ev.values
 
-    return cut_frame(header, ev.layer, ev.start, ev.keys, ev.values)
+    return cut_frame(header, ev.layer, ev.start, ev.keys, ev.values, ev.count)
 
 
 def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0: float,
@@ -208,7 +205,7 @@ def _pack_quantized(src: BinaryIO, out: BinaryIO, *, codec: str, level: int, t0:
             assert header is not None
             part = _cut(header, ev)
             if part is not None:
-                count = part[1].shape[1] if part[1].ndim == 3 else ev.count  # ndim 1: a state snapshot (kept whole)
+                count = part[1].shape[1] if part[1].ndim == 3 else ev.start + ev.count - part[0]  # a state snapshot
                 frames.append(replace(ev, start=part[0], count=count, keys=part[1], values=part[2],
                                       stored=None, payload_digest=None))
     reader.finish()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from muser_cli.engines.base import ChunkFn, Engine, RowsOf
-from muser_cli.errors import SpotCheckFailed
-from muser_cli.kvpack import KVPack, LayerKV
+from muser_cli.errors import DataError, SpotCheckFailed
+from muser_cli.kvpack import KVPack, LayerKV, StateKV
 from muser_cli.modelinfo import ProgressFn
 from muser_cli.reuse import Store, find_resume
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -207,5 +207,10 @@ def rows_of_layers(layers: Sequence[LayerKV]) -> RowsOf:
     """:data:`RowsOf` over finished layers (a full hit from the store)."""
     def rows_of(index: int, lo: int, hi: int):
         lk = layers[index]
+        if isinstance(lk, StateKV):  # a state layer: its snapshot at the frame's end
+            snap = lk.at(hi)
+            if snap is None:
+                raise DataError(f"layer {index} holds no state snapshot at position {hi}")
+            return snap, None
         return lk.keys[:, lo - lk.first_row : hi - lk.first_row], lk.values[:, lo - lk.first_row : hi - lk.first_row]
     return rows_of

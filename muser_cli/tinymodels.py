@@ -210,6 +210,18 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                          "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
                                          "n_shared_experts": 1, "first_k_dense_replace": 1,
                                          "tie_word_embeddings": False}),
+    # hybrids of recurrent state layers (kvpack 1.3 state) and full attention, 2 of each
+    "qwen3_next": ("Qwen3NextConfig", {"layer_types": ["linear_attention", "full_attention"] * 2,
+                                       "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                       "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                                       "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                                       "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention"] * 2, "mamba_n_heads": 4,
+                                                    "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16,
+                                                    "mamba_d_conv": 4, "mamba_expand": 1, "mamba_chunk_size": 8,
+                                                    "num_local_experts": 4, "num_experts_per_tok": 2,
+                                                    "shared_intermediate_size": 64,
+                                                    "position_embedding_type": "rope"}),
 }
 
 

@@ -92,6 +92,9 @@ def verify(
         from muser_cli.engines.registry import get_engine
 
         eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
+        if any(spec.kind == "state" for spec in h.layers):  # recurrent state: from the pack's own checkpoints
+            checks.append(_state_audit(pack, eng, audit, summary))
+            return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
         rep = run_audit(pack, eng, audit)
         worst = rep.worst or {}
         detail = (f"{rep.mode} of positions [{rep.positions[0]}, {rep.positions[1]}) on {engine}: worst layer "
@@ -107,6 +110,26 @@ def verify(
     elif audit:
         checks.append(Check("audit", False, "not run: identity checks failed"))
     return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)
+
+
+def _state_audit(pack: KVPack, eng, spans: int, summary: dict) -> Check:
+    """``--audit N`` on a pack with state layers: N chunk spans (the last one always) recomputed
+    from the pack's own snapshot checkpoints (:mod:`muser_cli.gate_state`)."""
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.gate import new_seed
+    from muser_cli.gate_state import state_check
+
+    seed = new_seed()
+    try:
+        ends, tol, layers, seconds = state_check(pack.header, list(pack.layers), eng, count=spans, seed=seed)
+    except SpotCheckFailed as exc:
+        summary["audit"] = {"ok": False, "mode": "state-checkpoint", "error": str(exc)}
+        return Check("audit", False, str(exc))
+    worst = max(layers, key=lambda l: l["rel_max"] / (l["tolerance"] or 1.0))
+    summary["audit"] = {"ok": True, "mode": "state-checkpoint", "seed": seed, "span_ends": ends, "layers": layers,
+                        "tolerance": tol, "ms": round(seconds * 1e3, 3)}
+    return Check("audit", True, f"state-checkpoint of {len(ends)} chunk spans ending at {ends} on {eng.name}: worst "
+                                f"layer {worst['layer']} rel {worst['rel_max']:.3g} (tolerance {worst['tolerance']:.3g})")
 
 
 def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:

@@ -251,10 +251,10 @@ def test_state_every_thins_snapshots_and_a_cut_resumes_at_the_last_due_one():
                      "v_head_dim": 16, "window": None, "rope": None}]}), 1, 2)
 
 
-def test_pack_have_refuses_a_delta_of_state_layers_by_name():
-    """A delta needs the consumer's snapshot at its held position, which no store keeps yet
-    (issue 27 part 3): `pack --have` says so (78) instead of cutting snapshots like rows."""
-    from muser_cli.errors import ConfigError
+def test_pack_have_cuts_state_layers_at_the_consumers_snapshot():
+    """A delta of a pack with state layers (issue 27): the consumer's store holds the snapshot
+    at its held position (a chunk end), so a state layer ships only the snapshots after it,
+    each whole; a whole pack's reader keeps every superseded snapshot (``earlier``)."""
     from muser_cli.kvpack import token_digest
     from muser_cli.pack import pack
     from muser_cli.reuse.chain import Scope
@@ -262,11 +262,23 @@ def test_pack_have_refuses_a_delta_of_state_layers_by_name():
 
     from muser_cli.reuse.chain import chain_at
 
-    data, header, _ = _kinds_pack()
+    data, header, rows = _kinds_pack()
     scope = Scope(header.model_fingerprint, header.tokenizer_fingerprint, "bfloat16", 4)
     have = HaveManifest(model=header.model_fingerprint, model_name="synthetic", tokenizer=header.tokenizer_fingerprint,
                         prompt_tokens=len(header.token_ids), prompt_digest=token_digest(header.token_ids),
                         held_tokens=8, entry_id="e", chain=chain_at(scope, header.token_ids, 8), scope=scope)
     out = io.BytesIO()
-    with pytest.raises(ConfigError, match="a delta of a pack with state layers is not made yet"):
-        pack(io.BytesIO(data), out, have=have)
+    pack(io.BytesIO(data), out, have=have, codec="none")
+    delta = read_pack(io.BytesIO(out.getvalue()))
+    assert delta.header.rows_start == 8
+    states = [i for i, spec in enumerate(header.layers) if spec.kind == "state"]
+    whole = read_pack(io.BytesIO(data))
+    for i in states:
+        plan = [f for f in delta.header.frame_plan() if f[0] == i]
+        assert plan[0][1] == 8 and [f[1] + f[2] for f in plan] == list(range(12, 20, 4)) + [20]
+        got, want = delta.layers[i], rows[i]
+        assert sorted(got.earlier) == [12, 16] and got.position == 20
+        for p in (12, 16, 20):
+            for name, arr in want.at(p).items():
+                assert np.array_equal(got.at(p)[name], arr)
+        assert sorted(whole.layers[i].earlier) == [4, 8, 12, 16]

@@ -217,6 +217,14 @@ def _scalar(t: st.Tensor, name: str, index: int, field_no: int) -> int:
     return value
 
 
+def _rows_only(specs: Sequence[Any]) -> None:
+    """Refuse state layers by name: the prompt-cache import/export carries rows (and MLA's latent
+    rows) only; a pack needs a snapshot per chunk, a finished cache holds one (issue 27)."""
+    if any(spec.kind == "state" for spec in specs):
+        raise DataError("the mlx-lm prompt-cache import/export carries rows only, not state layers",
+                        hint="muser prefill / muser decode --engine mlx move them")
+
+
 def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[int], *,
                     name: str = "input") -> tuple[list[LayerKV], bool]:
     """The rows a kvpack of ``token_ids`` carries, taken from ``cache`` after checking its
@@ -227,6 +235,7 @@ def cache_to_layers(cache: MlxPromptCache, info: ModelInfo, token_ids: Sequence[
     last ``window - 1`` rows (no ``ring_extra``: the pack is a v1.1 one, as mlx-lm's file
     does not say which extra rows are real after every schedule)."""
     specs = info.layers
+    _rows_only(specs)
     if len(cache.layers) != len(specs):
         raise DataError(f"{name}: {len(cache.layers)} cache layers, model {info.name} has {len(specs)}")
     n, tokens = cache.offset, len(token_ids)
@@ -401,6 +410,7 @@ def prompt_cache_tensors(header: PackHeader, layers: Sequence[LayerKV], *, model
                         "its cache needs the whole prefix", hint="merge the delta first (muser decode holds the base)")
     if header.dtype not in ST_DTYPES:
         raise DataError(f"rows of dtype {header.dtype} have no mlx-lm equivalent")
+    _rows_only(header.layers)
     rows = header.rows_end
     sdt = ST_DTYPES[header.dtype]
     tensors: dict[str, tuple[str, np.ndarray]] = {}

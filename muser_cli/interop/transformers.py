@@ -61,11 +61,21 @@ def _layout(model: Any) -> list[tuple[str, int | None]]:
 
     cache = DynamicCache(config=model.config)
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    built = [("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
+    from muser_cli.engines.torch.state import is_state_layer
+
+    built = [("state", None) if is_state_layer(layer) else
+             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
              for layer in cache.layers]
     # a chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask differs)
     return [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
             for i, b in enumerate(built)]
+
+
+def _no_state(specs: Sequence[Any]) -> None:
+    """Refuse state layers by name importing a cache: rows (and latent rows) only (issue 27)."""
+    if any(spec.kind == "state" for spec in specs):
+        raise DataError("the transformers cache import carries rows only, not state layers",
+                        hint="muser prefill moves them")
 
 
 def _size(spec: Any) -> int | None:
@@ -103,7 +113,8 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
                         hint="merge it with its base first (muser decode does)")
     built = _layout(model)
     # a latent (MLA) layer: transformers' MLA attention caches the latent and the rope key in a full layer
-    described = [("full", None) if spec.kind == "latent" else (spec.kind, _size(spec)) for spec in header.layers]
+    described = [("full", None) if spec.kind == "latent" else (spec.kind, None if spec.kind == "state" else _size(spec))
+                 for spec in header.layers]
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end
@@ -111,6 +122,11 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     device = getattr(model, "device", torch.device("cpu"))
     cache = DynamicCache(config=model.config)
     for index, (spec, kv) in enumerate(zip(header.layers, p.layers)):
+        if spec.kind == "state":  # a recurrent layer: its newest snapshot, into transformers' own layer
+            from muser_cli.engines.torch import state
+
+            state.install(cache, index, spec, kv, rows, dtype, state.conv_kernel(model.config))
+            continue
         kv = ring_tail(kv, rows - spec.carried_rows(rows), rows)  # ring_extra rows: not part of this cache
         keys = to_torch(kv.keys, dtype).unsqueeze(0).to(device)  # (1, kv_heads, carried, head_dim)
         values = to_torch(kv.values, dtype).unsqueeze(0).to(device)
@@ -147,6 +163,7 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int], *, 
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise UsageError(f"not a transformers DynamicCache: {type(cache).__name__}")
+    _no_state(specs)
     if len(layers) != len(specs):
         raise DataError(f"the cache has {len(layers)} layers, the model {len(specs)}")
     tokens = len(token_ids)

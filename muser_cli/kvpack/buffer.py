@@ -344,16 +344,19 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
         return p, (keys, values)
 
     held: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    snaps: dict[int, dict[int, np.ndarray]] = {}  # per state layer: every snapshot by position
     for f, _, got in _verified(scan, work):
         if got is not None:
             held[f.layer] = got  # in stream order: a state layer's newest snapshot supersedes the last
+            if header.layers[f.layer].kind == "state":
+                snaps.setdefault(f.layer, {})[f.start + f.count] = got[0]
     root, pos = scan.root, scan.pos
 
     # 3. verified: hand out the rows (a layer in one uncompressed frame: a view of buf)
     layers: list = []
     for li, spec in enumerate(header.layers):
         if spec.kind == "state":
-            layers.append(state_kv(header, li, held[li][0] if li in held else None))
+            layers.append(state_kv(header, li, held[li][0] if li in held else None, snaps.get(li)))
             continue
         if li in dest:
             keys, values = dest[li]

@@ -170,13 +170,17 @@ def split_state(spec: LayerSpec, raw: Any) -> dict[str, Any]:
     return out
 
 
-def state_kv(header: Any, index: int, raw: Any) -> StateKV:
+def state_kv(header: Any, index: int, raw: Any, earlier: "dict[int, Any] | None" = None) -> StateKV:
     """The newest snapshot of state layer ``index`` of a pack with ``header``, from its
-    decoded payload (None: the layer has no frame, positions [first, first))."""
+    decoded payload (None: the layer has no frame, positions [first, first)); ``earlier``:
+    the superseded snapshots' payloads by position (a whole pack read keeps them: a store
+    entry resumes from one at a chunk boundary)."""
     first, end = header.layer_first_row(index), header.rows_end
     if raw is None:
         return StateKV(tensors={}, position=first, first_row=first)
-    return StateKV(tensors=split_state(header.layers[index], raw), position=end, first_row=first)
+    spec = header.layers[index]
+    before = {p: split_state(spec, r) for p, r in (earlier or {}).items() if p != end}
+    return StateKV(tensors=split_state(spec, raw), position=end, first_row=first, earlier=before)
 
 
 @dataclass(frozen=True)

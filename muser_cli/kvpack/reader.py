@@ -107,6 +107,7 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
     parts: list[list[tuple[np.ndarray, np.ndarray]]] = []
     header: PackHeader | None = None
     end_ev: EndEvent | None = None
+    snaps: dict[int, dict[int, Any]] = {}  # per state layer: its superseded snapshots by position
     stored = 0
     while True:
         # Read exactly what the parser needs next, into a buffer of its own (no copies).
@@ -119,7 +120,9 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
                 parts = [[] for _ in header.layers]
             elif isinstance(ev, FrameEvent):
                 if header is not None and header.layers[ev.layer].kind == "state":
-                    parts[ev.layer][:] = [(ev.keys, ev.values)]  # the newest snapshot supersedes the last
+                    if parts[ev.layer]:  # the newest snapshot supersedes the last, which is kept as earlier
+                        snaps.setdefault(ev.layer, {})[parts[ev.layer][0][1]] = parts[ev.layer][0][0]
+                    parts[ev.layer][:] = [(ev.keys, ev.start + ev.count)]
                 else:
                     parts[ev.layer].append((ev.keys, ev.values))
                 stored += ev.stored_bytes
@@ -138,7 +141,7 @@ def read_pack(stream: BinaryIO, *, max_bytes: int | None = None, progress=None, 
     for i, frames in enumerate(parts):
         spec = header.layers[i]
         if spec.kind == "state":
-            layers.append(state_kv(header, i, frames[0][0] if frames else None))
+            layers.append(state_kv(header, i, frames[0][0] if frames else None, snaps.get(i)))
             continue
         if len(frames) > 1:
             keys = np.concatenate([k for k, _ in frames], axis=1, out=next(carved))

@@ -90,7 +90,9 @@ class StreamedPack:
             return self._cut
         h, end = self._header, self._end
         assert h is not None and end is not None
-        layers = [state_kv(h, i, self._snaps[i][-1][1] if self._snaps[i] else None) if k is None
+        # a state layer: its newest snapshot, and the one before it (the numeric gate's checkpoint)
+        layers = [state_kv(h, i, self._snaps[i][-1][1] if self._snaps[i] else None, dict(self._snaps[i][:-1]))
+                  if k is None
                   else LayerKV(keys=k[:, : h.layer_rows(i)], values=v[:, : h.layer_rows(i)],
                                first_row=h.layer_first_row(i))
                   for i, (k, v) in enumerate(zip(self._keys, self._values))]

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from muser_cli.errors import CorruptEntry, DataError, IdentityMismatch
-from muser_cli.kvpack import KVPack, LayerKV, LayerSpec, PackHeader
+from muser_cli.kvpack import KVPack, LayerKV, LayerSpec, PackHeader, StateKV
 from muser_cli.reuse.chain import Scope, delta_point
 from muser_cli.reuse.manifest import base_object, check_base
 
@@ -43,8 +43,11 @@ def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, 
     """The cache as of ``rows`` positions, taken from ``layers`` (which must hold it): full
     layers rows [0, rows), sliding layers their last window-1 rows before ``rows`` (and
     ``extra`` older ones: a pack's ``ring_extra``)."""
-    out = []
+    out: list = []
     for i, (lk, spec) in enumerate(zip(layers, specs)):
+        if spec.kind == "state":  # its snapshot at ``rows`` (a chunk end, or the pack's end), and those before
+            out.append(state_at(lk, i, rows))
+            continue
         first = rows - spec.carried_rows(rows, extra)
         a, b = first - lk.first_row, rows - lk.first_row
         if a < 0 or b > lk.keys.shape[1]:
@@ -54,12 +57,30 @@ def layers_at(layers: Sequence[LayerKV], specs: Sequence[LayerSpec], rows: int, 
     return out
 
 
+class StateMissing(DataError):
+    """A state layer holds no snapshot at the position asked for (exit 65)."""
+
+
+def state_at(lk: StateKV, index: int, rows: int) -> StateKV:
+    """A state layer's snapshot at ``rows`` with every one before it (a chunk end's, or the end's)."""
+    tensors = lk.at(rows) if isinstance(lk, StateKV) else None
+    if tensors is None:
+        raise StateMissing(f"layer {index} holds no state snapshot at position {rows}")
+    return StateKV(tensors=tensors, position=rows, earlier={p: t for p, t in lk.earlier.items() if p < rows})
+
+
 def merge(prefix: Sequence[LayerKV], delta: KVPack) -> list[LayerKV]:
-    """Full layers: ``prefix`` rows [0, held) then the delta's; sliding and chunked layers: the delta's own rows."""
+    """Full layers: ``prefix`` rows [0, held) then the delta's; sliding and chunked layers: the
+    delta's own rows; state layers: the delta's snapshots after the prefix's up to ``held``."""
     h = delta.header
     held = h.rows_start
-    out = []
+    out: list = []
     for i, (spec, mine, theirs) in enumerate(zip(h.layers, prefix, delta.layers)):
+        if spec.kind == "state":
+            before = state_at(mine, i, held)
+            out.append(StateKV(tensors=theirs.tensors, position=theirs.position,
+                               earlier={**before.earlier, held: before.tensors, **theirs.earlier}))
+            continue
         if spec.kind in ("sliding", "chunked"):
             out.append(theirs)
             continue
@@ -81,9 +102,9 @@ def resolve_delta(pack: KVPack, store) -> tuple[list[LayerKV], str]:
                               chunk_tokens=scope.chunk_tokens, chain=chain):
         try:
             stored = store.load(point.entry)
-        except CorruptEntry:
+            return merge(stored.layers, pack), point.entry
+        except (CorruptEntry, StateMissing):  # StateMissing: an entry stored without a snapshot there
             continue
-        return merge(stored.layers, pack), point.entry
     raise BaseNotHeld(
         f"delta pack extends a {held}-token prefix (chain {chain[:19]}…) that this machine's store does not hold",
         hint="ask the producer for a full pack (no --have), or decode with --prompt to prefill locally")
@@ -133,9 +154,30 @@ def find_resume(store, model: str, tokenizer: str, ids: Sequence[int], *, dtype:
     return None
 
 
-def cut_frame(header: PackHeader, layer: int, start: int, keys, values):
-    """The part of an input frame (layer, start, rows) that a delta ``header`` carries, or None."""
+def with_held_snapshots(header: PackHeader, layers: Sequence) -> PackHeader:
+    """``header`` with a ``state_every`` whose frame plan asks its state layers only for
+    snapshots ``layers`` hold (a streamed pack keeps its last two: then only the end's, so a
+    stored entry resumes at its end only). StateMissing when no ``state_every`` fits."""
+    def fits(h: PackHeader) -> bool:
+        return all(layers[i].at(s + c) is not None for i, s, c in h.frame_plan() if h.layers[i].kind == "state")
+
+    if fits(header):
+        return header
+    every = max(2, -(-header.rows_end // header.grid))  # no grid chunk end due before the end
+    if every <= 1 << 16 and fits(cut := replace(header, state_every=every)):
+        return cut
+    raise StateMissing("the state layers' snapshots at the pack's chunk ends are not held here (a streamed pack "
+                       "keeps its newest): not stored")
+
+
+def cut_frame(header: PackHeader, layer: int, start: int, keys, values, count: int | None = None):
+    """The part of an input frame (layer, start, rows) that a delta ``header`` carries, or None.
+    A state layer's frame (``count`` positions, its snapshot at their end) is carried whole
+    when it ends after the delta's start: it then starts there."""
     first = header.layer_first_row(layer)
+    if header.layers[layer].kind == "state":
+        assert count is not None
+        return None if start + count <= first else (max(start, first), keys, values)
     count = keys.shape[1]
     if start + count <= first:
         return None

@@ -37,7 +37,7 @@ from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput,
 from muser_cli.fsio import EarlyWriteback, fsync_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
-from muser_cli.reuse.delta import resolve_delta
+from muser_cli.reuse.delta import resolve_delta, with_held_snapshots
 from muser_cli.reuse.index import DEFAULT_MAX_BYTES, ENTRY_COLS, ENV_MAX_BYTES, SCHEMA, SCHEMA_VERSION, StoreIndex
 from muser_cli.reuse.records import Entry, GCResult, Point, PutResult
 from muser_cli.strict import canonical_json, loads, parse_size
@@ -116,6 +116,8 @@ class Store(StoreIndex):
     def put_layers(self, header: PackHeader, layers: Sequence, *, vocab_size: int | None = None) -> PutResult:
         """Write ``layers`` (the whole cache of header.token_ids[:-1]) as an uncompressed pack and publish it."""
         header = replace(header, rows_start=0, base=None, codec={"name": "none"})
+        if any(spec.kind == "state" for spec in header.layers):  # a streamed pack holds its newest snapshots only
+            header = with_held_snapshots(header, layers)
         _check_storable(header, vocab_size=vocab_size)
         fd, tmp = self._tmp_file()
         try:
@@ -133,6 +135,8 @@ class Store(StoreIndex):
     def _publish(self, tmp: Path, header: PackHeader, entry_id: str, nbytes: int) -> PutResult:
         scope = scope_of_header(header)
         points = chain_points(scope, header.token_ids, header.rows_end)
+        if any(spec.kind == "state" for spec in header.layers):  # served only where a state snapshot is held
+            points = [(held, chain) for held, chain in points if header.snapshot_due(held)]
         rows = [(chain, entry_id, held, int(resumable(header.layers, header.rows_end, held))) for held, chain in points]
         now = time.time()
         final = self.pack_path(entry_id)

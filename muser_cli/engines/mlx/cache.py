@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from muser_cli.errors import DataError
-from muser_cli.kvpack.layers import LayerKV, LayerSpec
+from muser_cli.kvpack.layers import LayerKV, LayerSpec, StateKV
 
 
 def ring_slot(rows: int, window: int, chunk_tokens: int) -> int:
@@ -83,8 +83,14 @@ def cut_rows(specs: Sequence[LayerSpec], layers: Sequence[LayerKV], rows: int, s
     """``layers`` (covering [0, rows)) reduced to what a pack of [0, start) would carry."""
     if len(layers) != len(specs):
         raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
-    out = []
+    out: list = []
     for index, (spec, kv) in enumerate(zip(specs, layers)):
+        if spec.kind == "state":  # its snapshot at ``start`` (none at 0)
+            snap = kv.at(start) if start else {}
+            if snap is None:
+                raise DataError(f"layer {index} (state): no snapshot at position {start} to recompute from")
+            out.append(StateKV(tensors=snap, position=start))
+            continue
         begin = start - spec.carried_rows(start)
         held = int(np.shape(kv.keys)[1])
         if begin < kv.first_row or start > kv.first_row + held:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from muser_cli.modelinfo import ModelInfo
-from muser_cli.errors import DataError, IdentityMismatch
+from muser_cli.errors import ConfigError, DataError, IdentityMismatch
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
 _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
@@ -82,8 +82,11 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
         pattern = _sliding_pattern(config.get("layer_types"))
         if pattern is not None:
             overrides["sliding_window_pattern"] = pattern
-    if ropes and ropes[0].dims != specs[0].head_dim and specs[0].kind != "latent":  # partial rotary: transformers 5 moved the factor
-        overrides["partial_rotary_factor"] = ropes[0].dims / specs[0].head_dim
+    # partial rotary (transformers 5 moved the factor); a hybrid's state layers have no head_dim, and a latent
+    # layer's rope key is not a slice of a head
+    roped = [spec for spec in specs if spec.rope is not None and spec.kind != "latent"]
+    if roped and roped[0].rope.dims != roped[0].head_dim:
+        overrides["partial_rotary_factor"] = roped[0].rope.dims / roped[0].head_dim
     if model_type in ("llama4_text", "llama4"):  # mlx-lm's llama4 (chunked attention) nests the text tower
         text = config["text_config"] if model_type == "llama4" else config  # the hub's composite nests it already
         overrides = {"model_type": "llama4",
@@ -118,7 +121,22 @@ def _exaone4_keys(config: dict[str, Any], specs: tuple[LayerSpec, ...]) -> dict[
     return out
 
 
+def _qwen3_next_keys(config: dict[str, Any], specs: tuple[LayerSpec, ...]) -> dict[str, Any]:
+    """mlx-lm's qwen3_next places its full-attention layers every ``full_attention_interval``
+    (counted from 1), not from layer_types: the interval the layer plan has, or refused."""
+    full = [i for i, spec in enumerate(specs) if spec.kind != "state"]
+    n = full[0] + 1 if full else len(specs) + 1
+    if full != [i for i in range(len(specs)) if (i + 1) % n == 0]:
+        raise ConfigError(f"qwen3_next: full-attention layers at {full} are not every n-th layer, the only plan "
+                          "mlx-lm's qwen3_next builds", hint="use --engine torch")
+    return {"full_attention_interval": n}
+
+
 _FAMILY_KEYS = {
+    "qwen3_next": _qwen3_next_keys,
+    # mlx-lm's granitemoehybrid reads the hub's layer names (transformers 5 saves linear/full_attention)
+    "granitemoehybrid": lambda config, specs: {"layer_types": ["mamba" if s.kind == "state" else "attention"
+                                                               for s in specs]},
     "gemma3_text": _gemma3_keys,
     "exaone4": _exaone4_keys,
     "qwen3_moe": lambda config, specs: ({"num_experts": config["num_local_experts"]}
@@ -200,7 +218,7 @@ def _sliding_pattern(layer_types: Any) -> int | None:
 def check_model(info: ModelInfo, model: Any, caches: list[Any]) -> None:
     """Refuse a loaded model whose caches (``caches``: the set mlx-lm builds for it) or RoPE
     differ from ``info.layers``. Imports mlx-lm (its cache classes)."""
-    from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
     specs = info.layers
     blocks = list(getattr(model, "layers", []))
@@ -214,6 +232,8 @@ def check_model(info: ModelInfo, model: Any, caches: list[Any]) -> None:
             built = ("sliding", cache.max_size)
         elif type(cache) is ChunkedKVCache:
             built = ("chunked", cache.chunk_size)
+        elif type(cache) is ArraysCache and spec.kind == "state":  # a recurrent layer (engines/mlx/state.py)
+            continue
         else:
             raise IdentityMismatch(f"layer {index}: mlx-lm builds a {type(cache).__name__} the mlx engine cannot fill")
         size = spec.chunk if spec.kind == "chunked" else spec.window

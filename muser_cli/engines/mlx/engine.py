@@ -50,6 +50,7 @@ from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampli
 from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
+from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE, MLX_REFUSED, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
@@ -245,16 +246,19 @@ class MLXEngine(Engine):
             self.model(self.mx.array([ids[position - start : end - start]]), cache=caches)
             n = end - position
             for index, cache in enumerate(caches):
+                if self.info.layers[index].kind == "state":
+                    continue
                 k, v = temporal(cache)  # (1, kv_heads, held, head_dim)
                 keys[index].append(k[0, :, -n:, :])
                 values[index].append(v[0, :, -n:, :])
             self.mx.eval(keys, values)
             position = end
         mx = self.mx
-        return [
+        return [  # a state layer: its snapshot after the run
+            state.extract({}, cache, i, spec, start + len(ids)) if spec.kind == "state" else
             LayerKV(keys=self._to_numpy(mx.concatenate(k, axis=1)), values=self._to_numpy(mx.concatenate(v, axis=1)),
                     first_row=start)
-            for k, v in zip(keys, values)
+            for i, (spec, cache, k, v) in enumerate(zip(self.info.layers, caches, keys, values))
         ]
 
     # ------------------------------------------------------------------ checks
@@ -293,6 +297,7 @@ class MLXEngine(Engine):
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self._set_threads()
         caches = self._make_cache(self.model)
+        self._snaps: dict = {}  # state layers' snapshots by chunk end (engines/mlx/state.py)
         self._run_chunks(caches, ids, 0, chunk_tokens, progress, on_chunk, history)
         return caches
 
@@ -307,7 +312,8 @@ class MLXEngine(Engine):
         for begin in range(0, len(ids), chunk_tokens):
             chunk = ids[begin : begin + chunk_tokens]
             self.model(self.mx.array([chunk]), cache=caches)  # logits stay unevaluated (lazy)
-            self.mx.eval([c.state[:2] for c in caches])
+            self.mx.eval([c.cache if state.is_state_cache(c) else c.state[:2] for c in caches])
+            state.record(self._snaps, caches, self.info.layers, base + begin + len(chunk))
             for i, got in (history or {}).items():  # the chunk's rows: the ring's newest, still held
                 k, v = temporal(caches[i])
                 got.append((self._to_numpy(k[0, :, k.shape[2] - len(chunk) :, :]),
@@ -320,6 +326,8 @@ class MLXEngine(Engine):
     def _rows_of(self, caches: list[Any], n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer's cache as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+            if self.info.layers[index].kind == "state":  # its snapshot at hi: (tensors, None)
+                return state.rows_of(self._snaps, caches, index, self.info.layers[index], hi, n)  # type: ignore
             k, v = temporal(caches[index])  # (1, kv_heads, held, head_dim), oldest first; row n-1 last
             held = k.shape[2]
             if hi > n or lo < n - held:
@@ -335,6 +343,9 @@ class MLXEngine(Engine):
         ring holds at least ``window``), or with ``history`` the rows collected chunk by chunk."""
         out = []
         for index, (spec, cache) in enumerate(zip(self.info.layers, caches)):
+            if spec.kind == "state":
+                out.append(state.extract(self._snaps, cache, index, spec, n))
+                continue
             carried = spec.carried_rows(n, ring)
             if history and index in history and history[index]:
                 keys = np.concatenate([k for k, _ in history[index]], axis=1)[:, -carried:]
@@ -363,7 +374,11 @@ class MLXEngine(Engine):
             raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
         self._set_threads()
         caches = self._make_cache(self.model)
+        self._snaps = {}
         for index, (spec, kv, cache) in enumerate(zip(specs, layers, caches)):
+            if spec.kind == "state":
+                state.install(self._snaps, cache, index, spec, kv, rows, self.mx_dtype)
+                continue
             carried = spec.carried_rows(rows)
             kv = ring_tail(kv, rows - carried, rows)  # a pack's ring_extra rows: not part of a decoding cache
             want_k = (spec.kv_heads, carried, spec.head_dim)

@@ -34,7 +34,7 @@ from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
-from muser_cli.engines.torch import latent, recompute
+from muser_cli.engines.torch import latent, recompute, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -154,6 +154,7 @@ class TorchEngine(Engine):
                 chunk = ids[begin : begin + chunk_tokens]
                 self._forward(chunk, rows + begin, cache, keep=1)
                 done = rows + begin + len(chunk)
+                state.record(cache, self.info.layers, done)
                 if progress:
                     progress("prefill", done, total)
                 if on_chunk:
@@ -270,6 +271,7 @@ class TorchEngine(Engine):
         cache = DynamicCache(config=self.model.config)
         types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or []
         built = [
+            ("state", None) if state.is_state_layer(layer) else
             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
             for layer in cache.layers
         ]
@@ -279,7 +281,9 @@ class TorchEngine(Engine):
         described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
         if any(spec.kind == "latent" for spec in self.info.layers):  # MLA: a full layer of latent rows
             self._rope_order = latent.check_layout(self)
-            described = [("full", None) if d[0] == "latent" else d for d in described]
+        # a latent (MLA) layer is a full layer of latent rows to transformers; a state layer has no size
+        described = [("full", None) if kind == "latent" else (kind, None) if kind == "state" else (kind, arg)
+                     for kind, arg in described]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"
@@ -325,6 +329,7 @@ class TorchEngine(Engine):
         for begin in range(0, total, chunk_tokens):
             chunk = ids[begin : begin + chunk_tokens]
             self._forward(chunk, begin, cache, keep=1)
+            state.record(cache, self.info.layers, begin + len(chunk))
             if progress:
                 progress("prefill", begin + len(chunk), total)
             if on_chunk:
@@ -338,6 +343,8 @@ class TorchEngine(Engine):
     def _rows_of(self, cache: Any, n: int) -> RowsOf:
         """Absolute rows [lo, hi) of a layer of ``cache`` as of ``n`` positions."""
         def rows_of(index: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+            if self.info.layers[index].kind == "state":  # its snapshot at hi: (tensors, None)
+                return state.rows_of(cache, index, self.info.layers[index], lo, hi, n)  # type: ignore[return-value]
             layer = cache.layers[index]
             held = layer.keys.shape[-2] if n and getattr(layer, "is_initialized", False) else 0
             first = n - held  # a prefill ring may hold more than a decoding cache
@@ -352,6 +359,9 @@ class TorchEngine(Engine):
         (``ring``: the extra rows the cache's sliding layers keep, :meth:`_new_cache`)."""
         out = []
         for index, spec in enumerate(self.info.layers):
+            if spec.kind == "state":
+                out.append(state.extract(cache, index, spec, n))  # type: ignore[arg-type]
+                continue
             carried = spec.carried_rows(n, ring)
             layer = cache.layers[index]
             if n == 0 or not getattr(layer, "is_initialized", False):
@@ -385,6 +395,9 @@ class TorchEngine(Engine):
             raise DataError(f"{len(layers)} layers of KV for a model with {len(specs)} layers")
         cache = self._new_cache(rows + extra, ring)
         for index, (spec, kv) in enumerate(zip(specs, layers)):
+            if spec.kind == "state":
+                state.install(cache, index, spec, kv, rows, self.torch_dtype, state.conv_kernel(self.model.config))
+                continue
             carried = spec.carried_rows(rows)
             kv = ring_tail(kv, rows - carried, rows)
             want_k = (spec.kv_heads, carried, spec.head_dim)

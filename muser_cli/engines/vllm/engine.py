@@ -163,6 +163,10 @@ class VLLMEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in DTYPES:
             raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
+        kinds = sorted({spec.kind for spec in info.layers if spec.kind in ("state", "latent")})
+        if kinds:  # issue 27: the connector reads paged K/V blocks only
+            raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
+                              "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
         self._vllm = require_vllm()
         explicit = {**env_options(), **dict(vllm_options or {})}
         self._explicit = set(explicit)

@@ -61,7 +61,7 @@ def size_bound(header, head_bytes: int) -> tuple[int, int]:
 
     total, frames = head_bytes + END_FRAME_BYTES, 0
     for layer, _start, count in header.frame_plan():
-        stored_max = header.row_bytes(layer) * count + 1024
+        stored_max = header.frame_raw_len(layer, count) + 1024  # a state frame: one snapshot
         total += FRAME_HEADER.size + stored_max + pad_len(stored_max) + DIGEST_BLOCK
         frames += 1
     return min(total, MAX_PAYLOAD_BYTES), frames

@@ -1,0 +1,75 @@
+"""The pull lane with a recurrent-state hybrid (issue 27): real processes, mutual TLS on 127.0.0.1.
+
+A consumer that stored a document asks a resident producer for a follow-up question on it:
+the producer ships a delta (the suffix's rows and the state snapshots after the held chunk
+boundary), the consumer merges it with its stored snapshot at that boundary, and decodes the
+local fallback's tokens; a producer killed mid-stream leaves verified chunks that resume.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from handoff_kit import Producer, copy_home, env_for, make_nodes, muser_cmd
+
+PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+          "After a long debate about costs, traffic and the river's spring floods, they chose "
+          "the northern site, close to the old mill and the school.")
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def lane(tmp_path_factory, tiny_family):
+    root = tmp_path_factory.mktemp("pull-state")
+    nodes = make_nodes(root)
+    prompt, follow = root / "doc.txt", root / "follow.txt"
+    prompt.write_text(PROMPT)
+    follow.write_text(PROMPT + "\n\nWhere did they put the bridge?")
+    model = str(tiny_family("qwen3_next").path)
+    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
+    decode_args = [*common, "--chunk", str(CHUNK), "--prompt", str(follow), "-n", "8", "--json"]
+    local = subprocess.run(muser_cmd("decode", *decode_args, "--no-reuse"), env=env_for(nodes.consumer_home),
+                           input=b"", capture_output=True, timeout=180)
+    assert local.returncode == 0, local.stderr
+    producer = Producer(nodes.producer_home, *common)
+    yield {"nodes": nodes, "prompt": prompt, "follow": follow, "model": model, "common": common,
+           "decode": decode_args, "tokens": json.loads(local.stdout)["token_ids"], "producer": producer}
+    assert producer.stop() == 0
+
+
+def test_pull_lane_delta_from_a_stored_snapshot_equals_the_local_fallback(lane, tmp_path):
+    from muser_cli.kvpack import read_pack
+
+    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
+    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    env = env_for(home)
+    stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
+                                      "--store", "-o", str(tmp_path / "doc.kvpack")),
+                            env=env, capture_output=True, timeout=180)
+    assert stored.returncode == 0, stored.stderr
+    delta_path = tmp_path / "delta.kvpack"
+    got = subprocess.run(muser_cmd("receive", "--from", lane["producer"].address, str(lane["follow"]), "-m",
+                                   lane["model"], "--chunk", str(CHUNK), "-o", str(delta_path), "--json"),
+                         env=env, capture_output=True, timeout=180)
+    assert got.returncode == 0, got.stderr
+    held = json.loads(got.stdout)["held_tokens"]
+    with open(delta_path, "rb") as f:
+        pack = read_pack(f)
+    assert held >= CHUNK and held % CHUNK == 0 and pack.header.rows_start == held
+    state = [i for i, s in enumerate(pack.header.layers) if s.kind == "state"]
+    assert state and all(f[1] >= held for f in pack.header.frame_plan() if f[0] in state)
+    merged = subprocess.run(muser_cmd("decode", str(delta_path), *lane["decode"]), env=env, capture_output=True,
+                            timeout=180)
+    assert merged.returncode == 0, merged.stderr
+    out = json.loads(merged.stdout)
+    assert out["source"] == "delta" and out["token_ids"] == lane["tokens"], out
+    # the pull lane in one call: decode --producer asks for the delta itself
+    pulled = subprocess.run(muser_cmd("decode", *lane["decode"], "--producer", lane["producer"].address), env=env,
+                            input=b"", capture_output=True, timeout=180)
+    assert pulled.returncode == 0, pulled.stderr
+    out = json.loads(pulled.stdout)
+    assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] == held, out

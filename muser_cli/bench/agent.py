@@ -91,15 +91,20 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 
 def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int], list[str]], *, reps: int,
                          max_tokens: int) -> list[list[dict]]:
-    """The same conversations against ``mlx_lm.server`` on the consumer's core."""
+    """The same conversations against ``mlx_lm.server`` on the consumer's core, with the BLAS
+    muser's MLX engine uses (MKL preloaded, one thread: the ``mlx[cpu]`` wheel's bundled
+    reference BLAS would make mlx-lm ~30x slower than it is with a real one)."""
     import openai
+
+    from muser_cli.engines.mlx.blas import preload_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(pins.command("consumer", [sys.executable, "-m", "mlx_lm.server", "--model", model_path,
                                                       "--host", "127.0.0.1", "--port", str(port)]),
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                            env=preload_env(dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")),
+                            stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)

@@ -41,6 +41,22 @@ _ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # scaling types this e
 _PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
 
+def check_dtype(info: ModelInfo, model: Any, dtype: str) -> None:
+    """Refuse, before any forward, what this MLX build cannot compute: on the CPU, MLX's
+    ``gather_mm`` (mlx-lm's mixture-of-experts layers, ``switch_layers``) runs float32 only, so
+    a bfloat16 MoE model would fail in its first forward with MLX's own traceback."""
+    if dtype == "float32":
+        return
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return
+    if any(isinstance(module, (SwitchLinear, QuantizedSwitchLinear)) for _, module in model.named_modules()):
+        raise ConfigError(f"the mlx engine cannot run {info.architecture}'s mixture-of-experts layers in {dtype} on "
+                          "the CPU: MLX's gather_mm computes float32 only there", hint="pass --dtype float32")
+
+
 def read_config(info: ModelInfo) -> dict[str, Any]:
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))

@@ -53,7 +53,7 @@ from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
-    APPLIES_ROPE, MLX_REFUSED, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
+    APPLIES_ROPE, MLX_REFUSED, check_dtype, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.engines.mlx.sampling import sampler
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
 
@@ -95,6 +95,7 @@ class MLXEngine(Engine):
             self.model, self.config = load_model(info.path, model_config=self.overrides, get_model_classes=model_classes)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DataError(f"mlx-lm cannot load model {info.path}: {exc}") from exc
+        check_dtype(info, self.model, dtype)
         if dtype != "float32" or _param_dtype(self.model) != mx.float32:
             self.model.set_dtype(self.mx_dtype)
         self.load_s = time.perf_counter() - start

@@ -13,23 +13,22 @@ classes muser reads (mlx-lm 0.25 - 0.32; ``ChunkedKVCache`` from 0.32's ``llama4
 * ``RotatingKVCache``: ``state = (keys, values, offset, keep, max_size, _idx)``; a ring
   in physical order whose next write goes to ``_idx`` (wrapped when ``_idx < offset``);
 * ``ChunkedKVCache``: ``state = (keys, values, offset, chunk_size, start_position)``; the
-  first ``offset - start_position`` rows valid (a buffer grown in steps of 256, as
-  ``KVCache``'s), holding positions ``[start_position, offset)``: mlx-lm trims the front to
-  at most ``chunk_size`` rows before each forward, so after one it holds at least the
-  current chunk's.
+  first ``offset - start_position`` rows valid (grown as ``KVCache``'s), positions
+  ``[start_position, offset)``: trimmed to ``chunk_size`` rows before each forward.
 
 Class names in the file are data, never code: a closed table maps ``KVCache`` to a full
 layer, ``RotatingKVCache`` to a sliding one (``keep == 0``) and ``ChunkedKVCache`` to a
 kvpack 1.4 chunked one (Llama 4, its ``chunk_size`` the model's); any other name is refused.
+MLA's latent rows (DeepSeek-V3) are mlx-lm's ``KVCache`` of (latent, rope key); state
+layers are refused by name.
 
 Boundary. A kvpack carries prompt[:-1] and its consumer runs the last prompt token. An
 exported file holds exactly the pack's rows (offset = tokens - 1); the mlx-lm user feeds
 the last prompt token first (recorded in the metadata as ``muser_kvpack.next_token_ids``),
 and then gets the tokens ``muser decode`` gives. Sliding layers' rings are laid out as
 muser's MLX engine lays them out for the pack's chunk size, so the two decodes run the
-same arithmetic. An imported file may hold prompt[:-1] (offset = tokens - 1) or the
-whole prompt, as ``mlx_lm.cache_prompt`` writes it (offset = tokens): then the last row
-is left out, since the kvpack's consumer computes it again.
+same arithmetic. An imported file may hold prompt[:-1] or the whole prompt, as
+``mlx_lm.cache_prompt`` writes it: then the last row is left out (the consumer computes it).
 
 No MLX import: files are read and written with :mod:`muser_cli.interop.safetensors_io`.
 """
@@ -218,8 +217,7 @@ def _scalar(t: st.Tensor, name: str, index: int, field_no: int) -> int:
 
 
 def _rows_only(specs: Sequence[Any]) -> None:
-    """Refuse state layers by name: the prompt-cache import/export carries rows (and MLA's latent
-    rows) only; a pack needs a snapshot per chunk, a finished cache holds one (issue 27)."""
+    """Refuse state layers by name: a pack needs a snapshot per chunk, a finished cache holds one."""
     if any(spec.kind == "state" for spec in specs):
         raise DataError("the mlx-lm prompt-cache import/export carries rows only, not state layers",
                         hint="muser prefill / muser decode --engine mlx move them")
@@ -289,13 +287,11 @@ def read_prompt_cache_file(path: str) -> tuple[MlxPromptCache, int, Any]:
     """Map ``path`` and parse it; returns (cache, file size, the mapping to close)."""
     import mmap
     import os
-
     from muser_cli.fsio import open_regular
 
     fd = open_regular(path)  # a FIFO or a device is refused before any read (66), never waited on
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        if (size := os.fstat(fd).st_size) == 0:
             raise DataError(f"{path}: empty file, not an mlx-lm prompt cache")
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:

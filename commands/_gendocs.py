@@ -193,6 +193,8 @@ ENVIRONMENT = [
      "`in_process=true`)"),
     ("MUSER_TEST_MODELS", "Tests only: folder where the test suite keeps the embedded model converted once "
      "across runs (each test still gets its own `MUSER_HOME`).", "`tests/.cache/models`"),
+    ("MUSER_TEST_VLLM_EXTRA", "Tests only: comma-separated model families that `tests/test_vllm_families.py` also "
+     "moves through vLLM, beyond those the suite lists (run by hand; each starts its own vLLM).", "unset: none"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "
      "configurations are skipped, and said so, once it is spent.", "`900`"),
     ("MUSER_CHECK_ONLY", "`benchmarks/gpu_vllm_check.sh` only: comma-separated configuration names to run.",

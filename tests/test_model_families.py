@@ -302,10 +302,10 @@ def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
     assert modelcheck.engines("qwen3")["vllm"]["produce"] is installed
     real = modelcheck._installed
     monkeypatch.setattr(modelcheck, "_installed", lambda *names: None if names == ("vllm",) else real(*names))
-    qwen3, glimmer, olmo2 = (modelcheck.engines(f)["vllm"] for f in ("qwen3", "muse_glimmer", "olmo2"))
+    qwen3, glimmer, gemma2 = (modelcheck.engines(f)["vllm"] for f in ("qwen3", "muse_glimmer", "gemma2"))
     assert qwen3 == {"produce": True, "consume": False, "tested": True, "reason": "vLLM is a producer only"}
     assert not glimmer["produce"] and "torchvision" in glimmer["reason"]
-    assert not olmo2["produce"] and olmo2["reason"] == "no end-to-end test of this family on vllm yet"
+    assert not gemma2["produce"] and gemma2["reason"] == "no end-to-end test of this family on vllm yet"
     Qwen3Config(num_hidden_layers=2).save_pretrained(str(tmp_path))
     assert "engine vllm   produce (vLLM is a producer only)" in _cli("model", "check", tmp_path).stdout
 

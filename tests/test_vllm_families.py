@@ -16,6 +16,7 @@ Runs in .venv-vllm (``make test``); in the main venv it skips (no vLLM there).
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,12 @@ def tiny_vllm_family(tiny_models_dir, _session_env):
     return get
 
 
-@pytest.mark.parametrize("family", sorted(TESTED["vllm"] - {"llama"}))  # llama: test_vllm_real.py
+# By hand, more families through the same test (each starts its own vLLM, ~20-40 s, so the
+# suite keeps to TESTED): MUSER_TEST_VLLM_EXTRA=glm4,exaone4 pytest tests/test_vllm_families.py
+_EXTRA = {name for name in os.environ.get("MUSER_TEST_VLLM_EXTRA", "").split(",") if name}
+
+
+@pytest.mark.parametrize("family", sorted((TESTED["vllm"] | _EXTRA) - {"llama"}))  # llama: test_vllm_real.py
 def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family, tiny_vllm_family, tmp_path):
     from muser_cli.decode import decode
     from muser_cli.kvpack import read_pack

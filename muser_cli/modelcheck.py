@@ -19,8 +19,7 @@ from typing import Any
 
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
-from muser_cli.modelconfig import (CACHE_WORDS, FAMILIES, STATE_DTYPE, cache_plan, expanded_row_bytes, family_of,
-                                   read_json, text_config)
+from muser_cli.modelconfig import FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -87,7 +86,7 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
     dtype = dtype or _config_dtype(config)
     if dtype not in DTYPES:
         raise UsageError(f"no KV dtype {dtype!r}", hint="choose one of: " + ", ".join(DTYPES))
-    specs = cache_plan(config, state_dtype=STATE_DTYPE)  # what the engines' packs carry, whatever --dtype
+    specs = cache_plan(config)  # the state as the engines' packs carry it (float32), whatever --dtype
     element = DTYPES[dtype][0]
     classes = layer_classes(specs, element, tokens)
     if family.cache == "latent":
@@ -225,15 +224,8 @@ def _installed(*modules: str) -> str | None:
     return None
 
 
-def _not_moved(model_type: str, engine: str) -> str | None:
-    cache = FAMILIES[model_type].cache
-    if cache in ("rows", "latent", "gated_delta_net", "mamba2"):
-        return None
-    return f"the {engine} engine does not move {CACHE_WORDS[cache]} yet: prefill/decode refuse it (78)"
-
-
 def _torch(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type, "torch") or _installed("torch", "transformers")
+    missing = _installed("torch", "transformers")
     if missing is None and not FAMILIES[model_type].torch_auto:
         missing = f"transformers has no language-model class for a {model_type} config"
     ok = missing is None and model_type in TESTED["torch"]
@@ -242,7 +234,7 @@ def _torch(model_type: str) -> dict[str, Any]:
 
 
 def _mlx(model_type: str) -> dict[str, Any]:
-    missing = _not_moved(model_type, "mlx") or _installed("mlx", "mlx_lm")
+    missing = _installed("mlx", "mlx_lm")
     module = _MLX_MODULE.get(model_type, model_type)
     if missing is None and importlib.util.find_spec(f"mlx_lm.models.{module}") is None:
         missing = f"the installed mlx-lm has no {module} model"

@@ -8,10 +8,8 @@ in the hub's (transformers 4) or transformers 5's spelling and mirrors the per-l
 transformers builds (kind, KV heads, head dims, window, RoPE per layer); the engines check
 that description against the cache objects they build before anything runs.
 ``eos_token_ids`` reads the end-of-sequence ids. Families whose cache is not rows of K and
-V (``Family.cache``: latent attention, recurrent state) are described by
-:func:`cache_plan` in kvpack 1.3's layer kinds for ``muser model check``; ``layer_specs``
-describes latent (MLA) layers and the hybrids' state layers, which the engines move (issue 27).
-Pure Python.
+V (``Family.cache``: latent attention, recurrent state) are described in kvpack 1.3's
+latent and state kinds (:func:`cache_plan`, which ``layer_specs`` is). Pure Python.
 """
 
 from __future__ import annotations
@@ -94,8 +92,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("granitemoehybrid", cache="mamba2", layers="all_full",
            notes="Mamba-2 state layers beside full attention (kvpack 1.3 state: a snapshot per chunk)"),
 )}
-CACHE_WORDS = {"latent": "latent attention (MLA) layers", "gated_delta_net": "gated DeltaNet state layers",
-               "mamba2": "Mamba-2 state layers"}
 ARCHITECTURES = FAMILIES  # the older name
 
 
@@ -149,26 +145,14 @@ STATE_DTYPE = "float32"
 def layer_specs(config: dict[str, Any]) -> tuple[LayerSpec, ...]:
     """Per-layer cache descriptions from a config.json dict, mirroring what transformers builds:
     row layers; kvpack 1.3 latent layers for MLA (deepseek_v3); for the hybrids (qwen3_next,
-    granitemoehybrid) state layers in :data:`STATE_DTYPE` beside full ones."""
-    family = family_of(config)
-    if family.cache == "latent":
-        return cache_plan(config)
-    if family.cache in ("gated_delta_net", "mamba2"):
-        try:
-            return _hybrid_specs(text_config(config), family, STATE_DTYPE)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"config.json of a {family.name} model lacks a usable {exc}") from exc
-    if family.cache != "rows":
-        raise ConfigError(
-            f"{family.name}: its {CACHE_WORDS[family.cache]} are described by kvpack 1.3, but no engine here "
-            "produces or consumes them yet", hint="`muser model check` describes its cache; muser cannot prefill or decode this family yet")
-    return _row_specs(config, family)
+    granitemoehybrid) state layers in :data:`STATE_DTYPE` beside full ones (:func:`cache_plan`)."""
+    return cache_plan(config)
 
 
-def cache_plan(config: dict[str, Any], *, state_dtype: str = "bfloat16") -> tuple[LayerSpec, ...]:
-    """Every layer's cache as kvpack 1.3 describes it: :func:`layer_specs` for row families,
-    latent layers for MLA (deepseek_v3), state and full layers for hybrids (qwen3_next,
-    granitemoehybrid). For ``muser model check``; engines use :func:`layer_specs`."""
+def cache_plan(config: dict[str, Any], *, state_dtype: str = STATE_DTYPE) -> tuple[LayerSpec, ...]:
+    """Every layer's cache as kvpack 1.3 describes it: row layers, latent layers for MLA
+    (deepseek_v3), state and full layers for hybrids (qwen3_next, granitemoehybrid), the state
+    in ``state_dtype`` (the engines write :data:`STATE_DTYPE`)."""
     family = family_of(config)
     if family.cache == "rows":
         return _row_specs(config, family)

@@ -56,21 +56,6 @@ def _read(pack: Any) -> KVPack:
     raise UsageError(f"not a kvpack: {type(pack).__name__} (pass a path, bytes, a binary file or a KVPack)")
 
 
-def _layout(model: Any) -> list[tuple[str, int | None]]:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    from muser_cli.engines.torch.state import is_state_layer
-
-    built = [("state", None) if is_state_layer(layer) else
-             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
-             for layer in cache.layers]
-    # a chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask differs)
-    return [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
-            for i, b in enumerate(built)]
-
-
 def _no_state(specs: Sequence[Any]) -> None:
     """Refuse state layers by name importing a cache: rows (and latent rows) only (issue 27)."""
     if any(spec.kind == "state" for spec in specs):
@@ -100,6 +85,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     from transformers import DynamicCache
 
     from muser_cli.engines.torch.arrays import chunk_ring, to_torch
+    from muser_cli.engines.torch.cache import built_layout, described_layout
     from muser_cli.engines.torch.latent import deinterleaves, rope_from_pack
     from muser_cli.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
@@ -111,10 +97,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     if header.rows_start or header.base is not None:
         raise DataError(f"a delta pack (rows from position {header.rows_start}) is not a whole cache",
                         hint="merge it with its base first (muser decode does)")
-    built = _layout(model)
-    # a latent (MLA) layer: transformers' MLA attention caches the latent and the rope key in a full layer
-    described = [("full", None) if spec.kind == "latent" else (spec.kind, None if spec.kind == "state" else _size(spec))
-                 for spec in header.layers]
+    built, described = built_layout(model), described_layout(header.layers)
     if built != described:
         raise DataError(f"the pack's layers {described} differ from the cache layers transformers builds {built}")
     rows = header.rows_end

@@ -153,3 +153,26 @@ def with_ring(cache: Any, ring_extra: int) -> Any:
             if type(layer) is DynamicSlidingWindowLayer:
                 cache.layers[i] = RingLayer(layer.sliding_window, ring_extra)
     return cache
+
+
+def built_layout(model: Any, cache: Any | None = None) -> list[tuple[str, int | None]]:
+    """The cache layers transformers builds for ``model`` (in ``cache``, a fresh
+    ``DynamicCache(config=model.config)`` by default): (kind, window or chunk size) each. A
+    chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask
+    differs); a recurrent-state layer has no size."""
+    from muser_cli.engines.torch.state import is_state_layer
+
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    built = [("state", None) if is_state_layer(layer) else
+             ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
+             for layer in cache.layers]
+    return [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
+            for i, b in enumerate(built)]
+
+
+def described_layout(specs: Any) -> list[tuple[str, int | None]]:
+    """What ``specs`` say transformers builds, as :func:`built_layout` reports it: a latent
+    (MLA) layer is a full layer of latent rows to transformers, a state layer has no size."""
+    return [("full", None) if spec.kind == "latent" else (spec.kind, None) if spec.kind == "state" else
+            (spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in specs]

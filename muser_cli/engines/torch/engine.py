@@ -268,22 +268,12 @@ class TorchEngine(Engine):
         """The model transformers built must have the cache layout ``info.layers`` describes."""
         from transformers import DynamicCache
 
+        from muser_cli.engines.torch.cache import built_layout, described_layout
+
         cache = DynamicCache(config=self.model.config)
-        types = getattr(self.model.config.get_text_config(decoder=True), "layer_types", None) or []
-        built = [
-            ("state", None) if state.is_state_layer(layer) else
-            ("sliding", getattr(layer, "sliding_window", None)) if getattr(layer, "is_sliding", False) else ("full", None)
-            for layer in cache.layers
-        ]
-        # transformers keeps a chunked-attention layer in a sliding layer of the chunk's size (only its mask differs)
-        built = [("chunked", b[1]) if i < len(types) and types[i] == "chunked_attention" and b[0] == "sliding" else b
-                 for i, b in enumerate(built)]
-        described = [(spec.kind, spec.chunk if spec.kind == "chunked" else spec.window) for spec in self.info.layers]
+        built, described = built_layout(self.model, cache), described_layout(self.info.layers)
         if any(spec.kind == "latent" for spec in self.info.layers):  # MLA: a full layer of latent rows
             self._rope_order = latent.check_layout(self)
-        # a latent (MLA) layer is a full layer of latent rows to transformers; a state layer has no size
-        described = [("full", None) if kind == "latent" else (kind, None) if kind == "state" else (kind, arg)
-                     for kind, arg in described]
         if built != described:
             raise ConfigError(
                 f"model {self.info.name}: transformers builds cache layers {built}, config.json describes {described}"

@@ -72,6 +72,8 @@ def check_layout(engine: Any) -> bool:
     (``qk_rope_head_dim`` = its v_head_dim), and expands them itself (``expand_kv``). Returns
     whether its rope keys are cached de-interleaved (:func:`deinterleaves`)."""
     mods = attentions(engine.model)
+    reordered = deinterleaves(engine.model)
+    style = "interleaved" if reordered else "rotate_half"
     if len(mods) != len(engine.info.layers):
         raise ConfigError(f"model {engine.info.name}: transformers built {len(mods)} layers, config.json describes "
                           f"{len(engine.info.layers)}")
@@ -88,11 +90,10 @@ def check_layout(engine: Any) -> bool:
         if built != (spec.head_dim, spec.v_head_dim):
             raise ConfigError(f"model {engine.info.name}: layer {index} caches latent {built[0]} + rope {built[1]}, "
                               f"config.json describes {spec.head_dim} + {spec.v_head_dim}")
-        style = "interleaved" if deinterleaves(engine.model) else "rotate_half"
         if spec.rope is not None and spec.rope.style != style:
             raise ConfigError(f"model {engine.info.name}: layer {index}'s rope key is {style}, config.json describes "
                               f"{spec.rope.style}")
-    return deinterleaves(engine.model)
+    return reordered
 
 
 def expand(engine: Any, index: int, kv: LayerKV, *, chunk_tokens: int | None = None

@@ -35,6 +35,7 @@ def register(app: typer.Typer) -> None:
         vllm_opt: Optional[List[str]] = typer.Option(None, "--vllm-opt", help="vLLM engine option KEY=VALUE (repeatable; over $MUSER_VLLM_OPTS), e.g. max_model_len=4096. docs/vllm.md"),
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (port 0 picks one): answer enrolled consumers' `receive --from` / `decode --producer` requests, model loaded once."),
         max_queue: int = typer.Option(4, "--max-queue", help="With --serve: requests that may wait while one computes; more are told busy at once."),
+        idle_timeout: Optional[float] = typer.Option(None, "--idle-timeout", help="With --serve: longest silence tolerated from an admitted consumer (its Ready, its reads), seconds (default 30)."),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="With --serve: serve Prometheus metrics (plain HTTP /metrics) on HOST:PORT, 127.0.0.1 when no host is given. docs/serve.md"),
         history: Optional[bool] = typer.Option(None, "--history/--no-history", help="Sliding-window layers carry every row computed, so another engine's numeric gate can check every layer anywhere in the prompt (default: where the engine can; --no-history: the window only, for a consumer on this same engine). docs/kvpack.md 1.3"),
         max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
@@ -56,13 +57,13 @@ def register(app: typer.Typer) -> None:
                 _refuse_per_request_options(prompt=prompt, chat=chat, chunk=chunk, zstd=zstd, have=have, reuse=reuse,
                                             output=output)
                 _serve(serve, model=model, engine=engine, dtype=dtype, threads=threads, max_queue=max_queue,
-                       as_json=as_json, options=options, store=store, max_batch=max_batch, metrics=metrics,
-                       history=history)
+                       idle_s=30.0 if idle_timeout is None else idle_timeout, as_json=as_json, options=options,
+                       store=store, max_batch=max_batch, metrics=metrics, history=history)
                 return
-            if metrics is not None:
+            if metrics is not None or idle_timeout is not None:
                 from muser_cli.errors import UsageError
 
-                raise UsageError("--metrics needs --serve HOST:PORT")
+                raise UsageError(f"{'--metrics' if metrics is not None else '--idle-timeout'} needs --serve HOST:PORT")
             text = read_text_input(prompt)
             manifest = None
             if have is not None:
@@ -112,7 +113,7 @@ def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int]
 
 
 def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int, max_queue: int,
-           as_json: bool, options: Optional[dict], store: bool = False, max_batch: int = 8,
+           as_json: bool, idle_s: float = 30.0, options: Optional[dict], store: bool = False, max_batch: int = 8,
            metrics: Optional[str] = None, history: Optional[bool] = None) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
@@ -163,7 +164,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             say(trouble_line("prefill", kind, f) or "")
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-                   max_queue=max_queue, on_event=on_event, engine_options=options, stop=stop, store=store,
+                   max_queue=max_queue, idle_s=idle_s, on_event=on_event, engine_options=options, stop=stop, store=store,
                    max_batch=max_batch, live=live, history=history)
     summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
     if as_json:

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -70,6 +70,15 @@ def make_nodes(root: Path, *, producer: str = "gx10") -> Nodes:
 def first_pull_answer(ident: Identity, address: str, frame) -> object:
     """Open a pull-lane connection to the producer at ``address`` as ``ident``, send ``frame``
     (a signed Request or Probe) and return the producer's first answer event (Serving, Reject, …)."""
+    with held_pull(ident, address, frame) as answer:
+        return answer
+
+
+@contextlib.contextmanager
+def held_pull(ident: Identity, address: str, frame) -> Iterator[object]:
+    """:func:`first_pull_answer`, with the connection held open until the block ends: a
+    consumer admitted (``Serving``) that never says it is ready holds the producer's turn,
+    for as long as the test needs, with no race against the producer's compute."""
     from muser_cli.handoff.link import client_context
     from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
 
@@ -83,7 +92,8 @@ def first_pull_answer(ident: Identity, address: str, frame) -> object:
             pc.receive_data(tls.recv(65536))
             ev = pc.next_event()
             if ev is not None and type(ev).__name__ != "_NeedData":
-                return ev
+                break
+        yield ev
 
 
 def copy_home(src: Path, dst: Path) -> Path:
@@ -194,15 +204,16 @@ class Relay:
     close_delay:  hold a half-close this many seconds before passing it on
     delay/jitter: hold each forwarded burst delay ± jitter seconds (userspace latency)
     rate:         forward at most this many bytes per second in each direction
+    up_delay:     hold each client->server burst this many seconds (the server's answers are not held)
     """
 
     def __init__(self, target_port: int, *, chunk: int | None = None, cut_after: int | None = None,
                  reset: bool = False, hole_after: int | None = None, close_delay: float = 0.0,
-                 delay: float = 0.0, jitter: float = 0.0, rate: float | None = None) -> None:
+                 delay: float = 0.0, jitter: float = 0.0, rate: float | None = None, up_delay: float = 0.0) -> None:
         self.target_port = target_port
         self.chunk, self.cut_after, self.reset = chunk, cut_after, reset
         self.hole_after, self.close_delay = hole_after, close_delay
-        self.delay, self.jitter, self.rate = delay, jitter, rate
+        self.delay, self.jitter, self.rate, self.up_delay = delay, jitter, rate, up_delay
         self._rng = random.Random(7)
         self.lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -268,6 +279,8 @@ class Relay:
                         self.cut.set()
                         continue
                     self.up_bytes += len(data)
+                    if self.up_delay:
+                        time.sleep(self.up_delay)
                 self._send(dst, data)
         except (OSError, ValueError):  # ValueError: the other pump closed src (fd -1) under select
             with contextlib.suppress(OSError):

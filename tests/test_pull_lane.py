@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import Producer, copy_home, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import (Producer, Relay, copy_home, env_for, first_pull_answer, held_pull, keys_dir_of, make_nodes,
+                         muser_cmd)
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -102,32 +103,46 @@ def test_a_stranger_is_refused_77_before_any_prefill(lane):
     assert p.wait_events(1, "tls_failed")
 
 
-def test_a_replayed_request_is_refused(lane):
-    """The same signed request bytes sent twice: the second is refused (replay) before any work."""
+def signed_request(lane):
+    """This lane's consumer identity and a freshly signed request for the lane's prompt (what
+    ``receive --from`` would send), to speak the protocol by hand."""
+    from muser_cli.handoff.pull.client import key_for
     from muser_cli.handoff.trust.node import load_identity
     from muser_cli.handoff.wire.pull_protocol import PullRequest, Request, new_request_id, sign_request
-    from muser_cli.handoff.pull.client import key_for
-    from muser_cli.handoff.wire.protocol import Reject
     from muser_cli.pulllane.consumer import ask_for
 
+    was = os.environ.get("MUSER_HOME")
     os.environ["MUSER_HOME"] = str(lane["nodes"].consumer_home)
     try:
         ident = load_identity(keys_dir_of(lane["nodes"].consumer_home))
         ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
     finally:
-        del os.environ["MUSER_HOME"]
+        if was is None:
+            del os.environ["MUSER_HOME"]
+        else:
+            os.environ["MUSER_HOME"] = was
     key = key_for(ident, "gx10")
     req = PullRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, tuple(ask.token_ids),
                       ask.tokenizer_fingerprint, ask.model_fingerprint, CHUNK, "float32")
     raw, mac = sign_request(req, key.secret)
+    return ident, Request(raw, mac, req)
+
+
+def test_a_replayed_request_is_refused(lane):
+    """The same signed request bytes sent twice: the second is refused (replay) before any work."""
+    from muser_cli.handoff.wire.protocol import Reject
+
+    ident, request = signed_request(lane)
     p = lane["producer"]
     before = len(p.events())
-    first = first_pull_answer(ident, p.address, Request(raw, mac, req))  # Serving (then we hang up: given up)
+    first = first_pull_answer(ident, p.address, request)  # Serving (then we hang up: given up)
     assert type(first).__name__ == "Serving"
-    second = first_pull_answer(ident, p.address, Request(raw, mac, req))
+    second = first_pull_answer(ident, p.address, request)
     assert isinstance(second, Reject) and second.code == "replay", second
     events = p.wait_events(before + 2)[before:]
     assert any(e["outcome"] == "replay" for e in events)
+    left = [e for e in events if e["outcome"] == "failed"]  # the first: it hung up before it was ready
+    assert len(left) == 1 and "ready" in left[0]["reason"].lower(), events
 
 
 def test_another_model_is_refused_naming_both(lane, tiny_hybrid):
@@ -142,30 +157,32 @@ def test_another_model_is_refused_naming_both(lane, tiny_hybrid):
 
 
 def test_two_consumers_with_no_queue_one_is_told_busy_at_once(lane, tmp_path):
-    """--max-queue 0: while one request is being served, a second is refused busy at once (75).
-    The first consumer is paused (SIGSTOP) once admitted, so the producer is surely still busy."""
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0")
+    """--max-queue 0: while one request holds the producer's turn, a second is refused busy at
+    once (75). The first is admitted (Serving) and holds its turn without saying it is ready,
+    so the producer is busy for as long as the test needs, whatever the machine's load; once it
+    hangs up (logged: it left before it was ready), the next consumer is served."""
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0", "--idle-timeout", "300")
     try:
         env = env_for(lane["nodes"].consumer_home)
         args = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
-        a = subprocess.Popen(muser_cmd(*args, "-o", str(tmp_path / "a.kvpack")), env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert prod.wait_events(1, "admitted", timeout=60)
-        a.send_signal(signal.SIGSTOP)
-        try:
+        ident, request = signed_request(lane)
+        with held_pull(ident, prod.address, request) as answer:
+            assert type(answer).__name__ == "Serving"
             t0 = time.monotonic()
             b = subprocess.run(muser_cmd(*args, "-o", str(tmp_path / "b.kvpack")), env=env, capture_output=True,
                                timeout=60)
             b_s = time.monotonic() - t0
-        finally:
-            a.send_signal(signal.SIGCONT)
         assert b.returncode == 75 and b"busy" in b.stderr, b.stderr
         assert not (tmp_path / "b.kvpack").exists()
-        assert a.wait(60) == 0, a.stderr.read()
-        assert (tmp_path / "a.kvpack").stat().st_size > 0
-        outcomes = sorted(e["outcome"] for e in prod.wait_events(2))
-        assert outcomes == ["busy", "served"]
         assert b_s < 30  # told at once: well under the idle and queue deadlines (the time is process start)
+        assert sorted(e["outcome"] for e in prod.wait_events(2)) == ["busy", "failed"]  # the turn is free again
+        a = subprocess.run(muser_cmd(*args, "-o", str(tmp_path / "a.kvpack")), env=env, capture_output=True,
+                           timeout=120)
+        assert a.returncode == 0, a.stderr
+        assert (tmp_path / "a.kvpack").stat().st_size > 0
+        events = prod.wait_events(3)
+        assert sorted(e["outcome"] for e in events) == ["busy", "failed", "served"], events
+        assert all("ready" in e["reason"].lower() for e in events if e["outcome"] == "failed"), events
     finally:
         assert prod.stop() == 0
 
@@ -188,12 +205,16 @@ def test_producer_down_receive_75_and_decode_falls_back(lane):
 
 
 def test_producer_killed_once_admitted_decode_falls_back_with_the_same_tokens(lane):
-    """SIGKILL of the producer after it admitted the request: decode falls back by itself."""
+    """SIGKILL of the producer after it admitted the request: decode falls back by itself.
+    The consumer reaches the producer through a relay that holds each of its bursts 2 s, so
+    its Ready is still on the way when the producer is killed: killed surely before a row
+    left it, however loaded the machine."""
     prod = Producer(lane["nodes"].producer_home, *lane["common"])
+    relay = Relay(int(prod.address.rsplit(":", 1)[1]), up_delay=2.0)
     try:
         proc = subprocess.Popen(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
                                           str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
-                                          prod.address),
+                                          relay.to),
                                 env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert prod.wait_events(1, "admitted", timeout=60)
         prod.proc.kill()
@@ -202,7 +223,9 @@ def test_producer_killed_once_admitted_decode_falls_back_with_the_same_tokens(la
         got = json.loads(out)
         assert got["fallback"] and got["reason"], got
         assert got["token_ids"] == lane["local"]["token_ids"]
+        assert not prod.events(), "the producer logged an outcome: it was not killed while the request was admitted"
     finally:
+        relay.close()
         prod.proc.kill()
         prod.proc.wait()
 
@@ -506,21 +529,19 @@ def test_silent_and_half_open_clients_are_dropped_without_delaying_others(lane):
 
 
 def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane, tmp_path, monkeypatch):
-    """--max-queue 1 while a request holds the engine (its consumer paused): four consumers
-    ask at the same instant (threads of this process, each its own TLS connection, what
-    ``receive --from`` runs): one waits its turn and is served, three are told busy at once
-    (75); a ``decode --producer`` asking meanwhile is told busy too and prefills locally,
-    with the local tokens. None hangs."""
+    """--max-queue 1 while a request holds the producer's turn (admitted, never ready): four
+    consumers ask at the same instant (threads of this process, each its own TLS connection,
+    what ``receive --from`` runs): one waits its turn and is served once the holder hangs up,
+    three are told busy at once (75); a ``decode --producer`` asking meanwhile is told busy
+    too and prefills locally, with the local tokens. None hangs, none is lost."""
     from muser_cli.errors import TempFailure
+    from muser_cli.kvpack import read_pack
     from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
     monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
     ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1")
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1", "--idle-timeout", "300")
     env = env_for(lane["nodes"].consumer_home)
-    blocker = subprocess.Popen(muser_cmd("receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"],
-                                         "--chunk", str(CHUNK), "-o", str(tmp_path / "a.kvpack")),
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     results: dict[int, object] = {}
     took: dict[int, float] = {}
     gate = threading.Barrier(4)
@@ -536,44 +557,42 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
 
     threads = [threading.Thread(target=consumer, args=(i,), daemon=True) for i in range(4)]
     try:
-        assert prod.wait_events(1, "admitted", timeout=90)
-        blocker.send_signal(signal.SIGSTOP)  # it holds the engine until it goes on
-        try:
+        ident, request = signed_request(lane)
+        with held_pull(ident, prod.address, request) as answer:  # it holds the producer's turn until it hangs up
+            assert type(answer).__name__ == "Serving"
             for t in threads:
                 t.start()
             busy = [e for e in prod.wait_events(3, timeout=90) if e["outcome"] == "busy"]
+            assert len(busy) == 3, prod.events()  # the fourth waits in the queue: the holder has the turn
             dec = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
                                            str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
                                            prod.address, "--timeout", "60"),
                                  env=env, capture_output=True, timeout=120)
-        finally:
-            blocker.send_signal(signal.SIGCONT)
         for t in threads:
             t.join(120)
         assert not any(t.is_alive() for t in threads), "a consumer hangs"
-        assert blocker.wait(60) == 0, blocker.stderr.read()
+        events = prod.wait_events(6)
     finally:
-        if blocker.poll() is None:
-            blocker.kill()
         assert prod.stop() == 0
-    assert len(busy) == 3, prod.events()
     refused = [i for i, r in results.items() if isinstance(r, TempFailure) and "busy" in str(r)]
     served = [i for i, r in results.items() if isinstance(r, dict)]
     assert len(refused) == 3 and len(served) == 1, results
     assert all(took[i] < 10 for i in refused), took  # told at once, not after a deadline
     assert not any((tmp_path / f"c{i}.kvpack").exists() for i in refused)
-    from muser_cli.kvpack import read_pack
+    assert dec.returncode == 0, dec.stderr
+    out = json.loads(dec.stdout)
+    assert out["fallback"] and "busy" in out["reason"], out
+    assert out["token_ids"] == lane["local"]["token_ids"]
+    assert sorted(e["outcome"] for e in events) == ["busy"] * 4 + ["failed", "served"], events
+    ref = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
+                                   "-o", str(tmp_path / "ref.kvpack")), env=env, capture_output=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
 
     def layers(path: Path) -> list[bytes]:
         with open(path, "rb") as f:
             return [lk.keys.tobytes() + lk.values.tobytes() for lk in read_pack(f).layers]
 
-    assert layers(tmp_path / f"c{served[0]}.kvpack") == layers(tmp_path / "a.kvpack")  # the queued one: the same rows
-    assert dec.returncode == 0, dec.stderr
-    out = json.loads(dec.stdout)
-    assert out["fallback"] and "busy" in out["reason"], out
-    assert out["token_ids"] == lane["local"]["token_ids"]
-    assert sorted(e["outcome"] for e in prod.wait_events(6)) == ["busy"] * 4 + ["served"] * 2
+    assert layers(tmp_path / f"c{served[0]}.kvpack") == layers(tmp_path / "ref.kvpack")  # the queued one: local rows
 
 
 def node_check(lane, to: str, *extra: str, home: Path | None = None) -> subprocess.CompletedProcess:
@@ -634,3 +653,30 @@ def test_node_check_names_the_first_failure_and_its_status(lane, tiny_hybrid, tm
     got = json.loads(other.stdout)
     failed = [c for c in got["checks"] if c["ok"] is False]
     assert [c["check"] for c in failed] == ["model"] and tiny_hybrid.fingerprint in failed[0]["detail"], got
+
+
+def test_idle_timeout_drops_an_admitted_consumer_that_never_gets_ready(lane, tmp_path):
+    """``prefill --serve --idle-timeout 1``: a consumer admitted (Serving) that then says
+    nothing holds the turn only that long: it is logged failed (timed out) and the next
+    consumer is served while the silent one still holds its socket open. Without --serve, or
+    not positive, the flag is a usage error (2)."""
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--idle-timeout", "1")
+    try:
+        ident, request = signed_request(lane)
+        with held_pull(ident, prod.address, request) as answer:
+            assert type(answer).__name__ == "Serving"
+            dropped = prod.wait_events(1, timeout=30)
+            assert [e["outcome"] for e in dropped] == ["failed"] and "timed out" in dropped[0]["reason"], dropped
+            r = subprocess.run(muser_cmd("receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"],
+                                         "--chunk", str(CHUNK), "-o", str(tmp_path / "next.kvpack")),
+                               env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+        assert [e["outcome"] for e in prod.wait_events(2)] == ["failed", "served"]
+    finally:
+        assert prod.stop() == 0
+    env = env_for(lane["nodes"].producer_home)
+    for args in (["prefill", str(lane["prompt"]), *lane["common"], "--idle-timeout", "5"],
+                 ["prefill", "--serve", "127.0.0.1:0", *lane["common"], "--idle-timeout", "0"]):
+        bad = subprocess.run(muser_cmd(*args), env=env, capture_output=True, timeout=120)
+        assert bad.returncode == 2 and b"--idle-timeout" in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.decode().strip().splitlines()) <= 2, bad.stderr  # the error and, at most, its hint

@@ -221,7 +221,7 @@ class ResidentProducer:
 
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
-          on_event: EventFn | None = None, engine_options: dict | None = None,
+          idle_s: float = 30.0, on_event: EventFn | None = None, engine_options: dict | None = None,
           stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
           live=None, history: bool | None = None) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
@@ -230,7 +230,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
     and MLX run one. ``live``: where the server keeps its open connections
     (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``).
-    ``history``: packs carry the sliding history (:func:`muser_cli.produce.set_history`)."""
+    ``history``: packs carry the sliding history (:func:`muser_cli.produce.set_history`).
+    ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its reads)."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
@@ -241,11 +242,13 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         raise UsageError("--max-queue must be >= 0")
     if max_batch < 1:
         raise UsageError("--max-batch must be >= 1")
+    if not idle_s > 0:  # NaN too
+        raise UsageError(f"--idle-timeout must be a positive number of seconds, got {idle_s}")
     host, port = parse_hostport(listen, listen=True)
     identity, *more = load_identities(paths.keys_dir())  # one per consumer joined
     if identity.consumer is None or identity.consumer == identity.name:
         raise UsageError("this node has not joined a consumer", hint="muser node join BUNDLE (made on the consumer)")
-    config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue)
+    config = ServeConfig(host=host or "0.0.0.0", port=port, max_queue=max_queue, idle_s=idle_s)
     # A taken port fails now, not after a long model load: bind once and let go (no socket is
     # held while engines start their workers); it listens only once the producer can answer.
     listen_socket(config.host, config.port, backlog=None).close()

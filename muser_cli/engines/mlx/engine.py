@@ -52,6 +52,7 @@ from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
+from muser_cli.engines.mlx.gemma3 import match_embed_scale
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE, MLX_REFUSED, check_dtype, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.engines.mlx.sampling import sampler
@@ -98,6 +99,8 @@ class MLXEngine(Engine):
         check_dtype(info, self.model, dtype)
         if dtype != "float32" or _param_dtype(self.model) != mx.float32:
             self.model.set_dtype(self.mx_dtype)
+        # Gemma 3: transformers' embedding scale in float32 too (engines/mlx/gemma3.py); None elsewhere
+        self.embed_scale_fix = match_embed_scale(self.model, dtype)
         self.load_s = time.perf_counter() - start
         check_model(info, self.model, self._make_cache(self.model))
 

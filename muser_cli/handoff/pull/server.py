@@ -368,7 +368,12 @@ class PullServer(Listener):
         link.conn = v3  # the rest of the connection is one V3 handoff, we are its sender
         link.idle_s = self.config.idle_s
         ready = link.next_event("waiting for the consumer's Ready")
-        if not isinstance(ready, Ready):
+        if not isinstance(ready, Ready):  # it hung up, or refused: nothing was computed, and the log says so
+            reason = (f"the consumer refused before it was ready ({ready.code}: {ready.message})"
+                      if isinstance(ready, Reject) else "the consumer left before it was ready")
+            self._emit("request", peer=who, outcome="failed", reason=reason, request_id=req.request_id,
+                       key_id=req.key_id, consumer=req.consumer, tokens=len(req.token_ids),
+                       total_s=round(time.monotonic() - t0, 6))
             return
         r, w = os.pipe()
         box: dict[str, Any] = {}

@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         idle_timeout: Optional[float] = typer.Option(None, "--idle-timeout", help="With --serve: longest silence tolerated from an admitted consumer (its Ready, its reads), seconds (default 30)."),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="With --serve: serve Prometheus metrics (plain HTTP /metrics) on HOST:PORT, 127.0.0.1 when no host is given. docs/serve.md"),
         history: Optional[bool] = typer.Option(None, "--history/--no-history", help="Sliding-window layers carry every row computed, so another engine's numeric gate can check every layer anywhere in the prompt (default: where the engine can; --no-history: the window only, for a consumer on this same engine). docs/kvpack.md 1.3"),
+        state_every: int = typer.Option(1, "--state-every", help="A model with recurrent state layers (qwen3_next, granitemoehybrid): ship their snapshot every N chunks and at the end, not every chunk (a smaller pack; a cut stream resumes from the last snapshot that arrived). docs/kvpack.md 2.5"),
         max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
@@ -55,7 +56,7 @@ def register(app: typer.Typer) -> None:
                 options = parse_options(vllm_opt, source="--vllm-opt")
             if serve is not None:
                 _refuse_per_request_options(prompt=prompt, chat=chat, chunk=chunk, zstd=zstd, have=have, reuse=reuse,
-                                            output=output)
+                                            output=output, state_every=state_every)
                 _serve(serve, model=model, engine=engine, dtype=dtype, threads=threads, max_queue=max_queue,
                        idle_s=30.0 if idle_timeout is None else idle_timeout, as_json=as_json, options=options,
                        store=store, max_batch=max_batch, metrics=metrics, history=history)
@@ -76,7 +77,7 @@ def register(app: typer.Typer) -> None:
                 res = prefill(text, out, model=model, engine=engine, dtype=dtype, chat=chat, chunk_tokens=chunk,
                               threads=threads or default_threads(), codec=codec, level=zstd or 1, have=manifest,
                               reuse=reuse, store=store, progress=progress_callback(), engine_options=options,
-                              history=history)
+                              history=history, state_every=state_every)
             summary = {"tokens": res.token_count, "rows": res.token_count - 1, "dtype": res.header.dtype,
                        "engine": engine, "bytes": res.bytes_written, "load_s": round(res.load_s, 4),
                        "prefill_s": round(res.prefill_s, 4), "write_s": round(res.write_s, 4),
@@ -101,14 +102,14 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 
 
 def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int], zstd: Optional[int],
-                                have: Optional[str], reuse: bool, output: str) -> None:
+                                have: Optional[str], reuse: bool, output: str, state_every: int = 1) -> None:
     """``--serve`` computes what each request names: one pack's options are a usage error."""
     from muser_cli.errors import UsageError
 
     given = {"a prompt": prompt != "-", "--chat": chat, "--chunk": chunk is not None, "--zstd": bool(zstd),
-             "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None)}
+             "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None), "--state-every": state_every != 1}
     if any(given.values()):
-        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
+        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse, --state-every or -o",
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
 
 

@@ -203,7 +203,7 @@ def _notes(model_type: str) -> list[str]:
                      "expanded K/V expands them with the model's own up-projection (never the other way)")
     elif family.cache != "rows":
         notes.append("state layers ship one snapshot a layer, whatever the prompt length; a pack streams one per "
-                     "chunk (or per state_every chunks), each superseding the last (docs/kvpack.md 2.5); both state "
+                     "chunk (or every N: prefill --state-every N), each superseding the last (docs/kvpack.md 2.5); both state "
                      "tensors in float32, as the torch and MLX engines write them, whatever the rows' dtype")
     if family.qk_norm:
         notes.append("QK-norm (inside the model; the rows are post-norm keys)")

@@ -10,7 +10,8 @@ from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
 from muser_cli import STARTED_AT
 from muser_cli.kvpack import PackHeader
-from muser_cli.modelinfo import ProgressFn
+from muser_cli.kvpack.format import MAX_STATE_EVERY
+from muser_cli.modelinfo import ModelInfo, ProgressFn
 from muser_cli.models import resolve_model
 from muser_cli.produce import PackJob, PackSink, produce_pack, set_history
 from muser_cli.reuse import Store
@@ -37,6 +38,15 @@ class PrefillResult:
     first_frame_s: float | None = None  # since muser started: the first frame left (streaming engines)
 
 
+def check_state_every(info: ModelInfo, state_every: int) -> None:
+    """``--state-every``: a positive count of chunks, above 1 only for a model with state layers."""
+    if isinstance(state_every, bool) or not isinstance(state_every, int) or not 1 <= state_every <= MAX_STATE_EVERY:
+        raise UsageError(f"--state-every must be a whole number of chunks in [1, {MAX_STATE_EVERY}], got {state_every!r}")
+    if state_every > 1 and not any(spec.kind == "state" for spec in info.layers):
+        raise UsageError(f"--state-every {state_every}: {info.name} has no recurrent state layers",
+                         hint="it spaces the snapshots of state layers (qwen3_next, granitemoehybrid); drop it")
+
+
 def prefill(
     prompt: str,
     out: BinaryIO,
@@ -55,6 +65,7 @@ def prefill(
     progress: ProgressFn | None = None,
     engine_options: dict | None = None,
     history: bool | None = None,
+    state_every: int = 1,
 ) -> PrefillResult:
     """Prefill ``prompt`` on the canonical schedule and write its kvpack to ``out``.
 
@@ -68,11 +79,15 @@ def prefill(
     docs/kvpack.md 1.3), so another engine's numeric gate can check every layer at any
     position; None: where the engine can (False: the last ``window`` rows only -- a pack for
     a consumer on this same engine, which needs no gate). With the history no stored prefix
-    is continued: it holds none.
+    is continued: it holds none. ``state_every``: a model with recurrent state layers ships
+    their snapshot every this many chunks and at the end (default 1: every chunk), so a
+    pack carries fewer superseded snapshots; a cut stream then resumes from the last one
+    that arrived, and the numeric gate recomputes from the one before the end.
     """
     check_chunk(chunk_tokens)
     t0 = time.perf_counter()
     info = resolve_model(model)
+    check_state_every(info, state_every)
     ids = encode_prompt(info, prompt, chat=chat)
     check_prompt(info, ids)
     if have is not None:
@@ -92,7 +107,7 @@ def prefill(
     set_history(eng, history)
     job = PackJob(info, ids, dtype, chunk_tokens, engine, threads,
                   have_tokens=have.held_tokens if have is not None else 0,
-                  have_chain=have.chain if have is not None else None)
+                  have_chain=have.chain if have is not None else None, state_every=state_every)
     # Rows from this machine's store only on an engine that can continue them (its own kernels).
     sources = [StoreRows(eng)] if (reuse or have is not None) and eng.resumes_prefill else []
     made = produce_pack(job, [*sources, EngineRows(eng, progress=progress)], PackSink(out, codec, level))

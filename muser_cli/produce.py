@@ -108,6 +108,7 @@ class PackJob:
     threads: int
     have_tokens: int = 0
     have_chain: str | None = None
+    state_every: int = 1  # state layers: a snapshot every this many grid chunks (and at the end)
 
 
 @dataclass
@@ -150,6 +151,8 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     rows = len(job.ids) - 1
     if job.have_tokens:
         header = delta_header(full, scope_of_header(full), job.have_tokens, job.have_chain)  # its history too
+    if job.state_every > 1:  # fewer superseded snapshots on the wire; the store keeps its own (``full``)
+        header = replace(header, state_every=job.state_every)
     for source in held:  # set on every request: a memory serves the next one with its own bound
         if isinstance(source, MemoryRows):
             source.at_most = header.rows_start if eng.keeps_history else None

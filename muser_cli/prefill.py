@@ -10,10 +10,9 @@ from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
 from muser_cli import STARTED_AT
 from muser_cli.kvpack import PackHeader
-from muser_cli.kvpack.format import MAX_STATE_EVERY
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.modelinfo import ProgressFn
 from muser_cli.models import resolve_model
-from muser_cli.produce import PackJob, PackSink, produce_pack, set_history
+from muser_cli.produce import PackJob, PackSink, check_state_every, produce_pack, set_history
 from muser_cli.reuse import Store
 from muser_cli.rows import EngineRows, StoreRows
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
@@ -36,15 +35,6 @@ class PrefillResult:
     stored: str | None = None  # store entry id, with store=True
     prefill_start_s: float = 0.0  # since muser started: the engine began the prefill
     first_frame_s: float | None = None  # since muser started: the first frame left (streaming engines)
-
-
-def check_state_every(info: ModelInfo, state_every: int) -> None:
-    """``--state-every``: a positive count of chunks, above 1 only for a model with state layers."""
-    if isinstance(state_every, bool) or not isinstance(state_every, int) or not 1 <= state_every <= MAX_STATE_EVERY:
-        raise UsageError(f"--state-every must be a whole number of chunks in [1, {MAX_STATE_EVERY}], got {state_every!r}")
-    if state_every > 1 and not any(spec.kind == "state" for spec in info.layers):
-        raise UsageError(f"--state-every {state_every}: {info.name} has no recurrent state layers",
-                         hint="it spaces the snapshots of state layers (qwen3_next, granitemoehybrid); drop it")
 
 
 def prefill(

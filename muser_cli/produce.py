@@ -21,6 +21,7 @@ from muser_cli.engines.base import Engine, RowsOf
 from muser_cli.errors import DataError, UsageError
 from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack import LayerKV, PackHeader, PackWriter, write_pack
+from muser_cli.kvpack.format import MAX_STATE_EVERY
 from muser_cli.modelinfo import LayerSpec, ModelInfo
 from muser_cli.reuse.chain import resumable, scope_of_header
 from muser_cli.reuse.delta import delta_header, layers_at
@@ -187,6 +188,15 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     return Produced(header=writer.header, full=full, rows=made, bytes_written=writer.bytes_written, started=t0,
                     prefill_s=t1 - t0 - emit_s, write_s=emit_s + time.perf_counter() - t1, emit_s=emit_s,
                     first_frame=emitter.first_frame_s if emitter is not None else None)
+
+
+def check_state_every(info: ModelInfo, state_every: int) -> None:
+    """``--state-every``: a positive count of chunks, above 1 only for a model with state layers."""
+    if isinstance(state_every, bool) or not isinstance(state_every, int) or not 1 <= state_every <= MAX_STATE_EVERY:
+        raise UsageError(f"--state-every must be a whole number of chunks in [1, {MAX_STATE_EVERY}], got {state_every!r}")
+    if state_every > 1 and not any(spec.kind == "state" for spec in info.layers):
+        raise UsageError(f"--state-every {state_every}: {info.name} has no recurrent state layers",
+                         hint="it spaces the snapshots of state layers (qwen3_next, granitemoehybrid); drop it")
 
 
 def set_history(eng: Engine, history: bool | None) -> None:

@@ -447,7 +447,7 @@ def test_prefill_state_every_ships_fewer_snapshots_and_the_same_tokens(family, t
     fallback's tokens; cut after five whole chunks it resumes at the snapshot of chunk three
     (24 rows on chunk 8), with the same tokens; as "another engine's" pack the gate
     recomputes the span since the snapshot before the end. A model without state layers, or
-    a count below 1, is a usage error (2); so is the flag with --serve."""
+    a count below 1, is a usage error (2), with --serve too (before it starts)."""
     from dataclasses import replace
 
     from muser_cli.errors import UsageError
@@ -496,8 +496,9 @@ def test_prefill_state_every_ships_fewer_snapshots_and_the_same_tokens(family, t
         prefill(PROMPT, io.BytesIO(), model=str(tiny_family("qwen3").path), state_every=2, chunk_tokens=8)
     with pytest.raises(UsageError, match="--state-every"):
         prefill(PROMPT, io.BytesIO(), state_every=0, **kw)
-    r = CliRunner().invoke(app, ["prefill", "--serve", "127.0.0.1:0", "-m", str(info.path), "--state-every", "2"])
-    assert r.exit_code == 2 and "--state-every" in r.output
+    for model, count in ((tiny_family("qwen3").path, "2"), (info.path, "0")):  # --serve checks it before it starts
+        r = CliRunner().invoke(app, ["prefill", "--serve", "127.0.0.1:0", "-m", str(model), "--state-every", count])
+        assert r.exit_code == 2 and "--state-every" in r.output, r.output
 
 
 @pytest.mark.mlx

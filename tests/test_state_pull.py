@@ -73,3 +73,44 @@ def test_pull_lane_delta_from_a_stored_snapshot_equals_the_local_fallback(lane, 
     assert pulled.returncode == 0, pulled.stderr
     out = json.loads(pulled.stdout)
     assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] == held, out
+
+
+def test_a_producer_with_state_every_serves_spaced_snapshots_with_the_same_tokens(lane, tmp_path):
+    """``prefill --serve --state-every 3``: every pack it serves carries the state snapshots
+    every third chunk (and at the end), so fewer bytes for the same rows; ``decode --producer``
+    decodes the local fallback's tokens, whole and as a delta from a stored document."""
+    from muser_cli.kvpack import read_pack
+
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--state-every", "3")
+    try:
+        home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
+        shutil.rmtree(home / "data" / "store", ignore_errors=True)
+        env = env_for(home)
+        ask = ["receive", "--from", prod.address, str(lane["follow"]), "-m", lane["model"], "--chunk", str(CHUNK),
+               "--no-reuse", "--json"]
+        spaced = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "spaced.kvpack")), env=env, capture_output=True,
+                                timeout=180)
+        assert spaced.returncode == 0, spaced.stderr
+        every = subprocess.run(muser_cmd(*[a.replace(prod.address, lane["producer"].address) for a in ask], "-o",
+                                         str(tmp_path / "every.kvpack")), env=env, capture_output=True, timeout=180)
+        assert every.returncode == 0, every.stderr
+        with open(tmp_path / "spaced.kvpack", "rb") as f:
+            header = read_pack(f).header
+        assert header.state_every == 3 and header.rows_start == 0
+        assert json.loads(spaced.stdout)["payload_bytes"] < json.loads(every.stdout)["payload_bytes"]
+        whole = subprocess.run(muser_cmd("decode", *lane["decode"], "--no-reuse", "--producer", prod.address), env=env,
+                               input=b"", capture_output=True, timeout=180)
+        assert whole.returncode == 0, whole.stderr
+        out = json.loads(whole.stdout)
+        assert out["source"] == "handoff" and out["token_ids"] == lane["tokens"], out
+        stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
+                                          "--store", "-o", str(tmp_path / "doc.kvpack")),
+                                env=env, capture_output=True, timeout=180)
+        assert stored.returncode == 0, stored.stderr
+        delta = subprocess.run(muser_cmd("decode", *lane["decode"], "--producer", prod.address), env=env, input=b"",
+                               capture_output=True, timeout=180)
+        assert delta.returncode == 0, delta.stderr
+        out = json.loads(delta.stdout)
+        assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] >= CHUNK, out
+    finally:
+        assert prod.stop() == 0

@@ -84,8 +84,9 @@ class ResidentProducer:
 
     def __init__(self, model: str | None, *, engine: str = "torch", dtype: str | None = None, threads: int = 1,
                  engine_options: dict | None = None, store: bool = False, max_batch: int = 8,
-                 loaded: Any = None, history: bool | None = None) -> None:
-        """``loaded``: an engine already made for ``model`` (named ``engine``) to serve with."""
+                 loaded: Any = None, history: bool | None = None, state_every: int = 1) -> None:
+        """``loaded``: an engine already made for ``model`` (named ``engine``) to serve with.
+        ``state_every``: every pack's state snapshots every this many chunks (a hybrid model)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"--max-batch must be a positive integer, got {max_batch!r}")
         from muser_cli.engines.registry import get_engine
@@ -94,8 +95,12 @@ class ResidentProducer:
         from muser_cli.schedule import default_dtype
         from muser_cli.tokens import tokenizer_for
 
+        from muser_cli.produce import check_state_every
+
         t0 = time.perf_counter()
         self.info = resolve_model(model)
+        check_state_every(self.info, state_every)
+        self.state_every = state_every
         tokenizer_for(self.info)
         self.engine_name = engine
         self.dtype = dtype or default_dtype(engine)
@@ -180,7 +185,7 @@ class ResidentProducer:
         eng = self.engine
         # its have chain was checked before admission (check)
         job = PackJob(self.info, ids, req.dtype, req.chunk_tokens, self.engine_name, self.threads,
-                      have_tokens=req.have_tokens, have_chain=req.have_chain)
+                      have_tokens=req.have_tokens, have_chain=req.have_chain, state_every=self.state_every)
         sources: list[Any] = [self._memory] if eng.resumes_prefill else []
         if self.store and eng.resumes_prefill:
             sources.append(StoreRows(eng))
@@ -223,7 +228,7 @@ class ResidentProducer:
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
           idle_s: float = 30.0, on_event: EventFn | None = None, engine_options: dict | None = None,
           stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
-          live=None, history: bool | None = None) -> dict[str, int]:
+          live=None, history: bool | None = None, state_every: int = 1) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
     server's counters (served, refused, failed, turned_away: told busy while stopping).
     ``store``: continue from this machine's reuse store too and keep every result there.
@@ -231,7 +236,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     and MLX run one. ``live``: where the server keeps its open connections
     (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``).
     ``history``: packs carry the sliding history (:func:`muser_cli.produce.set_history`).
-    ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its reads)."""
+    ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its reads).
+    ``state_every``: a hybrid model's packs carry their state snapshots every this many chunks."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
     from muser_cli.handoff.link import listen_socket, parse_hostport
@@ -244,6 +250,11 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         raise UsageError("--max-batch must be >= 1")
     if not idle_s > 0:  # NaN too
         raise UsageError(f"--idle-timeout must be a positive number of seconds, got {idle_s}")
+    if state_every != 1:  # a usage error before identities and engines
+        from muser_cli.models import resolve_model
+        from muser_cli.produce import check_state_every
+
+        check_state_every(resolve_model(model), state_every)
     host, port = parse_hostport(listen, listen=True)
     identity, *more = load_identities(paths.keys_dir())  # one per consumer joined
     if identity.consumer is None or identity.consumer == identity.name:
@@ -253,7 +264,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     # held while engines start their workers); it listens only once the producer can answer.
     listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
-                                store=store, max_batch=max_batch, history=history)
+                                store=store, max_batch=max_batch, history=history, state_every=state_every)
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
                         more=more, live=live)
     try:

@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
                 _refuse_per_request_options(prompt=prompt, chat=chat, chunk=chunk, zstd=zstd, have=have, reuse=reuse,
                                             output=output)
                 _serve(serve, model=model, engine=engine, dtype=dtype, threads=threads, max_queue=max_queue,
-                       idle_s=30.0 if idle_timeout is None else idle_timeout, as_json=as_json, options=options,
+                       idle_s=idle_timeout, as_json=as_json, options=options,
                        store=store, max_batch=max_batch, metrics=metrics, history=history, state_every=state_every)
                 return
             if metrics is not None or idle_timeout is not None:
@@ -114,7 +114,7 @@ def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int]
 
 
 def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int, max_queue: int,
-           as_json: bool, idle_s: float = 30.0, options: Optional[dict], store: bool = False, max_batch: int = 8,
+           as_json: bool, idle_s: Optional[float] = None, options: Optional[dict], store: bool = False, max_batch: int = 8,
            metrics: Optional[str] = None, history: Optional[bool] = None, state_every: int = 1) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""

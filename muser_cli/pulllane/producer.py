@@ -226,7 +226,7 @@ class ResidentProducer:
 
 
 def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, threads: int, max_queue: int,
-          idle_s: float = 30.0, on_event: EventFn | None = None, engine_options: dict | None = None,
+          idle_s: float | None = None, on_event: EventFn | None = None, engine_options: dict | None = None,
           stop: threading.Event | None = None, store: bool = False, max_batch: int = 8,
           live=None, history: bool | None = None, state_every: int = 1) -> dict[str, int]:
     """Load the model once, then answer enrolled consumers until ``stop`` is set; the
@@ -236,11 +236,12 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     and MLX run one. ``live``: where the server keeps its open connections
     (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``).
     ``history``: packs carry the sliding history (:func:`muser_cli.produce.set_history`).
-    ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its reads).
+    ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its
+    reads); None: the link's default (``DEFAULT_IDLE_S``, 30 s).
     ``state_every``: a hybrid model's packs carry their state snapshots every this many chunks."""
     from muser_cli import paths
     from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import listen_socket, parse_hostport
+    from muser_cli.handoff.link import DEFAULT_IDLE_S, listen_socket, parse_hostport
     from muser_cli.handoff.trust.node import load_identities
     from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
@@ -248,6 +249,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
         raise UsageError("--max-queue must be >= 0")
     if max_batch < 1:
         raise UsageError("--max-batch must be >= 1")
+    if idle_s is None:
+        idle_s = DEFAULT_IDLE_S
     if not idle_s > 0:  # NaN too
         raise UsageError(f"--idle-timeout must be a positive number of seconds, got {idle_s}")
     if state_every != 1:  # a usage error before identities and engines

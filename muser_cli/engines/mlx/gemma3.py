@@ -52,9 +52,7 @@ def match_embed_scale(model: Any, dtype: str) -> float | None:
             return self.embedding.as_linear(x)
 
     applied = None
-    for inner in _gemma3_text_models(model):
-        if isinstance(inner.embed_tokens, Scaled):
-            continue
+    for inner in _gemma3_text_models(model):  # once per load: the engine calls it on the model it just loaded
         root = inner.args.hidden_size ** 0.5
         run = getattr(mx, dtype)
         theirs = mx.array(root, mx.bfloat16).astype(run).item()  # mlx-lm's factor

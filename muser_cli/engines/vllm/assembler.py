@@ -18,13 +18,14 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from muser_cli.engines.vllm import gather as vllm_layout
+from muser_cli.engines.vllm.blocks import carried_range
 from muser_cli.engines.vllm.config import NAME_RE, SUPPORTED_VLLM, ConnectorSettings, layer_index
 from muser_cli.engines.vllm.fp8 import dequantize_fp8
 from muser_cli.engines.vllm.layouts import CacheLayout, layer_layout, producer_record
 from muser_cli.engines.vllm.planner import safe_name
 from muser_cli.engines.vllm.sinks import write_error, write_kvpack, write_spool
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerKV, LayerSpec
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
 
 
 @dataclass
@@ -108,9 +109,7 @@ class WorkerAssembler:
         """The rows of a layer a request of ``target`` rows ships: with the sliding history
         (``settings.history``) every row of a sliding layer too, gathered step by step while
         vLLM still holds each step's blocks; else the layer's carried range."""
-        if self.settings.history and spec.kind in LOCAL_KINDS:
-            return 0, target
-        return vllm_layout.layer_rows_for(spec.kind, spec.window, target, spec.chunk)
+        return carried_range(spec, target, self.settings.history)
 
     def _apply(self, rid: str, name: str, item: dict[str, Any]) -> None:
         start, stop, target = int(item["start"]), int(item["stop"]), int(item["target"])

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from muser_cli.errors import DataError
+from muser_cli.kvpack.layers import LOCAL_KINDS
 
 NULL_BLOCK_ID = 0  # vLLM's BlockPool reserves block 0 as the null block
 
@@ -134,3 +135,11 @@ def layer_rows_for(kind: str, window: int | None, total_rows: int, chunk: int | 
     if kind != "full":
         raise fail(f"unknown layer kind {kind!r}")
     return 0, total_rows
+
+
+def carried_range(spec: Any, total_rows: int, history: bool = False) -> tuple[int, int]:
+    """:func:`layer_rows_for` of a LayerSpec; with the ``history`` (the connector's setting) a
+    sliding or chunked layer carries every row."""
+    if history and spec.kind in LOCAL_KINDS:
+        return 0, total_rows
+    return layer_rows_for(spec.kind, spec.window, total_rows, spec.chunk)

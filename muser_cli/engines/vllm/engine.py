@@ -177,13 +177,8 @@ class VLLMEngine(Engine):
         if kinds:  # issue 27: the connector reads paged K/V blocks only
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
-        if info.architecture in SOFTCAP_ON_CPU and _on_cpu():  # measured: tests/test_vllm_families.py
-            from muser_cli.modelcheck import REFUSED
-
-            raise ConfigError(f"the vllm engine cannot move {info.architecture} here: {REFUSED[('vllm', info.architecture)]}",
-                              hint="use --engine torch or --engine mlx (vLLM on CUDA was not measured)")
-        if info.architecture in WINDOW_PLUS_ONE:  # measured: tests/test_vllm_families.py
-            from muser_cli.modelcheck import REFUSED
+        if info.architecture in WINDOW_PLUS_ONE or (info.architecture in SOFTCAP_ON_CPU and _on_cpu()):
+            from muser_cli.modelcheck import REFUSED  # the measured reason (tests/test_vllm_families.py)
 
             raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
                               hint="use --engine torch or --engine mlx")

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from muser_cli.engines.vllm import gather as vllm_layout
+from muser_cli.engines.vllm.blocks import carried_range
 from muser_cli.engines.vllm.config import ConnectorSettings
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerKV, LayerSpec
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
 
 SPOOL_FORMAT = "muser-vllm-spool"
 SPOOL_VERSION = 1
@@ -114,9 +114,7 @@ def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: 
         rows = int(man["rows"])
         layers: list[LayerKV] = []
         for i, (entry, spec) in enumerate(zip(entries, specs)):
-            first, end = vllm_layout.layer_rows_for(spec.kind, spec.window, rows, spec.chunk)
-            if history and spec.kind in LOCAL_KINDS:
-                first = 0
+            first, end = carried_range(spec, rows, history)
             if entry["index"] != i or entry["first_row"] != first or entry["rows"] != end - first:
                 raise DataError(f"spool layer {i} does not carry rows [{first}, {end})")
             arrays = []

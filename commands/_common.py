@@ -230,19 +230,24 @@ class ConvertNote:
     def __call__(self, event: str, fields: dict) -> None:
         if event == "start":
             self.begin(fields)
+        elif event == "wait":
+            self.begin(fields, waiting=True)
         elif self.head is not None:
             self.end(event, fields)
 
-    def begin(self, fields: dict) -> None:
+    def begin(self, fields: dict, *, waiting: bool = False) -> None:
         if _state["quiet"]:
             return
         from muser_cli.models import DEFAULT_GGUF
 
         name = Path(fields["source"]).name
         about = ", about 20-45 s" if name == DEFAULT_GGUF else ""
-        self.head = f"muser: converting {name} once{about}"
+        if waiting:  # another process holds the conversion's lock: its result is ours
+            self.head, tail = f"muser: another process is converting {name}; waiting for it", " ..."
+        else:
+            self.head, tail = f"muser: converting {name} once{about}", " (later runs skip this) ..."
         if not sys.stderr.isatty():
-            sys.stderr.write(self.head + " (later runs skip this) ...")
+            sys.stderr.write(self.head + tail)
             sys.stderr.flush()
             return
         import threading
@@ -269,7 +274,8 @@ class ConvertNote:
         sys.stderr.flush()
 
     def end(self, event: str, fields: dict) -> None:
-        outcome = f"{'done' if event == 'done' else 'failed'} in {fields.get('seconds', 0):.0f} s"
+        word = {"done": "done", "waited": "ready"}.get(event, "failed")
+        outcome = f"{word} in {fields.get('seconds', 0):.0f} s"
         if self.stop is not None:
             self.stop.set()
             self.thread.join(timeout=1)

@@ -16,6 +16,7 @@ name, size and mtime). The names of those two modules are importable from here t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -54,7 +55,9 @@ _HASH_BLOCK = 8 << 20
 
 #: Who hears of a one-time GGUF conversion (the library never prints; the command layer
 #: renders these): ``listener(event, fields)`` with event ``"start"`` (fields ``source``,
-#: ``target``), then ``"done"`` (+ ``seconds``) or ``"failed"`` (+ ``seconds``).
+#: ``target``), then ``"done"`` (+ ``seconds``) or ``"failed"`` (+ ``seconds``); a process
+#: that finds another converting tells ``"wait"`` first and ``"waited"`` (+ ``seconds``) once
+#: that one let go (then it uses the folder, or tells ``"start"`` if the other one failed).
 ConvertListener = Callable[[str, dict], None]
 _convert_listeners: list[ConvertListener] = []
 
@@ -294,25 +297,67 @@ def gguf_sha256(file: Path) -> str:
 
 
 def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
-    """The converted folder for ``file``: made once, atomically; afterwards only looked up."""
+    """The converted folder for ``file``: made once, atomically; afterwards only looked up.
+
+    Two processes that need the same conversion at once (a pipeline's producer and consumer
+    on a first run) do not both convert: the first takes an exclusive lock on a file beside
+    the target and converts; the others tell ``"wait"`` and block on that lock, then use the
+    folder it renamed into place (or convert themselves if it failed). Only a complete folder
+    is ever renamed to ``target``, so nothing half-written is used.
+    """
     file = Path(file)
     target = models_dir() / f"{file.stem}-{gguf_sha256(file)[:SHA_PREFIX_CHARS]}"
     if (target / "config.json").is_file():
         return target
     ensure_dir(target.parent)
-    if progress:
-        progress("convert", 0, 1)
-    start = time.monotonic()
-    _tell("start", source=file, target=target)
-    try:
-        _convert_once(file, target)
-    except BaseException:
-        _tell("failed", source=file, target=target, seconds=time.monotonic() - start)
-        raise
-    _tell("done", source=file, target=target, seconds=time.monotonic() - start)
+    with _conversion_lock(target, file):
+        if (target / "config.json").is_file():  # another process converted it while we waited
+            return target
+        if progress:
+            progress("convert", 0, 1)
+        start = time.monotonic()
+        _tell("start", source=file, target=target)
+        try:
+            _convert_once(file, target)
+        except BaseException:
+            _tell("failed", source=file, target=target, seconds=time.monotonic() - start)
+            raise
+        _tell("done", source=file, target=target, seconds=time.monotonic() - start)
     if progress:
         progress("convert", 1, 1)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path, file: Path) -> Iterator[None]:
+    """Hold ``.<target>.lock`` exclusively (the kernel drops it if the holder dies, and the
+    file goes when the holder is done, failed or not); tell
+    ``"wait"`` and ``"waited"`` when another process holds it first."""
+    path = target.parent / f".{target.name}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the converted model to {target}: {exc}",
+                          hint="set MUSER_MODELS to a writable folder") from exc
+    held = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            start = time.monotonic()
+            _tell("wait", source=file, target=target)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _tell("waited", source=file, target=target, seconds=time.monotonic() - start)
+        held = True
+        yield
+    finally:
+        # Gone while still held (only if the name is still ours): a waiter blocked on it re-checks
+        # the target and uses it; one that arrives later finds the target, or after a failure
+        # locks a new file and converts.
+        with contextlib.suppress(OSError):
+            if held and os.path.samestat(os.fstat(fd), os.stat(path)):
+                os.unlink(path)
+        os.close(fd)
 
 
 def _convert_once(file: Path, target: Path) -> None:

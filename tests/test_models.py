@@ -251,28 +251,113 @@ def test_gguf_conversion_is_once_and_atomic(tmp_path, monkeypatch):
     shutil.rmtree(target)
 
 
-def test_gguf_conversion_race(tmp_path, monkeypatch):
+def _in_thread(fn):
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _until(predicate, ceiling_s=60.0):
+    """Wait for a state, not a budget: the ceiling only catches a hang."""
+    import time
+
+    deadline = time.monotonic() + ceiling_s
+    while not predicate():
+        assert time.monotonic() < deadline, "hung"
+        time.sleep(0.01)
+
+
+def test_gguf_conversion_race_converts_once_and_the_other_waits(tmp_path, monkeypatch):
     gguf = tmp_path / "Race.gguf"
     gguf.write_bytes(b"GGUF race")
-    barrier = threading.Barrier(2)
     calls: list = []
     inner = _fake_convert(calls)
+    started, release = threading.Event(), threading.Event()
 
     def slow_convert(file, out):
+        started.set()
+        assert release.wait(60)
         inner(file, out)
-        barrier.wait(timeout=10)  # both finished building before either renames
 
     monkeypatch.setattr(models, "_convert_into", slow_convert)
-    results: list = []
-    threads = [threading.Thread(target=lambda: results.append(models.convert_gguf(gguf))) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(results) == 2 and results[0] == results[1] and len(calls) == 2
-    assert (results[0] / "config.json").read_text() == "{}"
-    assert not [p for p in results[0].parent.iterdir() if p.name.endswith(".part")]
-    shutil.rmtree(results[0])
+    heard: list = []
+    stop = models.on_convert(lambda event, fields: heard.append(event))
+    try:
+        first, got1 = _in_thread(lambda: models.convert_gguf(gguf))
+        assert started.wait(60)
+        second, got2 = _in_thread(lambda: models.convert_gguf(gguf))
+        _until(lambda: "wait" in heard)  # the second one blocks on the lock, converting nothing
+        assert len(calls) == 0
+        release.set()
+        first.join(60)
+        second.join(60)
+    finally:
+        stop()
+    assert "error" not in got1 and "error" not in got2
+    assert got1["value"] == got2["value"] and len(calls) == 1
+    assert sorted(heard) == sorted(["start", "wait", "done", "waited"])
+    assert (got1["value"] / "config.json").read_text() == "{}"
+    assert not [p for p in got1["value"].parent.iterdir() if p.name.endswith(".part")]
+    shutil.rmtree(got1["value"])
+
+
+def test_a_waiter_converts_itself_when_the_first_conversion_failed(tmp_path, monkeypatch):
+    gguf = tmp_path / "Again.gguf"
+    gguf.write_bytes(b"GGUF again")
+    calls: list = []
+    started, release = threading.Event(), threading.Event()
+
+    def first_fails(file, out):
+        calls.append(file)
+        if len(calls) == 1:
+            started.set()
+            assert release.wait(60)
+            (out / "config.json").write_text("{}")  # half-written: never renamed into place
+            raise DataError("cannot convert: disk trouble")
+        (out / "config.json").write_text('{"ok": 1}')
+
+    monkeypatch.setattr(models, "_convert_into", first_fails)
+    heard: list = []
+    stop = models.on_convert(lambda event, fields: heard.append(event))
+    try:
+        first, got1 = _in_thread(lambda: models.convert_gguf(gguf))
+        assert started.wait(60)
+        second, got2 = _in_thread(lambda: models.convert_gguf(gguf))
+        _until(lambda: "wait" in heard)
+        release.set()
+        first.join(60)
+        second.join(60)
+    finally:
+        stop()
+    assert isinstance(got1.get("error"), DataError)
+    assert json.loads((got2["value"] / "config.json").read_text()) == {"ok": 1} and len(calls) == 2
+    assert heard.count("start") == 2 and "failed" in heard and "waited" in heard and "done" in heard
+    shutil.rmtree(got2["value"])
+
+
+@pytest.mark.slow
+def test_two_processes_converting_the_default_model_convert_once(tmp_path, real_model):
+    """The demo's first pipeline: producer and consumer both need the default model, and a
+    fresh models folder has none. One converts; the other says it waits, then uses it."""
+    env = {**os.environ, "MUSER_MODELS": str(tmp_path / "models"), "MUSER_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "muser_cli.commands", "model", "check", "default"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]  # a ceiling for a hang, not a budget
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    errs = "".join(err for _, err in outs)
+    assert errs.count("muser: converting SmolLM2") == 1, errs
+    assert errs.count("another process is converting") <= 1, errs
+    folders = [p for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")]
+    assert len(folders) == 1 and (folders[0] / "config.json").is_file()
 
 
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Recurrent state layers (kvpack 1.3 ``state``) on transformers' own cache layers.
 
-transformers 5.24 keeps a gated DeltaNet (qwen3_next) or Mamba-2 (granitemoehybrid) layer
+transformers 5.24 and 5.25 keep a gated DeltaNet (qwen3_next) or Mamba-2 (granitemoehybrid) layer
 in its unified ``DynamicCache`` as a ``LinearAttentionLayer``: ``conv_states[0]`` of shape
 ``(1, channels, kernel)`` -- the last ``kernel`` conv inputs -- and ``recurrent_states[0]``
 (``(1, heads, k_dim, v_dim)`` / ``(1, heads, head_dim, d_state)``, float32 whatever the
@@ -120,6 +120,11 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
     layer.conv_states[0].copy_(window)
     layer.recurrent_states[0].copy_(recurrent)
     layer.has_previous_state[0] = True
+    # transformers 5.25 counts a linear layer's positions itself (``get_seq_length`` of a hybrid
+    # whose layer 0 is a state layer reads it: generate's positions and masks); 5.24 has no counter.
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(rows)
     held = cache.__dict__.setdefault(_SNAPS, {})  # a prefill resumed here carries them into its pack
     for position, tensors in {**kv.earlier, rows: kv.tensors}.items():
         held.setdefault(position, {})[index] = tensors

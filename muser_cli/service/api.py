@@ -13,6 +13,11 @@ from typing import Any
 
 MAX_BODY = 8 << 20  # bytes of a request body (a prompt far past any context is refused before parsing)
 MAX_STOPS = 4
+MAX_DEPTH = 32  # nesting of a request body's arrays and objects (OpenAI's shapes need 5)
+MAX_INT = (1 << 63) - 1  # the largest integer field value (a seed every engine's generator takes)
+#: The message roles OpenAI defines that this server renders; any other is refused, so nothing a
+#: client sends can put its own text where the chat template writes a role.
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class ApiError(Exception):
@@ -50,15 +55,65 @@ class Ask:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; every malformed body is a 400 in OpenAI's shape
+    (too deep, an integer past Python's digit limit, a lone surrogate: not only bad syntax)."""
     if len(raw) > MAX_BODY:
         raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    depth = _depth(raw)
+    if depth > MAX_DEPTH:
+        raise ApiError(400, f"the request body nests {depth} levels deep; at most {MAX_DEPTH} are accepted")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, int digits
+        detail = " ".join(str(exc).split())[:160]
+        raise ApiError(400, f"the request body is not valid JSON: {detail}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_text(body, "")
     return body
+
+
+def _depth(raw: bytes) -> int:
+    """How deep the body's brackets nest, outside strings (counted before the parser recurses)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_DEPTH:
+                    return deepest
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Every string of the body is valid Unicode: JSON's escapes can spell a lone surrogate
+    (``"\\ud800"``), which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where or 'the body'} holds a lone surrogate: not valid Unicode text",
+                           param=where.split(".")[0].split("[")[0] or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where or "a key")
+            _check_text(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{where}[{i}]")
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -71,18 +126,29 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def _int(body: dict, key: str, lo: int) -> int | None:
+def _int(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ApiError(400, f"{key} must be an integer >= {lo}, got {value!r}", param=key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        shown = repr(value) if not isinstance(value, int) or abs(value) < 10 ** 30 else "a larger one"
+        raise ApiError(400, f"{key} must be an integer in [{lo}, {hi}], got {shown}", param=key)
     return value
 
 
 def _content(turn: Any, i: int) -> dict[str, str]:
     if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
+    role = turn["role"]
+    if role not in ROLES:
+        shown = repr(role) if len(role) <= 40 else repr(role[:40]) + "..."
+        what = "tool messages are not supported by this server" if role in ("tool", "function") else \
+            f"the role {shown} is not one of {', '.join(ROLES)}"
+        raise ApiError(400, f"messages[{i}]: {what}", param="messages")
+    name = turn.get("name")
+    if name is not None and (not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum()
+                             or len(name) > 64):
+        raise ApiError(400, f"messages[{i}].name must be up to 64 letters, digits, '_' or '-'", param="messages")
     content = turn.get("content")
     if isinstance(content, list):  # content parts: only text ones
         parts = []

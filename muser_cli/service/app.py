@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 from muser_cli.errors import MuserError, UsageError
 from muser_cli.units import utc_stamp
-from muser_cli.service.api import ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
+from muser_cli.service.api import (
+    MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage,
+)
 from muser_cli.service.worker import Config, EngineWorker, Job
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -33,6 +35,10 @@ class ServeOptions:
     model_id: str = "default"
     default_max_tokens: int = 256
     drain_s: float = 25.0
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was sent (logged as a 499)."""
 
 
 def _error(exc: ApiError):
@@ -67,19 +73,50 @@ class Service:
         got = request.headers.get("authorization", "")
         return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())
 
-    def _count(self, endpoint: str, status: int) -> None:
+    def _count(self, endpoint: str, status: int, reason: ApiError | str | None = None) -> None:
+        """Count an answer; one that is not a success also gets its JSON log line (a success's
+        line, with its source and timings, comes from the worker)."""
         if self.metrics is not None:
             self.metrics.requests.labels(endpoint, str(status)).inc()
+        if status != 200:
+            record: dict[str, Any] = {"event": "request", "endpoint": endpoint, "status": status}
+            if isinstance(reason, ApiError):
+                record.update(code=reason.code, reason=reason.message)
+            elif reason:
+                record["reason"] = reason
+            self.log(record)
+
+    async def _body(self, request) -> bytes:
+        """The request body, refused with 413 before it is buffered: a ``Content-Length`` over
+        the limit is answered at once, a chunked body stops being read at the limit."""
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise ApiError(400, "Content-Length is not a number")
+            if int(declared) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        from starlette.requests import ClientDisconnect  # starlette: the optional serve extra
+
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY:
+                    raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+                parts.append(part)
+        except ClientDisconnect:
+            raise ClientGone("the client went away while sending its body") from None
+        return b"".join(parts)
 
     async def _next(self, queue: asyncio.Queue, request, job: Job) -> tuple[str, Any]:
-        """The job's next event; a client that went away withdraws it (asyncio.CancelledError)."""
+        """The job's next event; a client that went away withdraws it (:class:`ClientGone`)."""
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), _POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     self.worker.withdraw(job)
-                    raise asyncio.CancelledError("the client went away") from None
+                    raise ClientGone("the client went away before its answer") from None
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request, kind: str):
@@ -92,15 +129,20 @@ class Service:
             if not self._authorized(request):
                 raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                code="invalid_api_key")
-            ask = parse_ask(parse_body(await request.body()), kind,
+            ask = parse_ask(parse_body(await self._body(request)), kind,
                             default_max_tokens=self.options.default_max_tokens)
             if ask.model and ask.model not in self.ids:
                 raise ApiError(404, f"the model {ask.model!r} does not exist here; this server serves "
                                     f"{self.options.model_id!r}", param="model", code="model_not_found")
             return await self._generate(request, ask, endpoint)
         except ApiError as exc:
-            self._count(endpoint, exc.status)
+            self._count(endpoint, exc.status, exc)
             return _error(exc)
+        except ClientGone as exc:  # nobody reads an answer now: a log line, not a traceback
+            self._count(endpoint, 499, str(exc))
+            from starlette.responses import Response
+
+            return Response(status_code=499)
 
     async def _generate(self, request, ask: Ask, endpoint: str):
         from starlette.responses import JSONResponse, StreamingResponse
@@ -114,9 +156,12 @@ class Service:
             kind, payload = await self._next(queue, request, job)
             while not ask.stream and kind == "text":  # the whole answer: its summary holds the text
                 kind, payload = await self._next(queue, request, job)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the server cancels the task of a request whose client left
             self.worker.withdraw(job)
-            self._count(endpoint, 499)
+            self._count(endpoint, 499, "the client went away before its answer (its request was cancelled)")
+            raise
+        except ClientGone:
+            self.worker.withdraw(job)
             raise
         if kind == "error":
             raise _internal(payload)
@@ -149,7 +194,7 @@ class Service:
             finally:
                 if status == 499:
                     self.worker.withdraw(job)
-                self._count(endpoint, status)
+                self._count(endpoint, status, None if status != 499 else "the client went away mid-stream")
 
         # the first event came: the rows' source and the TTFT are known for the headers
         head = {"x-muser-source": "", "cache-control": "no-cache"}
@@ -183,6 +228,10 @@ class Service:
 
     async def metrics_route(self, request):
         from starlette.responses import Response
+
+        if not self._authorized(request):  # every route but /health, as docs/serve.md says
+            return _error(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                   code="invalid_api_key"))
 
         body, ctype = self.metrics.text()
         return Response(body, media_type=ctype.split(";")[0], headers={"content-type": ctype})

@@ -272,7 +272,7 @@ class EngineWorker:
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         m = self.metrics
-        self.log({"event": "request", **{k: v for k, v in s.items() if k != "text"}})
+        self.log({"event": "request", "status": 200, **{k: v for k, v in s.items() if k != "text"}})
         if m is None:
             return
         source = s["source"]

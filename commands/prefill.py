@@ -145,7 +145,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             observe(kind, f)
         if kind == "listening":
             say(f"prefill: listening on {f['address']}")
-        elif kind in ("request", "probe", "tls_failed", "admitted", "warning", "error") and as_json:
+        elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
@@ -159,21 +159,24 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             rates = " ".join(f"{d} {f[d + '_bytes'] / f[d + '_s'] / 1e6:.0f} MB/s" for d in ("up", "down")
                              if f.get(d + "_s"))
             say(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
-        elif kind == "tls_failed":
+        elif kind == "tls_failed":  # counted in the summary's "refused"
             say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
+        elif kind == "reachability":  # `node check`'s TCP connect: a check, not a refusal
+            say(f"prefill: reachability check from {f.get('peer')} (a TCP connect, no TLS)")
         elif kind in ("warning", "error"):  # never dropped unread (issue 25 item 5)
             say(trouble_line("prefill", kind, f) or "")
 
     counts = serve(listen=listen, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                    max_queue=max_queue, idle_s=idle_s, on_event=on_event, engine_options=options, stop=stop, store=store,
                    max_batch=max_batch, live=live, history=history, state_every=state_every)
-    summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")}}
+    summary = {"signal": got.get("signal"), **{k: counts[k] for k in ("served", "refused", "failed", "turned_away")},
+               "tls_refused": counts.get("tls_failed", 0)}
     if as_json:
         sys.stderr.write(json.dumps({"event": "stopped", "ts": utc_stamp(), **summary}, sort_keys=True) + "\n")
         sys.stderr.flush()
     else:
         say(f"prefill: stopped on {summary['signal'] or 'request'}: {summary['served']} served, "
-            f"{summary['refused'] - summary['turned_away']} refused, {summary['failed']} failed, "
+            f"{summary['refused'] - summary['turned_away'] + summary['tls_refused']} refused, {summary['failed']} failed, "
             f"{summary['turned_away']} turned away while draining; none left in flight")
 
 

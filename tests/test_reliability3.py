@@ -247,3 +247,109 @@ def test_a_client_that_leaves_mid_body_or_before_its_answer_is_a_499_line_not_a_
     log = "".join(live.lines)
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log
     assert live.proc.poll() is None
+
+
+# ----------------------------------------------------------------------------- items 5, 6: the producer's log
+def test_the_producers_summary_counts_what_its_log_says_and_a_reachability_check_is_no_refusal(tmp_path, tiny_llama):
+    """A bare TCP connect (what `node check` does first) is logged as a reachability check, not
+    a refused handshake; a real refusal, and a request whose consumer left before Ready, are
+    counted in the summary as the log lines say."""
+    import contextlib
+
+    from handoff_kit import Producer, held_pull, make_nodes
+    from test_pull_lane import signed_request
+
+    nodes = make_nodes(tmp_path)
+    lane = {"nodes": nodes, "model": str(tiny_llama.path)}
+    prod = Producer(nodes.producer_home, "-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32",
+                    "--idle-timeout", str(HANG_S))
+    try:
+        host, port = prod.address.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=HANG_S).close()
+        assert prod.wait_events(1, "reachability")
+        with socket.create_connection((host, int(port)), timeout=HANG_S) as s:  # not TLS at all
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            with contextlib.suppress(OSError):
+                s.recv(100)
+        assert prod.wait_events(1, "tls_failed")
+        ident, request = signed_request(lane)
+        with held_pull(ident, prod.address, request) as answer:
+            assert type(answer).__name__ == "Serving"
+        (failed,) = prod.wait_events(1)  # it hung up before its Ready
+        assert failed["outcome"] == "failed" and "ready" in failed["reason"]
+    finally:
+        assert prod.stop() == 0
+    assert len(prod.events("tls_failed")) == 1 and len(prod.events("reachability")) == 1
+    (stopped,) = prod.events("stopped")
+    assert (stopped["served"], stopped["failed"], stopped["refused"], stopped["tls_refused"]) == (0, 1, 0, 1), stopped
+
+
+def test_the_human_summary_counts_refused_handshakes(tmp_path, tiny_llama):
+    import re
+    import subprocess
+    import threading
+
+    from handoff_kit import env_for, make_nodes
+
+    nodes = make_nodes(tmp_path)
+    proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "-m", str(tiny_llama.path)),
+                            env=env_for(nodes.producer_home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(raw.decode() for raw in proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + HANG_S
+    while not any("listening on" in x for x in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, lines
+        time.sleep(0.05)
+    host, port = re.search(r"listening on (\S+)", "".join(lines)).group(1).rsplit(":", 1)
+    socket.create_connection((host, int(port)), timeout=HANG_S).close()
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as s:
+        s.sendall(b"\x00" * 64)
+        try:
+            s.recv(100)
+        except OSError:
+            pass
+    while not any("prefill: refused" in x for x in lines):
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(HANG_S) == 0
+    deadline = time.monotonic() + HANG_S
+    while not any("stopped on" in x for x in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = "".join(lines)
+    assert "reachability check from" in text and text.count("prefill: refused") == 1, text
+    assert re.search(r"stopped on SIGTERM: 0 served, 1 refused, 0 failed", text), text
+
+
+# ----------------------------------------------------------------------------- item 21: node names
+def _muser(home, *args):
+    import subprocess
+
+    from handoff_kit import env_for
+
+    return subprocess.run(muser_cmd(*map(str, args)), env=env_for(home), capture_output=True, timeout=HANG_S)
+
+
+def test_consumer_names_that_differ_only_in_case_cannot_both_join(tmp_path):
+    producer = tmp_path / "p"
+    for name in ("kc", "KC"):
+        home = tmp_path / name.lower() if name == "kc" else tmp_path / "KC-home"
+        assert _muser(home, "node", "init", "--name", name).returncode == 0
+        assert _muser(home, "node", "export", "--producer", "gx10", "-o", tmp_path / f"{name}.bundle").returncode == 0
+    assert _muser(producer, "node", "join", tmp_path / "kc.bundle").returncode == 0
+    r = _muser(producer, "node", "join", tmp_path / "KC.bundle")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("muser: error: ") and "differs only in case" in err, err
+    r = _muser(producer, "node", "join", tmp_path / "KC.bundle", "--force")  # not the same consumer: no
+    assert r.returncode == 2, r.stderr
+    listing = json.loads(_muser(producer, "node", "ls", "--json").stdout)
+    assert "KC" not in json.dumps(listing)
+
+
+def test_a_node_name_too_long_for_a_certificate_is_a_usage_error(tmp_path):
+    from muser_cli.handoff.trust.node import MAX_NAME
+
+    r = _muser(tmp_path / "a", "node", "init", "--name", "n" * (MAX_NAME + 1))
+    err = r.stderr.decode()
+    assert r.returncode == 2 and f"at most {MAX_NAME}" in err and "internal error" not in err, err
+    assert _muser(tmp_path / "b", "node", "init", "--name", "n" * MAX_NAME).returncode == 0

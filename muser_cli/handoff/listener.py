@@ -256,6 +256,10 @@ class Listener:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are written whole
             sock.settimeout(self.config.handshake_s)
+            if _closed_before_tls(sock):  # `node check`'s reachability test, a port check: not a refusal
+                sock.close()
+                self._emit("reachability", peer=peer)
+                return None
             # suppress_ragged_eofs=False: a TCP stream cut without TLS close_notify is a cut (75),
             # never mistaken for a clean close.
             tls = self._ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False,
@@ -285,3 +289,10 @@ class Listener:
 
 
 __all__ = ["EventFn", "Events", "Listener", "LiveConnections", "reject_and_linger"]
+
+
+def _closed_before_tls(sock: socket.socket) -> bool:
+    """Whether the peer closed its TCP connection without sending a byte (a reachability check:
+    ``socket.create_connection(...).close()``), looked at without consuming anything. A peer
+    silent past the socket's timeout raises it, as the handshake would: a refused handshake."""
+    return sock.recv(1, socket.MSG_PEEK) == b""

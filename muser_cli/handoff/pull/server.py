@@ -140,7 +140,8 @@ class PullServer(Listener):
         self.compute = compute
         self._idents = _Identities([identity, *(more or [])])
         super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
-                         counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0},
+                         counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0,
+                                   "tls_failed": 0},
                          live=live or LiveConnections())
         self._admit = Admission(getattr(compute, "max_concurrent", 1))
         self._waiting = 0
@@ -251,6 +252,9 @@ class PullServer(Listener):
         except Refusal as refusal:
             self._refuse(link, who, refusal, req, probe)
         except MuserError as exc:
+            if not probe:  # the summary's "failed" counts requests, as the log's "failed" lines do
+                with self._lock:
+                    self.counters["failed"] += 1
             self._emit("probe" if probe else "request", peer=who, outcome="failed", reason=str(exc),
                        request_id=req.request_id if req else None)
 
@@ -371,6 +375,8 @@ class PullServer(Listener):
         if not isinstance(ready, Ready):  # it hung up, or refused: nothing was computed, and the log says so
             reason = (f"the consumer refused before it was ready ({ready.code}: {ready.message})"
                       if isinstance(ready, Reject) else "the consumer left before it was ready")
+            with self._lock:
+                self.counters["failed"] += 1
             self._emit("request", peer=who, outcome="failed", reason=reason, request_id=req.request_id,
                        key_id=req.key_id, consumer=req.consumer, tokens=len(req.token_ids),
                        total_s=round(time.monotonic() - t0, 6))

@@ -55,10 +55,23 @@ def _iso(t: dt.datetime) -> str:
     return t.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+#: The longest node name: its CA certificate's common name is "muser CA NAME", at most 64 characters.
+MAX_NAME = 64 - len("muser CA ")
+
+
 def _check_name(name: str, what: str = "node name") -> str:
     if not NAME_RE.match(name):
         raise UsageError(f"bad {what} {name!r}: use letters, digits, dots and dashes")
+    if len(name) > MAX_NAME:
+        raise UsageError(f"bad {what}: {len(name)} characters, at most {MAX_NAME} are allowed "
+                         f"(a certificate's common name holds 64)")
     return name
+
+
+def _same_name_but_case(a: str | None, b: str) -> bool:
+    """Node names are compared without case where TLS compares them (server names): two that
+    differ only in case would shadow each other."""
+    return bool(a) and a != b and a.lower() == b.lower()
 
 
 def _host_name() -> str | None:
@@ -216,6 +229,11 @@ def _join_target(directory: Path, consumer: str, force: bool) -> Path:
             raise UsageError(f"{what} already exists in {directory}", hint="pass --force to replace it")
         return directory
     _check_name(consumer, "consumer name")
+    for other in [current.consumer, *(d.name for d in consumer_dirs(directory))]:
+        if _same_name_but_case(other, consumer):
+            raise UsageError(f"a consumer named {other!r} already joined this producer; {consumer!r} differs "
+                             "only in case, and server names are compared without case",
+                             hint="give that consumer another name (`muser node init --name`) and export its bundle again")
     sub = directory / CONSUMERS_DIR / consumer
     if (sub / "node.json").exists() and not force:
         raise UsageError(f"a node identity for consumer {consumer!r} already exists in {sub}",

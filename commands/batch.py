@@ -110,6 +110,7 @@ def register(app: typer.Typer) -> None:
                 _emit_summary(summary, as_json=as_json, output=output)
                 return
             _report(summary, again)
+            _warn_ended_at_once(view.at_once, chat=chat)
             _emit_summary(summary, as_json=as_json, output=output)
             if summary.interrupted:
                 raise typer.Exit(ExitStatus.INTERRUPTED)
@@ -128,6 +129,18 @@ def _handle(signals, handler=None) -> dict:
     if isinstance(signals, dict):
         return {sig: signal.signal(sig, old) for sig, old in signals.items()}
     return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def _warn_ended_at_once(ids: list[str], *, chat: bool) -> None:
+    """An answer that ends at its first token (end of sequence at once) is almost always a chat
+    model given a raw prompt: say so, once, with the way out."""
+    if not ids:
+        return
+    shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    from muser_cli.units import plural
+
+    way = "" if chat else "; a chat model's prompts need --chat (or \"chat\": true in the job)"
+    err(f"muser batch: warning: {plural(len(ids), 'answer')} ended at the first token ({shown}){way}")
 
 
 def _report(summary, again: str | None) -> None:
@@ -216,6 +229,7 @@ class _Progress:
 
     def __init__(self, total: int) -> None:
         self._bar = None
+        self.at_once: list[str] = []  # jobs whose answer ended at its first token
         if quiet() or not sys.stderr.isatty() or total == 0:
             return
         from rich.console import Console
@@ -227,6 +241,9 @@ class _Progress:
         self._bar.start()
 
     def update(self, result: dict, summary) -> None:
+        ids = result.get("token_ids")
+        if not result.get("error") and isinstance(ids, list) and len(ids) <= 1:
+            self.at_once.append(str(result.get("id")))
         if self._bar is None:
             return
         tok_s = summary.new_tokens / summary.wall_s if summary.wall_s > 0 else 0.0

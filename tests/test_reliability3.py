@@ -353,3 +353,27 @@ def test_a_node_name_too_long_for_a_certificate_is_a_usage_error(tmp_path):
     err = r.stderr.decode()
     assert r.returncode == 2 and f"at most {MAX_NAME}" in err and "internal error" not in err, err
     assert _muser(tmp_path / "b", "node", "init", "--name", "n" * MAX_NAME).returncode == 0
+
+
+# ----------------------------------------------------------------------------- item 3: the README's batch job
+@pytest.mark.slow
+def test_the_readmes_batch_example_gives_an_answer_and_a_raw_prompt_that_ends_at_once_is_warned(tmp_path, real_model):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The bridge over the river was built in 1921 by a crew of forty. It is made of stone "
+                   "and has three arches. The town of Millford grew up around it.")
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "q1", "prompt_file": "doc.txt", "question": "When was the bridge built?",
+                                "max_tokens": 16}) + "\n")
+    home = tmp_path / "home"
+    chat = _muser(home, "batch", jobs, "-m", "default", "--chat", "--no-reuse")  # as the README says
+    assert chat.returncode == 0, chat.stderr
+    (answer,) = [json.loads(x) for x in chat.stdout.splitlines()]
+    assert answer["text"].strip() and len(answer["token_ids"]) > 1, answer
+    assert b"ended at the first token" not in chat.stderr
+    raw = _muser(home, "batch", jobs, "-m", "default", "--no-reuse")
+    assert raw.returncode == 0, raw.stderr
+    (got,) = [json.loads(x) for x in raw.stdout.splitlines()]
+    if len(got["token_ids"]) <= 1:  # the newcomer's trial: an empty answer, now with a warning
+        assert b"warning: 1 answer ended at the first token (q1)" in raw.stderr and b"--chat" in raw.stderr, raw.stderr
+    else:
+        assert b"ended at the first token" not in raw.stderr

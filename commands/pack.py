@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         no_zstd: bool = typer.Option(False, "--no-zstd", help="Store frames uncompressed (mmap-friendly)."),
         quant: str = typer.Option("none", "--quant", help="none | int8 (lossy: scale per layer x K/V x head x token; error recorded in the header)."),
         have: Optional[str] = typer.Option(None, "--have", help="Manifest of what the consumer holds (delta)."),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the summary (needs -o FILE; with the kvpack on stdout, a one-line note goes to stderr instead), or with --info the description."),
+        as_json: bool = typer.Option(False, "--json", help="Print one JSON object: the summary (on stdout with -o FILE; with the kvpack on stdout, on stderr as one line), or with --info the description."),
         show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
         export_to: Optional[str] = typer.Option(None, "--export", help="mlx-lm: write the pack as an mlx-lm prompt cache (safetensors) that mlx_lm.generate --prompt-cache-file loads; it holds prompt[:-1], so continue with the last prompt token (docs/interop.md)."),
         import_from: Optional[str] = typer.Option(None, "--import", help="mlx-lm: read an mlx-lm prompt cache (SRC) and write a kvpack bound to -m and --prompt."),
@@ -52,8 +52,8 @@ def register(app: typer.Typer) -> None:
                     manifest = packing.read_have(f)
             with open_input(src) as inp, binary_output(output) as out:
                 res = packing.pack(inp, out, codec=packing.codec_for(no_zstd), level=zstd, quant=quant, have=manifest)
-            if as_json and output not in ("-", None):
-                emit_json(res.to_json())
+            if as_json:
+                _json_summary(res.to_json(), output)
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 share = f"{res.bytes_out / res.raw_bytes:.0%} of the raw KV's {size_text(res.raw_bytes)}" if res.raw_bytes else "no KV"
@@ -72,8 +72,8 @@ def _interop(src: str, output: str, *, export_to: str | None, import_from: str |
     if export_to is not None:
         with open_input(src) as inp, binary_output(output) as out:
             res = mlx_lm.export_mlx_lm(inp, out, model=model)
-        if as_json and output not in ("-", None):
-            emit_json(packing.export_summary(res))
+        if as_json:
+            _json_summary(packing.export_summary(res), output)
             return
         info(f"pack: exported {res.rows} rows (prompt[:-1]) as an mlx-lm prompt cache, {size_text(res.bytes_out)}; "
              f"continue with the last prompt token, id {res.next_token_ids[0]}")
@@ -85,12 +85,25 @@ def _interop(src: str, output: str, *, export_to: str | None, import_from: str |
     with binary_output(output) as out:
         res = mlx_lm.import_mlx_lm(src, out, model=model, prompt=text, chat=chat, codec=packing.codec_for(no_zstd),
                                    level=level)
-    if as_json and output not in ("-", None):
-        emit_json(packing.import_summary(res))
+    if as_json:
+        _json_summary(packing.import_summary(res), output)
         return
     note = " (the file held the whole prompt; its last row is left to the consumer)" if res.dropped_last_row else ""
     info(f"pack: imported an mlx-lm prompt cache of {res.cached_positions} positions as a kvpack of "
          f"{res.tokens} tokens, {size_text(res.bytes_out)}{note}")
+
+
+def _json_summary(obj: dict, output: str | None) -> None:
+    """--json's summary object: on stdout beside ``-o FILE``; on stderr (one line) when the
+    kvpack itself is on stdout, where JSON would corrupt it."""
+    if output not in ("-", None):
+        emit_json(obj)
+        return
+    import json
+    import sys
+
+    sys.stderr.write(json.dumps(obj, sort_keys=True) + "\n")
+    sys.stderr.flush()
 
 
 def _show_info(d: dict, *, as_json: bool) -> None:

@@ -18,10 +18,13 @@ class _Refused(Exception):
 
 def _failed(report) -> typer.Exit:
     """The one error line of a pack that failed a check (after its report), and its exit status (65)."""
-    from muser_cli.errors import DataError
+    from muser_cli.errors import DAMAGED_PACK_HINT, TRUNCATED_PACK_HINT, DataError
 
     bad = report.first_failure()
-    return fail(DataError(f"verify failed: {bad.name}: {bad.detail}"))
+    hint = None
+    if bad.name == "integrity":  # the pack's bytes themselves: say what to do, as decode does
+        hint = TRUNCATED_PACK_HINT if "truncated" in bad.detail else DAMAGED_PACK_HINT if "corrupt" in bad.detail else None
+    return fail(DataError(f"verify failed: {bad.name}: {bad.detail}", hint=hint))
 
 
 def _render(report) -> str:

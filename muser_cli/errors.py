@@ -54,6 +54,14 @@ class KVPackError(DataError):
     """A kvpack failed a structural or integrity check. The only error the reader raises."""
 
 
+#: What to do about a pack whose bytes changed after they were written.
+DAMAGED_PACK_HINT = ("the pack changed after it was written (disk, copy or link): make or fetch it again, "
+                     "or give decode --prompt FILE to prefill locally")
+#: What to do about a pack that ends early.
+TRUNCATED_PACK_HINT = ("the pack ends early (a cut stream or a partial copy): fetch it again, "
+                       "or give decode --prompt FILE to prefill what is missing locally")
+
+
 class IdentityMismatch(DataError):
     """A kvpack is valid but was made for another model, tokenizer, prompt or position."""
 

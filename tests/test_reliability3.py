@@ -377,3 +377,32 @@ def test_the_readmes_batch_example_gives_an_answer_and_a_raw_prompt_that_ends_at
         assert b"warning: 1 answer ended at the first token (q1)" in raw.stderr and b"--chat" in raw.stderr, raw.stderr
     else:
         assert b"ended at the first token" not in raw.stderr
+
+
+# ----------------------------------------------------------------------------- item 13
+def test_a_corrupt_or_truncated_pack_gets_a_hint_and_pack_json_on_a_pipe_goes_to_stderr(tmp_path, tiny_llama):
+    import subprocess
+
+    from handoff_kit import env_for
+
+    home = tmp_path / "home"
+    doc = tmp_path / "doc.txt"
+    doc.write_text(PROMPT * 3)
+    made = _muser(home, "prefill", "-m", tiny_llama.path, doc, "-o", tmp_path / "p.kvpack")
+    assert made.returncode == 0, made.stderr
+    data = (tmp_path / "p.kvpack").read_bytes()
+    damaged = bytearray(data)
+    damaged[len(data) // 2] ^= 1
+    (tmp_path / "c.kvpack").write_bytes(bytes(damaged))
+    (tmp_path / "t.kvpack").write_bytes(data[: len(data) // 2])
+    for name, words in (("c", "changed after it was written"), ("t", "ends early")):
+        for verb in ("decode", "verify"):
+            r = _muser(home, verb, "-m", tiny_llama.path, tmp_path / f"{name}.kvpack", *(["-n", "2"] if verb == "decode" else []))
+            last = r.stderr.decode().strip().splitlines()[-1]
+            assert r.returncode == 65 and last.startswith("muser: error: ") and "(hint: " in last, (verb, name, last)
+            assert "--prompt FILE" in last and (words in last or (name, verb) == ("t", "decode")), (verb, name, last)
+    piped = subprocess.run(muser_cmd("pack", "--json"), input=data, env=env_for(home), capture_output=True,
+                           timeout=HANG_S)
+    assert piped.returncode == 0 and piped.stdout[:4] == data[:4]  # the kvpack, untouched by JSON
+    summary = json.loads(piped.stderr.decode().strip().splitlines()[-1])
+    assert summary["frames"] > 0 and summary["bytes_in"] == len(data)

@@ -19,7 +19,7 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
-from muser_cli.errors import KVPackError
+from muser_cli.errors import DAMAGED_PACK_HINT, KVPackError, TRUNCATED_PACK_HINT
 from muser_cli.kvpack.alloc import slab_arrays
 from muser_cli.kvpack.checks import (
     body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
@@ -105,7 +105,7 @@ def batches(frames: list, min_bytes: int) -> list[list]:
 
 
 def _truncated(where: str) -> KVPackError:
-    return KVPackError(f"truncated kvpack: input ended {where}")
+    return KVPackError(f"truncated kvpack: input ended {where}", hint=TRUNCATED_PACK_HINT)
 
 
 @dataclass
@@ -237,7 +237,8 @@ def _verified(scan: _Scan, work: Callable[[_Scanned], tuple]) -> Iterator[tuple[
                 p = chain.payload((f.stored,))  # work failed before its digest: take it here
             d = chain.compute(f.fh, (f.stored,), p)
             if d != f.digest:
-                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+                raise KVPackError(f"frame {f.seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)",
+                                  hint=DAMAGED_PACK_HINT)
             chain.value = d
             if isinstance(got, BaseException):
                 raise got

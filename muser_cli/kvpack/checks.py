@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from muser_cli.errors import KVPackError
+from muser_cli.errors import DAMAGED_PACK_HINT, KVPackError
 from muser_cli.kvpack.codec import decode_payload
 from muser_cli.kvpack.format import (
     CODEC_NAMES, DIGEST_BLOCK, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, MINOR_ADDS, PREAMBLE, TAG_DATA, TAG_END, PackHeader,
@@ -124,5 +124,5 @@ def decode_frame(header: PackHeader, layer: int, count: int, codec: int, stored:
 
 def check_root(block: memoryview, root: bytes) -> None:
     if bytes(block[:32]) != root or any(block[32:]):
-        raise KVPackError("end frame root digest mismatch (corrupt)")
+        raise KVPackError("end frame root digest mismatch (corrupt)", hint=DAMAGED_PACK_HINT)
 

@@ -17,7 +17,7 @@ from typing import Union
 
 import numpy as np
 
-from muser_cli.errors import KVPackError
+from muser_cli.errors import DAMAGED_PACK_HINT, KVPackError, TRUNCATED_PACK_HINT
 from muser_cli.kvpack.checks import (
     body_len, check_frame_header, check_header, check_magic, check_padding, check_preamble, check_root, decode_frame,
     header_block_len,
@@ -232,7 +232,7 @@ class PackReader:
                 self._state, f"after {self._seq} frames")
             if self._pos == 0 and not self._pend_len:
                 raise KVPackError("empty input: no kvpack")
-            raise KVPackError(f"truncated kvpack: input ended {where}")
+            raise KVPackError(f"truncated kvpack: input ended {where}", hint=TRUNCATED_PACK_HINT)
 
     # -------------------------------------------------------------- internals
     def _take(self, n: int) -> memoryview | None:
@@ -336,7 +336,8 @@ class PackReader:
         (``stored`` None: decode=False, the payload was hashed as it arrived)."""
         f = self._cur
         if digest != sent:
-            raise KVPackError(f"frame {self._seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)")
+            raise KVPackError(f"frame {self._seq} (layer {f.layer}, start {f.start}): digest mismatch (corrupt)",
+                              hint=DAMAGED_PACK_HINT)
         assert self._chain is not None and self.header is not None
         self._chain.value = digest
         self._raw_total += f.raw_len

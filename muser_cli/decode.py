@@ -16,7 +16,7 @@ from muser_cli.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
-from muser_cli.errors import DataError, KVPackError, MissingInput, SpotCheckFailed, UsageError
+from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
 from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.gate_state import has_state
 from muser_cli.binding import require_identity
@@ -301,7 +301,7 @@ def decode(
     if store:
         try:
             stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng, spot=spot)
-        except DataError as exc:  # the store is a cache: failing to keep the answer is not failing it
+        except (MuserError, OSError) as exc:  # the store is a cache: failing to keep the answer is not failing it
             got.problems.append(f"not stored: {exc}")
     return DecodeOutcome(
         text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,

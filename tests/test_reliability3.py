@@ -406,3 +406,65 @@ def test_a_corrupt_or_truncated_pack_gets_a_hint_and_pack_json_on_a_pipe_goes_to
     assert piped.returncode == 0 and piped.stdout[:4] == data[:4]  # the kvpack, untouched by JSON
     summary = json.loads(piped.stderr.decode().strip().splitlines()[-1])
     assert summary["frames"] > 0 and summary["bytes_in"] == len(data)
+
+
+# ----------------------------------------------------------------------------- item 22: a full store disk
+def _unshare_ok() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt || "
+                        "mount -t tmpfs -o size=64k tmpfs \"$TMPDIR\""], capture_output=True,
+                       env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "TMPDIR": "/tmp"})
+    return r.returncode == 0
+
+
+def test_a_full_store_disk_fails_no_answer(tmp_path, tiny_llama):
+    """decode --serve --store with its store on a full filesystem (a 64 KiB tmpfs in a mount
+    namespace of the test's own): every request is answered 200, the log warns once, the
+    metric counts each, and every request still gets its log line."""
+    if not _unshare_ok():
+        pytest.skip("this machine lets no user mount a tmpfs in a namespace of its own (unshare -rm)")
+    import re
+    import shlex
+    import subprocess
+    import threading
+
+    from handoff_kit import env_for
+
+    store = tmp_path / "store"
+    store.mkdir()
+    env = {**env_for(tmp_path / "home"), "MUSER_STORE": str(store)}
+    serve = " ".join(shlex.quote(a) for a in muser_cmd("decode", "--serve", "127.0.0.1:0", "-m", str(tiny_llama.path),
+                                                         "--threads", "1", "--dtype", "float32", "--store"))
+    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c",
+                             f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(store))} && exec {serve}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(raw.decode() for raw in proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + HANG_S
+    while not any("listening on" in x for x in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, lines
+        time.sleep(0.05)
+    base = "http://" + re.search(r"listening on http://(\S+)/v1", "".join(lines)).group(1)
+    import httpx
+
+    try:
+        for i in range(3):
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": f"{PROMPT} Turn {i}.", "max_tokens": 3,
+                                                           "temperature": 0}, timeout=HANG_S)
+            assert r.status_code == 200, r.text
+        metrics = httpx.get(f"{base}/metrics", timeout=HANG_S).text
+    finally:
+        proc.terminate()
+        proc.wait(HANG_S)
+    records = [json.loads(x) for x in lines if x.startswith("{")]
+    requests = [x for x in records if x.get("event") == "request"]
+    assert [x["status"] for x in requests] == [200, 200, 200]
+    assert all(x.get("store_problems") for x in requests), requests
+    assert any("disk is full" in p or "No space left" in p for p in requests[0]["store_problems"]), requests[0]
+    warnings = [x for x in records if x.get("event") == "warning"]
+    assert len(warnings) == 1 and "store could not keep" in warnings[0]["warning"], warnings
+    assert re.search(r"^muser_store_errors_total 3\.0$", metrics, re.M), metrics

@@ -220,7 +220,7 @@ class ResidentProducer:
         t0 = time.perf_counter()
         try:
             stats["stored"] = Store().put_layers(*put).entry.id
-        except MuserError as exc:  # the store is a cache: failing to keep the rows is not failing the request
+        except (MuserError, OSError) as exc:  # the store is a cache: failing to keep the rows is not failing the request
             stats["store_error"] = str(exc)
         stats["store_s"] = round(time.perf_counter() - t0, 6)
 

@@ -49,6 +49,8 @@ class ConsumerMetrics:
         self.requests = Counter("muser_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.tokens = Counter("muser_generated_tokens", "Tokens generated", registry=r)
+        self.store_errors = Counter("muser_store_errors", "Answers whose rows the store could not keep (the answer "
+                                    "was given)", registry=r)
 
     def text(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -104,6 +104,7 @@ class EngineWorker:
         self.pool = ProducerPool(config.producers)
         self.metrics = metrics
         self.log = log or (lambda record: None)
+        self._store_warned = False
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
@@ -210,6 +211,8 @@ class EngineWorker:
         if tail and not job.cancelled.is_set():
             job.emit("text", tail)
         summary = state.summary(ids, finish)
+        if out is not None and out.store_problems:
+            summary["store_problems"] = list(out.store_problems)
         self._observe(state, summary)
         job.emit("done", summary)
 
@@ -273,6 +276,11 @@ class EngineWorker:
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         m = self.metrics
         self.log({"event": "request", "status": 200, **{k: v for k, v in s.items() if k != "text"}})
+        if s.get("store_problems") and not self._store_warned:  # once: every answer's line says it too
+            self._store_warned = True
+            self.log({"event": "warning", "warning": f"the store could not keep an answer's rows "
+                                                     f"({s['store_problems'][0]}); answering on, counted in "
+                                                     "muser_store_errors_total"})
         if m is None:
             return
         source = s["source"]
@@ -291,6 +299,8 @@ class EngineWorker:
             m.fallbacks.labels(fallback_kind(s["fallback_reason"])).inc()
         if state.refused is not None:
             m.gate.inc()
+        if s.get("store_problems"):
+            m.store_errors.inc()
 
 
 class _RunState:

@@ -327,7 +327,8 @@ def _muser(home, *args):
 
     from handoff_kit import env_for
 
-    return subprocess.run(muser_cmd(*map(str, args)), env=env_for(home), capture_output=True, timeout=HANG_S)
+    return subprocess.run(muser_cmd(*map(str, args)), env=env_for(home), stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=HANG_S)
 
 
 def test_consumer_names_that_differ_only_in_case_cannot_both_join(tmp_path):
@@ -468,3 +469,21 @@ def test_a_full_store_disk_fails_no_answer(tmp_path, tiny_llama):
     warnings = [x for x in records if x.get("event") == "warning"]
     assert len(warnings) == 1 and "store could not keep" in warnings[0]["warning"], warnings
     assert re.search(r"^muser_store_errors_total 3\.0$", metrics, re.M), metrics
+
+
+# ----------------------------------------------------------------------------- item 23
+def test_mlx_refuses_a_llama4_routing_two_experts_per_token_by_name(tmp_path, tiny_family):
+    pytest.importorskip("mlx_lm")
+    import shutil
+
+    folder = tmp_path / "llama4-top2"
+    shutil.copytree(tiny_family("llama4_text").path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_experts_per_tok"] = 2
+    (folder / "config.json").write_text(json.dumps(config))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(PROMPT)
+    r = _muser(tmp_path / "home", "decode", "--engine", "mlx", "-m", folder, "--prompt", doc, "-n", "2")
+    err = r.stderr.decode()
+    assert r.returncode == 78 and err.count("\n") == 1 and "routes 2 experts per token" in err, err
+    assert "AssertionError" not in err and "internal error" not in err

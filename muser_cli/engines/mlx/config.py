@@ -41,6 +41,18 @@ _ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")  # scaling types this e
 _PROBE_POSITIONS = (1, 3, 17, 64, 511, 4095)
 
 
+def check_supported(info: ModelInfo, config: dict[str, Any]) -> None:
+    """Refuse by name, before loading, a configuration mlx-lm's module for the family cannot
+    build (it would stop in an ``assert`` of mlx-lm's): Llama 4's mixture of experts routes
+    exactly one expert per token in mlx-lm 0.32."""
+    if info.architecture in ("llama4", "llama4_text"):
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        k = text.get("num_experts_per_tok", 1)
+        if k != 1:
+            raise ConfigError(f"the mlx engine cannot run this {info.architecture}: it routes {k} experts per token, "
+                              "mlx-lm's Llama 4 routes exactly 1", hint="use --engine torch")
+
+
 def check_dtype(info: ModelInfo, model: Any, dtype: str) -> None:
     """Refuse, before any forward, what this MLX build cannot compute: on the CPU, MLX's
     ``gather_mm`` (mlx-lm's mixture-of-experts layers, ``switch_layers``) runs float32 only, so

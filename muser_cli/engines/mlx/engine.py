@@ -54,7 +54,7 @@ from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.gemma3 import match_embed_scale
 from muser_cli.engines.mlx.config import (  # noqa: F401
-    APPLIES_ROPE, MLX_REFUSED, check_dtype, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
+    APPLIES_ROPE, MLX_REFUSED, check_dtype, check_supported, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
 from muser_cli.engines.mlx.sampling import sampler
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
 
@@ -91,6 +91,7 @@ class MLXEngine(Engine):
         self._set_threads()
         start = time.perf_counter()
         config = read_config(info)
+        check_supported(info, config)
         self.overrides = mlx_config_overrides(config)
         try:
             self.model, self.config = load_model(info.path, model_config=self.overrides, get_model_classes=model_classes)

@@ -487,3 +487,40 @@ def test_mlx_refuses_a_llama4_routing_two_experts_per_token_by_name(tmp_path, ti
     err = r.stderr.decode()
     assert r.returncode == 78 and err.count("\n") == 1 and "routes 2 experts per token" in err, err
     assert "AssertionError" not in err and "internal error" not in err
+
+
+# ----------------------------------------------------------------------------- items 7, 8: decode's notes on a terminal
+def test_on_a_terminal_the_notes_never_land_inside_the_streamed_answer(tmp_path, tiny_llama):
+    import os
+    import pty
+    import subprocess
+
+    from handoff_kit import env_for
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(PROMPT)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(muser_cmd("decode", "-m", str(tiny_llama.path), "--prompt", str(doc), "-n", "12",
+                                      "--no-reuse"), env=env_for(tmp_path / "home"),
+                            stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            got = os.read(master, 65536)
+        except OSError:  # the terminal closed: the process is done with it
+            break
+        if not got:
+            break
+        out += got
+    assert proc.wait(HANG_S) == 0, out
+    os.close(master)
+    lines = out.decode(errors="replace").replace("\r\n", "\n").split("\n")
+    notes = [i for i, line in enumerate(lines) if "decode: " in line]
+    assert notes, lines
+    for i in notes:
+        assert lines[i].lstrip("\r").startswith("decode: ") or lines[i].lstrip("\r").startswith("\x1b"), lines
+    fallback = [x for x in lines if "decode: fallback: no handoff (stdin is a terminal)" in x]
+    assert len(fallback) == 1 and fallback[0].lstrip("\r").startswith("decode: fallback"), lines
+    (summary,) = [x for x in lines if "tokens, ttft" in x]
+    assert "not counting the model load" in summary, summary

@@ -524,3 +524,27 @@ def test_on_a_terminal_the_notes_never_land_inside_the_streamed_answer(tmp_path,
     assert len(fallback) == 1 and fallback[0].lstrip("\r").startswith("decode: fallback"), lines
     (summary,) = [x for x in lines if "tokens, ttft" in x]
     assert "not counting the model load" in summary, summary
+
+
+# ----------------------------------------------------------------------------- item 2: fields accepted and ignored
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+])
+def test_fields_this_server_does_not_do_are_refused_not_ignored(client, extra, param):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                                                  **extra})
+    err = _openai_error(r, 400)
+    assert err["param"] == param and "not supported" in err["message"], err
+
+
+def test_the_defaults_of_those_fields_are_accepted(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                                                  "response_format": {"type": "text"}, "presence_penalty": 0,
+                                                  "frequency_penalty": 0.0, "tool_choice": "none", "logit_bias": {}})
+    assert r.status_code == 200, r.text

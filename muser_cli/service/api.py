@@ -169,9 +169,18 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     for key, ok in (("n", 1), ("best_of", 1)):
         if body.get(key) not in (None, ok):
             raise ApiError(400, f"{key} other than {ok} is not supported", param=key)
-    for key in ("echo", "logprobs", "top_logprobs", "tools", "suffix"):
-        if body.get(key) not in (None, False, [], 0):
+    for key in ("echo", "logprobs", "top_logprobs", "tools", "suffix", "functions", "function_call", "tool_choice",
+                "parallel_tool_calls", "logit_bias", "prediction", "audio", "modalities"):
+        if body.get(key) not in (None, False, [], 0, {}) and not (key == "tool_choice" and body[key] == "none"):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # accepted only where they do nothing
+        if body.get(key) not in (None, 0, 0.0) or isinstance(body.get(key), bool):
+            raise ApiError(400, f"{key} other than 0 is not supported by this server", param=key)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
+                       param="response_format")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")

@@ -10,11 +10,10 @@ from muser_cli.commands._common import emit_json, guarded
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    """Human lines use decimal units (docs/cli-contract.md): ``27.0 MB``."""
+    from muser_cli.units import size_text
+
+    return size_text(n)
 
 
 def _render(report: dict) -> str:
@@ -38,13 +37,17 @@ def _render(report: dict) -> str:
                          f"({_size(c['state_bytes_per_layer'] * c['layers'])} for {c['layers']} layers)")
     lines.append(f"  KV bytes per token (all layers, below any window): {report['kv_bytes_per_token']}")
     if "tokens" in report:
-        lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
-                     f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
-                     f"{_size(report['payload_zstd_estimate_bytes'])}")
-        if "payload_history_bytes" in report:
-            lines.append(f"  with the sliding history (prefill's default, for another engine's gate): "
-                         f"{report['payload_history_bytes']} bytes ({_size(report['payload_history_bytes'])}); "
-                         f"--no-history ships the window only")
+        if "payload_history_bytes" in report:  # what prefill ships by default comes first
+            lines.append(f"  payload at {report['tokens']} tokens, as prefill ships it (with the sliding history, "
+                         f"for another engine's gate): {report['payload_history_bytes']} bytes "
+                         f"({_size(report['payload_history_bytes'])}, raw)")
+            lines.append(f"  with --no-history (the window only): {report['payload_bytes']} bytes "
+                         f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
+                         f"{_size(report['payload_zstd_estimate_bytes'])}")
+        else:
+            lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
+                         f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
+                         f"{_size(report['payload_zstd_estimate_bytes'])}")
     for name, e in report["engines"].items():
         can = "produce + consume" if e["produce"] and e["consume"] else "produce" if e["produce"] else "no"
         lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))
@@ -58,7 +61,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("check")
     def check_cmd(
-        model: str = typer.Argument(..., help="Model folder (config.json is enough), config.json, .gguf file, or 'default'."),
+        model: str = typer.Argument(..., help="Model folder (config.json is enough), config.json, .gguf file, or a name (`muser model ls`: default, gemma3-270m)."),
         tokens: Optional[int] = typer.Option(None, "--tokens", help="Also print the payload a pack of an N-token prompt carries."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="KV dtype for the byte counts (default: the config's, else bfloat16)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
@@ -77,12 +80,19 @@ def register(app: typer.Typer) -> None:
     def ls_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
         """List the supported model families and the engines their tiny models were tested on."""
         from muser_cli.modelcheck import families
+        from muser_cli.models import named_models
 
         with guarded(as_json=as_json):
             rows = families()
+            names = named_models()
             if as_json:
-                emit_json({"ok": True, "families": rows})
+                emit_json({"ok": True, "families": rows, "names": names})
                 return
+            typer.echo("Names -m takes (besides a model folder or a .gguf file):")
+            for n in names:
+                state = "installed" if n["installed"] else f"not installed: {n['install']}"
+                typer.echo(f"  {n['name']:<14} {n['about']} ({state})")
+            typer.echo("")
             typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} {'vllm':<6} notes")
             for r in rows:
                 typer.echo(f"{r['model_type']:<20} {r['style']:<12} {r['nope']:<18} {'yes' if r['torch'] else '-':<6} "

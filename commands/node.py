@@ -17,7 +17,7 @@ def init_cmd(
     name: Optional[str] = typer.Option(None, "--name", help="This node's name (default: host name)."),
     host: List[str] = typer.Option([], "--host", help="Extra name or address producers dial (repeatable)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing identity."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Create a private CA, this node's certificate and an HMAC key with a key id."""
     from muser_cli.handoff.api import node_init
@@ -81,7 +81,7 @@ def join_cmd(
     bundle: str = typer.Argument(..., help="Bundle made by `muser node export`, or -."),
     force: bool = typer.Option(False, "--force", help="Replace the identity this bundle's consumer already has here "
                                                       "(or a consumer's own identity)."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Install a producer bundle on this node; a producer that joined other consumers adds this one."""
     from muser_cli.commands._common import open_input
@@ -98,7 +98,7 @@ def join_cmd(
 
 @node_app.command("ls")
 def ls_cmd(
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
     connected: Optional[str] = typer.Option(None, "--connected", metavar="HOST:PORT", help="Instead: who is connected now to the resident producer whose `prefill --serve --metrics` is HOST:PORT (consumer, address, state, bytes sent)."),
 ) -> None:
     """Show this node's identity, keys (never secrets) and peers: each one's role and when it last authenticated here."""

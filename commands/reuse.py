@@ -60,7 +60,7 @@ def put_cmd(
     model: Optional[str] = typer.Option(
         None, "--model", "-m",
         help="The pack's model (checked); without it, the model this machine knows by the pack's fingerprint."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Verify a kvpack and store it (content-addressed by its root digest).
 
@@ -100,7 +100,7 @@ def get_cmd(
 @reuse_app.command("ls")
 def ls_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Only this model's entries."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """List entries: id, model, tokens, bytes, schedule, last use (most recent first)."""
     from muser_cli.reuse import api
@@ -138,7 +138,7 @@ def gc_cmd(
     max_size: Optional[str] = typer.Option(None, "--max-size", help="Evict least recently used entries down to SIZE (20G, 512M)."),
     verify: bool = typer.Option(False, "--verify", help="Re-verify every pack; remove the corrupt."),
     rebuild: bool = typer.Option(False, "--rebuild", help="Rebuild the index from the pack files."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Sweep leftovers and orphans, optionally verify or rebuild, then evict to the size cap."""
     from muser_cli.reuse import api

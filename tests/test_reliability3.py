@@ -579,3 +579,53 @@ def test_the_gemma3_270m_has_a_name(tmp_path, shared_models_dir):
     report = json.loads(r.stdout)
     assert report["model_type"] == "gemma3_text" and report["layers"] == 18
     assert report["payload_history_bytes"] > report["payload_bytes"]
+
+
+# ----------------------------------------------------------------------------- items 10, 11: man pages, completions, help
+def test_man_pages_install_and_show_and_completions_print(tmp_path):
+    import shutil
+    import subprocess
+
+    page = _muser(tmp_path / "home", "man", "decode")
+    assert page.returncode == 0 and page.stdout.startswith(b".TH MUSER\\-DECODE 1") and b"--prompt" in page.stdout.replace(
+        b"\\-", b"-")
+    r = _muser(tmp_path / "home", "man", "--install", tmp_path / "share" / "man")
+    assert r.returncode == 0, r.stderr
+    pages = sorted(p.name for p in (tmp_path / "share" / "man" / "man1").iterdir())
+    assert "muser.1" in pages and "muser-decode.1" in pages and "muser-man.1" in pages
+    if shutil.which("man"):  # what a user then types
+        found = subprocess.run(["man", "-w", "muser-decode"], env={"MANPATH": str(tmp_path / "share" / "man"),
+                                                                   "PATH": "/usr/bin:/bin"}, capture_output=True)
+        assert found.returncode == 0 and found.stdout.strip().endswith(b"muser-decode.1"), found
+    bad = _muser(tmp_path / "home", "man", "nothing")
+    assert bad.returncode == 2 and b"no manual page for 'nothing'" in bad.stderr
+    import sys
+    from pathlib import Path
+
+    console = Path(sys.executable).parent / "muser"  # the installed command, as a user's shell runs it
+    if console.exists():
+        script = subprocess.run([str(console), "--show-completion", "bash"], capture_output=True, timeout=HANG_S,
+                                stdin=subprocess.DEVNULL)
+        assert script.returncode == 0 and b"_MUSER_COMPLETE" in script.stdout, script
+
+
+def test_help_shows_no_type_on_plain_flags_and_has_examples(tmp_path):
+    import os
+    import subprocess
+
+    from handoff_kit import env_for
+
+    env = {**env_for(tmp_path / "home"), "COLUMNS": "120", "TERM": "dumb"}
+    top = subprocess.run(muser_cmd("--help"), env=env, capture_output=True, timeout=HANG_S).stdout.decode()
+    assert "<bool>" not in top and "--debug" in top and "Examples" in top and "muser decode -m default" in top
+    for args in (("decode", "--help"), ("node", "ls", "--help"), ("batch", "--help")):
+        text = subprocess.run(muser_cmd(*args), env=env, capture_output=True, timeout=HANG_S).stdout.decode()
+        assert "<bool>" not in text, args
+    node_ls = subprocess.run(muser_cmd("node", "ls", "--help"), env=env, capture_output=True, timeout=HANG_S).stdout
+    assert b"One JSON object on stdout" in node_ls
+    decode_help = " ".join(subprocess.run(muser_cmd("decode", "--help"), env=env, capture_output=True,
+                                          timeout=HANG_S).stdout.decode().split())
+    assert "Default: --timeout, else no deadline" in decode_help.replace("│ ", "").replace(" │", "")
+    ls = _muser(tmp_path / "home", "model", "ls").stdout.decode()
+    assert max(len(line) for line in ls.splitlines()) <= 124, max(ls.splitlines(), key=len)
+    del os

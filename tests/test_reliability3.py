@@ -276,7 +276,7 @@ def test_the_producers_summary_counts_what_its_log_says_and_a_reachability_check
         with held_pull(ident, prod.address, request) as answer:
             assert type(answer).__name__ == "Serving"
         (failed,) = prod.wait_events(1)  # it hung up before its Ready
-        assert failed["outcome"] == "failed" and "ready" in failed["reason"]
+        assert failed["outcome"] == "failed" and "ready" in failed["reason"].lower()
     finally:
         assert prod.stop() == 0
     assert len(prod.events("tls_failed")) == 1 and len(prod.events("reachability")) == 1
@@ -629,3 +629,64 @@ def test_help_shows_no_type_on_plain_flags_and_has_examples(tmp_path):
     ls = _muser(tmp_path / "home", "model", "ls").stdout.decode()
     assert max(len(line) for line in ls.splitlines()) <= 124, max(ls.splitlines(), key=len)
     del os
+
+
+# ----------------------------------------------------------------------------- item 20: a queued consumer
+def test_a_queued_consumer_is_kept_informed_its_timeout_holds_and_one_that_leaves_is_dropped(tmp_path, tiny_llama):
+    """One consumer holds the producer's turn (admitted, never Ready). A second, queued, hears
+    Queued again every few seconds, then leaves: the producer drops it with nothing computed.
+    A third, `receive --from --timeout 120`, waits past the link's 30 s idle limit and is
+    served once the turn is free."""
+    import subprocess
+
+    from handoff_kit import Producer, env_for, held_pull, make_nodes
+    from muser_cli.handoff.link import client_context
+    from muser_cli.handoff.pull.server import QUEUED_EVERY_S
+    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
+    from test_pull_lane import CHUNK
+    from test_pull_lane import PROMPT as LANE_PROMPT
+    from test_pull_lane import signed_request
+
+    nodes = make_nodes(tmp_path)
+    model = str(tiny_llama.path)
+    lane = {"nodes": nodes, "model": model}
+    prod = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32",
+                    "--idle-timeout", str(HANG_S))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(LANE_PROMPT)
+    try:
+        ident, holding = signed_request(lane)
+        with held_pull(ident, prod.address, holding) as answer:
+            assert type(answer).__name__ == "Serving"
+            # the second consumer, by hand: it counts the Queued frames while it waits
+            _, waiting = signed_request(lane)
+            host, port = prod.address.rsplit(":", 1)
+            ctx = client_context(ident)
+            ctx.set_alpn_protocols([ALPN_PULL])
+            heard: list[float] = []
+            with socket.create_connection((host, int(port)), timeout=HANG_S) as raw, \
+                    ctx.wrap_socket(raw, server_hostname=host) as tls:
+                pc = PullConnection(Side.CONSUMER)
+                tls.sendall(pc.send(waiting))
+                t0 = time.monotonic()
+                while len(heard) < 3:
+                    pc.receive_data(tls.recv(65536))
+                    while (ev := pc.next_event()) is not None and type(ev).__name__ != "_NeedData":
+                        assert type(ev).__name__ == "Queued", ev
+                        heard.append(time.monotonic() - t0)
+            gaps = [b - a for a, b in zip(heard, heard[1:])]
+            assert all(g < 3 * QUEUED_EVERY_S for g in gaps), heard
+            (left,) = prod.wait_events(1)  # it hung up while queued
+            assert left["outcome"] == "failed" and "left while queued" in left["reason"], left
+            assert not prod.events("admitted")[1:]  # only the holder was ever admitted
+            third = subprocess.Popen(muser_cmd("receive", "--from", prod.address, str(doc), "-m", model,
+                                               "--chunk", str(CHUNK), "--timeout", "120", "--no-reuse",
+                                               "-o", str(tmp_path / "c.kvpack")),
+                                     env=env_for(nodes.consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            time.sleep(36)  # past the consumer's 30 s idle limit: only Queued keeps it reading
+            assert third.poll() is None, third.communicate()
+        out, err = third.communicate(timeout=HANG_S)  # the holder left: the third one's turn
+        assert third.returncode == 0, err.decode()
+        assert (tmp_path / "c.kvpack").stat().st_size > 0
+    finally:
+        assert prod.stop() == 0

@@ -66,6 +66,10 @@ from muser_cli.handoff.wire.pull_protocol import (
 from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
 from muser_cli.handoff.wire.refusal import Refusal
 
+#: How often a queued consumer is told again that its request still waits (well inside the
+#: consumer's idle limit, DEFAULT_IDLE_S, so that only its own --timeout ends its wait).
+QUEUED_EVERY_S = 5.0
+
 
 class Compute(Protocol):
     """What the server asks of the engine side (muser_cli.pulllane.producer)."""
@@ -286,7 +290,15 @@ class PullServer(Listener):
             try:
                 self._note(state="queued")
                 link.send(Queued(place), "telling the consumer its place")
-                if not self._admit.wait(probe, self._stop.is_set, who=consumer):
+                admitted = self._wait_queued(link, probe, consumer, place)
+                if admitted is None:  # it left while it waited: dropped before any work
+                    with self._lock:
+                        self.counters["failed"] += 1
+                    self._emit("probe" if probe else "request", peer=who, outcome="failed",
+                               reason=f"the consumer left while queued (place {place}): nothing computed",
+                               request_id=req.request_id, key_id=req.key_id, consumer=consumer)
+                    return
+                if not admitted:
                     raise self._turn_away()
             finally:
                 with self._lock:
@@ -304,6 +316,42 @@ class PullServer(Listener):
             self._stream(link, who, req, identity)
         finally:
             self._admit.leave(probe)
+
+    def _wait_queued(self, link: Link, probe: bool, consumer: str, place: int) -> bool | None:
+        """Wait for a turn while telling the consumer, every :data:`QUEUED_EVERY_S`, that its
+        request still waits (``Queued`` again: its reads never go idle, so its own ``--timeout``
+        is what ends its wait). True: admitted; False: the server is stopping; None: the consumer
+        left (closed, or sent anything, which a waiting consumer never does)."""
+        import select
+
+        gone, done = threading.Event(), threading.Event()
+
+        def keep_alive() -> None:
+            next_at = time.monotonic() + QUEUED_EVERY_S
+            while not done.wait(0.2):
+                try:
+                    if select.select([link.sock], [], [], 0)[0]:
+                        gone.set()
+                        return
+                    if time.monotonic() >= next_at:
+                        link.send(Queued(place), "telling the consumer it still waits")
+                        next_at += QUEUED_EVERY_S
+                except (MuserError, OSError, ValueError):
+                    gone.set()
+                    return
+
+        watcher = threading.Thread(target=keep_alive, name="muser-queued", daemon=True)
+        watcher.start()
+        try:
+            admitted = self._admit.wait(probe, lambda: self._stop.is_set() or gone.is_set(), who=consumer)
+        finally:
+            done.set()
+            watcher.join()
+        if gone.is_set():
+            if admitted:
+                self._admit.leave(probe)
+            return None
+        return admitted
 
     def _probe(self, link: Link, who: str, req: ProbeRequest, identity: Identity) -> None:
         """Answer the consumer's link probes as a V3 receiver (module doc)."""

@@ -32,6 +32,11 @@ from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
 
 LOOPBACK = "127.0.0.1"
 
+# The ceiling for a wait that only catches a hang: every wait for a process, a line or a state
+# uses it, never a budget a loaded machine can exceed (a test waits on the event it needs; one
+# that fails for being slow is a flaky test, not a finding). MUSER_TEST_HANG_S lowers it locally.
+HANG_S = float(os.environ.get("MUSER_TEST_HANG_S", "900"))
+
 
 def keys_dir_of(home: Path) -> Path:
     """``muser_cli.paths.keys_dir()`` for MUSER_HOME=home."""
@@ -85,7 +90,7 @@ def held_pull(ident: Identity, address: str, frame) -> Iterator[object]:
     host, port = address.rsplit(":", 1)
     ctx = client_context(ident)
     ctx.set_alpn_protocols([ALPN_PULL])
-    with socket.create_connection((host, int(port)), timeout=30) as s, ctx.wrap_socket(s, server_hostname=host) as tls:
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as s, ctx.wrap_socket(s, server_hostname=host) as tls:
         pc = PullConnection(Side.CONSUMER)
         tls.sendall(pc.send(frame))
         while True:
@@ -137,7 +142,7 @@ class RunningReceiver:
     def published(self) -> list[Path]:
         return sorted(p for p in self.out_dir.iterdir()) if self.out_dir.exists() else []
 
-    def wait_done(self, timeout: float = 10.0) -> None:
+    def wait_done(self, timeout: float = HANG_S) -> None:
         assert self.thread is not None
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "receiver did not stop"
@@ -145,7 +150,7 @@ class RunningReceiver:
     def stop(self) -> None:
         self.receiver.stop()
         if self.thread is not None:
-            self.thread.join(5)
+            self.thread.join(HANG_S)
         self.receiver.close()
 
 
@@ -328,7 +333,7 @@ def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[s
         stdout=stdout, stderr=subprocess.PIPE, text=False,
     )
     assert proc.stderr is not None
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + HANG_S
     line = b""
     while time.monotonic() < deadline:
         r, _, _ = select.select([proc.stderr], [], [], 0.2)
@@ -349,7 +354,8 @@ def port_of(run) -> int:
 
 
 def wait_for(pred, timeout: float = 5.0) -> bool:
-    """Poll ``pred`` until it is true or ``timeout`` seconds pass; its last value."""
+    """Poll ``pred`` until it is true or ``timeout`` seconds pass; its last value. The short
+    default suits a negative check (``assert not wait_for(...)``); a positive wait passes HANG_S."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
@@ -382,7 +388,7 @@ class ServiceProcess:
             got.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        got.wait(120)
+        got.wait(HANG_S)
         if self.address is None:
             self.proc.kill()
             raise AssertionError(f"{self.what} did not start: {''.join(self.lines)}")
@@ -396,7 +402,7 @@ class ServiceProcess:
                     out.append(obj)
         return out
 
-    def wait_events(self, n: int, kind: str = "request", timeout: float = 30) -> list[dict]:
+    def wait_events(self, n: int, kind: str = "request", timeout: float = HANG_S) -> list[dict]:
         end = time.monotonic() + timeout
         while time.monotonic() < end and len(self.events(kind)) < n:
             time.sleep(0.05)
@@ -406,7 +412,7 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                return self.proc.wait(30)
+                return self.proc.wait(HANG_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_kit import Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
 
 CHUNK = 32
 DOC = " ".join(f"Line {i}: the committee chose the northern site near the old mill and the school." for i in range(14))
@@ -68,7 +68,7 @@ def expected(model, tmp_path_factory) -> dict[str, list[int]]:
     return out
 
 
-def batch(home: Path, *args: str, timeout: float = 300, input: bytes | None = None) -> subprocess.CompletedProcess:
+def batch(home: Path, *args: str, timeout: float = HANG_S, input: bytes | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(muser_cmd("batch", *args), env=env_for(home), capture_output=True, timeout=timeout,
                           input=input)
 
@@ -119,7 +119,7 @@ def stop_at_lines(proc, res, lines: int) -> None:
     """SIGSTOP the batch ``proc`` the moment its results file ``res`` holds ``lines`` whole
     lines: a tiny model finishes the other jobs in milliseconds, so a signal sent a little
     later could land after the last one (SIGINT and SIGTERM stay pending until SIGCONT)."""
-    end = time.monotonic() + 240
+    end = time.monotonic() + HANG_S
     while time.monotonic() < end and proc.poll() is None:
         if res.exists() and res.read_bytes().count(b"\n") >= lines:
             proc.send_signal(signal.SIGSTOP)
@@ -163,7 +163,7 @@ def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected,
     proc, jobs, res, home = start_stopped(model, tmp_path, 1)
     proc.send_signal(signal.SIGINT)  # pending while stopped; handled the moment the run continues
     proc.send_signal(signal.SIGCONT)
-    _, err = proc.communicate(timeout=240)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 130, err
     assert b"stopping after the current job" in err
     partial = lines_of(res.read_bytes())
@@ -266,7 +266,7 @@ def test_producer_killed_mid_batch_every_job_still_completes(model, expected, la
         prod.proc.kill()
         prod.proc.wait()
         proc.send_signal(signal.SIGCONT)
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err
     finally:
         prod.proc.kill()
@@ -286,7 +286,7 @@ def test_ray_batch_equals_the_local_batch(model, expected, tmp_path):
     jobs = write_jobs(tmp_path, QUESTIONS[:3], extra=[solo])
     res = tmp_path / "res.jsonl"
     r = batch(tmp_path / "home", str(jobs), *common(model), "--ray", "local", "--ray-workers", "2", "-o", str(res),
-              "--json", timeout=600)
+              "--json", timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     got = lines_of(res.read_bytes())
     assert [g["id"] for g in got] == ["q0", "solo", "q1", "q2"]
@@ -311,7 +311,7 @@ def test_decode_producer_asks_only_for_what_the_store_lacks(model, expected, lan
         prompt.write_text(f"{DOC}\n\n{q}")
         r = subprocess.run(muser_cmd("decode", *common(model), "--prompt", str(prompt), "-n", "5", "--json",
                                      "--producer", p.address, "--store"),
-                           env=env_for(home), capture_output=True, timeout=300)
+                           env=env_for(home), capture_output=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(r.stdout))
     assert runs[0]["source"] == "handoff" and runs[1]["source"] == "delta", [x["source"] for x in runs]
@@ -350,7 +350,7 @@ def test_a_fifo_prompt_file_fails_that_job_and_the_summary_names_producers_and_e
     res = tmp_path / "res.jsonl"
     dead = _dead_address()
     r = batch(tmp_path / "home", str(jobs), *common(model), "--producer", dead, "-o", str(res), "--timeout", "5",
-              timeout=180)
+              timeout=HANG_S)
     assert r.returncode == 1, r.stderr
     by = {g["id"]: g for g in lines_of(res.read_bytes())}
     assert by["pipe"]["error"]["exit"] == 66 and "named pipe (FIFO)" in by["pipe"]["error"]["message"]
@@ -391,7 +391,7 @@ def test_a_sigkilled_batchs_spool_is_removed_by_resume(model, expected, tmp_path
     env = {**env_for(home), "TMPDIR": str(tmp)}
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    end = time.monotonic() + 240
+    end = time.monotonic() + HANG_S
     while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
         time.sleep(0.02)
     assert proc.poll() is None, proc.stderr.read()
@@ -400,7 +400,7 @@ def test_a_sigkilled_batchs_spool_is_removed_by_resume(model, expected, tmp_path
     proc.wait()
     assert len(left) == 1 and spools(tmp) == left  # what the killed run could not remove
     r = subprocess.run(muser_cmd("batch", str(jobs), *common(model), "-o", str(res), "--resume"), env=env,
-                       capture_output=True, timeout=300)
+                       capture_output=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert spools(tmp) == []
     assert [g["token_ids"] for g in lines_of(res.read_bytes())] == [expected[f"q{i}"] for i in range(len(QUESTIONS))]
@@ -415,11 +415,11 @@ def test_sigterm_or_sighup_drains_prints_one_line_and_exits_0(model, expected, t
     home = tmp_path / "home"
     proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    end = time.monotonic() + 240
+    end = time.monotonic() + HANG_S
     while time.monotonic() < end and proc.poll() is None and not (res.exists() and res.read_bytes().strip()):
         time.sleep(0.02)
     proc.send_signal(getattr(signal, sig))
-    _, err = proc.communicate(timeout=240)
+    _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0, err
     lines = [ln for ln in err.decode().splitlines() if ln.startswith("muser")]  # not a library's FutureWarning (#29 item 6)
     assert len(lines) == 1 and lines[0].startswith(f"muser batch: stopped by {sig}: "), lines

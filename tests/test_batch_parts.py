@@ -13,6 +13,7 @@ from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.errors import AuthError, DataError, MissingInput, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request
+from handoff_kit import HANG_S
 
 
 def jobs_of(tmp_path, *lines: str, defaults=Defaults()):
@@ -263,7 +264,7 @@ def test_results_to_a_fifo_are_written_once_and_never_read_back(tmp_path):
     r.write(result("b"))
     r.write(result("a"))
     r.close(complete=True)  # no rewrite: reading a pipe back would block forever
-    reader.join(10)
+    reader.join(HANG_S)
     assert [json.loads(x)["id"] for x in got[0].splitlines()] == ["b", "a"]
 
 

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from muser_cli.commands import app
+from handoff_kit import HANG_S
 
 runner = CliRunner()
 
@@ -193,7 +194,7 @@ def test_plot_without_matplotlib_is_one_line_78_before_measuring(tmp_path):
             "sys.argv = ['muser'] + sys.argv[1:]; main()")
     png = tmp_path / "x.png"
     p = subprocess.run([sys.executable, "-c", code, "bench", "wire", "--sizes", "1", "--plot", str(png),
-                        "--receipt", str(tmp_path)], capture_output=True, text=True, timeout=120)
+                        "--receipt", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 78, p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("muser: error:") and "muser[plot]" in line
@@ -226,9 +227,9 @@ def test_pinning_moves_every_thread_phase_by_phase():
     go, done, seen = threading.Event(), threading.Event(), {}
 
     def worker():
-        go.wait(10)
+        go.wait(HANG_S)
         seen["in phase"] = os.sched_getaffinity(0)
-        done.wait(10)
+        done.wait(HANG_S)
         seen["after"] = os.sched_getaffinity(0)
 
     t = threading.Thread(target=worker)
@@ -242,5 +243,5 @@ def test_pinning_moves_every_thread_phase_by_phase():
     finally:
         pins.release()
         done.set()
-        t.join(10)
+        t.join(HANG_S)
     assert seen == {"in phase": {pins.consumer}, "after": set(pins.original)}

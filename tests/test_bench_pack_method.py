@@ -17,6 +17,7 @@ import pytest
 from muser_cli.bench.pack import DIGESTS, Study, mlx_arrays
 from muser_cli.bench.pack_study import MemorySink
 from muser_cli.errors import MuserError, UsageError
+from handoff_kit import HANG_S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +82,7 @@ def test_bench_kvpack_script_is_a_caller_of_the_library(tmp_path):
            "MUSER_HOME": str(tmp_path / "home")}
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kvpack.py"), "-m", "tiny", "--depths", "40",
                           "--reps", "1", "--fresh-reps", "0", "--no-cli"], capture_output=True, text=True, env=env,
-                         timeout=600)
+                         timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     line = [l for l in out.stdout.splitlines() if l.startswith("receipt: ")][-1]
     path = Path(line.split(" ", 1)[1])

@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from handoff_kit import HANG_S
 
 
 def muser(*args, input: bytes | None = None, env=None):
     cmd = [sys.executable, "-m", "muser_cli.commands", *map(str, args)]
-    return subprocess.run(cmd, input=input, capture_output=True, env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(cmd, input=input, capture_output=True, env={**os.environ, **(env or {})}, timeout=HANG_S)
 
 
 @pytest.fixture
@@ -293,7 +294,7 @@ def test_demo_checks_the_short_case_and_measures_the_payoff_on_a_long_prompt(tmp
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     r = subprocess.run(["bash", str(root / "docs" / "demo.sh")], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=HANG_S)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "TTFT handoff" not in out  # no speed figure on the short prompt

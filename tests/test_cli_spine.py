@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from muser_cli.commands import app
+from handoff_kit import HANG_S
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose")
@@ -78,7 +79,7 @@ def test_pipeline_and_stdin(tiny_hybrid, prompt_file, tmp_path):
                           stdin=p3.stdout, stdout=subprocess.PIPE)
     for p in (p1, p2, p3):
         p.stdout.close()
-    out, _ = p4.communicate(timeout=300)
+    out, _ = p4.communicate(timeout=HANG_S)
     assert [p.wait() for p in (p1, p2, p3)] == [0, 0, 0] and p4.returncode == 0
     assert b"verified" in p3.stderr.read()
     piped = json.loads(out)
@@ -159,7 +160,7 @@ def test_binary_never_to_a_terminal(tiny_llama, prompt_file):
     master, slave = pty.openpty()
     try:
         p = subprocess.run([sys.executable, "-m", "muser_cli.commands", "prefill", "-m", str(tiny_llama.path),
-                            str(prompt_file)], stdout=slave, stderr=subprocess.PIPE, timeout=120)
+                            str(prompt_file)], stdout=slave, stderr=subprocess.PIPE, timeout=HANG_S)
     finally:
         os.close(slave)
         os.close(master)
@@ -178,7 +179,7 @@ def test_real_model_lane_bit_identical(real_model, dtype, tmp_path):
     p2 = subprocess.Popen([sys.executable, "-m", "muser_cli.commands", "pack"], stdin=p1.stdout, stdout=subprocess.PIPE)
     p1.stdout.close()
     d = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "-m", m, "-n", "10", "--json"],
-                       stdin=p2.stdout, capture_output=True, timeout=600)
+                       stdin=p2.stdout, capture_output=True, timeout=HANG_S)
     p2.stdout.close()
     assert p1.wait() == 0 and p2.wait() == 0 and d.returncode == 0, d.stderr
     fb = muser("decode", "-m", m, "--dtype", dtype, "--chunk", "8", "--prompt", prompt, "-n", "10", "--json", input=b"")

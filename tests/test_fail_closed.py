@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from muser_cli.fsio import atomic_writer, sweep_stale_parts
+from handoff_kit import HANG_S
 
 PY = sys.executable
 
@@ -105,7 +106,7 @@ PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge wo
           "After a long debate about costs, traffic and the river's spring floods, they chose")
 
 
-def muser(*args, input: bytes | None = None, timeout: float = 300):
+def muser(*args, input: bytes | None = None, timeout: float = HANG_S):
     """``muser ARGS`` in a real child process (same MUSER_HOME as the test); stdout/stderr as text."""
     return subprocess.run([PY, "-m", "muser_cli.commands", *map(str, args)], input=input, capture_output=True,
                           timeout=timeout, env=dict(os.environ))
@@ -383,7 +384,7 @@ def test_an_unrepairable_store_is_bypassed_with_a_warning(tiny_llama, prompt_fil
     (["-q", "prefill", "--chunk", "eight", "x.txt"], "Invalid value for '--chunk'", "muser prefill"),
 ])
 def test_usage_errors_are_one_line_with_a_help_hint(args, needle, path):
-    p = muser(*args, input=b"", timeout=120)
+    p = muser(*args, input=b"", timeout=HANG_S)
     err = p.stderr.decode()
     assert p.returncode == 2, err
     assert err.count("\n") == 1 and p.stdout == b"", err  # one line, no framed panel
@@ -450,8 +451,8 @@ def test_remote_exit_statuses_75_76_77_78_are_one_line(tmp_path):
     src.write_bytes(make_pack(40)[0])
 
     def send(home, to):
-        return subprocess.run(muser_cmd("send", str(src), "--to", to, "--connect-timeout", "5", "--timeout", "30"),
-                              env=env_for(home), capture_output=True, timeout=60)
+        return subprocess.run(muser_cmd("send", str(src), "--to", to, "--connect-timeout", str(HANG_S), "--timeout", str(HANG_S)),
+                              env=env_for(home), capture_output=True, timeout=HANG_S)
 
     # 78: no node identity at all
     _one_line(send(tmp_path / "empty-home", "127.0.0.1:9"), 78, "muser node init")
@@ -467,14 +468,14 @@ def test_remote_exit_statuses_75_76_77_78_are_one_line(tmp_path):
         _one_line(send(nodes.producer_home, f"127.0.0.1:{srv.getsockname()[1]}"), 76, "TLS")
     finally:
         stop.set()
-        thread.join(5)
+        thread.join(HANG_S)
         srv.close()
     # 77: a producer enrolled with another consumer's CA
     stranger = tmp_path / "stranger"
     node.init_node(keys_dir_of(stranger / "ca"), name="elsewhere")
     bundle, _ = node.export_producer(keys_dir_of(stranger / "ca"), producer="gx10")
     node.join_node(keys_dir_of(stranger / "producer"), bundle)
-    proc, to = spawn_receiver(nodes.consumer_home, "--once", "--timeout", "20", "-o", str(tmp_path / "got.kvpack"))
+    proc, to = spawn_receiver(nodes.consumer_home, "--once", "--timeout", str(HANG_S), "-o", str(tmp_path / "got.kvpack"))
     try:
         _one_line(send(stranger / "producer", to), 77, "certificate")
     finally:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from muser_cli import fsio
+from handoff_kit import HANG_S
 
 
 def test_early_writeback_syncs_while_writing_and_keeps_every_byte(tmp_path):
@@ -30,7 +31,7 @@ def test_a_failed_early_flush_fails_the_write(tmp_path):
     f = open(tmp_path / "x.bin", "wb")  # noqa: SIM115 - closed under the watcher on purpose
     early = fsio.EarlyWriteback(f.fileno(), step=1, poll_s=0.001)
     f.close()  # the fd goes away under the watcher: its next fstat fails (EBADF)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while early.error is None and time.monotonic() < deadline:
         time.sleep(0.001)
     with pytest.raises(OSError):

@@ -25,6 +25,7 @@ from muser_cli.engines.registry import get_engine
 from muser_cli.errors import GateIncomplete, IdentityMismatch, SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
 from muser_cli.prefill import prefill
+from handoff_kit import HANG_S
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. After a long debate "
           "about costs, traffic and the river's spring floods, they chose the northern site, close to the old "
@@ -335,7 +336,7 @@ def test_a_damaged_pack_is_set_aside_with_a_prompt(tiny_llama):
 
 def _muser(*args, cwd):
     return subprocess.run([sys.executable, "-m", "muser_cli.commands", *args], capture_output=True, cwd=cwd,
-                          env=dict(os.environ), timeout=600)
+                          env=dict(os.environ), timeout=HANG_S)
 
 
 def test_cli_warns_in_one_line_and_strict_exits_65(tiny_llama, tmp_path):

@@ -19,7 +19,7 @@ from muser_cli.handoff.trust.node import load_identity
 from muser_cli.handoff.push.sender import PreparedHandoff, prepare_handoff, transmit
 
 from handoff_kit import (  # noqa: F401 - fixtures
-    copy_home, keys_dir_of, ledger_records, make_nodes, nodes, pack_bytes, pack_file, receivers, spawn_receiver,
+    HANG_S, copy_home, keys_dir_of, ledger_records, make_nodes, nodes, pack_bytes, pack_file, receivers, spawn_receiver,
 )
 
 
@@ -61,7 +61,7 @@ def test_c17_replay_after_sigkill(nodes, pack_file, tmp_path):
         assert transmit(prep, to=to, identity=nodes.producer).ok
     finally:
         proc.send_signal(signal.SIGKILL)  # right after the accept: no shutdown path runs
-        proc.wait(10)
+        proc.wait(HANG_S)
     assert proc.returncode == -signal.SIGKILL
     proc2, to2 = spawn_receiver(home, "-o", str(out))
     try:
@@ -69,7 +69,7 @@ def test_c17_replay_after_sigkill(nodes, pack_file, tmp_path):
             transmit(prep, to=to2, identity=nodes.producer)
     finally:
         proc2.send_signal(signal.SIGKILL)
-        proc2.wait(10)
+        proc2.wait(HANG_S)
     assert len(ledger_records(home / "data" / "ledger", prep.header.key_id)) == 1
     assert len(list(out.glob("*.kvpack"))) == 1
 

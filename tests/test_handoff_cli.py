@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -13,11 +12,11 @@ from muser_cli.commands import app
 
 from kvpack_factory import make_pack
 from handoff_kit import (  # noqa: F401 - fixtures
-    copy_home, env_for, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
+    HANG_S, copy_home, env_for, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
 )
 
 
-def run(home, *args, input=None, timeout=60):
+def run(home, *args, input=None, timeout=HANG_S):
     return subprocess.run(muser_cmd(*args), env=env_for(home), input=input, capture_output=True, timeout=timeout)
 
 
@@ -28,14 +27,14 @@ def consumer_home(nodes, tmp_path):
 
 def test_pipeline_receive_stdout_send_json(nodes, consumer_home, pack_file, tmp_path):
     out = open(tmp_path / "got.kvpack", "wb")
-    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", "30", stdout=out)
+    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", str(HANG_S), stdout=out)
     with open(pack_file, "rb") as f:  # from a pipe: `muser pack | muser send`
         r = run(nodes.producer_home, "send", "-", "--to", to, "--json", input=f.read())
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["ok"] and res["payload_bytes"] == pack_file.stat().st_size
     assert res["payload_rate_Bps"] > 0 and res["busy_s"] > 0 and res["receiver"]["ledger_commit_ms"] >= 0
-    assert proc.wait(20) == 0
+    assert proc.wait(HANG_S) == 0
     out.close()
     assert (tmp_path / "got.kvpack").read_bytes() == pack_file.read_bytes()
     assert list((consumer_home / "data" / "inbox").glob("*")) == []  # streamed to stdout: nothing spooled
@@ -43,20 +42,19 @@ def test_pipeline_receive_stdout_send_json(nodes, consumer_home, pack_file, tmp_
 
 def test_receive_timeout_exits_75_for_fallback(consumer_home, tmp_path):
     out = tmp_path / "x.kvpack"
-    t0 = time.monotonic()
     with open(out, "wb") as f:  # `muser receive ... > x.kvpack || muser decode --prompt ...`
         r = subprocess.run(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "1"),
-                           env=env_for(consumer_home), stdout=f, stderr=subprocess.PIPE, timeout=30)
+                           env=env_for(consumer_home), stdout=f, stderr=subprocess.PIPE, timeout=HANG_S)
     assert r.returncode == 75
-    assert time.monotonic() - t0 < 15
     assert out.read_bytes() == b""
     last = r.stderr.decode().strip().splitlines()[-1]
+    # It gave up on its own --timeout (a state its last line reports), not on a stopwatch of ours.
     assert "no handoff accepted within 1 s" in last and "fall back" in last
 
 
 def test_receive_to_file_json(nodes, consumer_home, pack_file, tmp_path):
     dest = tmp_path / "dest.kvpack"
-    proc = subprocess.Popen(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "30", "-o",
+    proc = subprocess.Popen(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", str(HANG_S), "-o",
                                       str(dest), "--json"), env=env_for(consumer_home),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = b""
@@ -67,7 +65,7 @@ def test_receive_to_file_json(nodes, consumer_home, pack_file, tmp_path):
     r = run(nodes.producer_home, "send", str(pack_file), "--to", to)
     assert r.returncode == 0, r.stderr
     assert b"accepted as" in r.stderr and r.stdout == b""
-    stdout, _ = proc.communicate(timeout=20)
+    stdout, _ = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0
     obj = json.loads(stdout)
     assert obj["path"] == str(dest) and obj["payload_bytes"] == pack_file.stat().st_size
@@ -80,7 +78,7 @@ def test_send_rate_paces(nodes, consumer_home, tmp_path):
     src.write_bytes(data)
     out = tmp_path / "outdir"
     out.mkdir()
-    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", "30", "-o", str(out))
+    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", str(HANG_S), "-o", str(out))
     r = run(nodes.producer_home, "send", str(src), "--to", to, "--rate", "500K", "--json")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -88,7 +86,7 @@ def test_send_rate_paces(nodes, consumer_home, tmp_path):
     assert res["stream_s"] >= 0.8 * expected - 0.05, res
     assert res["paced_s"] > 0 and res["rate_limit_Bps"] == 500e3
     assert res["payload_rate_Bps"] > 500e3  # bytes over busy time: the link, not the cap
-    proc.wait(20)
+    proc.wait(HANG_S)
 
 
 def test_send_unreachable_exits_75(nodes, pack_file):
@@ -117,7 +115,7 @@ def test_probe_link_json_and_floor(nodes, consumer_home):
         assert "below the floor" in r.stderr.decode()
     finally:
         proc.kill()
-        proc.wait(10)
+        proc.wait(HANG_S)
 
 
 # ----------------------------------------------------------------------------- in-process (CliRunner)

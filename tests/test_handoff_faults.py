@@ -12,11 +12,12 @@ import uuid
 import pytest
 
 from muser_cli.errors import TempFailure
+from muser_cli.handoff.link import DEFAULT_CONNECT_S
 from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from handoff_kit import (  # noqa: F401 - fixtures
-    port_of,
+    HANG_S, port_of,
     wait_for,
     Relay, copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,
 )
@@ -42,7 +43,7 @@ def test_f34_cut_at_half_payload(nodes, big_pack, receivers, tmp_path, reset):
         assert exc.value.exit_status == 75  # the consumer's script falls back to local prefill
     finally:
         relay.close()
-    assert wait_for(lambda: run.kinds("aborted"))
+    assert wait_for(lambda: run.kinds("aborted"), HANG_S)
     assert run.published() == [] and not list(run.out_dir.glob(".*.part"))
     assert ledger_records(run.ledger_dir, prep.header.key_id) == []
     # The receiver is unharmed: the same handoff, sent directly, is accepted (never accepted before).
@@ -54,15 +55,14 @@ def test_f35_blackholed_peer_deadline_fires(nodes, big_pack, receivers, tmp_path
     run = receivers(nodes.consumer, tmp_path, idle_s=1.5)
     relay = Relay(port_of(run), hole_after=big_pack.stat().st_size // 2)
     prep = prepare_handoff(big_pack, nodes.producer)
-    t0 = time.monotonic()
     try:
+        # The deadline fired: the raise is the state. (No stopwatch: streaming half of a big pack
+        # takes what a loaded machine makes it take; total_s bounds the wait.)
         with pytest.raises(TempFailure, match="timed out|deadline"):
             transmit(prep, to=relay.to, identity=nodes.producer, server_name="localhost", idle_s=1.5, total_s=8)
     finally:
-        elapsed = time.monotonic() - t0
         relay.close()
-    assert elapsed < 6, f"no hang: took {elapsed:.1f} s"
-    assert wait_for(lambda: run.kinds("aborted"), timeout=5)
+    assert wait_for(lambda: run.kinds("aborted"), timeout=HANG_S)
     assert run.published() == []
 
 
@@ -73,11 +73,13 @@ def test_f35_blackholed_before_ready(nodes, pack_file, receivers, tmp_path):
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(1)
+    prep = prepare_handoff(pack_file, nodes.producer)
     t0 = time.monotonic()
-    with pytest.raises(TempFailure, match="timed out"):
-        transmit(prepare_handoff(pack_file, nodes.producer), to=f"127.0.0.1:{hole.getsockname()[1]}",
-                 identity=nodes.producer, connect_s=1.0)
-    assert time.monotonic() - t0 < 3
+    with pytest.raises(TempFailure, match="timed out in the TLS handshake"):  # the connect phase's deadline
+        transmit(prep, to=f"127.0.0.1:{hole.getsockname()[1]}", identity=nodes.producer, connect_s=1.0)
+    # connect_s was the deadline, not the default one: it fired before DEFAULT_CONNECT_S (10 s)
+    # would have, a bound ten times connect_s, not a budget for a loaded machine's speed.
+    assert time.monotonic() - t0 < DEFAULT_CONNECT_S
     hole.close()
 
 
@@ -151,12 +153,12 @@ def test_f36_netem_loss_delay_reorder_rate(nodes, pack_file, tmp_path):
         subprocess.run(ex + ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "loss", "5%", "delay", "100ms",
                              "20ms", "reorder", "25%", "rate", "100mbit"], check=True)
         out = tmp_path / "out.kvpack"
-        recv = subprocess.Popen(ex + muser_cmd("receive", "--listen", "127.0.0.1:7070", "--once", "--timeout", "60",
+        recv = subprocess.Popen(ex + muser_cmd("receive", "--listen", "127.0.0.1:7070", "--once", "--timeout", str(HANG_S),
                                                "-o", str(out)), env=env_for(home), stderr=subprocess.PIPE)
         time.sleep(2)
-        send = subprocess.run(ex + muser_cmd("send", str(pack_file), "--to", "127.0.0.1:7070", "--timeout", "60"),
-                              env=env_for(nodes.producer_home), capture_output=True, text=True, timeout=120)
-        recv.wait(90)
+        send = subprocess.run(ex + muser_cmd("send", str(pack_file), "--to", "127.0.0.1:7070", "--timeout", str(HANG_S)),
+                              env=env_for(nodes.producer_home), capture_output=True, text=True, timeout=HANG_S)
+        recv.wait(HANG_S)
         if send.returncode == 0:
             assert recv.returncode == 0
             assert out.read_bytes() == pack_file.read_bytes()  # exact digest

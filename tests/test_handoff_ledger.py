@@ -20,7 +20,7 @@ from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from kvpack_factory import make_pack
 from handoff_kit import (  # noqa: F401 - fixtures
-    copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,
+    HANG_S, copy_home, env_for, ledger_records, muser_cmd, nodes, pack_bytes, pack_file, receivers,
 )
 
 
@@ -225,7 +225,7 @@ def test_e32_disk_full_on_spool(nodes, tmp_path):
             assert ok.ok and len(list(fs.iterdir())) == 1  # still serving once space allows
         finally:
             r.close()
-            t.join(3)
+            t.join(HANG_S)
 
 
 def test_e32_disk_full_on_ledger(nodes, pack_file, tmp_path):
@@ -271,13 +271,13 @@ def test_e33_torn_record_refuses_until_repaired(nodes, pack_file, tmp_path):
 
     env = env_for(home)
     r = subprocess.run(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "5", "-o",
-                                 str(tmp_path / "x.kvpack")), env=env, capture_output=True, text=True, timeout=60)
+                                 str(tmp_path / "x.kvpack")), env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 78, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"muser node repair-ledger {key_id}" in lines[0]
     assert not (tmp_path / "x.kvpack").exists()
 
-    r = subprocess.run(muser_cmd("node", "repair-ledger", key_id), env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(muser_cmd("node", "repair-ledger", key_id), env=env, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert "40 torn bytes removed" in r.stderr
     led = Ledger(ledger_dir, key_id).open()

@@ -6,7 +6,6 @@ import datetime as dt
 import shutil
 import socket
 import ssl
-import time
 
 import pytest
 
@@ -17,13 +16,14 @@ from muser_cli.handoff.trust.node import load_identity
 from muser_cli.handoff.wire.protocol import ALPN, Connection, Role
 from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
+from handoff_kit import HANG_S
 from handoff_kit import port_of, wait_for, keys_dir_of, make_nodes, nodes, pack_bytes, pack_file, receivers  # noqa: F401
 
 LOOP = ("127.0.0.1",)
 
 
 def raw_tls_client(ctx: ssl.SSLContext, port: int, *, host: str = "127.0.0.1", server_name: str | None = "localhost"):
-    sock = socket.create_connection((host, port), timeout=3)
+    sock = socket.create_connection((host, port), timeout=HANG_S)
     tls = ctx.wrap_socket(sock, server_hostname=server_name, do_handshake_on_connect=False)
     tls.do_handshake()
     return tls
@@ -42,7 +42,7 @@ def test_d24_client_without_certificate(nodes, receivers, tmp_path):
         link.next_event("waiting for Ready")
     assert exc.value.exit_status == 77
     link.close()
-    assert wait_for(lambda: run.kinds("tls_failed"))
+    assert wait_for(lambda: run.kinds("tls_failed"), HANG_S)
     assert run.kinds("streaming") == [] and run.kinds("rejected") == []  # no payload byte was read
 
 
@@ -69,7 +69,7 @@ def test_d25_certificate_from_another_ca(nodes, pack_file, receivers, tmp_path):
     # And the other way round: a client that only trusts its own CA refuses the receiver.
     with pytest.raises(AuthError, match="certificate"):
         transmit(prepare_handoff(pack_file, load_identity(rogue_dir)), to=run.to, identity=load_identity(rogue_dir))
-    assert wait_for(lambda: run.kinds("tls_failed"))
+    assert wait_for(lambda: run.kinds("tls_failed"), HANG_S)
     assert run.published() == []
 
 
@@ -88,7 +88,7 @@ def test_d25_expired_or_not_yet_valid(pack_file, receivers, tmp_path, when):
     run = receivers(nd.consumer, tmp_path)
     with pytest.raises(AuthError):
         transmit(prepare_handoff(pack_file, late), to=run.to, identity=late)
-    assert wait_for(lambda: run.kinds("tls_failed"))
+    assert wait_for(lambda: run.kinds("tls_failed"), HANG_S)
     reasons = " ".join(f["reason"] for f in run.kinds("tls_failed"))
     assert "certificate" in reasons.lower()
     assert run.published() == []
@@ -114,7 +114,7 @@ def test_d27_tls12_client_refused(nodes, receivers, tmp_path):
     ctx.load_cert_chain(str(nodes.producer.cert_path), str(nodes.producer.key_path))
     with pytest.raises(ssl.SSLError):
         raw_tls_client(ctx, port_of(run))
-    assert wait_for(lambda: run.kinds("tls_failed"))
+    assert wait_for(lambda: run.kinds("tls_failed"), HANG_S)
     assert "TLS" in run.kinds("tls_failed")[0]["reason"]
 
 
@@ -128,10 +128,9 @@ def test_d27_our_contexts_are_tls13_only(nodes):
 # ----------------------------------------------------------------------------- D28
 def test_d28_plain_tcp_client(nodes, pack_file, receivers, tmp_path):
     run = receivers(nodes.consumer, tmp_path, handshake_s=1.0)
-    t0 = time.monotonic()
-    talker = socket.create_connection(("127.0.0.1", port_of(run)), timeout=5)
+    talker = socket.create_connection(("127.0.0.1", port_of(run)), timeout=HANG_S)
     talker.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    silent = socket.create_connection(("127.0.0.1", port_of(run)), timeout=5)
+    silent = socket.create_connection(("127.0.0.1", port_of(run)), timeout=HANG_S)
     for s in (talker, silent):
         try:
             while s.recv(4096):
@@ -139,8 +138,10 @@ def test_d28_plain_tcp_client(nodes, pack_file, receivers, tmp_path):
         except ConnectionResetError:
             pass
         s.close()
-    assert time.monotonic() - t0 < 4.0  # a clean close within the handshake timeout (+ margin)
-    assert wait_for(lambda: len(run.kinds("tls_failed")) >= 2)
+    assert wait_for(lambda: len(run.kinds("tls_failed")) >= 2, HANG_S)
+    # A clean close by the handshake timeout (a state the receiver reports, not a stopwatch):
+    # the silent client is dropped for timing out in the TLS handshake.
+    assert any("timed out" in f["reason"] for f in run.kinds("tls_failed")), run.kinds("tls_failed")
     assert transmit(prepare_handoff(pack_file, nodes.producer), to=run.to, identity=nodes.producer).ok
 
 

@@ -39,6 +39,7 @@ from muser_cli.interop import safetensors_io as st  # noqa: E402
 from muser_cli.kvpack import read_pack, read_pack_bytes  # noqa: E402
 from muser_cli.prefill import prefill  # noqa: E402
 from muser_cli.tokens import decode_text, encode_prompt, tokenizer_for  # noqa: E402
+from handoff_kit import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -68,7 +69,7 @@ def export(pack_path: Path, out_path: Path, model) -> interop.ExportResult:
         return interop.export_mlx_lm(src, out, model=str(model.path))
 
 
-def muser(*args, input: bytes | None = None, timeout: float = 600):
+def muser(*args, input: bytes | None = None, timeout: float = HANG_S):
     cmd = [sys.executable, "-m", "muser_cli.commands", *args]
     return subprocess.run(cmd, input=input, capture_output=True, env=dict(os.environ), timeout=timeout)
 
@@ -119,7 +120,7 @@ def test_mlx_lm_cli_continues_an_exported_file_like_muser_decode_cli(tiny_llama,
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **mlx_blas.preload_env()}
     mlx = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--prompt-cache-file", str(out_path),
                           "--prompt", text, "--ignore-chat-template", "--max-tokens", str(n), "--verbose", "False"],
-                         capture_output=True, env=env, timeout=600)
+                         capture_output=True, env=env, timeout=HANG_S)
     assert mlx.returncode == 0, mlx.stderr.decode()[-2000:]
     d = muser("decode", "-m", str(info.path), "--engine", "mlx", "-n", str(n), "--json", str(pack_path))
     assert d.returncode == 0, d.stderr.decode()
@@ -217,7 +218,7 @@ def test_mlx_lm_cache_prompt_cli_file_imports_and_passes_verify_audit(tiny_llama
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **mlx_blas.preload_env()}
     src = tmp_path / "c.safetensors"
     r = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(info.path), "--prompt", PROMPT,
-                        "--prompt-cache-file", str(src)], capture_output=True, env=env, timeout=600)
+                        "--prompt-cache-file", str(src)], capture_output=True, env=env, timeout=HANG_S)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     rendered = tokenizer_for(info).apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                                        add_generation_prompt=False, continue_final_message=True)
@@ -419,7 +420,7 @@ def test_import_of_a_fifo_or_a_device_is_refused_at_once_not_waited_on(tiny_llam
     for src, kind in ((fifo, b"named pipe (FIFO)"), (Path("/dev/zero"), b"character device")):
         out = tmp_path / "out.kvpack"
         r = muser("pack", "--import", "mlx-lm", str(src), "--prompt", str(tmp_path / "doc.txt"),
-                  "-m", str(tiny_llama.path), "-o", str(out), timeout=120)
+                  "-m", str(tiny_llama.path), "-o", str(out), timeout=HANG_S)
         assert r.returncode == 66 and kind in r.stderr and b"not a regular file" in r.stderr, r.stderr
         assert len(r.stderr.decode().strip().splitlines()) == 1 and not out.exists()
     with pytest.raises(MissingInput, match="named pipe"):

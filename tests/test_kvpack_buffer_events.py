@@ -20,6 +20,7 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, buffer_events, write_pack
 from muser_cli.kvpack import buffer as buffer_mod
 from muser_cli.kvpack.format import FRAME_HEADER
+from handoff_kit import HANG_S
 
 RUN_BYTES = 3000  # a run: a few of the frames below
 
@@ -166,4 +167,4 @@ def test_stopping_early_leaves_nothing_queued(monkeypatch):
     events.close()  # what was not started is cancelled; nothing raises
     pool = buffer_mod.pool()
     assert pool is not None
-    assert pool.submit(lambda: 7).result(timeout=5) == 7  # the pool is free again
+    assert pool.submit(lambda: 7).result(timeout=HANG_S) == 7  # the pool is free again

@@ -14,7 +14,7 @@ import tracemalloc
 
 import pytest
 
-from handoff_kit import env_for, muser_cmd
+from handoff_kit import HANG_S, env_for, muser_cmd
 from kvpack_factory import forged_big_frame, llama_layers, make_pack
 from muser_cli.errors import KVPackError
 
@@ -118,7 +118,7 @@ def test_decode_from_a_pipe_refuses_a_forged_frame_in_one_line_under_a_memory_li
     forged.write_bytes(data)
     cmd = shlex.join(muser_cmd("decode", "-m", str(tiny_llama.path), "-n", "4"))
     r = subprocess.run(["bash", "-c", f"ulimit -v 3000000; cat {shlex.quote(str(forged))} | {cmd}"], env=env_for(tmp_path / "home"),
-                       capture_output=True, timeout=120)
+                       capture_output=True, timeout=HANG_S)
     err = r.stderr.decode()
     assert r.returncode == 65, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -37,6 +37,7 @@ from muser_cli.kvpack import LayerKV, read_pack, read_pack_bytes, write_pack
 from muser_cli.kvpack.parser import frame_ends
 from muser_cli.prefill import prefill
 from muser_cli.tokens import encode_prompt
+from handoff_kit import HANG_S
 
 PROMPT = (
     "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
@@ -394,7 +395,7 @@ def test_pull_lane_full_and_delta_give_the_fallbacks_tokens(mla, tmp_path):
     env = env_for(nodes.consumer_home)
 
     def run(*args, env=env):
-        r = subprocess.run(muser_cmd(*args), env=env, input=b"", capture_output=True, timeout=180)
+        r = subprocess.run(muser_cmd(*args), env=env, input=b"", capture_output=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout) if "--json" in args else r
 

@@ -15,6 +15,7 @@ import pytest
 from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.kvpack.parser import frame_ends
 from muser_cli.prefill import prefill
+from handoff_kit import HANG_S
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -234,26 +235,34 @@ def test_decode_starts_at_the_end_frame_but_refuses_bytes_after_it(tiny_llama, s
     a pack followed by anything is still refused before anything is returned."""
     import os
     import threading
-    import time
 
     from muser_cli.errors import KVPackError
 
     r, w = os.pipe()
+    first_token, closing = threading.Event(), threading.Event()
+    open_at_first_token: list[bool] = []
 
-    def producer() -> None:  # the whole pack, then the writer stays open a while
+    def producer() -> None:  # the whole pack, then the writer stays open until the first token
         with os.fdopen(w, "wb") as f:
             f.write(streamed)
             f.flush()
-            time.sleep(3.0)
+            first_token.wait(HANG_S)
+            closing.set()  # before the close: decode cannot see the end of its input earlier
+
+    def on_token(_tid: int) -> None:
+        if not first_token.is_set():
+            open_at_first_token.append(not closing.is_set())
+            first_token.set()
 
     threading.Thread(target=producer, daemon=True).start()
-    t0 = time.perf_counter()
     with os.fdopen(r, "rb") as src:
         from muser_cli.decode import decode
 
-        out = decode(src, model=str(tiny_llama.path), max_new_tokens=4, dtype="float32")
-    assert out.source == "handoff" and out.first_token_s is not None
-    assert time.perf_counter() - t0 >= 2.5  # it returned only once the input was seen to end
-    assert out.tail_s is not None and out.tail_s < 2.0  # ... but its first token came before that
+        out = decode(src, model=str(tiny_llama.path), max_new_tokens=4, dtype="float32", on_token=on_token)
+    assert out.source == "handoff" and out.first_token_s is not None and out.tail_s is not None
+    # States, not stopwatches: its first token came while the writer was still open, and it
+    # returned only once the input was seen to end (after the writer closed).
+    assert open_at_first_token == [True]
+    assert closing.is_set()
     with pytest.raises(KVPackError, match="after the end frame"):
         _decode(tiny_llama, streamed + b"\0", None)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from handoff_kit import copy_home, env_for, muser_cmd, nodes, spawn_receiver  # noqa: F401 - fixtures
+from handoff_kit import HANG_S, copy_home, env_for, muser_cmd, nodes, spawn_receiver  # noqa: F401 - fixtures
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -36,17 +36,17 @@ def lane(nodes, tiny_llama, tmp_path):
     consumer = copy_home(nodes.consumer_home, tmp_path / "consumer")
     pack = tmp_path / "file.kvpack"
     r = subprocess.run(muser_cmd("prefill", *common, "--chunk", str(CHUNK), str(prompt), "-o", str(pack)),
-                       env=env_for(nodes.producer_home), capture_output=True, timeout=120)
+                       env=env_for(nodes.producer_home), capture_output=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     local = subprocess.run(muser_cmd("decode", *common, "--chunk", str(CHUNK), "--prompt", str(prompt), "-n", "8",
-                                     "--json"), env=env_for(consumer), input=b"", capture_output=True, timeout=120)
+                                     "--json"), env=env_for(consumer), input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     return {"prompt": prompt, "common": common, "consumer": consumer, "producer": nodes.producer_home,
             "pack": pack, "local": json.loads(local.stdout)}
 
 
 def consumer(lane, *, with_prompt: bool = True):
-    recv, to = spawn_receiver(lane["consumer"], "--once", "--timeout", "60", stdout=subprocess.PIPE)
+    recv, to = spawn_receiver(lane["consumer"], "--once", "--timeout", str(HANG_S), stdout=subprocess.PIPE)
     args = ["decode", *lane["common"], "-n", "8", "--json"] + (["--prompt", str(lane["prompt"])] if with_prompt else [])
     dec = subprocess.Popen(muser_cmd(*args), env=env_for(lane["consumer"]), stdin=recv.stdout,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -54,7 +54,7 @@ def consumer(lane, *, with_prompt: bool = True):
     return recv, dec, to
 
 
-def finish(*procs, timeout: float = 120):
+def finish(*procs, timeout: float = HANG_S):
     outs = []
     for p in procs:
         try:
@@ -106,7 +106,7 @@ def test_cut_stream_keeps_the_verified_chunks(lane, tiny_llama, chunks):
     cut = data[: ends[k * layers - 1]] if k else data[: ends[0] - 1]
     recv, dec, to = consumer(lane)
     send = subprocess.run(muser_cmd("send", "-", "--to", to), env=env_for(lane["producer"]), input=cut,
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=HANG_S)
     assert send.returncode != 0  # a pack that never ended is no handoff
     (out, err), _ = finish(dec, recv)
     assert recv.returncode in (65, 75, 76), recv.returncode
@@ -140,7 +140,7 @@ def test_cut_stream_without_a_prompt_is_refused(lane):
     ends = _frames_in(data)
     recv, dec, to = consumer(lane, with_prompt=False)
     subprocess.run(muser_cmd("send", "-", "--to", to), env=env_for(lane["producer"]), input=data[: ends[3]],
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=HANG_S)
     (out, err), _ = finish(dec, recv)
     assert dec.returncode == 65
     report = json.loads(out)  # --json: the one object is the error; no text, no tokens

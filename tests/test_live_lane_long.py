@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from handoff_kit import HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +66,10 @@ def _lane(model: str, doc: Path, tmp: Path) -> tuple[dict, int, int, int]:
                           stdout=subprocess.PIPE)
     tee.stdout.close()
     de = subprocess.run([*mu, "decode", *common, "-n", "4", "--json", "--dtype", "float32"], stdin=ve.stdout,
-                        capture_output=True, timeout=3000)
+                        capture_output=True, timeout=max(HANG_S, 3000))
     ve.stdout.close()
     for p in (pre, pk, tee, ve):
-        assert p.wait(timeout=600) == 0
+        assert p.wait(timeout=HANG_S) == 0
     assert de.returncode == 0, de.stderr[-2000:]
     return json.loads(de.stdout), int(pack_rss.read_text()), int(verify_rss.read_text()), int(size.read_text())
 
@@ -85,6 +86,6 @@ def test_a_131072_token_lane_streams_exactly_in_bounded_memory(long_model, tmp_p
         assert (b - a) * 1024 < 0.75 * grew, f"{name} peak RSS grew {(b - a) / 1024:.1f} MiB for {grew >> 20} MiB more pack"
     local = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "-m", model, "--threads", "2",
                             "--dtype", "float32", "--chunk", CHUNK, "--prompt", str(tmp_path / "131k.txt"), "-n", "4",
-                            "--json"], input=b"", capture_output=True, timeout=3000)
+                            "--json"], input=b"", capture_output=True, timeout=max(HANG_S, 3000))
     assert local.returncode == 0, local.stderr[-2000:]
     assert json.loads(local.stdout)["token_ids"] == big["token_ids"]

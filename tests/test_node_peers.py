@@ -17,7 +17,7 @@ from muser_cli.errors import ConfigError
 from muser_cli.handoff.trust import node
 from muser_cli.handoff.trust.nodedir import peer_table, read_peers, record_peer
 
-from handoff_kit import keys_dir_of, make_nodes
+from handoff_kit import HANG_S, keys_dir_of, make_nodes
 
 
 def test_keyring_peers_are_listed_never_seen_then_seen(tmp_path):
@@ -59,7 +59,7 @@ def test_sightings_from_threads_and_processes_are_never_lost(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert [p.wait(60) for p in procs] == [0, 0]
+    assert [p.wait(HANG_S) for p in procs] == [0, 0]
     assert len(read_peers(d)) == 5 * 15
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from handoff_kit import Producer, env_for, make_nodes, muser_cmd, wait_for
+from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd, wait_for
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
@@ -29,14 +29,14 @@ def lane(tmp_path_factory, tiny_llama):
     model = str(tiny_llama.path)
     producer = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32",
                         "--metrics", "127.0.0.1:0")
-    assert wait_for(lambda: any(_METRICS.search(line) for line in producer.lines), 30), producer.lines
+    assert wait_for(lambda: any(_METRICS.search(line) for line in producer.lines), HANG_S), producer.lines
     metrics = next(m.group(1) for line in producer.lines if (m := _METRICS.search(line)))
     yield {"nodes": nodes, "model": model, "producer": producer, "metrics": metrics}
     assert producer.stop() == 0
 
 
 def connections(lane) -> list[dict]:
-    answer = httpx.get(f"http://{lane['metrics']}/connections", timeout=30)
+    answer = httpx.get(f"http://{lane['metrics']}/connections", timeout=HANG_S)
     assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
     return answer.json()["connections"]
 
@@ -44,12 +44,12 @@ def connections(lane) -> list[dict]:
 def gauge(lane) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"http://{lane['metrics']}/metrics", timeout=30).text
+    text = httpx.get(f"http://{lane['metrics']}/metrics", timeout=HANG_S).text
     family = {f.name: f for f in text_string_to_metric_families(text)}["muser_producer_connections"]
     return {s.labels["consumer"]: s.value for s in family.samples}
 
 
-def settle(lane, pred, timeout: float = 30.0) -> list[dict]:
+def settle(lane, pred, timeout: float = HANG_S) -> list[dict]:
     """``/connections`` once ``pred`` holds for it (the producer's thread moves on its own)."""
     end = time.monotonic() + timeout
     while True:
@@ -87,7 +87,7 @@ def test_a_consumer_held_mid_request_is_seen_at_each_step_then_gone(lane):
     ctx = client_context(ident)
     ctx.set_alpn_protocols([ALPN_PULL])
     t0 = time.time()
-    with socket.create_connection((host, int(port)), timeout=60) as raw, \
+    with socket.create_connection((host, int(port)), timeout=HANG_S) as raw, \
             ctx.wrap_socket(raw, server_hostname=host) as tls:
         me = format_hostport(*tls.getsockname()[:2])
 
@@ -120,12 +120,12 @@ def test_a_consumer_held_mid_request_is_seen_at_each_step_then_gone(lane):
 
         # the CLI reads the same view
         ls = subprocess.run(muser_cmd("node", "ls", "--connected", lane["metrics"], "--json"),
-                            env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                            env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
         assert ls.returncode == 0, ls.stderr
         [row] = json.loads(ls.stdout)["connections"]
         assert (row["consumer"], row["peer"], row["state"]) == (ident.name, me, "streaming")
         text = subprocess.run(muser_cmd("node", "ls", "--connected", lane["metrics"]),
-                              env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                              env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
         assert text.returncode == 0, text.stderr
         assert re.search(rf"connected {ident.name}\s+streaming\s+from {re.escape(me)} ", text.stdout.decode())
 
@@ -139,7 +139,7 @@ def test_node_ls_connected_says_75_when_nothing_answers_and_76_for_what_is_not_a
         s.bind(("127.0.0.1", 0))
         free = f"127.0.0.1:{s.getsockname()[1]}"
     gone = subprocess.run(muser_cmd("node", "ls", "--connected", free), env=env_for(lane["nodes"].consumer_home),
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=HANG_S)
     assert gone.returncode == 75, gone.stderr
     assert gone.stderr.decode().count("\n") <= 2 and "cannot reach" in gone.stderr.decode()
     # an HTTP server that is not a producer's metrics endpoint: 76, one line
@@ -161,7 +161,7 @@ def test_node_ls_connected_says_75_when_nothing_answers_and_76_for_what_is_not_a
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         stranger = subprocess.run(muser_cmd("node", "ls", "--connected", f"127.0.0.1:{server.server_address[1]}"),
-                                  env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                                  env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
     finally:
         server.shutdown()
     assert stranger.returncode == 76, stranger.stderr

@@ -9,6 +9,7 @@ import time
 
 from muser_cli.handoff.pull.admission import Admission as _Admission
 from muser_cli.pulllane.producer import ResidentProducer
+from handoff_kit import HANG_S
 
 
 def test_one_slot_admits_one_request_at_a_time():
@@ -34,14 +35,14 @@ def test_a_waiting_probe_is_not_starved_by_new_requests():
     adm = _Admission(2)
     assert adm.enter(False)
     got: list[bool] = []
-    t = threading.Thread(target=lambda: got.append(adm.enter(True, timeout=10)))
+    t = threading.Thread(target=lambda: got.append(adm.enter(True, timeout=HANG_S)))
     t.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while not adm._probe_waiting and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not adm.enter(False)  # a free slot, but a probe waits for the running one to end
     adm.leave(False)
-    t.join(10)
+    t.join(HANG_S)
     assert got == [True]
     adm.leave(True)
 
@@ -55,21 +56,21 @@ def test_a_probe_waiting_the_servers_way_holds_requests_back_between_polls():
     got: list[bool] = []
     t = threading.Thread(target=lambda: got.append(adm.wait(True, lambda: False, poll=0.01)))
     t.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while not adm._probe_waiting and time.monotonic() < deadline:
         time.sleep(0.01)
     for _ in range(30):  # 0.3 s: some 30 of the probe's polls
         assert not adm.enter(False)
         time.sleep(0.01)
     adm.leave(False)
-    t.join(10)
+    t.join(HANG_S)
     assert got == [True] and adm._probing
     stopping = threading.Event()
     t2 = threading.Thread(target=lambda: got.append(adm.wait(False, stopping.is_set, poll=0.01)))
     t2.start()
     time.sleep(0.05)
     stopping.set()
-    t2.join(10)
+    t2.join(HANG_S)
     assert got == [True, False]
     adm.leave(True)
 

@@ -23,7 +23,7 @@ import pytest
 
 from muser_cli.handoff.trust import node
 from handoff_kit import (Producer, Relay, copy_home, env_for, first_pull_answer, held_pull, keys_dir_of, make_nodes,
-                         muser_cmd)
+                         HANG_S, muser_cmd, wait_for)
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -41,7 +41,7 @@ def lane(tmp_path_factory, tiny_llama):
     common = ["-m", model, "--threads", "1", "--dtype", "float32"]
     local = subprocess.run(muser_cmd("decode", *common, "--chunk", str(CHUNK), "--prompt", str(prompt), "-n", "8",
                                      "--no-reuse", "--json"), env=env_for(nodes.consumer_home), input=b"",
-                           capture_output=True, timeout=120)
+                           capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     producer = Producer(nodes.producer_home, *common)
     yield {"root": root, "nodes": nodes, "prompt": prompt, "model": model, "common": common,
@@ -49,7 +49,7 @@ def lane(tmp_path_factory, tiny_llama):
     assert producer.stop() == 0
 
 
-def decode_pull(lane, to: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def decode_pull(lane, to: str, *extra: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     return subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(lane["prompt"]),
                                     "-n", "8", "--no-reuse", "--json", "--producer", to, *extra),
                           env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=timeout)
@@ -82,8 +82,8 @@ def test_receive_from_pipes_a_verified_pack_into_decode(lane):
                            env=env_for(lane["nodes"].consumer_home), stdin=recv.stdout, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE)
     recv.stdout.close()
-    out, err = dec.communicate(timeout=120)
-    _, rerr = recv.communicate(timeout=60)
+    out, err = dec.communicate(timeout=HANG_S)
+    _, rerr = recv.communicate(timeout=HANG_S)
     assert recv.returncode == 0 and dec.returncode == 0, (rerr, err)
     got = json.loads(out)
     assert got["source"] == "handoff" and got["token_ids"] == lane["local"]["token_ids"]
@@ -95,7 +95,7 @@ def test_a_stranger_is_refused_77_before_any_prefill(lane):
     stranger = lane["root"] / "stranger"
     node.init_node(keys_dir_of(stranger), name="consumer")  # same name, another CA
     recv = receive_from(lane, p.address, stranger)
-    out, err = recv.communicate(timeout=60)
+    out, err = recv.communicate(timeout=HANG_S)
     assert recv.returncode == 77, err
     assert out == b""
     time.sleep(0.3)
@@ -149,7 +149,7 @@ def test_another_model_is_refused_naming_both(lane, tiny_hybrid):
     p = lane["producer"]
     recv = subprocess.Popen(muser_cmd("receive", "--from", p.address, str(lane["prompt"]), "-m", str(tiny_hybrid.path)),
                             env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = recv.communicate(timeout=60)
+    out, err = recv.communicate(timeout=HANG_S)
     assert recv.returncode == 65, err  # issue 25: another model is mismatched data on both lanes (was 75 here)
     assert out == b""
     text = err.decode()
@@ -161,23 +161,23 @@ def test_two_consumers_with_no_queue_one_is_told_busy_at_once(lane, tmp_path):
     once (75). The first is admitted (Serving) and holds its turn without saying it is ready,
     so the producer is busy for as long as the test needs, whatever the machine's load; once it
     hangs up (logged: it left before it was ready), the next consumer is served."""
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0", "--idle-timeout", "300")
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0", "--idle-timeout", str(HANG_S))
     try:
         env = env_for(lane["nodes"].consumer_home)
         args = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
         ident, request = signed_request(lane)
         with held_pull(ident, prod.address, request) as answer:
             assert type(answer).__name__ == "Serving"
-            t0 = time.monotonic()
             b = subprocess.run(muser_cmd(*args, "-o", str(tmp_path / "b.kvpack")), env=env, capture_output=True,
-                               timeout=60)
-            b_s = time.monotonic() - t0
+                               timeout=HANG_S)
+            # Told at once, not after a deadline (a state, not a stopwatch): its "busy" is the
+            # producer's only outcome while the first still holds its turn, admitted and silent.
+            assert [e["outcome"] for e in prod.wait_events(1)] == ["busy"], prod.events()
         assert b.returncode == 75 and b"busy" in b.stderr, b.stderr
         assert not (tmp_path / "b.kvpack").exists()
-        assert b_s < 30  # told at once: well under the idle and queue deadlines (the time is process start)
         assert sorted(e["outcome"] for e in prod.wait_events(2)) == ["busy", "failed"]  # the turn is free again
         a = subprocess.run(muser_cmd(*args, "-o", str(tmp_path / "a.kvpack")), env=env, capture_output=True,
-                           timeout=120)
+                           timeout=HANG_S)
         assert a.returncode == 0, a.stderr
         assert (tmp_path / "a.kvpack").stat().st_size > 0
         events = prod.wait_events(3)
@@ -195,7 +195,7 @@ def test_producer_down_receive_75_and_decode_falls_back(lane):
     to = f"127.0.0.1:{s.getsockname()[1]}"
     s.close()  # nothing listens there now
     recv = receive_from(lane, to)
-    out, err = recv.communicate(timeout=60)
+    out, err = recv.communicate(timeout=HANG_S)
     assert recv.returncode == 75 and out == b"", err
     r = decode_pull(lane, to)
     assert r.returncode == 0, r.stderr
@@ -216,9 +216,9 @@ def test_producer_killed_once_admitted_decode_falls_back_with_the_same_tokens(la
                                           str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
                                           relay.to),
                                 env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert prod.wait_events(1, "admitted", timeout=60)
+        assert prod.wait_events(1, "admitted", timeout=HANG_S)
         prod.proc.kill()
-        out, err = proc.communicate(timeout=180)
+        out, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err
         got = json.loads(out)
         assert got["fallback"] and got["reason"], got
@@ -240,7 +240,7 @@ def test_producer_killed_mid_stream_keeps_verified_chunks_and_the_tokens(lane, t
                                 env=env_for(lane["nodes"].consumer_home), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
         got = b""
-        end = time.monotonic() + 90
+        end = time.monotonic() + HANG_S
         while len(got) < 4 * 4096 and time.monotonic() < end:
             if select.select([recv.stdout], [], [], 0.5)[0]:
                 block = os.read(recv.stdout.fileno(), 4096)
@@ -248,20 +248,20 @@ def test_producer_killed_mid_stream_keeps_verified_chunks_and_the_tokens(lane, t
                     break
                 got += block
         prod.proc.kill()
-        rest, err = recv.communicate(timeout=60)
+        rest, err = recv.communicate(timeout=HANG_S)
         got += rest
         assert recv.returncode == 75, err
         cut = tmp_path / "cut.kvpack"
         cut.write_bytes(got)
         dec = subprocess.run(muser_cmd("decode", *lane["common"], str(cut), "--prompt", str(lane["prompt"]), "-n", "8",
                                        "--no-reuse", "--json"), env=env_for(lane["nodes"].consumer_home),
-                             capture_output=True, timeout=120)
+                             capture_output=True, timeout=HANG_S)
         assert dec.returncode == 0, dec.stderr
         out = json.loads(dec.stdout)
         assert out["source"] == "partial+local" and out["handoff_rows"] > 0, out
         local = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", "1", "--prompt", str(lane["prompt"]),
                                          "-n", "8", "--no-reuse", "--json"), env=env_for(lane["nodes"].consumer_home),
-                               input=b"", capture_output=True, timeout=120)
+                               input=b"", capture_output=True, timeout=HANG_S)
         assert out["token_ids"] == json.loads(local.stdout)["token_ids"]
     finally:
         prod.proc.kill()
@@ -275,7 +275,7 @@ def follow(lane):
     path.write_text(PROMPT + "\n\nWhere did they put the bridge?")
     common = [*lane["common"], "--chunk", str(CHUNK), "--prompt", str(path), "-n", "8", "--json"]
     local = subprocess.run(muser_cmd("decode", *common, "--no-reuse"), env=env_for(lane["nodes"].consumer_home),
-                           input=b"", capture_output=True, timeout=120)
+                           input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     return {"path": path, "decode": common, "tokens": json.loads(local.stdout)["token_ids"]}
 
@@ -291,16 +291,16 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, follow, tmp_path)
     env = env_for(home)
     stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
                                       "--store", "-o", str(tmp_path / "doc.kvpack")),
-                            env=env, capture_output=True, timeout=120)
+                            env=env, capture_output=True, timeout=HANG_S)
     assert stored.returncode == 0, stored.stderr
     ask = ["receive", "--from", lane["producer"].address, str(follow["path"]), "-m", lane["model"],
            "--chunk", str(CHUNK)]
     delta = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "delta.kvpack"), "--json"), env=env,
-                           capture_output=True, timeout=120)
+                           capture_output=True, timeout=HANG_S)
     assert delta.returncode == 0, delta.stderr
     got = json.loads(delta.stdout)
     full = subprocess.run(muser_cmd(*ask, "--no-reuse", "-o", str(tmp_path / "full.kvpack"), "--json"), env=env,
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=HANG_S)
     assert full.returncode == 0, full.stderr
     def header_of(path: Path):
         with open(path, "rb") as f:
@@ -312,7 +312,7 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, follow, tmp_path)
     assert json.loads(full.stdout)["held_tokens"] == 0
     assert got["payload_bytes"] < json.loads(full.stdout)["payload_bytes"]
     merged = subprocess.run(muser_cmd("decode", str(tmp_path / "delta.kvpack"), *follow["decode"]), env=env,
-                            capture_output=True, timeout=120)
+                            capture_output=True, timeout=HANG_S)
     assert merged.returncode == 0, merged.stderr
     out = json.loads(merged.stdout)
     assert out["source"] == "delta" and out["token_ids"] == follow["tokens"], out
@@ -345,19 +345,19 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
         paths.append(tmp_path / f"p{i}.txt")
         paths[-1].write_text(text)
     stored = subprocess.run(muser_cmd("prefill", str(paths[0]), *lane["common"], "--chunk", str(CHUNK), "--store",
-                                      "-o", str(tmp_path / "short.kvpack")), env=env, capture_output=True, timeout=120)
+                                      "-o", str(tmp_path / "short.kvpack")), env=env, capture_output=True, timeout=HANG_S)
     assert stored.returncode == 0, stored.stderr
     local = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(paths[1]),
                                      "-n", "8", "--no-reuse", "--json"), env=env, input=b"", capture_output=True,
-                           timeout=120)
+                           timeout=HANG_S)
     assert local.returncode == 0, local.stderr
 
     def verified_and_decoded(pack: Path) -> None:
         ok = subprocess.run(muser_cmd("verify", str(pack), "-m", lane["model"], "--prompt", str(paths[1])), env=env,
-                            capture_output=True, timeout=120)
+                            capture_output=True, timeout=HANG_S)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         dec = subprocess.run(muser_cmd("decode", str(pack), *lane["common"], "--chunk", str(CHUNK), "--prompt",
-                                       str(paths[1]), "-n", "8", "--json"), env=env, capture_output=True, timeout=120)
+                                       str(paths[1]), "-n", "8", "--json"), env=env, capture_output=True, timeout=HANG_S)
         assert dec.returncode == 0, dec.stderr
         got = json.loads(dec.stdout)
         assert got["source"] == "delta" and got["token_ids"] == json.loads(local.stdout)["token_ids"], got
@@ -370,7 +370,7 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     before = len(p.events())
     asked = subprocess.run(muser_cmd("receive", "--from", p.address, str(paths[1]), "-m", lane["model"], "--chunk",
                                      str(CHUNK), "-o", str(tmp_path / "asked.kvpack"), "--json"),
-                           env=env, capture_output=True, timeout=120)
+                           env=env, capture_output=True, timeout=HANG_S)
     assert asked.returncode == 0, asked.stderr
     assert json.loads(asked.stdout)["held_tokens"] == 16 and rows_start(tmp_path / "asked.kvpack") == 16
     verified_and_decoded(tmp_path / "asked.kvpack")
@@ -379,7 +379,7 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     ask = ask_for(OFF_GRID[1], model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
     scope = Scope(info.fingerprint, info.tokenizer_fingerprint, "float32", CHUNK)
     ask.have_tokens, ask.have_chain = 17, chain_at(scope, long, 17)
-    pull_prompt(p.address, ask, output=tmp_path / "claimed.kvpack", timeout=90)
+    pull_prompt(p.address, ask, output=tmp_path / "claimed.kvpack", timeout=HANG_S)
     assert rows_start(tmp_path / "claimed.kvpack") == 16
     verified_and_decoded(tmp_path / "claimed.kvpack")
     served = p.wait_events(before + 2)[before:]
@@ -414,11 +414,11 @@ def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypa
             pull(f"127.0.0.1:{server.address[1]}", nodes.consumer, token_ids=ids,
                  tokenizer_fingerprint=info.tokenizer_fingerprint, model_fingerprint=info.fingerprint,
                  chunk_tokens=CHUNK, dtype="float32", ledger_dir=tmp_path / "ledger",
-                 destination=Destination(file=out), timeout=60, have_tokens=17,
+                 destination=Destination(file=out), timeout=HANG_S, have_tokens=17,
                  have_chain=chain_at(Scope(info.fingerprint, info.tokenizer_fingerprint, "float32", CHUNK), ids, 17))
     finally:
         server.stop()
-        serving.join(60)
+        serving.join(HANG_S)
         server.close()
     assert not out.exists() and not list(tmp_path.glob("*.part"))
 
@@ -434,7 +434,7 @@ def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp
     def pull(prod: Producer, prompt: Path, out: Path) -> dict:
         r = subprocess.run(muser_cmd("receive", "--from", prod.address, str(prompt), "-m", lane["model"], "--chunk",
                                      str(CHUNK), "--no-reuse", "-o", str(out)), env=env, capture_output=True,
-                           timeout=120)
+                           timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         served = prod.wait_events(1)
         assert [e["outcome"] for e in served] == ["served"], served
@@ -454,7 +454,7 @@ def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp
     assert second["reused_from"] == "store" and second["reused_rows"] >= CHUNK, second
     assert second["held_rows"] == 0 and second["stored"] != first["stored"], second
     dec = subprocess.run(muser_cmd("decode", str(tmp_path / "follow.kvpack"), *follow["decode"]), env=env,
-                         capture_output=True, timeout=120)
+                         capture_output=True, timeout=HANG_S)
     assert dec.returncode == 0, dec.stderr
     assert json.loads(dec.stdout)["token_ids"] == follow["tokens"]
 
@@ -467,12 +467,12 @@ def test_a_revoked_key_is_refused_77_before_any_prefill(lane, tmp_path):
     try:
         ask = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
         ok = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "ok.kvpack")), env=env_for(nodes.consumer_home),
-                            capture_output=True, timeout=120)
+                            capture_output=True, timeout=HANG_S)
         assert ok.returncode == 0, ok.stderr
         rv = subprocess.run(muser_cmd("node", "revoke", nodes.producer_key_id), env=env_for(nodes.producer_home),
-                            capture_output=True, timeout=60)
+                            capture_output=True, timeout=HANG_S)
         assert rv.returncode == 0, rv.stderr
-        refused = subprocess.run(muser_cmd(*ask), env=env_for(nodes.consumer_home), capture_output=True, timeout=60)
+        refused = subprocess.run(muser_cmd(*ask), env=env_for(nodes.consumer_home), capture_output=True, timeout=HANG_S)
         assert refused.returncode == 77, refused.stderr
         assert refused.stdout == b"" and b"revoked" in refused.stderr, refused.stderr
         assert len(refused.stderr.decode().strip().splitlines()) <= 2  # one line (and its hint)
@@ -498,34 +498,32 @@ def test_silent_and_half_open_clients_are_dropped_without_delaying_others(lane):
     p = lane["producer"]
     host, port = p.address.rsplit(":", 1)
     before, tls_before = len(p.events()), len(p.events("tls_failed"))
-    half_open = socket.create_connection((host, int(port)), timeout=30)
+    half_open = socket.create_connection((host, int(port)), timeout=HANG_S)
     ctx = client_context(load_identity(keys_dir_of(lane["nodes"].consumer_home)))
     ctx.set_alpn_protocols([ALPN_PULL])
-    silent = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=30), server_hostname=host)
-    t0 = time.monotonic()
+    silent = ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=HANG_S), server_hostname=host)
     try:
         r = decode_pull(lane, p.address)
-        served_s = time.monotonic() - t0
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         assert got["source"] == "handoff" and got["token_ids"] == lane["local"]["token_ids"], got
         for s in (half_open, silent):  # the producer hangs up on both by its deadlines
-            s.settimeout(30)
+            s.settimeout(HANG_S)
             try:
                 while s.recv(4096):
                     pass
             except (ssl.SSLError, ConnectionError):
                 pass
-        closed_s = time.monotonic() - t0
     finally:
         half_open.close()
         silent.close()
-    assert closed_s < 30, closed_s
+    # Both closed by the producer's deadlines (states its events name, not a stopwatch of ours):
+    # the silent TLS client for no request within request_s, the half-open one in the handshake.
     events = p.wait_events(before + 2)[before:]
     outcomes = sorted(e["outcome"] for e in events)
     assert outcomes == ["failed", "served"], events
+    assert [e for e in events if e["outcome"] == "failed" and "no whole request within 10 s" in e["reason"]], events
     assert p.wait_events(tls_before + 1, "tls_failed")[tls_before:], "the half-open client was not dropped"
-    print(f"served in {served_s:.1f} s while two clients stayed silent; both dropped after {closed_s:.1f} s")
 
 
 def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane, tmp_path, monkeypatch):
@@ -540,20 +538,17 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
 
     monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
     ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1", "--idle-timeout", "300")
+    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1", "--idle-timeout", str(HANG_S))
     env = env_for(lane["nodes"].consumer_home)
     results: dict[int, object] = {}
-    took: dict[int, float] = {}
     gate = threading.Barrier(4)
 
     def consumer(i: int) -> None:
         gate.wait()
-        t0 = time.monotonic()
         try:
-            results[i] = pull_prompt(prod.address, ask, output=tmp_path / f"c{i}.kvpack", timeout=90)
+            results[i] = pull_prompt(prod.address, ask, output=tmp_path / f"c{i}.kvpack", timeout=HANG_S)
         except BaseException as exc:  # noqa: BLE001 - inspected below
             results[i] = exc
-        took[i] = time.monotonic() - t0
 
     threads = [threading.Thread(target=consumer, args=(i,), daemon=True) for i in range(4)]
     try:
@@ -562,14 +557,18 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
             assert type(answer).__name__ == "Serving"
             for t in threads:
                 t.start()
-            busy = [e for e in prod.wait_events(3, timeout=90) if e["outcome"] == "busy"]
+            busy = [e for e in prod.wait_events(3, timeout=HANG_S) if e["outcome"] == "busy"]
             assert len(busy) == 3, prod.events()  # the fourth waits in the queue: the holder has the turn
+            # Told at once, not after a deadline (a state, not a stopwatch): three consumers have
+            # their "busy" answer while the holder still holds the turn.
+            assert wait_for(lambda: sum(isinstance(r, TempFailure) for r in list(results.values())) == 3, HANG_S), \
+                results
             dec = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt",
                                            str(lane["prompt"]), "-n", "8", "--no-reuse", "--json", "--producer",
-                                           prod.address, "--timeout", "60"),
-                                 env=env, capture_output=True, timeout=120)
+                                           prod.address, "--timeout", str(HANG_S)),
+                                 env=env, capture_output=True, timeout=HANG_S)
         for t in threads:
-            t.join(120)
+            t.join(HANG_S)
         assert not any(t.is_alive() for t in threads), "a consumer hangs"
         events = prod.wait_events(6)
     finally:
@@ -577,7 +576,6 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
     refused = [i for i, r in results.items() if isinstance(r, TempFailure) and "busy" in str(r)]
     served = [i for i, r in results.items() if isinstance(r, dict)]
     assert len(refused) == 3 and len(served) == 1, results
-    assert all(took[i] < 10 for i in refused), took  # told at once, not after a deadline
     assert not any((tmp_path / f"c{i}.kvpack").exists() for i in refused)
     assert dec.returncode == 0, dec.stderr
     out = json.loads(dec.stdout)
@@ -585,7 +583,7 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
     assert out["token_ids"] == lane["local"]["token_ids"]
     assert sorted(e["outcome"] for e in events) == ["busy"] * 4 + ["failed", "served"], events
     ref = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
-                                   "-o", str(tmp_path / "ref.kvpack")), env=env, capture_output=True, timeout=120)
+                                   "-o", str(tmp_path / "ref.kvpack")), env=env, capture_output=True, timeout=HANG_S)
     assert ref.returncode == 0, ref.stderr
 
     def layers(path: Path) -> list[bytes]:
@@ -597,7 +595,7 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
 
 def node_check(lane, to: str, *extra: str, home: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(muser_cmd("node", "check", to, "-m", lane["model"], "--threads", "1", *extra),
-                          env=env_for(home or lane["nodes"].consumer_home), capture_output=True, timeout=180)
+                          env=env_for(home or lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
 
 
 def test_node_check_says_the_producer_is_ready(lane, tiny_llama):
@@ -648,7 +646,7 @@ def test_node_check_names_the_first_failure_and_its_status(lane, tiny_hybrid, tm
     assert r.returncode == 77, r.stderr
     assert "mutual auth" in r.stdout.decode().splitlines()[2] and "FAIL" in r.stdout.decode().splitlines()[2]
     other = subprocess.run(muser_cmd("node", "check", lane["producer"].address, "-m", str(tiny_hybrid.path), "--json"),
-                           env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=180)
+                           env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
     assert other.returncode == 65, other.stderr
     got = json.loads(other.stdout)
     failed = [c for c in got["checks"] if c["ok"] is False]
@@ -665,11 +663,11 @@ def test_idle_timeout_drops_an_admitted_consumer_that_never_gets_ready(lane, tmp
         ident, request = signed_request(lane)
         with held_pull(ident, prod.address, request) as answer:
             assert type(answer).__name__ == "Serving"
-            dropped = prod.wait_events(1, timeout=30)
+            dropped = prod.wait_events(1, timeout=HANG_S)
             assert [e["outcome"] for e in dropped] == ["failed"] and "timed out" in dropped[0]["reason"], dropped
             r = subprocess.run(muser_cmd("receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"],
                                          "--chunk", str(CHUNK), "-o", str(tmp_path / "next.kvpack")),
-                               env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                               env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
             assert r.returncode == 0, r.stderr
         assert [e["outcome"] for e in prod.wait_events(2)] == ["failed", "served"]
     finally:
@@ -677,6 +675,6 @@ def test_idle_timeout_drops_an_admitted_consumer_that_never_gets_ready(lane, tmp
     env = env_for(lane["nodes"].producer_home)
     for args in (["prefill", str(lane["prompt"]), *lane["common"], "--idle-timeout", "5"],
                  ["prefill", "--serve", "127.0.0.1:0", *lane["common"], "--idle-timeout", "0"]):
-        bad = subprocess.run(muser_cmd(*args), env=env, capture_output=True, timeout=120)
+        bad = subprocess.run(muser_cmd(*args), env=env, capture_output=True, timeout=HANG_S)
         assert bad.returncode == 2 and b"--idle-timeout" in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.decode().strip().splitlines()) <= 2, bad.stderr  # the error and, at most, its hint

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from handoff_kit import HANG_S
 from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd, pack_bytes, pack_file, receivers  # noqa: F401
 from muser_cli.errors import AuthError, UsageError
 from muser_cli.handoff.trust import node
@@ -67,7 +68,7 @@ def test_joining_a_second_consumer_adds_it_and_force_replaces_only_its_own(tmp_p
 def test_node_ls_lists_every_consumer_and_its_key(tmp_path):
     c = two_consumers(tmp_path)
     r = subprocess.run(muser_cmd("node", "ls", "--json"), env=env_for(c["producer_home"]), capture_output=True,
-                       timeout=60)
+                       timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert [x["consumer"] for x in got["consumers"]] == ["mac-a", "mac-b"]
@@ -75,7 +76,7 @@ def test_node_ls_lists_every_consumer_and_its_key(tmp_path):
     assert {p["name"] for p in got["peers"]} >= {"mac-a", "mac-b"}
     assert "secret" not in r.stdout.decode()
     human = subprocess.run(muser_cmd("node", "ls"), env=env_for(c["producer_home"]), capture_output=True,
-                           timeout=60).stdout.decode()
+                           timeout=HANG_S).stdout.decode()
     assert "consumer mac-a" in human and "consumer mac-b" in human, human
 
 
@@ -92,16 +93,16 @@ def test_admission_takes_turns_between_consumers():
                                                     order.append(w)))
         t.start()
         threads.append(t)
-        end = time.monotonic() + 5
+        end = time.monotonic() + HANG_S
         while sum(len(q) for q in adm._queues.values()) == n and time.monotonic() < end:
             time.sleep(0.005)
     for i in range(5):
         adm.leave(False)
-        end = time.monotonic() + 5
+        end = time.monotonic() + HANG_S
         while len(order) < i + 1 and time.monotonic() < end:
             time.sleep(0.005)
     for t in threads:
-        t.join(5)
+        t.join(HANG_S)
     assert order == ["a", "b", "a", "b", "a"]
 
 
@@ -116,7 +117,7 @@ class _GatedCompute:
         return None
 
     def run(self, request, out):
-        self.gate.acquire(timeout=30)
+        self.gate.acquire(timeout=HANG_S)
         raise RuntimeError("gated compute: no pack")
 
 
@@ -136,7 +137,7 @@ def inproc(tmp_path):
     server.stop()
     for _ in range(20):
         compute.gate.release()
-    serving.join(30)
+    serving.join(HANG_S)
     server.close()
 
 
@@ -147,7 +148,7 @@ def _pull_thread(env: dict, who: str, results: dict, i: int) -> threading.Thread
         try:
             pull(env["to"], env["c"][who]["identity"], token_ids=list(range(1, 41)),
                  tokenizer_fingerprint="sha256:" + "a" * 64, model_fingerprint="sha256:" + "b" * 64,
-                 chunk_tokens=8, dtype="float32", ledger_dir=env["tmp"] / f"ledger-{who}", timeout=60,
+                 chunk_tokens=8, dtype="float32", ledger_dir=env["tmp"] / f"ledger-{who}", timeout=HANG_S,
                  out_stream=io.BytesIO())
             results[i] = (who, "ok")
         except Exception as exc:  # noqa: BLE001 - the gated compute fails every request on purpose
@@ -169,27 +170,27 @@ def _waiting(env) -> int:
 def test_a_flooding_consumer_does_not_starve_the_other_over_tls(inproc):
     env, results = inproc, {}
     threads = [_pull_thread(env, "mac-a", results, 0)]
-    end = time.monotonic() + 30
+    end = time.monotonic() + HANG_S
     while not _admitted(env) and time.monotonic() < end:
         time.sleep(0.01)
     for i, who in enumerate(["mac-a", "mac-a", "mac-a", "mac-b", "mac-b"], start=1):
         threads.append(_pull_thread(env, who, results, i))
-        end = time.monotonic() + 30
+        end = time.monotonic() + HANG_S
         while _waiting(env) < i and time.monotonic() < end:
             time.sleep(0.01)
         assert _waiting(env) == i, (i, results, env["events"])
     busy: dict = {}
     threads.append(_pull_thread(env, "mac-a", busy, 0))  # a fourth waiting from mac-a: over its bound
-    threads[-1].join(30)
+    threads[-1].join(HANG_S)
     assert "busy" in busy[0][1], busy
     for n in range(2, 7):
         env["compute"].gate.release()
-        end = time.monotonic() + 30
+        end = time.monotonic() + HANG_S
         while len(_admitted(env)) < n and time.monotonic() < end:
             time.sleep(0.01)
     env["compute"].gate.release()
     for t in threads:
-        t.join(60)
+        t.join(HANG_S)
     assert _admitted(env) == ["mac-a", "mac-a", "mac-b", "mac-a", "mac-b", "mac-a"], env["events"]
 
 
@@ -208,22 +209,22 @@ def test_each_consumer_is_checked_against_its_own_ca_and_keyring(inproc):
     ctx.check_hostname = False
     ctx.set_alpn_protocols(["muser-pull/1"])
 
-    raw = socket.create_connection(("127.0.0.1", env["server"].address[1]), timeout=10)
+    raw = socket.create_connection(("127.0.0.1", env["server"].address[1]), timeout=HANG_S)
     with pytest.raises((ssl.SSLError, OSError)):
         with ctx.wrap_socket(raw, server_hostname=link.consumer_sni("mac-a")) as s:
             s.recv(1)
     raw.close()
-    sock, _ = connect(env["to"], b, 10.0)  # B naming itself: its own CA on both sides
+    sock, _ = connect(env["to"], b, HANG_S)  # B naming itself: its own CA on both sides
     sock.close()
     node.revoke_key(keys_dir_of(env["c"]["producer_home"]), env["c"]["mac-a"]["key_id"])
     results: dict = {}
-    _pull_thread(env, "mac-a", results, 0).join(60)  # refused before admission
+    _pull_thread(env, "mac-a", results, 0).join(HANG_S)  # refused before admission
     t = _pull_thread(env, "mac-b", results, 1)
-    end = time.monotonic() + 30
+    end = time.monotonic() + HANG_S
     while not _admitted(env) and time.monotonic() < end:
         time.sleep(0.01)
     env["compute"].gate.release()
-    t.join(60)
+    t.join(HANG_S)
     assert "revoked" in results[0][1], results
     assert _admitted(env) == ["mac-b"]
     refused = [f for kind, f in env["events"] if kind == "request" and f.get("outcome") == "auth"]
@@ -247,10 +248,10 @@ def test_a_consumer_still_checks_the_dialled_name_against_the_producers_certific
     try:
         for who in ("mac-a", "mac-b"):
             with pytest.raises(AuthError, match="does not hold the name dialled"):
-                connect(f"127.0.0.2:{server.address[1]}", c[who]["identity"], 10.0)
+                connect(f"127.0.0.2:{server.address[1]}", c[who]["identity"], HANG_S)
     finally:
         server.stop()
-        serving.join(30)
+        serving.join(HANG_S)
         server.close()
     assert not [f for k, f in events if k == "admitted" or f.get("request_id")]  # no request was sent
 
@@ -266,13 +267,13 @@ def test_send_to_a_consumer_signs_and_dials_as_that_consumers_producer(tmp_path,
     monkeypatch.setenv("MUSER_HOME", str(c["producer_home"]))
     rb = receivers(c["mac-b"]["identity"], tmp_path / "rb", once=True)
     with open(pack_file, "rb") as f:
-        res = api.send(f, to=rb.to, rate=None, key_id=c["mac-b"]["key_id"], timeout=60, connect_timeout=10,
+        res = api.send(f, to=rb.to, rate=None, key_id=c["mac-b"]["key_id"], timeout=HANG_S, connect_timeout=HANG_S,
                        idle_timeout=10)
     rb.wait_done()
     assert len(rb.accepted) == 1 and res["key_id"] == c["mac-b"]["key_id"], res
     other = receivers(c["mac-b"]["identity"], tmp_path / "rb2", once=True)
     with open(pack_file, "rb") as f, pytest.raises(AuthError):
-        api.send(f, to=other.to, rate=None, key_id=None, timeout=60, connect_timeout=10, idle_timeout=10)
+        api.send(f, to=other.to, rate=None, key_id=None, timeout=HANG_S, connect_timeout=HANG_S, idle_timeout=10)
     assert not other.accepted
     from muser_cli.handoff.trust.nodedir import identity_for
 
@@ -289,14 +290,14 @@ def test_both_consumers_pull_from_one_resident_producer_and_decode_the_local_tok
     common = ["-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32"]
     ask = ["decode", *common, "--chunk", "8", "--prompt", str(prompt), "-n", "8", "--no-reuse", "--json"]
     local = subprocess.run(muser_cmd(*ask), env=env_for(c["mac-a"]["home"]), input=b"", capture_output=True,
-                           timeout=120)
+                           timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     want = json.loads(local.stdout)["token_ids"]
     prod = Producer(c["producer_home"], *common)
     try:
         for who in ("mac-a", "mac-b"):
             r = subprocess.run(muser_cmd(*ask, "--producer", prod.address), env=env_for(c[who]["home"]),
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=HANG_S)
             assert r.returncode == 0, r.stderr
             got = json.loads(r.stdout)
             assert got["source"] == "handoff" and not got["fallback"] and got["token_ids"] == want, (who, got)
@@ -304,14 +305,14 @@ def test_both_consumers_pull_from_one_resident_producer_and_decode_the_local_tok
         assert [(e["outcome"], e["consumer"]) for e in served] == [("served", "mac-a"), ("served", "mac-b")]
         assert {e["key_id"] for e in served} == {c["mac-a"]["key_id"], c["mac-b"]["key_id"]}
         rv = subprocess.run(muser_cmd("node", "revoke", c["mac-a"]["key_id"]), env=env_for(c["producer_home"]),
-                            capture_output=True, timeout=60)
+                            capture_output=True, timeout=HANG_S)
         assert rv.returncode == 0, rv.stderr
         refused = subprocess.run(muser_cmd("receive", "--from", prod.address, str(prompt), *common[:2],
                                            "--chunk", "8"), env=env_for(c["mac-a"]["home"]), capture_output=True,
-                                 timeout=60)
+                                 timeout=HANG_S)
         assert refused.returncode == 77 and refused.stdout == b"", refused.stderr
         again = subprocess.run(muser_cmd(*ask, "--producer", prod.address), env=env_for(c["mac-b"]["home"]),
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=HANG_S)
         assert again.returncode == 0 and json.loads(again.stdout)["source"] == "handoff", again.stderr
     finally:
         assert prod.stop() == 0

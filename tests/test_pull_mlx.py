@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from handoff_kit import Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
 
 # Not imported here: MLX picks its BLAS when it first loads (muser_cli.engines.mlx.blas), in the
 # processes that run it.
@@ -44,7 +44,7 @@ def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
     for name, prompt in (("doc", doc), ("follow", follow)):
         out = tmp_path / f"local-{name}.kvpack"
         r = subprocess.run(muser_cmd("prefill", *common, "--engine", "mlx", "--chunk", str(CHUNK), "-o", str(out),
-                                     str(prompt)), env=env, capture_output=True, timeout=300)
+                                     str(prompt)), env=env, capture_output=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         local[name] = out
     producer = Producer(nodes.producer_home, *common, "--engine", "mlx")
@@ -53,7 +53,7 @@ def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
             out = tmp_path / f"pulled-{name}.kvpack"
             r = subprocess.run(muser_cmd("receive", "--from", producer.address, str(prompt), "-m", model,
                                          "--chunk", str(CHUNK), "--dtype", "float32", "--no-reuse", "-o", str(out)),
-                               env=env, capture_output=True, timeout=300)
+                               env=env, capture_output=True, timeout=HANG_S)
             assert r.returncode == 0, r.stderr
             pulled, got = layers_of(out)
             want_pack, want = layers_of(local[name])
@@ -66,11 +66,11 @@ def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
         assert served[0]["reused_rows"] == 0 and served[1]["reused_rows"] > 0  # the follow-up continued the doc's
         dec = subprocess.run(muser_cmd("decode", *common, "--engine", "mlx", "--chunk", str(CHUNK), "--prompt",
                                        str(doc), "-n", "6", "--no-reuse", "--json", "--producer", producer.address),
-                             env=env, capture_output=True, timeout=300)
+                             env=env, capture_output=True, timeout=HANG_S)
         assert dec.returncode == 0, dec.stderr
         loc = subprocess.run(muser_cmd("decode", *common, "--engine", "mlx", "--chunk", str(CHUNK), "--prompt",
                                        str(doc), "-n", "6", "--no-reuse", "--json"), input=b"",
-                             env=env, capture_output=True, timeout=300)
+                             env=env, capture_output=True, timeout=HANG_S)
         assert loc.returncode == 0, loc.stderr
         got, want = json.loads(dec.stdout), json.loads(loc.stdout)
         assert got["source"] == "handoff" and not got["fallback"] and got["token_ids"] == want["token_ids"], got

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import Producer, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def served(tmp_path_factory, tiny_llama):
 
 
 def probe(home, to: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(muser_cmd("probe-link", to, *extra), env=env_for(home), capture_output=True, timeout=120)
+    return subprocess.run(muser_cmd("probe-link", to, *extra), env=env_for(home), capture_output=True, timeout=HANG_S)
 
 
 def test_probe_link_measures_a_serving_producer_both_ways(served):
@@ -93,7 +93,7 @@ def test_a_replayed_probe_request_is_refused(served):
 
 
 def node_ls(home) -> dict:
-    r = subprocess.run(muser_cmd("node", "ls", "--json"), env=env_for(home), capture_output=True, timeout=60)
+    r = subprocess.run(muser_cmd("node", "ls", "--json"), env=env_for(home), capture_output=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     return {p["name"]: p for p in json.loads(r.stdout)["peers"]}
 
@@ -112,7 +112,7 @@ def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
     out = tmp_path / "got.kvpack"
     pulled = subprocess.run(muser_cmd("receive", "--from", p.address, str(prompt), "-m", p.model, "--chunk", "8",
                                       "--dtype", "float32", "--no-reuse", "-o", str(out)),
-                            env=env_for(nodes.consumer_home), capture_output=True, timeout=120)
+                            env=env_for(nodes.consumer_home), capture_output=True, timeout=HANG_S)
     assert pulled.returncode == 0, pulled.stderr
     mine2, theirs2 = node_ls(nodes.consumer_home)["gx10"], node_ls(nodes.producer_home)["consumer"]
     assert mine2["via"] == "pull" and mine2["last_seen"] > mine["last_seen"]
@@ -121,7 +121,7 @@ def test_node_ls_shows_when_each_side_last_saw_the_other(served, tmp_path):
     node.init_node(keys_dir_of(stranger), name="consumer")  # same name, another CA
     assert probe(stranger, p.address, "--seconds", "0.1").returncode == 77
     assert node_ls(nodes.producer_home)["consumer"] == theirs2  # the stranger never authenticated
-    text = subprocess.run(muser_cmd("node", "ls"), env=env_for(nodes.producer_home), capture_output=True, timeout=60)
+    text = subprocess.run(muser_cmd("node", "ls"), env=env_for(nodes.producer_home), capture_output=True, timeout=HANG_S)
     assert "peer consumer" in text.stdout.decode() and f"last seen {theirs2['last_seen']}" in text.stdout.decode()
 
 
@@ -139,7 +139,7 @@ def test_a_probe_request_buys_one_up_and_one_down_probe(served):
     p = served["producer"]
     ident = load_identity(keys_dir_of(served["nodes"].consumer_home))
     before = len(p.events("probe"))
-    sock, where = connect(p.address, ident, 10.0)
+    sock, where = connect(p.address, ident, HANG_S)
     link = Link(sock, PullConnection(Side.CONSUMER), idle_s=10.0, deadline=None)
     try:
         request_probe(link, ident, peer_common_name(sock.getpeercert(binary_form=True)), where, seconds=0.1)

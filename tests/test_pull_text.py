@@ -19,7 +19,7 @@ import pytest
 from muser_cli.errors import AuthError, ProtocolError
 from muser_cli.handoff.wire.header import canonical
 from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request, verify_request_mac
-from handoff_kit import Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "They chose the northern site, close to the old mill and the school.")
@@ -93,7 +93,7 @@ def receive(lane, to: str, out, *extra: str, model: str | None = None) -> subpro
     return subprocess.run(muser_cmd("receive", "--from", to, str(lane["prompt"]), "-m", model or lane["model"],
                                     "--chunk", str(CHUNK), "--dtype", "float32", "--no-reuse", "-o", str(out),
                                     *extra),
-                          env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                          env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
 
 
 def test_receive_send_text_gets_a_pack_of_the_consumers_own_tokens(lane, tmp_path):
@@ -118,16 +118,16 @@ def test_decode_producer_send_text_chat_decodes_the_local_tokens(lane):
     base = ["decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(lane["prompt"]), "-n", "6", "--chat",
             "--no-reuse", "--json"]
     env = env_for(lane["nodes"].consumer_home)
-    local = subprocess.run(muser_cmd(*base), env=env, input=b"", capture_output=True, timeout=120)
+    local = subprocess.run(muser_cmd(*base), env=env, input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     pulled = subprocess.run(muser_cmd(*base, "--producer", lane["producer"].address, "--send-text"), env=env,
-                            capture_output=True, timeout=120)
+                            capture_output=True, timeout=HANG_S)
     assert pulled.returncode == 0, pulled.stderr
     got, want = json.loads(pulled.stdout), json.loads(local.stdout)
     assert got["source"] == "handoff" and not got["fallback"], got
     assert got["token_ids"] == want["token_ids"]
     bad = subprocess.run(muser_cmd("decode", "--prompt", str(lane["prompt"]), "--send-text"), env=env,
-                         capture_output=True, timeout=60)
+                         capture_output=True, timeout=HANG_S)
     assert bad.returncode == 2 and b"--producer" in bad.stderr
 
 
@@ -167,7 +167,7 @@ def test_a_producer_whose_template_renders_other_tokens_is_caught_by_the_consume
         dec = subprocess.run(muser_cmd("decode", "-m", clock_model, "--threads", "1", "--dtype", "float32",
                                        "--chunk", str(CHUNK), "--prompt", str(lane["prompt"]), "-n", "2", "--chat",
                                        "--no-reuse", "--json", "--producer", producer.address, "--send-text"),
-                             env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=120)
+                             env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
         assert dec.returncode == 0, dec.stderr
         got = json.loads(dec.stdout)
         assert got["fallback"] and "token ids" in got["reason"], got

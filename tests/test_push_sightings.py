@@ -17,7 +17,7 @@ from muser_cli.handoff.push.receiver import ReceiveConfig, Receiver
 from muser_cli.handoff.push.sender import prepare_handoff, transmit
 
 from handoff_kit import (  # noqa: F401 - fixtures
-    copy_home, env_for, keys_dir_of, make_nodes, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
+    HANG_S, copy_home, env_for, keys_dir_of, make_nodes, muser_cmd, nodes, pack_bytes, pack_file, spawn_receiver,
 )
 
 
@@ -32,11 +32,11 @@ def test_send_and_receive_listen_record_each_other(nodes, pack_file, tmp_path):
     producer_home = copy_home(nodes.producer_home, tmp_path / "producer")
     assert [p["last_seen"] for p in _ls_json(consumer_home)] == [None]
     assert [p["last_seen"] for p in _ls_json(producer_home)] == [None]
-    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", "30", "-o", str(tmp_path / "got.kvpack"))
+    proc, to = spawn_receiver(consumer_home, "--once", "--timeout", str(HANG_S), "-o", str(tmp_path / "got.kvpack"))
     r = subprocess.run(muser_cmd("send", str(pack_file), "--to", to), env=env_for(producer_home),
-                       capture_output=True, timeout=60)
+                       capture_output=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
-    assert proc.wait(20) == 0
+    assert proc.wait(HANG_S) == 0
     assert (tmp_path / "got.kvpack").read_bytes() == pack_file.read_bytes()
 
     # The receiver's node: the producer that sent, from its ephemeral loopback port, with its key.
@@ -59,14 +59,14 @@ def test_send_and_receive_listen_record_each_other(nodes, pack_file, tmp_path):
 def test_a_rejected_send_records_no_sighting(pack_file, tmp_path):
     """A producer of another CA is refused at the handshake: neither side notes a sighting."""
     ours, theirs = make_nodes(tmp_path / "ours"), make_nodes(tmp_path / "theirs")
-    proc, to = spawn_receiver(ours.consumer_home, "--once", "--timeout", "5", "-o", str(tmp_path / "x.kvpack"))
+    proc, to = spawn_receiver(ours.consumer_home, "--once", "--timeout", str(HANG_S), "-o", str(tmp_path / "x.kvpack"))
     try:
         r = subprocess.run(muser_cmd("send", str(pack_file), "--to", to), env=env_for(theirs.producer_home),
-                           capture_output=True, timeout=60)
+                           capture_output=True, timeout=HANG_S)
         assert r.returncode == 77, r.stderr
     finally:
         proc.kill()
-        proc.wait(10)
+        proc.wait(HANG_S)
     assert read_peers(keys_dir_of(ours.consumer_home)) == {}
     assert read_peers(keys_dir_of(theirs.producer_home)) == {}
 
@@ -82,7 +82,7 @@ def test_an_unwritable_record_never_fails_the_handoff(pack_file, tmp_path):
     out = tmp_path / "got.kvpack"
     from muser_cli.handoff.push.spool import Destination
 
-    rx = Receiver(consumer, ReceiveConfig(host="127.0.0.1", port=0, once=True, timeout=30),
+    rx = Receiver(consumer, ReceiveConfig(host="127.0.0.1", port=0, once=True, timeout=HANG_S),
                   ledger_dir=tmp_path / "ledger", destination=Destination(file=out),
                   on_event=lambda k, f: events.append((k, f)))
     import threading
@@ -95,7 +95,7 @@ def test_an_unwritable_record_never_fails_the_handoff(pack_file, tmp_path):
         to = f"127.0.0.1:{rx.address[1]}"
         res = transmit(prepare_handoff(pack_file, producer), to=to, identity=producer)
         assert res.ok
-        t.join(20)
+        t.join(HANG_S)
     finally:
         rx.stop()
         rx.close()

@@ -21,6 +21,7 @@ from muser_cli.kvpack import read_pack_bytes
 from muser_cli.kvpack.layers import ring_tail
 from muser_cli.reuse import Store, resolve_delta
 from test_reuse_store import expected_delta_bytes
+from handoff_kit import HANG_S
 
 DOC = ("The producer computes the prompt once and ships its keys and values to the consumer. "
        "The consumer checks every frame, installs the rows and decodes the next token itself.")
@@ -180,7 +181,7 @@ def test_pipeline_processes(tiny_hybrid, docs, tmp_path):
     """The brief's shell lines as real processes: prefill --have | pack --have > delta; decode."""
     m, (doc, doc2) = str(tiny_hybrid.path), docs
     mu = [sys.executable, "-m", "muser_cli.commands"]
-    env_run = dict(capture_output=True, timeout=300)
+    env_run = dict(capture_output=True, timeout=HANG_S)
     assert subprocess.run([*mu, "prefill", "-m", m, "--chunk", "8", "--store", str(doc), "-o",
                            str(tmp_path / "d.kvpack")], **env_run).returncode == 0
     have = subprocess.run([*mu, "reuse", "have", "-m", m, str(doc2)], **env_run)
@@ -190,7 +191,7 @@ def test_pipeline_processes(tiny_hybrid, docs, tmp_path):
                           stdout=subprocess.PIPE)
     with open(tmp_path / "delta.kvpack", "wb") as f:
         p2 = subprocess.run([*mu, "pack", "--have", str(tmp_path / "have.json")], stdin=p1.stdout, stdout=f,
-                            stderr=subprocess.PIPE, timeout=300)
+                            stderr=subprocess.PIPE, timeout=HANG_S)
     p1.stdout.close()
     assert p1.wait() == 0 and p2.returncode == 0 and b"delta from token" in p2.stderr
     d = subprocess.run([*mu, "decode", "-m", m, str(tmp_path / "delta.kvpack"), "-n", "8", "--json"], **env_run)

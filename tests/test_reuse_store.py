@@ -28,6 +28,7 @@ from muser_cli.reuse import (
 )
 from muser_cli.reuse.chain import resumable
 from muser_cli.reuse.manifest import check_base
+from handoff_kit import HANG_S
 
 CHUNK = 8
 
@@ -323,7 +324,7 @@ WRITER = textwrap.dedent("""
 def test_concurrent_writers(tmp_path):
     script = WRITER.format(tests=str(Path(__file__).parent), fps=(FP_A, FP_B))
     procs = [subprocess.Popen([sys.executable, "-c", script, str(w)], stderr=subprocess.PIPE) for w in range(4)]
-    errs = [p.communicate(timeout=300)[1] for p in procs]
+    errs = [p.communicate(timeout=HANG_S)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, errs
     store = Store()
     entries = store.entries()

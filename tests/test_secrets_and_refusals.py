@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_kit import env_for, muser_cmd, nodes, pack_bytes, spawn_receiver  # noqa: F401 - fixtures
+from handoff_kit import HANG_S, env_for, muser_cmd, nodes, pack_bytes, spawn_receiver  # noqa: F401 - fixtures
 from home_kit import hmac_secrets, home_tree, readable_secrets
 
 UMASK = 0o022  # what most shells have: files 0644, folders 0755 unless muser says otherwise
@@ -28,7 +28,7 @@ def permissive_umask():
 
 
 def run(home: Path, *args, stdout=subprocess.PIPE, input: bytes | None = None, cwd: Path | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess:
+        timeout: float = HANG_S) -> subprocess.CompletedProcess:
     return subprocess.run(muser_cmd(*map(str, args)), env=env_for(home), stdout=stdout, stderr=subprocess.PIPE,
                           input=input, cwd=cwd, timeout=timeout)
 
@@ -72,9 +72,9 @@ def test_no_secret_is_readable_by_others_after_any_node_or_handoff_command(tmp_p
     ok(run(p, "node", "ls"))
     src = tmp_path / "in.kvpack"
     src.write_bytes(pack_bytes)
-    proc, to = spawn_receiver(c, "--once", "--timeout", "30", "-o", str(out))
+    proc, to = spawn_receiver(c, "--once", "--timeout", str(HANG_S), "-o", str(out))
     ok(run(p, "send", src, "--to", to))
-    assert proc.wait(30) == 0
+    assert proc.wait(HANG_S) == 0
     assert list((c / "data" / "ledger").glob("*.ledger")), "the receive wrote no ledger"
     check("send / receive")
     ok(run(c, "node", "revoke", key_id_of(c, "gx11")))
@@ -100,7 +100,7 @@ def _on_a_terminal(home: Path, *args) -> subprocess.CompletedProcess:
     master, slave = os.openpty()
     try:
         return subprocess.run(muser_cmd(*map(str, args)), env=env_for(home), stdout=slave, stderr=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL, timeout=60)
+                              stdin=subprocess.DEVNULL, timeout=HANG_S)
     finally:
         os.close(slave)
         os.close(master)

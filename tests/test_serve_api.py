@@ -16,6 +16,7 @@ from muser_cli.errors import UsageError  # noqa: E402
 from muser_cli.service.api import ApiError, parse_ask, parse_body  # noqa: E402
 from muser_cli.service.textstream import TextStream  # noqa: E402
 from muser_cli.service.worker import Config, EngineWorker, Job, QueueFull  # noqa: E402
+from handoff_kit import HANG_S  # noqa: E402
 
 PROMPT = "The committee met on a grey Tuesday to decide where the new bridge would go."
 
@@ -125,11 +126,11 @@ def test_the_queue_is_bounded_429(worker, tiny_llama):
     def held(kind, payload):
         got.append((kind, payload))
         if kind == "text":
-            release.wait(30)
+            release.wait(HANG_S)
 
     first = Job(parse_ask({"prompt": PROMPT, "max_tokens": 4}, "completion", default_max_tokens=4), held)
     worker.submit(first)
-    end = time.monotonic() + 30
+    end = time.monotonic() + HANG_S
     while not got and time.monotonic() < end:
         time.sleep(0.01)
     done = threading.Event()
@@ -141,7 +142,7 @@ def test_the_queue_is_bounded_429(worker, tiny_llama):
         worker.submit(third)
     assert exc.value.status == 429 and exc.value.body()["error"]["code"] == "queue_full"
     release.set()
-    assert done.wait(60)  # the waiting one is answered in turn
+    assert done.wait(HANG_S)  # the waiting one is answered in turn
     assert [k for k, _ in got][-1] == "done"
 
 
@@ -161,7 +162,7 @@ def test_a_client_that_goes_away_stops_its_request(worker):
 
     job.emit = emit
     worker.submit(job)
-    assert done.wait(60)
+    assert done.wait(HANG_S)
     kind, summary = got[-1]
     assert kind == "done" and summary["finish_reason"] == "cancelled"
     assert summary["completion_tokens"] < 200
@@ -175,17 +176,17 @@ def test_a_waiting_request_withdrawn_never_runs(worker):
     def held(kind, payload):
         if kind == "text":
             started.set()
-            release.wait(30)
+            release.wait(HANG_S)
 
     worker.submit(Job(parse_ask({"prompt": PROMPT, "max_tokens": 2}, "completion", default_max_tokens=2), held))
-    assert started.wait(30)
+    assert started.wait(HANG_S)
     ran: list[str] = []
     waiting = Job(parse_ask({"prompt": PROMPT, "max_tokens": 2}, "completion", default_max_tokens=2),
                   lambda k, p: ran.append(k))
     worker.submit(waiting)
     worker.withdraw(waiting)
     release.set()
-    assert worker.drain(30) and ran == []
+    assert worker.drain(HANG_S) and ran == []
     worker.draining = False
 
 
@@ -271,7 +272,7 @@ def test_serve_options_are_checked_one_line(args, status, words, tiny_llama):
     import sys
 
     r = subprocess.run([sys.executable, "-m", "muser_cli.commands", *args, "-m", str(tiny_llama.path)],
-                       capture_output=True, timeout=120, input=b"")
+                       capture_output=True, timeout=HANG_S, input=b"")
     assert r.returncode == status, r.stderr
     lines = r.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and words in lines[0], lines
@@ -288,7 +289,7 @@ def test_a_port_in_use_is_78(tiny_llama):
     try:
         r = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "--serve",
                             f"127.0.0.1:{s.getsockname()[1]}", "-m", str(tiny_llama.path)],
-                           capture_output=True, timeout=120)
+                           capture_output=True, timeout=HANG_S)
     finally:
         s.close()
     assert r.returncode == 78 and b"cannot listen" in r.stderr, r.stderr  # configuration, as receive --listen
@@ -304,7 +305,7 @@ def test_without_the_serve_extra_it_says_so_78(tiny_llama, tmp_path):
     (tmp_path / "uvicorn" / "__init__.py").write_text("raise ImportError('uvicorn is not installed')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "muser_cli.commands", "decode", "--serve", "127.0.0.1:0", "-m",
-                        str(tiny_llama.path)], capture_output=True, timeout=120, env=env)
+                        str(tiny_llama.path)], capture_output=True, timeout=HANG_S, env=env)
     assert r.returncode == 78, r.stderr
     lines = r.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "muser[serve]" in lines[0]

@@ -24,7 +24,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 import httpx  # noqa: E402
 
-from handoff_kit import Producer, ServiceProcess, env_for, make_nodes, muser_cmd  # noqa: E402
+from handoff_kit import HANG_S, Producer, ServiceProcess, env_for, make_nodes, muser_cmd  # noqa: E402
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -44,7 +44,7 @@ class Consumer(ServiceProcess):
         self.base = f"http://{self.address}/v1"
 
     def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=HANG_S)
 
     def records(self, event: str = "request") -> list[dict]:
         return self.events(event)
@@ -59,7 +59,7 @@ def lane(tmp_path_factory, tiny_llama):
     model = str(tiny_llama.path)
     common = ["-m", model, "--threads", "1", "--dtype", "float32"]
     local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
-                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=120)
+                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     producer = Producer(nodes.producer_home, *common, "--metrics", "127.0.0.1:0")
     consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse",
@@ -123,7 +123,7 @@ def test_streamed_chat_arrives_in_several_chunks(lane):
 
 
 def test_malformed_json_gets_400_with_an_openai_error(lane):
-    r = httpx.post(lane["consumer"].base + "/completions", content=b'{"prompt": ', timeout=30,
+    r = httpx.post(lane["consumer"].base + "/completions", content=b'{"prompt": ', timeout=HANG_S,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -134,13 +134,13 @@ def test_malformed_json_gets_400_with_an_openai_error(lane):
 def test_a_client_that_disconnects_mid_stream_is_cancelled(lane):
     c = lane["consumer"]
     before = len(c.records())
-    with httpx.stream("POST", c.base + "/completions", timeout=60,
+    with httpx.stream("POST", c.base + "/completions", timeout=HANG_S,
                       json={"prompt": "Tell me", "max_tokens": 240, "temperature": 0, "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and '"text":""' not in line:
                 break  # the first token arrived: go away
-    end = time.monotonic() + 60
+    end = time.monotonic() + HANG_S
     while time.monotonic() < end and len(c.records()) <= before:
         time.sleep(0.05)
     last = c.records()[before]
@@ -152,7 +152,8 @@ def test_metrics_of_both_services_parse(lane):
     from prometheus_client.parser import text_string_to_metric_families
 
     complete(lane["consumer"].client())
-    consumer = {f.name: f for f in text_string_to_metric_families(httpx.get(lane["consumer"].base[:-3] + "/metrics").text)}
+    text = httpx.get(lane["consumer"].base[:-3] + "/metrics", timeout=HANG_S).text
+    consumer = {f.name: f for f in text_string_to_metric_families(text)}
     assert "muser_ttft_seconds" in consumer and "muser_shipped_bytes" in consumer
     shipped = sum(s.value for s in consumer["muser_shipped_bytes"].samples if s.name.endswith("_total"))
     assert shipped > 0
@@ -160,7 +161,8 @@ def test_metrics_of_both_services_parse(lane):
             if s.name.endswith("_count") and s.labels["source"] == "handoff"]
     assert ttft and ttft[0].value >= 1
     address = next(m.group(1) for line in lane["producer"].lines if (m := _METRICS.search(line)))
-    producer = {f.name: f for f in text_string_to_metric_families(httpx.get(f"http://{address}/metrics").text)}
+    text = httpx.get(f"http://{address}/metrics", timeout=HANG_S).text
+    producer = {f.name: f for f in text_string_to_metric_families(text)}
     assert "muser_shipped_bytes" in producer and "muser_producer_request_seconds" in producer
     assert "muser_producer_ttft_seconds" in producer  # the done-when: a TTFT family on both services
     assert [s.value for s in producer["muser_producer_ttft_seconds"].samples if s.name.endswith("_count")][0] >= 1
@@ -174,12 +176,12 @@ def test_producer_killed_the_same_text_from_local_prefill(lane, tmp_path):
     home = copy_home(lane["nodes"].producer_home, tmp_path / "p2")
     victim = Producer(home, *lane["common"])
     consumer = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", victim.address, "--no-reuse",
-                        "--prefill-deadline", "20")
+                        "--prefill-deadline", str(HANG_S))
     try:
         first = complete(consumer.client())
         assert first.headers["x-muser-source"] == "handoff"
         victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait(30)
+        victim.proc.wait(HANG_S)
         raw = complete(consumer.client())
         assert raw.parse().choices[0].text == lane["local"]["text"]
         assert raw.headers["x-muser-source"] == "local"
@@ -201,25 +203,26 @@ def test_sigterm_drains_and_exits_0(lane):
 
     t = threading.Thread(target=long_request)
     t.start()
-    end = time.monotonic() + 30
+    end = time.monotonic() + HANG_S
     while time.monotonic() < end and '"running"' not in "".join(c.lines) and not c.records("request"):
-        if httpx.get(c.base[:-3] + "/health", timeout=10).json()["queue"] > 0:
+        if httpx.get(c.base[:-3] + "/health", timeout=HANG_S).json()["queue"] > 0:
             break
         time.sleep(0.02)
-    t0 = time.monotonic()
     c.proc.send_signal(signal.SIGTERM)
     refused = None
     for _ in range(100):  # while it drains, new work is refused with 503
         try:
-            r = httpx.post(c.base + "/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+            r = httpx.post(c.base + "/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=HANG_S)
         except httpx.HTTPError:
             break  # already gone
         if r.status_code == 503:
             refused = r
             break
         time.sleep(0.01)
-    assert c.proc.wait(30) == 0 and time.monotonic() - t0 < 30
-    t.join(30)
+    # Drained and gone: the wait's HANG_S ceiling only catches a hang (no stopwatch on a loaded
+    # machine); the events below say it finished the running request, then stopped.
+    assert c.proc.wait(HANG_S) == 0
+    t.join(HANG_S)
     assert "error" not in got and got.get("text"), got  # the running request finished
     events = [r["event"] for r in (json.loads(x) for x in c.lines if x.startswith("{"))]
     assert "draining" in events and "drained" in events and events[-1] == "stopped"
@@ -261,7 +264,7 @@ def test_decode_streams_its_text_to_stdout(lane):
     is the text --json reports, plus one newline."""
     args = (*lane["common"], "--prompt", str(lane["prompt"]), "-n", str(N), "--no-reuse")
     r = subprocess.run(muser_cmd("decode", *args), env=env_for(lane["nodes"].consumer_home), input=b"",
-                       capture_output=True, timeout=120)
+                       capture_output=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
     assert r.stdout.decode() == lane["local"]["text"] + ("" if lane["local"]["text"].endswith("\n") else "\n")
 
@@ -304,7 +307,7 @@ def test_the_real_model_through_a_producer_equals_decode(real_model, tmp_path):
     prompt.write_text(PROMPT)
     common = ["-m", "default", "--threads", "2"]
     local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
-                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=300)
+                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     producer = Producer(nodes.producer_home, *common)
     consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse")
@@ -333,7 +336,11 @@ def test_a_silent_producer_costs_at_most_the_deadline(lane):
         raw = complete(c.client())
         took = time.monotonic() - t0
         assert raw.parse().choices[0].text == lane["local"]["text"]
-        assert raw.headers["x-muser-source"] == "local" and took < 20, took
+        # Given up on the silent producer (a state: the pull timed out) and prefilled here. The
+        # stopwatch is only a ceiling that catches a hang: the local prefill after the deadline
+        # takes what a loaded machine makes it take.
+        assert raw.headers["x-muser-source"] == "local" and took < HANG_S, took
+        assert "timed out" in raw.parse().model_extra["muser"]["fallback_reason"], raw.parse().model_extra
         raw = c.client().completions.with_raw_response.create(
             model="default", prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"muser_prefill_deadline": 0.5})
         assert raw.parse().choices[0].text == lane["local"]["text"]

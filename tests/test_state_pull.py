@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from handoff_kit import Producer, copy_home, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, copy_home, env_for, make_nodes, muser_cmd
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose "
@@ -33,7 +33,7 @@ def lane(tmp_path_factory, tiny_family):
     common = ["-m", model, "--threads", "1", "--dtype", "float32"]
     decode_args = [*common, "--chunk", str(CHUNK), "--prompt", str(follow), "-n", "8", "--json"]
     local = subprocess.run(muser_cmd("decode", *decode_args, "--no-reuse"), env=env_for(nodes.consumer_home),
-                           input=b"", capture_output=True, timeout=180)
+                           input=b"", capture_output=True, timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     producer = Producer(nodes.producer_home, *common)
     yield {"nodes": nodes, "prompt": prompt, "follow": follow, "model": model, "common": common,
@@ -49,12 +49,12 @@ def test_pull_lane_delta_from_a_stored_snapshot_equals_the_local_fallback(lane, 
     env = env_for(home)
     stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
                                       "--store", "-o", str(tmp_path / "doc.kvpack")),
-                            env=env, capture_output=True, timeout=180)
+                            env=env, capture_output=True, timeout=HANG_S)
     assert stored.returncode == 0, stored.stderr
     delta_path = tmp_path / "delta.kvpack"
     got = subprocess.run(muser_cmd("receive", "--from", lane["producer"].address, str(lane["follow"]), "-m",
                                    lane["model"], "--chunk", str(CHUNK), "-o", str(delta_path), "--json"),
-                         env=env, capture_output=True, timeout=180)
+                         env=env, capture_output=True, timeout=HANG_S)
     assert got.returncode == 0, got.stderr
     held = json.loads(got.stdout)["held_tokens"]
     with open(delta_path, "rb") as f:
@@ -63,13 +63,13 @@ def test_pull_lane_delta_from_a_stored_snapshot_equals_the_local_fallback(lane, 
     state = [i for i, s in enumerate(pack.header.layers) if s.kind == "state"]
     assert state and all(f[1] >= held for f in pack.header.frame_plan() if f[0] in state)
     merged = subprocess.run(muser_cmd("decode", str(delta_path), *lane["decode"]), env=env, capture_output=True,
-                            timeout=180)
+                            timeout=HANG_S)
     assert merged.returncode == 0, merged.stderr
     out = json.loads(merged.stdout)
     assert out["source"] == "delta" and out["token_ids"] == lane["tokens"], out
     # the pull lane in one call: decode --producer asks for the delta itself
     pulled = subprocess.run(muser_cmd("decode", *lane["decode"], "--producer", lane["producer"].address), env=env,
-                            input=b"", capture_output=True, timeout=180)
+                            input=b"", capture_output=True, timeout=HANG_S)
     assert pulled.returncode == 0, pulled.stderr
     out = json.loads(pulled.stdout)
     assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] == held, out
@@ -89,26 +89,26 @@ def test_a_producer_with_state_every_serves_spaced_snapshots_with_the_same_token
         ask = ["receive", "--from", prod.address, str(lane["follow"]), "-m", lane["model"], "--chunk", str(CHUNK),
                "--no-reuse", "--json"]
         spaced = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "spaced.kvpack")), env=env, capture_output=True,
-                                timeout=180)
+                                timeout=HANG_S)
         assert spaced.returncode == 0, spaced.stderr
         every = subprocess.run(muser_cmd(*[a.replace(prod.address, lane["producer"].address) for a in ask], "-o",
-                                         str(tmp_path / "every.kvpack")), env=env, capture_output=True, timeout=180)
+                                         str(tmp_path / "every.kvpack")), env=env, capture_output=True, timeout=HANG_S)
         assert every.returncode == 0, every.stderr
         with open(tmp_path / "spaced.kvpack", "rb") as f:
             header = read_pack(f).header
         assert header.state_every == 3 and header.rows_start == 0
         assert json.loads(spaced.stdout)["payload_bytes"] < json.loads(every.stdout)["payload_bytes"]
         whole = subprocess.run(muser_cmd("decode", *lane["decode"], "--no-reuse", "--producer", prod.address), env=env,
-                               input=b"", capture_output=True, timeout=180)
+                               input=b"", capture_output=True, timeout=HANG_S)
         assert whole.returncode == 0, whole.stderr
         out = json.loads(whole.stdout)
         assert out["source"] == "handoff" and out["token_ids"] == lane["tokens"], out
         stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
                                           "--store", "-o", str(tmp_path / "doc.kvpack")),
-                                env=env, capture_output=True, timeout=180)
+                                env=env, capture_output=True, timeout=HANG_S)
         assert stored.returncode == 0, stored.stderr
         delta = subprocess.run(muser_cmd("decode", *lane["decode"], "--producer", prod.address), env=env, input=b"",
-                               capture_output=True, timeout=180)
+                               capture_output=True, timeout=HANG_S)
         assert delta.returncode == 0, delta.stderr
         out = json.loads(delta.stdout)
         assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] >= CHUNK, out

@@ -22,7 +22,7 @@ pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make te
 pytestmark = pytest.mark.vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from handoff_kit import make_nodes  # noqa: E402
+from handoff_kit import HANG_S, make_nodes  # noqa: E402
 from test_vllm_real import CHUNK, make_tiny32  # noqa: E402
 
 LENGTHS = (70, 45, 100)  # prompt[:-1] rows: 3, 2 and 4 chunks of 32, each ending in a partial one
@@ -162,7 +162,7 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
         calls.append(len(batch))
         if len(calls) == 1:
             gate.set()
-            release.wait(60)
+            release.wait(HANG_S)
         return real_many(batch, **kw)
 
     nodes = make_nodes(tmp_path / "nodes")
@@ -179,7 +179,7 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
             results[k] = pull(to, nodes.consumer, token_ids=ps[k], tokenizer_fingerprint=tiny32.tokenizer_fingerprint,
                               model_fingerprint=tiny32.fingerprint, chunk_tokens=CHUNK, dtype="bfloat16",
                               ledger_dir=tmp_path / f"ledger-{k}", destination=Destination(file=tmp_path / f"{k}.kvpack"),
-                              timeout=300)
+                              timeout=HANG_S)
         except BaseException as exc:  # noqa: BLE001 - reported below
             results[k] = exc
 
@@ -187,11 +187,11 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
     try:
         threads = [threading.Thread(target=consumer, args=(0,))]
         threads[0].start()
-        assert gate.wait(120), "the first request never reached the engine"
+        assert gate.wait(HANG_S), "the first request never reached the engine"
         for k in (1, 2):
             threads.append(threading.Thread(target=consumer, args=(k,)))
             threads[-1].start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         while time.monotonic() < deadline:  # both wait in the batcher for the engine
             with batcher._cv:
                 if len(batcher._waiting) == 2:
@@ -199,12 +199,12 @@ def test_resident_vllm_producer_batches_three_concurrent_consumers(engine, tiny3
             time.sleep(0.05)
         release.set()
         for t in threads:
-            t.join(300)
+            t.join(HANG_S)
     finally:
         release.set()
         del engine.prefill_many
         server.stop()
-        serving.join(60)
+        serving.join(HANG_S)
         server.close()
     assert calls == [1, 2], calls
     for k in range(3):

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm")
 
 from muser_cli.modelcheck import REFUSED, TESTED  # noqa: E402
+from handoff_kit import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -85,7 +86,7 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
     pack = tmp_path / "v.kvpack"
     p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", "float32",
                         "--chunk", str(CHUNK), "--vllm-opt", "max_model_len=256", "-m", str(info.path),
-                        str(tmp_path / "p.txt"), "-o", str(pack)], capture_output=True, text=True, timeout=600)
+                        str(tmp_path / "p.txt"), "-o", str(pack)], capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr[-2000:]
     with open(pack, "rb") as f:
         header = read_pack(f).header
@@ -143,7 +144,7 @@ def _vllm_prompt_logprobs(path: Path, ids: list[int]):
     import numpy as np
 
     probe = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_prompt_logprobs.py"), str(path),
-                            json.dumps(ids)], capture_output=True, text=True, timeout=600,
+                            json.dumps(ids)], capture_output=True, text=True, timeout=HANG_S,
                            env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(Path(__file__).parent.parent)})
     line = [ln for ln in probe.stdout.splitlines() if ln.startswith("LOGPROBS ")]
     assert probe.returncode == 0 and line, probe.stderr[-3000:]
@@ -189,7 +190,7 @@ def test_cohere2_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
     (tmp_path / "p.txt").write_text(PROMPT)
     refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
                               "float32", "-m", str(info.path), str(tmp_path / "p.txt"), "-o", str(tmp_path / "v.kvpack")],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=HANG_S)
     assert refused.returncode == 78 and "sliding_window + 1" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "v.kvpack").exists()
 
@@ -219,6 +220,6 @@ def test_gemma2_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family, tm
     (tmp_path / "p.txt").write_text(PROMPT)
     refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
                               "float32", "-m", str(capped), str(tmp_path / "p.txt"), "-o", str(tmp_path / "v.kvpack")],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=HANG_S)
     assert refused.returncode == 78 and "softcap" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "v.kvpack").exists()

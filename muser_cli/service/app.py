@@ -73,12 +73,14 @@ class Service:
         got = request.headers.get("authorization", "")
         return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())
 
-    def _count(self, endpoint: str, status: int, reason: ApiError | str | None = None) -> None:
-        """Count an answer; one that is not a success also gets its JSON log line (a success's
-        line, with its source and timings, comes from the worker)."""
+    def _count(self, endpoint: str, status: int, reason: ApiError | str | None = None, *,
+                logged: bool = False) -> None:
+        """Count an answer; one that is not a success also gets its JSON log line, unless the
+        worker ran it (``logged``): its line, with the source and timings, is the request's one
+        (a success's, or status 499 for one whose client went away while it ran)."""
         if self.metrics is not None:
             self.metrics.requests.labels(endpoint, str(status)).inc()
-        if status != 200:
+        if status != 200 and not logged:
             record: dict[str, Any] = {"event": "request", "endpoint": endpoint, "status": status}
             if isinstance(reason, ApiError):
                 record.update(code=reason.code, reason=reason.message)
@@ -139,7 +141,7 @@ class Service:
             self._count(endpoint, exc.status, exc)
             return _error(exc)
         except ClientGone as exc:  # nobody reads an answer now: a log line, not a traceback
-            self._count(endpoint, 499, str(exc))
+            self._count(endpoint, 499, str(exc), logged=getattr(exc, "logged", False))
             from starlette.responses import Response
 
             return Response(status_code=499)
@@ -158,10 +160,12 @@ class Service:
                 kind, payload = await self._next(queue, request, job)
         except asyncio.CancelledError:  # the server cancels the task of a request whose client left
             self.worker.withdraw(job)
-            self._count(endpoint, 499, "the client went away before its answer (its request was cancelled)")
+            self._count(endpoint, 499, "the client went away before its answer (its request was cancelled)",
+                        logged=getattr(job, "state", None) is not None)
             raise
-        except ClientGone:
+        except ClientGone as exc:
             self.worker.withdraw(job)
+            exc.logged = getattr(job, "state", None) is not None  # it ran: the worker logs its line
             raise
         if kind == "error":
             raise _internal(payload)
@@ -194,7 +198,8 @@ class Service:
             finally:
                 if status == 499:
                     self.worker.withdraw(job)
-                self._count(endpoint, status, None if status != 499 else "the client went away mid-stream")
+                self._count(endpoint, status, None if status != 499 else "the client went away mid-stream",
+                            logged=status == 499)  # it ran: the worker's line says cancelled, 499
 
         # the first event came: the rows' source and the TTFT are known for the headers
         head = {"x-muser-source": "", "cache-control": "no-cache"}

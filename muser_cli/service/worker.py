@@ -275,7 +275,10 @@ class EngineWorker:
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         m = self.metrics
-        self.log({"event": "request", "status": 200, **{k: v for k, v in s.items() if k != "text"}})
+        gone = s.get("finish_reason") == "cancelled"  # its client went away while it ran
+        self.log({"event": "request", "status": 499 if gone else 200,
+                  **({"reason": "the client went away while its answer was made"} if gone else {}),
+                  **{k: v for k, v in s.items() if k != "text"}})
         if s.get("store_problems") and not self._store_warned:  # once: every answer's line says it too
             self._store_warned = True
             self.log({"event": "warning", "warning": f"the store could not keep an answer's rows "

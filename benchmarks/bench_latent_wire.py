@@ -32,8 +32,8 @@ def v3_shaped(directory: Path) -> Path:
     import torch
     import transformers
 
-    from muser_cli.models import add_top_level_rope_theta
-    from muser_cli.tinymodels import make_tiny
+    from muser_cli.model.resolve import add_top_level_rope_theta
+    from muser_cli.model.tiny import make_tiny
 
     make_tiny("deepseek_v3", directory)
     config = json.loads((directory / "config.json").read_text())
@@ -52,15 +52,15 @@ def main() -> int:
     from muser_cli.engines.registry import get_engine
     from muser_cli.engines.torch import latent
     from muser_cli.kvpack import read_pack_bytes, write_pack
-    from muser_cli.modelcheck import check
-    from muser_cli.models import resolve_model
-    from muser_cli.prefill import prefill
-    from muser_cli.tinymodels import _CORPUS
+    from muser_cli.model.check import check
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.prefill import prefill
+    from muser_cli.model.tiny import _CORPUS
 
     tmp = Path(tempfile.mkdtemp(prefix="latent-wire-"))
     try:
         info = resolve_model(v3_shaped(tmp / "v3-shaped"))
-        from muser_cli.tokens import encode_prompt
+        from muser_cli.model.tokens import encode_prompt
 
         text = _CORPUS
         while len(encode_prompt(info, text)) < args.tokens:  # about --tokens tokens, whole corpus copies

@@ -37,7 +37,7 @@ def live_only(args) -> int:
     from muser_cli.bench.common import corpus_ids, pinning, resolve_bench_model, summarize
     from muser_cli.bench.lane import file_lane, streamed_lane
     from muser_cli.bench.loopback import make_nodes
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.tokens import decode_text
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import write_receipt

@@ -50,7 +50,7 @@ def main() -> int:
 
     from muser_cli.engines.registry import get_engine
     from muser_cli.engines.mlx.engine import _versions
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     info = resolve_model("default")
     mlx_eng = get_engine("mlx", info, dtype="float32", threads=args.threads)

@@ -39,10 +39,10 @@ def main() -> int:
 
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack_bytes, write_pack
-    from muser_cli.models import resolve_model
-    from muser_cli.pack import pack
-    from muser_cli.produce import pack_header
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.pack import pack
+    from muser_cli.produce.pipeline import pack_header
+    from muser_cli.model.tokens import encode_prompt
 
     info = resolve_model("default")
     eng = get_engine("torch", info, dtype=args.dtype, threads=os.cpu_count() or 1)

@@ -48,8 +48,8 @@ def main() -> int:
     os.environ.setdefault("MUSER_MODELS", str(Path(__file__).resolve().parent.parent / "tests" / ".cache" / "models"))
     from muser_cli.bench.reuse import CHUNK, delta_rows, lookup_rows, prompt_text, ttft_ab, warm_read
     from muser_cli.engines.registry import get_engine
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny_hybrid
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny_hybrid
 
     info = resolve_model("default")
     if args.warm_read:
@@ -62,7 +62,7 @@ def main() -> int:
         print(f"receipt: {path}")
         return 0
     text = prompt_text(info, args.depth)
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     ids = encode_prompt(info, text)
     print(f"model {info.name}, prompt {len(ids)} tokens, float32, threads {args.threads}", flush=True)

@@ -4,7 +4,7 @@
 Config only (no weights): each default config is saved as a config.json, then a copy whose
 every layer is a full-attention layer (``layer_types`` all ``full_attention``,
 so the same KV heads and head dims as the hybrid's attention layers). ``muser model check``'s
-own pricing (:func:`muser_cli.modelcheck.check`, as ``muser model check --tokens N --json``
+own pricing (:func:`muser_cli.model.check.check`, as ``muser model check --tokens N --json``
 prints it) gives the payload of each at 8k/32k/128k tokens: the hybrid's full layers' rows
 plus one snapshot per state layer (float32, as both engines write it), against the rows of
 every layer. Beside it, what a pack streamed on the default 512-token grid carries with a
@@ -32,7 +32,7 @@ DEPTHS = (8192, 32768, 131072)
 def streamed_bytes(config_file: Path, tokens: int, chunk: int, state_every: int, dtype: str) -> int:
     """Decoded bytes of a full pack of ``tokens`` on a ``chunk`` grid, by the kvpack frame plan."""
     from muser_cli.kvpack import PackHeader
-    from muser_cli.modelconfig import STATE_DTYPE, cache_plan, read_json
+    from muser_cli.model.config import STATE_DTYPE, cache_plan, read_json
 
     specs = cache_plan(read_json(config_file), state_dtype=STATE_DTYPE)
     every = state_every if any(s.kind == "state" for s in specs) else 1
@@ -45,7 +45,7 @@ def main() -> int:
     args = bench_args(dtype="bfloat16", chunk=512, state_every=16)
     import transformers
 
-    from muser_cli.modelcheck import check
+    from muser_cli.model.check import check
 
     tmp = Path(tempfile.mkdtemp(prefix="state-bytes-"))
     try:

@@ -62,8 +62,8 @@ def real_shaped(directory: Path, layers: int, hidden: int) -> Path:
     import torch
     import transformers
 
-    from muser_cli.models import add_top_level_rope_theta
-    from muser_cli.tinymodels import make_tiny
+    from muser_cli.model.resolve import add_top_level_rope_theta
+    from muser_cli.model.tiny import make_tiny
 
     default = transformers.Qwen3NextConfig()
     assert all(getattr(default, k) == v for k, v in STATE_SHAPES.items()), "Qwen3NextConfig's defaults changed"
@@ -84,7 +84,7 @@ def one_run(eng, info, ids: list[int], chunk: int, mode: str) -> dict:
     from muser_cli.engines.torch import state
     from muser_cli.kvpack import PackWriter
     from muser_cli.kvpack.format import MAX_STATE_EVERY
-    from muser_cli.produce import FrameEmitter, pack_header
+    from muser_cli.produce.pipeline import FrameEmitter, pack_header
 
     header = pack_header(info, ids, dtype=eng.dtype, chunk_tokens=chunk, engine="torch", threads=1, eng=eng)
     if mode == "end":
@@ -141,9 +141,9 @@ def main() -> int:
     args = bench_args(tokens=2049, chunk=256, reps=5, layers=4, hidden=512, dtype="float32")
     os.environ["MUSER_KVPACK_THREADS"] = "1"  # the writer hashes inline, on this one thread
     from muser_cli.engines.registry import get_engine
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
-    from muser_cli.tinymodels import _CORPUS
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import encode_prompt
+    from muser_cli.model.tiny import _CORPUS
 
     tmp = Path(tempfile.mkdtemp(prefix="state-snap-"))
     try:

@@ -73,7 +73,7 @@ def agreement(a, b) -> dict:
 
 
 def long_prompts(info, n: int, length: int) -> list[list[int]]:
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     root = Path(__file__).resolve().parents[1]
     text = "\n\n".join((root / p).read_text() for p in ("README.md", "docs/kvpack.md", "docs/handoff.md",
@@ -93,8 +93,8 @@ def main() -> int:
     args = ap.parse_args()
     from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.engines.vllm.engine import VLLMEngine
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import encode_prompt
     from vllm import SamplingParams
 
     info = resolve_model("default")

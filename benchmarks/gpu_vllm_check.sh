@@ -107,9 +107,9 @@ TEXT = ("Explain, step by step and in plain words, why moving a language model's
 # ---------------------------------------------------------------- muser's environment
 def model_dir(kind):
     """A model folder: tiny random ones (made here, seconds) or the embedded SmolLM2."""
-    from muser_cli import tinymodels as tm
+    from muser_cli.model import tiny as tm
     if kind == "smollm2":
-        from muser_cli.models import resolve_model
+        from muser_cli.model.resolve import resolve_model
         return resolve_model("default").path  # converts the embedded GGUF once (~20 s)
     path = OUT / "models" / kind
     if (path / "config.json").is_file():
@@ -133,7 +133,7 @@ def prompt_ids(info, n):
     if n:
         import numpy as np
         return [int(t) for t in np.random.default_rng(1).integers(3, 500, n)]
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
     ids = encode_prompt(info, TEXT * 6, chat=False)
     return ids[: min(len(ids), info.max_positions - N_NEW - 1)]
 
@@ -163,7 +163,7 @@ def agreement(a, b):
 def compare(name):
     from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.kvpack import read_pack
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
     res = json.loads((OUT / f"{name}.vllm.json").read_text())
     with open(OUT / f"{name}.kvpack", "rb") as f:
         pack = read_pack(f)
@@ -193,17 +193,17 @@ def produce(name, model_path, ids):
     import vllm
     from muser_cli.engines.vllm.engine import VLLMEngine
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.models import resolve_model
-    from muser_cli.produce import pack_header
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.pipeline import pack_header
     _p, _kind, opts, _env, _n = CONFIGS[name]
     dtype = DTYPE.get(name, "bfloat16")
     info = resolve_model(model_path)
     res = {"config": name, "vllm": vllm.__version__, "model_path": str(model_path), "prompt_tokens": len(ids)}
     pack_path = OUT / f"{name}.kvpack"
     t = time.perf_counter()
-    if name == "cli-default":  # the product path: muser_cli.prefill with muser's defaults for vLLM
-        from muser_cli.prefill import prefill
-        from muser_cli.tokens import tokenizer_for
+    if name == "cli-default":  # the product path: muser_cli.produce.prefill with muser's defaults for vLLM
+        from muser_cli.produce.prefill import prefill
+        from muser_cli.model.tokens import tokenizer_for
         text = tokenizer_for(info).decode(ids[:80])  # re-encoding may grow: keep well inside the context
         with open(pack_path, "wb") as f:
             r = prefill(text, f, model=str(info.path), engine="vllm", dtype="bfloat16", chunk_tokens=CHUNK)
@@ -287,7 +287,7 @@ def driver():
         t = time.time()
         try:
             path = model_dir(kind)
-            from muser_cli.models import resolve_model
+            from muser_cli.model.resolve import resolve_model
             ids = prompt_ids(resolve_model(str(path)), n)
             made = step([vllm_py, __file__, "produce", name, str(path), json.dumps(ids)], {**os.environ, **env},
                         name, "produce", left)

@@ -18,10 +18,10 @@ import numpy as np
 
 from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.registry import get_engine
-from muser_cli.modelcheck import TESTED
-from muser_cli.models import resolve_model
-from muser_cli.tinymodels import make_tiny
-from muser_cli.tokens import encode_prompt
+from muser_cli.model.check import TESTED
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tiny import make_tiny
+from muser_cli.model.tokens import encode_prompt
 
 PROMPT = ("The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
           "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum.")

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from muser_cli.modelcheck import check
-from muser_cli.modelconfig import text_config
+from muser_cli.model.check import check
+from muser_cli.model.config import text_config
 
 CLASSES = {
     "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "cohere2": "Cohere2Config",

@@ -30,7 +30,7 @@ def set_globals(*, debug: bool, quiet: bool) -> None:
     _state["debug"] = debug
     _state["quiet"] = quiet
     if not _state.get("convert_note"):
-        from muser_cli.models import on_convert
+        from muser_cli.model.resolve import on_convert
 
         _state["convert_note"] = on_convert(ConvertNote())
 
@@ -238,7 +238,7 @@ class ConvertNote:
     def begin(self, fields: dict, *, waiting: bool = False) -> None:
         if _state["quiet"]:
             return
-        from muser_cli.models import DEFAULT_GGUF
+        from muser_cli.model.resolve import DEFAULT_GGUF
 
         name = Path(fields["source"]).name
         about = ", about 20-45 s" if name == DEFAULT_GGUF else ""

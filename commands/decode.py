@@ -145,7 +145,7 @@ class _Printer:
 
     def push(self, token: int) -> None:
         if self.stream is None:
-            from muser_cli.models import resolve_model
+            from muser_cli.model.resolve import resolve_model
             from muser_cli.service.textstream import TextStream
 
             self.stream = TextStream(resolve_model(self.model))

@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
     ) -> None:
         """Will this model move? Its layer plan, KV bytes per token by layer class, payload at N tokens, engines."""
-        from muser_cli.modelcheck import check
+        from muser_cli.model.check import check
 
         with guarded(as_json=as_json):
             report = check(model, tokens=tokens, dtype=dtype)
@@ -79,8 +79,8 @@ def register(app: typer.Typer) -> None:
     @group.command("ls")
     def ls_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
         """List the supported model families and the engines their tiny models were tested on."""
-        from muser_cli.modelcheck import families
-        from muser_cli.models import named_models
+        from muser_cli.model.check import families
+        from muser_cli.model.resolve import named_models
 
         with guarded(as_json=as_json):
             rows = families()

@@ -182,7 +182,7 @@ def check_cmd(
     (75, 77, 65, ...), else 0.
     """
     from muser_cli.commands._common import default_threads
-    from muser_cli.node_check import check_producer
+    from muser_cli.handoff.node_check import check_producer
 
     with guarded(as_json=as_json):
         if probe_seconds < 0:

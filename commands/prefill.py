@@ -46,7 +46,7 @@ def register(app: typer.Typer) -> None:
         The kvpack header goes out first and each chunk's frames as soon as the chunk is
         computed (torch and mlx engines), so `prefill | send` overlaps compute and the wire.
         """
-        from muser_cli.prefill import prefill
+        from muser_cli.produce.prefill import prefill
 
         with guarded():
             options = None

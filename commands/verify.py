@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
         verified bytes on, so `receive | verify | decode` works; the report then goes to
         stderr. With -o FILE the verified pack is written there.
         """
-        from muser_cli.verify import verify, verify_stream
+        from muser_cli.gate.verify import verify, verify_stream
 
         with guarded(as_json=as_json):
             if output not in (None, "-"):

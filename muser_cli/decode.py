@@ -12,24 +12,24 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.audit import SpotGate, spot_check, spot_check_reason
+from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
-from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
-from muser_cli.gate_state import has_state
-from muser_cli.binding import require_identity
+from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
+from muser_cli.gate.state import has_state
+from muser_cli.gate.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack.stream import Cut, StreamedPack
-from muser_cli.modelinfo import ModelInfo, ProgressFn
-from muser_cli.models import resolve_model
+from muser_cli.model.info import ModelInfo, ProgressFn
+from muser_cli.model.resolve import resolve_model
 from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
 from muser_cli.reuse.manifest import check_base
 from muser_cli.rows import local_rows
 from muser_cli.schedule import build_header, check_prompt, default_dtype
-from muser_cli.tokens import decode_text, encode_prompt, tokenizer_for
+from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 
 
 @dataclass
@@ -155,8 +155,8 @@ def decode(
     ``audit``: a pack made by another engine, in another dtype, quantized or with an
     unknown codec gets a numeric spot-check before its first token (its last position
     recomputed here from its own prefix, inside the first decode step where every layer
-    holds that prefix: :class:`muser_cli.audit.SpotGate`; else as a step of its own,
-    :func:`muser_cli.audit.spot_check`). None: that
+    holds that prefix: :class:`muser_cli.gate.audit.SpotGate`; else as a step of its own,
+    :func:`muser_cli.gate.audit.spot_check`). None: that
     default (1 position, only when needed); N > 0: N positions, always; 0: skipped (said
     so in the outcome).
 
@@ -166,7 +166,7 @@ def decode(
     first token is decoded (``store`` keeps them after the last).
 
     Besides that last-position check, the gate recomputes :data:`DEFAULT_SAMPLE_POSITIONS`
-    positions drawn across the whole prompt in every layer (:func:`muser_cli.gate.sample_check`,
+    positions drawn across the whole prompt in every layer (:func:`muser_cli.gate.sampled.sample_check`,
     ``audit_seed``; None: an unpredictable seed, reported), wherever foreign rows enter: a
     whole pack, a delta merged with its base, a cut stream's kept chunks, a store entry.
 
@@ -334,7 +334,7 @@ def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int |
     the gate is fused into the first decode step (returned, to be given to the engine;
     ``on_pass`` runs once it passed); else it runs here, as a step of its own. Before either,
     positions sampled across the whole prompt are recomputed in every layer (the third
-    value: :meth:`muser_cli.gate.SampleCheck.to_json`)."""
+    value: :meth:`muser_cli.gate.sampled.SampleCheck.to_json`)."""
     if got.pack is None:
         return None, None, None
     header = got.pack.header

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 from muser_cli.engines.base import ChunkFn, Engine, RowsOf
 from muser_cli.errors import DataError, SpotCheckFailed
 from muser_cli.kvpack import KVPack, LayerKV, StateKV
-from muser_cli.modelinfo import ProgressFn
+from muser_cli.model.info import ProgressFn
 from muser_cli.reuse import Store, find_resume
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
@@ -182,11 +182,11 @@ def local_rows(
 
 def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine, *, dtype: str) -> bool:
     """Whether a store entry's rows may serve ``eng``: yes when they were made the way it makes
-    them (:func:`muser_cli.audit.spot_check_reason`) or a passed gate is recorded with the
+    them (:func:`muser_cli.gate.audit.spot_check_reason`) or a passed gate is recorded with the
     entry; else the sampled gate runs now, on the whole entry, and is recorded. An entry it
     refuses is removed (a line in ``store.problems``) and serves nothing."""
-    from muser_cli.audit import spot_check_reason
-    from muser_cli.gate import sample_check
+    from muser_cli.gate.audit import spot_check_reason
+    from muser_cli.gate.sampled import sample_check
 
     if stored is None:
         return True

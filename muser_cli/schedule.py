@@ -19,7 +19,7 @@ from muser_cli.errors import ConfigError, PromptTooLong, PromptTooShort, UsageEr
 from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.format import MAX_FRAME_ROWS
 from muser_cli.kvpack.layers import extra_matters
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.units import plural
 
 DEFAULT_CHUNK_TOKENS = 512

@@ -49,16 +49,16 @@ def tiny_models_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models_dir, _session_env):
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny_llama
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny_llama
 
     return resolve_model(make_tiny_llama(tiny_models_dir / "tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid(tiny_models_dir, _session_env):
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny_hybrid
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny_hybrid
 
     return resolve_model(make_tiny_hybrid(tiny_models_dir / "tiny-hybrid"))
 
@@ -66,7 +66,7 @@ def tiny_hybrid(tiny_models_dir, _session_env):
 @pytest.fixture(scope="session")
 def real_model(_session_env):
     from muser_cli.errors import MissingInput
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     try:
         return resolve_model("default")
@@ -77,9 +77,9 @@ def real_model(_session_env):
 @pytest.fixture(scope="session")
 def tiny_family(tiny_models_dir, _session_env):
     """``tiny_family(name)``: the :class:`ModelInfo` of that family's tiny model
-    (:func:`muser_cli.tinymodels.make_tiny`), built once per session."""
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny
+    (:func:`muser_cli.model.tiny.make_tiny`), built once per session."""
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny
 
     built: dict = {}
 

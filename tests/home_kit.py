@@ -14,7 +14,7 @@ from pathlib import Path
 PRIVATE_MARK = b"PRIVATE KEY"  # PEM private keys (node.key, ca.key, a bundle's "key")
 
 
-# A memo of a pure function of a model's files (muser_cli.models.fingerprints), filled by
+# A memo of a pure function of a model's files (muser_cli.model.resolve.fingerprints), filled by
 # whatever resolves a model, refused or not: a cache, not state a refusal leaves behind.
 MEMO_DIRS = ("cache", "cache/fingerprints")
 

@@ -84,7 +84,7 @@ def test_wrong_rope_theta_is_caught(tiny_llama, prompt_file, tmp_path):
 
 
 def test_another_models_kv_with_the_right_shapes(tiny_llama, prompt_file, tmp_path):
-    from muser_cli.tinymodels import make_tiny_llama
+    from muser_cli.model.tiny import make_tiny_llama
 
     other = make_tiny_llama(tmp_path / "other", seed=1)
     bad = _pack(other, prompt_file, tmp_path, "other.kvpack")
@@ -136,13 +136,13 @@ def _engine(kind, info, dtype="float32"):
 
 
 def _spot(pack_path, eng, **kw):
-    from muser_cli.audit import spot_check
+    from muser_cli.gate.audit import spot_check
 
     return spot_check(read_pack_bytes(Path(pack_path).read_bytes()), eng, **kw)
 
 
 def test_spot_check_reason_names_what_differs(tiny_llama, prompt_file, tmp_path):
-    from muser_cli.audit import spot_check_reason
+    from muser_cli.gate.audit import spot_check_reason
 
     h = read_pack_bytes(_pack(tiny_llama.path, prompt_file, tmp_path).read_bytes()).header
     assert h.producer["engine"] == "torch"
@@ -211,7 +211,7 @@ def test_spot_check_passes_honest_cross_engine_packs(request, which, prompt_file
     model = request.getfixturevalue(which)
     pytest.importorskip("mlx.core", reason="mlx not installed")
     pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
-    from muser_cli.audit import spot_check_reason
+    from muser_cli.gate.audit import spot_check_reason
 
     out = tmp_path / f"{producer}.kvpack"
     r = run(["prefill", "-m", model.path, "--engine", producer, "--chunk", "8", prompt_file, "-o", out])
@@ -240,7 +240,7 @@ def test_int8_packs_pass_honestly_and_wrong_ones_do_not(request, which, prompt_f
     pack = read_pack_bytes(q8.read_bytes())
     layers = list(pack.layers)
     layers[0] = LayerKV(layers[0].keys[:, ::-1].copy(), layers[0].values[:, ::-1].copy(), layers[0].first_row)
-    from muser_cli.audit import spot_check
+    from muser_cli.gate.audit import spot_check
 
     with pytest.raises(SpotCheckFailed):
         spot_check(replace(pack, layers=layers), _engine("torch", model), positions=2)

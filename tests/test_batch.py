@@ -28,7 +28,7 @@ QUESTIONS = ["Where is the mill?", "Who chose the site?", "Why the north?", "Whe
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from muser_cli.tinymodels import make_tiny_long_llama
+    from muser_cli.model.tiny import make_tiny_long_llama
 
     return str(make_tiny_long_llama(tmp_path_factory.mktemp("batch-models") / "tiny-long"))
 
@@ -178,7 +178,7 @@ def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected,
 
 def test_resume_refuses_another_model_or_jobs_file_and_a_fresh_run_keeps_old_results(model, tmp_path,
                                                                                         tmp_path_factory):
-    from muser_cli.tinymodels import make_tiny_llama
+    from muser_cli.model.tiny import make_tiny_llama
 
     jobs = write_jobs(tmp_path, QUESTIONS[:2])
     res = tmp_path / "res.jsonl"

@@ -25,7 +25,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory) -> Path:
-    from muser_cli.tinymodels import make_tiny_long_llama
+    from muser_cli.model.tiny import make_tiny_long_llama
 
     return make_tiny_long_llama(tmp_path_factory.mktemp("bench-models") / "tiny-long")
 

@@ -108,7 +108,7 @@ def _fake_conversion(monkeypatch, tiny_llama, tmp_path) -> Path:
     """A .gguf whose 'conversion' copies the tiny model (the real one takes 20-45 s)."""
     import shutil
 
-    from muser_cli import models
+    from muser_cli.model import resolve as models
 
     def convert_into(file, out):
         for item in Path(tiny_llama.path).iterdir():
@@ -151,7 +151,7 @@ def test_first_run_conversion_note_respects_quiet(monkeypatch, tiny_llama, tmp_p
 
 
 def test_conversion_events_reach_a_listener_and_a_failure_is_told(monkeypatch, tmp_path):
-    from muser_cli import models
+    from muser_cli.model import resolve as models
 
     monkeypatch.setenv("MUSER_MODELS", str(tmp_path / "models"))
     gguf = tmp_path / "broken.gguf"
@@ -286,7 +286,7 @@ def test_demo_checks_the_short_case_and_measures_the_payoff_on_a_long_prompt(tmp
     with no speed claim; the headline is a long prompt from a ready pack against a local prefill."""
     import re
 
-    from muser_cli.tinymodels import make_tiny_long_llama
+    from muser_cli.model.tiny import make_tiny_long_llama
 
     root = Path(__file__).resolve().parent.parent
     model = make_tiny_long_llama(tmp_path / "tiny-long")

@@ -12,7 +12,7 @@ import pytest
 from muser_cli.decode import decode
 from muser_cli.errors import SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
-from muser_cli.prefill import prefill
+from muser_cli.produce.prefill import prefill
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "After a long debate about costs, traffic and the river's spring floods, they chose")
@@ -70,7 +70,7 @@ def test_foreign_pack_of_swapped_layers_is_refused_before_any_token(tiny_llama):
 def test_the_check_rides_in_the_first_decode_step(tiny_llama):
     """No step of its own: the first forward recomputes the checked positions and gives the
     first token; what it compares is what the separate check compares."""
-    from muser_cli.audit import spot_check
+    from muser_cli.gate.audit import spot_check
     from muser_cli.engines.registry import get_engine
 
     data = _pack(tiny_llama, engine_name="vllm")
@@ -251,8 +251,8 @@ def test_hybrid_checks_of_every_width_pass_an_honest_pack(tiny_hybrid, rows_want
     rows allow it, else a step of its own, never an honest pack refused."""
     prompt = PROMPT
     if rows_wanted is not None:  # a prompt whose pack holds exactly window - 1 rows
-        from muser_cli.models import resolve_model
-        from muser_cli.tokens import decode_text, encode_prompt
+        from muser_cli.model.resolve import resolve_model
+        from muser_cli.model.tokens import decode_text, encode_prompt
 
         info = resolve_model(str(tiny_hybrid.path))
         prompt = decode_text(info, encode_prompt(info, PROMPT)[: rows_wanted + 1])

@@ -16,7 +16,7 @@ import pytest
 from muser_cli.engines.base import DecodeResult, Engine
 from muser_cli.engines.registry import ENGINE_NAMES, engine_class
 from muser_cli.errors import UsageError
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill", "takes_options"}

@@ -171,7 +171,7 @@ def test_model_info_carries_the_vocabulary(tiny_llama, tiny_hybrid):
 def test_known_model_finds_an_unchanged_folder_by_fingerprint(tiny_llama, tmp_path):
     import shutil
 
-    from muser_cli.models import known_model, resolve_model
+    from muser_cli.model.resolve import known_model, resolve_model
 
     folder = tmp_path / "copy"
     shutil.copytree(tiny_llama.path, folder, ignore=shutil.ignore_patterns(".muser-*"))
@@ -284,7 +284,7 @@ def test_a_broken_gguf_is_one_line_65(prompt_file, tmp_path, kind):
         bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     else:
         from muser_cli.errors import MissingInput
-        from muser_cli.models import default_gguf
+        from muser_cli.model.resolve import default_gguf
 
         try:
             real = default_gguf()

@@ -19,12 +19,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_check
+from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import GateIncomplete, IdentityMismatch, SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
-from muser_cli.prefill import prefill
+from muser_cli.produce.prefill import prefill
 from handoff_kit import HANG_S
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. After a long debate "
@@ -262,7 +262,7 @@ def test_a_cut_foreign_stream_is_gated_before_its_chunks_are_kept(tiny_llama):
 def _count_checks(monkeypatch) -> list:
     """Every run of the sampled gate, wherever it is called from, appends to the list returned."""
     from muser_cli import decode as dec
-    from muser_cli import gate
+    from muser_cli.gate.sampled import sampled as gate
 
     runs: list = []
     real = gate.sample_check
@@ -358,7 +358,7 @@ def test_cli_warns_in_one_line_and_strict_exits_65(tiny_llama, tmp_path):
 
 def test_verify_audit_samples_the_whole_prompt_too(tiny_llama):
     """``verify --audit 1`` recomputed only the last position: the issue's pack passed it."""
-    from muser_cli.verify import verify
+    from muser_cli.gate.verify import verify
 
     honest = _pack(tiny_llama)
     rows = read_pack(io.BytesIO(honest)).header.rows_end
@@ -394,7 +394,7 @@ def test_a_resident_producer_never_serves_a_foreign_entry_the_gate_refuses(tiny_
 def test_a_delta_put_on_a_foreign_base_is_stored_as_foreign(tiny_llama):
     """``reuse put`` of this engine's delta over another engine's stored base: the merged
     entry holds the other engine's rows too, so it must not pass for this engine's own."""
-    from muser_cli.audit import spot_check_reason
+    from muser_cli.gate.audit import spot_check_reason
     from muser_cli.reuse import Store, api
 
     Store().put(io.BytesIO(_pack(tiny_llama)))  # the base, made by "vllm"
@@ -452,7 +452,7 @@ def test_a_hybrid_pack_with_its_history_is_checked_in_one_step_as_position_by_po
     """With every layer's rows from position 0, the gate's positions go through one masked
     forward (each layer type its own mask: the window, the chunk) instead of one step each;
     the rows it recomputes are those of the step-by-step recomputation."""
-    from muser_cli.audit import prefix_rows
+    from muser_cli.gate.audit import prefix_rows
 
     info = request.getfixturevalue("tiny_hybrid") if family == "tiny_hybrid" else request.getfixturevalue(
         "tiny_family")(family)

@@ -37,8 +37,8 @@ from muser_cli.errors import DataError, MissingInput  # noqa: E402
 from muser_cli.interop import mlx_lm as interop  # noqa: E402
 from muser_cli.interop import safetensors_io as st  # noqa: E402
 from muser_cli.kvpack import read_pack, read_pack_bytes  # noqa: E402
-from muser_cli.prefill import prefill  # noqa: E402
-from muser_cli.tokens import decode_text, encode_prompt, tokenizer_for  # noqa: E402
+from muser_cli.produce.prefill import prefill  # noqa: E402
+from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for  # noqa: E402
 from handoff_kit import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.mlx

@@ -33,7 +33,7 @@ from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.errors import GateIncomplete  # noqa: E402
 from muser_cli.interop import mlx_lm as interop  # noqa: E402
 from muser_cli.kvpack import read_pack_bytes  # noqa: E402
-from muser_cli.tokens import encode_prompt  # noqa: E402
+from muser_cli.model.tokens import encode_prompt  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 

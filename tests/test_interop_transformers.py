@@ -21,9 +21,9 @@ import muser_cli
 from muser_cli.decode import decode
 from muser_cli.errors import DataError, GateIncomplete, IdentityMismatch, UsageError
 from muser_cli.kvpack import read_pack_bytes
-from muser_cli.prefill import prefill
-from muser_cli.tokens import encode_prompt
-from muser_cli.verify import verify
+from muser_cli.produce.prefill import prefill
+from muser_cli.model.tokens import encode_prompt
+from muser_cli.gate.verify import verify
 
 PROMPT = ("The producer computes the prompt once and ships its keys and values to the consumer. "
           "A sliding window layer keeps only the last few rows.")

@@ -365,7 +365,7 @@ def test_reader_memory_bounded_by_received_bytes():
 def test_int8_pack_records_error_and_stays_close(dtype):
     import io as _io
 
-    from muser_cli.pack import pack
+    from muser_cli.produce.pack import pack
     from kvpack_factory import make_header, make_rows
     from muser_cli.kvpack import write_pack
     from muser_cli.kvpack.quant import from_float32, to_float32

@@ -56,7 +56,7 @@ def test_read_pack_from_a_pipe_allocates_what_arrived_not_what_was_declared():
 
 
 def test_pack_from_a_pipe_allocates_what_arrived_not_what_was_declared():
-    from muser_cli.pack import pack
+    from muser_cli.produce.pack import pack
 
     data, _ = forged_big_frame()
 

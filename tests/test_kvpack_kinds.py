@@ -78,7 +78,7 @@ def test_state_frames_are_whole_snapshots_one_per_chunk_in_the_chunk_major_plan(
 
 def test_int8_quantizes_latent_rows_and_leaves_state_snapshots_exact():
     from muser_cli.kvpack.quant import to_float32
-    from muser_cli.pack import pack
+    from muser_cli.produce.pack import pack
 
     layers = (latent_spec(24, 8, None), kinds_layers()[1])
     header = plain_header(21, layers=layers, chunk=4, dtype="float32")
@@ -256,7 +256,7 @@ def test_pack_have_cuts_state_layers_at_the_consumers_snapshot():
     at its held position (a chunk end), so a state layer ships only the snapshots after it,
     each whole; a whole pack's reader keeps every superseded snapshot (``earlier``)."""
     from muser_cli.kvpack import token_digest
-    from muser_cli.pack import pack
+    from muser_cli.produce.pack import pack
     from muser_cli.reuse.chain import Scope
     from muser_cli.reuse.manifest import HaveManifest
 

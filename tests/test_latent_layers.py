@@ -35,8 +35,8 @@ from muser_cli.engines.torch import latent
 from muser_cli.errors import SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, read_pack_bytes, write_pack
 from muser_cli.kvpack.parser import frame_ends
-from muser_cli.prefill import prefill
-from muser_cli.tokens import encode_prompt
+from muser_cli.produce.prefill import prefill
+from muser_cli.model.tokens import encode_prompt
 from handoff_kit import HANG_S
 
 PROMPT = (
@@ -215,7 +215,7 @@ def _foreign(mla, *, plant=None) -> bytes:
 
 
 def test_gate_recomputes_latent_rows_of_a_foreign_pack(mla):
-    from muser_cli.gate import sample_check
+    from muser_cli.gate.sampled import sample_check
 
     data = _foreign(mla)
     got = decode(io.BytesIO(data), model=str(mla.path), max_new_tokens=NEW, dtype="float32", threads=1)
@@ -250,7 +250,7 @@ def test_verify_audit_recomputes_latent_rows(mla, tmp_path):
 
 @pytest.mark.parametrize("part", ["latent", "rope"])
 def test_gate_refuses_a_scaled_latent_row_before_the_first_token(mla, part, tmp_path):
-    from muser_cli.gate import DEFAULT_SAMPLE_POSITIONS, sample_positions
+    from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_positions
 
     rows = len(encode_prompt(mla, PROMPT)) - 1
     seed = 7
@@ -429,8 +429,8 @@ def test_yarn_latent_pack_from_torch_passes_the_mlx_gate(tmp_path):
     pytest.importorskip("mlx_lm")
     import transformers
 
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import TINY_FAMILIES, _common, _write
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import TINY_FAMILIES, _common, _write
 
     _, extra = TINY_FAMILIES["deepseek_v3"]
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,

@@ -101,7 +101,7 @@ def test_no_import_cycles():
 
 def test_framework_free_layers():
     free = ("muser_cli.kvpack", "muser_cli.handoff", "muser_cli.reuse", "muser_cli.strict", "muser_cli.errors",
-            "muser_cli.modelinfo", "muser_cli.schedule", "muser_cli.fsio", "muser_cli.threads")
+            "muser_cli.model.info", "muser_cli.schedule", "muser_cli.fsio", "muser_cli.threads")
     for name, (_, _, anywhere) in GRAPH.items():
         if name.startswith(free):
             heavy = sorted(anywhere & set(FRAMEWORKS))

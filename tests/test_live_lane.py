@@ -14,7 +14,7 @@ import pytest
 
 from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.kvpack.parser import frame_ends
-from muser_cli.prefill import prefill
+from muser_cli.produce.prefill import prefill
 from handoff_kit import HANG_S
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
@@ -189,7 +189,7 @@ def test_cut_stream_on_a_sliding_window_model(tiny_hybrid):
 # ---------------------------------------------------------------------- verify in a pipe
 
 def test_streaming_verify_passes_on_exactly_the_verified_bytes(tiny_llama, streamed):
-    from muser_cli.verify import verify_stream
+    from muser_cli.gate.verify import verify_stream
 
     out = io.BytesIO()
     rep = verify_stream(io.BytesIO(streamed), out, model=str(tiny_llama.path), prompt=PROMPT)
@@ -216,7 +216,7 @@ def test_pack_in_a_pipe_passes_each_frame_on_as_it_arrives(tiny_llama, streamed)
     """pack reads a pipe with read1 and flushes after each frame: what it has written at
     any moment is a prefix of its output, and a cut input leaves no end frame."""
     from muser_cli.errors import KVPackError
-    from muser_cli.pack import pack
+    from muser_cli.produce.pack import pack
 
     whole = io.BytesIO()
     pack(io.BytesIO(streamed), whole, codec="zstd+bytegroup")

@@ -29,15 +29,15 @@ CHUNK = "4096"
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory, _session_env):
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny_long_llama
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny_long_llama
 
     return resolve_model(make_tiny_long_llama(tmp_path_factory.mktemp("long") / "tiny-long-llama"))
 
 
 def _doc(info, n: int, path: Path) -> Path:
-    from muser_cli.tinymodels import _CORPUS
-    from muser_cli.tokens import decode_text, encode_prompt
+    from muser_cli.model.tiny import _CORPUS
+    from muser_cli.model.tokens import decode_text, encode_prompt
 
     text = _CORPUS
     while len(encode_prompt(info, text)) < n:

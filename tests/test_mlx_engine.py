@@ -35,7 +35,7 @@ from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.engines.mlx.engine import MLXEngine  # noqa: E402
 from muser_cli.errors import DataError, IdentityMismatch, PromptTooLong, UsageError  # noqa: E402
 from muser_cli.kvpack.layers import DTYPES, LayerKV  # noqa: E402
-from muser_cli.tokens import decode_text, encode_prompt  # noqa: E402
+from muser_cli.model.tokens import decode_text, encode_prompt  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
@@ -181,7 +181,7 @@ def test_mlx_handoff_equals_mlx_fallback_through_the_library(which, request, tmp
     import io
 
     from muser_cli.decode import decode
-    from muser_cli.prefill import prefill
+    from muser_cli.produce.prefill import prefill
 
     info = request.getfixturevalue(which)
     out = io.BytesIO()
@@ -336,7 +336,7 @@ def llama_theta_only_in_rope_parameters(tiny_llama, tmp_path) -> Path:
 def test_rope_theta_translated_from_rope_parameters(llama_theta_only_in_rope_parameters, monkeypatch):
     from mlx_lm.utils import load_model
 
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     folder = llama_theta_only_in_rope_parameters
     info = resolve_model(folder)
@@ -417,8 +417,8 @@ def test_recompute_needs_the_window_before_start(tiny_hybrid):
 def test_verify_audit_on_mlx(tiny_llama, tiny_hybrid):
     import io
 
-    from muser_cli.prefill import prefill
-    from muser_cli.verify import verify
+    from muser_cli.produce.prefill import prefill
+    from muser_cli.gate.verify import verify
 
     for info in (tiny_llama, tiny_hybrid):
         out = io.BytesIO()

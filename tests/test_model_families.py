@@ -1,6 +1,6 @@
 """Every model family muser describes, end to end on its tiny random model (issue #26).
 
-Per family (:data:`muser_cli.modelcheck.TESTED`, the families docs/models.md's matrix lists):
+Per family (:data:`muser_cli.model.check.TESTED`, the families docs/models.md's matrix lists):
 
 * the rows muser's torch producer extracts equal the rows in transformers' OWN cache object
   after the model's own forward (no muser cache class, no muser position ids), layer by
@@ -28,9 +28,9 @@ from typer.testing import CliRunner
 from muser_cli.commands import app
 from muser_cli.decode import decode
 from muser_cli.engines.registry import get_engine
-from muser_cli.modelcheck import TESTED
-from muser_cli.prefill import prefill
-from muser_cli.tokens import encode_prompt
+from muser_cli.model.check import TESTED
+from muser_cli.produce.prefill import prefill
+from muser_cli.model.tokens import encode_prompt
 
 PROMPT = (
     "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
@@ -262,7 +262,7 @@ def test_model_check_prices_llama4_chunked_layers_and_names_what_cannot_move_the
     assert report["plan"][0]["chunk"] == 8192 and "window" not in report["plan"][0]
     edge = json.loads(_cli("model", "check", tmp_path, "--tokens", 8193, "--json").stdout)
     assert {c["kind"]: c["rows"] for c in edge["classes"]} == {"chunked": 8192, "full": 8192}
-    from muser_cli import modelcheck
+    from muser_cli.model import check as modelcheck
 
     assert report["engines"]["torch"]["produce"] and report["engines"]["torch"]["consume"]
     mlx_here = modelcheck._installed("mlx", "mlx_lm") is None
@@ -297,7 +297,7 @@ def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
     it (with vLLM installed, as in .venv-vllm; without, that it is not)."""
     from transformers import Qwen3Config
 
-    from muser_cli import modelcheck
+    from muser_cli.model import check as modelcheck
 
     installed = modelcheck.importlib.util.find_spec("vllm") is not None
     assert modelcheck.engines("qwen3")["vllm"]["produce"] is installed
@@ -314,7 +314,7 @@ def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
 
 
 def test_model_ls_lists_every_family():
-    from muser_cli.modelconfig import FAMILIES
+    from muser_cli.model.config import FAMILIES
 
     result = _cli("model", "ls", "--json")
     names = [f["model_type"] for f in json.loads(result.stdout)["families"]]
@@ -328,7 +328,7 @@ def test_model_ls_lists_every_family():
 
 def test_hub_and_transformers5_spellings_give_one_plan():
     """transformers 4 (the hub's) and transformers 5 spell RoPE differently; one plan either way."""
-    from muser_cli.modelconfig import layer_specs
+    from muser_cli.model.config import layer_specs
 
     base = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
             "head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
@@ -354,15 +354,15 @@ def test_hub_and_transformers5_spellings_give_one_plan():
 
 def test_docs_models_matrix_is_current():
     """docs/models.md's matrix is generated from TESTED/REFUSED (the tests above); regenerate it
-    with ``python -c 'from muser_cli.modelcheck import matrix_markdown; print(matrix_markdown())'``."""
+    with ``python -c 'from muser_cli.model.check import matrix_markdown; print(matrix_markdown())'``."""
     from pathlib import Path
 
-    from muser_cli.modelcheck import MATRIX_BEGIN, MATRIX_END, matrix_markdown
+    from muser_cli.model.check import MATRIX_BEGIN, MATRIX_END, matrix_markdown
 
     text = (Path(__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
     block = text[text.index(MATRIX_BEGIN): text.index(MATRIX_END) + len(MATRIX_END)]
     assert block == matrix_markdown()
-    from muser_cli.tinymodels import TINY_FAMILIES
+    from muser_cli.model.tiny import TINY_FAMILIES
 
     assert TESTED["torch"] | TESTED["mlx"] <= set(TINY_FAMILIES) | {"llama", "cohere2", "muse_glimmer", "muse_glimmer_text", "llama4"}
 
@@ -374,7 +374,7 @@ def test_mlx_refuses_what_mlx_lm_computes_differently(tiny_family, tmp_path):
     import shutil
 
     from muser_cli.errors import IdentityMismatch
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     pytest.importorskip("mlx_lm")
     folder = tmp_path / "gpt-oss-untruncated"
@@ -403,7 +403,7 @@ def test_mlx_gemma2_attends_within_its_window_as_transformers_does(tied, tiny_fa
     import torch
     from safetensors.numpy import load_file, save_file
 
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     from muser_cli.engines.mlx import blas as mlx_blas
 
@@ -454,10 +454,10 @@ def test_mlx_gemma3_scales_its_embeddings_as_transformers_does(tmp_path):
     import torch
 
     from muser_cli.engines.mlx import blas as mlx_blas
-    from muser_cli.gate import sample_check
+    from muser_cli.gate.sampled import sample_check
     from muser_cli.kvpack import read_pack
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import make_tiny
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny
 
     mlx_blas.ensure_fast_blas()
     mx = pytest.importorskip("mlx.core")

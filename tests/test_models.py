@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from muser_cli import models
+from muser_cli.model import resolve as models
 from muser_cli.errors import ConfigError, DataError, MissingInput
 from muser_cli.kvpack.layers import RopeSpec
-from muser_cli.models import describe_folder, layer_specs, resolve_model
-from muser_cli.tinymodels import make_tiny_hybrid, make_tiny_llama
-from muser_cli.tokens import decode_text, encode_prompt, tokenizer_for
+from muser_cli.model.resolve import describe_folder, layer_specs, resolve_model
+from muser_cli.model.tiny import make_tiny_hybrid, make_tiny_llama
+from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 
 
 def _copy_model(info, dest: Path) -> Path:
@@ -218,7 +218,7 @@ def test_fingerprint_is_cached_and_follows_changes(tmp_path, tiny_llama, monkeyp
 def test_describe_does_not_import_torch(tiny_hybrid):
     code = (
         "import sys\n"
-        "from muser_cli.models import resolve_model\n"
+        "from muser_cli.model.resolve import resolve_model\n"
         f"info = resolve_model({str(tiny_hybrid.path)!r})\n"
         "assert len(info.layers) == 4\n"
         "bad = [m for m in ('torch', 'transformers', 'mlx') if m in sys.modules]\n"

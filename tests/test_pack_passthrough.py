@@ -19,7 +19,7 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack import PackWriter, read_pack_bytes, write_pack
 from muser_cli.kvpack import digest as digest_mod
 from muser_cli.kvpack.format import FRAME_HEADER
-from muser_cli.pack import pack
+from muser_cli.produce.pack import pack
 
 VERSIONS = {"v1.0": (0, "sha256"), "v1.1-blake3": (1, "blake3"), "v1.1-sha256": (1, "sha256")}
 

@@ -329,10 +329,10 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     delta from 17, published with exit 0, that verify refused), and ``decode`` merges it to
     the local tokens."""
     from muser_cli.kvpack import read_pack
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
     from muser_cli.reuse.chain import Scope, chain_at
     from muser_cli.pulllane.consumer import ask_for, pull_prompt
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     info = resolve_model(lane["model"])
     short, long = (encode_prompt(info, t, chat=False) for t in OFF_GRID)
@@ -396,7 +396,7 @@ def test_a_consumer_refuses_an_off_grid_delta_before_go(lane, tmp_path, monkeypa
     from muser_cli.handoff.pull.server import PullServer, ServeConfig
     from muser_cli.handoff.push.receiver import Destination
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     monkeypatch.setattr(serve_mod, "have_on_grid", lambda req, scope: req)  # a producer without the rounding
     monkeypatch.setattr("muser_cli.reuse.delta.delta_point", lambda scope, ids, held, chain: (held, chain))

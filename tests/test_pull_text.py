@@ -83,8 +83,8 @@ def lane(tmp_path_factory, tiny_llama):
 
 
 def consumer_ids(lane, model: str, *, chat: bool) -> list[int]:
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import encode_prompt
 
     return encode_prompt(resolve_model(model), PROMPT, chat=chat)
 
@@ -179,7 +179,7 @@ def test_a_producer_with_another_template_file_is_refused_before_any_work(lane, 
     """The tokenizer fingerprint covers the chat template files: a producer serving the clock
     template is refused by a consumer of the plain model naming both fingerprints (65 since issue 25:
     mismatched data, as on the push lane; decode --producer falls back)."""
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     producer = Producer(lane["nodes"].producer_home, "-m", clock_model, "--threads", "1", "--dtype", "float32")
     try:

@@ -21,7 +21,7 @@ from muser_cli.commands import app
 from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack import LayerKV, PackHeader, read_pack_bytes, token_digest, write_pack
 from muser_cli.kvpack.format import FRAME_HEADER, PREAMBLE, pad_len
-from muser_cli.pack import pack
+from muser_cli.produce.pack import pack
 from muser_cli.reuse import (
     BaseNotHeld, CorruptEntry, HaveManifest, Scope, Store, chain_at, chain_points, find_resume, parse_size,
     resolve_delta,

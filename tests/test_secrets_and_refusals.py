@@ -196,7 +196,7 @@ def test_receive_refusals_leave_the_home_and_the_output_folder_byte_identical(ho
 
 def test_reuse_put_refusals_leave_the_home_byte_identical(tiny_llama, tmp_path):
     from kvpack_factory import make_pack
-    from muser_cli.prefill import prefill
+    from muser_cli.produce.prefill import prefill
 
     home = tmp_path / "home"
     home.mkdir()  # resolving the model fills its fingerprint memo under home/cache (home_kit.MEMO_DIRS)

@@ -236,7 +236,7 @@ def test_stop_strings_cut_the_answer(client, tiny_llama):
 def test_text_stream_pieces_join_to_the_text(tiny_llama):
     import random
 
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.tokens import decode_text
 
     rng = random.Random(5)
     ids = [rng.randrange(0, 250) for _ in range(60)]

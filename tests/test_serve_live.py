@@ -290,7 +290,7 @@ def test_printer_flushes_every_piece(monkeypatch, tiny_llama):
         before = out.getvalue()
         p.push(t)
         writes.append(out.getvalue()[len(before):])
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.tokens import decode_text
 
     text = decode_text(tiny_llama, ids)
     p.finish(text)

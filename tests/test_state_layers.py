@@ -20,8 +20,8 @@ from muser_cli.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.kvpack import read_pack
 from muser_cli.kvpack.layers import StateKV
-from muser_cli.prefill import prefill
-from muser_cli.tokens import encode_prompt
+from muser_cli.produce.prefill import prefill
+from muser_cli.model.tokens import encode_prompt
 
 HYBRIDS = ["qwen3_next", "granitemoehybrid"]
 PROMPT = (

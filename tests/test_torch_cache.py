@@ -13,7 +13,7 @@ from muser_cli.kvpack import write_pack
 from muser_cli.kvpack.layers import LayerKV
 from muser_cli.kvpack.stream import StreamedPack
 from muser_cli.schedule import build_header
-from muser_cli.tokens import encode_prompt
+from muser_cli.model.tokens import encode_prompt
 
 PROMPT = ("A sized cache writes each new row in place; transformers' own cache concatenates. "
           "Both must hand attention the same numbers, so the tokens agree bit for bit. ") * 2

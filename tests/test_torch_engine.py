@@ -12,7 +12,7 @@ from muser_cli.engines.registry import get_engine
 from muser_cli.engines.torch.engine import TorchEngine
 from muser_cli.errors import DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
-from muser_cli.tokens import decode_text, encode_prompt
+from muser_cli.model.tokens import decode_text, encode_prompt
 
 PROMPT = (
     "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "

@@ -30,7 +30,7 @@ LENGTHS = (70, 45, 100)  # prompt[:-1] rows: 3, 2 and 4 chunks of 32, each endin
 
 @pytest.fixture(scope="module")
 def tiny32(tiny_models_dir, _session_env):
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     return resolve_model(make_tiny32(tiny_models_dir / "tiny-llama-hd32"))
 

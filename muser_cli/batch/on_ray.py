@@ -54,7 +54,7 @@ class Worker:
     def _planned(self, data: dict[str, Any] | None) -> Planned | None:
         if data is None:
             return None
-        from muser_cli.tokens import encode_prompt
+        from muser_cli.model.tokens import encode_prompt
 
         job = Job(**data["job"])
         ids = encode_prompt(self.batch.info, job.text, chat=job.chat)

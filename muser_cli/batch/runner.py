@@ -187,9 +187,9 @@ class Batch:
     # ------------------------------------------------------------------ set-up
     def load_info(self) -> None:
         """The model's description and tokenizer (no weights): enough to plan."""
-        from muser_cli.models import resolve_model
+        from muser_cli.model.resolve import resolve_model
         from muser_cli.schedule import default_dtype
-        from muser_cli.tokens import tokenizer_for
+        from muser_cli.model.tokens import tokenizer_for
 
         if self.info is None:
             self.info = resolve_model(self.config.model)
@@ -220,7 +220,7 @@ class Batch:
         """Tokenize, check, and order the jobs so shared prefixes are hot: groups (one document,
         or one first chunk) in order of first appearance, input order inside a group."""
         from muser_cli.schedule import check_prompt
-        from muser_cli.tokens import encode_prompt
+        from muser_cli.model.tokens import encode_prompt
 
         assert self.info is not None
         groups: dict[Any, list[Planned]] = {}

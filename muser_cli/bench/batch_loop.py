@@ -53,8 +53,8 @@ def env_for(home: Path, models: str | None) -> dict[str, str]:
 
 
 def make_document(model: str | None, n_tokens: int) -> str:
-    from muser_cli.models import resolve_model
-    from muser_cli.tokens import decode_text, encode_prompt
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import decode_text, encode_prompt
 
     info = resolve_model(model)
     text = corpus_text()

@@ -213,7 +213,7 @@ TINY = "tiny"
 def resolve_bench_model(ref: str | None, *, progress: Progress = no_progress):
     """``tiny`` (a 1-layer random Llama with 132k positions, written once under the cache
     folder), ``default`` (the embedded model) or a model folder / .gguf file."""
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     if ref == TINY and not Path(TINY).exists():
         from muser_cli.paths import cache_dir, ensure_dir
@@ -223,7 +223,7 @@ def resolve_bench_model(ref: str | None, *, progress: Progress = no_progress):
             progress("writing the tiny model (once)")
             import tempfile
 
-            from muser_cli.tinymodels import make_tiny_long_llama
+            from muser_cli.model.tiny import make_tiny_long_llama
 
             parent = ensure_dir(folder.parent)
             tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=parent))
@@ -261,7 +261,7 @@ def corpus_text() -> str:
 
 def corpus_ids(info, n_tokens: int) -> list[int]:
     """A deterministic prompt of exactly ``n_tokens`` ids from the project's own docs."""
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     ids = encode_prompt(info, corpus_text())
     out: list[int] = []

@@ -28,8 +28,8 @@ CUT_CHUNK = 512
 def foreign_pack(info, ids, *, threads: int) -> tuple[bytes, int]:
     """The corpus prefix as a bf16 torch pack, re-labelled as made by vLLM; and its rows."""
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.prefill import prefill
-    from muser_cli.tokens import decode_text
+    from muser_cli.produce.prefill import prefill
+    from muser_cli.model.tokens import decode_text
 
     out = io.BytesIO()
     prefill(decode_text(info, ids), out, model=str(info.path), chunk_tokens=512, dtype="bfloat16", threads=threads)
@@ -57,7 +57,7 @@ def _foreign_packs(depths: Sequence[int], model: str, threads: int, new: int) ->
     decodes it on one resident bf16 torch engine (``decode``'s keywords added)."""
     from muser_cli.decode import decode
     from muser_cli.engines.registry import get_engine
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     info = resolve_model(model)
     eng = get_engine("torch", info, dtype="bfloat16", threads=threads)
@@ -184,7 +184,7 @@ def decode_speed(depths: Sequence[int], *, reps: int = 5, new: int = 32, threads
                  progress: Progress = no_progress) -> dict[str, Any]:
     """ms per token, sized cache against DynamicCache against the floor (bench_decode.py)."""
     from muser_cli.engines.torch.engine import TorchEngine
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     info = resolve_model(model)
     sized = TorchEngine(info, dtype="float32", threads=threads)
@@ -233,9 +233,9 @@ def cut_cost(depths: Sequence[int], *, keep: int = 50, reps: int = 5, new: int =
     from muser_cli.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.kvpack.parser import frame_ends
-    from muser_cli.models import resolve_model
-    from muser_cli.prefill import prefill
-    from muser_cli.tokens import decode_text, encode_prompt
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.prefill import prefill
+    from muser_cli.model.tokens import decode_text, encode_prompt
 
     info = resolve_model("default")
     eng = TorchEngine(info, dtype="float32", threads=1)

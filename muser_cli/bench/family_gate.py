@@ -2,11 +2,11 @@
 pack at one prompt depth, on each family's tiny random model, as a share of the local prefill
 it saves and of the first token. The measurement of benchmarks/bench_family_gate.py.
 
-Per family: the tiny model (:func:`muser_cli.tinymodels.make_tiny`, its positions raised to
+Per family: the tiny model (:func:`muser_cli.model.tiny.make_tiny`, its positions raised to
 hold the prompt) in a temporary folder; ``depth`` ids of the project's corpus; the local
 prefill of ``depth - 1`` of them on a resident torch engine (timed, ``reps`` after one
 warm-up); the pack torch makes of them (with the sliding history where the family has rings,
-as :func:`muser_cli.prefill.prefill` writes it for another engine), re-labelled as made by
+as :func:`muser_cli.produce.prefill.prefill` writes it for another engine), re-labelled as made by
 vLLM (every digest re-made) so that decode gates it; then decode on the resident engine
 with the default gate and with ``--audit 0`` alternately, ``reps`` counted after one
 warm-up. The gate's time is its own record (sampled positions + the last position fused
@@ -31,7 +31,7 @@ FIXED_SIZES = frozenset({"llama", "cohere2", "muse_glimmer_text"})  # tiny maker
 
 def families() -> list[str]:
     """The families the torch engine is tested on whose tiny model can hold a long prompt."""
-    from muser_cli.modelcheck import TESTED
+    from muser_cli.model.check import TESTED
 
     return sorted(TESTED["torch"] - FIXED_SIZES)
 
@@ -60,10 +60,10 @@ def _one(name: str, tmp: Path, *, depth: int, reps: int, new: int, threads: int,
     from muser_cli.decode import decode
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.models import resolve_model
-    from muser_cli.prefill import prefill
-    from muser_cli.tinymodels import make_tiny
-    from muser_cli.tokens import decode_text
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.prefill import prefill
+    from muser_cli.model.tiny import make_tiny
+    from muser_cli.model.tokens import decode_text
 
     load_before = os.getloadavg()
     info = resolve_model(make_tiny(name, tmp / name, sizes={"max_position_embeddings": depth + 64}))

@@ -20,7 +20,7 @@ def make_pack(info, n: int, folder: Path, progress: Progress = no_progress) -> P
     """A real torch prefill (float32, chunk 512) of exactly ``n`` tokens of the docs, uncompressed."""
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import write_pack
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pipeline import pack_header
 
     path = folder / f"real-{n}.kvpack"
     ids = corpus_ids(info, n)

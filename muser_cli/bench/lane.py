@@ -48,7 +48,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
     from muser_cli.engines.registry import get_engine
     from muser_cli.handoff.push.sender import prepare_handoff, transmit
     from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pipeline import pack_header
 
     pins = pinning(pin)
     if threads is None or threads < 1:
@@ -66,7 +66,7 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
                 header = pack_header(info, ids, dtype=dtype, chunk_tokens=512, engine="torch", threads=threads)
                 doc = None
                 if live:
-                    from muser_cli.tokens import decode_text
+                    from muser_cli.model.tokens import decode_text
 
                     doc = work / f"doc-{depth}.txt"
                     doc.write_text(decode_text(info, ids), encoding="utf-8")

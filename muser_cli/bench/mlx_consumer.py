@@ -63,8 +63,8 @@ import json
 from muser_cli.engines.mlx import blas as mlx_blas
 info = mlx_blas.ensure_fast_blas()
 from muser_cli.engines.registry import get_engine
-from muser_cli.models import resolve_model
-from muser_cli.tokens import encode_prompt
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt
 model = resolve_model("default")
 eng = get_engine("mlx", model, dtype="float32", threads={threads})
 ids = encode_prompt(model, "Write one sentence about rivers.", chat=True)
@@ -118,7 +118,7 @@ def agreement(info, mlx_eng, torch_eng, *, prompts: int, new: int, progress: Pro
     """Greedy tokens torch -> MLX from the same rows, and the first step's logits."""
     import numpy as np
 
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     rows_out = []
     for prompt in PROMPTS[:prompts]:

@@ -297,7 +297,7 @@ def _kv(info, deepest: int, synthetic: bool, threads: int, progress: Progress):
 def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = False, threads: int = 1,
              peers: bool = True, study: Study = Study(), progress: Progress = no_progress) -> BenchResult:
     from muser_cli.kvpack import DEFAULT_DIGEST
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pipeline import pack_header
 
     deepest = max(depths)
     ids_all, kv_all, threads, prefill_s = _kv(info, deepest, synthetic, threads, progress)

@@ -55,7 +55,7 @@ class Lanes:
     def new_document(self, rnd: int) -> None:
         """Each round asks about another document (the corpus from another offset), so the
         resident producer never holds the rows from an earlier round."""
-        from muser_cli.tokens import decode_text
+        from muser_cli.model.tokens import decode_text
 
         skip = 211 * rnd
         self.doc.write_text(decode_text(self.info, corpus_ids(self.info, self.depth + skip)[skip:]), encoding="utf-8")

@@ -20,7 +20,7 @@ CHUNK = 512
 
 def prompt_text(info, n_tokens: int) -> str:
     """Text of the project's docs cut so it tokenizes to about ``n_tokens``."""
-    from muser_cli.tokens import decode_text, encode_prompt
+    from muser_cli.model.tokens import decode_text, encode_prompt
 
     ids = corpus_ids(info, n_tokens)
     text = decode_text(info, ids, skip_special_tokens=False)
@@ -37,8 +37,8 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
     from dataclasses import replace
 
     from muser_cli.kvpack import read_pack_bytes, token_digest, write_pack
-    from muser_cli.pack import pack
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pack import pack
+    from muser_cli.produce.pipeline import pack_header
     from muser_cli.reuse import HaveManifest, Store
     from muser_cli.reuse.delta import layers_at
 
@@ -158,7 +158,7 @@ def warm_read(info, depth: int, *, reps: int, threads: int, new_tokens: int = 32
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import LayerKV
     from muser_cli.reuse import Store
-    from muser_cli.produce import pack_header
+    from muser_cli.produce.pipeline import pack_header
 
     ids = [int(t) for t in corpus_ids(info, depth)]
     rows = len(ids) - 1

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 from muser_cli.errors import DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 #: rows_of(layer, lo, hi) -> (keys, values): absolute rows [lo, hi) of one layer, as
@@ -96,7 +96,7 @@ class Engine(abc.ABC):
         ``check_first``: called once after the first forward, before its token is picked,
         with the live rows (a :data:`RowsOf` as of ``rows + len(next_tokens)`` positions);
         what it raises ends the decode with no token emitted (the fused spot-check,
-        :class:`muser_cli.audit.SpotGate`).
+        :class:`muser_cli.gate.audit.SpotGate`).
         """
 
 

@@ -10,7 +10,7 @@ import importlib
 
 from muser_cli.engines.base import Engine
 from muser_cli.errors import UsageError
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 
 # name -> (module, class); a closed set written here, never read from input.
 _ENGINES: dict[str, tuple[str, str]] = {

@@ -46,7 +46,7 @@ from muser_cli.errors import DataError, UsageError
 from muser_cli.interop import safetensors_io as st
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader, read_pack, write_pack
 from muser_cli.kvpack.layers import DTYPES, ring_tail
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 
 #: the cache classes muser reads and writes: name -> (layer kind, number of state fields)
 CLASSES: dict[str, tuple[str, int]] = {"KVCache": ("full", 3), "RotatingKVCache": ("sliding", 6),
@@ -305,10 +305,10 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
     """Turn an mlx-lm prompt cache (a path, or the file's bytes) into a kvpack on ``out``,
     bound to ``model`` and the prompt (text, or its ``token_ids``). mlx-lm's file carries
     neither token ids nor a model hash, so both are required."""
-    from muser_cli.binding import require_identity
-    from muser_cli.models import resolve_model
+    from muser_cli.gate.binding import require_identity
+    from muser_cli.model.resolve import resolve_model
     from muser_cli.schedule import build_header, check_chunk, check_prompt
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     t0 = time.perf_counter()
     if model is None:
@@ -480,8 +480,8 @@ def export_mlx_lm(src: BinaryIO | KVPack, out: BinaryIO, *, model: str | None = 
     or name muser resolves) is checked against the pack and recorded as the file's
     ``model``, which ``mlx_lm.generate --prompt-cache-file`` loads (and compares with its
     ``--model``); without it the pack's model is looked up among the models muser knows."""
-    from muser_cli.binding import require_identity
-    from muser_cli.models import known_model, resolve_model
+    from muser_cli.gate.binding import require_identity
+    from muser_cli.model.resolve import known_model, resolve_model
 
     t0 = time.perf_counter()
     pack = src if isinstance(src, KVPack) else read_pack(src)

@@ -22,13 +22,13 @@ from typing import Any, BinaryIO, Sequence
 
 from muser_cli.errors import DataError, UsageError
 from muser_cli.kvpack import KVPack, LayerKV, read_pack
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 
 def _model_info(model: Any, info: ModelInfo | str | os.PathLike | None) -> ModelInfo:
     """The :class:`ModelInfo` of the folder ``model`` was loaded from (or ``info``)."""
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     if isinstance(info, ModelInfo):
         return info
@@ -87,7 +87,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     from muser_cli.engines.torch.arrays import chunk_ring, to_torch
     from muser_cli.engines.torch.cache import built_layout, described_layout
     from muser_cli.engines.torch.latent import deinterleaves, rope_from_pack
-    from muser_cli.binding import require_identity
+    from muser_cli.gate.binding import require_identity
     from muser_cli.kvpack.layers import ring_tail
 
     p = _read(pack)
@@ -202,7 +202,7 @@ def from_transformers(cache: Any, token_ids: Any, model: Any, *, info: ModelInfo
     ``out`` and returns None. ``chunk_tokens`` is recorded as the schedule (the frame grid)."""
     import torch
 
-    from muser_cli.binding import require_identity
+    from muser_cli.gate.binding import require_identity
     from muser_cli.engines.torch.latent import deinterleaves
     from muser_cli.kvpack import write_pack
     from muser_cli.schedule import build_header, check_chunk, check_prompt

@@ -56,9 +56,9 @@ def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | N
     """What to request: this consumer's own tokenization and model, on the canonical schedule.
     ``send_text``: send the text (and ``chat``) for the producer to tokenize; the pack must
     still bind this consumer's own token ids (else it is refused, 65)."""
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
     from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
-    from muser_cli.tokens import encode_prompt
+    from muser_cli.model.tokens import encode_prompt
 
     check_chunk(chunk_tokens)
     info = resolve_model(model)

@@ -1,7 +1,7 @@
 """The pull lane's producer end above the sockets.
 
 :class:`ResidentProducer` holds one model and engine, loaded once, and produces a consumer's
-request through :func:`muser_cli.produce.produce_pack` on the request's schedule: its rows
+request through :func:`muser_cli.produce.pipeline.produce_pack` on the request's schedule: its rows
 from the previous request's (memory), this machine's store (``store``), then the engine,
 each chunk's frames streamed as the chunk finishes; :func:`serve` runs it behind
 :class:`muser_cli.handoff.pull.server.PullServer`.
@@ -90,12 +90,12 @@ class ResidentProducer:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"--max-batch must be a positive integer, got {max_batch!r}")
         from muser_cli.engines.registry import get_engine
-        from muser_cli.models import resolve_model
-        from muser_cli.produce import MemoryRows
+        from muser_cli.model.resolve import resolve_model
+        from muser_cli.produce.pipeline import MemoryRows
         from muser_cli.schedule import default_dtype
-        from muser_cli.tokens import tokenizer_for
+        from muser_cli.model.tokens import tokenizer_for
 
-        from muser_cli.produce import check_state_every
+        from muser_cli.produce.pipeline import check_state_every
 
         t0 = time.perf_counter()
         self.info = resolve_model(model)
@@ -107,7 +107,7 @@ class ResidentProducer:
         self.threads = threads
         self.engine = loaded if loaded is not None else get_engine(engine, self.info, dtype=self.dtype,
                                                                     threads=threads, options=engine_options)
-        from muser_cli.produce import set_history
+        from muser_cli.produce.pipeline import set_history
 
         set_history(self.engine, history)
         self.history = self.engine.history  # what each pack gets, unless its consumer is on this engine
@@ -130,7 +130,7 @@ class ResidentProducer:
         (the consumer refuses the pack if they are not its own)."""
         from muser_cli.errors import ConfigError, DataError
         from muser_cli.schedule import check_chunk, check_prompt
-        from muser_cli.tokens import encode_prompt
+        from muser_cli.model.tokens import encode_prompt
 
         info = self.info
         if req.model_fingerprint != info.fingerprint:
@@ -178,7 +178,7 @@ class ResidentProducer:
         """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
         consumer holds a prefix. The rows of the previous request are kept: a prompt that
         shares whole chunks with it is continued from there (same bytes, less compute)."""
-        from muser_cli.produce import PackJob, PackSink, produce_pack, stats_of
+        from muser_cli.produce.pipeline import PackJob, PackSink, produce_pack, stats_of
         from muser_cli.rows import EngineRows, StoreRows
 
         ids = list(req.token_ids)
@@ -235,7 +235,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     ``max_batch``: on vLLM, how many requests run at once (computed as one batch); torch
     and MLX run one. ``live``: where the server keeps its open connections
     (:class:`~muser_cli.handoff.listener.LiveConnections`; the metrics endpoint's ``/connections``).
-    ``history``: packs carry the sliding history (:func:`muser_cli.produce.set_history`).
+    ``history``: packs carry the sliding history (:func:`muser_cli.produce.pipeline.set_history`).
     ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its
     reads); None: the link's default (``DEFAULT_IDLE_S``, 30 s).
     ``state_every``: a hybrid model's packs carry their state snapshots every this many chunks."""
@@ -254,8 +254,8 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     if not idle_s > 0:  # NaN too
         raise UsageError(f"--idle-timeout must be a positive number of seconds, got {idle_s}")
     if state_every != 1:  # a usage error before identities and engines
-        from muser_cli.models import resolve_model
-        from muser_cli.produce import check_state_every
+        from muser_cli.model.resolve import resolve_model
+        from muser_cli.produce.pipeline import check_state_every
 
         check_state_every(resolve_model(model), state_every)
     host, port = parse_hostport(listen, listen=True)

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from muser_cli.binding import short_fingerprint
+from muser_cli.gate.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from muser_cli.modelinfo import ModelInfo
-from muser_cli.tokens import decode_text
+from muser_cli.model.info import ModelInfo
+from muser_cli.model.tokens import decode_text
 
 _INCOMPLETE = "\ufffd"  # what the tokenizer writes for bytes of a character not yet complete
 

@@ -90,9 +90,9 @@ class EngineWorker:
     def __init__(self, config: Config, metrics: Any = None, log: Callable[[dict], None] | None = None) -> None:
         from muser_cli.batch.pool import ProducerPool
         from muser_cli.engines.registry import get_engine
-        from muser_cli.models import resolve_model
+        from muser_cli.model.resolve import resolve_model
         from muser_cli.schedule import default_dtype
-        from muser_cli.tokens import tokenizer_for
+        from muser_cli.model.tokens import tokenizer_for
 
         if config.max_queue < 0:
             raise MuserError("--max-queue must be >= 0")
@@ -184,7 +184,7 @@ class EngineWorker:
     # -------------------------------------------------------------- one request
     def _run(self, job: Job) -> None:
         from muser_cli.schedule import check_prompt
-        from muser_cli.tokens import encode_prompt
+        from muser_cli.model.tokens import encode_prompt
 
         ask = job.ask
         try:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 from golden_rows import CASES, CASES_V1_3, CASES_V1_4, golden_header, golden_rows  # noqa: E402
 
 from muser_cli.kvpack import write_pack  # noqa: E402
-from muser_cli.pack import pack  # noqa: E402
+from muser_cli.produce.pack import pack  # noqa: E402
 
 VARIANTS = {
     "1.1": [(codec, "blake3") for codec in ("none", "zstd", "zstd+bytegroup", "int8")] + [("none", "sha256")],

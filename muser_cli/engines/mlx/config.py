@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
 
@@ -85,7 +85,7 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     RoPE comes from the same reading of the config that made the model's layer specs
     (``rope_parameters`` first, as transformers 5.x does), never from mlx-lm's defaults.
     """
-    from muser_cli.models import layer_specs
+    from muser_cli.model.resolve import layer_specs
 
     model_type = str(config.get("model_type"))
     overrides: dict[str, Any] = {}

@@ -47,7 +47,7 @@ import numpy as np
 
 from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.engines.mlx import state

@@ -12,7 +12,7 @@ given: a ``RotatingKVCache`` of the window for each sliding layer (``make_cache`
 mlx-lm's ``gemma3_text`` builds for its sliding layers), and a mask per layer made from that
 layer's own cache by mlx-lm's own ``create_attention_mask`` (with the window on sliding
 layers) in place of the shared one. An untied checkpoint (``tie_word_embeddings: false``)
-gets its ``lm_head``. The layer plan comes from :func:`muser_cli.models.layer_specs`, the
+gets its ``lm_head``. The layer plan comes from :func:`muser_cli.model.resolve.layer_specs`, the
 reading of the config that made the pack's layer descriptions; the engine's layout check
 (:func:`~muser_cli.engines.mlx.config.check_model`) then compares the caches with them.
 """
@@ -29,7 +29,7 @@ def windowed_gemma2(model_cls: Any, config: dict[str, Any]) -> Any:
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from muser_cli.models import layer_specs
+    from muser_cli.model.resolve import layer_specs
 
     windows = [spec.window if spec.kind == "sliding" else None for spec in layer_specs(config)]
     tied = bool(config.get("tie_word_embeddings", True))  # Gemma2Config's default

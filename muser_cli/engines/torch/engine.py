@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
@@ -78,8 +78,8 @@ class TorchEngine(Engine):
             raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
         import transformers
 
-        from muser_cli.modelconfig import FAMILIES
-        from muser_cli.models import quiet_transformers
+        from muser_cli.model.config import FAMILIES
+        from muser_cli.model.resolve import quiet_transformers
 
         family = FAMILIES.get(info.architecture)
         if family is not None and not family.torch_auto:

@@ -12,7 +12,7 @@ snapshot is continued by transformers' own code, and a prefill that resumes at a
 boundary runs exactly the chunks the canonical schedule runs.
 
 A snapshot (docs/kvpack.md 1.4) is the conv window less its oldest column, ``(channels,
-kernel - 1)``, and the recurrent matrix, both float32 (:data:`muser_cli.modelconfig.STATE_DTYPE`:
+kernel - 1)``, and the recurrent matrix, both float32 (:data:`muser_cli.model.config.STATE_DTYPE`:
 a bfloat16 window widens exactly). Installing pads the window back to ``kernel`` columns
 with a zero column no step reads.
 

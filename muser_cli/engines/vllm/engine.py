@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines.base import DecodeResult, Engine, Sampling
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
 from muser_cli.errors import ConfigError, DataError, MuserError, PromptTooLong, PromptTooShort, UsageError
@@ -178,7 +178,7 @@ class VLLMEngine(Engine):
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
         if info.architecture in WINDOW_PLUS_ONE or (info.architecture in SOFTCAP_ON_CPU and _on_cpu()):
-            from muser_cli.modelcheck import REFUSED  # the measured reason (tests/test_vllm_families.py)
+            from muser_cli.model.check import REFUSED  # the measured reason (tests/test_vllm_families.py)
 
             raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
                               hint="use --engine torch or --engine mlx")

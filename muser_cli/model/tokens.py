@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.errors import ConfigError, DataError
 
 _TOKENIZERS: dict[tuple[str, str], Any] = {}
@@ -24,7 +24,7 @@ def tokenizer_for(info: ModelInfo) -> Any:
         if tok is None:
             from transformers import AutoTokenizer
 
-            from muser_cli.models import quiet_transformers
+            from muser_cli.model.resolve import quiet_transformers
 
             try:
                 with quiet_transformers():

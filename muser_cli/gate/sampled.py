@@ -1,7 +1,7 @@
 """The numeric gate across the whole prompt: recompute positions sampled across the pack, in
 every layer, from the pack's own rows before them, and compare (docs/reliability.md, "The
 numeric gate"). The comparison's tolerance and the diagnosis of a mismatch are
-:mod:`muser_cli.audit`'s.
+:mod:`muser_cli.gate.audit`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from muser_cli.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, tolerance_for
-from muser_cli.gate_state import has_state, state_check
+from muser_cli.gate.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, tolerance_for
+from muser_cli.gate.state import has_state, state_check
 from muser_cli.kvpack import KVPack, LayerKV
 from muser_cli.kvpack.quant import to_float32
 

@@ -112,7 +112,7 @@ def _compare(ours: np.ndarray, theirs: np.ndarray, dtype: str) -> tuple[float, f
 
 def _rows_only(header) -> None:
     """A pack with recurrent state layers is checked from its snapshot checkpoints
-    (:mod:`muser_cli.gate_state`), not by recomputing positions from rows: refused here by name."""
+    (:mod:`muser_cli.gate.state`), not by recomputing positions from rows: refused here by name."""
     if any(spec.kind == "state" for spec in header.layers):
         from muser_cli.errors import DataError
 

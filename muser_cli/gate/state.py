@@ -6,7 +6,7 @@ cannot be recomputed at a sampled position from the rows before it. It is recomp
 0) with the pack's row layers before c, then the positions [c, e) in one forward -- what the
 producer computed for those chunks. The recomputed snapshot at e and the row layers' rows
 [c, e) are compared with the pack's: each state tensor within the tolerance of its own dtype,
-the rows within the pack's (:func:`muser_cli.audit.tolerance_for`), doubled for another
+the rows within the pack's (:func:`muser_cli.gate.audit.tolerance_for`), doubled for another
 engine's pack. A fault anywhere before e in a row layer changes what the recomputation
 reads, and a fault in a snapshot changes what it starts from or what it is compared with.
 
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from muser_cli.audit import BASE_TOLERANCE, CROSS_ENGINE_FACTOR, layer_tolerance, tolerance_for
+from muser_cli.gate.audit import BASE_TOLERANCE, CROSS_ENGINE_FACTOR, layer_tolerance, tolerance_for
 from muser_cli.kvpack import KVPack, LayerKV, StateKV
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.kvpack.quant import to_float32
@@ -69,7 +69,7 @@ def state_check(header: Any, layers: Sequence[Any], engine: Any, *, count: int =
                 seed: int = 0, rows: int | None = None, lo: int = 0) -> tuple[list[int], float, list[dict], float]:
     """Recompute chunk spans [c, e) from the pack's own checkpoints at c and compare every
     layer at e (state) or over [c, e) (rows): (the span ends, the rows' tolerance, a report
-    per layer as :class:`muser_cli.gate.SampleCheck` keeps it, seconds). SpotCheckFailed
+    per layer as :class:`muser_cli.gate.sampled.SampleCheck` keeps it, seconds). SpotCheckFailed
     naming the worst layer on a mismatch; GateIncomplete when no span ending at ``rows`` has
     both its snapshots here."""
     from muser_cli.errors import GateIncomplete, SpotCheckFailed

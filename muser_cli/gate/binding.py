@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from muser_cli.modelinfo import ModelInfo
+from muser_cli.model.info import ModelInfo
 from muser_cli.errors import IdentityMismatch
 from muser_cli.kvpack import PackHeader
 

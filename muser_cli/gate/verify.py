@@ -8,13 +8,13 @@ from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
 from muser_cli.errors import KVPackError, UsageError
-from muser_cli.binding import Check, identity_checks
+from muser_cli.gate.binding import Check, identity_checks
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.reader import read_step
 from muser_cli.kvpack.summary import summarize, summarize_header
-from muser_cli.models import resolve_model
-from muser_cli.tokens import encode_prompt
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt
 
 
 @dataclass
@@ -87,8 +87,8 @@ def verify(
     if audit < 0:
         raise UsageError("--audit must be >= 0")
     if audit and all(c.ok for c in checks):
-        from muser_cli.audit import audit as run_audit
-        from muser_cli.audit import diagnose
+        from muser_cli.gate.audit import audit as run_audit
+        from muser_cli.gate.audit import diagnose
         from muser_cli.engines.registry import get_engine
 
         eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
@@ -114,10 +114,10 @@ def verify(
 
 def _state_audit(pack: KVPack, eng, spans: int, summary: dict) -> Check:
     """``--audit N`` on a pack with state layers: N chunk spans (the last one always) recomputed
-    from the pack's own snapshot checkpoints (:mod:`muser_cli.gate_state`)."""
+    from the pack's own snapshot checkpoints (:mod:`muser_cli.gate.state`)."""
     from muser_cli.errors import SpotCheckFailed
-    from muser_cli.gate import new_seed
-    from muser_cli.gate_state import state_check
+    from muser_cli.gate.sampled import new_seed
+    from muser_cli.gate.state import state_check
 
     seed = new_seed()
     try:
@@ -135,7 +135,7 @@ def _state_audit(pack: KVPack, eng, spans: int, summary: dict) -> Check:
 def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:
     """The decode gate's positions sampled across the whole prompt, besides the suffix
     (``record["sampled"]``: what it compared); whether it passed, and one line."""
-    from muser_cli.gate import sample_check
+    from muser_cli.gate.sampled import sample_check
     from muser_cli.errors import SpotCheckFailed
 
     try:

@@ -230,10 +230,10 @@ def _check_link(run: _Run, probe_s: float) -> None:
 
 def _audit(path: Path, *, model: str | None, threads: int) -> dict[str, Any]:
     """Spot-check the test pack on this machine's engine (its last position recomputed)."""
-    from muser_cli.audit import spot_check
+    from muser_cli.gate.audit import spot_check
     from muser_cli.engines.registry import get_engine
     from muser_cli.kvpack import read_pack
-    from muser_cli.models import resolve_model
+    from muser_cli.model.resolve import resolve_model
 
     with open(path, "rb") as f:
         pack = read_pack(f)

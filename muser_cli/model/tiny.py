@@ -94,7 +94,7 @@ def _common() -> dict:
 def _write(model_cls, config, directory: Path, seed: int, extra: dict | None = None) -> Path:
     import torch
 
-    from muser_cli.models import add_top_level_rope_theta, quiet_transformers
+    from muser_cli.model.resolve import add_top_level_rope_theta, quiet_transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """``muser model check`` and ``muser model ls``: will this model move, and at what cost?
 
 Everything here reads config.json only (no weights, no framework import): the layer plan
-:func:`muser_cli.modelconfig.layer_specs` gives, grouped into layer classes; the KV bytes a
+:func:`muser_cli.model.config.layer_specs` gives, grouped into layer classes; the KV bytes a
 token costs in each; the payload a kvpack carries at a prompt depth (full layers ship
 ``prompt - 1`` rows, sliding layers their window: ``window - 1`` plus the one ring row both
 engines write, chunked layers the current chunk's rows, docs/kvpack.md 1.3 -- and, past
@@ -19,7 +19,7 @@ from typing import Any
 
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
-from muser_cli.modelconfig import FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
+from muser_cli.model.config import FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -67,7 +67,7 @@ _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_
 
 def config_path(ref: str) -> Path:
     """config.json of a model folder, of the embedded model ('default') or of a converted GGUF."""
-    from muser_cli.models import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
+    from muser_cli.model.resolve import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
 
     if ref in ("default", "smollm2-135m"):
         return convert_gguf(default_gguf()) / "config.json"
@@ -274,7 +274,7 @@ def families() -> list[dict[str, Any]]:
             for name, f in sorted(FAMILIES.items())]
 
 
-MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/modelcheck.py (TESTED, REFUSED); tests/test_model_families.py checks it -->"
+MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/model/check.py (TESTED, REFUSED); tests/test_model_families.py checks it -->"
 MATRIX_END = "<!-- end of matrix -->"
 
 

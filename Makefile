@@ -9,8 +9,8 @@ TORCH_PIN := torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.muser-installed
 # What runs there: everything that needs vLLM, and the torch engine on vLLM's transformers.
-VLLM_TESTS := tests/test_torch_cache.py tests/test_vllm_layout.py tests/test_vllm_engine.py tests/test_vllm_kernels.py \
-	tests/test_vllm_real.py tests/test_vllm_batch.py tests/test_vllm_serve.py tests/test_vllm_families.py tests/test_torch_engine.py
+VLLM_TESTS := tests/engines/test_torch_cache.py tests/engines/test_vllm_layout.py tests/engines/test_vllm_engine.py tests/engines/test_vllm_kernels.py \
+	tests/engines/test_vllm_real.py tests/engines/test_vllm_batch.py tests/engines/test_vllm_serve.py tests/engines/test_vllm_families.py tests/engines/test_torch_engine.py
 
 .PHONY: demo test test-main test-vllm test-latest lock venv vllm-venv docs clean bench
 

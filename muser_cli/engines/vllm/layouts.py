@@ -10,8 +10,8 @@ A CPU ISA with its own block interior has its own reader (:data:`ISA_READERS`: t
 
 What "checked" means for each entry is in ``verified``: ``"kernel"`` = the backend's own
 cache-write op was run on known K/V and our reader returned them exactly, and a real
-vLLM engine's pack passed ``verify --audit`` (tests/test_vllm_kernels.py,
-tests/test_vllm_real.py); ``"source"`` = the write path was read in vLLM's source and
+vLLM engine's pack passed ``verify --audit`` (tests/engines/test_vllm_kernels.py,
+tests/engines/test_vllm_real.py); ``"source"`` = the write path was read in vLLM's source and
 the per-layer views made by vLLM's own allocator read back exactly, but the backend has
 not run here (GPU backends: this project's machines have no GPU).
 """

@@ -4,7 +4,7 @@ own reuse store as well as from its last request's rows, and keeps every result 
 The library half runs the producer in process on tiny models (real engine, real store on
 disk under this test's MUSER_HOME); the rows it answers with are compared, layer by layer
 and byte for byte, with a full prefill of the same prompt on the same schedule. The
-command half is in ``tests/test_pull_lane.py`` (a restarted producer answers from its store).
+command half is in ``tests/pulllane/test_pull_lane.py`` (a restarted producer answers from its store).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from handoff_kit import HANG_S
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where the kits live
 CHUNK = "4096"
 
 

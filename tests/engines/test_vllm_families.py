@@ -67,7 +67,7 @@ def tiny_vllm_family(tiny_models_dir, _session_env):
 
 
 # By hand, more families through the same test (each starts its own vLLM, ~20-40 s, so the
-# suite keeps to TESTED): MUSER_TEST_VLLM_EXTRA=glm4,exaone4 pytest tests/test_vllm_families.py
+# suite keeps to TESTED): MUSER_TEST_VLLM_EXTRA=glm4,exaone4 pytest tests/engines/test_vllm_families.py
 _EXTRA = {name for name in os.environ.get("MUSER_TEST_VLLM_EXTRA", "").split(",") if name}
 
 
@@ -138,14 +138,14 @@ def _tied(info, folder: Path, **config) -> Path:
 
 
 def _vllm_prompt_logprobs(path: Path, ids: list[int]):
-    """vLLM's own log-probabilities of ``ids`` (tests/vllm_prompt_logprobs.py, its own process)."""
+    """vLLM's own log-probabilities of ``ids`` (tests/engines/vllm_prompt_logprobs.py, its own process)."""
     import json
 
     import numpy as np
 
     probe = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_prompt_logprobs.py"), str(path),
                             json.dumps(ids)], capture_output=True, text=True, timeout=HANG_S,
-                           env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(Path(__file__).parent.parent)})
+                           env={**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     line = [ln for ln in probe.stdout.splitlines() if ln.startswith("LOGPROBS ")]
     assert probe.returncode == 0 and line, probe.stderr[-3000:]
     return np.array(json.loads(line[0][len("LOGPROBS "):])[1:], dtype=np.float64)

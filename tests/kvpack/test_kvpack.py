@@ -482,7 +482,7 @@ def test_fuzz_harness_short_run():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("fuzz_kvpack", Path(__file__).parent / "fuzz" / "fuzz_kvpack.py")
+    spec = importlib.util.spec_from_file_location("fuzz_kvpack", Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_kvpack.py")
     fuzz = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fuzz)  # type: ignore[union-attr]
     rng = np.random.default_rng(14)

@@ -1,10 +1,10 @@
 """Run as a script in the vLLM venv: vLLM's own log-probabilities of a prompt's tokens.
 
-    python tests/vllm_prompt_logprobs.py MODEL_DIR '[ids...]'
+    python tests/engines/vllm_prompt_logprobs.py MODEL_DIR '[ids...]'
 
 prints one line ``LOGPROBS [null, lp_1, ...]``: for each prompt position p >= 1, vLLM's
 log-probability of token p given tokens [0, p) -- its own model, its own kernels, with no
-muser connector in the way (tests/test_vllm_families.py compares them with transformers').
+muser connector in the way (tests/engines/test_vllm_families.py compares them with transformers').
 One in-process vLLM on this machine's CPU, muser's default options (eager, in process).
 """
 

@@ -318,7 +318,7 @@ def test_spec_test_vectors_match_docs():
     """docs/handoff.md's V3 header and trailer MAC vectors and byte examples are what the code produces."""
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "handoff.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "handoff.md").read_text()
     h = make_header(
         65536, handoff_id="00112233445566778899aabbccddeeff", pack_header_digest="22" * 32,
         model_fingerprint="sha256:" + "aa" * 32, tokenizer_fingerprint="sha256:" + "bb" * 32,

@@ -309,7 +309,7 @@ def test_rebuild_the_index_from_the_packs():
 # ------------------------------------------------------------------ two writers at once
 WRITER = textwrap.dedent("""
     import io, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     from test_reuse_store import pack_bytes, PROMPT
     from muser_cli.reuse import Store
     who = int(sys.argv[1])
@@ -322,7 +322,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_concurrent_writers(tmp_path):
-    script = WRITER.format(tests=str(Path(__file__).parent), fps=(FP_A, FP_B))
+    script = WRITER.format(tests=[str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])], fps=(FP_A, FP_B))
     procs = [subprocess.Popen([sys.executable, "-c", script, str(w)], stderr=subprocess.PIPE) for w in range(4)]
     errs = [p.communicate(timeout=HANG_S)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, errs

@@ -292,7 +292,7 @@ def test_model_check_of_a_tiny_model_lists_its_engines(tiny_muse_glimmer):
 
 
 def test_model_check_vllm_column_is_what_was_tested(monkeypatch, tmp_path):
-    """vLLM produces the families tests/test_vllm_families.py moved, consumes none, and names why
+    """vLLM produces the families tests/engines/test_vllm_families.py moved, consumes none, and names why
     it cannot run muse_glimmer or gemma2, and that the flat muse_glimmer_text has no test on
     it (with vLLM installed, as in .venv-vllm; without, that it is not)."""
     from transformers import Qwen3Config
@@ -359,7 +359,7 @@ def test_docs_models_matrix_is_current():
 
     from muser_cli.model.check import MATRIX_BEGIN, MATRIX_END, matrix_markdown
 
-    text = (Path(__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
     block = text[text.index(MATRIX_BEGIN): text.index(MATRIX_END) + len(MATRIX_END)]
     assert block == matrix_markdown()
     from muser_cli.model.tiny import TINY_FAMILIES
@@ -674,7 +674,7 @@ def test_real_gemma3_270m_moves_both_ways(shared_models_dir):
     gguf = shared_models_dir / package.MODEL_NAME
     if not gguf.is_file():
         package.assemble(gguf)
-    prompt = (Path(__file__).parent.parent / "muser_cli" / "tinymodels.py").read_text()[:2600]
+    prompt = (Path(__file__).resolve().parents[2] / "muser_cli" / "model" / "tiny.py").read_text()[:2600]
     report = json.loads(_cli("model", "check", gguf, "--tokens", 2048, "--json").stdout)
     assert {(c["kind"], c["layers"], c["window"]) for c in report["classes"]} == {("sliding", 15, 512), ("full", 3, None)}
     assert {c["rope"].split(",")[0] for c in report["classes"]} == {"theta 10000", "theta 1e+06"}

@@ -19,13 +19,13 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack import PackReader, read_pack, read_pack_bytes, write_pack
 from muser_cli.kvpack.quant import to_float32
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 MANIFEST = json.loads((GOLDEN / "MANIFEST.json").read_text())  # v1.0
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_1.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_2.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_3.json").read_text()))
 MANIFEST.update(json.loads((GOLDEN / "MANIFEST-v1_4.json").read_text()))
-DOCS = (Path(__file__).resolve().parent.parent / "docs" / "kvpack.md").read_text()
+DOCS = (Path(__file__).resolve().parents[2] / "docs" / "kvpack.md").read_text()
 
 
 def _parts(name: str) -> tuple[int, str, str, str]:

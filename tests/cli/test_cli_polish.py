@@ -185,7 +185,7 @@ def test_one_throughput_unit_in_commands_and_bench_lines():
     """MB/s everywhere a person reads a rate: no Mbit/s, GB/s or MiB/s in what the commands print."""
     import re
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     files = sorted((root / "commands").glob("*.py")) + sorted((root / "muser_cli" / "bench").glob("*.py"))
     for f in files:
         for n, line in enumerate(f.read_text().splitlines(), 1):
@@ -288,7 +288,7 @@ def test_demo_checks_the_short_case_and_measures_the_payoff_on_a_long_prompt(tmp
 
     from muser_cli.model.tiny import make_tiny_long_llama
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     model = make_tiny_long_llama(tmp_path / "tiny-long")
     env = {**os.environ, "DEMO_MODEL": str(model), "MUSER_MODELS": str(tmp_path / "models"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -18,7 +18,7 @@ from muser_cli.engines.registry import ENGINE_NAMES, engine_class
 from muser_cli.errors import UsageError
 from muser_cli.model.info import ModelInfo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill", "takes_options"}
 
 

@@ -15,7 +15,7 @@ from muser_cli import errors
 from muser_cli.errors import ExitStatus, IdentityMismatch
 from muser_cli.handoff.wire.protocol import REJECT_CODES, Reject
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_error_class_exits_with_a_member_of_the_one_enum():

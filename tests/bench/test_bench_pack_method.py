@@ -19,7 +19,7 @@ from muser_cli.bench.pack_study import MemorySink
 from muser_cli.errors import MuserError, UsageError
 from handoff_kit import HANG_S
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_memory_sink_hands_out_the_pack_read_only_and_refuses_to_overflow():

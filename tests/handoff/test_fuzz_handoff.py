@@ -13,7 +13,7 @@ from muser_cli.handoff.wire import pull_protocol as pull
 from muser_cli.handoff.wire.header import HandoffHeader, HandoffTrailer, sign, sign_trailer
 from muser_cli.handoff.wire.protocol import Ack, Data, Go, Header, Ready, Trailer, encode_event
 
-_spec = importlib.util.spec_from_file_location("fuzz_handoff", Path(__file__).parent / "fuzz" / "fuzz_handoff.py")
+_spec = importlib.util.spec_from_file_location("fuzz_handoff", Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_handoff.py")
 fz = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fz)  # type: ignore[union-attr]
 

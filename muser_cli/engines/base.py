@@ -228,6 +228,25 @@ class Engine(abc.ABC):
             raise DataError(f"token id {bad[0]} is outside the model's vocabulary of {vocab}")
         return ids
 
+    def _check_prompt(self, token_ids: Sequence[int], rows: int = 0) -> list[int]:
+        """A prefill's ``token_ids`` checked, after ``rows`` installed positions: ids in the
+        vocabulary, and the whole prompt (these and the last token, still to come) within the
+        model's context."""
+        ids = self._check_ids(token_ids)
+        total = rows + len(ids)
+        if total >= self.info.max_positions:
+            raise PromptTooLong(
+                f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
+            )
+        return ids
+
+    def _check_resume(self, rows: int, token_ids: Sequence[int], chunk_tokens: int) -> list[int]:
+        """:meth:`prefill_from`'s ``token_ids`` checked (:meth:`_check_prompt`) for a prefill that
+        resumes at ``rows`` (> 0): only at a chunk boundary of ``chunk_tokens``."""
+        if chunk_tokens < 1 or rows % chunk_tokens:
+            raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
+        return self._check_prompt(token_ids, rows)
+
     def _check_decode_args(self, rows: int, next_tokens: Sequence[int], max_new_tokens: int) -> list[int]:
         nxt = self._check_ids(next_tokens)
         if not nxt:

@@ -143,18 +143,24 @@ def audit(pack: KVPack, engine, n: int) -> AuditReport:
     tol = tolerance_for(pack, engine.name)
     report = AuditReport(positions=(start, end), mode=mode, tolerance=tol, fresh=fresh)
     for i, (mine, theirs) in enumerate(zip(fresh, pack.layers)):
-        # Compare the overlap of audited positions [start, end) with what each side holds.
-        lo = max(start, mine.first_row, theirs.first_row)
-        a = slice(lo - mine.first_row, end - mine.first_row)
-        b = slice(lo - theirs.first_row, end - theirs.first_row)
-        kd, kr = _compare(mine.keys[:, a], theirs.keys[:, b], h.dtype)
-        vd, vr = _compare(mine.values[:, a], theirs.values[:, b], h.dtype)
-        rel = max(kr, vr)
         lt = layer_tolerance(tol, pack, i) if mode == "suffix" else tol
-        report.layers.append({"layer": i, "kind": h.layers[i].kind, "positions": end - lo, "k_max_abs": kd,
-                              "v_max_abs": vd, "rel_max": rel, "tolerance": lt, "ok": rel <= lt})
+        report.layers.append(_layer_verdict(i, mine, theirs, (start, end), h, lt))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _layer_verdict(i: int, mine: LayerKV, theirs: LayerKV, positions: tuple[int, int], h, tolerance: float) -> dict:
+    """Layer ``i``'s recomputed rows (``mine``) against the pack's (``theirs``) over the overlap
+    of the audited positions [start, end) with what each side holds, within ``tolerance``."""
+    start, end = positions
+    lo = max(start, mine.first_row, theirs.first_row)
+    a = slice(lo - mine.first_row, end - mine.first_row)
+    b = slice(lo - theirs.first_row, end - theirs.first_row)
+    kd, kr = _compare(mine.keys[:, a], theirs.keys[:, b], h.dtype)
+    vd, vr = _compare(mine.values[:, a], theirs.values[:, b], h.dtype)
+    rel = max(kr, vr)
+    return {"layer": i, "kind": h.layers[i].kind, "positions": end - lo, "k_max_abs": kd, "v_max_abs": vd,
+            "rel_max": rel, "tolerance": tolerance, "ok": rel <= tolerance}
 
 
 def _window(l: LayerKV, lo: int, hi: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -346,16 +352,7 @@ def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], check
     tol = tolerance_for(pack, engine)
     layers = []
     for i in range(checked):
-        mine, theirs = fresh[i], pack.layers[i]
-        lo = max(start, mine.first_row, theirs.first_row)
-        a = slice(lo - mine.first_row, end - mine.first_row)
-        b = slice(lo - theirs.first_row, end - theirs.first_row)
-        kd, kr = _compare(mine.keys[:, a], theirs.keys[:, b], h.dtype)
-        vd, vr = _compare(mine.values[:, a], theirs.values[:, b], h.dtype)
-        rel = max(kr, vr)
-        lt = layer_tolerance(tol, pack, i)
-        layers.append({"layer": i, "kind": h.layers[i].kind, "positions": end - lo, "k_max_abs": kd, "v_max_abs": vd,
-                       "rel_max": rel, "tolerance": lt, "ok": rel <= lt})
+        layers.append(_layer_verdict(i, fresh[i], pack.layers[i], (start, end), h, layer_tolerance(tol, pack, i)))
     result = SpotCheck((start, end), tol, layers, checked, list(range(checked, len(h.layers))), reason,
                        time.perf_counter() - t0)
     if not result.ok:
@@ -373,6 +370,25 @@ def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], check
             hint=f"the producer ({made_by}) wrote wrong rows; decode with --prompt to prefill locally",
         )
     return result
+
+
+def sampled_refusal(layers: list[dict], worst: dict, engine: str, recomputed: str, header, *, cause: str = "",
+                    wrote: str = "rows") -> Exception:
+    """The SpotCheckFailed of a gate that recomputed scattered positions (``recomputed``: how
+    many, of what, from which seed): how many of ``layers`` differ, the ``worst`` one and where
+    it was worst, the first, the likely ``cause`` where one was named; the producer ``wrote``
+    the wrong ones. The sampled gate's and the state gate's one message."""
+    from muser_cli.errors import SpotCheckFailed
+
+    bad = [l for l in layers if not l["ok"]]
+    made_by = (header.producer or {}).get("engine") or "an unnamed engine"
+    likely = f"; likely cause: {cause}" if cause else ""
+    return SpotCheckFailed(
+        f"pack refused by the spot-check before the first token: {len(bad)} of {len(layers)} layers differ from "
+        f"{engine}'s recomputation of {recomputed}, worst layer {worst['layer']} ({worst['kind']}, rel "
+        f"{worst['rel_max']:.3g}, tolerance {worst['tolerance']:.3g}) at position {worst['worst_position']}, "
+        f"first layer {bad[0]['layer']}{likely}",
+        hint=f"the producer ({made_by}) wrote wrong {wrote}; decode with --prompt to prefill locally")
 
 
 class SpotGate:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from muser_cli.gate.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, tolerance_for
+from muser_cli.gate.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, sampled_refusal, tolerance_for
 from muser_cli.gate.state import has_state, state_check
 from muser_cli.kvpack import KVPack, LayerKV
 from muser_cli.kvpack.quant import to_float32
@@ -180,19 +180,11 @@ def _refuse_incomplete(result: SampleCheck, header) -> None:
 def _refuse_sampled(result: SampleCheck, header, engine: str, mine: list[LayerKV], their: list[LayerKV]) -> None:
     """SpotCheckFailed naming the worst layer, where, and the likely cause (:func:`diagnose`
     on the sampled rows, side by side)."""
-    from muser_cli.errors import SpotCheckFailed
-
-    bad = [l for l in result.layers if not l["ok"]]
     m = their[0].keys.shape[1] if their else 0
     side = KVPack(header=header, layers=their, root_digest=b"", total_bytes=0, stored_bytes=0)
     report = AuditReport(positions=(0, m), mode="sampled", tolerance=result.tolerance, layers=result.layers,
                          fresh=mine)
     cause = diagnose(report, side, contiguous=False) or "the rows disagree with local recomputation"
-    w = result.worst
-    made_by = (header.producer or {}).get("engine") or "an unnamed engine"
-    raise SpotCheckFailed(
-        f"pack refused by the spot-check before the first token: {len(bad)} of {len(result.layers)} layers differ "
-        f"from {engine}'s recomputation of {len(result.positions)} positions sampled across the prompt (seed "
-        f"{result.seed}), worst layer {w['layer']} ({w['kind']}, rel {w['rel_max']:.3g}, tolerance "
-        f"{w['tolerance']:.3g}) at position {w['worst_position']}, first layer {bad[0]['layer']}; likely cause: {cause}",
-        hint=f"the producer ({made_by}) wrote wrong rows; decode with --prompt to prefill locally")
+    raise sampled_refusal(result.layers, result.worst, engine,
+                          f"{len(result.positions)} positions sampled across the prompt (seed {result.seed})", header,
+                          cause=cause)

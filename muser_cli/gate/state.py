@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from muser_cli.gate.audit import BASE_TOLERANCE, CROSS_ENGINE_FACTOR, layer_tolerance, tolerance_for
+from muser_cli.gate.audit import BASE_TOLERANCE, CROSS_ENGINE_FACTOR, layer_tolerance, sampled_refusal, tolerance_for
 from muser_cli.kvpack import KVPack, LayerKV, StateKV
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.kvpack.quant import to_float32
@@ -72,7 +72,7 @@ def state_check(header: Any, layers: Sequence[Any], engine: Any, *, count: int =
     per layer as :class:`muser_cli.gate.sampled.SampleCheck` keeps it, seconds). SpotCheckFailed
     naming the worst layer on a mismatch; GateIncomplete when no span ending at ``rows`` has
     both its snapshots here."""
-    from muser_cli.errors import GateIncomplete, SpotCheckFailed
+    from muser_cli.errors import GateIncomplete
 
     t0 = time.perf_counter()
     rows = header.rows_end if rows is None else rows
@@ -116,16 +116,11 @@ def state_check(header: Any, layers: Sequence[Any], engine: Any, *, count: int =
         lt = _state_tol(spec.tensors[0].dtype, cross) if spec.kind == "state" else layer_tolerance(tol, probe, i)
         report.append({"layer": i, "kind": spec.kind, "positions": len(chosen), "rel_max": rel_units * lt,
                        "worst_position": at, "tolerance": lt, "ok": rel_units <= 1.0})
-    bad = [l for l in report if not l["ok"]]
-    if bad:
+    if not all(l["ok"] for l in report):
         w = max(report, key=lambda l: l["rel_max"] / (l["tolerance"] or 1.0))
-        made_by = (header.producer or {}).get("engine") or "an unnamed engine"
-        raise SpotCheckFailed(
-            f"pack refused by the spot-check before the first token: {len(bad)} of {len(report)} layers differ from "
-            f"{engine.name}'s recomputation of {len(chosen)} chunk spans from the pack's own state checkpoints (seed "
-            f"{seed}), worst layer {w['layer']} ({w['kind']}, rel {w['rel_max']:.3g}, tolerance {w['tolerance']:.3g}) "
-            f"at position {w['worst_position']}, first layer {bad[0]['layer']}",
-            hint=f"the producer ({made_by}) wrote wrong rows or state; decode with --prompt to prefill locally")
+        raise sampled_refusal(report, w, engine.name,
+                              f"{len(chosen)} chunk spans from the pack's own state checkpoints (seed {seed})", header,
+                              wrote="rows or state")
     return [e for _, e in chosen], tol, report, time.perf_counter() - t0
 
 

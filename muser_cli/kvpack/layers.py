@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from muser_cli.errors import DataError
+
 LAYER_KINDS = ("full", "sliding", "latent", "state", "chunked")
 ROW_KINDS = ("full", "sliding", "latent", "chunked")  # kinds whose frames are rows of positions
 NEW_KINDS_MINOR = {"latent": 3, "state": 3, "chunked": 4}  # the kvpack minor that introduced each later kind
@@ -156,6 +158,26 @@ class StateKV:
 
     def at(self, position: int) -> dict[str, Any] | None:
         return self.tensors if position == self.position else self.earlier.get(position)
+
+
+def resume_snapshot(kv: Any, index: int, spec: LayerSpec, rows: int) -> StateKV | None:
+    """``kv`` checked as the snapshot an engine installs in state layer ``index`` of a cache
+    resuming at ``rows``: a :class:`StateKV` at ``rows`` holding each of ``spec``'s tensors in
+    its declared shape (DataError otherwise). None when there is nothing to install (``rows`` 0)."""
+    import numpy as np
+
+    if not isinstance(kv, StateKV):
+        raise DataError(f"layer {index} is a {spec.mixer} state layer: rows of K and V cannot fill it")
+    if rows == 0:
+        return None
+    if kv.position != rows or not kv.tensors:
+        raise DataError(f"layer {index}: a state snapshot at position {kv.position}, the cache resumes at {rows}")
+    for t in spec.tensors:
+        arr = kv.tensors.get(t.name)
+        if arr is None or tuple(np.shape(arr)) != t.shape:
+            raise DataError(f"layer {index}: state {t.name!r} is {None if arr is None else tuple(np.shape(arr))}, "
+                            f"expected {t.shape}")
+    return kv
 
 
 def split_state(spec: LayerSpec, raw: Any) -> dict[str, Any]:

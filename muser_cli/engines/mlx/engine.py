@@ -49,7 +49,7 @@ from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
+from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.gemma3 import match_embed_scale
@@ -115,9 +115,7 @@ class MLXEngine(Engine):
         progress: ProgressFn | None = None,
         on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
-        ids = self._check_ids(token_ids)
-        if len(ids) >= self.info.max_positions:
-            raise PromptTooLong(f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}")
+        ids = self._check_prompt(token_ids)
         history = self._new_history(None, 0)
         caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk, history)
         return self._extract(caches, len(ids), self.pack_ring_extra(len(ids)), history)
@@ -138,12 +136,8 @@ class MLXEngine(Engine):
         for byte (the installed caches are laid out as mlx-lm's own at that boundary)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        if chunk_tokens < 1 or rows % chunk_tokens:
-            raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
-        ids = self._check_ids(token_ids)
+        ids = self._check_resume(rows, token_ids, chunk_tokens)
         total = rows + len(ids)
-        if total >= self.info.max_positions:
-            raise PromptTooLong(f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}")
         caches = self._install(layers, rows, chunk_tokens)
         history = self._new_history(caches, rows)
         if on_chunk:

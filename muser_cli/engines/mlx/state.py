@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from muser_cli.errors import DataError
-from muser_cli.kvpack.layers import LayerSpec, StateKV
+from muser_cli.kvpack.layers import LayerSpec, StateKV, resume_snapshot
 
 _TRANSPOSED = {"gated_delta_net": True, "mamba2": False}  # mlx-lm's recurrent matrix: last two axes swapped
 
@@ -83,17 +83,9 @@ def install(snaps: dict, cache: Any, index: int, spec: LayerSpec, kv: Any, rows:
     ``dtype``, the recurrent matrix in float32) and keep it, with the ones before it, in ``snaps``."""
     import mlx.core as mx
 
-    if not isinstance(kv, StateKV):
-        raise DataError(f"layer {index} is a {spec.mixer} state layer: rows of K and V cannot fill it")
-    if rows == 0:
+    kv = resume_snapshot(kv, index, spec, rows)
+    if kv is None:
         return
-    if kv.position != rows or not kv.tensors:
-        raise DataError(f"layer {index}: a state snapshot at position {kv.position}, the cache resumes at {rows}")
-    for t in spec.tensors:
-        arr = kv.tensors.get(t.name)
-        if arr is None or tuple(np.shape(arr)) != t.shape:
-            raise DataError(f"layer {index}: state {t.name!r} is {None if arr is None else tuple(np.shape(arr))}, "
-                            f"expected {t.shape}")
     conv = np.ascontiguousarray(np.asarray(kv.tensors["conv"], np.float32).T)[None]
     rec = np.asarray(kv.tensors["recurrent"], np.float32)
     rec = np.ascontiguousarray(rec.swapaxes(-1, -2) if _transposed(spec, index) else rec)[None]

@@ -32,7 +32,7 @@ import torch
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.errors import ConfigError, DataError, PromptTooLong, UsageError
+from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 from muser_cli.engines.torch import latent, recompute, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
@@ -109,11 +109,7 @@ class TorchEngine(Engine):
         progress: ProgressFn | None = None,
         on_chunk: ChunkFn | None = None,
     ) -> list[LayerKV]:
-        ids = self._check_ids(token_ids)
-        if len(ids) >= self.info.max_positions:
-            raise PromptTooLong(
-                f"prompt is {len(ids) + 1} tokens, longer than the model's context of {self.info.max_positions}"
-            )
+        ids = self._check_prompt(token_ids)
         with self._session():
             ring = self.pack_ring_extra(len(ids))
             cache = self._prefill_cache(ids, chunk_tokens, progress, on_chunk, ring=ring)
@@ -135,14 +131,8 @@ class TorchEngine(Engine):
         tokens returns, byte for byte (every chunk sees the same inputs and shapes)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        if chunk_tokens < 1 or rows % chunk_tokens:
-            raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
-        ids = self._check_ids(token_ids)
+        ids = self._check_resume(rows, token_ids, chunk_tokens)
         total = rows + len(ids)
-        if total >= self.info.max_positions:
-            raise PromptTooLong(
-                f"prompt is {total + 1} tokens, longer than the model's context of {self.info.max_positions}"
-            )
         with self._session():
             ring = self.pack_ring_extra(total, rows)
             cache = self._install(layers, rows, extra=len(ids), ring=ring)

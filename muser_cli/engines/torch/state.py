@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from muser_cli.errors import DataError
-from muser_cli.kvpack.layers import DTYPES, LayerSpec, StateKV
+from muser_cli.kvpack.layers import DTYPES, LayerSpec, StateKV, resume_snapshot
 
 _SNAPS = "_muser_state_snapshots"  # the cache attribute holding {position: {layer: tensors}}
 
@@ -98,17 +98,9 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
     """Put a snapshot at ``rows`` into transformers' own layer ``index`` of a fresh ``cache``:
     the conv window padded back to ``kernel`` columns (in the model's ``dtype``), the recurrent
     matrix in float32, and the layer marked as holding a previous state."""
-    if not isinstance(kv, StateKV):
-        raise DataError(f"layer {index} is a {spec.mixer} state layer: rows of K and V cannot fill it")
-    if rows == 0:
+    kv = resume_snapshot(kv, index, spec, rows)
+    if kv is None:
         return
-    if kv.position != rows or not kv.tensors:
-        raise DataError(f"layer {index}: a state snapshot at position {kv.position}, the cache resumes at {rows}")
-    for t in spec.tensors:
-        arr = kv.tensors.get(t.name)
-        if arr is None or tuple(np.shape(arr)) != t.shape:
-            raise DataError(f"layer {index}: state {t.name!r} is {None if arr is None else tuple(np.shape(arr))}, "
-                            f"expected {t.shape}")
     conv = torch.from_numpy(np.array(kv.tensors["conv"], dtype=np.float32)).to(dtype)
     if conv.shape[-1] != kernel - 1:
         raise DataError(f"layer {index}: a conv window of {conv.shape[-1]} columns for a kernel of {kernel}")

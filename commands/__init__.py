@@ -1,8 +1,18 @@
 """The ``muser`` command line: one thin Typer module per subcommand.
 
 Each module in :data:`COMMAND_MODULES` defines ``register(app)``.
-Installed as ``muser_cli.commands`` (see pyproject.toml), so no top-level
-``commands`` package lands in site-packages.
+
+Where it lives and how it installs: this folder sits at the repository's root (the project's
+agreed top level is pyproject.toml, muser_cli/, commands/, tests/, completions/, man/, so the
+command layer is visibly apart from the library), and pyproject.toml's ``package-dir`` installs
+it as ``muser_cli.commands``; no top-level ``commands`` package lands in site-packages, and all
+code, tests included, imports it by that name.
+
+What it may import (tests/test_layers.py checks it): any library module of ``muser_cli``, and
+of its own folder only ``_common`` (option parsing, the one error-to-exit-status mapping, output)
+and ``_examples`` (each command's examples); ``man`` also reads ``_gendocs``, where the manual
+pages are made. Commands never import each other, and the library never imports a command. A
+command's library imports that would slow ``muser --help`` stay inside the command's function.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ import importlib
 
 import typer
 
-from muser_cli import __version__
+from muser_cli.about import __version__
 from muser_cli.errors import ExitStatus
 
 COMMAND_MODULES = [

@@ -357,11 +357,11 @@ def paragraphs(text: str | None) -> str | None:
 
 
 def _finish_commands(group: Any) -> None:
-    """Every command's help as paragraphs, its examples as the epilog (:mod:`muser_cli.examples`), and
+    """Every command's help as paragraphs, its examples as the epilog (:mod:`muser_cli.commands._examples`), and
     ``-q/--quiet`` after the subcommand too (``muser decode -q ...``): a copy of the root's option."""
     import copy
 
-    from muser_cli.examples import epilog
+    from muser_cli.commands._examples import epilog
 
     root = next((p for p in group.params if p.name == "quiet"), None)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import typer.main
 from typer._completion_shared import get_completion_script
 
-from muser_cli import __version__
+from muser_cli.about import __version__
 from muser_cli.errors import ExitStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def _options_table(cmd) -> list[str]:
 
 
 def _man_examples(path: str) -> list[str]:
-    from muser_cli.examples import EXAMPLES
+    from muser_cli.commands._examples import EXAMPLES
 
     lines = [".SH EXAMPLES"] if EXAMPLES.get(path) else []
     for what, line in EXAMPLES.get(path, []):
@@ -80,7 +80,7 @@ def _man_examples(path: str) -> list[str]:
 
 
 def _md_examples(path: str) -> list[str]:
-    from muser_cli.examples import EXAMPLES
+    from muser_cli.commands._examples import EXAMPLES
 
     items = EXAMPLES.get(path, [])
     if not items:

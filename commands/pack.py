@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         streams); a cut or damaged input never ends in an end frame, and -o FILE is
         written only when the whole pack verified.
         """
-        from muser_cli.produce.pipeline import pack as packing
+        from muser_cli.produce import pack as packing
 
         if export_to is not None or import_from is not None:
             with guarded(as_json=as_json):
@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
 def _interop(src: str, output: str, *, export_to: str | None, import_from: str | None, model: str | None,
              prompt: str | None, chat: bool, level: int, no_zstd: bool, as_json: bool) -> None:
     """--export / --import: a kvpack to or from another tool's cache file (docs/interop.md)."""
-    from muser_cli.produce.pipeline import pack as packing
+    from muser_cli.produce import pack as packing
 
     packing.interop_format(export_to, import_from)
     from muser_cli.interop import mlx_lm

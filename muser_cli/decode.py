@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable
 from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli import STARTED_AT, STARTED_UNIX
+from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
 from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.gate.state import has_state

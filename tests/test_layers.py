@@ -6,8 +6,8 @@
 * the kvpack format, the handoff protocol, the store and the strict-input toolkit import no
   ML framework, anywhere (not even lazily);
 * the library never imports the command layer, and commands never import each other
-  (only their shared ``_common``; ``man`` also reads ``_gendocs``, the one place the manual
-  pages are made from the app).
+  (only their shared ``_common`` and ``_examples``; ``man`` also reads ``_gendocs``, the one
+  place the manual pages are made from the app).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_library_never_imports_commands_and_commands_not_each_other():
         if not name.startswith("muser_cli.commands"):
             assert not any(t.startswith("muser_cli.commands") for t in top), name
         elif name != "muser_cli.commands":
-            shared = {"muser_cli.commands._common"} | ({"muser_cli.commands._gendocs"}
+            shared = {"muser_cli.commands._common", "muser_cli.commands._examples"} | ({"muser_cli.commands._gendocs"}
                                                        if name == "muser_cli.commands.man" else set())
             others = {t for t in top if t.startswith("muser_cli.commands.") and t not in shared}
             assert not others, f"{name} imports {sorted(others)}"

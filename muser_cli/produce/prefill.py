@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
-from muser_cli import STARTED_AT
+from muser_cli.about import STARTED_AT
 from muser_cli.kvpack import PackHeader
 from muser_cli.model.info import ProgressFn
 from muser_cli.model.resolve import resolve_model

@@ -59,7 +59,7 @@ def _help(*path: str, columns: int = 200) -> str:
 
 @pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_help_ends_with_examples(command):
-    from muser_cli.examples import EXAMPLES
+    from muser_cli.commands._examples import EXAMPLES
 
     out = _help(command)
     assert "Examples" in out
@@ -86,7 +86,7 @@ def test_examples_use_only_real_options_and_fit_80_columns():
     import typer.main
 
     from muser_cli.commands import app
-    from muser_cli.examples import EXAMPLES
+    from muser_cli.commands._examples import EXAMPLES
 
     cli = typer.main.get_command(app)
     for path, items in EXAMPLES.items():

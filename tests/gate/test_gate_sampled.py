@@ -262,7 +262,7 @@ def test_a_cut_foreign_stream_is_gated_before_its_chunks_are_kept(tiny_llama):
 def _count_checks(monkeypatch) -> list:
     """Every run of the sampled gate, wherever it is called from, appends to the list returned."""
     from muser_cli import decode as dec
-    from muser_cli.gate.sampled import sampled as gate
+    from muser_cli.gate import sampled as gate
 
     runs: list = []
     real = gate.sample_check
@@ -375,7 +375,7 @@ def test_a_resident_producer_never_serves_a_foreign_entry_the_gate_refuses(tiny_
     as the producer's own (its header names its engine, so no consumer would check them)."""
     from muser_cli.reuse import Store
     from muser_cli.pulllane.producer import ResidentProducer
-    from tests.test_pull_store import DOC, reference, request, same_rows, serve_one
+    from tests.pulllane.test_pull_store import DOC, reference, request, same_rows, serve_one
 
     want = reference(tiny_llama, DOC)[1]
     layers = [LayerKV(l.keys.copy(), l.values.copy(), l.first_row) for l in want.layers]

@@ -130,7 +130,7 @@ def ls_cmd(
 
 
 def _ls_connected(address: str, as_json: bool) -> None:
-    from muser_cli.service.metrics import read_connections
+    from muser_cli.pulllane.metrics import read_connections
 
     conns = read_connections(address)
     if as_json:

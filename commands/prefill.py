@@ -185,7 +185,7 @@ def _metrics(listen: Optional[str], say):
     (the event observer, where the server keeps its open connections), or (None, None)."""
     if listen is None:
         return None, None
-    from muser_cli.service.metrics import serve_producer_metrics
+    from muser_cli.pulllane.metrics import serve_producer_metrics
 
     observe, (host, port), live = serve_producer_metrics(listen)
     say(f"prefill: metrics on http://{host}:{port}/metrics")

@@ -18,7 +18,8 @@ from typing import Any
 
 from muser_cli.errors import AuthError, ConfigError, MuserError, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.trust.node import Identity
-from muser_cli.handoff.wire.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject
+from muser_cli.handoff.wire.protocol import ALPN, NEED_DATA, Connection, ConnectionClosed, Reject, Role
+from muser_cli.handoff.wire.pull_protocol import PullConnection
 from muser_cli.handoff.wire.refusal import error_class
 
 RECV_BYTES = 256 * 1024
@@ -103,6 +104,36 @@ def check_peer_host(sock: ssl.SSLSocket, host: str, during: str) -> None:
     raise AuthError(f"the peer's certificate does not hold the name dialled {during} ({host})",
                     hint="dial a name its certificate holds (`muser node ls` on that node lists them), or "
                          "export its bundle again with --host NAME")
+
+
+def tls_connect(host: str, port: int, ctx: ssl.SSLContext, *, server_hostname: str, connect_s: float,
+                started: float | None = None) -> ssl.SSLSocket:
+    """TCP (no Nagle: frames are written whole) and the TLS handshake with ``host:port`` under
+    ``ctx``, sending ``server_hostname``; both within ``connect_s`` of ``started`` (default: now).
+    A cut TCP stream reads as a cut (75), not a clean close. Failures are mapped here
+    (:func:`map_error`; a name that does not resolve: :func:`unresolved`)."""
+    where = format_hostport(host, port)
+    t0 = time.monotonic() if started is None else started
+    try:
+        raw = socket.create_connection((host, port), timeout=connect_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, socket.gaierror):
+            raise unresolved(host) from None
+        raise map_error(exc, f"connecting to {where}") from None
+    try:
+        raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
+        sock = ctx.wrap_socket(raw, server_hostname=server_hostname, do_handshake_on_connect=False,
+                               suppress_ragged_eofs=False)
+        sock.do_handshake()
+    except BaseException as exc:  # noqa: BLE001
+        raw.close()
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise map_error(exc, f"in the TLS handshake with {where}") from None
+    return sock
 
 
 # ----------------------------------------------------------------------------- addresses
@@ -381,3 +412,16 @@ class Link:
             self.sock.close()
         except OSError:
             pass
+
+
+def continue_as_v3(link: Link, role: Role) -> None:
+    """The pull exchange on ``link`` is over (``Serving`` sent or received): the rest of the
+    connection is one V3 handoff, this side its ``role``; the bytes already read past the
+    exchange are the V3 connection's first."""
+    pc = link.conn
+    assert isinstance(pc, PullConnection)
+    v3 = Connection(role)
+    left = pc.leftover()
+    if left:
+        v3.receive_data(left)
+    link.conn = v3

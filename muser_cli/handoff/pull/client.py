@@ -21,7 +21,6 @@ Contract of :func:`pull`:
 from __future__ import annotations
 
 import contextlib
-import socket
 import ssl
 import time
 from pathlib import Path
@@ -31,13 +30,13 @@ from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, Te
 from muser_cli.handoff.trust.certs import peer_common_name
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, check_peer_host, format_hostport, map_error, parse_hostport,
-    sni_client_context, unresolved,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, check_peer_host, continue_as_v3, format_hostport, parse_hostport,
+    sni_client_context, tls_connect,
 )
 from muser_cli.handoff.trust.node import Identity, KeyEntry
 from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.wire.protocol import (
-    MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, Header, Ready, Reject, Role, State,
+    MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
@@ -83,26 +82,7 @@ def _connect(to: str, identity: Identity, connect_s: float,
     where = format_hostport(host, port)
     ctx, sni = sni_client_context(identity)
     ctx.set_alpn_protocols(list(alpns))
-    t0 = time.monotonic()
-    try:
-        raw = socket.create_connection((host, port), timeout=connect_s)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        if isinstance(exc, socket.gaierror):
-            raise unresolved(host) from None
-        raise map_error(exc, f"connecting to {where}") from None
-    try:
-        raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
-        sock = ctx.wrap_socket(raw, server_hostname=sni or host, do_handshake_on_connect=False,
-                               suppress_ragged_eofs=False)
-        sock.do_handshake()
-    except BaseException as exc:  # noqa: BLE001
-        raw.close()
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise map_error(exc, f"in the TLS handshake with {where}") from None
+    sock = tls_connect(host, port, ctx, server_hostname=sni or host, connect_s=connect_s)
     if sni is not None:
         try:
             check_peer_host(sock, host, f"in the TLS handshake with {where}")
@@ -128,13 +108,7 @@ def request_probe(link: Link, identity: Identity, cn: str, where: str, *, second
     raw, mac = sign_probe(probe, key.secret)
     link.send(Probe(raw, mac, probe), "sending the probe request")
     _await_serving(link, where, on_event)
-    pc = link.conn
-    assert isinstance(pc, PullConnection)
-    v3 = Connection(Role.SENDER)
-    left = pc.leftover()
-    if left:
-        v3.receive_data(left)
-    link.conn = v3
+    continue_as_v3(link, Role.SENDER)
     return probe
 
 
@@ -188,13 +162,7 @@ def pull(
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
         _await_serving(link, where, on_event)
-        pc = link.conn
-        assert isinstance(pc, PullConnection)
-        v3 = Connection(Role.RECEIVER)
-        left = pc.leftover()
-        if left:
-            v3.receive_data(left)
-        link.conn = v3
+        continue_as_v3(link, Role.RECEIVER)
         config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
         receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
         try:

@@ -44,20 +44,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
 from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.trust.ledger import LedgerError, Record
-from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, server_context
+from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, continue_as_v3, server_context
 from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
 from muser_cli.handoff.pull.admission import Admission
 from muser_cli.handoff.trust.node import Identity
 from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.wire.protocol import (
-    MAX_DATA_BYTES, PROTOCOL_VERSION, Connection, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
+    MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
@@ -71,8 +71,16 @@ from muser_cli.handoff.wire.refusal import Refusal
 QUEUED_EVERY_S = 5.0
 
 
+@runtime_checkable
 class Compute(Protocol):
-    """What the server asks of the engine side (muser_cli.pulllane.producer)."""
+    """What the server asks of the engine side (muser_cli.pulllane.producer): every member the
+    server reads. ``check`` and ``run`` every compute has; ``max_concurrent`` and
+    ``after_stream`` are optional: a compute without them gets :class:`ComputeDefaults`'
+    (:class:`PullServer` fills them in), and may subclass that class to say so."""
+
+    #: How many requests ``run`` may be given at once (the server's admission): 1 on torch and
+    #: MLX; the batch size on an engine that batches (vLLM). Read once, when the server is made.
+    max_concurrent: int
 
     def check(self, request: PullRequest) -> PullRequest | None:
         """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve.
@@ -80,9 +88,47 @@ class Compute(Protocol):
 
     def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
-        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once.
-        A compute may also have ``after_stream(stats)``: called once ``out`` is closed (work the
-        consumer should not wait for, such as keeping the rows); it may add to ``stats``."""
+        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once."""
+
+    def after_stream(self, stats: dict[str, Any]) -> None:
+        """Called once ``run``'s ``out`` is closed (work the consumer should not wait for, such
+        as keeping the rows); it may add to ``stats``. Not called when ``run`` raised."""
+
+
+class ComputeDefaults:
+    """The optional members of :class:`Compute`, as a compute without them has them: one
+    request at a time, nothing after the stream."""
+
+    max_concurrent: int = 1
+
+    def after_stream(self, stats: dict[str, Any]) -> None:
+        return None
+
+
+class _WithDefaults(ComputeDefaults):
+    """A compute without every member of :class:`Compute`: the members it has answer, the
+    others are :class:`ComputeDefaults`'."""
+
+    def __init__(self, compute: Any) -> None:
+        self.compute = compute
+        self.max_concurrent = getattr(compute, "max_concurrent", ComputeDefaults.max_concurrent)
+
+    def check(self, request: PullRequest) -> PullRequest | None:
+        return self.compute.check(request)
+
+    def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
+        return self.compute.run(request, out)
+
+    def after_stream(self, stats: dict[str, Any]) -> None:
+        after = getattr(self.compute, "after_stream", None)
+        if after is not None:
+            after(stats)
+
+
+def _with_defaults(compute: Any) -> Compute:
+    """``compute`` itself when it has every member of :class:`Compute`; else it with the
+    missing optional ones :class:`ComputeDefaults`' (``check`` and ``run`` it must have)."""
+    return compute if isinstance(compute, Compute) else _WithDefaults(compute)
 
 
 @dataclass
@@ -141,13 +187,13 @@ class PullServer(Listener):
         """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin);
         ``live``: where its open connections are kept (a new :class:`LiveConnections` if none)."""
         self.identity = identity
-        self.compute = compute
+        self.compute = _with_defaults(compute)
         self._idents = _Identities([identity, *(more or [])])
         super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
                          counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0,
                                    "tls_failed": 0},
                          live=live or LiveConnections())
-        self._admit = Admission(getattr(compute, "max_concurrent", 1))
+        self._admit = Admission(self.compute.max_concurrent)
         self._waiting = 0
         self._waiting_by: dict[str, int] = {}  # consumer -> its requests waiting (each bounded by max_queue)
 
@@ -356,14 +402,8 @@ class PullServer(Listener):
     def _probe(self, link: Link, who: str, req: ProbeRequest, identity: Identity) -> None:
         """Answer the consumer's link probes as a V3 receiver (module doc)."""
         t0 = time.monotonic()
-        pc = link.conn
-        assert isinstance(pc, PullConnection)
         link.send(Serving(), "admitting the probe")
-        v3 = Connection(Role.RECEIVER)
-        left = pc.leftover()
-        if left:
-            v3.receive_data(left)
-        link.conn = v3
+        continue_as_v3(link, Role.RECEIVER)
         link.idle_s = self.config.idle_s
         cap = min(self.config.probe_max_s, req.probe_ms / 1000)
         info = {"v": PROTOCOL_VERSION, "node": identity.name, "max_payload": 0, "window_s": self.config.window_s,
@@ -410,14 +450,8 @@ class PullServer(Listener):
 
     def _stream(self, link: Link, who: str, req: PullRequest, identity: Identity) -> None:
         t0 = time.monotonic()
-        pc = link.conn
-        assert isinstance(pc, PullConnection)
         link.send(Serving(), "admitting the request")
-        v3 = Connection(Role.SENDER)
-        left = pc.leftover()
-        if left:
-            v3.receive_data(left)
-        link.conn = v3  # the rest of the connection is one V3 handoff, we are its sender
+        continue_as_v3(link, Role.SENDER)  # the rest of the connection is one V3 handoff, we are its sender
         link.idle_s = self.config.idle_s
         ready = link.next_event("waiting for the consumer's Ready")
         if not isinstance(ready, Ready):  # it hung up, or refused: nothing was computed, and the log says so
@@ -436,9 +470,7 @@ class PullServer(Listener):
             try:
                 with open(w, "wb") as out:
                     box["stats"] = self.compute.run(req, out)
-                after = getattr(self.compute, "after_stream", None)
-                if after is not None:  # the pipe is closed: the consumer does not wait on this
-                    after(box["stats"])
+                self.compute.after_stream(box["stats"])  # the pipe is closed: the consumer does not wait on this
             except BaseException as exc:  # noqa: BLE001 - reported through the stream's end
                 box["error"] = exc
 
@@ -484,4 +516,4 @@ class PullServer(Listener):
             self._emit("request", **fields)
 
 
-__all__ = ["Compute", "PullServer", "ServeConfig"]
+__all__ = ["Compute", "ComputeDefaults", "PullServer", "ServeConfig"]

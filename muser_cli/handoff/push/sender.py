@@ -31,7 +31,6 @@ import contextlib
 import io
 import os
 import select
-import socket
 import stat
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -44,8 +43,8 @@ from muser_cli.handoff.wire.header import (
     MAX_PAYLOAD_BYTES, HandoffHeader, HandoffTrailer, new_handoff_id, sign, sign_trailer,
 )
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, map_error, parse_hostport, unresolved,
-    reject_error,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, parse_hostport, reject_error,
+    tls_connect,
 )
 from muser_cli.handoff.trust.certs import peer_common_name
 from muser_cli.handoff.trust.node import Identity
@@ -209,25 +208,7 @@ def open_link(
     where = format_hostport(host, port)
     t0 = time.monotonic()
     ctx = client_context(identity)
-    try:
-        raw = socket.create_connection((host, port), timeout=connect_s)
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are written whole
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        if isinstance(exc, socket.gaierror):
-            raise unresolved(host) from None
-        raise map_error(exc, f"connecting to {where}") from None
-    try:
-        raw.settimeout(max(0.01, connect_s - (time.monotonic() - t0)))
-        sock = ctx.wrap_socket(raw, server_hostname=server_name or host, do_handshake_on_connect=False,
-                               suppress_ragged_eofs=False)  # a cut TCP stream is a cut (75), not a clean close
-        sock.do_handshake()
-    except BaseException as exc:  # noqa: BLE001
-        raw.close()
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise map_error(exc, f"in the TLS handshake with {where}") from None
+    sock = tls_connect(host, port, ctx, server_hostname=server_name or host, connect_s=connect_s, started=t0)
     link = Link(sock, Connection(Role.SENDER), idle_s=idle_s, deadline=t0 + total_s)
     try:
         if sock.selected_alpn_protocol() != ALPN:

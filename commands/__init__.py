@@ -40,7 +40,7 @@ COMMAND_MODULES = [
     "man",
 ]
 
-from muser_cli.commands._common import OneLineErrors  # noqa: E402
+from muser_cli.commands._common import OneLineErrors, set_globals  # noqa: E402
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -92,8 +92,6 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    from muser_cli.commands._common import set_globals
-
     set_globals(debug=debug, quiet=quiet)
 
 

@@ -18,9 +18,10 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import typer
 
+from muser_cli.commands._examples import epilog
+from muser_cli.errors import DataError, ExitStatus, MissingInput, MuserError, UsageError
+from muser_cli.fsio import atomic_writer
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
-
-from muser_cli.errors import ExitStatus, MissingInput, MuserError, UsageError
 from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
 
 _state = {"debug": False, "quiet": False}
@@ -30,7 +31,7 @@ def set_globals(*, debug: bool, quiet: bool) -> None:
     _state["debug"] = debug
     _state["quiet"] = quiet
     if not _state.get("convert_note"):
-        from muser_cli.model.resolve import on_convert
+        from muser_cli.model.resolve import on_convert  # lazy: kept out of `muser --help` (startup)
 
         _state["convert_note"] = on_convert(ConvertNote())
 
@@ -155,8 +156,6 @@ def read_text_input(path: str | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        from muser_cli.errors import DataError
-
         raise DataError(f"prompt is not UTF-8 text (byte {exc.start})") from None
 
 
@@ -179,7 +178,6 @@ def binary_output(path: str | None) -> Iterator[BinaryIO]:
         out.flush()
         end_stdout()
         return
-    from muser_cli.fsio import atomic_writer
 
     with atomic_writer(Path(path)) as handle:
         yield handle
@@ -238,7 +236,7 @@ class ConvertNote:
     def begin(self, fields: dict, *, waiting: bool = False) -> None:
         if _state["quiet"]:
             return
-        from muser_cli.model.resolve import DEFAULT_GGUF
+        from muser_cli.model.resolve import DEFAULT_GGUF  # lazy: kept out of `muser --help` (startup)
 
         name = Path(fields["source"]).name
         about = ", about 20-45 s" if name == DEFAULT_GGUF else ""
@@ -361,7 +359,6 @@ def _finish_commands(group: Any) -> None:
     ``-q/--quiet`` after the subcommand too (``muser decode -q ...``): a copy of the root's option."""
     import copy
 
-    from muser_cli.commands._examples import epilog
 
     root = next((p for p in group.params if p.name == "quiet"), None)
 

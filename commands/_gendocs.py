@@ -13,6 +13,8 @@ import typer.main
 from typer._completion_shared import get_completion_script
 
 from muser_cli.about import __version__
+from muser_cli.commands import app
+from muser_cli.commands._examples import EXAMPLES
 from muser_cli.errors import ExitStatus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,8 +23,6 @@ COMPLETE_VAR = "_MUSER_COMPLETE"
 
 
 def _cli():
-    from muser_cli.commands import app
-
     return typer.main.get_command(app)  # type: ignore[return-value]
 
 
@@ -71,8 +71,6 @@ def _options_table(cmd) -> list[str]:
 
 
 def _man_examples(path: str) -> list[str]:
-    from muser_cli.commands._examples import EXAMPLES
-
     lines = [".SH EXAMPLES"] if EXAMPLES.get(path) else []
     for what, line in EXAMPLES.get(path, []):
         lines += [".PP", _roff(what), ".RS 4", ".nf", _roff("$ " + line), ".fi", ".RE"]
@@ -80,8 +78,6 @@ def _man_examples(path: str) -> list[str]:
 
 
 def _md_examples(path: str) -> list[str]:
-    from muser_cli.commands._examples import EXAMPLES
-
     items = EXAMPLES.get(path, [])
     if not items:
         return []

@@ -10,8 +10,10 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.errors import ExitStatus
 from muser_cli.commands._common import default_threads, emit_json, err, guarded, info, quiet
+from muser_cli.errors import ExitStatus, MissingInput, UsageError
+from muser_cli.fsio import is_special
+from muser_cli.units import plural
 
 
 def register(app: typer.Typer) -> None:
@@ -43,11 +45,10 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="Run nothing: list the jobs in run order, the prefixes they share and the producers (loads the tokenizer, not the model; contacts no producer)."),
     ) -> None:
         """Run many prompts with one model load: shared documents paid once, pulls overlapped with decoding, resumable."""
-        from muser_cli.batch.jobs import Defaults, read_jobs
-        from muser_cli.batch.pool import read_producers
-        from muser_cli.batch.results import Results
-        from muser_cli.batch.runner import Batch, BatchConfig
-        from muser_cli.errors import MissingInput, UsageError
+        from muser_cli.batch.jobs import Defaults, read_jobs  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.batch.pool import read_producers  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.batch.results import Results  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.batch.runner import Batch, BatchConfig  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json and output is not None):
             if n < 1:
@@ -92,7 +93,7 @@ def register(app: typer.Typer) -> None:
             old = _handle(STOP_SIGNALS, on_signal)
             try:
                 if ray is not None:
-                    from muser_cli.batch.on_ray import run_on_ray
+                    from muser_cli.batch.on_ray import run_on_ray  # lazy: kept out of `muser --help` (startup)
 
                     summary = run_on_ray(config, items, results, address=ray, workers=ray_workers,
                                          on_result=view.update, stop=stop)
@@ -137,7 +138,6 @@ def _warn_ended_at_once(ids: list[str], *, chat: bool) -> None:
     if not ids:
         return
     shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
-    from muser_cli.units import plural
 
     way = "" if chat else "; a chat model's prompts need --chat (or \"chat\": true in the job)"
     err(f"muser batch: warning: {plural(len(ids), 'answer')} ended at the first token ({shown}){way}")
@@ -174,7 +174,6 @@ def _resume_command(jobs: str, output: str | None) -> str | None:
     not go to a file that can be resumed."""
     import shlex
 
-    from muser_cli.fsio import is_special
 
     if output is None or output == "-" or is_special(output):
         return None

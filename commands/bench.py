@@ -68,7 +68,7 @@ def lane_cmd(
     Producer and consumer run on two different cores when two are available (the
     receiver is a real `muser receive` process); every lane must give the same first token.
     """
-    from muser_cli.bench.api import bench_lane
+    from muser_cli.bench.api import bench_lane  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         res = bench_lane(model=model, depths=depths, reps=reps, dtype=dtype, codec=codec, threads=threads,
@@ -90,7 +90,7 @@ def pack_cmd(
     as_json: bool = _JSON_OPT,
 ) -> None:
     """kvpack pack, unpack, save and load: times and bytes against mlx-lm's prompt cache and memcpy."""
-    from muser_cli.bench.api import bench_pack
+    from muser_cli.bench.api import bench_pack  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         res = bench_pack(model=model, depths=depths, reps=reps, synthetic=synthetic, threads=threads,
@@ -109,7 +109,7 @@ def wire_cmd(
     as_json: bool = _JSON_OPT,
 ) -> None:
     """Throughput by payload size over loopback mutual TLS: kvpack send against probe-link's raw rate."""
-    from muser_cli.bench.api import bench_wire
+    from muser_cli.bench.api import bench_wire  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         res = bench_wire(sizes=sizes, reps=reps, probe_seconds=probe_seconds, pin=not no_pin, plot=plot,
@@ -123,7 +123,7 @@ def chart_cmd(
     plot: str = typer.Option(..., "--plot", help="The .png to draw (needs matplotlib: pip install 'muser[plot]')."),
 ) -> None:
     """Draw the chart of an earlier receipt: the picture --plot would have drawn from it."""
-    from muser_cli.bench.api import chart
+    from muser_cli.bench.api import chart  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         info(f"bench: chart {chart(receipt, plot)}")

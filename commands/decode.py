@@ -9,8 +9,16 @@ from typing import List, Optional
 import typer
 
 from muser_cli.commands._common import (
-    default_threads, emit_json, err, guarded, info, open_input, progress_callback, read_text_input,
+    default_threads,
+    emit_json,
+    err,
+    guarded,
+    info,
+    open_input,
+    progress_callback,
+    read_text_input,
 )
+from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 
@@ -44,8 +52,8 @@ def register(app: typer.Typer) -> None:
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
-        from muser_cli.decode import decode
-        from muser_cli.engines.base import Sampling
+        from muser_cli.decode import decode  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.engines.base import Sampling  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             if serve is not None:
@@ -56,20 +64,15 @@ def register(app: typer.Typer) -> None:
                               others=(src, prompt, chat, as_json, send_text))
                 return
             if producer is not None and len(producer) > 1:
-                from muser_cli.errors import UsageError
-
                 raise UsageError("--producer is given more than once", hint="several producers: with --serve")
             producer = producer[0] if producer else None
             prompt_text = read_text_input(prompt) if prompt is not None else None
             reason = ""
             pulling = None
             if send_text and producer is None:
-                from muser_cli.errors import UsageError
-
                 raise UsageError("--send-text needs --producer HOST:PORT")
             if producer is not None:
-                from muser_cli.errors import UsageError
-                from muser_cli.pulllane.consumer import start_pull_pipe
+                from muser_cli.pulllane.consumer import start_pull_pipe  # lazy: kept out of `muser --help` (startup)
 
                 if prompt_text is None or src != "-":
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
@@ -145,8 +148,8 @@ class _Printer:
 
     def push(self, token: int) -> None:
         if self.stream is None:
-            from muser_cli.model.resolve import resolve_model
-            from muser_cli.service.textstream import TextStream
+            from muser_cli.model.resolve import resolve_model  # lazy: kept out of `muser --help` (startup)
+            from muser_cli.service.textstream import TextStream  # lazy: kept out of `muser --help` (startup)
 
             self.stream = TextStream(resolve_model(self.model))
         piece = self.stream.push(token)
@@ -168,9 +171,12 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
                   chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
     """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
     (muser_cli/service, docs/serve.md); the exit status is the drain's."""
-    from muser_cli.errors import UsageError
-    from muser_cli.service.app import ServeOptions, serve_openai, utc_stamp
-    from muser_cli.service.worker import Config
+    from muser_cli.service.app import (  # lazy: kept out of `muser --help` (startup)
+        ServeOptions,
+        serve_openai,
+        utc_stamp,
+    )
+    from muser_cli.service.worker import Config  # lazy: kept out of `muser --help` (startup)
 
     src, prompt, chat, as_json, send_text = others
     if src != "-" or prompt is not None or chat or as_json or send_text:
@@ -184,7 +190,7 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
         raise UsageError("-n must be at least 1")
     if engine not in ("torch", "mlx"):
         raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
-    from muser_cli.batch.pool import ProducerPool
+    from muser_cli.batch.pool import ProducerPool  # lazy: kept out of `muser --help` (startup)
 
     ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),

@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import guarded, info
+from muser_cli.errors import UsageError
+from muser_cli.fsio import write_bytes_atomic
 
 
 def register(app: typer.Typer) -> None:
@@ -21,10 +23,8 @@ def register(app: typer.Typer) -> None:
         import subprocess
         import sys
 
-        from muser_cli.commands._gendocs import man_pages
-        from muser_cli.errors import UsageError
-        from muser_cli.fsio import write_bytes_atomic
-        from muser_cli.paths import ensure_dir
+        from muser_cli.commands._gendocs import man_pages  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.paths import ensure_dir  # lazy: kept out of `muser --help` (startup)
 
         with guarded():
             pages = {Path(k).name: v for k, v in man_pages().items()}

@@ -7,11 +7,11 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import emit_json, guarded
+from muser_cli.units import size_text
 
 
 def _size(n: int) -> str:
     """Human lines use decimal units (docs/cli-contract.md): ``27.0 MB``."""
-    from muser_cli.units import size_text
 
     return size_text(n)
 
@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
     ) -> None:
         """Will this model move? Its layer plan, KV bytes per token by layer class, payload at N tokens, engines."""
-        from muser_cli.model.check import check
+        from muser_cli.model.check import check  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             report = check(model, tokens=tokens, dtype=dtype)
@@ -79,8 +79,8 @@ def register(app: typer.Typer) -> None:
     @group.command("ls")
     def ls_cmd(as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
         """List the supported model families and the engines their tiny models were tested on."""
-        from muser_cli.model.check import families
-        from muser_cli.model.resolve import named_models
+        from muser_cli.model.check import families  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.model.resolve import named_models  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             rows = families()

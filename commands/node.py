@@ -6,7 +6,9 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, err, guarded, info
+from muser_cli.commands._common import default_threads, emit_json, err, guarded, info, open_input
+from muser_cli.errors import UsageError
+from muser_cli.fsio import atomic_writer, make_private
 
 node_app = typer.Typer(help="Node identity: init, export a producer bundle, join, list, revoke, check a producer.",
                        no_args_is_help=True)
@@ -20,7 +22,7 @@ def init_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Create a private CA, this node's certificate and an HMAC key with a key id."""
-    from muser_cli.handoff.api import node_init
+    from muser_cli.handoff.api import node_init  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         res = node_init(name=name, hosts=host, force=force)
@@ -38,8 +40,7 @@ def export_cmd(
     output: str = typer.Option("-", "--output", "-o", help="Bundle file (written 0600), - for stdout (a file there is made 0600)."),
 ) -> None:
     """Issue a certificate and an HMAC key for a producer; print the bundle it joins with."""
-    from muser_cli.fsio import atomic_writer
-    from muser_cli.handoff.api import node_export
+    from muser_cli.handoff.api import node_export  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         if output in ("-", None):  # checked before a key is issued: a refusal leaves nothing behind
@@ -54,8 +55,6 @@ def _bundle_to_stdout(producer: str):
     """The bundle's writer to stdout: never a terminal; a file there is made 0600 first."""
     import sys
 
-    from muser_cli.errors import UsageError
-    from muser_cli.fsio import make_private
 
     hint = f"write it to a file: muser node export --producer {producer} -o {producer}.bundle"
     if sys.stdout.isatty():
@@ -84,8 +83,7 @@ def join_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Install a producer bundle on this node; a producer that joined other consumers adds this one."""
-    from muser_cli.commands._common import open_input
-    from muser_cli.handoff.api import node_join
+    from muser_cli.handoff.api import node_join  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         with open_input(bundle) as f:
@@ -102,7 +100,7 @@ def ls_cmd(
     connected: Optional[str] = typer.Option(None, "--connected", metavar="HOST:PORT", help="Instead: who is connected now to the resident producer whose `prefill --serve --metrics` is HOST:PORT (consumer, address, state, bytes sent)."),
 ) -> None:
     """Show this node's identity, keys (never secrets) and peers: each one's role and when it last authenticated here."""
-    from muser_cli.handoff.api import node_ls
+    from muser_cli.handoff.api import node_ls  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         if connected is not None:
@@ -130,7 +128,7 @@ def ls_cmd(
 
 
 def _ls_connected(address: str, as_json: bool) -> None:
-    from muser_cli.pulllane.metrics import read_connections
+    from muser_cli.pulllane.metrics import read_connections  # lazy: kept out of `muser --help` (startup)
 
     conns = read_connections(address)
     if as_json:
@@ -148,7 +146,7 @@ def _ls_connected(address: str, as_json: bool) -> None:
 @node_app.command("revoke")
 def revoke_cmd(key_id: str = typer.Argument(..., help="Key id to revoke (see `muser node ls`).")) -> None:
     """Revoke a key id and the certificate issued with it; receivers refuse them at once."""
-    from muser_cli.handoff.api import node_revoke
+    from muser_cli.handoff.api import node_revoke  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         res = node_revoke(key_id)
@@ -158,7 +156,7 @@ def revoke_cmd(key_id: str = typer.Argument(..., help="Key id to revoke (see `mu
 @node_app.command("repair-ledger")
 def repair_cmd(key_id: str = typer.Argument(..., help="Key id whose replay ledger is torn.")) -> None:
     """Cut a torn last record off a replay ledger (it was never acknowledged)."""
-    from muser_cli.handoff.api import repair_ledger
+    from muser_cli.handoff.api import repair_ledger  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         res = repair_ledger(key_id)
@@ -181,13 +179,10 @@ def check_cmd(
     tiny test prefill whose KV is spot-checked here. Exit status: the first failed check's
     (75, 77, 65, ...), else 0.
     """
-    from muser_cli.commands._common import default_threads
-    from muser_cli.handoff.node_check import check_producer
+    from muser_cli.pulllane.node_check import check_producer  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         if probe_seconds < 0:
-            from muser_cli.errors import UsageError
-
             raise UsageError("--probe-seconds must be >= 0")
         report = check_producer(producer, model=model, timeout=timeout, threads=threads or default_threads(),
                                 probe_s=probe_seconds)

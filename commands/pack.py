@@ -7,7 +7,14 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, emit_json, guarded, info, open_input, plural, read_text_input, size_text,
+    binary_output,
+    emit_json,
+    guarded,
+    info,
+    open_input,
+    plural,
+    read_text_input,
+    size_text,
 )
 
 
@@ -34,7 +41,7 @@ def register(app: typer.Typer) -> None:
         streams); a cut or damaged input never ends in an end frame, and -o FILE is
         written only when the whole pack verified.
         """
-        from muser_cli.produce import pack as packing
+        from muser_cli.produce import pack as packing  # lazy: kept out of `muser --help` (startup)
 
         if export_to is not None or import_from is not None:
             with guarded(as_json=as_json):
@@ -64,10 +71,10 @@ def register(app: typer.Typer) -> None:
 def _interop(src: str, output: str, *, export_to: str | None, import_from: str | None, model: str | None,
              prompt: str | None, chat: bool, level: int, no_zstd: bool, as_json: bool) -> None:
     """--export / --import: a kvpack to or from another tool's cache file (docs/interop.md)."""
-    from muser_cli.produce import pack as packing
+    from muser_cli.produce import pack as packing  # lazy: kept out of `muser --help` (startup)
 
     packing.interop_format(export_to, import_from)
-    from muser_cli.interop import mlx_lm
+    from muser_cli.interop import mlx_lm  # lazy: kept out of `muser --help` (startup)
 
     if export_to is not None:
         with open_input(src) as inp, binary_output(output) as out:

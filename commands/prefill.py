@@ -8,12 +8,22 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli import STARTED_UNIX
+from muser_cli.about import STARTED_UNIX
 from muser_cli.commands._common import (
-    binary_output, default_threads, emit_json, guarded, info, open_input, progress_callback, read_text_input,
+    binary_output,
+    default_threads,
+    drain_on_signals,
+    emit_json,
+    guarded,
+    info,
+    open_input,
+    progress_callback,
+    read_text_input,
     trouble_line,
 )
+from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.units import size_text, utc_stamp
 
 
 def register(app: typer.Typer) -> None:
@@ -46,12 +56,12 @@ def register(app: typer.Typer) -> None:
         The kvpack header goes out first and each chunk's frames as soon as the chunk is
         computed (torch and mlx engines), so `prefill | send` overlaps compute and the wire.
         """
-        from muser_cli.produce.prefill import prefill
+        from muser_cli.produce.prefill import prefill  # lazy: kept out of `muser --help` (startup)
 
         with guarded():
             options = None
             if vllm_opt:
-                from muser_cli.engines.vllm.options import parse_options
+                from muser_cli.engines.vllm.options import parse_options  # lazy: kept out of `muser --help` (startup)
 
                 options = parse_options(vllm_opt, source="--vllm-opt")
             if serve is not None:
@@ -62,13 +72,11 @@ def register(app: typer.Typer) -> None:
                        store=store, max_batch=max_batch, metrics=metrics, history=history, state_every=state_every)
                 return
             if metrics is not None or idle_timeout is not None:
-                from muser_cli.errors import UsageError
-
                 raise UsageError(f"{'--metrics' if metrics is not None else '--idle-timeout'} needs --serve HOST:PORT")
             text = read_text_input(prompt)
             manifest = None
             if have is not None:
-                from muser_cli.reuse import HaveManifest
+                from muser_cli.reuse import HaveManifest  # lazy: kept out of `muser --help` (startup)
 
                 with open_input(have) as f:
                     manifest = HaveManifest.loads(f.read(1 << 20 | 1))
@@ -92,7 +100,6 @@ def register(app: typer.Typer) -> None:
             else:
                 delta = f", delta from token {res.held_tokens}" if res.held_tokens else ""
                 reused = f", {res.reused_tokens} rows from the store" if res.reused_tokens else ""
-                from muser_cli.units import size_text
 
                 info(f"prefill: {res.token_count} tokens, {size_text(res.bytes_written)} written{delta}{reused}, "
                      f"prefill {res.prefill_s:.2f} s ({res.header.dtype}, {engine})")
@@ -104,7 +111,6 @@ _REUSED_FROM = {"memory": "reused from the previous request's prompt", "store": 
 def _refuse_per_request_options(*, prompt: str, chat: bool, chunk: Optional[int], zstd: Optional[int],
                                 have: Optional[str], reuse: bool, output: str) -> None:
     """``--serve`` computes what each request names: one pack's options are a usage error."""
-    from muser_cli.errors import UsageError
 
     given = {"a prompt": prompt != "-", "--chat": chat, "--chunk": chunk is not None, "--zstd": bool(zstd),
              "--have": bool(have), "--reuse": reuse, "-o": output not in ("-", None)}
@@ -118,13 +124,10 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
            metrics: Optional[str] = None, history: Optional[bool] = None, state_every: int = 1) -> None:
     """``prefill --serve``: the resident producer; SIGTERM or SIGHUP finishes the running request,
     turns the waiting ones away, prints one summary line and exits 0."""
-    from muser_cli.commands._common import drain_on_signals
-    from muser_cli.errors import UsageError
-    from muser_cli.pulllane.producer import serve
+    from muser_cli.pulllane.producer import serve  # lazy: kept out of `muser --help` (startup)
 
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
-    from muser_cli.units import utc_stamp
 
     def say(message: str) -> None:  # every service line carries its time
         info(f"{utc_stamp()} {message}")
@@ -185,7 +188,7 @@ def _metrics(listen: Optional[str], say):
     (the event observer, where the server keeps its open connections), or (None, None)."""
     if listen is None:
         return None, None
-    from muser_cli.pulllane.metrics import serve_producer_metrics
+    from muser_cli.pulllane.metrics import serve_producer_metrics  # lazy: kept out of `muser --help` (startup)
 
     observe, (host, port), live = serve_producer_metrics(listen)
     say(f"prefill: metrics on http://{host}:{port}/metrics")

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import emit_json, fail, guarded, info, rate_text
+from muser_cli.errors import TempFailure
 
 
 def register(app: typer.Typer) -> None:
@@ -23,7 +24,7 @@ def register(app: typer.Typer) -> None:
         Up is from this node to HOST:PORT, down back. Against a resident producer the probe is
         a signed request, admitted as a pull request is (it waits for a running prefill).
         """
-        from muser_cli.handoff.probe_link import probe_link
+        from muser_cli.handoff.probe_link import probe_link  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             res = probe_link(to=to, seconds=seconds, floor=floor, connect_timeout=connect_timeout)
@@ -35,6 +36,4 @@ def register(app: typer.Typer) -> None:
                      f"down {rate_text(res['down_Bps'])}, "
                      f"connect {res['connect_s'] * 1000:.1f} ms")
             if not res["passed"]:  # after the report (and its one JSON object): the line and 75
-                from muser_cli.errors import TempFailure
-
                 raise fail(TempFailure(f"link below the floor of {floor}", hint="fall back to local prefill"))

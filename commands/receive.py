@@ -6,9 +6,18 @@ from typing import Optional
 
 import typer
 
+from muser_cli.commands._common import (
+    binary_stdout,
+    drain_on_signals,
+    emit_json,
+    guarded,
+    info,
+    plural,
+    quiet,
+    read_text_input,
+    trouble_line,
+)
 from muser_cli.errors import UsageError
-
-from muser_cli.commands._common import binary_stdout, emit_json, guarded, info, quiet, drain_on_signals
 
 
 def _n(count: int, word: str) -> str:
@@ -19,8 +28,6 @@ def _render(kind: str, f: dict) -> None:
     if kind == "listening":
         info(f"receive: listening on {f['address']}")
     elif kind == "stale_removed":
-        from muser_cli.commands._common import plural
-
         info(f"receive: removed {plural(f['count'], 'stale spool file')} left by a receiver that was killed")
     elif kind == "accepted":
         span = ""
@@ -29,8 +36,6 @@ def _render(kind: str, f: dict) -> None:
         info(f"receive: accepted {f['handoff_id']} from {f['sender']} ({f['payload_bytes']} bytes, "
              f"{f['frames']} frames, ledger commit {f['ledger_commit_ms']:.2f} ms{span})")
     elif kind in ("warning", "error") and not quiet():  # bookkeeping, a callback or a connection that failed
-        from muser_cli.commands._common import trouble_line
-
         info(trouble_line("receive", kind, f) or "")
     elif kind in ("rejected", "tls_failed", "aborted", "ack_failed") and not quiet():
         reason = f.get("reason", "")
@@ -67,7 +72,7 @@ def register(app: typer.Typer) -> None:
         durably; a failed or cut handoff ends the stream without an end frame (exit 65, 75
         or 77). To a file or folder the payload is published atomically, then acknowledged.
         """
-        from muser_cli.handoff.api import receive
+        from muser_cli.handoff.api import receive  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             if (listen is None) == (pull_from is None):
@@ -108,9 +113,12 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
     merges with the stored prefix)."""
     from pathlib import Path
 
-    from muser_cli.commands._common import read_text_input
-    from muser_cli.handoff.link import parse_hostport
-    from muser_cli.pulllane.consumer import ask_for, pull_prompt, with_have
+    from muser_cli.handoff.link import parse_hostport  # lazy: kept out of `muser --help` (startup)
+    from muser_cli.pulllane.consumer import (  # lazy: kept out of `muser --help` (startup)
+        ask_for,
+        pull_prompt,
+        with_have,
+    )
 
     if prompt is None:
         raise UsageError("--from needs a PROMPT file (or - for stdin)")

@@ -37,7 +37,7 @@ def have_cmd(
     output: str = typer.Option("-", "--output", "-o", help="Write the manifest here (default stdout)."),
 ) -> None:
     """Print the have manifest (JSON): how many of the prompt's tokens the store holds, and where."""
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         store = api.Store()
@@ -67,7 +67,7 @@ def put_cmd(
     Every token id is checked against the model's vocabulary; a pack whose model is
     neither given nor known here is refused (exit 65).
     """
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         store = api.Store()
@@ -88,7 +88,7 @@ def get_cmd(
     output: str = typer.Option("-", "--output", "-o", help="Output kvpack, or - for stdout."),
 ) -> None:
     """Write a stored kvpack, verified, byte for byte."""
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         store = api.Store()
@@ -103,7 +103,7 @@ def ls_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """List entries: id, model, tokens, bytes, schedule, last use (most recent first)."""
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         store = api.Store()
@@ -126,7 +126,7 @@ def rm_cmd(
     everything: bool = typer.Option(False, "--all", help="Remove every entry."),
 ) -> None:
     """Remove entries from the store."""
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded():
         gone = api.rm(entries or [], everything=everything)
@@ -141,7 +141,7 @@ def gc_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """Sweep leftovers and orphans, optionally verify or rebuild, then evict to the size cap."""
-    from muser_cli.reuse import api
+    from muser_cli.reuse import api  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         store = api.Store()

@@ -6,7 +6,16 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, guarded, info, open_input, plural, progress_callback, rate_text, size_text
+from muser_cli.commands._common import (
+    emit_json,
+    guarded,
+    info,
+    open_input,
+    plural,
+    progress_callback,
+    rate_text,
+    size_text,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +37,7 @@ def register(app: typer.Typer) -> None:
         out, 77 when it refuses authentication or a replay, 65 when it refuses the data or
         the input is not a complete kvpack, 78 with no node identity.
         """
-        from muser_cli.handoff.api import send
+        from muser_cli.handoff.api import send  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             with open_input(src) as inp:

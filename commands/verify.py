@@ -8,8 +8,19 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, default_threads, emit_json, err, fail, guarded, open_input, plural, read_text_input, size_text,
+    binary_output,
+    default_threads,
+    emit_json,
+    err,
+    fail,
+    guarded,
+    open_input,
+    plural,
+    read_text_input,
+    size_text,
 )
+from muser_cli.errors import DAMAGED_PACK_HINT, TRUNCATED_PACK_HINT, DataError
+from muser_cli.fsio import check_output_path
 
 
 class _Refused(Exception):
@@ -18,7 +29,6 @@ class _Refused(Exception):
 
 def _failed(report) -> typer.Exit:
     """The one error line of a pack that failed a check (after its report), and its exit status (65)."""
-    from muser_cli.errors import DAMAGED_PACK_HINT, TRUNCATED_PACK_HINT, DataError
 
     bad = report.first_failure()
     hint = None
@@ -60,12 +70,10 @@ def register(app: typer.Typer) -> None:
         verified bytes on, so `receive | verify | decode` works; the report then goes to
         stderr. With -o FILE the verified pack is written there.
         """
-        from muser_cli.gate.verify import verify, verify_stream
+        from muser_cli.gate.verify import verify, verify_stream  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             if output not in (None, "-"):
-                from muser_cli.fsio import check_output_path
-
                 check_output_path(output)  # before any verdict is printed
             prompt_text = read_text_input(prompt) if prompt is not None else None
             # In the middle of a pipe (reading stdin, writing a pipe) verify passes the pack on.

@@ -19,7 +19,7 @@ from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
 from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.gate.state import has_state
-from muser_cli.gate.binding import require_identity
+from muser_cli.model.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack.stream import Cut, StreamedPack

@@ -14,6 +14,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from muser_cli.engines.base import ChunkFn, Engine, RowsOf
 from muser_cli.errors import DataError, SpotCheckFailed
+from muser_cli.gate import sampled
+from muser_cli.gate.audit import spot_check_reason
 from muser_cli.kvpack import KVPack, LayerKV, StateKV
 from muser_cli.model.info import ProgressFn
 from muser_cli.reuse import Store, find_resume
@@ -185,8 +187,6 @@ def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine
     them (:func:`muser_cli.gate.audit.spot_check_reason`) or a passed gate is recorded with the
     entry; else the sampled gate runs now, on the whole entry, and is recorded. An entry it
     refuses is removed (a line in ``store.problems``) and serves nothing."""
-    from muser_cli.gate.audit import spot_check_reason
-    from muser_cli.gate.sampled import sample_check
 
     if stored is None:
         return True
@@ -194,7 +194,7 @@ def entry_may_serve(store: Store, entry: str, stored: KVPack | None, eng: Engine
     if reason is None or store.check_of(entry, engine=eng.name, dtype=dtype) is not None:
         return True
     try:
-        checked = sample_check(stored.header, list(stored.layers), eng, reason=reason)
+        checked = sampled.sample_check(stored.header, list(stored.layers), eng, reason=reason)
     except SpotCheckFailed as exc:
         store.record_check(entry, engine=eng.name, dtype=dtype, result={"ok": False, "reason": str(exc)})
         store.discard(entry, f"refused by the numeric gate on first use ({exc})")

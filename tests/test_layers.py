@@ -145,3 +145,99 @@ def test_no_module_uses_another_modules_private_name():
                     and node.attr.startswith("_") and not node.attr.startswith("__")):
                 found.append(f"{name}: {bound[node.value.id]}.{node.attr}")
     assert found == []
+
+
+# ------------------------------------------------------------------ the map (issue #36 item 6)
+#: Each room of the library and what it may import (besides its own modules and the package
+#: root): the same table as docs/design.md's "Layers", bottom up. A room is a package under
+#: muser_cli/ or a module at its top.
+SHARED = {"errors", "about", "units", "strict", "threads", "paths", "fsio"}
+MAY_IMPORT = {
+    "errors": set(), "about": set(), "units": set(),
+    "strict": {"errors"}, "threads": {"errors"}, "paths": {"errors"}, "fsio": {"errors"},
+    "kvpack": {"errors", "strict", "threads"},
+    "model": {"kvpack", "errors", "fsio", "paths"},
+    "schedule": {"kvpack", "model", "about", "units", "errors"},
+    "engines": {"kvpack", "model", "schedule", "errors"},
+    "reuse": {"kvpack", "model", "fsio", "paths", "strict", "units", "errors"},
+    "gate": {"engines", "kvpack", "model", "reuse", "errors"},
+    "interop": {"engines", "kvpack", "model", "schedule", "fsio", "strict", "errors"},
+    "rows": {"engines", "gate", "kvpack", "model", "reuse", "schedule", "errors"},
+    "produce": {"engines", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
+    "decode": {"engines", "gate", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
+    "handoff": {"kvpack", "fsio", "paths", "strict", "errors"},
+    "pulllane": {"handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "paths",
+                 "strict", "errors"},
+    "batch": {"decode", "pulllane", "handoff", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict",
+              "errors"},
+    "service": {"batch", "decode", "pulllane", "handoff", "engines", "model", "schedule", "units", "errors"},
+}
+MAY_IMPORT["bench"] = set(MAY_IMPORT) - {"bench", "service", "batch"}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return "commands" if parts[1:2] == ["commands"] else (parts[1] if len(parts) > 1 else "")
+
+
+def test_every_room_is_in_the_map_and_imports_only_what_it_may():
+    rooms = {_room(m) for m in MODULES} - {"", "commands"}
+    assert rooms == set(MAY_IMPORT), f"rooms not in the map: {sorted(rooms - set(MAY_IMPORT))}; " \
+                                     f"gone: {sorted(set(MAY_IMPORT) - rooms)}"
+    wrong = []
+    for name, (top, lazy, _) in GRAPH.items():
+        room = _room(name)
+        if room in ("", "commands"):
+            continue
+        for target in top | lazy:
+            there = _room(target)
+            if there not in ("", room) and there not in MAY_IMPORT[room]:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == [], "imports the map does not allow (docs/design.md, Layers)"
+
+
+def test_the_design_map_names_every_package_and_top_module():
+    page = (ROOT / "docs" / "design.md").read_text()
+    layers = page[page.index("## Layers"):page.index("## Module sizes")]
+    packages = sorted({p.parent.relative_to(ROOT / "muser_cli").as_posix() for p in (ROOT / "muser_cli").rglob("__init__.py")} - {"."})
+    missing = [p for p in packages if f" {p.rpartition('/')[2]}/ " not in layers]
+    tops = sorted(p.stem for p in (ROOT / "muser_cli").glob("*.py") if p.stem != "__init__")
+    missing += [m for m in tops if f"  {m} " not in layers]
+    assert missing == [], f"docs/design.md's map leaves out {missing}"
+    assert len(tops) <= 10, f"{len(tops)} modules at the top of muser_cli/: group them into packages"
+
+
+LAZY_REASON = "# lazy:"
+
+
+def test_imports_of_muser_inside_functions_say_why():
+    """Issue #36 item 4: a function-level import of muser's own modules only where a framework or
+    optional package, a real cycle, or `muser --help`'s start-up asks for it, with the reason
+    on its line."""
+    unexplained = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse(path.read_text())
+
+        def visit(node: ast.AST, inner: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                nested = inner or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                if nested and isinstance(child, (ast.Import, ast.ImportFrom)):
+                    mods = [child.module or ""] if isinstance(child, ast.ImportFrom) else [a.name for a in child.names]
+                    own = child.level if isinstance(child, ast.ImportFrom) else 0
+                    if own or any(m.startswith("muser_cli") for m in mods):
+                        text = " ".join(lines[child.lineno - 1:child.end_lineno])
+                        if LAZY_REASON not in text and not _in_optional_guard(child, tree):
+                            unexplained.append(f"{path.relative_to(ROOT)}:{child.lineno}")
+                visit(child, nested)
+
+        visit(tree, False)
+    assert unexplained == []
+
+
+def _in_optional_guard(node: ast.AST, tree: ast.AST) -> bool:
+    """Inside ``try: ... except ImportError`` (an optional package's guard, as decode --serve's)."""
+    for t in ast.walk(tree):
+        if isinstance(t, ast.Try) and node in t.body:
+            return any(h.type is not None and "ImportError" in ast.unparse(h.type) for h in t.handlers)
+    return False

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from muser_cli.errors import DataError, MissingInput, MuserError
+from muser_cli.fsio import open_regular
 from muser_cli.strict import canonical_json, loads
 
 MAX_LINE_BYTES = 64 << 20  # an inline long-context prompt
@@ -134,7 +135,6 @@ def parse_job(raw: bytes, line: int, *, base_dir: Path, defaults: Defaults) -> J
 def _read_document(path: Path, job_id: str) -> bytes:
     """The document's bytes; a FIFO, a device or a socket is refused before any read (a
     named pipe no one writes would hang the whole batch)."""
-    from muser_cli.fsio import open_regular
 
     if path.is_dir():
         raise DataError(f"job {job_id}: {path} is a directory, not a file")

@@ -19,11 +19,13 @@ import threading
 from dataclasses import asdict
 from typing import Any, Sequence
 
+from muser_cli import paths
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.plan import Planned, mark_sharing
 from muser_cli.batch.results import Results
 from muser_cli.batch.runner import Batch, BatchConfig, ResultFn, Summary, Tally, failure, one_line
 from muser_cli.errors import TempFailure, UsageError
+from muser_cli.model.tokens import encode_prompt
 
 IN_FLIGHT_PER_WORKER = 2  # the next job is queued at its worker while this one runs: no idle gap
 
@@ -44,8 +46,6 @@ class Worker:
     """The body of one Ray actor: a resident consumer (see module doc)."""
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
-        from muser_cli import paths
-
         base = paths.store_dir()  # this node's, beside its own store
         os.environ["MUSER_STORE"] = str(base.parent / f"{base.name}-{name}")
         self.batch = Batch(BatchConfig(**{**config, "producers": tuple(config["producers"])}))
@@ -54,7 +54,6 @@ class Worker:
     def _planned(self, data: dict[str, Any] | None) -> Planned | None:
         if data is None:
             return None
-        from muser_cli.model.tokens import encode_prompt
 
         job = Job(**data["job"])
         ids = encode_prompt(self.batch.info, job.text, chat=job.chat)

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from muser_cli.errors import MissingInput, MuserError, TempFailure, UsageError
+from muser_cli.errors import (
+    DataError,
+    IdentityMismatch,
+    MissingInput,
+    MuserError,
+    OutputError,
+    SpotCheckFailed,
+    TempFailure,
+    UsageError,
+)
+from muser_cli.handoff.link import parse_hostport
 
 
 @dataclass
@@ -51,7 +61,6 @@ def temporary(exc: BaseException) -> bool:
 def about_the_job(exc: BaseException) -> bool:
     """A refusal of this one request (a prompt too long, a have it would not serve) or a local
     failure (our disk): says nothing against the producer."""
-    from muser_cli.errors import DataError, IdentityMismatch, OutputError, SpotCheckFailed
 
     # a producer of another model (Reject(model): IdentityMismatch) refuses every job: not about this one
     return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, (SpotCheckFailed, IdentityMismatch))
@@ -60,7 +69,6 @@ def about_the_job(exc: BaseException) -> bool:
 class ProducerPool:
     def __init__(self, addresses: Sequence[str], *, backoff_s: float = 2.0, max_backoff_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from muser_cli.handoff.link import parse_hostport
 
         seen: list[str] = []
         for a in addresses:

@@ -26,7 +26,15 @@ from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
 from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
+from muser_cli.decode import decode
+from muser_cli.engines.base import Sampling
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, ExitStatus, MuserError
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt, tokenizer_for
+from muser_cli.pulllane.consumer import PipePull, PullAsk, pull_prompt, with_have
+from muser_cli.reuse.chain import Scope, chain_at
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 
 ResultFn = Callable[[dict[str, Any], "Summary"], None]
 
@@ -170,7 +178,6 @@ class Batch:
 
     def __init__(self, config: BatchConfig, *, on_result: ResultFn | None = None,
                  stop: threading.Event | None = None) -> None:
-        from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk
 
         check_chunk(config.chunk_tokens)
         self.config = config
@@ -187,9 +194,6 @@ class Batch:
     # ------------------------------------------------------------------ set-up
     def load_info(self) -> None:
         """The model's description and tokenizer (no weights): enough to plan."""
-        from muser_cli.model.resolve import resolve_model
-        from muser_cli.schedule import default_dtype
-        from muser_cli.model.tokens import tokenizer_for
 
         if self.info is None:
             self.info = resolve_model(self.config.model)
@@ -198,7 +202,6 @@ class Batch:
 
     def load(self) -> float:
         """The model and engine, once for the batch; returns the seconds it took."""
-        from muser_cli.engines.registry import get_engine
 
         t0 = time.perf_counter()
         self.load_info()
@@ -219,8 +222,6 @@ class Batch:
     def plan(self, jobs: Sequence[Job]) -> tuple[list[Planned], list[tuple[Job, MuserError]]]:
         """Tokenize, check, and order the jobs so shared prefixes are hot: groups (one document,
         or one first chunk) in order of first appearance, input order inside a group."""
-        from muser_cli.schedule import check_prompt
-        from muser_cli.model.tokens import encode_prompt
 
         assert self.info is not None
         groups: dict[Any, list[Planned]] = {}
@@ -326,9 +327,6 @@ class Batch:
             self._spool = None
 
     def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "_Fetch"]) -> dict[str, Any]:
-        from muser_cli.decode import decode
-        from muser_cli.engines.base import Sampling
-
         c, job = self.config, p.job
         src: BinaryIO | None = None
         producer: str | None = None
@@ -400,8 +398,6 @@ class Batch:
     def _ask(self, p: Planned, *, after: Planned | None = None, schedule: int | None = None):
         """What to ask a producer for ``p``: its ids on the batch's schedule, with what the store
         holds — or will hold once ``after`` (the job decoding now) is stored."""
-        from muser_cli.reuse.chain import Scope, chain_at
-        from muser_cli.pulllane.consumer import PullAsk, with_have
 
         assert self.info is not None
         ask = PullAsk(list(p.ids), self.info.tokenizer_fingerprint, self.info.fingerprint, self.chunk, self.dtype,
@@ -419,7 +415,6 @@ class Batch:
 
     def _live(self, p: Planned):
         """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched)."""
-        from muser_cli.pulllane.consumer import PipePull
 
         addr = self.pool.pick()
         if addr is None:
@@ -436,8 +431,6 @@ class Batch:
             pass
 
     def _prefetch(self, p: Planned, *, after: Planned, schedule: int | None) -> _Fetch:
-        from muser_cli.pulllane.consumer import pull_prompt
-
         fetch = _Fetch()
         assert self._spool is not None
         target = self._spool / f"job-{p.job.line}.kvpack"

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 from muser_cli.bench.common import Pinning
+from muser_cli.engines.mlx.blas import preload_env
 from muser_cli.errors import TempFailure
 
 _URL = re.compile(r"listening on http://(\S+)/v1")
@@ -96,7 +97,6 @@ def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int],
     reference BLAS would make mlx-lm ~30x slower than it is with a real one)."""
     import openai
 
-    from muser_cli.engines.mlx.blas import preload_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,11 +10,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 from muser_cli.bench.common import (
-    BenchResult, Progress, check_depths, check_receipt_path, check_reps, no_progress, parse_ints,
-    resolve_bench_model, write_receipt,
+    BenchResult,
+    Progress,
+    check_depths,
+    check_receipt_path,
+    check_reps,
+    git_commit,
+    load_average,
+    no_progress,
+    parse_ints,
+    resolve_bench_model,
+    write_receipt,
 )
-from muser_cli.errors import UsageError
+from muser_cli.bench.lane import run_lane
+from muser_cli.bench.pack import DIGESTS, Study, run_pack
+from muser_cli.bench.plot import PLOTTERS, check_plot_path, plot
+from muser_cli.bench.plot import plot as draw
+from muser_cli.bench.wire import run_wire
+from muser_cli.errors import DataError, MissingInput, UsageError
 
 DEFAULT_DEPTHS = "512,2048,8064"
 DEFAULT_SIZES_MB = "1,8,64"
@@ -24,7 +39,6 @@ def _started() -> dict:
     """The commit, load and time when measuring began (the receipt's machine is taken at the end)."""
     import time
 
-    from muser_cli.bench.common import git_commit, load_average
 
     return {"git": git_commit(), "loadavg": load_average(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -33,8 +47,6 @@ def _prepare(name: str, reps: int, plot: str | os.PathLike | None, receipt: str 
     check_reps(reps)
     plot_path = None
     if plot is not None:
-        from muser_cli.bench.plot import check_plot_path
-
         plot_path = check_plot_path(plot)
     return plot_path, check_receipt_path(name, receipt)
 
@@ -43,8 +55,6 @@ def _finish(result: BenchResult, receipt_path: Path, plot_path: Path | None, sta
     result.payload["started"] = started
     write_receipt(result, receipt_path)
     if plot_path is not None:
-        from muser_cli.bench.plot import plot
-
         result.plot = plot(result.name, result.payload, plot_path)
     return result
 
@@ -53,7 +63,6 @@ def bench_lane(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
                dtype: str = "float32", codec: str = "none", threads: int = 0, pin: bool = True,
                live: bool = False, settle: float = 8.0, plot: str | os.PathLike | None = None,
                receipt: str | os.PathLike | None = None, progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.bench.lane import run_lane
 
     ds = parse_ints(depths, what="--depths", low=2)
     if codec not in ("none", "zstd+bytegroup"):
@@ -80,7 +89,6 @@ def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
                study=None, progress: Progress = no_progress) -> BenchResult:
     """``study``: a :class:`muser_cli.bench.pack.Study` of more cases in the same rounds
     (``benchmarks/bench_kvpack.py``); ``muser bench pack`` runs without."""
-    from muser_cli.bench.pack import DIGESTS, Study, run_pack
 
     ds = parse_ints(depths, what="--depths", low=2)
     plot_path, receipt_path = _prepare("pack", reps, plot, receipt)
@@ -101,7 +109,6 @@ def bench_pack(*, model: str | None = "default", depths: str = DEFAULT_DEPTHS, r
 def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: float = 1.0, pin: bool = True,
                plot: str | os.PathLike | None = None, receipt: str | os.PathLike | None = None,
                progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.bench.wire import run_wire
 
     mbs = parse_ints(sizes, what="--sizes", low=1, high=4096)
     if not 0.05 <= probe_seconds <= 60:
@@ -117,9 +124,6 @@ def chart(receipt: str | os.PathLike, plot: str | os.PathLike) -> Path:
     """Draw the chart of a receipt written by ``bench lane|pack|wire`` (the same picture ``--plot`` draws)."""
     import json
 
-    from muser_cli.bench.plot import PLOTTERS, check_plot_path
-    from muser_cli.bench.plot import plot as draw
-    from muser_cli.errors import DataError, MissingInput
 
     plot_path = check_plot_path(plot)
     src = Path(receipt)

@@ -21,8 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from muser_cli import paths
 from muser_cli.bench.common import Progress, corpus_text, no_progress
 from muser_cli.errors import MuserError, TempFailure
+from muser_cli.handoff.trust import node
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import decode_text, encode_prompt
 
 QUESTION_TEXTS = [
     "Question: what does the consumer check before decoding?", "Question: what is a kvpack?",
@@ -53,9 +57,6 @@ def env_for(home: Path, models: str | None) -> dict[str, str]:
 
 
 def make_document(model: str | None, n_tokens: int) -> str:
-    from muser_cli.model.resolve import resolve_model
-    from muser_cli.model.tokens import decode_text, encode_prompt
-
     info = resolve_model(model)
     text = corpus_text()
     while len(encode_prompt(info, text)) < n_tokens:
@@ -101,8 +102,6 @@ class Lab:
 
     def __init__(self, root: Path, model: str, doc_tokens: int, questions: int, max_tokens: int,
                  chunk: int | None, progress: Progress) -> None:
-        from muser_cli import paths
-        from muser_cli.handoff.trust import node
 
         cores = sorted(os.sched_getaffinity(0))
         self.producer_core, self.consumer_core = (cores[0], cores[1]) if len(cores) > 1 else (None, None)
@@ -127,8 +126,6 @@ class Lab:
 
     @staticmethod
     def _keys(home: Path) -> Path:
-        from muser_cli import paths
-
         os.environ["MUSER_HOME"] = str(home)
         return paths.keys_dir()
 

@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from muser_cli.errors import UsageError
+from muser_cli.fsio import check_output_path, write_bytes_atomic
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tiny import make_tiny_long_llama
+from muser_cli.model.tokens import encode_prompt
+from muser_cli.paths import cache_dir, data_dir, ensure_dir
 
 Progress = Callable[[str], None]
 """A one-line note about what a benchmark is doing now ("lane 512 tok: rep 2/5")."""
@@ -213,17 +218,13 @@ TINY = "tiny"
 def resolve_bench_model(ref: str | None, *, progress: Progress = no_progress):
     """``tiny`` (a 1-layer random Llama with 132k positions, written once under the cache
     folder), ``default`` (the embedded model) or a model folder / .gguf file."""
-    from muser_cli.model.resolve import resolve_model
 
     if ref == TINY and not Path(TINY).exists():
-        from muser_cli.paths import cache_dir, ensure_dir
-
         folder = cache_dir() / "bench" / "tiny-long-llama"
         if not (folder / "config.json").exists():
             progress("writing the tiny model (once)")
             import tempfile
 
-            from muser_cli.model.tiny import make_tiny_long_llama
 
             parent = ensure_dir(folder.parent)
             tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=parent))
@@ -261,7 +262,6 @@ def corpus_text() -> str:
 
 def corpus_ids(info, n_tokens: int) -> list[int]:
     """A deterministic prompt of exactly ``n_tokens`` ids from the project's own docs."""
-    from muser_cli.model.tokens import encode_prompt
 
     ids = encode_prompt(info, corpus_text())
     out: list[int] = []
@@ -297,14 +297,11 @@ def receipt_path(name: str, where: str | os.PathLike | None) -> Path:
         return p / f"{name}-{stamp}.json" if p.is_dir() else p
     if SOURCE_RESULTS.is_dir():
         return SOURCE_RESULTS / f"{name}-{stamp}.json"
-    from muser_cli.paths import data_dir, ensure_dir
 
     return ensure_dir(data_dir() / "bench") / f"{name}-{stamp}.json"
 
 
 def check_receipt_path(name: str, where: str | os.PathLike | None) -> Path:
-    from muser_cli.fsio import check_output_path
-
     path = receipt_path(name, where)
     check_output_path(path)
     return path
@@ -312,7 +309,6 @@ def check_receipt_path(name: str, where: str | os.PathLike | None) -> Path:
 
 def write_receipt(result: BenchResult, path: Path) -> Path:
     """Add the machine description and write the receipt atomically."""
-    from muser_cli.fsio import write_bytes_atomic
 
     result.payload = {"benchmark": result.name, "machine": machine(), **result.payload}
     write_bytes_atomic(path, (json.dumps(result.payload, indent=1, sort_keys=True, default=str) + "\n").encode())

@@ -19,17 +19,22 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from muser_cli import decode as dec
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
+from muser_cli.kvpack import read_pack, write_pack
+from muser_cli.kvpack.parser import frame_ends
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import decode_text, encode_prompt
+from muser_cli.produce.prefill import prefill
 
 CUT_CHUNK = 512
 
 
 def foreign_pack(info, ids, *, threads: int) -> tuple[bytes, int]:
     """The corpus prefix as a bf16 torch pack, re-labelled as made by vLLM; and its rows."""
-    from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.produce.prefill import prefill
-    from muser_cli.model.tokens import decode_text
 
     out = io.BytesIO()
     prefill(decode_text(info, ids), out, model=str(info.path), chunk_tokens=512, dtype="bfloat16", threads=threads)
@@ -42,7 +47,6 @@ def foreign_pack(info, ids, *, threads: int) -> tuple[bytes, int]:
 @contextmanager
 def separate_check() -> Iterator[None]:
     """Decode's spot-check as a step of its own (what a hybrid model's pack gets)."""
-    from muser_cli import decode as dec
 
     saved = dec.SpotGate.fusable
     dec.SpotGate.fusable = staticmethod(lambda pack, positions=1: False)
@@ -55,9 +59,6 @@ def separate_check() -> Iterator[None]:
 def _foreign_packs(depths: Sequence[int], model: str, threads: int, new: int) -> Iterator[tuple[Any, ...]]:
     """Per depth: the foreign pack, its rows, the local prefill's seconds, and a call that
     decodes it on one resident bf16 torch engine (``decode``'s keywords added)."""
-    from muser_cli.decode import decode
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.model.resolve import resolve_model
 
     info = resolve_model(model)
     eng = get_engine("torch", info, dtype="bfloat16", threads=threads)
@@ -183,8 +184,7 @@ def memcpy_rate(mib: int = 256, reps: int = 5) -> float:
 def decode_speed(depths: Sequence[int], *, reps: int = 5, new: int = 32, threads: int = 1, model: str = "default",
                  progress: Progress = no_progress) -> dict[str, Any]:
     """ms per token, sized cache against DynamicCache against the floor (bench_decode.py)."""
-    from muser_cli.engines.torch.engine import TorchEngine
-    from muser_cli.model.resolve import resolve_model
+    from muser_cli.engines.torch.engine import TorchEngine  # lazy: pulls torch
 
     info = resolve_model(model)
     sized = TorchEngine(info, dtype="float32", threads=threads)
@@ -230,12 +230,7 @@ def decode_speed(depths: Sequence[int], *, reps: int = 5, new: int = 32, threads
 def cut_cost(depths: Sequence[int], *, keep: int = 50, reps: int = 5, new: int = 4,
              progress: Progress = no_progress) -> dict[str, Any]:
     """TTFT of a pack cut after ``keep`` % of its chunks, against local and whole (bench_cut.py)."""
-    from muser_cli.decode import decode
-    from muser_cli.engines.torch.engine import TorchEngine
-    from muser_cli.kvpack.parser import frame_ends
-    from muser_cli.model.resolve import resolve_model
-    from muser_cli.produce.prefill import prefill
-    from muser_cli.model.tokens import decode_text, encode_prompt
+    from muser_cli.engines.torch.engine import TorchEngine  # lazy: pulls torch
 
     info = resolve_model("default")
     eng = TorchEngine(info, dtype="float32", threads=1)

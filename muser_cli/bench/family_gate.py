@@ -24,14 +24,21 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
+from muser_cli.kvpack import read_pack, write_pack
+from muser_cli.model.check import TESTED
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tiny import make_tiny
+from muser_cli.model.tokens import decode_text
+from muser_cli.produce.prefill import prefill
 
 FIXED_SIZES = frozenset({"llama", "cohere2", "muse_glimmer_text"})  # tiny makers without room for a long prompt
 
 
 def families() -> list[str]:
     """The families the torch engine is tested on whose tiny model can hold a long prompt."""
-    from muser_cli.model.check import TESTED
 
     return sorted(TESTED["torch"] - FIXED_SIZES)
 
@@ -57,13 +64,6 @@ def family_gate_cost(names: Sequence[str], *, depth: int = 2048, reps: int = 3, 
 def _one(name: str, tmp: Path, *, depth: int, reps: int, new: int, threads: int, dtype: str) -> dict[str, Any]:
     import os
 
-    from muser_cli.decode import decode
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.model.resolve import resolve_model
-    from muser_cli.produce.prefill import prefill
-    from muser_cli.model.tiny import make_tiny
-    from muser_cli.model.tokens import decode_text
 
     load_before = os.getloadavg()
     info = resolve_model(make_tiny(name, tmp / name, sizes={"max_position_embeddings": depth + 64}))

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
+from muser_cli.bench.pack import mlx_arrays
+from muser_cli.engines.registry import get_engine
+from muser_cli.interop.mlx_lm import export_mlx_lm, import_mlx_lm
+from muser_cli.kvpack import read_pack, write_pack
+from muser_cli.produce.pipeline import pack_header
 
 
 def make_pack(info, n: int, folder: Path, progress: Progress = no_progress) -> Path:
     """A real torch prefill (float32, chunk 512) of exactly ``n`` tokens of the docs, uncompressed."""
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import write_pack
-    from muser_cli.produce.pipeline import pack_header
 
     path = folder / f"real-{n}.kvpack"
     ids = corpus_ids(info, n)
@@ -39,9 +41,6 @@ def _cases(info, pack: Path, folder: Path) -> dict[str, Callable[[], Any]]:
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from muser_cli.bench.pack import mlx_arrays
-    from muser_cli.interop.mlx_lm import export_mlx_lm, import_mlx_lm
-    from muser_cli.kvpack import read_pack
 
     with open(pack, "rb") as fh:
         ids = list(read_pack(fh).header.token_ids)

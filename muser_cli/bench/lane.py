@@ -38,17 +38,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.bench.common import BenchResult, Pinning, Progress, corpus_ids, no_progress, pinning, summarize
+from muser_cli.bench.loopback import MUSER, make_nodes, node_env, push_once, receiver, wait_listening
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError
+from muser_cli.handoff.push.sender import prepare_handoff, transmit
+from muser_cli.kvpack import read_pack, write_pack
+from muser_cli.model.tokens import decode_text
+from muser_cli.produce.pipeline import pack_header
 
 
 def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float32", codec: str = "none",
              threads: int | None = None, pin: bool = True, live: bool = False, model_ref: str | None = None,
              settle: float = 8.0, progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.bench.loopback import make_nodes, receiver
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.handoff.push.sender import prepare_handoff, transmit
-    from muser_cli.kvpack import read_pack, write_pack
-    from muser_cli.produce.pipeline import pack_header
 
     pins = pinning(pin)
     if threads is None or threads < 1:
@@ -66,8 +67,6 @@ def run_lane(info, depths: Sequence[int], *, reps: int = 5, dtype: str = "float3
                 header = pack_header(info, ids, dtype=dtype, chunk_tokens=512, engine="torch", threads=threads)
                 doc = None
                 if live:
-                    from muser_cli.model.tokens import decode_text
-
                     doc = work / f"doc-{depth}.txt"
                     doc.write_text(decode_text(info, ids), encoding="utf-8")
 
@@ -180,7 +179,6 @@ def _last_json(text: str) -> dict[str, Any]:
 def streamed_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, settle: float,
                   threads: int = 1) -> dict[str, Any]:
     """One run of the live lane: consumer pipeline first (resident), then the producer's."""
-    from muser_cli.bench.loopback import MUSER, node_env, push_once
 
     receive = [*MUSER, "receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "600"]
     got = push_once(pins.command("consumer", receive),
@@ -211,7 +209,6 @@ def file_lane(doc: Path, nodes, pins: Pinning, model: str, dtype: str, work: Pat
     producer's core, ``receive --once -o in.kvpack && decode in.kvpack`` on the consumer's. The
     consumer is counted as resident: its decode starts when receive exits, its model load is
     taken out (TTFT = receive's exit + decode's ttft_s - the producer's prefill start)."""
-    from muser_cli.bench.loopback import MUSER, node_env, wait_listening
 
     cons, prod = node_env(nodes.consumer_home, threads=threads), node_env(nodes.producer_home, threads=threads)
     inbox, out = work / "in.kvpack", work / "out.kvpack"

@@ -20,6 +20,7 @@ from typing import Callable
 
 from muser_cli.bench.common import Pinning
 from muser_cli.errors import TempFailure
+from muser_cli.handoff.trust import node
 
 MUSER = [sys.executable, "-m", "muser_cli.commands"]
 
@@ -33,8 +34,6 @@ class Nodes:
 
 
 def make_nodes(work: Path) -> Nodes:
-    from muser_cli.handoff.trust import node
-
     consumer_home, producer_home = work / "consumer", work / "producer"
     node.init_node(consumer_home / "config" / "node", name="consumer")
     bundle, _ = node.export_producer(consumer_home / "config" / "node", producer="producer")

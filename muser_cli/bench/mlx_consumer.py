@@ -16,6 +16,8 @@ import sys
 import time
 
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
+from muser_cli.engines.mlx import blas as mlx_blas
+from muser_cli.model.tokens import encode_prompt
 
 PROMPTS = [
     "What is the capital of France?",
@@ -118,7 +120,6 @@ def agreement(info, mlx_eng, torch_eng, *, prompts: int, new: int, progress: Pro
     """Greedy tokens torch -> MLX from the same rows, and the first step's logits."""
     import numpy as np
 
-    from muser_cli.model.tokens import encode_prompt
 
     rows_out = []
     for prompt in PROMPTS[:prompts]:
@@ -144,7 +145,6 @@ def agreement(info, mlx_eng, torch_eng, *, prompts: int, new: int, progress: Pro
 
 def blas_gflops(reps: int, n: int) -> dict:
     """fp32 matmul GFLOP/s with the BLAS in use vs the bundled reference, fresh processes, alternated."""
-    from muser_cli.engines.mlx import blas as mlx_blas
 
     code = GEMM_PROBE.format(n=n)
     fast_env = {**os.environ}
@@ -161,7 +161,6 @@ def blas_gflops(reps: int, n: int) -> dict:
 
 def blas_decode(reps: int, new: int, threads: int) -> dict:
     """MLX consumer decode tok/s with the BLAS in use vs the bundled reference, fresh processes, alternated."""
-    from muser_cli.engines.mlx import blas as mlx_blas
 
     code = DECODE_PROBE.format(threads=threads, new=new)
     ref_env = {**os.environ, mlx_blas.ENV_VAR: "reference"}

@@ -31,6 +31,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from muser_cli.bench.common import BenchResult, Progress, corpus_ids, no_progress, summarize
+from muser_cli.bench.pack_study import MemorySink, fresh_load, hash_bound
+from muser_cli.engines.registry import get_engine
+from muser_cli.errors import UsageError
+from muser_cli.fsio import atomic_writer
+from muser_cli.kvpack import DEFAULT_DIGEST, LayerKV, read_pack, read_pack_bytes, write_pack
+from muser_cli.kvpack.quant import from_float32
+from muser_cli.produce.pipeline import pack_header
+from muser_cli.units import rate_text, size_text
 
 CODECS = ("none", "zstd+bytegroup")
 DIGESTS = {"v1.1 blake3": (1, "blake3"), "v1.1 sha256": (1, "sha256"), "v1.0 sha256": (0, "sha256")}
@@ -62,17 +70,12 @@ def _timed(fn) -> tuple[float, float]:
 def fsync_write(path: Path, writer) -> None:
     """Save as muser saves a pack (``prefill -o``, ``pack -o``): a part file written with
     early writeback, fsynced, renamed onto ``path``, the folder fsynced."""
-    from muser_cli.fsio import atomic_writer
 
     with atomic_writer(path) as fh:
         writer(fh)
 
 
 def real_kv(info, depth: int, *, threads: int, progress: Progress):
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import LayerKV
-    from muser_cli.kvpack.quant import from_float32
-
     ids = corpus_ids(info, depth)
     eng = get_engine("torch", info, dtype="float32", threads=threads)
     progress(f"pack: prefill of {depth} tokens (torch float32, once)")
@@ -86,8 +89,6 @@ def real_kv(info, depth: int, *, threads: int, progress: Progress):
 def synthetic_kv(info, depth: int):
     import numpy as np
 
-    from muser_cli.kvpack import LayerKV
-    from muser_cli.kvpack.quant import from_float32
 
     rng = np.random.default_rng(0)
     layers = []
@@ -101,7 +102,6 @@ def synthetic_kv(info, depth: int):
 def prefix(layers, rows: int):
     import numpy as np
 
-    from muser_cli.kvpack import LayerKV
 
     return [LayerKV(np.ascontiguousarray(l.keys[:, :rows]), np.ascontiguousarray(l.values[:, :rows]), 0)
             for l in layers]
@@ -139,8 +139,6 @@ def _memory_cases(headers: dict, layers, study: Study, tmp: Path, sizes: dict) -
     """memcpy, then pack and unpack in memory for each codec and digest, then the study's."""
     import numpy as np
 
-    from muser_cli.bench.pack_study import MemorySink, hash_bound
-    from muser_cli.kvpack import read_pack, read_pack_bytes, write_pack
 
     flat = np.concatenate([np.concatenate([l.keys.ravel(), l.values.ravel()]) for l in layers])
     dst = np.ones_like(flat)
@@ -178,7 +176,6 @@ def _memory_cases(headers: dict, layers, study: Study, tmp: Path, sizes: dict) -
 def _savers(headers: dict, layers, mlx) -> dict[str, tuple[Any, Any, str]]:
     """name -> (save(path), load(path), file suffix): kvpack both codecs (and the study's
     other digests, uncompressed), then mlx-lm's prompt cache when installed."""
-    from muser_cli.kvpack import read_pack, write_pack
 
     def kv_save(header, codec):
         return lambda path: fsync_write(path, lambda fh: write_pack(fh, header, layers, codec=codec))
@@ -244,7 +241,6 @@ def _rounds(depth: int, cases: dict, savers: dict, reps: int, tmp: Path, mlx, si
 
 def _fresh_loads(savers: dict, reps: int, tmp: Path, progress: Progress) -> dict[str, dict]:
     """Each saved file loaded once per round in a new interpreter, files in turn."""
-    from muser_cli.bench.pack_study import fresh_load
 
     kept = {}
     for i, (name, (save, _load, ext)) in enumerate(savers.items()):
@@ -296,14 +292,10 @@ def _kv(info, deepest: int, synthetic: bool, threads: int, progress: Progress):
 
 def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = False, threads: int = 1,
              peers: bool = True, study: Study = Study(), progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.kvpack import DEFAULT_DIGEST
-    from muser_cli.produce.pipeline import pack_header
 
     deepest = max(depths)
     ids_all, kv_all, threads, prefill_s = _kv(info, deepest, synthetic, threads, progress)
     if any(l.first_row for l in kv_all):
-        from muser_cli.errors import UsageError
-
         raise UsageError("bench pack takes a model whose layers all keep every row (full attention)",
                          hint="-m tiny or -m default")
     mlx = _mlx() if peers else None
@@ -341,7 +333,6 @@ def run_pack(info, depths: Sequence[int], *, reps: int = 5, synthetic: bool = Fa
 
 def pack_table(rows: list[dict]) -> list[str]:
     """The human table: times, throughput of the raw KV's bytes (MB/s), speed against memcpy, sizes."""
-    from muser_cli.units import rate_text, size_text
 
     out = []
     for r in rows:

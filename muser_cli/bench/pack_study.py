@@ -20,6 +20,7 @@ from pathlib import Path
 
 from muser_cli.bench.common import SOURCE_ROOT, summarize
 from muser_cli.errors import MuserError
+from muser_cli.kvpack import digest
 
 
 class MemorySink:
@@ -57,7 +58,7 @@ def hash_bound(layers, header) -> None:
     ``task_bytes`` a task (as ``write_pack`` and ``read_buffer`` hand them out); no copy."""
     import numpy as np
 
-    from muser_cli.kvpack.digest import hasher, payload_digest, pool, task_bytes
+    hasher, payload_digest, pool, task_bytes = digest.hasher, digest.payload_digest, digest.pool, digest.task_bytes
 
     h = hasher(header.digest)
     frames = []

@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from muser_cli.bench.wire import OVER_THE_LINK
 from muser_cli.errors import ConfigError, UsageError
+from muser_cli.fsio import check_output_path, write_bytes_atomic
 from muser_cli.units import plural, size_text
 
 INSTALL_HINT = "pip install 'muser[plot]'"
@@ -30,7 +32,6 @@ def require_matplotlib() -> None:
 
 def check_plot_path(path: str | os.PathLike) -> Path:
     """A ``.png`` path whose folder exists and is writable (checked before measuring)."""
-    from muser_cli.fsio import check_output_path
 
     p = Path(path)
     check_output_path(p)
@@ -78,8 +79,6 @@ def _errs(stats: list[dict[str, Any]], scale: float) -> list[list[float]]:
 
 
 def _write(fig, path: Path) -> Path:
-    from muser_cli.fsio import write_bytes_atomic
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     write_bytes_atomic(path, buf.getvalue())
@@ -191,8 +190,6 @@ def pack_title(cases: list[str], payload: dict[str, Any]) -> str:
 
 
 def plot_wire(payload: dict[str, Any], path: Path) -> Path:
-    from muser_cli.bench.wire import OVER_THE_LINK
-
     rows = payload["rows"]
     sizes = [r["bytes"] / 1e6 for r in rows]
     fig, (ax,) = _figure(8, 4.8)

@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from muser_cli.bench.common import Progress, corpus_ids, no_progress, pinning, summarize
+from muser_cli.bench.common import Progress, corpus_ids, no_progress, pinning, resolve_bench_model, summarize
+from muser_cli.bench.loopback import MUSER, make_nodes, node_env, push_once, wait_listening
 from muser_cli.errors import DataError, MuserError
+from muser_cli.model.tokens import decode_text
 
 COMMON = ["-m", "default", "--threads", "1", "--dtype", "float32"]
 
@@ -37,8 +39,6 @@ class Lanes:
     """The resident producer (``prefill --serve``), the nodes and the document of this round."""
 
     def __init__(self, info, work: Path, depth: int, settle: float) -> None:
-        from muser_cli.bench.loopback import MUSER, make_nodes, node_env
-
         self.info, self.work, self.depth, self.settle, self.muser = info, work, depth, settle, MUSER
         self.pins = pinning(True)
         nodes = make_nodes(work)
@@ -55,14 +55,11 @@ class Lanes:
     def new_document(self, rnd: int) -> None:
         """Each round asks about another document (the corpus from another offset), so the
         resident producer never holds the rows from an earlier round."""
-        from muser_cli.model.tokens import decode_text
 
         skip = 211 * rnd
         self.doc.write_text(decode_text(self.info, corpus_ids(self.info, self.depth + skip)[skip:]), encoding="utf-8")
 
     def start(self) -> None:
-        from muser_cli.bench.loopback import wait_listening
-
         self.addr = wait_listening(self.server, "bench pull (producer)", timeout=300)
 
     def pull(self, prompt: Path, extra: list[str]) -> dict:
@@ -85,7 +82,6 @@ class Lanes:
 
     def push(self) -> dict:
         """A resident ``receive --once | decode`` and a one-shot ``prefill | send``."""
-        from muser_cli.bench.loopback import push_once
 
         got = push_once(self._cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "600"),
                         self._cmd("consumer", "decode", "-n", "1", "--json", *COMMON),
@@ -150,7 +146,6 @@ def _follow_up(lanes: Lanes) -> dict[str, Any]:
 def run_pull(*, depth: int = 2048, reps: int = 5, settle: float = 10.0, follow_up: bool = False,
              progress: Progress = no_progress) -> dict[str, Any]:
     """The receipt's payload: TTFT of each lane, their sources, and the follow-up if asked."""
-    from muser_cli.bench.common import resolve_bench_model
 
     info = resolve_bench_model("default")
     work = Path(tempfile.mkdtemp(prefix="muser-bench-pull-"))

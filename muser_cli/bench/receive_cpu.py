@@ -19,7 +19,12 @@ import time
 from pathlib import Path
 
 from muser_cli.bench.common import Pinning, Progress, no_progress, summarize
+from muser_cli.bench.loopback import make_nodes, receiver_process
+from muser_cli.bench.wire import synthetic_pack
 from muser_cli.errors import ProtocolError
+from muser_cli.handoff.push.sender import DEFAULT_DATA_CHUNK, open_link, prepare_handoff, transmit
+from muser_cli.handoff.wire.protocol import Data, ProbeEnd, ProbeResult, ProbeUp
+from muser_cli.kvpack import write_pack
 
 FIGURES = ("probe_cpu_per_GB", "handoff_cpu_per_GB", "cpu_ratio", "probe_Bps", "handoff_e2e_Bps", "wall_ratio")
 
@@ -33,8 +38,6 @@ def proc_cpu(pid: int) -> float:
 
 def upload_probe(to: str, identity, seconds: float) -> tuple[int, float]:
     """(bytes sent, the receiver's counted rate in B/s): the upload half of probe-link."""
-    from muser_cli.handoff.wire.protocol import Data, ProbeEnd, ProbeResult, ProbeUp
-    from muser_cli.handoff.push.sender import DEFAULT_DATA_CHUNK, open_link
 
     link, _ready, _ = open_link(to, identity, total_s=4 * seconds + 60)
     block = os.urandom(DEFAULT_DATA_CHUNK)
@@ -58,8 +61,6 @@ def upload_probe(to: str, identity, seconds: float) -> tuple[int, float]:
 
 
 def _one_round(pid: int, to: str, nodes, src: Path, inbox: Path, probe_seconds: float) -> dict[str, float]:
-    from muser_cli.handoff.push.sender import prepare_handoff, transmit
-
     c0 = proc_cpu(pid)
     sent, probe_rate = upload_probe(to, nodes.producer, probe_seconds)
     time.sleep(0.05)  # the receiver finishes its drain
@@ -78,9 +79,6 @@ def _one_round(pid: int, to: str, nodes, src: Path, inbox: Path, probe_seconds: 
 def run_receive_cpu(mb: float, *, reps: int = 5, probe_seconds: float = 1.0, spool: str | None = None,
                     progress: Progress = no_progress) -> dict:
     """The receipt's payload: every figure's summary, and the machine's load before and after."""
-    from muser_cli.bench.loopback import make_nodes, receiver_process
-    from muser_cli.bench.wire import synthetic_pack
-    from muser_cli.kvpack import write_pack
 
     work = Path(tempfile.mkdtemp(prefix="muser-bench-recv-"))
     inbox = Path(spool) / f"muser-bench-recv-{os.getpid()}" if spool else work / "inbox"

@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 
 from muser_cli.bench.common import Progress, corpus_ids, measure, no_progress, summarize
+from muser_cli.decode import decode
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
+from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, read_pack_bytes, token_digest, write_pack
+from muser_cli.model.tokens import decode_text, encode_prompt
+from muser_cli.produce.pack import pack
+from muser_cli.produce.pipeline import pack_header
+from muser_cli.reuse import HaveManifest, Store
+from muser_cli.reuse.delta import layers_at
 from muser_cli.units import rate_text
 
 CHUNK = 512
@@ -20,7 +28,6 @@ CHUNK = 512
 
 def prompt_text(info, n_tokens: int) -> str:
     """Text of the project's docs cut so it tokenizes to about ``n_tokens``."""
-    from muser_cli.model.tokens import decode_text, encode_prompt
 
     ids = corpus_ids(info, n_tokens)
     text = decode_text(info, ids, skip_special_tokens=False)
@@ -36,11 +43,6 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
     sliding rings belong to its own end)."""
     from dataclasses import replace
 
-    from muser_cli.kvpack import read_pack_bytes, token_digest, write_pack
-    from muser_cli.produce.pack import pack
-    from muser_cli.produce.pipeline import pack_header
-    from muser_cli.reuse import HaveManifest, Store
-    from muser_cli.reuse.delta import layers_at
 
     header = pack_header(info, ids, dtype=dtype, chunk_tokens=chunk, engine="torch", threads=1)
     buf = io.BytesIO()
@@ -83,7 +85,6 @@ def delta_rows(info, ids, layers, store_root: Path, *, chunk: int, dtype: str, r
 
 def ttft_ab(info, text: str, *, reps: int, threads: int, progress: Progress = no_progress) -> dict:
     """Cold local TTFT vs warm (store) TTFT, alternated A B A B after one uncounted warm-up each."""
-    from muser_cli.decode import decode
 
     kw = dict(model=str(info.path), prompt=text, max_new_tokens=1, dtype="float32", threads=threads)
     decode(None, chunk_tokens=CHUNK, reuse=False, store=True, **kw)  # warm-up, and it fills the store
@@ -107,8 +108,6 @@ def lookup_rows(info, ids, store_root: Path, *, reps: int, progress: Progress = 
     """Lookup time with 1, 100 and 10,000 entries (small synthetic packs in the same scope)."""
     import numpy as np
 
-    from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader
-    from muser_cli.reuse import Store
 
     spec = LayerSpec("full", 1, 8, 8)
     rng = np.random.default_rng(0)
@@ -155,10 +154,6 @@ def warm_read(info, depth: int, *, reps: int, threads: int, new_tokens: int = 32
     """
     import numpy as np
 
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import LayerKV
-    from muser_cli.reuse import Store
-    from muser_cli.produce.pipeline import pack_header
 
     ids = [int(t) for t in corpus_ids(info, depth)]
     rows = len(ids) - 1

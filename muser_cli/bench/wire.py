@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Sequence
 
 from muser_cli.bench.common import BenchResult, Progress, no_progress, pinning, summarize
+from muser_cli.bench.loopback import make_nodes, receiver
+from muser_cli.handoff.push.sender import prepare_handoff, probe_link, transmit
+from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, RopeSpec, write_pack
 
 LAYERS, HEADS, DIM = 16, 4, 128
 
@@ -31,7 +34,6 @@ def synthetic_pack(megabytes: float, *, seed: int = 0):
     """(header, layers) of a random bfloat16 kvpack of about ``megabytes`` MB."""
     import numpy as np
 
-    from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, RopeSpec
 
     specs = tuple(LayerSpec("full", HEADS, DIM, DIM, rope=RopeSpec(10000.0, DIM)) for _ in range(LAYERS))
     rows = max(1, int(megabytes * 1_000_000) // (LAYERS * HEADS * DIM * 2 * 2))
@@ -46,9 +48,6 @@ def synthetic_pack(megabytes: float, *, seed: int = 0):
 
 def run_wire(sizes_mb: Sequence[float], *, reps: int = 5, probe_seconds: float = 1.0, pin: bool = True,
              progress: Progress = no_progress) -> BenchResult:
-    from muser_cli.bench.loopback import make_nodes, receiver
-    from muser_cli.handoff.push.sender import prepare_handoff, probe_link, transmit
-    from muser_cli.kvpack import write_pack
 
     pins = pinning(pin)
     work = Path(tempfile.mkdtemp(prefix="muser-bench-wire-"))

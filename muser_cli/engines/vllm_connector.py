@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from muser_cli.engines.vllm import connector
 from muser_cli.engines.vllm.assembler import LayerBinding, WorkerAssembler, build_bindings  # noqa: F401
 from muser_cli.engines.vllm.config import (  # noqa: F401
     CONNECTOR_CLASS,
@@ -26,7 +27,5 @@ from muser_cli.engines.vllm.sinks import read_spool, write_kvpack, write_spool  
 
 def __getattr__(name: str) -> Any:
     if name in ("MuserConnector", "MuserConnectorMetadata"):
-        from muser_cli.engines.vllm import connector
-
         return getattr(connector, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

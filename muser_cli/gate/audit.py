@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from muser_cli.errors import DataError, SpotCheckFailed, UsageError
 from muser_cli.kvpack import KVPack, LayerKV
 from muser_cli.kvpack.quant import to_float32
 
@@ -114,8 +115,6 @@ def _rows_only(header) -> None:
     """A pack with recurrent state layers is checked from its snapshot checkpoints
     (:mod:`muser_cli.gate.state`), not by recomputing positions from rows: refused here by name."""
     if any(spec.kind == "state" for spec in header.layers):
-        from muser_cli.errors import DataError
-
         raise DataError("this pack has recurrent state layers: positions are not recomputed from rows, its state is "
                         "recomputed from its own snapshot checkpoints (the numeric gate, verify --audit)")
 
@@ -323,7 +322,6 @@ def spot_check(pack: KVPack, engine, *, positions: int = DEFAULT_SPOT_POSITIONS,
     ``decode`` does not call this when it can help it: :class:`SpotGate` runs the same
     comparison inside the first decode step, at no extra step.
     """
-    from muser_cli.errors import UsageError
 
     t0 = time.perf_counter()
     h = pack.header
@@ -345,7 +343,6 @@ def _judge(pack: KVPack, fresh: list[LayerKV], positions: tuple[int, int], check
            t0: float) -> SpotCheck:
     """Compare ``fresh`` (a consumer's recomputation) with ``pack``'s rows over ``positions``
     for layers [0, checked); the SpotCheck, or SpotCheckFailed naming the likely cause."""
-    from muser_cli.errors import SpotCheckFailed
 
     h = pack.header
     start, end = positions
@@ -378,7 +375,6 @@ def sampled_refusal(layers: list[dict], worst: dict, engine: str, recomputed: st
     many, of what, from which seed): how many of ``layers`` differ, the ``worst`` one and where
     it was worst, the first, the likely ``cause`` where one was named; the producer ``wrote``
     the wrong ones. The sampled gate's and the state gate's one message."""
-    from muser_cli.errors import SpotCheckFailed
 
     bad = [l for l in layers if not l["ok"]]
     made_by = (header.producer or {}).get("engine") or "an unnamed engine"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from muser_cli.errors import GateIncomplete
 from muser_cli.gate.audit import AuditReport, diagnose, layer_tolerance, prefix_rows, sampled_refusal, tolerance_for
 from muser_cli.gate.state import has_state, state_check
 from muser_cli.kvpack import KVPack, LayerKV
@@ -156,7 +157,6 @@ def sample_check(header, layers: list[LayerKV], engine, *, count: int = DEFAULT_
 
 def _refuse_incomplete(result: SampleCheck, header) -> None:
     """GateIncomplete: which layers went unchecked where, and what would make the pack checkable."""
-    from muser_cli.errors import GateIncomplete
 
     m = len(result.positions)
     short = [l for l in result.layers if l["positions"] < m]

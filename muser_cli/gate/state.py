@@ -23,10 +23,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from muser_cli.errors import GateIncomplete
 from muser_cli.gate.audit import BASE_TOLERANCE, CROSS_ENGINE_FACTOR, layer_tolerance, sampled_refusal, tolerance_for
 from muser_cli.kvpack import KVPack, LayerKV, StateKV
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.kvpack.quant import to_float32
+from muser_cli.reuse.delta import layers_at
 
 DEFAULT_STATE_SPANS = 4  # chunk spans recomputed from a checkpoint (the last one always)
 
@@ -53,7 +55,6 @@ def _prefix(header: Any, layers: Sequence[Any], c: int) -> list[Any]:
         return [StateKV(tensors={}, position=0) if s.kind == "state" else
                 LayerKV(np.empty((s.kv_heads, 0, s.head_dim), np_dtype), np.empty((s.kv_heads, 0, s.v_head_dim), np_dtype))
                 for s in header.layers]
-    from muser_cli.reuse.delta import layers_at
 
     return layers_at(layers, header.layers, c)
 
@@ -72,7 +73,6 @@ def state_check(header: Any, layers: Sequence[Any], engine: Any, *, count: int =
     per layer as :class:`muser_cli.gate.sampled.SampleCheck` keeps it, seconds). SpotCheckFailed
     naming the worst layer on a mismatch; GateIncomplete when no span ending at ``rows`` has
     both its snapshots here."""
-    from muser_cli.errors import GateIncomplete
 
     t0 = time.perf_counter()
     rows = header.rows_end if rows is None else rows

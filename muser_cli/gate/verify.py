@@ -7,14 +7,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
-from muser_cli.errors import KVPackError, UsageError
-from muser_cli.gate.binding import Check, identity_checks
+from muser_cli.engines.registry import get_engine
+from muser_cli.errors import DataError, KVPackError, SpotCheckFailed, UsageError
+from muser_cli.gate import sampled
+from muser_cli.gate.audit import audit as run_audit
+from muser_cli.gate.audit import diagnose
+from muser_cli.model.binding import Check, identity_checks
+from muser_cli.gate.sampled import new_seed
+from muser_cli.gate.state import state_check
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.reader import read_step
 from muser_cli.kvpack.summary import summarize, summarize_header
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt
+from muser_cli.reuse import Store, resolve_delta
 
 
 @dataclass
@@ -87,10 +94,6 @@ def verify(
     if audit < 0:
         raise UsageError("--audit must be >= 0")
     if audit and all(c.ok for c in checks):
-        from muser_cli.gate.audit import audit as run_audit
-        from muser_cli.gate.audit import diagnose
-        from muser_cli.engines.registry import get_engine
-
         eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
         if any(spec.kind == "state" for spec in h.layers):  # recurrent state: from the pack's own checkpoints
             checks.append(_state_audit(pack, eng, audit, summary))
@@ -115,9 +118,6 @@ def verify(
 def _state_audit(pack: KVPack, eng, spans: int, summary: dict) -> Check:
     """``--audit N`` on a pack with state layers: N chunk spans (the last one always) recomputed
     from the pack's own snapshot checkpoints (:mod:`muser_cli.gate.state`)."""
-    from muser_cli.errors import SpotCheckFailed
-    from muser_cli.gate.sampled import new_seed
-    from muser_cli.gate.state import state_check
 
     seed = new_seed()
     try:
@@ -135,11 +135,9 @@ def _state_audit(pack: KVPack, eng, spans: int, summary: dict) -> Check:
 def _sampled(pack: KVPack, eng, record: dict) -> tuple[bool, str]:
     """The decode gate's positions sampled across the whole prompt, besides the suffix
     (``record["sampled"]``: what it compared); whether it passed, and one line."""
-    from muser_cli.gate.sampled import sample_check
-    from muser_cli.errors import SpotCheckFailed
 
     try:
-        res = sample_check(pack.header, list(pack.layers), eng)
+        res = sampled.sample_check(pack.header, list(pack.layers), eng)
     except SpotCheckFailed as exc:
         record["sampled"] = {"ok": False, "error": str(exc)}
         return False, str(exc)
@@ -232,8 +230,6 @@ def _verify_whole(head: bytes, src: BinaryIO, out: BinaryIO, **kw) -> VerifyRepo
 def _check_base(pack: KVPack) -> tuple[Check, tuple | None]:
     """A delta pack: is its base consistent, and does this machine's store hold it?
     Returns the check and, when held, (the merged layers, the entry id)."""
-    from muser_cli.errors import DataError
-    from muser_cli.reuse import Store, resolve_delta
 
     try:
         layers, entry = resolve_delta(pack, Store())

@@ -8,11 +8,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from muser_cli.errors import ProtocolError, TempFailure
-from muser_cli.handoff.link import DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, reject_error
-from muser_cli.handoff.trust.node import Identity
+from muser_cli import paths
+from muser_cli.errors import ProtocolError, TempFailure, UsageError
+from muser_cli.handoff.link import DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, parse_hostport, reject_error
 from muser_cli.handoff.probes import EventFn, measure
+from muser_cli.handoff.pull.client import connect, request_probe
+from muser_cli.handoff.push.sender import ProbeResultInfo
+from muser_cli.handoff.trust.certs import peer_common_name
+from muser_cli.handoff.trust.node import Identity
+from muser_cli.handoff.trust.nodedir import identity_for, note_peer
 from muser_cli.handoff.wire.protocol import ALPN, DEFAULT_DATA_CHUNK, Connection, ConnectionClosed, Ready, Reject, Role
+from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
+from muser_cli.strict import parse_rate
 
 
 def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: float | None = None,
@@ -20,14 +27,8 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
                chunk: int = DEFAULT_DATA_CHUNK, on_event: EventFn | None = None) -> dict[str, Any]:
     """Raw TLS throughput to ``to`` and back: a ``receive --listen`` receiver or a ``prefill
     --serve`` producer (module doc). The JSON of ``probe-link``; ``listener`` says which."""
-    from muser_cli.handoff.trust.certs import peer_common_name
-    from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
-    from muser_cli.handoff.pull.client import connect, request_probe
-    from muser_cli.handoff.push.sender import ProbeResultInfo
 
     if not seconds > 0:
-        from muser_cli.errors import UsageError
-
         raise UsageError("--seconds must be > 0")
     t0 = time.monotonic()
     sock, where = connect(to, identity, connect_s, alpns=(ALPN_PULL, ALPN))
@@ -58,8 +59,6 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
     finally:
         link.close()
     if probe_req is not None:  # the producer admitted our signed probe and answered it
-        from muser_cli.handoff.trust.nodedir import note_peer
-
         note_peer(identity, cn, role="producer", address=where, key_id=probe_req.key_id, via="probe")
     res = ProbeResultInfo.measured(to, connect_time, got, floor, event.info).to_json()
     res["listener"] = "producer" if pull else "receiver"
@@ -68,10 +67,6 @@ def probe_peer(to: str, identity: Identity, *, seconds: float = 2.0, floor: floa
 
 def probe_link(*, to: str, seconds: float, floor: str | None, connect_timeout: float) -> dict[str, Any]:
     """``muser probe-link``: :func:`probe_peer` with this node's identity (``MUSER_HOME``)."""
-    from muser_cli import paths
-    from muser_cli.handoff.link import parse_hostport
-    from muser_cli.handoff.trust.nodedir import identity_for
-    from muser_cli.strict import parse_rate
 
     host, _ = parse_hostport(to)  # a bad address: a usage error before anything is read
     floor_bps = parse_rate(floor) if floor else None

@@ -42,11 +42,17 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
-from muser_cli.errors import DataError, UsageError
+from muser_cli.engines.mlx.engine import ring_slot
+from muser_cli.errors import DataError, IdentityMismatch, UsageError
+from muser_cli.fsio import open_regular
+from muser_cli.model.binding import require_identity
 from muser_cli.interop import safetensors_io as st
-from muser_cli.kvpack import KVPack, LayerKV, PackHeader, read_pack, write_pack
+from muser_cli.kvpack import KVPack, LayerKV, PackHeader, read_pack, token_digest, write_pack
 from muser_cli.kvpack.layers import DTYPES, ring_tail
 from muser_cli.model.info import ModelInfo
+from muser_cli.model.resolve import known_model, resolve_model
+from muser_cli.model.tokens import encode_prompt
+from muser_cli.schedule import build_header, check_chunk, check_prompt
 
 #: the cache classes muser reads and writes: name -> (layer kind, number of state fields)
 CLASSES: dict[str, tuple[str, int]] = {"KVCache": ("full", 3), "RotatingKVCache": ("sliding", 6),
@@ -287,7 +293,6 @@ def read_prompt_cache_file(path: str) -> tuple[MlxPromptCache, int, Any]:
     """Map ``path`` and parse it; returns (cache, file size, the mapping to close)."""
     import mmap
     import os
-    from muser_cli.fsio import open_regular
 
     fd = open_regular(path)  # a FIFO or a device is refused before any read (66), never waited on
     try:
@@ -305,10 +310,6 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
     """Turn an mlx-lm prompt cache (a path, or the file's bytes) into a kvpack on ``out``,
     bound to ``model`` and the prompt (text, or its ``token_ids``). mlx-lm's file carries
     neither token ids nor a model hash, so both are required."""
-    from muser_cli.gate.binding import require_identity
-    from muser_cli.model.resolve import resolve_model
-    from muser_cli.schedule import build_header, check_chunk, check_prompt
-    from muser_cli.model.tokens import encode_prompt
 
     t0 = time.perf_counter()
     if model is None:
@@ -350,8 +351,6 @@ def import_mlx_lm(src: str | bytes, out: BinaryIO, *, model: str | None, prompt:
 
 def _check_muser_record(cache: MlxPromptCache, info: ModelInfo, ids: Sequence[int], name: str) -> None:
     """A file muser exported names its model and prompt (``muser_kvpack``): they must be these."""
-    from muser_cli.errors import IdentityMismatch
-    from muser_cli.kvpack import token_digest
 
     raw = cache.metadata.get(METADATA_KEY)
     if raw is None:
@@ -386,7 +385,6 @@ def _ring(keys: np.ndarray, rows: int, window: int, chunk_tokens: int) -> tuple[
     """A sliding layer's carried rows (``(kv_heads, carried, dim)``, oldest first) as the
     ring mlx-lm's RotatingKVCache holds after a prefill of ``rows`` tokens in chunks of
     ``chunk_tokens``: (ring ``(1, kv_heads, slots, dim)``, next write index)."""
-    from muser_cli.engines.mlx.engine import ring_slot
 
     if rows < window:
         return keys[None], rows
@@ -480,8 +478,6 @@ def export_mlx_lm(src: BinaryIO | KVPack, out: BinaryIO, *, model: str | None = 
     or name muser resolves) is checked against the pack and recorded as the file's
     ``model``, which ``mlx_lm.generate --prompt-cache-file`` loads (and compares with its
     ``--model``); without it the pack's model is looked up among the models muser knows."""
-    from muser_cli.gate.binding import require_identity
-    from muser_cli.model.resolve import known_model, resolve_model
 
     t0 = time.perf_counter()
     pack = src if isinstance(src, KVPack) else read_pack(src)

@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from muser_cli.errors import DataError, UsageError
-from muser_cli.kvpack import KVPack, LayerKV, read_pack
+from muser_cli.model.binding import require_identity
+from muser_cli.kvpack import KVPack, LayerKV, read_pack, write_pack
+from muser_cli.kvpack.layers import ring_tail
 from muser_cli.model.info import ModelInfo
-from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.model.resolve import resolve_model
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, build_header, check_chunk, check_prompt
 
 
 def _model_info(model: Any, info: ModelInfo | str | os.PathLike | None) -> ModelInfo:
     """The :class:`ModelInfo` of the folder ``model`` was loaded from (or ``info``)."""
-    from muser_cli.model.resolve import resolve_model
 
     if isinstance(info, ModelInfo):
         return info
@@ -84,11 +86,9 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     import torch
     from transformers import DynamicCache
 
-    from muser_cli.engines.torch.arrays import chunk_ring, to_torch
-    from muser_cli.engines.torch.cache import built_layout, described_layout
-    from muser_cli.engines.torch.latent import deinterleaves, rope_from_pack
-    from muser_cli.gate.binding import require_identity
-    from muser_cli.kvpack.layers import ring_tail
+    from muser_cli.engines.torch.arrays import chunk_ring, to_torch  # lazy: pulls torch
+    from muser_cli.engines.torch.cache import built_layout, described_layout  # lazy: pulls torch, transformers
+    from muser_cli.engines.torch.latent import deinterleaves, rope_from_pack  # lazy: pulls torch
 
     p = _read(pack)
     header = p.header
@@ -106,7 +106,7 @@ def to_transformers(pack: Any, model: Any, *, info: ModelInfo | str | os.PathLik
     cache = DynamicCache(config=model.config)
     for index, (spec, kv) in enumerate(zip(header.layers, p.layers)):
         if spec.kind == "state":  # a recurrent layer: its newest snapshot, into transformers' own layer
-            from muser_cli.engines.torch import state
+            from muser_cli.engines.torch import state  # lazy: pulls torch
 
             state.install(cache, index, spec, kv, rows, dtype, state.conv_kernel(model.config))
             continue
@@ -140,8 +140,8 @@ def cache_layers(cache: Any, specs: Sequence[Any], token_ids: Sequence[int], *, 
     ``rope_interleave``, :func:`muser_cli.engines.torch.latent.deinterleaves`); the pack gets them interleaved."""
     import torch
 
-    from muser_cli.engines.torch.arrays import to_numpy
-    from muser_cli.engines.torch.latent import rope_to_pack
+    from muser_cli.engines.torch.arrays import to_numpy  # lazy: pulls torch
+    from muser_cli.engines.torch.latent import rope_to_pack  # lazy: pulls torch
 
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -202,10 +202,7 @@ def from_transformers(cache: Any, token_ids: Any, model: Any, *, info: ModelInfo
     ``out`` and returns None. ``chunk_tokens`` is recorded as the schedule (the frame grid)."""
     import torch
 
-    from muser_cli.gate.binding import require_identity
-    from muser_cli.engines.torch.latent import deinterleaves
-    from muser_cli.kvpack import write_pack
-    from muser_cli.schedule import build_header, check_chunk, check_prompt
+    from muser_cli.engines.torch.latent import deinterleaves  # lazy: pulls torch
 
     check_chunk(chunk_tokens)
     minfo = _model_info(model, info)

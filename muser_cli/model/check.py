@@ -20,6 +20,7 @@ from typing import Any
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
 from muser_cli.model.config import FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
+from muser_cli.model.resolve import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -67,7 +68,6 @@ _MLX_MODULE = {"mistral": "llama", "muse_glimmer_text": "muse_glimmer", "llama4_
 
 def config_path(ref: str) -> Path:
     """config.json of a model folder, of the embedded model ('default') or of a converted GGUF."""
-    from muser_cli.model.resolve import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
 
     if ref in ("default", "smollm2-135m"):
         return convert_gguf(default_gguf()) / "config.json"

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from muser_cli.model.resolve import add_top_level_rope_theta, quiet_transformers
+
 VOCAB_SIZE = 512
 MAX_POSITIONS = 256
 SLIDING_WINDOW = 8
@@ -94,7 +96,6 @@ def _common() -> dict:
 def _write(model_cls, config, directory: Path, seed: int, extra: dict | None = None) -> Path:
     import torch
 
-    from muser_cli.model.resolve import add_top_level_rope_theta, quiet_transformers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -155,8 +156,12 @@ VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads
 def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
     """An 8-layer Muse Glimmer (``MuseGlimmerForConditionalGeneration``, a 1-layer vision
     tower): [sliding (window 8, RoPE) x3, full NoPE] x2, gated attention, QK-norm."""
-    from transformers import (MuseGlimmerConfig, MuseGlimmerForConditionalGeneration, MuseGlimmerTextConfig,
-                              MuseGlimmerVisionConfig)
+    from transformers import (
+        MuseGlimmerConfig,
+        MuseGlimmerForConditionalGeneration,
+        MuseGlimmerTextConfig,
+        MuseGlimmerVisionConfig,
+    )
 
     text = MuseGlimmerTextConfig(**{**_common(), **(sizes or {}), "num_hidden_layers": 8, "tie_word_embeddings": False},
                                  sliding_window=SLIDING_WINDOW)

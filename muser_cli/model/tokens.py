@@ -9,8 +9,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
-from muser_cli.model.info import ModelInfo
 from muser_cli.errors import ConfigError, DataError
+from muser_cli.model.info import ModelInfo
+from muser_cli.model.resolve import quiet_transformers
 
 _TOKENIZERS: dict[tuple[str, str], Any] = {}
 _LOCK = threading.Lock()
@@ -24,7 +25,6 @@ def tokenizer_for(info: ModelInfo) -> Any:
         if tok is None:
             from transformers import AutoTokenizer
 
-            from muser_cli.model.resolve import quiet_transformers
 
             try:
                 with quiet_transformers():

@@ -16,7 +16,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
+from muser_cli import paths
 from muser_cli.errors import MuserError
+from muser_cli.handoff.api import ledger_dir
+from muser_cli.handoff.link import parse_hostport
+from muser_cli.handoff.pull.client import pull
+from muser_cli.handoff.push.receiver import Destination
+from muser_cli.handoff.trust.node import load_identity
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt
+from muser_cli.reuse import Store
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -38,7 +48,6 @@ class PullAsk:
 def with_have(ask: PullAsk, store=None) -> PullAsk:
     """``ask`` with what this machine's store holds of the prompt (on the ask's schedule), so
     the producer ships only the rest."""
-    from muser_cli.reuse import Store
 
     store = store or Store()
     ids = ask.token_ids
@@ -56,9 +65,6 @@ def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | N
     """What to request: this consumer's own tokenization and model, on the canonical schedule.
     ``send_text``: send the text (and ``chat``) for the producer to tokenize; the pack must
     still bind this consumer's own token ids (else it is refused, 65)."""
-    from muser_cli.model.resolve import resolve_model
-    from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
-    from muser_cli.model.tokens import encode_prompt
 
     check_chunk(chunk_tokens)
     info = resolve_model(model)
@@ -71,11 +77,6 @@ def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | N
 
 def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
                 timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
-    from muser_cli import paths
-    from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.trust.node import load_identity
-    from muser_cli.handoff.pull.client import pull
-    from muser_cli.handoff.push.receiver import Destination
 
     identity = load_identity(paths.keys_dir())
     destination = Destination(file=output) if output is not None else None
@@ -147,7 +148,6 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
     """``have``: tell the producer what this machine's store holds of the prompt, so only the
     rest is computed there and shipped (a delta pack; decode merges it with the stored prefix).
     ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`)."""
-    from muser_cli.handoff.link import parse_hostport
 
     parse_hostport(producer)  # a bad address is a usage error, not a fallback
 

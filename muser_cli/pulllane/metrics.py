@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from muser_cli.errors import ConfigError, ProtocolError, TempFailure
+from muser_cli.handoff.link import format_hostport, listen_error, parse_hostport
+from muser_cli.handoff.listener import LiveConnections
+from muser_cli.strict import loads
+
 #: The latency histograms' buckets, in seconds: the same in both services' registries (this
 #: producer's and the consumer service's), so that their TTFTs read on one scale.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -94,7 +99,6 @@ class ProducerMetrics:
         from prometheus_client import make_wsgi_app
         from prometheus_client.exposition import ThreadingWSGIServer
 
-        from muser_cli.handoff.link import parse_hostport
 
         class Quiet(WSGIRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:  # the library never prints
@@ -131,20 +135,15 @@ def serve_producer_metrics(listen: str):
     """:class:`ProducerMetrics` served on ``listen``: (its event observer, the bound address,
     the :class:`~muser_cli.handoff.listener.LiveConnections` the server is to keep its open
     connections in)."""
-    from muser_cli.handoff.listener import LiveConnections
 
     live = LiveConnections()
     try:
         m = ProducerMetrics(live)
     except ImportError as exc:
-        from muser_cli.errors import ConfigError
-
         raise ConfigError(f"--metrics needs prometheus-client: {exc}", hint="pip install 'muser[serve]'") from None
     try:
         address = m.serve(listen)
     except OSError as exc:  # configuration (78), as for the service's own port
-        from muser_cli.handoff.link import listen_error, parse_hostport
-
         raise listen_error(exc, listen, parse_hostport(listen, listen=True)[1]) from None
     return m.observe, address, live
 
@@ -156,9 +155,6 @@ def read_connections(address: str, *, timeout: float = 10.0) -> list[dict[str, A
     import urllib.error
     import urllib.request
 
-    from muser_cli.errors import ProtocolError, TempFailure
-    from muser_cli.handoff.link import format_hostport, parse_hostport
-    from muser_cli.strict import loads
 
     host, port = parse_hostport(address)
     url = f"http://{format_hostport(host, port)}/connections"

@@ -14,9 +14,30 @@ import time
 from dataclasses import replace
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import MuserError, UsageError
-from muser_cli.handoff.wire.pull_protocol import PullRequest
+from muser_cli import paths
+from muser_cli.engines.registry import get_engine
+from muser_cli.errors import ConfigError, DataError, MuserError, UsageError
+from muser_cli.handoff.api import ledger_dir
+from muser_cli.handoff.link import DEFAULT_IDLE_S, listen_socket, parse_hostport
+from muser_cli.handoff.pull.server import PullServer, ServeConfig
 from muser_cli.handoff.push.spool import Refusal
+from muser_cli.handoff.trust.node import load_identities
+from muser_cli.handoff.wire.pull_protocol import PullRequest
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt, tokenizer_for
+from muser_cli.produce.pipeline import (
+    MemoryRows,
+    PackJob,
+    PackSink,
+    check_state_every,
+    produce_pack,
+    set_history,
+    stats_of,
+)
+from muser_cli.reuse import Store
+from muser_cli.reuse.chain import Scope, chain_at, delta_point
+from muser_cli.rows import EngineRows, StoreRows
+from muser_cli.schedule import check_chunk, check_prompt, default_dtype
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -89,13 +110,7 @@ class ResidentProducer:
         ``state_every``: every pack's state snapshots every this many chunks (a hybrid model)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"--max-batch must be a positive integer, got {max_batch!r}")
-        from muser_cli.engines.registry import get_engine
-        from muser_cli.model.resolve import resolve_model
-        from muser_cli.produce.pipeline import MemoryRows
-        from muser_cli.schedule import default_dtype
-        from muser_cli.model.tokens import tokenizer_for
 
-        from muser_cli.produce.pipeline import check_state_every
 
         t0 = time.perf_counter()
         self.info = resolve_model(model)
@@ -107,7 +122,6 @@ class ResidentProducer:
         self.threads = threads
         self.engine = loaded if loaded is not None else get_engine(engine, self.info, dtype=self.dtype,
                                                                     threads=threads, options=engine_options)
-        from muser_cli.produce.pipeline import set_history
 
         set_history(self.engine, history)
         self.history = self.engine.history  # what each pack gets, unless its consumer is on this engine
@@ -128,9 +142,6 @@ class ResidentProducer:
         """Refuse (:class:`Refusal`) a request this producer will not serve; the request to
         compute: in text mode, with the token ids of this producer's tokenization filled in
         (the consumer refuses the pack if they are not its own)."""
-        from muser_cli.errors import ConfigError, DataError
-        from muser_cli.schedule import check_chunk, check_prompt
-        from muser_cli.model.tokens import encode_prompt
 
         info = self.info
         if req.model_fingerprint != info.fingerprint:
@@ -165,8 +176,6 @@ class ResidentProducer:
         if vocab > 0 and max(req.token_ids) >= vocab:
             raise Refusal("data", f"token id {max(req.token_ids)} is outside the vocabulary of {vocab}")
         if req.have_tokens:
-            from muser_cli.reuse.chain import Scope, chain_at
-
             scope = Scope(info.fingerprint, info.tokenizer_fingerprint, req.dtype, req.chunk_tokens)
             if chain_at(scope, list(req.token_ids), req.have_tokens) != req.have_chain:
                 raise Refusal("data", f"the request's have chain is not this prompt's first {req.have_tokens} "
@@ -178,8 +187,6 @@ class ResidentProducer:
         """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
         consumer holds a prefix. The rows of the previous request are kept: a prompt that
         shares whole chunks with it is continued from there (same bytes, less compute)."""
-        from muser_cli.produce.pipeline import PackJob, PackSink, produce_pack, stats_of
-        from muser_cli.rows import EngineRows, StoreRows
 
         ids = list(req.token_ids)
         eng = self.engine
@@ -215,7 +222,6 @@ class ResidentProducer:
         put, self._local.put = getattr(self._local, "put", None), None
         if put is None:
             return
-        from muser_cli.reuse import Store
 
         t0 = time.perf_counter()
         try:
@@ -239,11 +245,6 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     ``idle_s``: the longest silence tolerated from a consumer once admitted (its Ready, its
     reads); None: the link's default (``DEFAULT_IDLE_S``, 30 s).
     ``state_every``: a hybrid model's packs carry their state snapshots every this many chunks."""
-    from muser_cli import paths
-    from muser_cli.handoff.api import ledger_dir
-    from muser_cli.handoff.link import DEFAULT_IDLE_S, listen_socket, parse_hostport
-    from muser_cli.handoff.trust.node import load_identities
-    from muser_cli.handoff.pull.server import PullServer, ServeConfig
 
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
@@ -254,9 +255,6 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     if not idle_s > 0:  # NaN too
         raise UsageError(f"--idle-timeout must be a positive number of seconds, got {idle_s}")
     if state_every != 1:  # a usage error before identities and engines
-        from muser_cli.model.resolve import resolve_model
-        from muser_cli.produce.pipeline import check_state_every
-
         check_state_every(resolve_model(model), state_every)
     host, port = parse_hostport(listen, listen=True)
     identity, *more = load_identities(paths.keys_dir())  # one per consumer joined
@@ -285,7 +283,6 @@ def have_on_grid(req: PullRequest, scope) -> PullRequest:
     delta from 17 could not be merged exactly, so ``verify`` and ``decode`` would refuse it
     (docs/reuse.md); one from 16 merges from the same stored entry, which holds that point.
     Below one chunk: a full pack."""
-    from muser_cli.reuse.chain import delta_point
 
     held, chain = delta_point(scope, req.token_ids, req.have_tokens, req.have_chain)
     return req if held == req.have_tokens else replace(req, have_tokens=held, have_chain=chain)

@@ -6,7 +6,7 @@ import shutil
 from dataclasses import replace
 from typing import BinaryIO, Sequence
 
-from muser_cli.gate.binding import short_fingerprint
+from muser_cli.model.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MuserError, PromptTooShort, UsageError
 from muser_cli.kvpack import PackReader, token_digest
 from muser_cli.model.resolve import known_model, resolve_model

@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from muser_cli.gate.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch
+from muser_cli.model.binding import short_fingerprint
+from muser_cli.kvpack import token_digest
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES
 from muser_cli.reuse.chain import Scope, chain_at, scope_of_header, servable
@@ -132,7 +133,6 @@ class HaveManifest:
 
     def check_prompt(self, ids: list[int]) -> None:
         """Refuse a manifest made for another prompt (whole-prompt digest and the chain at the held point)."""
-        from muser_cli.kvpack import token_digest
 
         if self.prompt_digest != token_digest(ids) or self.prompt_tokens != len(ids):
             raise IdentityMismatch(

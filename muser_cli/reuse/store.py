@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
-from muser_cli.gate.binding import out_of_vocabulary
+from muser_cli.model.binding import out_of_vocabulary
 from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
 from muser_cli.fsio import EarlyWriteback, fsync_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack

@@ -17,12 +17,22 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from muser_cli.errors import MuserError, UsageError
-from muser_cli.units import utc_stamp
+from muser_cli.errors import ConfigError, MuserError, UsageError
+from muser_cli.handoff.link import listen_error, parse_hostport
 from muser_cli.service.api import (
-    MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage,
+    MAX_BODY,
+    ApiError,
+    Ask,
+    chunk,
+    new_id,
+    parse_ask,
+    parse_body,
+    response,
+    sse,
+    usage,
 )
-from muser_cli.service.worker import Config, EngineWorker, Job
+from muser_cli.service.worker import Config, Draining, EngineWorker, Job
+from muser_cli.units import utc_stamp
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 _POLL_S = 0.25  # how often a waiting request looks whether its client is still there
@@ -125,8 +135,6 @@ class Service:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             if self.draining:
-                from muser_cli.service.worker import Draining
-
                 raise Draining()
             if not self._authorized(request):
                 raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
@@ -284,7 +292,6 @@ def _headers(s: dict) -> dict[str, str]:
 
 def bind_socket(listen: str, api_key: str | None) -> socket.socket:
     """The listening socket: loopback unless an API key guards the endpoint."""
-    from muser_cli.handoff.link import parse_hostport
 
     host, port = parse_hostport(listen, listen=True)
     host = host or "127.0.0.1"
@@ -298,7 +305,6 @@ def bind_socket(listen: str, api_key: str | None) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:  # in use, privileged, not this machine's: configuration (78), as `receive --listen`
         sock.close()
-        from muser_cli.handoff.link import listen_error
 
         raise listen_error(exc, listen, port) from None
     sock.listen(128)
@@ -315,8 +321,6 @@ def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict],
 
         from muser_cli.service.metrics import ConsumerMetrics
     except ImportError as exc:
-        from muser_cli.errors import ConfigError
-
         raise ConfigError(f"decode --serve needs the serve extra: {exc}",
                           hint="pip install 'muser[serve]' (starlette, uvicorn, prometheus-client)") from None
     sock = bind_socket(options.listen, options.api_key)

@@ -17,8 +17,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
+from muser_cli.batch.pool import ProducerPool
+from muser_cli.decode import decode
+from muser_cli.engines.base import Sampling
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError, PromptTooLong
+from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt, tokenizer_for
+from muser_cli.pulllane.consumer import PipePull, ask_for, with_have
+from muser_cli.schedule import check_prompt, default_dtype
 from muser_cli.service.api import ApiError, Ask
+from muser_cli.service.metrics import fallback_kind
+from muser_cli.service.textstream import TextStream
 
 Emit = Callable[[str, Any], None]
 
@@ -88,12 +98,6 @@ class Config:
 
 class EngineWorker:
     def __init__(self, config: Config, metrics: Any = None, log: Callable[[dict], None] | None = None) -> None:
-        from muser_cli.batch.pool import ProducerPool
-        from muser_cli.engines.registry import get_engine
-        from muser_cli.model.resolve import resolve_model
-        from muser_cli.schedule import default_dtype
-        from muser_cli.model.tokens import tokenizer_for
-
         if config.max_queue < 0:
             raise MuserError("--max-queue must be >= 0")
         self.config = config
@@ -183,9 +187,6 @@ class EngineWorker:
 
     # -------------------------------------------------------------- one request
     def _run(self, job: Job) -> None:
-        from muser_cli.schedule import check_prompt
-        from muser_cli.model.tokens import encode_prompt
-
         ask = job.ask
         try:
             ids = encode_prompt(self.info, ask.prompt, chat=ask.chat)
@@ -217,9 +218,6 @@ class EngineWorker:
         job.emit("done", summary)
 
     def _decode(self, job: Job, state: "_RunState", ids: list[int]):
-        from muser_cli.decode import decode
-        from muser_cli.engines.base import Sampling
-
         ask, c = job.ask, self.config
         sampling = Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
 
@@ -258,8 +256,6 @@ class EngineWorker:
         return run(None, f"the pack from {live.producer} was refused: {state.refused}")
 
     def _pull(self, job: Job):
-        from muser_cli.pulllane.consumer import PipePull, ask_for, with_have
-
         addr = self.pool.pick()
         if addr is None:
             return None
@@ -297,8 +293,6 @@ class EngineWorker:
         m.computed.inc(s.get("computed_rows") or 0)
         m.tokens.inc(s["completion_tokens"])
         if s.get("fallback_reason"):
-            from muser_cli.service.metrics import fallback_kind
-
             m.fallbacks.labels(fallback_kind(s["fallback_reason"])).inc()
         if state.refused is not None:
             m.gate.inc()
@@ -310,8 +304,6 @@ class _RunState:
     """What one running request has seen: its rows' source, its tokens and their times."""
 
     def __init__(self, job: Job, worker: EngineWorker) -> None:
-        from muser_cli.service.textstream import TextStream
-
         self.job = job
         self.stream = TextStream(worker.info, job.ask.stop)
         self.rows = None

@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from muser_cli.model.info import ModelInfo
+from muser_cli.engines.mlx.gemma2 import windowed_gemma2
 from muser_cli.errors import ConfigError, DataError, IdentityMismatch
 from muser_cli.kvpack.layers import LayerSpec, RopeSpec
+from muser_cli.model.info import ModelInfo
+from muser_cli.model.resolve import layer_specs
 
 _TIE_DEFAULTS = {"llama": False, "mistral": False, "qwen2": False, "cohere2": True}
 # Which layers apply RoPE, where an architecture has NoPE layers (per attention module).
@@ -85,7 +87,6 @@ def mlx_config_overrides(config: dict[str, Any]) -> dict[str, Any]:
     RoPE comes from the same reading of the config that made the model's layer specs
     (``rope_parameters`` first, as transformers 5.x does), never from mlx-lm's defaults.
     """
-    from muser_cli.model.resolve import layer_specs
 
     model_type = str(config.get("model_type"))
     overrides: dict[str, Any] = {}
@@ -180,8 +181,6 @@ def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     model_cls, args_cls = _get_classes(config)
     module = str(config.get("model_type"))
     if module == "gemma2":  # mlx-lm's has no sliding window: given one (engines/mlx/gemma2.py)
-        from muser_cli.engines.mlx.gemma2 import windowed_gemma2
-
         return windowed_gemma2(model_cls, config), args_cls
     drop, translate = _DROP_WEIGHTS.get(module, ()), _TRANSLATE_WEIGHTS.get(module)
     if not drop and translate is None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from muser_cli.model.resolve import layer_specs
+
 
 def windowed_gemma2(model_cls: Any, config: dict[str, Any]) -> Any:
     """A subclass of mlx-lm's gemma2 ``Model`` whose sliding layers see only their window."""
@@ -29,7 +31,6 @@ def windowed_gemma2(model_cls: Any, config: dict[str, Any]) -> Any:
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from muser_cli.model.resolve import layer_specs
 
     windows = [spec.window if spec.kind == "sliding" else None for spec in layer_specs(config)]
     tied = bool(config.get("tie_word_embeddings", True))  # Gemma2Config's default

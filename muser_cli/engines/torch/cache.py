@@ -29,6 +29,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from muser_cli.engines.torch.state import is_state_layer
+
 
 class SizedLayer(DynamicLayer):
     """A full-attention layer backed by buffers of ``capacity`` rows (grown by doubling only
@@ -160,7 +162,6 @@ def built_layout(model: Any, cache: Any | None = None) -> list[tuple[str, int | 
     ``DynamicCache(config=model.config)`` by default): (kind, window or chunk size) each. A
     chunked-attention layer is transformers' sliding layer of the chunk's size (only its mask
     differs); a recurrent-state layer has no size."""
-    from muser_cli.engines.torch.state import is_state_layer
 
     cache = DynamicCache(config=model.config) if cache is None else cache
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []

@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
-from muser_cli.model.info import ModelInfo, ProgressFn
-from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.errors import ConfigError, DataError, UsageError
-from muser_cli.kvpack.layers import LayerKV, ring_tail
 from muser_cli.engines.torch import latent, recompute, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
+from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.kvpack.layers import LayerKV, ring_tail
+from muser_cli.model.config import FAMILIES
+from muser_cli.model.info import ModelInfo, ProgressFn
+from muser_cli.model.resolve import quiet_transformers
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -78,8 +80,6 @@ class TorchEngine(Engine):
             raise UsageError(f"the torch engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(TORCH_DTYPES))
         import transformers
 
-        from muser_cli.model.config import FAMILIES
-        from muser_cli.model.resolve import quiet_transformers
 
         family = FAMILIES.get(info.architecture)
         if family is not None and not family.torch_auto:
@@ -258,7 +258,7 @@ class TorchEngine(Engine):
         """The model transformers built must have the cache layout ``info.layers`` describes."""
         from transformers import DynamicCache
 
-        from muser_cli.engines.torch.cache import built_layout, described_layout
+        from muser_cli.engines.torch.cache import built_layout, described_layout  # lazy: pulls transformers
 
         cache = DynamicCache(config=self.model.config)
         built, described = built_layout(self.model, cache), described_layout(self.info.layers)
@@ -288,7 +288,7 @@ class TorchEngine(Engine):
     def _new_cache(self, capacity: int, ring: int = 0) -> Any:
         """An empty cache with room for ``capacity`` positions in each full-attention layer
         (``ring`` > 0: its sliding layers keep that many rows more, for a pack)."""
-        from muser_cli.engines.torch.cache import sized_cache, with_ring
+        from muser_cli.engines.torch.cache import sized_cache, with_ring  # lazy: pulls transformers
 
         if self.sized_cache:
             return sized_cache(self.model.config, capacity, dtype=self.torch_dtype, ring_extra=ring)

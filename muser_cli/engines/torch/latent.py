@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from muser_cli.engines.torch.arrays import to_torch
 from muser_cli.errors import ConfigError, DataError
 from muser_cli.kvpack.layers import LayerKV
 
@@ -103,7 +104,6 @@ def expand(engine: Any, index: int, kv: LayerKV, *, chunk_tokens: int | None = N
     the shared rope key beside each head's nope part). ``chunk_tokens``: expand that many rows
     at a time (the matmul shapes of a producer that expanded chunk by chunk); default all at once,
     as transformers' attention does over the cache it reads."""
-    from muser_cli.engines.torch.arrays import to_torch
 
     if engine.info.layers[index].kind != "latent":
         raise DataError(f"layer {index} is not a latent layer")

@@ -102,7 +102,7 @@ def _install_whole(engine: Any, layers: Sequence[LayerKV], rows: int, *, extra: 
     (the masks, not the cache, then keep each within its window), with room for ``extra``."""
     from transformers import DynamicCache
 
-    from muser_cli.engines.torch.cache import SizedLayer
+    from muser_cli.engines.torch.cache import SizedLayer  # lazy: pulls transformers
 
     cache = DynamicCache()
     cache.layers = [SizedLayer(rows + extra, engine.torch_dtype) for _ in engine.info.layers]

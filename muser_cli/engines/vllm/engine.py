@@ -36,11 +36,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines.base import DecodeResult, Engine, Sampling
-from muser_cli.model.info import ModelInfo, ProgressFn
-from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
+from muser_cli.engines.vllm import sinks
+from muser_cli.engines.vllm.config import connector_config, request_extra_args
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
 from muser_cli.errors import ConfigError, DataError, MuserError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
+from muser_cli.model.check import REFUSED
+from muser_cli.model.info import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 # Families whose vLLM 0.32 module attends sliding_window + 1 tokens on its sliding layers where
 # transformers and mlx-lm attend sliding_window: another model, refused (modelcheck.REFUSED says why).
@@ -178,8 +181,6 @@ class VLLMEngine(Engine):
             raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
                               "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
         if info.architecture in WINDOW_PLUS_ONE or (info.architecture in SOFTCAP_ON_CPU and _on_cpu()):
-            from muser_cli.model.check import REFUSED  # the measured reason (tests/engines/test_vllm_families.py)
-
             raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
                               hint="use --engine torch or --engine mlx")
         self._vllm = require_vllm()
@@ -219,7 +220,6 @@ class VLLMEngine(Engine):
 
     def llm_kwargs(self, chunk_tokens: int) -> dict[str, Any]:
         """The ``vllm.LLM(...)`` keyword arguments this engine uses (for inspection/tests)."""
-        from muser_cli.engines.vllm.config import connector_config
 
         kwargs: dict[str, Any] = {
             "model": str(self.info.path),
@@ -318,8 +318,6 @@ class VLLMEngine(Engine):
         return ids
 
     def _params(self, name: str) -> Any:
-        from muser_cli.engines.vllm.config import request_extra_args
-
         return self._vllm.SamplingParams(
             max_tokens=1, temperature=0.0, detokenize=False, extra_args=request_extra_args(name)
         )
@@ -327,9 +325,8 @@ class VLLMEngine(Engine):
     def _collect(self, name: str, rows: int, chunk_tokens: int) -> list[LayerKV]:
         """The rows vLLM's connector spooled for request ``name`` (removed as read), checked:
         ``rows`` of them, in the engine dtype (an fp8 cache's float32 stored in it)."""
-        from muser_cli.engines.vllm.sinks import read_spool
 
-        layers, manifest = read_spool(self._spool_dir(), name, self.info.layers, history=self._llm_history)
+        layers, manifest = sinks.read_spool(self._spool_dir(), name, self.info.layers, history=self._llm_history)
         if manifest.get("rows") != rows:
             raise DataError(f"vLLM spooled {manifest.get('rows')} rows for {rows} tokens")
         source = dict(manifest.get("source") or {})

@@ -21,7 +21,8 @@ import numpy as np
 from muser_cli.engines.vllm.blocks import carried_range
 from muser_cli.engines.vllm.config import ConnectorSettings
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
+from muser_cli.kvpack import PackHeader, write_pack
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec, ring_extra_held
 
 SPOOL_FORMAT = "muser-vllm-spool"
 SPOOL_VERSION = 1
@@ -140,8 +141,6 @@ def write_kvpack(
     producer: dict[str, Any],
 ) -> Path:
     """Hand rows to the kvpack writer: the one place this module depends on its API."""
-    from muser_cli.kvpack import PackHeader, write_pack  # lazy: keeps the connector light
-    from muser_cli.kvpack.layers import ring_extra_held
 
     h = settings.header
     header = PackHeader(

@@ -26,24 +26,50 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.errors import AuthError, DataError, MuserError, ProtocolError, TempFailure
-from muser_cli.handoff.trust.certs import peer_common_name
-from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
+from muser_cli.errors import AuthError, MuserError, ProtocolError, TempFailure
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, check_peer_host, continue_as_v3, format_hostport, parse_hostport,
-    sni_client_context, tls_connect,
-)
-from muser_cli.handoff.trust.node import Identity, KeyEntry
-from muser_cli.handoff.trust.nodedir import note_peer
-from muser_cli.handoff.wire.protocol import (
-    MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, Header, Ready, Reject, Role, State,
-)
-from muser_cli.handoff.wire.pull_protocol import (
-    ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
-    new_request_id, sign_probe, sign_request,
+    DEFAULT_CONNECT_S,
+    DEFAULT_IDLE_S,
+    Link,
+    check_peer_host,
+    continue_as_v3,
+    format_hostport,
+    parse_hostport,
+    sni_client_context,
+    tls_connect,
 )
 from muser_cli.handoff.push.receiver import Accepted, Destination, ReceiveConfig, Receiver
+from muser_cli.handoff.trust.certs import peer_common_name
+from muser_cli.handoff.trust.node import Identity, KeyEntry
+from muser_cli.handoff.trust.nodedir import note_peer
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
+from muser_cli.handoff.wire.protocol import (
+    MAX_DATA_BYTES,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    Header,
+    Ready,
+    Reject,
+    Role,
+    State,
+)
+from muser_cli.handoff.wire.pull_protocol import (
+    ALPN_PULL,
+    MAX_PROBE_MS,
+    Probe,
+    ProbeRequest,
+    PullConnection,
+    PullRequest,
+    Queued,
+    Request,
+    Serving,
+    Side,
+    new_request_id,
+    sign_probe,
+    sign_request,
+)
 from muser_cli.handoff.wire.refusal import Refusal, error_class, refusal_error
+from muser_cli.kvpack.format import token_digest
 
 EventFn = Callable[[str, dict[str, Any]], None]
 
@@ -177,7 +203,6 @@ def pull(
 
 def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float,
              on_event: EventFn | None = None, *, expect_ids: list[int]) -> Accepted:
-    from muser_cli.kvpack.format import token_digest
 
     config = receiver.config
     info = {"v": PROTOCOL_VERSION, "node": receiver.identity.name, "max_payload": config.max_payload,

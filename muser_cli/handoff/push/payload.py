@@ -23,6 +23,8 @@ from typing import Callable
 
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError
 from muser_cli.handoff.wire.header import MAX_PAYLOAD_BYTES, HandoffHeader
+from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader
+from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, PREAMBLE, TAG_DATA, TAG_END, header_digest, pad_len
 
 END_FRAME_BYTES = 128  # end frame header + digest block (docs/kvpack.md 2.4)
 
@@ -57,7 +59,6 @@ def size_bound(header, head_bytes: int) -> tuple[int, int]:
     Each data frame is 64 header bytes, at most ``raw_len + 1024`` stored bytes padded to
     64, and a 64-byte digest block (the reader's own limits, docs/kvpack.md 4).
     """
-    from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, pad_len
 
     total, frames = head_bytes + END_FRAME_BYTES, 0
     for layer, _start, count in header.frame_plan():
@@ -79,8 +80,6 @@ class PayloadInspector:
     """
 
     def __init__(self, *, expect: HandoffHeader | None = None, max_bytes: int | None = None) -> None:
-        from muser_cli.kvpack import PackReader
-
         limit = expect.size_bound if expect is not None else max_bytes
         self._reader = PackReader(max_bytes=limit, decode=False)
         self._expect = expect
@@ -102,7 +101,6 @@ class PayloadInspector:
 
     def feed(self, data: bytes | memoryview) -> None:
         """Feed the reader exactly what each step needs, so every event marks a byte boundary."""
-        from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent
 
         view = memoryview(data)
         while len(view):
@@ -124,8 +122,6 @@ class PayloadInspector:
                     self._root = event.root_digest
 
     def _on_header(self, header) -> None:
-        from muser_cli.kvpack.format import PREAMBLE, header_digest
-
         head = bytes(self._head or b"")
         self._head = None
         hlen = PREAMBLE.unpack_from(head)[3]
@@ -191,7 +187,6 @@ class StreamTail:
         """Account for ``data``; KVPackError for bytes after the end frame or a bad frame tag."""
         import struct
 
-        from muser_cli.kvpack.format import DIGEST_BLOCK, FRAME_HEADER, TAG_DATA, TAG_END, pad_len
 
         view = memoryview(data)
         off, n = 0, len(view)

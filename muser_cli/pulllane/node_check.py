@@ -28,7 +28,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from muser_cli import paths
+from muser_cli.engines.registry import get_engine
 from muser_cli.errors import AuthError, DataError, ExitStatus, MuserError
+from muser_cli.gate.audit import spot_check
+from muser_cli.handoff.link import format_hostport, map_error, parse_hostport
+from muser_cli.handoff.probe_link import probe_peer
+from muser_cli.handoff.pull.client import connect
+from muser_cli.handoff.trust.certs import peer_common_name
+from muser_cli.handoff.trust.node import load_identity
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
+from muser_cli.kvpack import read_pack
+from muser_cli.model.resolve import resolve_model
+from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
 TEST_PROMPT = ("muser node check: a short test prompt whose KV cache the consumer recomputes and compares, "
                "position by position, before it trusts this producer.")
@@ -93,9 +105,6 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
                    chunk_tokens: int | None = None, probe_s: float = 1.0) -> CheckReport:
     """Run the checks of the module doc against ``producer`` (HOST:PORT); never raises for a
     failed check: the report holds it."""
-    from muser_cli import paths
-    from muser_cli.handoff.link import format_hostport, parse_hostport
-    from muser_cli.handoff.trust.node import load_identity
 
     host, port = parse_hostport(producer)  # a bad address is a usage error, raised
     where = format_hostport(host, port)
@@ -124,8 +133,6 @@ def check_producer(producer: str, *, model: str | None = None, timeout: float = 
 
 
 def _check_reachable(run: _Run) -> None:
-    from muser_cli.handoff.link import map_error
-
     t0 = time.monotonic()
     try:
         socket.create_connection((run.host, run.port), timeout=run.connect_s).close()
@@ -137,8 +144,6 @@ def _check_reachable(run: _Run) -> None:
 
 def _check_mutual_auth(run: _Run) -> None:
     """A handshake alone: the producer sees a connection that sends no request."""
-    from muser_cli.handoff.trust.certs import peer_common_name
-    from muser_cli.handoff.pull.client import connect
 
     try:
         sock, _ = connect(run.where, run.identity, run.connect_s)
@@ -164,8 +169,6 @@ _AUTHENTICATED = "signed request authenticated (key id, MAC)"
 
 def _check_request(run: _Run, out: Path, *, model: str | None, chunk_tokens: int | None) -> Any:
     """The test request, pulled into ``out``: the request, clock and model rows. Returns the ask."""
-    from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
-    from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
     try:
         ask = ask_for(TEST_PROMPT, model=model, chat=False, chunk_tokens=chunk_tokens, dtype=None, engine="torch")
@@ -215,7 +218,6 @@ def _check_link(run: _Run, probe_s: float) -> None:
     if not probe_s > 0:
         run.rows.append(Row("link", None, "not measured (probe seconds 0)"))
         return
-    from muser_cli.handoff.probe_link import probe_peer
 
     try:
         rate = probe_peer(run.where, run.identity, seconds=probe_s, connect_s=run.connect_s)
@@ -230,10 +232,6 @@ def _check_link(run: _Run, probe_s: float) -> None:
 
 def _audit(path: Path, *, model: str | None, threads: int) -> dict[str, Any]:
     """Spot-check the test pack on this machine's engine (its last position recomputed)."""
-    from muser_cli.gate.audit import spot_check
-    from muser_cli.engines.registry import get_engine
-    from muser_cli.kvpack import read_pack
-    from muser_cli.model.resolve import resolve_model
 
     with open(path, "rb") as f:
         pack = read_pack(f)

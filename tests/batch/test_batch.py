@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, Producer, env_for, lane_flags, muser_cmd, pull_lane
 
 CHUNK = 32
 DOC = " ".join(f"Line {i}: the committee chose the northern site near the old mill and the school." for i in range(14))
@@ -200,11 +200,8 @@ def test_resume_refuses_another_model_or_jobs_file_and_a_fresh_run_keeps_old_res
 # ----------------------------------------------------------------------------- the pull lane
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, model):
-    root = tmp_path_factory.mktemp("batch-pull")
-    nodes = make_nodes(root)
-    producer = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32")
-    yield {"nodes": nodes, "producer": producer, "root": root}
-    producer.stop()
+    with pull_lane(tmp_path_factory.mktemp("batch-pull"), model, check_exit=False) as lane:
+        yield lane
 
 
 def test_pull_lane_batch_ships_the_document_once_then_deltas(model, expected, lane, tmp_path):
@@ -254,7 +251,7 @@ def test_a_dead_producer_in_the_pool_is_skipped(model, expected, lane, tmp_path)
 
 
 def test_producer_killed_mid_batch_every_job_still_completes(model, expected, lane, tmp_path):
-    prod = Producer(lane["nodes"].producer_home, "-m", model, "--threads", "1", "--dtype", "float32")
+    prod = Producer(lane["nodes"].producer_home, *lane_flags(model))
     jobs = write_jobs(tmp_path)
     res = tmp_path / "res.jsonl"
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from handoff_kit import (  # noqa: F401 - fixtures
-    HANG_S, Producer, env_for, muser_cmd, nodes, pack_bytes, spawn_receiver, wait_for,
+    HANG_S, Producer, env_for, homes, muser_cmd, nodes, pack_bytes, reaped, serving, spawn_receiver, wait_for,
 )
 from home_kit import hmac_secrets, readable_secrets
 
@@ -36,14 +35,6 @@ def one_error(r: subprocess.CompletedProcess, status: int) -> str:
     assert r.returncode == status, err
     assert err.count("\n") == 1 and err.startswith("muser: error: "), err
     return err
-
-
-@pytest.fixture
-def homes(tmp_path, nodes) -> tuple[Path, Path]:
-    c, p = tmp_path / "c", tmp_path / "p"
-    shutil.copytree(nodes.consumer_home, c, symlinks=True)
-    shutil.copytree(nodes.producer_home, p, symlinks=True)
-    return c, p
 
 
 @pytest.fixture
@@ -230,11 +221,8 @@ def test_a_node_that_is_not_enrolled_is_told_how_to_enroll(homes, pack_bytes, tm
     stranger = tmp_path / "stranger"
     assert run(stranger, "node", "init", "--name", "stranger").returncode == 0
     proc, to = spawn_receiver(c, "--once", "--timeout", str(HANG_S), "-o", str(tmp_path / "x.kvpack"))
-    try:
+    with reaped(proc):
         err = one_error(run(stranger, "send", "-", "--to", to, input=pack_bytes), 77)
-    finally:
-        proc.kill()
-        proc.wait()
     assert "another CA" in err and "not enrolled" in err
     assert "muser node export --producer NAME" in err and "muser node join NAME.bundle" in err
 
@@ -244,13 +232,10 @@ def test_a_name_the_certificate_lacks_says_which_names_work(homes, pack_bytes, t
     proc = subprocess.Popen(muser_cmd("receive", "--listen", "0.0.0.0:0", "--once", "--timeout", str(HANG_S), "-o",
                                       str(tmp_path / "x.kvpack")), env=env_for(c),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with reaped(proc):
         line = proc.stderr.readline().decode()
         port = line.strip().rsplit(":", 1)[1]
         err = one_error(run(p, "send", "-", "--to", f"127.0.0.2:{port}", input=pack_bytes), 77)
-    finally:
-        proc.kill()
-        proc.wait()
     assert "does not hold the name dialled" in err and "--host" in err and "muser node ls" in err
 
 
@@ -260,11 +245,8 @@ def test_a_revoked_key_says_to_join_a_fresh_bundle(homes, pack_bytes, tmp_path):
     (kid,) = [k["key_id"] for k in listing["keys"] if k["peer"] == "gx10"]
     assert run(c, "node", "revoke", kid).returncode == 0
     proc, to = spawn_receiver(c, "--once", "--timeout", str(HANG_S), "-o", str(tmp_path / "x.kvpack"))
-    try:
+    with reaped(proc):
         err = one_error(run(p, "send", "-", "--to", to, input=pack_bytes), 77)
-    finally:
-        proc.kill()
-        proc.wait()
     assert "revoked" in err and "muser node join --force" in err and "muser node export" in err
 
 
@@ -275,12 +257,9 @@ def test_a_consumer_whose_producer_key_was_revoked_is_told_to_export_again(homes
     listing = json.loads(run(c, "node", "ls", "--json").stdout)
     (kid,) = [k["key_id"] for k in listing["keys"] if k["peer"] == "gx10"]
     assert run(c, "node", "revoke", kid).returncode == 0
-    producer = Producer(p, "-m", tiny_llama.path)
-    try:
+    with serving(p, "-m", tiny_llama.path, check_exit=False) as producer:
         err = one_error(run(c, "receive", "--from", producer.address, prompt, "-m", tiny_llama.path,
                             "-o", tmp_path / "got.kvpack"), 77)
-    finally:
-        producer.stop()
     assert "revoked" in err and "muser node export --producer gx10" in err and "join --force" in err
 
 
@@ -290,14 +269,11 @@ def test_a_consumer_that_is_not_enrolled_falls_back_and_is_told_how_to_enroll(ho
     assert run(stranger, "node", "init", "--name", "stranger").returncode == 0
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPT)
-    producer = Producer(p, "-m", tiny_llama.path)
-    try:
+    with serving(p, "-m", tiny_llama.path, check_exit=False) as producer:
         r = run(stranger, "decode", "--producer", producer.address, "--prompt", prompt, "-m", tiny_llama.path,
                 "-n", "2", "--json")
         err = one_error(run(stranger, "receive", "--from", producer.address, prompt, "-m", tiny_llama.path,
                             "-o", tmp_path / "got.kvpack"), 77)
-    finally:
-        producer.stop()
     assert r.returncode == 0 and json.loads(r.stdout)["fallback"] is True  # the tokens come anyway
     why = r.stderr.decode()
     assert "another CA" in why and "muser node export --producer NAME" in why and "node join" in why

@@ -382,16 +382,15 @@ def test_pull_lane_full_and_delta_give_the_fallbacks_tokens(mla, tmp_path):
     """``decode --producer``: the producer prefills latent rows and streams them; with the
     document stored on the consumer, ``receive --from`` gets a delta of only the follow-up's
     rows, which decode merges. Tokens = a cold local decode's, each time."""
-    import shutil
     import subprocess
 
-    from handoff_kit import Producer, copy_home, env_for, make_nodes, muser_cmd
+    from handoff_kit import env_for, lane_flags, make_nodes, muser_cmd, serving, without_store
 
     nodes = make_nodes(tmp_path / "nodes")
     doc, follow = tmp_path / "doc.txt", tmp_path / "follow.txt"
     doc.write_text(DOC)
     follow.write_text(DOC + MORE)
-    common = ["-m", str(mla.path), "--threads", "1", "--dtype", "float32"]
+    common = lane_flags(mla.path)
     env = env_for(nodes.consumer_home)
 
     def run(*args, env=env):
@@ -399,16 +398,13 @@ def test_pull_lane_full_and_delta_give_the_fallbacks_tokens(mla, tmp_path):
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout) if "--json" in args else r
 
-    producer = Producer(nodes.producer_home, *common)
-    try:
+    with serving(nodes.producer_home, *common) as producer:
         for prompt in (doc, follow):
             local = run("decode", *common, "--chunk", "8", "--prompt", str(prompt), "-n", "8", "--no-reuse", "--json")
             pulled = run("decode", *common, "--chunk", "8", "--prompt", str(prompt), "-n", "8", "--no-reuse", "--json",
                          "--producer", producer.address)
             assert pulled["source"] == "handoff" and pulled["token_ids"] == local["token_ids"], pulled
-        home = copy_home(nodes.consumer_home, tmp_path / "consumer")
-        shutil.rmtree(home / "data" / "store", ignore_errors=True)
-        env2 = env_for(home)
+        env2 = env_for(without_store(nodes.consumer_home, tmp_path / "consumer"))
         run("prefill", str(doc), *common, "--chunk", "8", "--store", "-o", str(tmp_path / "doc.kvpack"), env=env2)
         got = run("receive", "--from", producer.address, str(follow), "-m", str(mla.path), "--chunk", "8",
                   "-o", str(tmp_path / "delta.kvpack"), "--json", env=env2)
@@ -417,8 +413,6 @@ def test_pull_lane_full_and_delta_give_the_fallbacks_tokens(mla, tmp_path):
         merged = run("decode", str(tmp_path / "delta.kvpack"), *common, "--chunk", "8", "--prompt", str(follow),
                      "-n", "8", "--json", env=env2)
         assert merged["source"] == "delta" and merged["token_ids"] == local["token_ids"], merged
-    finally:
-        assert producer.stop() == 0
 
 
 @pytest.mark.mlx

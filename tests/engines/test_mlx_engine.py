@@ -34,15 +34,12 @@ from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.engines.mlx.engine import MLXEngine  # noqa: E402
 from muser_cli.errors import DataError, IdentityMismatch, PromptTooLong, UsageError  # noqa: E402
-from muser_cli.kvpack.layers import DTYPES, LayerKV  # noqa: E402
+from muser_cli.kvpack.layers import LayerKV  # noqa: E402
 from muser_cli.model.tokens import decode_text, encode_prompt  # noqa: E402
+from engine_kit import PROMPT, refuses_bad_rows, through_bytes  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-PROMPT = (
-    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
-    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
-)
 THREADS = 1  # small shared machine: one BLAS thread avoids spin-wait stalls
 CHUNK = 16
 NEW = 16  # > the tiny hybrid's window (8): decoding evicts ring rows
@@ -55,18 +52,6 @@ def engine(kind: str, info, dtype: str = "float32"):
     if key not in _ENGINES:
         _ENGINES[key] = get_engine(kind, info, dtype=dtype, threads=THREADS)
     return _ENGINES[key]
-
-
-def through_bytes(layers: list[LayerKV], dtype: str) -> list[LayerKV]:
-    """What a consumer in another process gets: read-only arrays rebuilt from raw bytes."""
-    storage = np.dtype(DTYPES[dtype][1])
-    out = []
-    for kv in layers:
-        assert kv.keys.dtype == storage and kv.values.dtype == storage
-        keys = np.frombuffer(kv.keys.tobytes(), dtype=storage).reshape(kv.keys.shape)
-        values = np.frombuffer(kv.values.tobytes(), dtype=storage).reshape(kv.values.shape)
-        out.append(LayerKV(keys=keys, values=values, first_row=kv.first_row))
-    return out
 
 
 def greedy(eng, layers, ids, new=NEW, **kw):
@@ -461,19 +446,7 @@ def test_stop_on_eos(tiny_llama):
 def test_bad_input_is_refused(tiny_hybrid):
     eng = engine("mlx", tiny_hybrid)
     ids = encode_prompt(tiny_hybrid, PROMPT)[:21]
-    layers = eng.prefill(ids[:-1], chunk_tokens=CHUNK)
-    with pytest.raises(DataError, match="3 layers of KV for a model with 4"):
-        eng.decode(layers[:3], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    with pytest.raises(DataError, match="layer 0"):
-        eng.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
-    with pytest.raises(DataError, match="rows start at position 0, expected 13"):
-        ring = dataclasses.replace(layers[0], keys=layers[0].keys[:, 1:], values=layers[0].values[:, 1:])  # window - 1
-        eng.decode([dataclasses.replace(ring, first_row=0), *layers[1:]], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    ints = [LayerKV(kv.keys.astype(np.int32), kv.values, kv.first_row) for kv in layers]
-    with pytest.raises(DataError, match="int32"):
-        eng.decode(ints, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    with pytest.raises(DataError, match="outside the model's vocabulary"):
-        eng.decode(layers, rows=20, next_tokens=[512], max_new_tokens=1)
+    layers = refuses_bad_rows(eng, ids, CHUNK)
     with pytest.raises(PromptTooLong, match="longer than the model's context of 256"):
         eng.decode(layers, rows=20, next_tokens=ids[-1:], max_new_tokens=250)
     with pytest.raises(UsageError, match="no dtype 'float16'"):

@@ -10,14 +10,11 @@ import pytest
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.engines.torch.engine import TorchEngine
-from muser_cli.errors import DataError, PromptTooLong, UsageError
+from muser_cli.errors import PromptTooLong, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
 from muser_cli.model.tokens import decode_text, encode_prompt
+from engine_kit import PROMPT, refuses_bad_rows, through_bytes
 
-PROMPT = (
-    "The producer computes the prompt once and ships its keys and values to the consumer in Paris. "
-    "Seven quick wizards juggle 42 lazy dogs; the window slides, the rows stay exact, zebras hum."
-)
 THREADS = 1  # the test machine is small and shared; one thread avoids spin-wait stalls
 CHUNK = 16
 NEW = 16
@@ -30,18 +27,6 @@ def engine_for(info, dtype: str) -> TorchEngine:
     if key not in _ENGINES:
         _ENGINES[key] = TorchEngine(info, dtype=dtype, threads=THREADS)
     return _ENGINES[key]
-
-
-def through_bytes(layers: list[LayerKV], dtype: str) -> list[LayerKV]:
-    """What a consumer in another process gets: read-only arrays rebuilt from raw bytes."""
-    storage = DTYPES[dtype][1]
-    out = []
-    for kv in layers:
-        assert kv.keys.dtype == np.dtype(storage) and kv.values.dtype == np.dtype(storage)
-        keys = np.frombuffer(kv.keys.tobytes(), dtype=storage).reshape(kv.keys.shape)
-        values = np.frombuffer(kv.values.tobytes(), dtype=storage).reshape(kv.values.shape)
-        out.append(LayerKV(keys=keys, values=values, first_row=kv.first_row))
-    return out
 
 
 def check_exact(info, dtype: str, ids: list[int], new: int = NEW, chunk: int = CHUNK, thorough: bool = True):
@@ -160,22 +145,7 @@ def test_wrong_sliding_row_order_is_caught(tiny_hybrid):
 
 
 def test_install_checks_shapes_and_positions(tiny_hybrid):
-    engine = engine_for(tiny_hybrid, "float32")
-    ids = encode_prompt(tiny_hybrid, PROMPT)[:21]
-    layers = engine.prefill(ids[:-1], chunk_tokens=CHUNK)
-    with pytest.raises(DataError, match="3 layers of KV for a model with 4"):
-        engine.decode(layers[:3], rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    with pytest.raises(DataError, match="layer 0"):
-        engine.decode(layers, rows=21, next_tokens=ids[-1:], max_new_tokens=1)
-    ring = dataclasses.replace(layers[0], keys=layers[0].keys[:, 1:], values=layers[0].values[:, 1:])  # window - 1
-    shifted = [dataclasses.replace(ring, first_row=0), *layers[1:]]
-    with pytest.raises(DataError, match="rows start at position 0, expected 13"):
-        engine.decode(shifted, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    ints = [LayerKV(keys=kv.keys.astype(np.int32), values=kv.values, first_row=kv.first_row) for kv in layers]
-    with pytest.raises(DataError, match="int32"):
-        engine.decode(ints, rows=20, next_tokens=ids[-1:], max_new_tokens=1)
-    with pytest.raises(DataError, match="outside the model's vocabulary"):
-        engine.decode(layers, rows=20, next_tokens=[512], max_new_tokens=1)
+    refuses_bad_rows(engine_for(tiny_hybrid, "float32"), encode_prompt(tiny_hybrid, PROMPT)[:21], CHUNK)
 
 
 def test_context_limit_is_refused_before_computing(tiny_llama):

@@ -31,7 +31,7 @@ from muser_cli.handoff.push.spool import remove_stale_parts
 
 import stream_producer
 from handoff_kit import (  # noqa: F401 - fixtures
-    HANG_S, Relay, copy_home, env_for, muser_cmd, nodes, receivers, spawn_receiver, wait_for,
+    HANG_S, Relay, copy_home, env_for, muser_cmd, nodes, reaped, receivers, spawn_receiver, wait_for,
 )
 
 PRODUCER = str(Path(stream_producer.__file__).resolve())
@@ -116,7 +116,7 @@ def test_streamed_lane_frames_flow_before_the_producer_ends(nodes, consumer_home
     gate = tmp_path / "gate"
     recv, to, out = stdout_receiver(consumer_home)
     prod, send = lane(producer_cmd(**SMALL, gate_after=6, gate=gate), nodes.producer_home, to, "--json")
-    try:
+    with reaped(prod, send, recv):
         # The producer has written the header and 6 of 26 frames and waits: those 6 are
         # forwarded, verified, and nothing else (not the end frame) can be.
         assert out.wait_size(ends[6]), f"only {out.size} bytes forwarded while the producer waits"
@@ -126,10 +126,6 @@ def test_streamed_lane_frames_flow_before_the_producer_ends(nodes, consumer_home
         gate.touch()
         assert finish(send) == 0, send.stderr.read()
         assert finish(recv) == 0
-    finally:
-        for p in (prod, send, recv):
-            if p.poll() is None:
-                p.kill()
     assert out.finish() == data
     res = json.loads(send.stdout.read())
     assert res["ok"] and res["payload_bytes"] == len(data) and res["frames"] == len(ends) - 1
@@ -230,16 +226,11 @@ def test_sender_sigkilled_after_k_frames_exit_75(nodes, consumer_home, tmp_path,
     ends = stream_producer.frame_ends(data)
     recv, to, out = stdout_receiver(consumer_home)
     prod, send = lane(producer_cmd(**SMALL, gate_after=k, gate=tmp_path / "never"), nodes.producer_home, to)
-    try:
+    with reaped(prod, send, recv):
         assert out.wait_size(ends[k])
         send.send_signal(signal.SIGKILL)
         send.wait(HANG_S)
         assert finish(recv) == 75
-    finally:
-        for p in (prod, send, recv):
-            if p.poll() is None:
-                p.kill()
-                p.wait(HANG_S)
     assert out.finish() == data[: ends[k]]  # header + k verified frames; no end frame
     assert b"no end frame was forwarded" in recv.stderr.read()
 
@@ -250,17 +241,12 @@ def test_producer_sigkilled_midstream(nodes, consumer_home, tmp_path):
     ends = stream_producer.frame_ends(data)
     recv, to, out = stdout_receiver(consumer_home)
     prod, send = lane(producer_cmd(**SMALL, gate_after=9, gate=tmp_path / "never"), nodes.producer_home, to)
-    try:
+    with reaped(prod, send, recv):
         assert out.wait_size(ends[9])
         prod.send_signal(signal.SIGKILL)
         prod.wait(HANG_S)
         assert finish(send) == 65
         assert finish(recv) == 75
-    finally:
-        for p in (prod, send, recv):
-            if p.poll() is None:
-                p.kill()
-                p.wait(HANG_S)
     assert out.finish() == data[: ends[9]]
     assert b"ended" in send.stderr.read()
 
@@ -346,18 +332,13 @@ def test_receiver_sigkilled_midstream_leaves_a_part_the_next_start_removes(nodes
     data = stream_producer.pack_bytes(**SMALL)
     recv, to = spawn_receiver(consumer_home, "--once", "-o", str(out))
     prod, send = lane(producer_cmd(**SMALL, gate_after=8, gate=tmp_path / "never"), nodes.producer_home, to)
-    try:
+    with reaped(prod, send, recv):
         assert wait_for(lambda: any(p.stat().st_size > 0 for p in out.glob(".*.part")), HANG_S)
         parts = list(out.glob(".*.part"))
         assert len(parts) == 1 and f".{recv.pid}-" in parts[0].name
         recv.send_signal(signal.SIGKILL)
         recv.wait(HANG_S)
         assert finish(send) == 75
-    finally:
-        for p in (prod, send, recv):
-            if p.poll() is None:
-                p.kill()
-                p.wait(HANG_S)
     assert parts[0].exists()  # SIGKILL: no cleanup ran
     again = subprocess.run(muser_cmd("receive", "--listen", "127.0.0.1:0", "--once", "--timeout", "0.5", "-o",
                                      str(out)), env=env_for(consumer_home), capture_output=True, timeout=HANG_S)
@@ -483,13 +464,9 @@ def test_prefill_send_receive_lane_tiny(nodes, consumer_home, tiny_llama, tmp_pa
     send = subprocess.Popen(muser_cmd("send", "-", "--to", to, "--json"), stdin=prod.stdout, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     prod.stdout.close()
-    try:
+    with reaped(prod, send, recv):
         assert finish(send) == 0, send.stderr.read()
         assert finish(recv) == 0
-    finally:
-        for p in (prod, send, recv):
-            if p.poll() is None:
-                p.kill()
     streamed = tee.finish()
     assert streamed == pack.read_bytes()  # the streamed lane carries the file lane's bytes exactly
     res = json.loads(send.stdout.read())

@@ -63,16 +63,28 @@ def _request_frame(nodes) -> bytes:
     return b"".join(bytes(p) for p in PullConnection(Side.CONSUMER).send_parts(Request(raw, mac, req)))
 
 
-def _trickle_until_closed(send, closed, *, data: bytes) -> tuple[float, int]:
-    """Send ``data`` one byte every TRICKLE_S until the peer closed (or all of it is sent);
-    (seconds from the start to when the close was seen, bytes of ``data`` sent by then)."""
+def _hung_up(sock: socket.socket, wait: float) -> bool:
+    """Whether the peer closed ``sock`` (a plain or a TLS socket) within ``wait`` seconds: an
+    end of stream, or an error reading it; False when ``wait`` passed with nothing to read."""
+    sock.settimeout(wait)
+    try:
+        return sock.recv(4096) == b""
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:  # ssl.SSLError among them
+        return True
+
+
+def _trickle_until_closed(sock: socket.socket, *, data: bytes) -> tuple[float, int]:
+    """Send ``data`` over ``sock`` one byte every TRICKLE_S until the peer closed it (or all of
+    it is sent); (seconds from the start to when the close was seen, bytes of ``data`` sent by then)."""
     t0 = time.monotonic()
     for i, b in enumerate(data):
         try:
-            send(bytes([b]))
+            sock.sendall(bytes([b]))
         except (OSError, ssl.SSLError):
             return time.monotonic() - t0, i
-        if closed(TRICKLE_S):
+        if _hung_up(sock, TRICKLE_S):
             return time.monotonic() - t0, i + 1
     return time.monotonic() - t0, len(data)
 
@@ -98,18 +110,8 @@ def test_a_trickled_request_loses_its_slot_at_request_s(producer):
     ctx.set_alpn_protocols([ALPN_PULL])
     raw = socket.create_connection(("127.0.0.1", server.address[1]), timeout=HANG_S)
     tls = ctx.wrap_socket(raw, server_hostname=nodes.producer.name)  # TLS up: the request deadline starts
-
-    def closed(wait: float) -> bool:
-        tls.settimeout(wait)
-        try:
-            return tls.recv(4096) == b""
-        except (socket.timeout, TimeoutError):
-            return False
-        except (ssl.SSLError, OSError):
-            return True
-
     try:
-        held, sent = _trickle_until_closed(tls.sendall, closed, data=frame)
+        held, sent = _trickle_until_closed(tls, data=frame)
     finally:
         tls.close()
     freed = _wait_pending_zero(server)
@@ -137,18 +139,8 @@ def test_a_trickled_tls_handshake_is_dropped_at_handshake_s(producer):
     hello = outgoing.read()
     assert len(hello) * TRICKLE_S > 5 * handshake_s
     sock = socket.create_connection(("127.0.0.1", server.address[1]), timeout=HANG_S)
-
-    def closed(wait: float) -> bool:
-        sock.settimeout(wait)
-        try:
-            return sock.recv(4096) == b""
-        except (socket.timeout, TimeoutError):
-            return False
-        except OSError:
-            return True
-
     try:
-        _, sent = _trickle_until_closed(sock.sendall, closed, data=hello)
+        _, sent = _trickle_until_closed(sock, data=hello)
     finally:
         sock.close()
     # Given up at the deadline, not per read (states, not a stopwatch): closed while the hello

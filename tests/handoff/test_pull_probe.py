@@ -17,17 +17,14 @@ import time
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import HANG_S, Producer, env_for, first_pull_answer, keys_dir_of, make_nodes, muser_cmd
+from handoff_kit import HANG_S, env_for, first_pull_answer, keys_dir_of, muser_cmd, pull_lane
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_llama):
-    root = tmp_path_factory.mktemp("probe")
-    nodes = make_nodes(root)
-    producer = Producer(nodes.producer_home, "-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32")
-    producer.model = str(tiny_llama.path)
-    yield {"root": root, "nodes": nodes, "producer": producer}
-    assert producer.stop() == 0
+    with pull_lane(tmp_path_factory.mktemp("probe"), tiny_llama.path) as lane:
+        lane["producer"].model = lane["model"]
+        yield lane
 
 
 def probe(home, to: str, *extra: str) -> subprocess.CompletedProcess:

@@ -7,22 +7,30 @@ import json
 import pytest
 
 from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.wire.header import canonical
 from muser_cli.handoff.wire.protocol import PREFIX, LocalProtocolError, NEED_DATA, Reject
 from muser_cli.handoff.wire.pull_protocol import (
     MAX_REQUEST_BYTES, PullConnection, PullRequest, PullState, Queued, Request, Serving, Side, check_fresh,
     new_request_id, parse_request, sign_request, verify_request_mac,
 )
+from handoff_kit import refused_as_malformed
 
 SECRET = bytes(range(32))
 
 
 def make_request(**over) -> PullRequest:
-    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
-                  token_ids=(1, 2, 3, 4), tokenizer_fingerprint="sha256:" + "b" * 64,
-                  model_fingerprint="sha256:" + "a" * 64, chunk_tokens=8, dtype="float32")
-    fields.update(over)
-    return PullRequest(**fields)
+    return PullRequest(**{"key_id": "k1", "request_id": new_request_id(), "issued_at_ms": 1_700_000_000_000,
+                          "consumer": "consumer", "token_ids": (1, 2, 3, 4),
+                          "tokenizer_fingerprint": "sha256:" + "b" * 64, "model_fingerprint": "sha256:" + "a" * 64,
+                          "chunk_tokens": 8, "dtype": "float32", **over})
+
+
+def signed_and_sent(body, sign, frame) -> tuple[PullConnection, PullConnection, object, bytes]:
+    """``body`` signed with ``sign`` and sent as ``frame`` from a consumer's connection to a
+    producer's: (consumer, producer, the first event the producer reads, the MAC)."""
+    raw, mac = sign(body, SECRET)
+    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
+    producer.receive_data(consumer.send(frame(raw, mac, body)))
+    return consumer, producer, producer.next_event(), mac
 
 
 def test_request_round_trips_and_its_mac_binds_every_byte():
@@ -54,10 +62,7 @@ def test_request_round_trips_and_its_mac_binds_every_byte():
     lambda o: o.update(engine=3),
 ])
 def test_malformed_requests_are_protocol_errors(change):
-    obj = make_request().to_json()
-    change(obj)
-    with pytest.raises(ProtocolError):
-        parse_request(canonical(obj))
+    refused_as_malformed(make_request().to_json(), change, parse_request)
 
 
 def test_a_request_may_name_the_consumers_engine():
@@ -85,11 +90,8 @@ def test_freshness_window():
 
 
 def test_exchange_request_queued_serving_then_bytes_belong_to_v3():
-    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
     req = make_request()
-    raw, mac = sign_request(req, SECRET)
-    producer.receive_data(consumer.send(Request(raw, mac, req)))
-    got = producer.next_event()
+    consumer, producer, got, mac = signed_and_sent(req, sign_request, Request)
     assert isinstance(got, Request) and got.request == req and got.mac == mac
     consumer.receive_data(producer.send(Queued(1)) + producer.send(Serving()) + b"\x01\x00\x00\x00\x02{}")
     assert consumer.next_event() == Queued(1)
@@ -100,10 +102,7 @@ def test_exchange_request_queued_serving_then_bytes_belong_to_v3():
 
 
 def test_reject_closes_and_busy_is_readable():
-    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
-    req = make_request()
-    producer.receive_data(consumer.send(Request(*sign_request(req, SECRET), req)))
-    producer.next_event()
+    consumer, producer, _, _ = signed_and_sent(make_request(), sign_request, Request)
     consumer.receive_data(producer.send(Reject("busy", "one at a time")))
     ev = consumer.next_event()
     assert isinstance(ev, Reject) and ev.code == "busy" and consumer.state is PullState.CLOSED
@@ -145,10 +144,8 @@ from muser_cli.handoff.wire.pull_protocol import (  # noqa: E402
 
 
 def make_probe(**over) -> ProbeRequest:
-    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
-                  probe_ms=1000)
-    fields.update(over)
-    return ProbeRequest(**fields)
+    return ProbeRequest(**{"key_id": "k1", "request_id": new_request_id(), "issued_at_ms": 1_700_000_000_000,
+                           "consumer": "consumer", "probe_ms": 1000, **over})
 
 
 def test_probe_request_round_trips_and_its_mac_is_not_a_requests():
@@ -176,18 +173,12 @@ def test_probe_request_round_trips_and_its_mac_is_not_a_requests():
     lambda o: o.update(token_ids=[1, 2]),
 ])
 def test_malformed_probe_requests_are_protocol_errors(change):
-    obj = make_probe().to_json()
-    change(obj)
-    with pytest.raises(ProtocolError):
-        parse_probe(canonical(obj))
+    refused_as_malformed(make_probe().to_json(), change, parse_probe)
 
 
 def test_exchange_probe_then_serving_and_limits_at_the_prefix():
-    consumer, producer = PullConnection(Side.CONSUMER), PullConnection(Side.PRODUCER)
     probe = make_probe()
-    raw, mac = sign_probe(probe, SECRET)
-    producer.receive_data(consumer.send(Probe(raw, mac, probe)))
-    got = producer.next_event()
+    consumer, producer, got, mac = signed_and_sent(probe, sign_probe, Probe)
     assert isinstance(got, Probe) and got.probe == probe and got.mac == mac
     consumer.receive_data(producer.send(Queued(1)) + producer.send(Serving()) + b"\x01\x00\x00\x00\x02{}")
     assert consumer.next_event() == Queued(1) and isinstance(consumer.next_event(), Serving)

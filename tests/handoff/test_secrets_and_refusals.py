@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_kit import HANG_S, env_for, muser_cmd, nodes, pack_bytes, spawn_receiver  # noqa: F401 - fixtures
+from handoff_kit import HANG_S, env_for, homes, muser_cmd, nodes, pack_bytes, spawn_receiver  # noqa: F401 - fixtures
 from home_kit import hmac_secrets, home_tree, readable_secrets
 
 UMASK = 0o022  # what most shells have: files 0644, folders 0755 unless muser says otherwise
@@ -104,17 +104,6 @@ def _on_a_terminal(home: Path, *args) -> subprocess.CompletedProcess:
     finally:
         os.close(slave)
         os.close(master)
-
-
-@pytest.fixture
-def homes(tmp_path, nodes) -> tuple[Path, Path]:
-    """A consumer and a producer that joined it (copies: each test may change them)."""
-    import shutil
-
-    c, p = tmp_path / "c", tmp_path / "p"
-    shutil.copytree(nodes.consumer_home, c, symlinks=True)
-    shutil.copytree(nodes.producer_home, p, symlinks=True)
-    return c, p
 
 
 def refused_unchanged(home: Path, status: int, act, *also: Path) -> str:

@@ -19,11 +19,7 @@ import io
 import numpy as np
 import pytest
 
-from muser_cli.engines.mlx import blas as mlx_blas
-
-mlx_blas.ensure_fast_blas()  # before the first import of mlx.core in this process
-mx = pytest.importorskip("mlx.core", reason="mlx not installed")
-pytest.importorskip("mlx_lm", reason="mlx-lm not installed")
+from mlx_lm_kit import PROMPT, mx  # first: MLX's BLAS, or the module skipped
 
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import ChunkedKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
@@ -37,8 +33,6 @@ from muser_cli.model.tokens import encode_prompt  # noqa: E402
 
 pytestmark = pytest.mark.mlx
 
-PROMPT = ("The producer computes the prompt once and ships its keys and values to the consumer. "
-          "A sliding window layer keeps only the last few rows.")
 STEP = 8  # mlx-lm's prefill step: two per chunk of 16
 NEW = 12
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -275,6 +276,26 @@ def _until(predicate, ceiling_s=60.0):
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _second_waits(gguf: Path, started: threading.Event, release: threading.Event):
+    """Two threads convert ``gguf`` at once: the block runs once the first has started (its
+    conversion holds until ``release``) and the second waits on the lock; then the first is
+    released and both are joined. Yields (the events heard, the first's answer, the second's)."""
+    heard: list = []
+    stop = models.on_convert(lambda event, fields: heard.append(event))
+    try:
+        first, got1 = _in_thread(lambda: models.convert_gguf(gguf))
+        assert started.wait(60)
+        second, got2 = _in_thread(lambda: models.convert_gguf(gguf))
+        _until(lambda: "wait" in heard)
+        yield heard, got1, got2
+        release.set()
+        first.join(60)
+        second.join(60)
+    finally:
+        stop()
+
+
 def test_gguf_conversion_race_converts_once_and_the_other_waits(tmp_path, monkeypatch):
     gguf = tmp_path / "Race.gguf"
     gguf.write_bytes(b"GGUF race")
@@ -288,19 +309,8 @@ def test_gguf_conversion_race_converts_once_and_the_other_waits(tmp_path, monkey
         inner(file, out)
 
     monkeypatch.setattr(models, "_convert_into", slow_convert)
-    heard: list = []
-    stop = models.on_convert(lambda event, fields: heard.append(event))
-    try:
-        first, got1 = _in_thread(lambda: models.convert_gguf(gguf))
-        assert started.wait(60)
-        second, got2 = _in_thread(lambda: models.convert_gguf(gguf))
-        _until(lambda: "wait" in heard)  # the second one blocks on the lock, converting nothing
-        assert len(calls) == 0
-        release.set()
-        first.join(60)
-        second.join(60)
-    finally:
-        stop()
+    with _second_waits(gguf, started, release) as (heard, got1, got2):
+        assert len(calls) == 0  # the second one blocks on the lock, converting nothing
     assert "error" not in got1 and "error" not in got2
     assert got1["value"] == got2["value"] and len(calls) == 1
     assert sorted(heard) == sorted(["start", "wait", "done", "waited"])
@@ -325,18 +335,8 @@ def test_a_waiter_converts_itself_when_the_first_conversion_failed(tmp_path, mon
         (out / "config.json").write_text('{"ok": 1}')
 
     monkeypatch.setattr(models, "_convert_into", first_fails)
-    heard: list = []
-    stop = models.on_convert(lambda event, fields: heard.append(event))
-    try:
-        first, got1 = _in_thread(lambda: models.convert_gguf(gguf))
-        assert started.wait(60)
-        second, got2 = _in_thread(lambda: models.convert_gguf(gguf))
-        _until(lambda: "wait" in heard)
-        release.set()
-        first.join(60)
-        second.join(60)
-    finally:
-        stop()
+    with _second_waits(gguf, started, release) as (heard, got1, got2):
+        pass  # the first fails once released; the second converts itself
     assert isinstance(got1.get("error"), DataError)
     assert json.loads((got2["value"] / "config.json").read_text()) == {"ok": 1} and len(calls) == 2
     assert heard.count("start") == 2 and "failed" in heard and "waited" in heard and "done" in heard

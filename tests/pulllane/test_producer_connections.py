@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd, wait_for
+from handoff_kit import HANG_S, env_for, muser_cmd, pull_lane, wait_for
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
@@ -25,14 +25,11 @@ _METRICS = re.compile(r"metrics on http://(\S+)/metrics")
 
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_llama):
-    nodes = make_nodes(tmp_path_factory.mktemp("connected"))
-    model = str(tiny_llama.path)
-    producer = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32",
-                        "--metrics", "127.0.0.1:0")
-    assert wait_for(lambda: any(_METRICS.search(line) for line in producer.lines), HANG_S), producer.lines
-    metrics = next(m.group(1) for line in producer.lines if (m := _METRICS.search(line)))
-    yield {"nodes": nodes, "model": model, "producer": producer, "metrics": metrics}
-    assert producer.stop() == 0
+    with pull_lane(tmp_path_factory.mktemp("connected"), tiny_llama.path, "--metrics", "127.0.0.1:0") as lane:
+        producer = lane["producer"]
+        assert wait_for(lambda: any(_METRICS.search(line) for line in producer.lines), HANG_S), producer.lines
+        lane["metrics"] = next(m.group(1) for line in producer.lines if (m := _METRICS.search(line)))
+        yield lane
 
 
 def connections(lane) -> list[dict]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import threading
@@ -22,31 +21,17 @@ from pathlib import Path
 import pytest
 
 from muser_cli.handoff.trust import node
-from handoff_kit import (Producer, Relay, copy_home, env_for, first_pull_answer, held_pull, keys_dir_of, make_nodes,
-                         HANG_S, muser_cmd, wait_for)
-
-PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
-          "After a long debate about costs, traffic and the river's spring floods, they chose "
-          "the northern site, close to the old mill and the school.")
-CHUNK = 8
+from handoff_kit import (LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, Producer, Relay, env_for, first_pull_answer,
+                         held_pull, keys_dir_of, local_decode, make_nodes, HANG_S, muser_cmd, prefill_stored,
+                         pull_lane, serving, signed_request, wait_for, without_store)
 
 
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_llama):
-    root = tmp_path_factory.mktemp("pull")
-    nodes = make_nodes(root)
-    prompt = root / "doc.txt"
-    prompt.write_text(PROMPT)
-    model = str(tiny_llama.path)
-    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
-    local = subprocess.run(muser_cmd("decode", *common, "--chunk", str(CHUNK), "--prompt", str(prompt), "-n", "8",
-                                     "--no-reuse", "--json"), env=env_for(nodes.consumer_home), input=b"",
-                           capture_output=True, timeout=HANG_S)
-    assert local.returncode == 0, local.stderr
-    producer = Producer(nodes.producer_home, *common)
-    yield {"root": root, "nodes": nodes, "prompt": prompt, "model": model, "common": common,
-           "local": json.loads(local.stdout), "producer": producer}
-    assert producer.stop() == 0
+    with pull_lane(tmp_path_factory.mktemp("pull"), tiny_llama.path, prompt=PROMPT) as lane:
+        lane["local"] = local_decode(lane["nodes"].consumer_home, *lane["common"], "--chunk", str(CHUNK), "--prompt",
+                                     str(lane["prompt"]), "-n", "8", "--no-reuse", "--json")
+        yield lane
 
 
 def decode_pull(lane, to: str, *extra: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
@@ -103,31 +88,6 @@ def test_a_stranger_is_refused_77_before_any_prefill(lane):
     assert p.wait_events(1, "tls_failed")
 
 
-def signed_request(lane):
-    """This lane's consumer identity and a freshly signed request for the lane's prompt (what
-    ``receive --from`` would send), to speak the protocol by hand."""
-    from muser_cli.handoff.pull.client import key_for
-    from muser_cli.handoff.trust.node import load_identity
-    from muser_cli.handoff.wire.pull_protocol import PullRequest, Request, new_request_id, sign_request
-    from muser_cli.pulllane.consumer import ask_for
-
-    was = os.environ.get("MUSER_HOME")
-    os.environ["MUSER_HOME"] = str(lane["nodes"].consumer_home)
-    try:
-        ident = load_identity(keys_dir_of(lane["nodes"].consumer_home))
-        ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
-    finally:
-        if was is None:
-            del os.environ["MUSER_HOME"]
-        else:
-            os.environ["MUSER_HOME"] = was
-    key = key_for(ident, "gx10")
-    req = PullRequest(key.key_id, new_request_id(), int(time.time() * 1000), ident.name, tuple(ask.token_ids),
-                      ask.tokenizer_fingerprint, ask.model_fingerprint, CHUNK, "float32")
-    raw, mac = sign_request(req, key.secret)
-    return ident, Request(raw, mac, req)
-
-
 def test_a_replayed_request_is_refused(lane):
     """The same signed request bytes sent twice: the second is refused (replay) before any work."""
     from muser_cli.handoff.wire.protocol import Reject
@@ -161,8 +121,8 @@ def test_two_consumers_with_no_queue_one_is_told_busy_at_once(lane, tmp_path):
     once (75). The first is admitted (Serving) and holds its turn without saying it is ready,
     so the producer is busy for as long as the test needs, whatever the machine's load; once it
     hangs up (logged: it left before it was ready), the next consumer is served."""
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0", "--idle-timeout", str(HANG_S))
-    try:
+    with serving(lane["nodes"].producer_home, *lane["common"], "--max-queue", "0",
+                 "--idle-timeout", str(HANG_S)) as prod:
         env = env_for(lane["nodes"].consumer_home)
         args = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
         ident, request = signed_request(lane)
@@ -183,8 +143,6 @@ def test_two_consumers_with_no_queue_one_is_told_busy_at_once(lane, tmp_path):
         events = prod.wait_events(3)
         assert sorted(e["outcome"] for e in events) == ["busy", "failed", "served"], events
         assert all("ready" in e["reason"].lower() for e in events if e["outcome"] == "failed"), events
-    finally:
-        assert prod.stop() == 0
 
 
 def test_producer_down_receive_75_and_decode_falls_back(lane):
@@ -286,13 +244,8 @@ def test_receive_from_asks_only_for_what_the_store_lacks(lane, follow, tmp_path)
     ``--no-reuse`` asks for the whole pack."""
     from muser_cli.kvpack import read_pack
 
-    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
-    shutil.rmtree(home / "data" / "store", ignore_errors=True)
-    env = env_for(home)
-    stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
-                                      "--store", "-o", str(tmp_path / "doc.kvpack")),
-                            env=env, capture_output=True, timeout=HANG_S)
-    assert stored.returncode == 0, stored.stderr
+    env = env_for(without_store(lane["nodes"].consumer_home, tmp_path / "consumer"))
+    prefill_stored(env, lane["prompt"], tmp_path / "doc.kvpack", *lane["common"], "--chunk", str(CHUNK))
     ask = ["receive", "--from", lane["producer"].address, str(follow["path"]), "-m", lane["model"],
            "--chunk", str(CHUNK)]
     delta = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "delta.kvpack"), "--json"), env=env,
@@ -337,16 +290,13 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     info = resolve_model(lane["model"])
     short, long = (encode_prompt(info, t, chat=False) for t in OFF_GRID)
     assert len(short) == 18 and len(long) == 19 and long[:18] == short  # the store's rows end at 17 = 2 * 8 + 1
-    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
-    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    home = without_store(lane["nodes"].consumer_home, tmp_path / "consumer")
     env = env_for(home)
     paths = []
     for i, text in enumerate(OFF_GRID):
         paths.append(tmp_path / f"p{i}.txt")
         paths[-1].write_text(text)
-    stored = subprocess.run(muser_cmd("prefill", str(paths[0]), *lane["common"], "--chunk", str(CHUNK), "--store",
-                                      "-o", str(tmp_path / "short.kvpack")), env=env, capture_output=True, timeout=HANG_S)
-    assert stored.returncode == 0, stored.stderr
+    prefill_stored(env, paths[0], tmp_path / "short.kvpack", *lane["common"], "--chunk", str(CHUNK))
     local = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(paths[1]),
                                      "-n", "8", "--no-reuse", "--json"), env=env, input=b"", capture_output=True,
                            timeout=HANG_S)
@@ -427,8 +377,7 @@ def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp
     """``prefill --serve --store``: the document's rows outlive the producer; restarted, it
     continues the follow-up from its store (``reused_from`` store) and the pack decodes to
     the local tokens."""
-    home = copy_home(lane["nodes"].producer_home, tmp_path / "producer")
-    shutil.rmtree(home / "data" / "store", ignore_errors=True)
+    home = without_store(lane["nodes"].producer_home, tmp_path / "producer")
     env = env_for(lane["nodes"].consumer_home)
 
     def pull(prod: Producer, prompt: Path, out: Path) -> dict:
@@ -440,17 +389,11 @@ def test_a_producer_with_store_answers_from_it_after_a_restart(lane, follow, tmp
         assert [e["outcome"] for e in served] == ["served"], served
         return served[0]
 
-    prod = Producer(home, *lane["common"], "--store")
-    try:
+    with serving(home, *lane["common"], "--store") as prod:
         first = pull(prod, lane["prompt"], tmp_path / "doc.kvpack")
-    finally:
-        assert prod.stop() == 0
     assert first["stored"] and first["reused_rows"] == 0, first
-    prod = Producer(home, *lane["common"], "--store")
-    try:
+    with serving(home, *lane["common"], "--store") as prod:
         second = pull(prod, follow["path"], tmp_path / "follow.kvpack")
-    finally:
-        assert prod.stop() == 0
     assert second["reused_from"] == "store" and second["reused_rows"] >= CHUNK, second
     assert second["held_rows"] == 0 and second["stored"] != first["stored"], second
     dec = subprocess.run(muser_cmd("decode", str(tmp_path / "follow.kvpack"), *follow["decode"]), env=env,
@@ -463,8 +406,7 @@ def test_a_revoked_key_is_refused_77_before_any_prefill(lane, tmp_path):
     """``muser node revoke KEY`` on a running producer: the consumer's next request is refused
     (auth, 77) before admission, nothing on stdout, no output file."""
     nodes = make_nodes(tmp_path / "nodes")
-    prod = Producer(nodes.producer_home, *lane["common"])
-    try:
+    with serving(nodes.producer_home, *lane["common"]) as prod:
         ask = ["receive", "--from", prod.address, str(lane["prompt"]), "-m", lane["model"], "--chunk", str(CHUNK)]
         ok = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "ok.kvpack")), env=env_for(nodes.consumer_home),
                             capture_output=True, timeout=HANG_S)
@@ -480,8 +422,6 @@ def test_a_revoked_key_is_refused_77_before_any_prefill(lane, tmp_path):
         assert [e["outcome"] for e in events] == ["served", "auth"], events
         assert "revoked" in events[1]["reason"]
         assert len(prod.events("admitted")) == 1  # the refused one never reached the engine
-    finally:
-        assert prod.stop() == 0
 
 
 def test_silent_and_half_open_clients_are_dropped_without_delaying_others(lane):
@@ -538,7 +478,6 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
 
     monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
     ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1", "--idle-timeout", str(HANG_S))
     env = env_for(lane["nodes"].consumer_home)
     results: dict[int, object] = {}
     gate = threading.Barrier(4)
@@ -551,7 +490,8 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
             results[i] = exc
 
     threads = [threading.Thread(target=consumer, args=(i,), daemon=True) for i in range(4)]
-    try:
+    with serving(lane["nodes"].producer_home, *lane["common"], "--max-queue", "1",
+                 "--idle-timeout", str(HANG_S)) as prod:
         ident, request = signed_request(lane)
         with held_pull(ident, prod.address, request) as answer:  # it holds the producer's turn until it hangs up
             assert type(answer).__name__ == "Serving"
@@ -571,8 +511,6 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
             t.join(HANG_S)
         assert not any(t.is_alive() for t in threads), "a consumer hangs"
         events = prod.wait_events(6)
-    finally:
-        assert prod.stop() == 0
     refused = [i for i, r in results.items() if isinstance(r, TempFailure) and "busy" in str(r)]
     served = [i for i, r in results.items() if isinstance(r, dict)]
     assert len(refused) == 3 and len(served) == 1, results
@@ -658,8 +596,7 @@ def test_idle_timeout_drops_an_admitted_consumer_that_never_gets_ready(lane, tmp
     nothing holds the turn only that long: it is logged failed (timed out) and the next
     consumer is served while the silent one still holds its socket open. Without --serve, or
     not positive, the flag is a usage error (2)."""
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--idle-timeout", "1")
-    try:
+    with serving(lane["nodes"].producer_home, *lane["common"], "--idle-timeout", "1") as prod:
         ident, request = signed_request(lane)
         with held_pull(ident, prod.address, request) as answer:
             assert type(answer).__name__ == "Serving"
@@ -670,8 +607,6 @@ def test_idle_timeout_drops_an_admitted_consumer_that_never_gets_ready(lane, tmp
                                env=env_for(lane["nodes"].consumer_home), capture_output=True, timeout=HANG_S)
             assert r.returncode == 0, r.stderr
         assert [e["outcome"] for e in prod.wait_events(2)] == ["failed", "served"]
-    finally:
-        assert prod.stop() == 0
     env = env_for(lane["nodes"].producer_home)
     for args in (["prefill", str(lane["prompt"]), *lane["common"], "--idle-timeout", "5"],
                  ["prefill", "--serve", "127.0.0.1:0", *lane["common"], "--idle-timeout", "0"]):

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from handoff_kit import HANG_S
-from handoff_kit import Producer, env_for, keys_dir_of, muser_cmd, pack_bytes, pack_file, receivers  # noqa: F401
+from handoff_kit import (  # noqa: F401 - fixtures
+    env_for, keys_dir_of, lane_flags, muser_cmd, pack_bytes, pack_file, receivers, serving,
+)
 from muser_cli.errors import AuthError, UsageError
 from muser_cli.handoff.trust import node
 from muser_cli.handoff.pull.admission import Admission as _Admission
@@ -287,14 +289,13 @@ def test_both_consumers_pull_from_one_resident_producer_and_decode_the_local_tok
     c = two_consumers(tmp_path)
     prompt = tmp_path / "doc.txt"
     prompt.write_text(PROMPT)
-    common = ["-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32"]
+    common = lane_flags(tiny_llama.path)
     ask = ["decode", *common, "--chunk", "8", "--prompt", str(prompt), "-n", "8", "--no-reuse", "--json"]
     local = subprocess.run(muser_cmd(*ask), env=env_for(c["mac-a"]["home"]), input=b"", capture_output=True,
                            timeout=HANG_S)
     assert local.returncode == 0, local.stderr
     want = json.loads(local.stdout)["token_ids"]
-    prod = Producer(c["producer_home"], *common)
-    try:
+    with serving(c["producer_home"], *common) as prod:
         for who in ("mac-a", "mac-b"):
             r = subprocess.run(muser_cmd(*ask, "--producer", prod.address), env=env_for(c[who]["home"]),
                                capture_output=True, timeout=HANG_S)
@@ -314,5 +315,3 @@ def test_both_consumers_pull_from_one_resident_producer_and_decode_the_local_tok
         again = subprocess.run(muser_cmd(*ask, "--producer", prod.address), env=env_for(c["mac-b"]["home"]),
                                capture_output=True, timeout=HANG_S)
         assert again.returncode == 0 and json.loads(again.stdout)["source"] == "handoff", again.stderr
-    finally:
-        assert prod.stop() == 0

@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, env_for, lane_flags, make_nodes, muser_cmd, serving
 
 # Not imported here: MLX picks its BLAS when it first loads (muser_cli.engines.mlx.blas), in the
 # processes that run it.
@@ -35,7 +35,7 @@ def layers_of(path):
 def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
     nodes = make_nodes(tmp_path)
     model = str(tiny_llama.path)
-    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
+    common = lane_flags(model)
     env = env_for(nodes.consumer_home)
     doc, follow = tmp_path / "doc.txt", tmp_path / "follow.txt"
     doc.write_text(DOC)
@@ -47,8 +47,7 @@ def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
                                      str(prompt)), env=env, capture_output=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         local[name] = out
-    producer = Producer(nodes.producer_home, *common, "--engine", "mlx")
-    try:
+    with serving(nodes.producer_home, *common, "--engine", "mlx") as producer:
         for name, prompt in (("doc", doc), ("follow", follow)):
             out = tmp_path / f"pulled-{name}.kvpack"
             r = subprocess.run(muser_cmd("receive", "--from", producer.address, str(prompt), "-m", model,
@@ -74,5 +73,3 @@ def test_an_mlx_producer_serves_its_local_prefills_rows(tmp_path, tiny_llama):
         assert loc.returncode == 0, loc.stderr
         got, want = json.loads(dec.stdout), json.loads(loc.stdout)
         assert got["source"] == "handoff" and not got["fallback"] and got["token_ids"] == want["token_ids"], got
-    finally:
-        assert producer.stop() == 0

@@ -16,10 +16,9 @@ import subprocess
 
 import pytest
 
-from muser_cli.errors import AuthError, ProtocolError
-from muser_cli.handoff.wire.header import canonical
+from muser_cli.errors import AuthError
 from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request, verify_request_mac
-from handoff_kit import HANG_S, Producer, env_for, make_nodes, muser_cmd
+from handoff_kit import HANG_S, env_for, lane_flags, muser_cmd, pull_lane, refused_as_malformed, serving
 
 PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
           "They chose the northern site, close to the old mill and the school.")
@@ -29,11 +28,10 @@ SECRET = bytes(range(32))
 
 # ----------------------------------------------------------------------------- the request bytes
 def text_request(**over) -> PullRequest:
-    fields = dict(key_id="k1", request_id=new_request_id(), issued_at_ms=1_700_000_000_000, consumer="consumer",
-                  token_ids=(), tokenizer_fingerprint="sha256:" + "b" * 64, model_fingerprint="sha256:" + "a" * 64,
-                  chunk_tokens=8, dtype="float32", text="Hello, world! Ünïcode too.", chat=True)
-    fields.update(over)
-    return PullRequest(**fields)
+    return PullRequest(**{"key_id": "k1", "request_id": new_request_id(), "issued_at_ms": 1_700_000_000_000,
+                          "consumer": "consumer", "token_ids": (), "tokenizer_fingerprint": "sha256:" + "b" * 64,
+                          "model_fingerprint": "sha256:" + "a" * 64, "chunk_tokens": 8, "dtype": "float32",
+                          "text": "Hello, world! Ünïcode too.", "chat": True, **over})
 
 
 def test_a_text_request_round_trips_and_its_mac_covers_text_and_chat():
@@ -62,24 +60,14 @@ def test_a_text_request_round_trips_and_its_mac_covers_text_and_chat():
     lambda o: o.update(prompt={"text": ["x"], "chat": False}),
 ])
 def test_malformed_text_requests_are_protocol_errors(change):
-    obj = text_request().to_json()
-    change(obj)
-    with pytest.raises(ProtocolError):
-        parse_request(canonical(obj))
+    refused_as_malformed(text_request().to_json(), change, parse_request)
 
 
 # ----------------------------------------------------------------------------- real processes
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_llama):
-    root = tmp_path_factory.mktemp("pull-text")
-    nodes = make_nodes(root)
-    prompt = root / "doc.txt"
-    prompt.write_text(PROMPT)
-    model = str(tiny_llama.path)
-    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
-    producer = Producer(nodes.producer_home, *common)
-    yield {"root": root, "nodes": nodes, "prompt": prompt, "model": model, "common": common, "producer": producer}
-    assert producer.stop() == 0
+    with pull_lane(tmp_path_factory.mktemp("pull-text"), tiny_llama.path, prompt=PROMPT) as lane:
+        yield lane
 
 
 def consumer_ids(lane, model: str, *, chat: bool) -> list[int]:
@@ -148,8 +136,7 @@ def test_a_producer_whose_template_renders_other_tokens_is_caught_by_the_consume
     first, second = (consumer_ids(lane, clock_model, chat=True) for _ in range(2))
     assert first != second  # the premise: two renderings of the template differ
     assert consumer_ids(lane, clock_model, chat=False) == consumer_ids(lane, lane["model"], chat=False)
-    producer = Producer(lane["nodes"].producer_home, "-m", clock_model, "--threads", "1", "--dtype", "float32")
-    try:
+    with serving(lane["nodes"].producer_home, *lane_flags(clock_model)) as producer:
         out = tmp_path / "text.kvpack"
         r = receive(lane, producer.address, out, "--send-text", "--chat", model=clock_model)
         assert r.returncode == 65, r.stderr
@@ -171,8 +158,6 @@ def test_a_producer_whose_template_renders_other_tokens_is_caught_by_the_consume
         assert dec.returncode == 0, dec.stderr
         got = json.loads(dec.stdout)
         assert got["fallback"] and "token ids" in got["reason"], got
-    finally:
-        assert producer.stop() == 0
 
 
 def test_a_producer_with_another_template_file_is_refused_before_any_work(lane, clock_model, tmp_path):
@@ -181,8 +166,7 @@ def test_a_producer_with_another_template_file_is_refused_before_any_work(lane, 
     mismatched data, as on the push lane; decode --producer falls back)."""
     from muser_cli.model.resolve import resolve_model
 
-    producer = Producer(lane["nodes"].producer_home, "-m", clock_model, "--threads", "1", "--dtype", "float32")
-    try:
+    with serving(lane["nodes"].producer_home, *lane_flags(clock_model)) as producer:
         r = receive(lane, producer.address, tmp_path / "x.kvpack", "--send-text", "--chat")
         assert r.returncode == 65, r.stderr
         text = r.stderr.decode()
@@ -190,5 +174,3 @@ def test_a_producer_with_another_template_file_is_refused_before_any_work(lane, 
         assert resolve_model(lane["model"]).tokenizer_fingerprint in text
         assert [e["outcome"] for e in producer.wait_events(1)] == ["model"]
         assert producer.events("admitted") == []
-    finally:
-        assert producer.stop() == 0

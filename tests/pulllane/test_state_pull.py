@@ -9,48 +9,29 @@ local fallback's tokens; a producer killed mid-stream leaves verified chunks tha
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 
 import pytest
 
-from handoff_kit import HANG_S, Producer, copy_home, env_for, make_nodes, muser_cmd
-
-PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
-          "After a long debate about costs, traffic and the river's spring floods, they chose "
-          "the northern site, close to the old mill and the school.")
-CHUNK = 8
+from handoff_kit import (LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, HANG_S, env_for, local_decode, muser_cmd,
+                         prefill_stored, pull_lane, serving, without_store)
 
 
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_family):
-    root = tmp_path_factory.mktemp("pull-state")
-    nodes = make_nodes(root)
-    prompt, follow = root / "doc.txt", root / "follow.txt"
-    prompt.write_text(PROMPT)
-    follow.write_text(PROMPT + "\n\nWhere did they put the bridge?")
-    model = str(tiny_family("qwen3_next").path)
-    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
-    decode_args = [*common, "--chunk", str(CHUNK), "--prompt", str(follow), "-n", "8", "--json"]
-    local = subprocess.run(muser_cmd("decode", *decode_args, "--no-reuse"), env=env_for(nodes.consumer_home),
-                           input=b"", capture_output=True, timeout=HANG_S)
-    assert local.returncode == 0, local.stderr
-    producer = Producer(nodes.producer_home, *common)
-    yield {"nodes": nodes, "prompt": prompt, "follow": follow, "model": model, "common": common,
-           "decode": decode_args, "tokens": json.loads(local.stdout)["token_ids"], "producer": producer}
-    assert producer.stop() == 0
+    with pull_lane(tmp_path_factory.mktemp("pull-state"), tiny_family("qwen3_next").path, prompt=PROMPT) as lane:
+        lane["follow"] = lane["root"] / "follow.txt"
+        lane["follow"].write_text(PROMPT + "\n\nWhere did they put the bridge?")
+        lane["decode"] = [*lane["common"], "--chunk", str(CHUNK), "--prompt", str(lane["follow"]), "-n", "8", "--json"]
+        lane["tokens"] = local_decode(lane["nodes"].consumer_home, *lane["decode"], "--no-reuse")["token_ids"]
+        yield lane
 
 
 def test_pull_lane_delta_from_a_stored_snapshot_equals_the_local_fallback(lane, tmp_path):
     from muser_cli.kvpack import read_pack
 
-    home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
-    shutil.rmtree(home / "data" / "store", ignore_errors=True)
-    env = env_for(home)
-    stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
-                                      "--store", "-o", str(tmp_path / "doc.kvpack")),
-                            env=env, capture_output=True, timeout=HANG_S)
-    assert stored.returncode == 0, stored.stderr
+    env = env_for(without_store(lane["nodes"].consumer_home, tmp_path / "consumer"))
+    prefill_stored(env, lane["prompt"], tmp_path / "doc.kvpack", *lane["common"], "--chunk", str(CHUNK))
     delta_path = tmp_path / "delta.kvpack"
     got = subprocess.run(muser_cmd("receive", "--from", lane["producer"].address, str(lane["follow"]), "-m",
                                    lane["model"], "--chunk", str(CHUNK), "-o", str(delta_path), "--json"),
@@ -81,11 +62,8 @@ def test_a_producer_with_state_every_serves_spaced_snapshots_with_the_same_token
     decodes the local fallback's tokens, whole and as a delta from a stored document."""
     from muser_cli.kvpack import read_pack
 
-    prod = Producer(lane["nodes"].producer_home, *lane["common"], "--state-every", "3")
-    try:
-        home = copy_home(lane["nodes"].consumer_home, tmp_path / "consumer")
-        shutil.rmtree(home / "data" / "store", ignore_errors=True)
-        env = env_for(home)
+    with serving(lane["nodes"].producer_home, *lane["common"], "--state-every", "3") as prod:
+        env = env_for(without_store(lane["nodes"].consumer_home, tmp_path / "consumer"))
         ask = ["receive", "--from", prod.address, str(lane["follow"]), "-m", lane["model"], "--chunk", str(CHUNK),
                "--no-reuse", "--json"]
         spaced = subprocess.run(muser_cmd(*ask, "-o", str(tmp_path / "spaced.kvpack")), env=env, capture_output=True,
@@ -103,14 +81,9 @@ def test_a_producer_with_state_every_serves_spaced_snapshots_with_the_same_token
         assert whole.returncode == 0, whole.stderr
         out = json.loads(whole.stdout)
         assert out["source"] == "handoff" and out["token_ids"] == lane["tokens"], out
-        stored = subprocess.run(muser_cmd("prefill", str(lane["prompt"]), *lane["common"], "--chunk", str(CHUNK),
-                                          "--store", "-o", str(tmp_path / "doc.kvpack")),
-                                env=env, capture_output=True, timeout=HANG_S)
-        assert stored.returncode == 0, stored.stderr
+        prefill_stored(env, lane["prompt"], tmp_path / "doc.kvpack", *lane["common"], "--chunk", str(CHUNK))
         delta = subprocess.run(muser_cmd("decode", *lane["decode"], "--producer", prod.address), env=env, input=b"",
                                capture_output=True, timeout=HANG_S)
         assert delta.returncode == 0, delta.stderr
         out = json.loads(delta.stdout)
         assert out["token_ids"] == lane["tokens"] and out["reuse"]["held_tokens"] >= CHUNK, out
-    finally:
-        assert prod.stop() == 0

@@ -15,24 +15,16 @@ import time
 
 import pytest
 
-pytest.importorskip("starlette")
-pytest.importorskip("prometheus_client")
+from serve_kit import PROMPT, engine_worker  # first: the module skipped without Starlette or prometheus_client
 
 from handoff_kit import HANG_S, ServiceProcess, muser_cmd  # noqa: E402
 from muser_cli.service.api import MAX_BODY, MAX_DEPTH, ApiError, parse_ask, parse_body  # noqa: E402
-from muser_cli.service.worker import Config, EngineWorker  # noqa: E402
-
-PROMPT = "The committee met on a grey Tuesday to decide where the new bridge would go."
 
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    from muser_cli.service.metrics import ConsumerMetrics
-
-    w = EngineWorker(Config(model=str(tiny_llama.path), dtype="float32", threads=1, max_queue=2, reuse=False),
-                     ConsumerMetrics())
-    yield w
-    w.close()
+    with engine_worker(tiny_llama, max_queue=2) as w:
+        yield w
 
 
 def _client(worker, **options):
@@ -256,14 +248,10 @@ def test_the_producers_summary_counts_what_its_log_says_and_a_reachability_check
     counted in the summary as the log lines say."""
     import contextlib
 
-    from handoff_kit import Producer, held_pull, make_nodes
-    from test_pull_lane import signed_request
+    from handoff_kit import held_pull, pull_lane, signed_request
 
-    nodes = make_nodes(tmp_path)
-    lane = {"nodes": nodes, "model": str(tiny_llama.path)}
-    prod = Producer(nodes.producer_home, "-m", str(tiny_llama.path), "--threads", "1", "--dtype", "float32",
-                    "--idle-timeout", str(HANG_S))
-    try:
+    with pull_lane(tmp_path, tiny_llama.path, "--idle-timeout", str(HANG_S)) as lane:
+        prod = lane["producer"]
         host, port = prod.address.rsplit(":", 1)
         socket.create_connection((host, int(port)), timeout=HANG_S).close()
         assert prod.wait_events(1, "reachability")
@@ -277,8 +265,6 @@ def test_the_producers_summary_counts_what_its_log_says_and_a_reachability_check
             assert type(answer).__name__ == "Serving"
         (failed,) = prod.wait_events(1)  # it hung up before its Ready
         assert failed["outcome"] == "failed" and "ready" in failed["reason"].lower()
-    finally:
-        assert prod.stop() == 0
     assert len(prod.events("tls_failed")) == 1 and len(prod.events("reachability")) == 1
     (stopped,) = prod.events("stopped")
     assert (stopped["served"], stopped["failed"], stopped["refused"], stopped["tls_refused"]) == (0, 1, 0, 1), stopped
@@ -286,21 +272,15 @@ def test_the_producers_summary_counts_what_its_log_says_and_a_reachability_check
 
 def test_the_human_summary_counts_refused_handshakes(tmp_path, tiny_llama):
     import re
-    import subprocess
-    import threading
 
-    from handoff_kit import env_for, make_nodes
+    from handoff_kit import make_nodes
 
     nodes = make_nodes(tmp_path)
-    proc = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "-m", str(tiny_llama.path)),
-                            env=env_for(nodes.producer_home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(raw.decode() for raw in proc.stderr), daemon=True).start()
+    producer = ServiceProcess(nodes.producer_home, muser_cmd("prefill", "--serve", "127.0.0.1:0", "-m",
+                                                             str(tiny_llama.path)), re.compile(r"listening on (\S+)"))
+    proc, lines = producer.proc, producer.lines
     deadline = time.monotonic() + HANG_S
-    while not any("listening on" in x for x in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, lines
-        time.sleep(0.05)
-    host, port = re.search(r"listening on (\S+)", "".join(lines)).group(1).rsplit(":", 1)
+    host, port = producer.address.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=HANG_S).close()
     with socket.create_connection((host, int(port)), timeout=HANG_S) as s:
         s.sendall(b"\x00" * 64)
@@ -430,26 +410,16 @@ def test_a_full_store_disk_fails_no_answer(tmp_path, tiny_llama):
         pytest.skip("this machine lets no user mount a tmpfs in a namespace of its own (unshare -rm)")
     import re
     import shlex
-    import subprocess
-    import threading
-
-    from handoff_kit import env_for
 
     store = tmp_path / "store"
     store.mkdir()
-    env = {**env_for(tmp_path / "home"), "MUSER_STORE": str(store)}
     serve = " ".join(shlex.quote(a) for a in muser_cmd("decode", "--serve", "127.0.0.1:0", "-m", str(tiny_llama.path),
                                                          "--threads", "1", "--dtype", "float32", "--store"))
-    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c",
-                             f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(store))} && exec {serve}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(raw.decode() for raw in proc.stderr), daemon=True).start()
-    deadline = time.monotonic() + HANG_S
-    while not any("listening on" in x for x in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, lines
-        time.sleep(0.05)
-    base = "http://" + re.search(r"listening on http://(\S+)/v1", "".join(lines)).group(1)
+    mounted = f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(store))} && exec {serve}"
+    service = ServiceProcess(tmp_path / "home", ["unshare", "-rm", "sh", "-c", mounted],
+                             re.compile(r"listening on http://(\S+)/v1"), extra_env={"MUSER_STORE": str(store)})
+    proc, lines = service.proc, service.lines
+    base = "http://" + service.address
     import httpx
 
     try:
@@ -639,22 +609,13 @@ def test_a_queued_consumer_is_kept_informed_its_timeout_holds_and_one_that_leave
     served once the turn is free."""
     import subprocess
 
-    from handoff_kit import Producer, env_for, held_pull, make_nodes
+    from handoff_kit import LANE_CHUNK as CHUNK, LANE_PROMPT, env_for, held_pull, pull_lane, signed_request
     from muser_cli.handoff.link import client_context
     from muser_cli.handoff.pull.server import QUEUED_EVERY_S
     from muser_cli.handoff.wire.pull_protocol import ALPN_PULL, PullConnection, Side
-    from test_pull_lane import CHUNK
-    from test_pull_lane import PROMPT as LANE_PROMPT
-    from test_pull_lane import signed_request
 
-    nodes = make_nodes(tmp_path)
-    model = str(tiny_llama.path)
-    lane = {"nodes": nodes, "model": model}
-    prod = Producer(nodes.producer_home, "-m", model, "--threads", "1", "--dtype", "float32",
-                    "--idle-timeout", str(HANG_S))
-    doc = tmp_path / "doc.txt"
-    doc.write_text(LANE_PROMPT)
-    try:
+    with pull_lane(tmp_path, tiny_llama.path, "--idle-timeout", str(HANG_S), prompt=LANE_PROMPT) as lane:
+        nodes, model, prod, doc = lane["nodes"], lane["model"], lane["producer"], lane["prompt"]
         ident, holding = signed_request(lane)
         with held_pull(ident, prod.address, holding) as answer:
             assert type(answer).__name__ == "Serving"
@@ -688,5 +649,3 @@ def test_a_queued_consumer_is_kept_informed_its_timeout_holds_and_one_that_leave
         out, err = third.communicate(timeout=HANG_S)  # the holder left: the third one's turn
         assert third.returncode == 0, err.decode()
         assert (tmp_path / "c.kvpack").stat().st_size > 0
-    finally:
-        assert prod.stop() == 0

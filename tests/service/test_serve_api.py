@@ -9,26 +9,19 @@ import time
 
 import pytest
 
-pytest.importorskip("starlette")
-pytest.importorskip("prometheus_client")
+from serve_kit import PROMPT, engine_worker  # first: the module skipped without Starlette or prometheus_client
 
 from muser_cli.errors import UsageError  # noqa: E402
 from muser_cli.service.api import ApiError, parse_ask, parse_body  # noqa: E402
 from muser_cli.service.textstream import TextStream  # noqa: E402
-from muser_cli.service.worker import Config, EngineWorker, Job, QueueFull  # noqa: E402
+from muser_cli.service.worker import Job, QueueFull  # noqa: E402
 from handoff_kit import HANG_S  # noqa: E402
-
-PROMPT = "The committee met on a grey Tuesday to decide where the new bridge would go."
 
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama):
-    from muser_cli.service.metrics import ConsumerMetrics
-
-    w = EngineWorker(Config(model=str(tiny_llama.path), dtype="float32", threads=1, max_queue=1, reuse=False),
-                     ConsumerMetrics())
-    yield w
-    w.close()
+    with engine_worker(tiny_llama, max_queue=1) as w:
+        yield w
 
 
 @pytest.fixture

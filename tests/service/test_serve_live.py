@@ -24,11 +24,10 @@ pytest.importorskip("starlette")
 pytest.importorskip("prometheus_client")
 import httpx  # noqa: E402
 
-from handoff_kit import HANG_S, Producer, ServiceProcess, env_for, make_nodes, muser_cmd  # noqa: E402
+from handoff_kit import (  # noqa: E402
+    HANG_S, LANE_PROMPT as PROMPT, Producer, ServiceProcess, env_for, local_decode, muser_cmd, pull_lane,
+)
 
-PROMPT = ("The committee met on a grey Tuesday to decide where the new bridge would go. "
-          "After a long debate about costs, traffic and the river's spring floods, they chose "
-          "the northern site, close to the old mill and the school.")
 N = 8
 _LISTEN = re.compile(r"listening on http://(\S+)/v1")
 _METRICS = re.compile(r"metrics on http://(\S+)/metrics")
@@ -52,22 +51,14 @@ class Consumer(ServiceProcess):
 
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_llama):
-    root = tmp_path_factory.mktemp("serve")
-    nodes = make_nodes(root)
-    prompt = root / "doc.txt"
-    prompt.write_text(PROMPT)
-    model = str(tiny_llama.path)
-    common = ["-m", model, "--threads", "1", "--dtype", "float32"]
-    local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
-                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=HANG_S)
-    assert local.returncode == 0, local.stderr
-    producer = Producer(nodes.producer_home, *common, "--metrics", "127.0.0.1:0")
-    consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse",
-                        "--max-queue", "4")
-    yield {"root": root, "nodes": nodes, "prompt": prompt, "common": common, "local": json.loads(local.stdout),
-           "producer": producer, "consumer": consumer}
-    consumer.stop()
-    producer.stop()
+    with pull_lane(tmp_path_factory.mktemp("serve"), tiny_llama.path, "--metrics", "127.0.0.1:0", prompt=PROMPT,
+                   check_exit=False) as lane:
+        lane["local"] = local_decode(lane["nodes"].consumer_home, *lane["common"], "--prompt", str(lane["prompt"]),
+                                     "-n", str(N), "--no-reuse", "--json")
+        lane["consumer"] = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer",
+                                    lane["producer"].address, "--no-reuse", "--max-queue", "4")
+        yield lane
+        lane["consumer"].stop()
 
 
 def complete(client, **extra):
@@ -302,22 +293,18 @@ def test_printer_flushes_every_piece(monkeypatch, tiny_llama):
 def test_the_real_model_through_a_producer_equals_decode(real_model, tmp_path):
     """Done-when, on the embedded model: `decode --serve -m default --producer` with the openai
     client gives the text of `muser decode --prompt` for the same prompt, through the producer."""
-    nodes = make_nodes(tmp_path)
-    prompt = tmp_path / "doc.txt"
-    prompt.write_text(PROMPT)
-    common = ["-m", "default", "--threads", "2"]
-    local = subprocess.run(muser_cmd("decode", *common, "--prompt", str(prompt), "-n", str(N), "--no-reuse", "--json"),
-                           env=env_for(nodes.consumer_home), input=b"", capture_output=True, timeout=HANG_S)
-    assert local.returncode == 0, local.stderr
-    producer = Producer(nodes.producer_home, *common)
-    consumer = Consumer(nodes.consumer_home, *common, "--producer", producer.address, "--no-reuse")
-    try:
-        raw = complete(consumer.client())
-        assert raw.parse().choices[0].text == json.loads(local.stdout)["text"]
-        assert raw.headers["x-muser-source"] == "handoff"
-    finally:
-        assert consumer.stop() == 0
-        producer.stop()
+    with pull_lane(tmp_path, "default", prompt=PROMPT, common=["-m", "default", "--threads", "2"],
+                   check_exit=False) as lane:
+        local = local_decode(lane["nodes"].consumer_home, *lane["common"], "--prompt", str(lane["prompt"]), "-n",
+                             str(N), "--no-reuse", "--json")
+        consumer = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address,
+                            "--no-reuse")
+        try:
+            raw = complete(consumer.client())
+            assert raw.parse().choices[0].text == local["text"]
+            assert raw.headers["x-muser-source"] == "handoff"
+        finally:
+            assert consumer.stop() == 0
 
 
 def test_a_silent_producer_costs_at_most_the_deadline(lane):

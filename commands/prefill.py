@@ -148,7 +148,8 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             observe(kind, f)
         if kind == "listening":
             say(f"prefill: listening on {f['address']}")
-        elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error") and as_json:
+        elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error",
+                      "warmed") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
@@ -164,6 +165,8 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             say(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
         elif kind == "tls_failed":  # counted in the summary's "refused"
             say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
+        elif kind == "warmed":
+            say(f"prefill: model loaded in {f['load_s']:.2f} s, engine warmed in {f['warm_s']:.2f} s")
         elif kind == "reachability":  # `node check`'s TCP connect: a check, not a refusal
             say(f"prefill: reachability check from {f.get('peer')} (a TCP connect, no TLS)")
         elif kind in ("warning", "error"):  # never dropped unread (issue 25 item 5)

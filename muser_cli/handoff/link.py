@@ -236,12 +236,18 @@ def unresolved(host: str) -> TempFailure:
                                                        "or dial an address, HOST:PORT")
 
 
+class OtherCAError(AuthError):
+    """The peer's certificate is not from this node's CA (an :class:`AuthError`, 77): the two
+    nodes are not enrolled with each other, as far as this side can see. The pull lane's
+    consumer says which side lacks what (:func:`muser_cli.handoff.pull.client`)."""
+
+
 def _verify_error(exc: ssl.SSLCertVerificationError, during: str) -> AuthError:
     """This side refused the peer's certificate: why, in the operator's words."""
     what = exc.verify_message or exc.reason
     code = exc.verify_code
     if code in _OTHER_CA:
-        return AuthError(f"the peer's certificate is from another CA {during} ({what}): the two nodes are not "
+        return OtherCAError(f"the peer's certificate is from another CA {during} ({what}): the two nodes are not "
                          "enrolled with each other", hint=HINT_ENROLL)
     if code in _NAME_MISMATCH:
         return AuthError(f"the peer's certificate does not hold the name dialled {during} ({what})",

@@ -38,9 +38,10 @@ class FrameEmitter:
         self.out = out
         self.seconds = 0.0  # time spent writing frames (not computing)
         self.first_frame_s: float | None = None
+        self.cpu_s = 0.0  # of which this thread's CPU time
 
     def __call__(self, done: int, rows_of: RowsOf) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         wrote = False
         while (exp := self.writer.expected()) is not None and exp[1] + exp[2] <= done:
             layer, start, count = exp
@@ -51,6 +52,7 @@ class FrameEmitter:
             if self.first_frame_s is None:
                 self.first_frame_s = time.perf_counter()
         self.seconds += time.perf_counter() - t0
+        self.cpu_s += time.thread_time() - c0
 
 
 class MemoryRows:
@@ -132,6 +134,7 @@ class Produced:
     write_s: float  # writing: frames as chunks finished, then the rest
     emit_s: float  # of which frames written while computing
     first_frame: float | None  # perf_counter: the first frame left (streaming engines)
+    cpu_s: float = 0.0  # the producing thread's CPU time making the rows (frames excluded): the work, not the waits
 
     @property
     def layers(self) -> list[LayerKV]:
@@ -145,7 +148,7 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     *held, engine = sources
     assert isinstance(engine, EngineRows), "the last row source computes: EngineRows"
     eng = engine.eng
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     full = pack_header(job.info, job.ids, dtype=job.dtype, chunk_tokens=job.chunk_tokens, engine=job.engine,
                        threads=job.threads, eng=eng)
     header = full
@@ -174,7 +177,7 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
             source.remember(job.ids, dtype=job.dtype, chunk_tokens=job.chunk_tokens, layers=made.layers)
     if eng.keeps_history:  # the store keeps what the rows hold: the history from the prefix made here
         full = replace(full, ring_extra=ring_extra_held(job.info.layers, made.layers, rows) or full.ring_extra)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     late = made.producer if made.producer is not None else eng.producer_info()
     if late:  # the record of the prefill that made the rows (a batch's, on a batching engine)
         full = replace(full, producer={**full.producer, **late})
@@ -187,7 +190,8 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     emit_s = emitter.seconds if emitter is not None else 0.0
     return Produced(header=writer.header, full=full, rows=made, bytes_written=writer.bytes_written, started=t0,
                     prefill_s=t1 - t0 - emit_s, write_s=emit_s + time.perf_counter() - t1, emit_s=emit_s,
-                    first_frame=emitter.first_frame_s if emitter is not None else None)
+                    first_frame=emitter.first_frame_s if emitter is not None else None,
+                    cpu_s=max(0.0, c1 - c0 - (emitter.cpu_s if emitter is not None else 0.0)))
 
 
 def check_state_every(info: ModelInfo, state_every: int) -> None:
@@ -222,6 +226,7 @@ def stats_of(made: Produced, job: PackJob) -> dict[str, Any]:
     """A produced pack's counts as the resident producer reports them per request."""
     rows = made.rows
     stats: dict[str, Any] = {"prefill_s": round(made.prefill_s + made.write_s - made.emit_s, 6),
+                             "prefill_cpu_s": round(made.cpu_s, 6),
                              "held_rows": job.have_tokens, "shipped_rows": len(job.ids) - 1 - job.have_tokens,
                              "reused_rows": rows.held, "reused_from": rows.origin if rows.held else None}
     if rows.batch is not None:

@@ -9,6 +9,7 @@ each chunk's frames streamed as the chunk finishes; :func:`serve` runs it behind
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from dataclasses import replace
@@ -37,9 +38,21 @@ from muser_cli.produce.pipeline import (
 from muser_cli.reuse import Store
 from muser_cli.reuse.chain import Scope, chain_at, delta_point
 from muser_cli.rows import EngineRows, StoreRows
-from muser_cli.schedule import check_chunk, check_prompt, default_dtype
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 
 EventFn = Callable[[str, dict[str, Any]], None]
+
+#: The warm-up's throwaway prompt (:meth:`ResidentProducer.warm_up`): this many tokens, on chunks
+#: of :data:`WARM_CHUNK` (an engine that resumes a prefill) -- whole chunks, a partial last one and a
+#: continuation from held rows, as requests have them; short, so a big model starts no slower.
+WARM_TOKENS = 40
+WARM_CHUNK = 16
+
+
+def warm_ids(vocab: int, n: int = WARM_TOKENS) -> list[int]:
+    """``n`` token ids spread over the vocabulary (no tokenizer: any ids run the same kernels)."""
+    vocab = max(2, vocab)
+    return [(7 + 7919 * k) % vocab for k in range(n)]
 
 
 class _Batcher:
@@ -137,6 +150,38 @@ class ResidentProducer:
         # ``store``: also continue from this machine's reuse store, and keep every result there
         # (put after the stream ended: :meth:`after_stream`, so the consumer never waits on it).
         self.store = store
+
+    def warm_up(self) -> dict[str, Any]:
+        """Produce throwaway packs before the server listens, so the first consumer pays no
+        first-touch cost (the weights paged in, the kernels picked, the pack writer's imports,
+        the threads made; a vLLM engine started on the canonical chunk, the one consumers ask
+        for unless told otherwise): one pack of a short prompt through :func:`produce_pack`
+        on the canonical schedule, and on an engine that resumes a prefill, a second one
+        continued from the first's rows (a follow-up's path). It leaves nothing behind: the
+        rows are forgotten, nothing is written to the store, the history setting is restored.
+        Its timings (seconds): ``{"warm_s", "prefill_s": [...]}``."""
+        t0 = time.perf_counter()
+        eng = self.engine
+        vocab = self.info.vocab_size or 0
+        ids = warm_ids(vocab if vocab > 0 else 2, min(WARM_TOKENS, self.info.max_positions - 1))
+        chunk = WARM_CHUNK if eng.resumes_prefill else DEFAULT_CHUNK_TOKENS
+        batched = self._batcher.prefill if self._batcher is not None else None
+        history = eng.history
+        times = []
+        try:
+            memory = MemoryRows(self.info.layers)  # a throwaway one: the producer's own stays empty
+            prompts = [ids[: len(ids) * 3 // 4], ids] if eng.resumes_prefill and len(ids) > 2 * chunk else [ids]
+            for prompt in prompts:
+                job = PackJob(self.info, prompt, self.dtype, chunk, self.engine_name, self.threads,
+                              state_every=self.state_every)
+                sources: list[Any] = [memory] if eng.resumes_prefill else []
+                made = produce_pack(job, [*sources, EngineRows(eng, batched=batched)], PackSink(io.BytesIO()))
+                times.append(round(made.prefill_s, 6))
+        finally:
+            eng.history = history
+        if self._batcher is not None:
+            self._batcher.batches.clear()  # the warm-up's batch is no request's
+        return {"warm_s": round(time.perf_counter() - t0, 6), "prefill_s": times}
 
     def check(self, req: PullRequest) -> PullRequest:
         """Refuse (:class:`Refusal`) a request this producer will not serve; the request to
@@ -266,8 +311,12 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     listen_socket(config.host, config.port, backlog=None).close()
     producer = ResidentProducer(model, engine=engine, dtype=dtype, threads=threads, engine_options=engine_options,
                                 store=store, max_batch=max_batch, history=history, state_every=state_every)
+    # Warm before listening: "listening" means the first request is served as fast as the next.
+    warmed = producer.warm_up()
+    if on_event is not None:
+        on_event("warmed", {"load_s": round(producer.load_s, 6), **warmed})
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
-                        more=more, live=live)
+                        more=more, live=live, keys_dir=paths.keys_dir())
     try:
         server.bind()
         if stop is not None:

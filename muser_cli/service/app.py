@@ -348,6 +348,7 @@ def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict],
 
             threading.Thread(target=drain, name="muser-drain", daemon=True).start()
 
+    log_({"event": "warmed", **worker.warm_up()})  # before "listening": the first client pays no first touch
     cfg = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
                          timeout_graceful_shutdown=5)
     server = _Server(cfg)

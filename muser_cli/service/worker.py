@@ -32,6 +32,9 @@ from muser_cli.service.textstream import TextStream
 
 Emit = Callable[[str, Any], None]
 
+#: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
+WARM_PROMPT = "Warm up: the first request should cost what the second one does."
+
 
 class _Stop(Exception):
     """Raised from the token callback: a stop string appeared, or the client went away."""
@@ -116,6 +119,18 @@ class EngineWorker:
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="muser-engine", daemon=True)
         self._thread.start()
+
+    def warm_up(self) -> dict[str, Any]:
+        """One throwaway request on the engine before the service listens, so the first client
+        pays no first-touch cost: the lane's local path (tokenize, a prefill on the canonical
+        schedule, install, the first decode steps). It leaves nothing behind: no store read
+        or written, no producer asked, no turn taken, no metric counted. Its time, seconds."""
+        c = self.config
+        t0 = time.perf_counter()
+        decode(None, model=c.model, prompt=WARM_PROMPT, chat=False, max_new_tokens=2, engine=c.engine,
+               dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="warm-up",
+               reuse=False, store=False, resident=getattr(self.engine, "inner", self.engine))
+        return {"warm_s": round(time.perf_counter() - t0, 6)}
 
     # -------------------------------------------------------------- queue
     def submit(self, job: Job) -> None:

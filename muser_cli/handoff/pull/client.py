@@ -31,6 +31,7 @@ from muser_cli.handoff.link import (
     DEFAULT_CONNECT_S,
     DEFAULT_IDLE_S,
     Link,
+    OtherCAError,
     check_peer_host,
     continue_as_v3,
     format_hostport,
@@ -81,12 +82,29 @@ def _refused(reject: Reject, who: str) -> MuserError:
     hint = None
     if cls is TempFailure:
         hint = "fall back to local prefill"
+    elif cls is AuthError and "unknown key id" in reject.message:
+        hint = ("the producer has not joined the bundle made with this key: run `muser node join --force "
+                "NAME.bundle` there, the bundle `muser node export --producer NAME` made here (it holds the key)")
     elif cls is AuthError and "revoked" in reject.message:
         hint = ("this node's certificate or key was revoked there: enroll again (muser node export "
                 "on the consumer, muser node join --force on the producer)")
     elif cls is AuthError:
         hint = "check `muser node ls` on both sides, and both clocks"
     return cls(text, hint=hint)
+
+
+def not_known_there(identity: Identity, where: str, exc: OtherCAError) -> AuthError:
+    """The producer answered our server name (which names this consumer) with a certificate our
+    CA did not issue: it holds no bundle of this consumer (never joined, or joined before this
+    node's last ``node init``). Said as that, with what to run where."""
+    me = identity.consumer or identity.name
+    cause = str(exc).split("(", 1)[1].rsplit(")", 1)[0] if "(" in str(exc) else str(exc)
+    return AuthError(f"the producer at {where} does not know consumer {me!r}: it answered with a certificate "
+                     f"from another CA, not {me}'s ({cause})",
+                     hint=f"on the consumer: `muser node export --producer NAME -o NAME.bundle`; on the producer: "
+                          f"`muser node join NAME.bundle` (a running `prefill --serve` serves {me} from its next "
+                          f"connection on, no restart); a producer that joined {me} before its last `muser node "
+                          "init` needs a fresh bundle and `node join --force`")
 
 
 def key_for(identity: Identity, producer: str) -> KeyEntry:
@@ -108,7 +126,12 @@ def _connect(to: str, identity: Identity, connect_s: float,
     where = format_hostport(host, port)
     ctx, sni = sni_client_context(identity)
     ctx.set_alpn_protocols(list(alpns))
-    sock = tls_connect(host, port, ctx, server_hostname=sni or host, connect_s=connect_s)
+    try:
+        sock = tls_connect(host, port, ctx, server_hostname=sni or host, connect_s=connect_s)
+    except OtherCAError as exc:
+        if sni is None:
+            raise
+        raise not_known_there(identity, where, exc) from None
     if sni is not None:
         try:
             check_peer_host(sock, host, f"in the TLS handshake with {where}")

@@ -54,7 +54,7 @@ from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, continue_
 from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
 from muser_cli.handoff.pull.admission import Admission
 from muser_cli.handoff.trust.node import Identity
-from muser_cli.handoff.trust.nodedir import note_peer
+from muser_cli.handoff.trust.nodedir import identities_stamp, load_identities, note_peer
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
@@ -155,24 +155,57 @@ class _Identities:
     """The consumers this producer joined, one TLS context each (its CA the only trust
     anchor, its certificate the one presented). The consumer's server name
     (:func:`~muser_cli.handoff.link.consumer_sni`) picks the context; a client that names
-    none gets the first consumer's."""
+    none gets the first consumer's.
 
-    def __init__(self, identities: list[Identity]) -> None:
-        self.pairs = [(_ctx(i), i) for i in identities]
-        self.by_sni = {sni: ctx for ctx, i in self.pairs if (sni := consumer_sni(i.consumer)) is not None}
-        self.default = self.pairs[0][0]
-        if len(self.pairs) > 1:
+    ``directory`` (the node directory they were loaded from): every handshake first looks
+    whether its identities changed on disk (:func:`~muser_cli.handoff.trust.nodedir.identities_stamp`:
+    a consumer joined, or re-joined with ``--force``, since the producer started) and if so
+    loads them again, so a consumer joined on a running producer is served without a restart.
+    What a handshake checks is unchanged: the context picked holds that consumer's CA alone,
+    and the keyring is read per request as before. A join caught half-written is retried at
+    the next handshake (the contexts loaded before stay in use)."""
+
+    def __init__(self, identities: list[Identity], directory: Path | None = None) -> None:
+        self.directory = directory
+        self._lock = threading.Lock()
+        self._known: dict[ssl.SSLContext, Identity] = {}  # every context made: a handshake may end on an older one
+        self._stamp = identities_stamp(directory) if directory is not None else None
+        self._use(identities)
+        self.default = self.pairs[0][0]  # every handshake starts on it; its SNI callback picks the one to use
+        if len(self.pairs) > 1 or directory is not None:
             self.default.sni_callback = self._pick
 
+    def _use(self, identities: list[Identity]) -> None:
+        pairs = [(_ctx(i), i) for i in identities]
+        self._known.update({ctx: i for ctx, i in pairs})
+        by_sni = {sni: ctx for ctx, i in pairs if (sni := consumer_sni(i.consumer)) is not None}
+        self.pairs, self.by_sni = pairs, by_sni
+
+    def refresh(self) -> None:
+        """Load the identities again if their files changed since they were last loaded."""
+        if self.directory is None:
+            return
+        with self._lock:
+            stamp = identities_stamp(self.directory)
+            if stamp == self._stamp:
+                return
+            try:
+                identities = load_identities(self.directory)
+                self._use(identities)
+            except (MuserError, OSError, ssl.SSLError):  # caught mid-join: keep what works, look again next time
+                return
+            self._stamp = stamp
+
     def _pick(self, sock: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
-        chosen = self.by_sni.get((server_name or "").lower())
-        if chosen is not None and chosen is not self.default:
+        self.refresh()
+        chosen = self.by_sni.get((server_name or "").lower(), self.pairs[0][0])
+        if chosen is not sock.context:
             sock.context = chosen
         return None
 
     def of(self, tls: ssl.SSLSocket) -> Identity:
         """The identity whose context this connection's handshake used."""
-        return next((i for ctx, i in self.pairs if ctx is tls.context), self.pairs[0][1])
+        return self._known.get(tls.context, self.pairs[0][1])
 
 
 class PullServer(Listener):
@@ -183,12 +216,14 @@ class PullServer(Listener):
 
     def __init__(self, identity: Identity, config: ServeConfig, *, ledger_dir: Path, compute: Compute,
                  on_event: EventFn | None = None, more: list[Identity] | None = None,
-                 live: LiveConnections | None = None) -> None:
+                 live: LiveConnections | None = None, keys_dir: Path | None = None) -> None:
         """``identity``: the (first) consumer joined; ``more``: the further ones (round-robin);
-        ``live``: where its open connections are kept (a new :class:`LiveConnections` if none)."""
+        ``live``: where its open connections are kept (a new :class:`LiveConnections` if none);
+        ``keys_dir``: the node directory they came from, looked at again at each handshake (a
+        consumer joined while this server runs is served; None: these identities only)."""
         self.identity = identity
         self.compute = _with_defaults(compute)
-        self._idents = _Identities([identity, *(more or [])])
+        self._idents = _Identities([identity, *(more or [])], keys_dir)
         super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
                          counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0,
                                    "tls_failed": 0},
@@ -243,7 +278,8 @@ class PullServer(Listener):
         assert req is not None
         key = identity.key(req.key_id)  # exactly one lookup, in that consumer's keyring only
         if key is None:
-            raise Refusal("auth", f"unknown key id {req.key_id}")
+            raise Refusal("auth", f"unknown key id {req.key_id}: this producer's keyring for consumer "
+                                  f"{identity.consumer!r} does not hold it (the bundle made with it was not joined here)")
         if key.revoked:
             raise Refusal("auth", f"key id {req.key_id} is revoked")
         try:

@@ -310,6 +310,22 @@ def load_identities(directory: Path) -> list[Identity]:
     return [load_identity(directory), *(load_identity(d) for d in consumer_dirs(directory))]
 
 
+def identities_stamp(directory: Path) -> tuple:
+    """What :func:`load_identities` would read, as file sizes and change times: equal stamps,
+    the same identities. A running producer compares it to see a ``node join`` (or a ``--force``
+    re-join) made since it started, without reading any key."""
+    out: list[tuple] = []
+    for home in (directory, *consumer_dirs(directory)):
+        for name in ("node.json", "ca.pem", "node.pem", "node.key"):
+            try:
+                st = (home / name).stat()
+            except OSError:
+                out.append((str(home), name, None))
+                continue
+            out.append((str(home), name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
 def identity_for(directory: Path, *, host: str | None = None, key_id: str | None = None) -> Identity:
     """The identity a producer that joined several consumers dials one with (``send --to``,
     ``probe-link``): the one whose keyring holds ``key_id``; else the one whose consumer is

@@ -32,10 +32,10 @@ def main() -> int:
 
     from muser_cli.bench.fallback import EndTimed, failing_producers
     from muser_cli.bench.loopback import make_nodes
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
     from muser_cli.engines.torch.engine import TorchEngine
     from muser_cli.model.resolve import resolve_model
-    from muser_cli.pulllane.consumer import start_pull_pipe
+    from muser_cli.consumer.pull import start_pull_pipe
     from muser_cli.model.tokens import decode_text
 
     work = Path(tempfile.mkdtemp(prefix="muser-bench-fallback-"))

@@ -8,7 +8,7 @@ for scale.
 
 Per depth the embedded model prefills the corpus once in bfloat16 (torch, chunk 512; timed:
 the local prefill a fallback would pay); the pack is re-labelled as made by vLLM (every
-digest re-made). One resident torch engine then decodes it through ``muser_cli.decode.decode``
+digest re-made). One resident torch engine then decodes it through ``muser_cli.consumer.decode.decode``
 (read + verify from memory, install, gate, first token, ``--new`` tokens) with and without
 the gate, alternately A B A B, ``--reps`` counted after one warm-up round. The measurement
 is :func:`muser_cli.bench.decode_costs.gate_cost`.

@@ -7,7 +7,7 @@ path before the fusion, and still the path on hybrid models), and with it skippe
 
 Per depth the embedded model prefills the corpus once in bfloat16 (torch, chunk 512); the
 pack is re-labelled as made by vLLM (every digest re-made), which is what makes decode
-spot-check it. Then one resident torch engine decodes it through ``muser_cli.decode.decode``
+spot-check it. Then one resident torch engine decodes it through ``muser_cli.consumer.decode.decode``
 (read + verify from memory, install, check, first token, ``--new`` tokens) in the three
 modes alternately A B C A B C, ``--reps`` counted after one warm-up round. TTFT is decode's
 own (first input byte to first token, model load excluded). The separate mode is forced by

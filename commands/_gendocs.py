@@ -198,6 +198,11 @@ ENVIRONMENT = [
      "configurations are skipped, and said so, once it is spent.", "`900`"),
     ("MUSER_CHECK_ONLY", "`benchmarks/gpu_vllm_check.sh` only: comma-separated configuration names to run.",
      "unset: all"),
+    ("MUSER_CHECK_GEMMA", "`benchmarks/gpu_vllm_check.sh` only: the Gemma 3 270M folder or GGUF its payoff runs "
+     "also measure.", "unset: SmolLM2 only"),
+    ("MUSER_VLLM_GDN_CPU", "`prefill --engine vllm` on vLLM's CPU build: `1` runs a gated-DeltaNet model (Qwen3-Next) "
+     "that is otherwise refused (its bfloat16-only CPU kernels drift past the numeric gate; docs/vllm.md), to "
+     "measure it again.", "unset: refused"),
     ("MUSER_CHECK_OUT", "`benchmarks/gpu_vllm_check.sh` only, set by the script itself for its Python part: "
      "where results go.", "the script's `$OUT`"),
     ("_MUSER_COMPLETE", "Set by the shell completion scripts in `completions/` when they ask `muser` for "

@@ -46,9 +46,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run many prompts with one model load: shared documents paid once, pulls overlapped with decoding, resumable."""
         from muser_cli.batch.jobs import Defaults, read_jobs  # lazy: kept out of `muser --help` (startup)
-        from muser_cli.batch.pool import read_producers  # lazy: kept out of `muser --help` (startup)
         from muser_cli.batch.results import Results  # lazy: kept out of `muser --help` (startup)
         from muser_cli.batch.runner import Batch, BatchConfig  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.pool import read_producers  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json and output is not None):
             if n < 1:

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import BinaryIO, List, Optional
 
 import typer
 
 from muser_cli.commands._common import (
-    default_threads,
-    emit_json,
-    err,
-    guarded,
-    info,
-    open_input,
-    progress_callback,
-    read_text_input,
+    default_threads, emit_json, err, guarded, info, open_input, progress_callback, read_text_input,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -49,16 +42,18 @@ def register(app: typer.Typer) -> None:
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (127.0.0.1 unless --api-key; port 0 picks one) and answer OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /metrics); --producer may repeat (the least busy is asked). docs/serve.md"),
         api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MUSER_API_KEY", help="With --serve: clients must send Authorization: Bearer KEY (needed to listen beyond loopback)."),
         max_queue: int = typer.Option(8, "--max-queue", help="With --serve: requests that may wait for the engine; more are answered 429."),
+        max_batch: int = typer.Option(4, "--max-batch", help="With --serve: requests running at once, taking the engine's turns one decode step or prefill chunk each (each decodes exactly as alone); more wait in the queue."),
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
-        from muser_cli.decode import decode  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.decode import decode  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.lane import Source, answer  # lazy: kept out of `muser --help` (startup)
         from muser_cli.engines.base import Sampling  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             if serve is not None:
                 _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-                              producers=producer or [], api_key=api_key, max_queue=max_queue,
+                              producers=producer or [], api_key=api_key, max_queue=max_queue, max_batch=max_batch,
                               deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
                               reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
                               others=(src, prompt, chat, as_json, send_text))
@@ -72,7 +67,7 @@ def register(app: typer.Typer) -> None:
             if send_text and producer is None:
                 raise UsageError("--send-text needs --producer HOST:PORT")
             if producer is not None:
-                from muser_cli.pulllane.consumer import start_pull_pipe  # lazy: kept out of `muser --help` (startup)
+                from muser_cli.consumer.pull import start_pull_pipe  # lazy: kept out of `muser --help` (startup)
 
                 if prompt_text is None or src != "-":
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
@@ -90,11 +85,22 @@ def register(app: typer.Typer) -> None:
                     reason = "stdin is a terminal"
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             printer = None if as_json else _Printer(model)
-            out = decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
-                         dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
-                         fallback_reason=reason or "empty input", reuse=not no_reuse, store=store,
-                         progress=progress_callback(), audit=0 if no_audit else audit, strict=strict,
-                         on_token=printer.push if printer is not None else None)
+            given: list[int] = []  # tokens given out: after one, a refusal is the answer
+
+            def on_token(token: int) -> None:
+                given.append(token)
+                if printer is not None:
+                    printer.push(token)
+
+            def run(inp: BinaryIO | None, why: str):
+                return decode(inp, model=model, prompt=prompt_text, chat=chat, max_new_tokens=n, engine=engine,
+                              dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
+                              fallback_reason=why or "empty input", reuse=not no_reuse, store=store,
+                              progress=progress_callback(), audit=0 if no_audit else audit, strict=strict,
+                              on_token=on_token)
+
+            source = Source(inp, producer if pulling is not None else None, reason, live=pulling, pooled=False)
+            out = answer(source, run, recompute=lambda exc: not strict and not given).out
             if printer is not None:  # the text is whole, and its line ended, before any note: never inside it
                 printer.finish(out.text)
                 if not out.text.endswith("\n"):
@@ -167,7 +173,8 @@ class _Printer:
 
 
 def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
-                  producers: list[str], api_key: Optional[str], max_queue: int, deadline: Optional[float],
+                  producers: list[str], api_key: Optional[str], max_queue: int, max_batch: int,
+                  deadline: Optional[float],
                   chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
     """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
     (muser_cli/service, docs/serve.md); the exit status is the drain's."""
@@ -184,18 +191,20 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
                          hint="each request brings its prompt or messages")
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
+    if max_batch < 1:
+        raise UsageError("--max-batch must be at least 1")
     if deadline is not None and deadline < 0:
         raise UsageError("--prefill-deadline must be >= 0")
     if n < 1:
         raise UsageError("-n must be at least 1")
     if engine not in ("torch", "mlx"):
         raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
-    from muser_cli.batch.pool import ProducerPool  # lazy: kept out of `muser --help` (startup)
+    from muser_cli.consumer.pool import ProducerPool  # lazy: kept out of `muser --help` (startup)
 
     ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
-                    audit=audit)
+                    audit=audit, max_batch=max_batch)
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n)

@@ -7,14 +7,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output,
-    emit_json,
-    guarded,
-    info,
-    open_input,
-    plural,
-    read_text_input,
-    size_text,
+    binary_output, emit_json, guarded, info, open_input, plural, read_text_input, size_text,
 )
 
 

@@ -10,16 +10,8 @@ import typer
 
 from muser_cli.about import STARTED_UNIX
 from muser_cli.commands._common import (
-    binary_output,
-    default_threads,
-    drain_on_signals,
-    emit_json,
-    guarded,
-    info,
-    open_input,
-    progress_callback,
-    read_text_input,
-    trouble_line,
+    binary_output, default_threads, drain_on_signals, emit_json, guarded, info, open_input, progress_callback,
+    read_text_input, trouble_line,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS

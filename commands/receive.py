@@ -7,15 +7,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_stdout,
-    drain_on_signals,
-    emit_json,
-    guarded,
-    info,
-    plural,
-    quiet,
-    read_text_input,
-    trouble_line,
+    binary_stdout, drain_on_signals, emit_json, guarded, info, plural, quiet, read_text_input, trouble_line,
 )
 from muser_cli.errors import UsageError
 
@@ -113,12 +105,8 @@ def _pull(producer: str, prompt: Optional[str], *, model: Optional[str], chat: b
     merges with the stored prefix)."""
     from pathlib import Path
 
+    from muser_cli.consumer.pull import ask_for, pull_prompt, with_have  # lazy: kept out of `muser --help` (startup)
     from muser_cli.handoff.link import parse_hostport  # lazy: kept out of `muser --help` (startup)
-    from muser_cli.pulllane.consumer import (  # lazy: kept out of `muser --help` (startup)
-        ask_for,
-        pull_prompt,
-        with_have,
-    )
 
     if prompt is None:
         raise UsageError("--from needs a PROMPT file (or - for stdin)")

@@ -7,14 +7,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    emit_json,
-    guarded,
-    info,
-    open_input,
-    plural,
-    progress_callback,
-    rate_text,
-    size_text,
+    emit_json, guarded, info, open_input, plural, progress_callback, rate_text, size_text,
 )
 
 

@@ -8,16 +8,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output,
-    default_threads,
-    emit_json,
-    err,
-    fail,
-    guarded,
-    open_input,
-    plural,
-    read_text_input,
-    size_text,
+    binary_output, default_threads, emit_json, err, fail, guarded, open_input, plural, read_text_input, size_text,
 )
 from muser_cli.errors import DAMAGED_PACK_HINT, TRUNCATED_PACK_HINT, DataError
 from muser_cli.fsio import check_output_path

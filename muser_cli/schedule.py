@@ -12,9 +12,9 @@ the store, a delta) is :mod:`muser_cli.rows`.
 
 from __future__ import annotations
 
-from muser_cli.about import __version__
 import os
 
+from muser_cli.about import __version__
 from muser_cli.errors import ConfigError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.format import MAX_FRAME_ROWS

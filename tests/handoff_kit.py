@@ -544,7 +544,7 @@ def signed_request(lane: dict[str, Any], prompt: str = LANE_PROMPT, chunk: int =
     ``nodes`` and ``model``."""
     from muser_cli.handoff.pull.client import key_for
     from muser_cli.handoff.wire.pull_protocol import PullRequest, Request, new_request_id, sign_request
-    from muser_cli.pulllane.consumer import ask_for
+    from muser_cli.consumer.pull import ask_for
 
     with home_env(lane["nodes"].consumer_home):
         ident = load_identity(keys_dir_of(lane["nodes"].consumer_home))

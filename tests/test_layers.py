@@ -164,13 +164,13 @@ MAY_IMPORT = {
     "interop": {"engines", "kvpack", "model", "schedule", "fsio", "strict", "errors"},
     "rows": {"engines", "gate", "kvpack", "model", "reuse", "schedule", "errors"},
     "produce": {"engines", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
-    "decode": {"engines", "gate", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
     "handoff": {"kvpack", "fsio", "paths", "strict", "errors"},
-    "pulllane": {"handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "paths",
+    "consumer": {"handoff", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "about", "paths",
                  "strict", "errors"},
-    "batch": {"decode", "pulllane", "handoff", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict",
-              "errors"},
-    "service": {"batch", "decode", "pulllane", "handoff", "engines", "model", "schedule", "units", "errors"},
+    "pulllane": {"consumer", "handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule",
+                 "paths", "strict", "errors"},
+    "batch": {"consumer", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict", "errors"},
+    "service": {"batch", "consumer", "pulllane", "handoff", "engines", "model", "schedule", "units", "errors"},
 }
 MAY_IMPORT["bench"] = set(MAY_IMPORT) - {"bench", "service", "batch"}
 

@@ -1,6 +1,6 @@
 """``muser batch``: many prompts on one resident consumer engine.
 
-* One model load for the whole batch (:func:`muser_cli.decode.decode` with ``resident=``).
+* One model load for the whole batch (:func:`muser_cli.consumer.decode.decode` with ``resident=``).
 * Jobs naming the same document (or sharing their first chunk) run one after another, so
   the shared prefix is hot: the first is prefilled — here or by a producer — and kept in
   the store; the next ones compute (or ship: a delta from the pull lane) only their own
@@ -23,16 +23,17 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
-from muser_cli.batch.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
+from muser_cli.consumer.lane import Source, answer, one_line
+from muser_cli.consumer.pool import ProducerPool
+from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, with_have
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli.errors import DataError, ExitStatus, MuserError
+from muser_cli.errors import ExitStatus, MuserError
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
-from muser_cli.pulllane.consumer import PipePull, PullAsk, pull_prompt, with_have
 from muser_cli.reuse.chain import Scope, chain_at
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 
@@ -102,10 +103,6 @@ class Summary:
                 "interrupted": self.interrupted, "producers": self.producers, "failures": self.failures,
                 "redone": self.redone, "left": self.left, "stopped_by": self.stopped_by,
                 "ok": self.failed == 0 and not self.interrupted}
-
-
-def one_line(text: str, limit: int = 500) -> str:
-    return " ".join(text.split())[:limit]
 
 
 def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, Any]:
@@ -359,32 +356,22 @@ class Batch:
                           chunk_tokens=self.chunk, fallback_reason=why or "empty input", reuse=c.reuse,
                           store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready)
 
-        refused: DataError | None = None
-        try:
-            try:
-                out = run(src, reason)
-            except DataError as exc:  # the pack failed a gate (binding, spot-check, merge): compute it here
-                if src is None:
-                    raise
-                refused = exc
-        finally:
-            if src is not None:
-                src.close()
-            if live is not None:
-                live.join(timeout=30)
-                if live.is_alive():  # still talking to the producer after decode finished: not a success
-                    self.pool.done(live.producer, TimeoutError("the pull outlived its decode"))
-                else:
-                    self.pool.done(live.producer, live.error)
-                if live.error is None and live.accepted:
-                    shipped = int(live.accepted.get("payload_bytes", 0))
+        def unlink_fetched() -> None:
             if fetch is not None and fetch.path is not None:
                 fetch.path.unlink(missing_ok=True)
-        if refused is not None:
-            assert producer is not None
-            self.pool.blame(producer, refused)
-            out = run(None, one_line(f"the pack from {producer} was refused: {refused}"))
-        elif live is not None and live.error is not None and out.fallback:
+
+        # a prefetched pack's pull already told the pool how it went; a live one is told here
+        source = Source(src, producer, reason, live=live, pooled=live is not None)
+        try:
+            got = answer(source, run, pool=self.pool)
+        finally:
+            unlink_fetched()
+        out = got.out
+        if live is not None and got.pull_error is None and live.accepted:
+            shipped = int(live.accepted.get("payload_bytes", 0))
+        if got.refused is not None and not source.pooled:
+            self.pool.blame(producer, got.refused)
+        elif got.refused is None and live is not None and live.error is not None and out.fallback:
             out.reason = live.reason()
         result = out.to_json()
         result.pop("engine_stats", None)

@@ -12,17 +12,8 @@ import os
 from pathlib import Path
 
 from muser_cli.bench.common import (
-    BenchResult,
-    Progress,
-    check_depths,
-    check_receipt_path,
-    check_reps,
-    git_commit,
-    load_average,
-    no_progress,
-    parse_ints,
-    resolve_bench_model,
-    write_receipt,
+    BenchResult, Progress, check_depths, check_receipt_path, check_reps, git_commit, load_average, no_progress,
+    parse_ints, resolve_bench_model, write_receipt,
 )
 from muser_cli.bench.lane import run_lane
 from muser_cli.bench.pack import DIGESTS, Study, run_pack

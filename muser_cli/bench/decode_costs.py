@@ -19,9 +19,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from muser_cli import decode as dec
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
-from muser_cli.decode import decode
+from muser_cli.consumer import decode as dec
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
 from muser_cli.kvpack import read_pack, write_pack

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from muser_cli.bench.common import Progress, corpus_ids, no_progress, summarize
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
 from muser_cli.kvpack import read_pack, write_pack

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from muser_cli.bench.common import Progress, corpus_ids, measure, no_progress, summarize
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError
 from muser_cli.kvpack import LayerKV, LayerSpec, PackHeader, read_pack_bytes, token_digest, write_pack

@@ -12,13 +12,13 @@ from muser_cli.errors import DataError, KVPackError, SpotCheckFailed, UsageError
 from muser_cli.gate import sampled
 from muser_cli.gate.audit import audit as run_audit
 from muser_cli.gate.audit import diagnose
-from muser_cli.model.binding import Check, identity_checks
 from muser_cli.gate.sampled import new_seed
 from muser_cli.gate.state import state_check
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, KVPack, PackReader, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES
 from muser_cli.kvpack.reader import read_step
 from muser_cli.kvpack.summary import summarize, summarize_header
+from muser_cli.model.binding import Check, identity_checks
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt
 from muser_cli.reuse import Store, resolve_delta

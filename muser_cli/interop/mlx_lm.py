@@ -45,10 +45,10 @@ import numpy as np
 from muser_cli.engines.mlx.engine import ring_slot
 from muser_cli.errors import DataError, IdentityMismatch, UsageError
 from muser_cli.fsio import open_regular
-from muser_cli.model.binding import require_identity
 from muser_cli.interop import safetensors_io as st
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader, read_pack, token_digest, write_pack
 from muser_cli.kvpack.layers import DTYPES, ring_tail
+from muser_cli.model.binding import require_identity
 from muser_cli.model.info import ModelInfo
 from muser_cli.model.resolve import known_model, resolve_model
 from muser_cli.model.tokens import encode_prompt

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from muser_cli.errors import DataError, UsageError
-from muser_cli.model.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, read_pack, write_pack
 from muser_cli.kvpack.layers import ring_tail
+from muser_cli.model.binding import require_identity
 from muser_cli.model.info import ModelInfo
 from muser_cli.model.resolve import resolve_model
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, build_header, check_chunk, check_prompt

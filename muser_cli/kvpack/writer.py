@@ -21,20 +21,8 @@ from muser_cli.errors import KVPackError
 from muser_cli.kvpack.codec import codec_id, encode_payload, group_bytes_parts
 from muser_cli.kvpack.digest import Chain, pool, task_bytes
 from muser_cli.kvpack.format import (
-    ALIGN,
-    CODEC_NAMES,
-    CODEC_RAW,
-    CODEC_ZSTD_GROUPED,
-    FRAME_HEADER,
-    MAGIC,
-    MAJOR,
-    MAX_HEADER_BYTES,
-    PREAMBLE,
-    TAG_DATA,
-    TAG_END,
-    PackHeader,
-    header_digest,
-    pad_len,
+    ALIGN, CODEC_NAMES, CODEC_RAW, CODEC_ZSTD_GROUPED, FRAME_HEADER, MAGIC, MAJOR, MAX_HEADER_BYTES, PREAMBLE, TAG_DATA,
+    TAG_END, PackHeader, header_digest, pad_len,
 )
 from muser_cli.kvpack.layers import DTYPES, LayerKV, StateKV, split_state
 from muser_cli.kvpack.quant import encode_int8

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from muser_cli.model.info import ModelInfo
 from muser_cli.errors import IdentityMismatch
 from muser_cli.kvpack import PackHeader
+from muser_cli.model.info import ModelInfo
 
 
 @dataclass

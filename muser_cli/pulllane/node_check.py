@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from muser_cli import paths
+from muser_cli.consumer.pull import ask_for, pull_prompt
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import AuthError, DataError, ExitStatus, MuserError
 from muser_cli.gate.audit import spot_check
@@ -40,7 +41,6 @@ from muser_cli.handoff.trust.node import load_identity
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.kvpack import read_pack
 from muser_cli.model.resolve import resolve_model
-from muser_cli.pulllane.consumer import ask_for, pull_prompt
 
 TEST_PROMPT = ("muser node check: a short test prompt whose KV cache the consumer recomputes and compares, "
                "position by position, before it trusts this producer.")

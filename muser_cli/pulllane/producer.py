@@ -27,13 +27,7 @@ from muser_cli.handoff.wire.pull_protocol import PullRequest
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
 from muser_cli.produce.pipeline import (
-    MemoryRows,
-    PackJob,
-    PackSink,
-    check_state_every,
-    produce_pack,
-    set_history,
-    stats_of,
+    MemoryRows, PackJob, PackSink, check_state_every, produce_pack, set_history, stats_of,
 )
 from muser_cli.reuse import Store
 from muser_cli.reuse.chain import Scope, chain_at, delta_point

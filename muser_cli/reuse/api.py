@@ -6,14 +6,14 @@ import shutil
 from dataclasses import replace
 from typing import BinaryIO, Sequence
 
-from muser_cli.model.binding import short_fingerprint
 from muser_cli.errors import DataError, IdentityMismatch, KVPackError, MuserError, PromptTooShort, UsageError
 from muser_cli.kvpack import PackReader, token_digest
+from muser_cli.model.binding import short_fingerprint
 from muser_cli.model.resolve import known_model, resolve_model
+from muser_cli.model.tokens import encode_prompt
 from muser_cli.reuse.manifest import HaveManifest
 from muser_cli.reuse.store import Entry, GCResult, PutResult, Store
 from muser_cli.strict import parse_size
-from muser_cli.model.tokens import encode_prompt
 from muser_cli.units import plural
 
 

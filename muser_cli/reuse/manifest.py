@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from muser_cli.errors import DataError, IdentityMismatch
-from muser_cli.model.binding import short_fingerprint
 from muser_cli.kvpack import token_digest
 from muser_cli.kvpack.format import MAX_TOKENS
 from muser_cli.kvpack.layers import DTYPES
+from muser_cli.model.binding import short_fingerprint
 from muser_cli.reuse.chain import Scope, chain_at, scope_of_header, servable
 from muser_cli.strict import is_sha256_ref, loads
 

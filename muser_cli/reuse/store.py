@@ -32,10 +32,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import BinaryIO, Sequence
 
-from muser_cli.model.binding import out_of_vocabulary
 from muser_cli.errors import CorruptEntry, DataError, KVPackError, MissingInput, UsageError
 from muser_cli.fsio import EarlyWriteback, fsync_dir
 from muser_cli.kvpack import KVPack, PackHeader, PackReader, read_pack, write_pack
+from muser_cli.model.binding import out_of_vocabulary
 from muser_cli.reuse.chain import Scope, chain_points, resumable, scope_of_header
 from muser_cli.reuse.delta import resolve_delta, with_held_snapshots
 from muser_cli.reuse.index import DEFAULT_MAX_BYTES, ENTRY_COLS, ENV_MAX_BYTES, SCHEMA, SCHEMA_VERSION, StoreIndex

@@ -19,18 +19,7 @@ from typing import Any, Callable
 
 from muser_cli.errors import ConfigError, MuserError, UsageError
 from muser_cli.handoff.link import listen_error, parse_hostport
-from muser_cli.service.api import (
-    MAX_BODY,
-    ApiError,
-    Ask,
-    chunk,
-    new_id,
-    parse_ask,
-    parse_body,
-    response,
-    sse,
-    usage,
-)
+from muser_cli.service.api import MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
 from muser_cli.service.worker import Config, Draining, EngineWorker, Job
 from muser_cli.units import utc_stamp
 
@@ -121,14 +110,24 @@ class Service:
         return b"".join(parts)
 
     async def _next(self, queue: asyncio.Queue, request, job: Job) -> tuple[str, Any]:
-        """The job's next event; a client that went away withdraws it (:class:`ClientGone`)."""
+        """The job's next event; a client that went away withdraws it (:class:`ClientGone`). It
+        looks at least every ``_POLL_S``, also while events keep coming (a running request's
+        tokens, gathered for a whole answer)."""
+        loop = asyncio.get_running_loop()
+        looked = job.looked if job.looked is not None else loop.time()
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), _POLL_S)
+                got = await asyncio.wait_for(queue.get(), max(0.0, looked + _POLL_S - loop.time()))
             except asyncio.TimeoutError:
+                got = None
+            if loop.time() - looked >= _POLL_S:
+                looked = job.looked = loop.time()
                 if await request.is_disconnected():
                     self.worker.withdraw(job)
                     raise ClientGone("the client went away before its answer") from None
+            if got is not None:
+                job.looked = looked
+                return got
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request, kind: str):

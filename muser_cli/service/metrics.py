@@ -40,7 +40,9 @@ class ConsumerMetrics:
         self.producer_up = Gauge("muser_producer_up", "1 when the producer's last pull succeeded, else 0",
                                  ["producer"], registry=r)
         self.queue = Gauge("muser_queue_depth", "Requests waiting for the engine", registry=r)
-        self.running = Gauge("muser_running", "Requests the engine is working on", registry=r)
+        self.running = Gauge("muser_running", "Requests running (sequences taking the engine's turns)", registry=r)
+        self.batch = Histogram("muser_batch_size", "Sequences running at each decode step or prefill chunk",
+                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.requests = Counter("muser_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.tokens = Counter("muser_generated_tokens", "Tokens generated", registry=r)

@@ -1,5 +1,5 @@
 """One resident engine, many clients: a bounded queue of requests in front of one thread that
-owns the engine. Each request is the lane (:func:`muser_cli.decode.decode` with the engine
+owns the engine. Each request is the lane (:func:`muser_cli.consumer.decode.decode` with the engine
 resident): the longest prefix the store holds, the rest pulled from the least busy producer
 (a delta), installed as it verifies, the numeric gate on foreign packs, then decode; with no
 producer, or none in time (the deadline), or a cut stream, the rest is prefilled here.
@@ -17,14 +17,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.batch.pool import ProducerPool
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
+from muser_cli.consumer.lane import Source, answer
+from muser_cli.consumer.pool import ProducerPool
+from muser_cli.consumer.pull import PipePull, ask_for, with_have
+from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
-from muser_cli.pulllane.consumer import PipePull, ask_for, with_have
 from muser_cli.schedule import check_prompt, default_dtype
 from muser_cli.service.api import ApiError, Ask
 from muser_cli.service.metrics import fallback_kind
@@ -40,13 +42,14 @@ class _Stop(Exception):
     """Raised from the token callback: a stop string appeared, or the client went away."""
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: equal only to itself, hashable
 class Job:
     ask: Ask
     emit: Emit
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: Any = None  # the running request's _RunState
+    looked: float | None = None  # when the service last looked whether its client is still there
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -97,28 +100,39 @@ class Config:
     reuse: bool = True
     store: bool = False
     audit: int | None = None
+    max_batch: int = 4  # requests running at once, taking the engine's turns (docs/serve.md)
 
 
 class EngineWorker:
+    """Up to ``config.max_batch`` requests running at once, each on a thread of its own, taking
+    the engine's turns (:class:`muser_cli.consumer.turns.Turns`: one decode step or one prefill
+    chunk a turn, first come first served); up to ``config.max_queue`` more waiting."""
+
     def __init__(self, config: Config, metrics: Any = None, log: Callable[[dict], None] | None = None) -> None:
         if config.max_queue < 0:
             raise MuserError("--max-queue must be >= 0")
+        if config.max_batch < 1:
+            raise MuserError("--max-batch must be >= 1")
         self.config = config
         self.info = resolve_model(config.model)
         tokenizer_for(self.info)
         self.dtype = config.dtype or default_dtype(config.engine)
-        self.engine = get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads)
+        self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None)
+        self.engine = TurnEngine(get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads),
+                                 self.turns)
         self.pool = ProducerPool(config.producers)
         self.metrics = metrics
         self.log = log or (lambda record: None)
         self._store_warned = False
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._closing = False
         self.draining = False
-        self._thread = threading.Thread(target=self._loop, name="muser-engine", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"muser-seq-{i}", daemon=True)
+                         for i in range(config.max_batch)]
+        for thread in self._threads:
+            thread.start()
 
     def warm_up(self) -> dict[str, Any]:
         """One throwaway request on the engine before the service listens, so the first client
@@ -138,7 +152,7 @@ class EngineWorker:
         with self._cv:
             if self.draining:
                 raise Draining()
-            if self._running is not None and len(self._waiting) >= self.config.max_queue:
+            if len(self._running) >= self.config.max_batch and len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(self.config.max_queue)
             self._waiting.append(job)
             self._gauges()
@@ -154,14 +168,14 @@ class EngineWorker:
 
     def busy(self) -> int:
         with self._cv:
-            return len(self._waiting) + (self._running is not None)
+            return len(self._waiting) + len(self._running)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Refuse new work, wait for what is queued and running; True when all finished."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self.draining = True
-            while self._waiting or self._running is not None:
+            while self._waiting or self._running:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -172,12 +186,13 @@ class EngineWorker:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(5)
+        for thread in self._threads:
+            thread.join(5)
 
     def _gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.queue.set(len(self._waiting))
-            self.metrics.running.set(1 if self._running is not None else 0)
+            self.metrics.running.set(len(self._running))
 
     def _loop(self) -> None:
         while True:
@@ -187,16 +202,18 @@ class EngineWorker:
                 if self._closing and not self._waiting:
                     return
                 job = self._waiting.popleft()
-                self._running = job
+                self._running.add(job)
                 self._gauges()
+            self.turns.join()
             try:
                 if not job.cancelled.is_set():
                     self._run(job)
             except BaseException as exc:  # noqa: BLE001 - reported to the client, the engine serves on
                 job.emit("error", exc)
             finally:
+                self.turns.leave()
                 with self._cv:
-                    self._running = None
+                    self._running.discard(job)
                     self._gauges()
                     self._cv.notify_all()
 
@@ -237,38 +254,28 @@ class EngineWorker:
         sampling = Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
 
         def run(src, why: str):
-            state.why = why
+            state.why, state.rows = why, None
             return decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
-                          audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows)
+                          audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
+                          progress=self._chunk_done)
 
         live = self._pull(job) if self.pool else None
         if live is None:
             return run(None, "no producer given" if not self.pool else "no producer up")
         state.producer = live.producer
         counting = state.counting = _Counting(live.reader)
-        try:
-            try:
-                return run(counting, f"nothing from {live.producer}")
-            except DataError as exc:  # the pack failed a gate: this request is computed here
-                if state.first_token is not None:
-                    raise
-                state.refused = exc
-        finally:
-            counting.close()
-            live.join(timeout=30)
-            state.shipped = counting.bytes
-            error = live.error if not live.is_alive() else TimeoutError("the pull outlived its decode")
-            if state.refused is not None:
-                self.pool.blame(live.producer, state.refused)
-            else:
-                self.pool.done(live.producer, error)
-            state.pull_error = live.reason() if error is not None else ""
-            if self.metrics is not None:
-                self.metrics.producer_up.labels(live.producer).set(0 if error is not None else 1)
-        state.rows = None
-        return run(None, f"the pack from {live.producer} was refused: {state.refused}")
+        # a pack refused once a token was out cannot be replaced: the refusal is the answer
+        got = answer(Source(counting, live.producer, f"nothing from {live.producer}", live=live), run,
+                     pool=self.pool, recompute=lambda exc: state.first_token is None)
+        state.shipped = counting.bytes
+        state.pull_error = live.reason() if got.pull_error is not None else ""
+        if self.metrics is not None:
+            self.metrics.producer_up.labels(live.producer).set(0 if got.pull_error is not None else 1)
+        if got.refused is not None:
+            state.refused = got.refused
+        return got.out
 
     def _pull(self, job: Job):
         addr = self.pool.pick()
@@ -283,6 +290,10 @@ class EngineWorker:
             return with_have(got) if c.reuse else got
 
         return PipePull(addr, make_ask, timeout=deadline)
+
+    def _chunk_done(self, *progress: Any) -> None:
+        """A prefill chunk done (decode's progress callback): the running requests take a step each."""
+        self.turns.pass_turn()
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         m = self.metrics
@@ -332,6 +343,7 @@ class _RunState:
         self.why = ""  # the fallback reason decode was given
         self.ids: list[int] = []
         self.counting: _Counting | None = None
+        self.turns = worker.turns
 
     def on_rows(self, rows) -> None:
         self.rows = rows
@@ -350,6 +362,7 @@ class _RunState:
             self.job.emit("text", piece)
         if self.stream.stopped:
             raise _Stop("a stop string")
+        self.turns.pass_turn()  # one step done: every other running request takes one
 
     def summary(self, ids: list[int], finish: str) -> dict[str, Any]:
         """What the client, the log and the metrics are told about this request."""

@@ -45,7 +45,7 @@ def write_jobs(folder: Path, questions=QUESTIONS, *, extra: list[str] = (), n: i
 
 def reference(model: str, text: str, n: int, home: Path) -> list[int]:
     """``muser decode --prompt`` for one job, no store: the tokens every path must give."""
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
 
     old = os.environ.get("MUSER_HOME")
     os.environ["MUSER_HOME"] = str(home)
@@ -318,7 +318,7 @@ def test_decode_producer_asks_only_for_what_the_store_lacks(model, expected, lan
 
 def test_an_mlx_consumer_batch_equals_mlx_decode_per_job(model, tmp_path):
     pytest.importorskip("mlx.core", reason="MLX is not installed on this machine")
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
 
     jobs = write_jobs(tmp_path, QUESTIONS[:2])
     r = batch(tmp_path / "home", str(jobs), *common(model), "--engine", "mlx")

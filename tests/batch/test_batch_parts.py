@@ -9,7 +9,7 @@ import os
 import pytest
 
 from muser_cli.batch.jobs import BadJob, Defaults, Job, read_jobs
-from muser_cli.batch.pool import ProducerPool
+from muser_cli.consumer.pool import ProducerPool
 from muser_cli.batch.results import Results
 from muser_cli.errors import AuthError, DataError, MissingInput, ProtocolError, TempFailure, UsageError
 from muser_cli.handoff.wire.pull_protocol import PullRequest, new_request_id, parse_request, sign_request

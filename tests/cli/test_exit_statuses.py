@@ -73,7 +73,7 @@ def test_a_model_refusal_is_mismatched_data_65_on_both_lanes():
 def test_a_producer_of_another_model_is_dropped_from_the_pool_as_its_docstring_says():
     """The pool's rule: one that refused us for good (authentication, another model) is dropped;
     a refusal of one request (a DataError about the job) is not held against it."""
-    from muser_cli.batch.pool import ProducerPool
+    from muser_cli.consumer.pool import ProducerPool
     from muser_cli.handoff.pull.client import _refused
 
     pool = ProducerPool(["127.0.0.1:1"])

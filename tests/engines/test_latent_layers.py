@@ -29,7 +29,7 @@ import torch
 from typer.testing import CliRunner
 
 from muser_cli.commands import app
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.engines.torch import latent
 from muser_cli.errors import SpotCheckFailed

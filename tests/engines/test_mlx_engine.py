@@ -165,7 +165,7 @@ def test_mlx_handoff_equals_mlx_fallback_through_the_library(which, request, tmp
     """prefill --engine mlx -> kvpack bytes -> decode --engine mlx == decode --engine mlx --prompt (fallback)."""
     import io
 
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
     from muser_cli.produce.prefill import prefill
 
     info = request.getfixturevalue(which)

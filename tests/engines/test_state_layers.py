@@ -16,7 +16,7 @@ import io
 import numpy as np
 import pytest
 
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.kvpack import read_pack
 from muser_cli.kvpack.layers import StateKV

@@ -88,7 +88,7 @@ _EXTRA = {name for name in os.environ.get("MUSER_TEST_VLLM_EXTRA", "").split(","
 
 @pytest.mark.parametrize("family", sorted((TESTED["vllm"] | _EXTRA) - {"llama"}))  # llama: test_vllm_real.py
 def test_vllm_pack_decodes_on_torch_through_the_gate_to_the_local_tokens(family, tiny_vllm_family, tmp_path):
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
     from muser_cli.kvpack import read_pack
     from muser_cli.model.tokens import encode_prompt
 
@@ -247,7 +247,7 @@ def test_a_planted_fault_in_a_vllm_latent_or_state_pack_is_refused_before_the_fi
     row, one rope key or the last recurrent snapshot scaled by 1.5 is refused before a token."""
     import numpy as np
 
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
     from muser_cli.errors import SpotCheckFailed
     from muser_cli.kvpack import read_pack, write_pack
     from muser_cli.kvpack.layers import LayerKV, StateKV
@@ -289,7 +289,7 @@ def test_qwen3_next_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family
     `prefill --engine vllm` refuses the family (78) with that reason."""
     import numpy as np
 
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
     from muser_cli.errors import SpotCheckFailed
     from muser_cli.kvpack import read_pack
 

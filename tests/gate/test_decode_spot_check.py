@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.errors import SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
 from muser_cli.produce.prefill import prefill

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import GateIncomplete, IdentityMismatch, SpotCheckFailed
 from muser_cli.kvpack import LayerKV, read_pack, write_pack
@@ -261,7 +261,7 @@ def test_a_cut_foreign_stream_is_gated_before_its_chunks_are_kept(tiny_llama):
 
 def _count_checks(monkeypatch) -> list:
     """Every run of the sampled gate, wherever it is called from, appends to the list returned."""
-    from muser_cli import decode as dec
+    from muser_cli.consumer import decode as dec
     from muser_cli.gate import sampled as gate
 
     runs: list = []

@@ -27,7 +27,7 @@ from mlx_lm_kit import PROMPT, mlx_blas, mx  # first: MLX's BLAS, or the module 
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
 
-from muser_cli.decode import decode  # noqa: E402
+from muser_cli.consumer.decode import decode  # noqa: E402
 from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.errors import DataError, MissingInput  # noqa: E402
 from muser_cli.interop import mlx_lm as interop  # noqa: E402

@@ -24,7 +24,7 @@ from mlx_lm_kit import PROMPT, mx  # first: MLX's BLAS, or the module skipped
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import ChunkedKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache  # noqa: E402
 
-from muser_cli.decode import decode  # noqa: E402
+from muser_cli.consumer.decode import decode  # noqa: E402
 from muser_cli.engines.registry import get_engine  # noqa: E402
 from muser_cli.errors import GateIncomplete  # noqa: E402
 from muser_cli.interop import mlx_lm as interop  # noqa: E402

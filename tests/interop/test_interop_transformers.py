@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import muser_cli
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.errors import DataError, GateIncomplete, IdentityMismatch, UsageError
 from muser_cli.kvpack import read_pack_bytes
 from muser_cli.produce.prefill import prefill

@@ -26,7 +26,7 @@ import pytest
 from typer.testing import CliRunner
 
 from muser_cli.commands import app
-from muser_cli.decode import decode
+from muser_cli.consumer.decode import decode
 from muser_cli.engines.registry import get_engine
 from muser_cli.model.check import TESTED
 from muser_cli.produce.prefill import prefill

@@ -101,7 +101,7 @@ _frame_ends = frame_ends  # (bytes of preamble + header, the byte offset just af
 
 
 def _decode(model, data: bytes | None, prompt: str | None, **kw):
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
 
     src = io.BytesIO(data) if data is not None else None
     return decode(src, model=str(model.path), prompt=prompt, max_new_tokens=10, dtype="float32", **kw)
@@ -256,7 +256,7 @@ def test_decode_starts_at_the_end_frame_but_refuses_bytes_after_it(tiny_llama, s
 
     threading.Thread(target=producer, daemon=True).start()
     with os.fdopen(r, "rb") as src:
-        from muser_cli.decode import decode
+        from muser_cli.consumer.decode import decode
 
         out = decode(src, model=str(tiny_llama.path), max_new_tokens=4, dtype="float32", on_token=on_token)
     assert out.source == "handoff" and out.first_token_s is not None and out.tail_s is not None

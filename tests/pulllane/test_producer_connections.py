@@ -72,7 +72,7 @@ def test_a_consumer_held_mid_request_is_seen_at_each_step_then_gone(lane):
     from muser_cli.handoff.wire.pull_protocol import (
         ALPN_PULL, PullConnection, PullRequest, Request, Serving, Side, new_request_id, sign_request,
     )
-    from muser_cli.pulllane.consumer import ask_for
+    from muser_cli.consumer.pull import ask_for
 
     assert settle(lane, lambda c: c == []) == []
     ident = lane["nodes"].consumer  # its certificate's name is the consumer the producer shows

@@ -284,7 +284,7 @@ def test_a_have_off_the_chunk_grid_gets_a_delta_that_verifies(lane, tmp_path, mo
     from muser_cli.kvpack import read_pack
     from muser_cli.model.resolve import resolve_model
     from muser_cli.reuse.chain import Scope, chain_at
-    from muser_cli.pulllane.consumer import ask_for, pull_prompt
+    from muser_cli.consumer.pull import ask_for, pull_prompt
     from muser_cli.model.tokens import encode_prompt
 
     info = resolve_model(lane["model"])
@@ -474,7 +474,7 @@ def test_four_consumers_at_once_on_a_queue_of_one_all_succeed_or_fall_back(lane,
     too and prefills locally, with the local tokens. None hangs, none is lost."""
     from muser_cli.errors import TempFailure
     from muser_cli.kvpack import read_pack
-    from muser_cli.pulllane.consumer import ask_for, pull_prompt
+    from muser_cli.consumer.pull import ask_for, pull_prompt
 
     monkeypatch.setenv("MUSER_HOME", str(lane["nodes"].consumer_home))
     ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")

@@ -39,7 +39,7 @@ def client(worker):
 
 
 def local_text(tiny_llama, prompt: str, n: int, *, chat: bool = False) -> str:
-    from muser_cli.decode import decode
+    from muser_cli.consumer.decode import decode
 
     return decode(None, model=str(tiny_llama.path), prompt=prompt, chat=chat, max_new_tokens=n, dtype="float32",
                   threads=1, reuse=False).text

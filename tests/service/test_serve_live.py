@@ -15,7 +15,6 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -25,28 +24,16 @@ pytest.importorskip("prometheus_client")
 import httpx  # noqa: E402
 
 from handoff_kit import (  # noqa: E402
-    HANG_S, LANE_PROMPT as PROMPT, Producer, ServiceProcess, env_for, local_decode, muser_cmd, pull_lane,
+    HANG_S, LANE_PROMPT as PROMPT, Producer, env_for, local_decode, muser_cmd, pull_lane,
 )
+from serve_kit import DecodeServer  # noqa: E402
 
 N = 8
 _LISTEN = re.compile(r"listening on http://(\S+)/v1")
 _METRICS = re.compile(r"metrics on http://(\S+)/metrics")
 
 
-class Consumer(ServiceProcess):
-    """``muser decode --serve 127.0.0.1:0 ...``; its stderr lines collected on a thread."""
-
-    what = "decode --serve"
-
-    def __init__(self, home: Path, *args: str) -> None:
-        super().__init__(home, muser_cmd("decode", "--serve", "127.0.0.1:0", *args), _LISTEN)
-        self.base = f"http://{self.address}/v1"
-
-    def client(self) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.base, api_key="unused", max_retries=0, timeout=HANG_S)
-
-    def records(self, event: str = "request") -> list[dict]:
-        return self.events(event)
+Consumer = DecodeServer  # ``muser decode --serve 127.0.0.1:0 ...``; its stderr lines collected on a thread
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +227,7 @@ def test_a_second_turn_ships_only_its_delta(lane, tmp_path, monkeypatch):
         assert second.headers["x-muser-source"] == "delta", body.model_extra["muser"]
         assert body.usage.prompt_tokens_details.cached_tokens > 0
         assert 0 < int(second.headers["x-muser-bytes"]) < int(first.headers["x-muser-bytes"]) * 2
-        from muser_cli.decode import decode
+        from muser_cli.consumer.decode import decode
 
         monkeypatch.setenv("MUSER_HOME", str(tmp_path / "fresh"))  # a home with an empty store: all local
         want = decode(None, model=lane["common"][1], prompt=turns, chat=True, max_new_tokens=4, dtype="float32",

@@ -45,18 +45,27 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
-from muser_cli.model.info import ModelInfo, ProgressFn
-from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
-from muser_cli.errors import ConfigError, DataError, UsageError
+from muser_cli.engines.mlx import blas as mlx_blas
 from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
-from muser_cli.engines.mlx.gemma3 import match_embed_scale
 from muser_cli.engines.mlx.config import (  # noqa: F401
-    APPLIES_ROPE, MLX_REFUSED, check_dtype, check_supported, read_config, check_model, check_rope, mlx_config_overrides, model_classes)
+    APPLIES_ROPE,
+    MLX_REFUSED,
+    check_dtype,
+    check_model,
+    check_rope,
+    check_supported,
+    mlx_config_overrides,
+    model_classes,
+    read_config,
+)
+from muser_cli.engines.mlx.gemma3 import match_embed_scale
 from muser_cli.engines.mlx.sampling import sampler
+from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
+from muser_cli.model.info import ModelInfo, ProgressFn
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
 MLX_DTYPES = ("float32", "bfloat16")
 _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u2"): "bfloat16"}

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from muser_cli.engines.vllm.config import NAME_RE, CONFIG_KEY, ConnectorSettings
+from muser_cli.engines.vllm.config import CONFIG_KEY, NAME_RE, ConnectorSettings
+
 
 @dataclass
 class _ReqState:

@@ -28,16 +28,8 @@ from typing import Any, BinaryIO, Callable
 
 from muser_cli.errors import AuthError, MuserError, ProtocolError, TempFailure
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S,
-    DEFAULT_IDLE_S,
-    Link,
-    OtherCAError,
-    check_peer_host,
-    continue_as_v3,
-    format_hostport,
-    parse_hostport,
-    sni_client_context,
-    tls_connect,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, OtherCAError, check_peer_host, continue_as_v3, format_hostport,
+    parse_hostport, sni_client_context, tls_connect,
 )
 from muser_cli.handoff.push.receiver import Accepted, Destination, ReceiveConfig, Receiver
 from muser_cli.handoff.trust.certs import peer_common_name
@@ -45,29 +37,11 @@ from muser_cli.handoff.trust.node import Identity, KeyEntry
 from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.wire.protocol import (
-    MAX_DATA_BYTES,
-    PROTOCOL_VERSION,
-    ConnectionClosed,
-    Header,
-    Ready,
-    Reject,
-    Role,
-    State,
+    MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.wire.pull_protocol import (
-    ALPN_PULL,
-    MAX_PROBE_MS,
-    Probe,
-    ProbeRequest,
-    PullConnection,
-    PullRequest,
-    Queued,
-    Request,
-    Serving,
-    Side,
-    new_request_id,
-    sign_probe,
-    sign_request,
+    ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
+    new_request_id, sign_probe, sign_request,
 )
 from muser_cli.handoff.wire.refusal import Refusal, error_class, refusal_error
 from muser_cli.kvpack.format import token_digest

@@ -47,15 +47,16 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
-from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
-from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
-from muser_cli.handoff.trust.ledger import LedgerError, Record
 from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, continue_as_v3, server_context
 from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
+from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.pull.admission import Admission
+from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
+from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
+from muser_cli.handoff.trust.ledger import LedgerError, Record
 from muser_cli.handoff.trust.node import Identity
 from muser_cli.handoff.trust.nodedir import identities_stamp, load_identities, note_peer
-from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
+from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
 )
@@ -63,7 +64,6 @@ from muser_cli.handoff.wire.pull_protocol import (
     ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
     Request, Serving, Side, check_fresh, verify_request_mac,
 )
-from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
 from muser_cli.handoff.wire.refusal import Refusal
 
 #: How often a queued consumer is told again that its request still waits (well inside the

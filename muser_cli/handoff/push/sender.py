@@ -38,22 +38,21 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
 from muser_cli.errors import DataError, KVPackError, MuserError, ProtocolError, TempFailure
-from muser_cli.handoff.push.clock import since_start, unix_of
-from muser_cli.handoff.wire.header import (
-    MAX_PAYLOAD_BYTES, HandoffHeader, HandoffTrailer, new_handoff_id, sign, sign_trailer,
-)
 from muser_cli.handoff.link import (
-    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, parse_hostport, reject_error,
-    tls_connect,
+    DEFAULT_CONNECT_S, DEFAULT_IDLE_S, Link, client_context, format_hostport, parse_hostport, reject_error, tls_connect,
 )
+from muser_cli.handoff.probes import measure
+from muser_cli.handoff.push.clock import since_start, unix_of
+from muser_cli.handoff.push.payload import PackStart, PayloadInspector, StreamTail, read_start
 from muser_cli.handoff.trust.certs import peer_common_name
 from muser_cli.handoff.trust.node import Identity
 from muser_cli.handoff.trust.nodedir import note_peer
-from muser_cli.handoff.push.payload import PackStart, PayloadInspector, StreamTail, read_start
-from muser_cli.handoff.probes import measure
+from muser_cli.handoff.wire.header import (
+    MAX_PAYLOAD_BYTES, HandoffHeader, HandoffTrailer, new_handoff_id, sign, sign_trailer,
+)
 from muser_cli.handoff.wire.protocol import (
-    ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, Pulse, Ready, Reject, Role,
-    State, Trailer,
+    ALPN, DEFAULT_DATA_CHUNK, Ack, Connection, ConnectionClosed, Data, Go, Header, Pulse, Ready, Reject, Role, State,
+    Trailer,
 )
 
 DEFAULT_TOTAL_S = 3600.0

@@ -12,14 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from muser_cli.errors import (
-    DataError,
-    IdentityMismatch,
-    MissingInput,
-    MuserError,
-    OutputError,
-    SpotCheckFailed,
-    TempFailure,
-    UsageError,
+    DataError, IdentityMismatch, MissingInput, MuserError, OutputError, SpotCheckFailed, TempFailure, UsageError,
 )
 from muser_cli.handoff.link import parse_hostport
 

@@ -12,24 +12,24 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO, Callable
 
-from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
+from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
+from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
 from muser_cli.gate.state import has_state
-from muser_cli.model.binding import require_identity
 from muser_cli.kvpack import KVPack, LayerKV, PackHeader
 from muser_cli.kvpack.layers import ring_extra_held
 from muser_cli.kvpack.stream import Cut, StreamedPack
+from muser_cli.model.binding import require_identity
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.model.resolve import resolve_model
+from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
 from muser_cli.reuse.manifest import check_base
 from muser_cli.rows import local_rows
 from muser_cli.schedule import build_header, check_prompt, default_dtype
-from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 
 
 @dataclass

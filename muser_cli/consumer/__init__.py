@@ -1,0 +1,12 @@
+"""The consumer's side: the machine the user sits at answers a request.
+
+:mod:`muser_cli.consumer.lane`: the one lane every way of answering goes through (``muser
+decode``, ``decode --serve``, ``muser batch``): a pack from a producer when one streams it, its
+refusal by a gate blamed on that producer and the request computed here, the producer pool's
+bookkeeping. :mod:`muser_cli.consumer.decode`: verify, bind, gate, install and decode one
+request's rows (or prefill them here on the canonical schedule). :mod:`muser_cli.consumer.pull`:
+what a consumer asks a resident producer for, and the pull on a thread into decode's input.
+:mod:`muser_cli.consumer.pool`: the producers a consumer may ask, least busy first, with
+back-off and blame.
+
+Nothing is imported here."""

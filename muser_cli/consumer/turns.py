@@ -1,0 +1,134 @@
+"""Many requests, one engine: the engine's turns, handed round one step at a time.
+
+Each running request (a *sequence*) has a thread of its own: it tokenizes, waits for its
+producer's bytes, checks them, all without the engine. Only engine work needs the engine, and
+that is taken in :class:`Turns`: one holder at a time, in the order asked (first come, first
+served), given up after every decode step and every prefill chunk (:meth:`Turns.pass_turn`), so
+that a long local prefill never freezes the streams already answering — between two of its
+chunks every other running sequence takes one step — and a request whose rows are still on
+the wire costs the others nothing (it does not hold the engine while it waits).
+
+Each sequence is computed exactly as it would be alone (the same calls on the same arrays, one
+sequence per call), so its tokens are its solo tokens, greedy or seeded: the exact mode. (An
+engine that steps several sequences in one batched call would round differently; see
+docs/serve.md.)
+
+:class:`TurnEngine` puts an engine behind the turns: every method call holds the turn (nested
+calls of the same thread take it once), and the progress and token callbacks of the lane pass
+it on (:meth:`Turns.pass_turn`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable
+
+
+class Turns:
+    """A fair, re-entrant turn on one engine: FIFO among threads, nested holds by one thread count once.
+
+    ``on_step(n)``: called at every pass with the number of sequences taking turns (the batch
+    size of that step, for the metrics)."""
+
+    def __init__(self, on_step: Callable[[int], None] | None = None) -> None:
+        self._cv = threading.Condition()
+        self._queue: collections.deque[int] = collections.deque()
+        self._holder: int | None = None
+        self._depth = 0
+        self._members: set[int] = set()
+        self.on_step = on_step
+        self.passes = 0  # how many times the turn was handed on (for tests and the log)
+
+    # -------------------------------------------------------------- membership
+    def join(self) -> None:
+        """The calling thread runs a sequence (counted in the batch size until :meth:`leave`)."""
+        with self._cv:
+            self._members.add(threading.get_ident())
+
+    def leave(self) -> None:
+        with self._cv:
+            self._members.discard(threading.get_ident())
+
+    @property
+    def running(self) -> int:
+        with self._cv:
+            return len(self._members)
+
+    # -------------------------------------------------------------- the turn
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cv:
+            if self._holder == me:
+                self._depth += 1
+                return
+            self._queue.append(me)
+            while self._holder is not None or self._queue[0] != me:
+                self._cv.wait()
+            self._queue.popleft()
+            self._holder, self._depth = me, 1
+
+    def release(self) -> None:
+        with self._cv:
+            if self._holder != threading.get_ident():
+                raise RuntimeError("released a turn this thread does not hold")
+            self._depth -= 1
+            if self._depth == 0:
+                self._holder = None
+                self._cv.notify_all()
+
+    def holds(self) -> bool:
+        with self._cv:
+            return self._holder == threading.get_ident()
+
+    def pass_turn(self) -> None:
+        """After a step or a chunk: let every sequence waiting for the engine take one turn,
+        then carry on (at the same nesting depth). A no-op for a thread not holding the turn,
+        and when no one waits."""
+        me = threading.get_ident()
+        with self._cv:
+            if self._holder != me:
+                return
+            self.passes += 1
+            if self.on_step is not None:
+                self.on_step(max(1, len(self._members)))
+            if not self._queue:
+                return
+            depth, self._holder, self._depth = self._depth, None, 0
+            self._queue.append(me)
+            self._cv.notify_all()
+            while self._holder is not None or self._queue[0] != me:
+                self._cv.wait()
+            self._queue.popleft()
+            self._holder, self._depth = me, depth
+
+
+class TurnEngine:
+    """An engine whose every method call holds the engine's turn (see the module's doc); its
+    attributes read through. What the lane passes as ``resident``."""
+
+    def __init__(self, engine: Any, turns: Turns) -> None:
+        self._engine = engine
+        self._turns = turns
+
+    @property
+    def inner(self) -> Any:
+        return self._engine
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._engine, name)
+        if not callable(value) or name.startswith("__"):
+            return value
+        turns = self._turns
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            turns.acquire()
+            try:
+                return value(*args, **kwargs)
+            finally:
+                turns.release()
+
+        return held
+
+
+__all__ = ["TurnEngine", "Turns"]

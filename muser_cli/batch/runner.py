@@ -354,7 +354,8 @@ class Batch:
                           engine=c.engine, dtype=self.dtype, threads=c.threads,
                           sampling=Sampling(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
                           chunk_tokens=self.chunk, fallback_reason=why or "empty input", reuse=c.reuse,
-                          store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready)
+                          store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready,
+                          prompt_ids=list(p.ids), info=self.info)  # tokenized once, when planned
 
         def unlink_fetched() -> None:
             if fetch is not None and fetch.path is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable
 
 from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.engines.base import Engine, Sampling
@@ -145,12 +145,18 @@ def decode(
     on_rows: Callable[[Rows], None] | None = None,
     strict: bool = False,
     audit_seed: int | None = None,
+    prompt_ids: list[int] | None = None,
+    info: ModelInfo | None = None,
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
     needs no prefill at all, a partial hit prefills only the suffix), else a local prefill
     on the canonical schedule. ``chunk_tokens`` None: any stored schedule, else 512.
     ``store``: keep the prompt's whole cache in the store afterwards.
+
+    ``prompt_ids`` and ``info``: the prompt already tokenized for this model (a service or a
+    batch tokenizes each request once, and passes the ids and the loaded model's facts); else
+    ``prompt`` is tokenized here for ``model``.
 
     ``audit``: a pack made by another engine, in another dtype, quantized or with an
     unknown codec gets a numeric spot-check before its first token (its last position
@@ -172,7 +178,79 @@ def decode(
 
     A pack that does not match (another prompt, model or tokenizer, damaged, or refused by
     the gate) with a prompt given is set aside: the tokens come from local rows and
-    ``set_aside`` says why. ``strict``: refuse it instead (65). Without a prompt it is refused."""
+    ``set_aside`` says why. ``strict``: refuse it instead (65). Without a prompt it is refused.
+
+    Four steps: :func:`_set_up` (the model, the pack's binding, the engine), :func:`_rows_ready`
+    (the rows: the pack's, the store's or made here, through the gate), :func:`_generate` (the
+    tokens), :func:`_outcome`."""
+    _check_args(max_new_tokens, audit, sampling)
+    t_begin = time.perf_counter()
+    # The pack is read and verified on a thread from the first byte on, while the model loads.
+    # Each full layer's rows land in an array with room for every new token: the engine's
+    # cache adopts it (no copy at install, none per token).
+    spare = max(max_new_tokens + 1, DEFAULT_SAMPLE_POSITIONS)  # room for the gate's rows, then decode's
+    stream = StreamedPack(src, spare_rows=spare) if src is not None else None
+    run = _Run(stream=stream, t_begin=t_begin, max_new_tokens=max_new_tokens, engine=engine, threads=threads,
+               chunk_tokens=chunk_tokens, reuse=reuse, progress=progress, audit=audit, strict=strict,
+               audit_seed=audit_seed, on_rows=on_rows)
+    _set_up(run, model=model, prompt=prompt, chat=chat, dtype=dtype, resident=resident, prompt_ids=prompt_ids,
+            info=info)
+    _rows_ready(run)
+    result = _generate(run, sampling=sampling, on_token=on_token)
+    if stream is not None and run.got.pack is not None:
+        stream.confirm_end()  # bytes after the end frame: refused before anything is kept or returned
+    stored = None
+    if store:
+        try:
+            stored = _store(run.got, run.info, run.ids, dtype=run.dtype, engine=engine, threads=threads, eng=run.eng,
+                            spot=run.spot)
+        except (MuserError, OSError) as exc:  # the store is a cache: failing to keep the answer is not failing it
+            run.got.problems.append(f"not stored: {exc}")
+    return _outcome(run, result, stored=stored, store_asked=store, fallback_reason=fallback_reason)
+
+
+@dataclass
+class _Run:
+    """One decode as it goes through its steps: what it was asked, and what each step found."""
+
+    stream: StreamedPack | None
+    t_begin: float
+    max_new_tokens: int
+    engine: str
+    threads: int
+    chunk_tokens: int | None
+    reuse: bool
+    progress: ProgressFn | None
+    audit: int | None
+    strict: bool
+    audit_seed: int | None
+    on_rows: Callable[[Rows], None] | None
+    # _set_up
+    info: ModelInfo | None = None
+    ids: list[int] = field(default_factory=list)
+    dtype: str = ""
+    eng: Engine | None = None
+    header: PackHeader | None = None
+    has_prompt: bool = False  # a prompt to prefill: a pack may fall back to local rows
+    may_set_aside: bool = False  # ... and is not --strict: a pack that fails a check is set aside
+    aside: str = ""
+    load: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+    # _rows_ready
+    got: Rows | None = None
+    spot: dict | None = None
+    gate: SpotGate | None = None
+    sampled: dict | None = None
+    prefill_s: float = 0.0
+    # _generate
+    t_dec: float = 0.0
+
+    @property
+    def load_s(self) -> float:
+        (res0, res1), (load0, load1) = self.load
+        return (load1 - load0) + (res1 - res0)
+
+
+def _check_args(max_new_tokens: int, audit: int | None, sampling: Sampling) -> None:
     if max_new_tokens < 1:
         raise UsageError("-n must be at least 1")
     if audit is not None and audit < 0:
@@ -180,142 +258,161 @@ def decode(
     if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1:
         raise UsageError(f"--temperature must be >= 0 and --top-p in (0, 1] (got {sampling.temperature}, "
                          f"{sampling.top_p})")
-    t_begin = time.perf_counter()
-    # The pack is read and verified on a thread from the first byte on, while the model loads.
-    # Each full layer's rows land in an array with room for every new token: the engine's
-    # cache adopts it (no copy at install, none per token).
-    spare = max(max_new_tokens + 1, DEFAULT_SAMPLE_POSITIONS)  # room for the gate's rows, then decode's
-    stream = StreamedPack(src, spare_rows=spare) if src is not None else None
+
+
+def _set_up(run: _Run, *, model: str | None, prompt: str | None, chat: bool, dtype: str | None,
+            resident: Engine | None, prompt_ids: list[int] | None, info: ModelInfo | None) -> None:
+    """The model and the prompt's ids (tokenized here unless given), the pack's header and its
+    binding to them (a mismatch set aside or refused), the engine (loaded while the pack still
+    arrives when the dtype is known)."""
     t_res0 = time.perf_counter()
-    info = resolve_model(model)
+    info = info or resolve_model(model)
     tokenizer_for(info)  # loading the tokenizer is part of loading the model
-    prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
+    if prompt_ids is None and prompt is not None:
+        prompt_ids = encode_prompt(info, prompt, chat=chat)
     t_res1 = time.perf_counter()
-    eng = resident
+    eng, t_load0, t_load1 = resident, 0.0, 0.0
     if eng is not None and eng.info.fingerprint != info.fingerprint:
         raise UsageError("the resident engine holds another model than the one asked for")
     if eng is None and dtype is not None:  # the engine needs no header: load it while the producer still works
         t_load0 = time.perf_counter()
-        eng = get_engine(engine, info, dtype=dtype, threads=threads)
+        eng = get_engine(run.engine, info, dtype=dtype, threads=run.threads)
         t_load1 = time.perf_counter()
-    may_set_aside = prompt_ids is not None and not strict
-    aside = ""
+    run.has_prompt = prompt_ids is not None
+    run.may_set_aside = run.has_prompt and not run.strict
+    header = None
     try:
-        header = stream.header() if stream is not None else None
+        header = run.stream.header() if run.stream is not None else None
     except KVPackError as exc:
-        header, aside = None, _set_aside(exc, may_set_aside)
-    if header is None and prompt is None:
+        run.aside = _set_aside(exc, run.may_set_aside)
+    if header is None and prompt_ids is None:
         raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
     try:
-        ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=engine)
+        ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=run.engine)
     except DataError as exc:  # another prompt, model or tokenizer; a base that disagrees with its delta
-        header, aside = None, _set_aside(exc, may_set_aside)
-        ids, dtype = bind(None, info, prompt_ids, dtype=dtype, engine=engine)
-    check_prompt(info, ids, new_tokens=max_new_tokens)
+        header, run.aside = None, _set_aside(exc, run.may_set_aside)
+        ids, dtype = bind(None, info, prompt_ids, dtype=dtype, engine=run.engine)
+    check_prompt(info, ids, new_tokens=run.max_new_tokens)
     if eng is None:
         t_load0 = time.perf_counter()
-        eng = get_engine(engine, info, dtype=dtype, threads=threads)
+        eng = get_engine(run.engine, info, dtype=dtype, threads=run.threads)
         t_load1 = time.perf_counter()
     elif resident is not None:
         t_load0 = t_load1 = time.perf_counter()
         if eng.dtype != dtype:
             raise UsageError(f"the resident engine decodes {eng.dtype}; this input needs {dtype}",
                              hint=f"use --dtype {dtype}")
-    load_s = (t_load1 - t_load0) + (t_res1 - t_res0)
+    run.info, run.ids, run.dtype, run.eng, run.header = info, ids, dtype, eng, header
+    run.load = ((t_res0, t_res1), (t_load0, t_load1))
 
-    def local(why: str) -> Rows:
-        made = rows_for(None, eng, ids, can_fall_back=True, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse,
-                        progress=progress, spare_rows=max_new_tokens + 1)
-        made.reason = why
-        return made
 
-    got = None
-    pack = None
-    if header is not None:
+def _local(run: _Run, why: str) -> Rows:
+    """The prompt's rows made on this machine (the store's prefix, then a prefill)."""
+    made = rows_for(None, run.eng, run.ids, can_fall_back=True, dtype=run.dtype, chunk_tokens=run.chunk_tokens,
+                    reuse=run.reuse, progress=run.progress, spare_rows=run.max_new_tokens + 1)
+    made.reason = why
+    return made
+
+
+def _rows_ready(run: _Run) -> None:
+    """The rows decode installs, through the gate: the pack's (whole, a delta merged with its
+    base, or a cut stream's kept chunks and the rest made here), the store's, or made here; a
+    pack that fails a check set aside for local rows (or refused: :func:`_set_aside`)."""
+    eng, stream, got, pack = run.eng, run.stream, None, None
+    if run.header is not None:
         assert stream is not None
         if not stream.finished:
             eng.warm_up()  # the rest is still arriving: pay the first-call costs now, not after
         try:
             arrived = stream.result()
         except KVPackError as exc:  # a damaged frame: nothing of it is used
-            arrived, aside = None, _set_aside(exc, may_set_aside)
+            arrived, run.aside = None, _set_aside(exc, run.may_set_aside)
         if isinstance(arrived, Cut):
-            got = _after_cut(stream, arrived, eng, ids, can_fall_back=prompt_ids is not None, progress=progress,
-                             dtype=dtype, audit=audit, strict=strict, seed=audit_seed)
+            got = _after_cut(stream, arrived, eng, run.ids, can_fall_back=run.has_prompt, progress=run.progress,
+                             dtype=run.dtype, audit=run.audit, strict=run.strict, seed=run.audit_seed)
         elif arrived is not None:
             pack = arrived
     t0 = time.perf_counter()
-    sampled = None
-    if got is None and aside:
-        got = local(aside)
+    if got is None and run.aside:
+        got = _local(run, run.aside)
     if got is None:
-        got = rows_for(pack, eng, ids, can_fall_back=prompt_ids is not None, dtype=dtype, chunk_tokens=chunk_tokens,
-                       reuse=reuse, progress=progress, spare_rows=max_new_tokens + 1)
+        got = rows_for(pack, eng, run.ids, can_fall_back=run.has_prompt, dtype=run.dtype,
+                       chunk_tokens=run.chunk_tokens, reuse=run.reuse, progress=run.progress,
+                       spare_rows=run.max_new_tokens + 1)
+    on_rows = run.on_rows
     try:
-        spot, gate, sampled = _spot_check(got, eng, engine=engine, dtype=dtype, audit=audit, seed=audit_seed,
+        spot, gate, sampled = _spot_check(got, eng, engine=run.engine, dtype=run.dtype, audit=run.audit,
+                                          seed=run.audit_seed,
                                           on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
     except SpotCheckFailed as exc:
-        aside = _set_aside(exc, may_set_aside)
-        got, spot, gate = local(aside), None, None
-    spot = spot if spot is not None else got.spot
-    prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
+        run.aside = _set_aside(exc, run.may_set_aside)
+        got, spot, gate, sampled = _local(run, run.aside), None, None, None
+    run.got, run.gate, run.sampled = got, gate, sampled
+    run.spot = spot if spot is not None else got.spot
+    run.prefill_s = time.perf_counter() - t0 + got.cut_prefill_s
     if on_rows is not None and gate is None:
         on_rows(got)
-    t_dec = time.perf_counter()
+
+
+def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] | None) -> Any:
+    """The tokens: the engine installs the rows and decodes (the gate fused into its first step
+    where it can be; refused there, the rows are made here and decoding starts over, before any
+    token was given out)."""
+    got, gate, eng, ids = run.got, run.gate, run.eng, run.ids
+    run.t_dec = time.perf_counter()
     layers, rows, first_feed = got.layers, len(ids) - 1, [ids[-1]]
     if gate is not None:  # the spot-check rides in the first step: its positions are fed again
         layers, rows, first_feed = gate.prefix, gate.start, gate.token_ids + [ids[-1]]
     try:
-        result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=max_new_tokens,
+        result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=run.max_new_tokens,
                             sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                            adopt=(got.source == "handoff" and stream is not None) or got.source == "store",
+                            adopt=(got.source == "handoff" and run.stream is not None) or got.source == "store",
                             check_first=gate)
     except SpotCheckFailed as exc:  # the fused check refused the rows before any token was picked
         if gate is None:
             raise
-        aside = _set_aside(exc, may_set_aside)
-        got, spot, gate, sampled = local(aside), None, None, None
-        if on_rows is not None:
-            on_rows(got)
-        result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=max_new_tokens,
+        run.aside = _set_aside(exc, run.may_set_aside)
+        got = run.got = _local(run, run.aside)
+        run.spot, run.gate, run.sampled, gate = None, None, None, None
+        if run.on_rows is not None:
+            run.on_rows(got)
+        result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=run.max_new_tokens,
                             sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
                             adopt=got.source == "store")
     if gate is not None:
         gate.restore(got.layers)  # an adopting engine wrote its recomputation over the pack's last rows
         if gate.result is None:  # every engine calls it after its first step; one that did not checked nothing
-            raise DataError(f"the {engine} engine decoded without running the spot-check",
+            raise DataError(f"the {run.engine} engine decoded without running the spot-check",
                             hint="decode with --no-audit to skip it knowingly")
-        spot = gate.result.to_json()
-    if spot is not None and sampled is not None:
-        spot["sampled"] = sampled
-    t_first_token = t_dec + result.ttft_s
-    if stream is not None and got.pack is not None:
-        stream.confirm_end()  # bytes after the end frame: refused before anything is returned
+        run.spot = gate.result.to_json()
+    if run.spot is not None and run.sampled is not None:
+        run.spot["sampled"] = run.sampled
+    return result
+
+
+def _outcome(run: _Run, result: Any, *, stored: str | None, store_asked: bool, fallback_reason: str) -> DecodeOutcome:
+    """What decode returns: the text and tokens, where the rows came from, and the timings."""
+    got, stream, ids = run.got, run.stream, run.ids
+    t_first_token = run.t_dec + result.ttft_s
     # TTFT: from the first input byte (or the start, with none) to the first token, model
     # load excluded: the load overlapped the read, so its overlap with that span is taken out.
-    t_req = stream.first_byte_t if stream is not None and stream.first_byte_t is not None else t_begin
-    overlap = sum(max(0.0, min(b, t_first_token) - max(a, t_req)) for a, b in ((t_res0, t_res1), (t_load0, t_load1)))
-    ttft = t_first_token - t_req - overlap
+    t_req = stream.first_byte_t if stream is not None and stream.first_byte_t is not None else run.t_begin
+    overlap = sum(max(0.0, min(b, t_first_token) - max(a, t_req)) for a, b in run.load)
     t_read = stream.end_t if stream is not None and stream.end_t is not None else t_req
-    stored = None
-    if store:
-        try:
-            stored = _store(got, info, ids, dtype=dtype, engine=engine, threads=threads, eng=eng, spot=spot)
-        except (MuserError, OSError) as exc:  # the store is a cache: failing to keep the answer is not failing it
-            got.problems.append(f"not stored: {exc}")
     return DecodeOutcome(
-        text=decode_text(info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,
-        load_s=load_s, prefill_s=prefill_s, ttft_s=ttft, decode_s=result.decode_s, prompt_tokens=len(ids),
-        engine=engine, dtype=dtype, reason=(got.reason or fallback_reason) if got.pack is None else "",
+        text=decode_text(run.info, result.token_ids), token_ids=list(result.token_ids), fallback=got.pack is None,
+        load_s=run.load_s, prefill_s=run.prefill_s, ttft_s=t_first_token - t_req - overlap,
+        decode_s=result.decode_s, prompt_tokens=len(ids), engine=run.engine, dtype=run.dtype,
+        reason=(got.reason or fallback_reason) if got.pack is None else "",
         source=got.source, pack_read_s=max(0.0, t_read - t_req), held_tokens=got.held, entry=got.entry,
-        computed_tokens=got.computed, store_problems=got.problems, stored=stored, store_asked=store,
+        computed_tokens=got.computed, store_problems=got.problems, stored=stored, store_asked=store_asked,
         engine_stats={k: v for k, v in result.stats.items() if isinstance(v, (str, int, float, bool))},
         handoff_rows=got.handoff_rows, local_rows=got.local_rows,
         first_byte_s=_since_start(stream.first_byte_t if stream is not None else None),
         last_frame_s=_since_start(stream.last_frame_t if stream is not None else None),
         tail_s=(t_first_token - stream.last_frame_t) if stream is not None and stream.last_frame_t is not None
         and got.pack is not None else None,
-        first_token_s=_since_start(t_first_token), spot_check=spot, set_aside=aside,
+        first_token_s=_since_start(t_first_token), spot_check=run.spot, set_aside=run.aside,
     )
 
 

@@ -23,6 +23,7 @@ from muser_cli.handoff.link import parse_hostport
 from muser_cli.handoff.pull.client import pull
 from muser_cli.handoff.push.receiver import Destination
 from muser_cli.handoff.trust.node import load_identity
+from muser_cli.model.info import ModelInfo
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt
 from muser_cli.reuse import Store
@@ -68,11 +69,17 @@ def ask_for(prompt: str, *, model: str | None, chat: bool, chunk_tokens: int | N
 
     check_chunk(chunk_tokens)
     info = resolve_model(model)
-    ids = encode_prompt(info, prompt, chat=chat)
+    ask = ask_of(encode_prompt(info, prompt, chat=chat), info, chunk_tokens=chunk_tokens, dtype=dtype, engine=engine)
+    return replace(ask, text=prompt if send_text else None, chat=chat and send_text)
+
+
+def ask_of(ids: list[int], info: ModelInfo, *, chunk_tokens: int | None, dtype: str | None, engine: str) -> PullAsk:
+    """What to request for a prompt already tokenized here (a service or a batch tokenizes each
+    request once): its ids on the canonical schedule, for this model."""
+    check_chunk(chunk_tokens)
     check_prompt(info, ids)
     return PullAsk(list(ids), info.tokenizer_fingerprint, info.fingerprint, chunk_tokens or DEFAULT_CHUNK_TOKENS,
-                   dtype or default_dtype(engine), text=prompt if send_text else None, chat=chat and send_text,
-                   engine=engine)
+                   dtype or default_dtype(engine), engine=engine)
 
 
 def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
@@ -159,4 +166,4 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
     return PipePull(producer, make_ask, timeout=timeout)
 
 
-__all__ = ["PipePull", "PullAsk", "ask_for", "pull_prompt", "start_pull_pipe", "with_have"]
+__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "pull_prompt", "start_pull_pipe", "with_have"]

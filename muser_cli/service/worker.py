@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Callable
 from muser_cli.consumer.decode import decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.pool import ProducerPool
-from muser_cli.consumer.pull import PipePull, ask_for, with_have
+from muser_cli.consumer.pull import PipePull, ask_of, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
@@ -259,7 +259,7 @@ class EngineWorker:
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
                           audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
-                          progress=self._chunk_done)
+                          progress=self._chunk_done, prompt_ids=ids, info=self.info)  # tokenized once, in _run
 
         live = self._pull(job) if self.pool else None
         if live is None:
@@ -284,9 +284,10 @@ class EngineWorker:
         ask, c = job.ask, self.config
         deadline = ask.prefill_deadline if ask.prefill_deadline is not None else c.prefill_deadline
 
+        ids = job.state.ids  # tokenized once, in _run
+
         def make_ask():
-            got = ask_for(ask.prompt, model=c.model, chat=ask.chat, chunk_tokens=c.chunk_tokens, dtype=self.dtype,
-                          engine=c.engine)
+            got = ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype, engine=c.engine)
             return with_have(got) if c.reuse else got
 
         return PipePull(addr, make_ask, timeout=deadline)

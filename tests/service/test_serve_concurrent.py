@@ -143,9 +143,9 @@ def tiny_long(tmp_path_factory) -> Path:
 
 
 def test_a_long_local_prefill_does_not_freeze_a_streaming_request(tmp_path, tiny_long):
-    """Request A streams 160 tokens; request B brings a 2k-token prompt prefilled here in chunks of
-    128. Between B's arrival and B's first token, A's tokens keep coming (one between two of
-    B's chunks), and A is still streaming after B's first token."""
+    """Request A streams (up to 3000 tokens: still going when B comes); request B brings a 2k-token
+    prompt prefilled here in chunks of 128. Between B's arrival and B's first token, A's tokens
+    keep coming (one between two of B's chunks), and A is still streaming after B's first token."""
     server = Server(tmp_path / "home", "-m", str(tiny_long), "--threads", "1", "--dtype", "float32",
                     "--no-reuse", "--max-batch", "4", "--chunk", "128")
     events: list[str] = []
@@ -157,14 +157,16 @@ def test_a_long_local_prefill_does_not_freeze_a_streaming_request(tmp_path, tiny
             events.append(what)
 
     def stream_a() -> None:
-        stream = server.client().completions.create(model="default", prompt=PROMPTS[2], max_tokens=160,
+        stream = server.client().completions.create(model="default", prompt=PROMPTS[2], max_tokens=3000,
                                                     temperature=0, stream=True)
         for i, chunk in enumerate(stream):
             if chunk.choices and chunk.choices[0].text:
                 note("A")
                 if i == 4:
                     started.set()
-        note("A-done")
+            if chunk.choices and chunk.choices[0].finish_reason:
+                note(f"A-done:{chunk.choices[0].finish_reason}")
+        started.set()
 
     long_prompt = " ".join(f"w{i % 97}" for i in range(2100))
     try:
@@ -183,6 +185,7 @@ def test_a_long_local_prefill_does_not_freeze_a_streaming_request(tmp_path, tiny
         a.join(HANG_S)
     finally:
         server.stop()
+    assert "A-done:stop" not in events[:events.index("B-first")], events  # A met its EOS early: no stream to watch
     sent, first = events.index("B-sent"), events.index("B-first")
     between = events[sent:first].count("A")
     assert between >= 4, events  # B's ~17 chunks: A took steps between them

@@ -95,3 +95,15 @@ def tiny_family(tiny_models_dir, _session_env):
 def tiny_muse_glimmer(tiny_family):
     """Muse Glimmer, 8 layers: [sliding (window 8) x3, full NoPE] x2, gated attention, QK-norm."""
     return tiny_family("muse_glimmer")
+
+
+@pytest.fixture(autouse=True)
+def _command_globals():
+    """``muser -q``/``--debug`` run in process (CliRunner) set the command layer's globals; each test
+    starts from the defaults, whatever ran before it (the order of files is no test's business)."""
+    import sys
+
+    common = sys.modules.get("muser_cli.commands._common")
+    if common is not None:
+        common._state.update(debug=False, quiet=False)
+    yield

@@ -143,7 +143,7 @@ class EngineWorker:
         t0 = time.perf_counter()
         decode(None, model=c.model, prompt=WARM_PROMPT, chat=False, max_new_tokens=2, engine=c.engine,
                dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="warm-up",
-               reuse=False, store=False, resident=getattr(self.engine, "inner", self.engine))
+               reuse=False, store=False, resident=self.engine.inner)  # the engine itself: no turn taken
         return {"warm_s": round(time.perf_counter() - t0, 6)}
 
     # -------------------------------------------------------------- queue

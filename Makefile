@@ -10,7 +10,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.muser-installed
 # What runs there: everything that needs vLLM, and the torch engine on vLLM's transformers.
 VLLM_TESTS := tests/engines/test_torch_cache.py tests/engines/test_vllm_layout.py tests/engines/test_vllm_engine.py tests/engines/test_vllm_kernels.py \
-	tests/engines/test_vllm_real.py tests/engines/test_vllm_batch.py tests/engines/test_vllm_serve.py tests/engines/test_vllm_families.py tests/engines/test_torch_engine.py
+	tests/engines/test_vllm_real.py tests/engines/test_vllm_batch.py tests/engines/test_vllm_serve.py tests/engines/test_vllm_families.py tests/engines/test_torch_engine.py \
+	tests/engines/test_vllm_gpu_check.py
 
 .PHONY: demo test test-main test-vllm test-latest lock venv vllm-venv docs clean bench
 

@@ -11,7 +11,7 @@ hand in; the sequence itself is written once, here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.consumer.pool import ProducerPool
@@ -47,7 +47,6 @@ class Answered:
     producer: str | None
     refused: DataError | None = None  # the pack a gate refused (the answer was computed here)
     pull_error: BaseException | None = None  # why the pull failed, or outlived its decode
-    notes: list[str] = field(default_factory=list)
 
     @property
     def from_producer(self) -> bool:

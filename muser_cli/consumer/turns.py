@@ -38,7 +38,6 @@ class Turns:
         self._depth = 0
         self._members: set[int] = set()
         self.on_step = on_step
-        self.passes = 0  # how many times the turn was handed on (for tests and the log)
 
     # -------------------------------------------------------------- membership
     def join(self) -> None:
@@ -49,11 +48,6 @@ class Turns:
     def leave(self) -> None:
         with self._cv:
             self._members.discard(threading.get_ident())
-
-    @property
-    def running(self) -> int:
-        with self._cv:
-            return len(self._members)
 
     # -------------------------------------------------------------- the turn
     def acquire(self) -> None:
@@ -89,7 +83,6 @@ class Turns:
         with self._cv:
             if self._holder != me:
                 return
-            self.passes += 1
             if self.on_step is not None:
                 self.on_step(max(1, len(self._members)))
             if not self._queue:

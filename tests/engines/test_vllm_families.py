@@ -173,6 +173,17 @@ def _transformers_logprobs(path: Path, ids: list[int], **config):
     return np.array([float(lp[p, ids[p + 1]]) for p in range(len(ids) - 1)])
 
 
+def _prefill_refused(model, tmp_path: Path, *, dtype: str, reason: str) -> None:
+    """``muser prefill --engine vllm`` on the folder ``model`` exits 78 naming ``reason``, and writes no pack."""
+    (tmp_path / "p.txt").write_text(PROMPT)
+    out = tmp_path / "refused.kvpack"
+    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
+                              dtype, "-m", str(model), str(tmp_path / "p.txt"), "-o", str(out)],
+                             capture_output=True, text=True, timeout=HANG_S)
+    assert refused.returncode == 78 and reason in refused.stderr, refused.stderr[-2000:]
+    assert not out.exists()
+
+
 def test_composite_llama4_is_refused_for_the_reason_given():
     """The hub's composite Llama 4 (vision tower beside llama4_text): vLLM inspects it through
     transformers' Llama 4 image processor, which imports torchvision, and this venv has none
@@ -198,12 +209,7 @@ def test_cohere2_is_refused_for_the_reason_given(tiny_vllm_family, tmp_path):
     ids = encode_prompt(info, PROMPT)
     window = info.layers[0].window
     assert len(ids) > 3 * window
-    (tmp_path / "p.txt").write_text(PROMPT)
-    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
-                              "float32", "-m", str(info.path), str(tmp_path / "p.txt"), "-o", str(tmp_path / "v.kvpack")],
-                             capture_output=True, text=True, timeout=HANG_S)
-    assert refused.returncode == 78 and "sliding_window + 1" in refused.stderr, refused.stderr[-2000:]
-    assert not (tmp_path / "v.kvpack").exists()
+    _prefill_refused(info.path, tmp_path, dtype="float32", reason="sliding_window + 1")
 
     theirs = _vllm_prompt_logprobs(info.path, ids)
     same = np.abs(_transformers_logprobs(info.path, ids) - theirs)
@@ -228,12 +234,7 @@ def test_gemma2_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family, tm
     plain = _tied(info, tmp_path / "plain", attn_logit_softcapping=None)
     assert np.abs(_vllm_prompt_logprobs(capped, ids) - _transformers_logprobs(capped, ids)).max() > 1e-5
     assert np.abs(_vllm_prompt_logprobs(plain, ids) - _transformers_logprobs(plain, ids)).max() < 1e-5
-    (tmp_path / "p.txt").write_text(PROMPT)
-    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
-                              "float32", "-m", str(capped), str(tmp_path / "p.txt"), "-o", str(tmp_path / "v.kvpack")],
-                             capture_output=True, text=True, timeout=HANG_S)
-    assert refused.returncode == 78 and "softcap" in refused.stderr, refused.stderr[-2000:]
-    assert not (tmp_path / "v.kvpack").exists()
+    _prefill_refused(capped, tmp_path, dtype="float32", reason="softcap")
 
 
 # ---------------------------------------------------------------- MLA latents and recurrent state (#40)
@@ -295,12 +296,7 @@ def test_qwen3_next_on_vllm_cpu_is_refused_for_the_reason_given(tiny_vllm_family
 
     assert "bfloat16 only" in REFUSED[("vllm", "qwen3_next")]
     info = tiny_vllm_family("qwen3_next")
-    (tmp_path / "p.txt").write_text(PROMPT)
-    refused = subprocess.run([str(Path(sys.executable).parent / "muser"), "prefill", "--engine", "vllm", "--dtype",
-                              "bfloat16", "-m", str(info.path), str(tmp_path / "p.txt"), "-o", str(tmp_path / "r.kvpack")],
-                             capture_output=True, text=True, timeout=HANG_S)
-    assert refused.returncode == 78 and "bfloat16 only" in refused.stderr, refused.stderr[-2000:]
-    assert not (tmp_path / "r.kvpack").exists()
+    _prefill_refused(info.path, tmp_path, dtype="bfloat16", reason="bfloat16 only")
 
     pack = _vllm_pack(info, PROMPT, tmp_path, dtype="bfloat16", env={"MUSER_VLLM_GDN_CPU": "1"})
     theirs = read_pack(open(pack, "rb"))

@@ -28,6 +28,7 @@ import pytest
 from kvpack_factory import make_pack
 from muser_cli.handoff.trust import node
 from muser_cli.handoff.trust.node import Identity, load_identity
+from muser_cli.bench.loopback import wait_listening
 from muser_cli.handoff.push.receiver import Destination, ReceiveConfig, Receiver
 
 LOOPBACK = "127.0.0.1"
@@ -348,7 +349,7 @@ def env_for(home: Path) -> dict[str, str]:
     return env
 
 
-_LISTEN_RE = re.compile(r"listening on (\S+)")
+LISTEN_RE = re.compile(r"listening on (\S+)")
 
 
 def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
@@ -358,19 +359,7 @@ def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[s
         stdout=stdout, stderr=subprocess.PIPE, text=False,
     )
     assert proc.stderr is not None
-    deadline = time.monotonic() + HANG_S
-    line = b""
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stderr], [], [], 0.2)
-        if r:
-            line = proc.stderr.readline()
-            m = _LISTEN_RE.search(line.decode())
-            if m:
-                return proc, m.group(1)
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    raise AssertionError(f"receiver did not start: {line!r} rc={proc.poll()}")
+    return proc, wait_listening(proc, "receive --listen", HANG_S)
 
 
 @contextlib.contextmanager
@@ -464,7 +453,7 @@ class Producer(ServiceProcess):
     what = "producer"
 
     def __init__(self, home: Path, *args: str) -> None:
-        super().__init__(home, muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args), _LISTEN_RE)
+        super().__init__(home, muser_cmd("prefill", "--serve", "127.0.0.1:0", "--json", *args), LISTEN_RE)
 
 
 # ----------------------------------------------------------------------------- the pull lane

@@ -49,21 +49,37 @@ def node_env(home: Path, *, threads: int | None = None) -> dict[str, str]:
     return env
 
 
+def stderr_line(proc: subprocess.Popen, deadline: float) -> bytes | None:
+    """One line of ``proc``'s stderr read straight from its descriptor, a byte at a time (b"" at
+    end of file, None at ``deadline``). Nothing is read past the newline, so a line the child
+    wrote in the same burst as the one before is not left in a buffer that ``select`` cannot
+    see, and whoever reads the pipe next gets the rest."""
+    assert proc.stderr is not None
+    fd, got = proc.stderr.fileno(), bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], min(left, 0.5))[0]:
+            if left <= 0:
+                return None
+            continue
+        byte = os.read(fd, 1)
+        if not byte or byte == b"\n":
+            return bytes(got + byte)
+        got += byte
+
+
 def wait_listening(proc: subprocess.Popen, what: str, timeout: float = 120.0) -> str:
     """The address a starting ``muser receive`` prints on stderr ("listening on HOST:PORT")."""
     deadline = time.monotonic() + timeout
     seen = []
-    while time.monotonic() < deadline:
-        if select.select([proc.stderr], [], [], 0.5)[0]:
-            line = proc.stderr.readline().decode(errors="replace")
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                return m.group(1)
-            if not line:
-                break
-            seen.append(line.strip())
-        elif proc.poll() is not None:
+    while (raw := stderr_line(proc, deadline)) is not None:
+        line = raw.decode(errors="replace")
+        m = re.search(r"listening on (\S+)", line)
+        if m:
+            return m.group(1)
+        if not raw:
             break
+        seen.append(line.strip())
     with contextlib.suppress(OSError):
         proc.kill()
     proc.wait()

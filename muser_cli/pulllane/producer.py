@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
+from muser_cli.consumer.costs import RateByDepth
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import ConfigError, DataError, MuserError, UsageError
 from muser_cli.handoff.api import ledger_dir
@@ -144,6 +145,22 @@ class ResidentProducer:
         # ``store``: also continue from this machine's reuse store, and keep every result there
         # (put after the stream ended: :meth:`after_stream`, so the consumer never waits on it).
         self.store = store
+        # Its prefill rate by depth (issue #39): from the warm-up on, each request's compute.
+        self.rate = RateByDepth()
+
+    def estimate(self, req: PullRequest) -> float:
+        """Seconds this request is expected to compute (rows from its have on; rows this producer
+        may continue from memory or its store are not counted: a promise errs on the safe side)."""
+        return self.rate.seconds(req.have_tokens, len(req.token_ids) - 1)
+
+    def rates(self) -> dict[str, float]:
+        """Tokens per second by depth bucket, as measured (the ``Promise``'s and /metrics')."""
+        return self.rate.to_json()
+
+    def _learn(self, stats: dict[str, Any], rows: int) -> None:
+        start = max(int(stats.get("held_rows") or 0), int(stats.get("reused_rows") or 0))
+        if stats.get("batch", 1) == 1:  # a batch's time is the batch's, not one prompt's
+            self.rate.observe(start, rows, float(stats.get("prefill_s") or 0))
 
     def warm_up(self) -> dict[str, Any]:
         """Produce throwaway packs before the server listens, so the first consumer pays no
@@ -171,6 +188,7 @@ class ResidentProducer:
                 sources: list[Any] = [memory] if eng.resumes_prefill else []
                 made = produce_pack(job, [*sources, EngineRows(eng, batched=batched)], PackSink(io.BytesIO()))
                 times.append(round(made.prefill_s, 6))
+                self._learn(stats_of(made, job), len(prompt) - 1)  # the cold start of its rates
         finally:
             eng.history = history
         if self._batcher is not None:
@@ -244,7 +262,10 @@ class ResidentProducer:
         rows = made.rows
         if self.store and not (rows.origin == "store" and rows.held == len(ids) - 1):  # a full hit is held already
             self._local.put = (made.full, made.layers)
-        return stats_of(made, job)
+        stats = stats_of(made, job)
+        self._learn(stats, len(ids) - 1)
+        stats["rates"] = self.rates()
+        return stats
 
     @property
     def keep_last(self) -> bool:
@@ -308,7 +329,7 @@ def serve(*, listen: str, model: str | None, engine: str, dtype: str | None, thr
     # Warm before listening: "listening" means the first request is served as fast as the next.
     warmed = producer.warm_up()
     if on_event is not None:
-        on_event("warmed", {"load_s": round(producer.load_s, 6), **warmed})
+        on_event("warmed", {"load_s": round(producer.load_s, 6), **warmed, "rates": producer.rates()})
     server = PullServer(identity, config, ledger_dir=ledger_dir() / "serve", compute=producer, on_event=on_event,
                         more=more, live=live, keys_dir=paths.keys_dir())
     try:

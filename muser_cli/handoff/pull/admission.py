@@ -2,55 +2,111 @@
 
 Pure bookkeeping under one condition variable (no sockets): :class:`~muser_cli.handoff.pull.server.PullServer`
 asks it for a turn per request or probe and tells it when a turn ends.
+
+The order (issue #39): waiting requests take turns in **rounds** between consumers -- a consumer
+gets no second turn while another consumer that waited has not had its turn of the round -- and
+within a round the request with the **earliest deadline** goes first (a request without one has
+none: after those with one; ties to the consumer that waited longest since its last turn, then
+the oldest request). So a consumer that floods the producer never starves another (A flooding
+with three waiting, then B with two: A, B, A, B, A), and a request with a tight deadline overtakes
+a relaxed one of another consumer within the round.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One waiting request: its deadline (``time.monotonic()`` seconds; inf: none) and what the
+    producer expects it to cost (seconds of compute; None: unknown)."""
+
+    deadline: float = math.inf
+    cost_s: float | None = None
+    seq: int = 0
+
+
+@dataclass(eq=False)
+class _Running:
+    started: float
+    cost_s: float | None
+
+
+@dataclass
+class _Queue:
+    tickets: list[Ticket] = field(default_factory=list)
+    turns: int = 0  # turns taken since it last had nothing waiting (the rounds)
 
 
 class Admission:
     """Who computes now: up to ``slots`` requests at once (1 on torch/MLX; a batching engine's
     limit on vLLM), or one probe alone (a probe is never measured against a running prefill,
-    nor slows one). Waiting requests queue per consumer and take turns round-robin: the
-    next turn goes to the first request of the consumer that waited longest since its last
-    turn, so one consumer's flood never starves another. ``enter`` returns False when
-    ``timeout`` passed first."""
+    nor slows one). Waiting requests queue per consumer, in rounds, earliest deadline first
+    within a round (module doc). ``enter`` returns False when ``timeout`` passed first."""
 
     def __init__(self, slots: int) -> None:
         self.slots = max(1, int(slots))
         self._cv = threading.Condition()
-        self._running = 0
+        self._running: list[tuple[int, _Running]] = []  # (the thread that entered, its turn)
         self._probing = False
         self._probe_waiting = 0  # a waiting probe holds new requests back, so it is not starved
-        self._queues: OrderedDict[str, deque[object]] = OrderedDict()  # consumer -> its waiting tickets
+        self._queues: OrderedDict[str, _Queue] = OrderedDict()  # consumer -> its waiting tickets
+        self._seq = 0
+
+    # -------------------------------------------------------------- the order
+    def _order_key(self, queues: "OrderedDict[str, _Queue]") -> tuple[str, Ticket] | None:
+        """The next (consumer, ticket) to go, by the rule of the module doc."""
+        if not queues:
+            return None
+        low = min(q.turns for q in queues.values())
+        best: tuple[tuple, str, Ticket] | None = None
+        for rank, (who, q) in enumerate(queues.items()):
+            if q.turns != low or not q.tickets:
+                continue
+            t = min(q.tickets, key=lambda t: (t.deadline, t.seq))
+            key = (t.deadline, rank, t.seq)
+            if best is None or key < best[0]:
+                best = (key, who, t)
+        return None if best is None else (best[1], best[2])
 
     def _free(self, probe: bool, who: str = "", ticket: object = None) -> bool:
         if probe:
-            return self._running == 0 and not self._probing
-        if self._probing or self._probe_waiting or self._running >= self.slots:
+            return not self._running and not self._probing
+        if self._probing or self._probe_waiting or len(self._running) >= self.slots:
             return False
-        first = next(iter(self._queues))  # the ticket's own consumer is queued: never empty here
-        return first == who and self._queues[first][0] is ticket
+        nxt = self._order_key(self._queues)
+        return nxt is not None and nxt[0] == who and nxt[1] is ticket
 
-    def enter(self, probe: bool, timeout: float | None = 0.0, who: str = "") -> bool:
+    def enter(self, probe: bool, timeout: float | None = 0.0, who: str = "", *, deadline: float = math.inf,
+              cost_s: float | None = None) -> bool:
         """A turn within ``timeout`` seconds (None: however long it takes)."""
         end = None if timeout is None else time.monotonic() + timeout
         return self.wait(probe, lambda: end is not None and time.monotonic() >= end,
-                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)), who=who)
+                         poll=0.2 if timeout is None else max(0.0, min(0.2, timeout)), who=who,
+                         deadline=deadline, cost_s=cost_s)
 
-    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2, who: str = "") -> bool:
-        """Wait for a turn until ``stop()`` says the server is stopping (False then). A waiting
+    def wait(self, probe: bool, stop: Callable[[], bool], poll: float = 0.2, who: str = "", *,
+             deadline: float = math.inf, cost_s: float | None = None) -> bool:
+        """Wait for a turn until ``stop()`` says to give up (False then). A waiting
         probe holds new requests back for the whole wait, not only while a poll runs."""
-        ticket, served = object(), False
+        served = False
         with self._cv:
+            self._seq += 1
+            ticket = Ticket(deadline, cost_s, self._seq)
             if probe:
                 self._probe_waiting += 1
             else:
-                self._queues.setdefault(who, deque()).append(ticket)
+                if who not in self._queues:  # joins the current round, with no credit from before
+                    low = min((q.turns for q in self._queues.values()), default=0)
+                    self._queues[who] = _Queue(turns=low)
+                self._queues[who].tickets.append(ticket)
             try:
                 while not self._free(probe, who, ticket):
                     if stop():
@@ -60,7 +116,7 @@ class Admission:
                 if probe:
                     self._probing = True
                 else:
-                    self._running += 1
+                    self._running.append((threading.get_ident(), _Running(time.monotonic(), cost_s)))
                 served = True
                 return True
             finally:
@@ -70,12 +126,14 @@ class Admission:
                     self._dequeue(who, ticket, served)
                 self._cv.notify_all()
 
-    def _dequeue(self, who: str, ticket: object, served: bool) -> None:
-        """Take ``ticket`` out of its consumer's queue; after a turn, a consumer that still
-        waits goes last (one that gave up keeps its place)."""
-        queue = self._queues[who]
-        queue.remove(ticket)
-        if not queue:
+    def _dequeue(self, who: str, ticket: Ticket, served: bool) -> None:
+        """Take ``ticket`` out of its consumer's queue; after a turn, the consumer's round count
+        goes up and, if it still waits, it goes last among equals (one that gave up keeps its place)."""
+        q = self._queues[who]
+        q.tickets.remove(ticket)
+        if served:
+            q.turns += 1
+        if not q.tickets:
             del self._queues[who]
         elif served:
             self._queues.move_to_end(who)
@@ -85,8 +143,56 @@ class Admission:
             if probe:
                 self._probing = False
             else:
-                self._running -= 1
+                me = threading.get_ident()
+                at = next((i for i, (t, _) in enumerate(self._running) if t == me), 0)
+                if self._running:
+                    self._running.pop(at)
             self._cv.notify_all()
 
+    # -------------------------------------------------------------- the promise
+    def waiting(self) -> int:
+        with self._cv:
+            return sum(len(q.tickets) for q in self._queues.values())
 
-__all__ = ["Admission"]
+    def expected_start(self, who: str, *, deadline: float = math.inf, cost_s: float | None,
+                       default_s: float = 0.0) -> tuple[float, int]:
+        """When a request of ``who`` with ``deadline`` arriving now would start (seconds from
+        now), were nothing else to arrive, and how many requests would go before it: the order
+        of the module doc played forward over the running and waiting requests' expected costs
+        (``default_s`` for one whose cost is unknown). A running request past its estimate is
+        expected to need as long again as it has run (it overran: no better guess)."""
+        now = time.monotonic()
+        with self._cv:
+            free = []
+            for _, r in self._running:
+                cost = r.cost_s if r.cost_s is not None else default_s
+                ran = now - r.started
+                free.append(cost - ran if ran < cost else ran)
+            free += [0.0] * (self.slots - len(free))
+            heapq.heapify(free)
+            queues: OrderedDict[str, _Queue] = OrderedDict(
+                (w, _Queue(list(q.tickets), q.turns)) for w, q in self._queues.items())
+        mine = Ticket(deadline, cost_s, 1 << 62)
+        if who not in queues:
+            queues[who] = _Queue(turns=min((q.turns for q in queues.values()), default=0))
+        queues[who].tickets.append(mine)
+        ahead = 0
+        while True:
+            nxt = self._order_key(queues)
+            assert nxt is not None
+            w, t = nxt
+            at = heapq.heappop(free)
+            if t is mine:
+                return max(0.0, at), ahead
+            ahead += 1
+            heapq.heappush(free, at + (t.cost_s if t.cost_s is not None else default_s))
+            q = queues[w]
+            q.tickets.remove(t)
+            q.turns += 1
+            if not q.tickets:
+                del queues[w]
+            else:
+                queues.move_to_end(w)
+
+
+__all__ = ["Admission", "Ticket"]

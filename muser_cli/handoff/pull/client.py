@@ -40,7 +40,8 @@ from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, Header, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.wire.pull_protocol import (
-    ALPN_PULL, MAX_PROBE_MS, Probe, ProbeRequest, PullConnection, PullRequest, Queued, Request, Serving, Side,
+    ALPN_PULL, MAX_BUDGET_MS, MAX_PROBE_MS, Probe, ProbeRequest, Promise, PullConnection, PullRequest, Queued, Request,
+    Serving, Side,
     new_request_id, sign_probe, sign_request,
 )
 from muser_cli.handoff.wire.refusal import Refusal, error_class, refusal_error
@@ -146,8 +147,15 @@ def _await_serving(link: Link, where: str, on_event: EventFn | None) -> None:
             if on_event:
                 on_event("queued", {"place": ev.place, "producer": where})
             continue
+        if isinstance(ev, Promise):  # the answer to a request with a budget (issue #39)
+            if on_event:
+                on_event("promise", {"start_ms": ev.start_ms, "compute_ms": ev.compute_ms, "queued": ev.queued,
+                                     "rates": dict(ev.rates), "producer": where})
+            continue
         if not isinstance(ev, Serving):
             raise ProtocolError(f"expected Serving from {where}, got {type(ev).__name__}")
+        if on_event:
+            on_event("serving", {"producer": where})
         return
 
 
@@ -157,7 +165,7 @@ def pull(
     destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
     idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
     have_tokens: int = 0, have_chain: str | None = None, text: str | None = None, chat: bool = False,
-    engine: str | None = None,
+    engine: str | None = None, budget_ms: int | None = None,
 ) -> Accepted:
     """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc).
 
@@ -165,7 +173,9 @@ def pull(
     producer answers with a delta pack from there (or, its choice, a full one).
     ``text``: send the prompt as this text (``chat``: as one user turn of the chat template)
     and let the producer tokenize it; ``engine``: the engine this consumer decodes on (a
-    producer on the same one leaves the sliding history out); ``token_ids`` is still this consumer's own tokenization
+    producer on the same one leaves the sliding history out); ``budget_ms``: the producer must
+    have sent the whole pack within it, else it says ``late`` at once (NotInTime, 75: fall back
+    now; a producer older than the field refuses the request, ``protocol``); ``token_ids`` is still this consumer's own tokenization
     of it, and the pack is refused (DataError, 65, before ``Go``) unless it binds exactly those."""
     t_start = time.monotonic()
     first_by = None if timeout is None else t_start + timeout
@@ -181,7 +191,8 @@ def pull(
                           tokenizer_fingerprint=tokenizer_fingerprint, model_fingerprint=model_fingerprint,
                           chunk_tokens=chunk_tokens, dtype=dtype, have_tokens=have_tokens,
                           have_chain=have_chain if have_tokens else None, text=text, chat=chat if text else False,
-                          engine=engine)
+                          engine=engine,
+                          budget_ms=None if budget_ms is None else max(1, min(MAX_BUDGET_MS, int(budget_ms))))
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
         _await_serving(link, where, on_event)

@@ -16,6 +16,11 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
   * a producer that joined several consumers holds one TLS context per consumer (that
     consumer's CA the only trust anchor): the consumer's server name picks it, and every
     check below uses that consumer's keyring only;
+  * a request with a budget (``budget_ms``, issue #39) is answered at once: ``Promise`` (when it
+    is expected to start, the compute's estimate, the queue before it, the prefill rates) or
+    ``Reject(late)`` when it would not finish in time; its deadline orders it among the waiting
+    (:class:`~muser_cli.handoff.pull.admission.Admission`), and one still waiting when its budget
+    ran out is refused ``late`` then, nothing computed;
   * admission: ONE request computes at a time -- or, when the compute says it batches
     (``max_concurrent`` > 1: vLLM), up to that many, which the compute runs together --;
     up to ``max_queue`` more wait per consumer (told their place with ``Queued``), taking
@@ -38,6 +43,7 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import ssl
 import threading
@@ -61,7 +67,8 @@ from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
 )
 from muser_cli.handoff.wire.pull_protocol import (
-    ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, PullConnection, PullRequest, PullState, Queued,
+    ALPN_PULL, MAC_CONTEXT, PROBE_MAC_CONTEXT, Probe, ProbeRequest, Promise, PullConnection, PullRequest, PullState,
+    Queued,
     Request, Serving, Side, check_fresh, verify_request_mac,
 )
 from muser_cli.handoff.wire.refusal import Refusal
@@ -94,15 +101,28 @@ class Compute(Protocol):
         """Called once ``run``'s ``out`` is closed (work the consumer should not wait for, such
         as keeping the rows); it may add to ``stats``. Not called when ``run`` raised."""
 
+    def estimate(self, request: PullRequest) -> float | None:
+        """Seconds ``run`` is expected to take for ``request`` (None: no idea yet): the promise."""
+
+    def rates(self) -> dict[str, float]:
+        """Its prefill rate by depth, as measured: tokens per second by the end position's
+        power-of-two bucket (a string key). Sent in each ``Promise``."""
+
 
 class ComputeDefaults:
     """The optional members of :class:`Compute`, as a compute without them has them: one
-    request at a time, nothing after the stream."""
+    request at a time, nothing after the stream, no estimate."""
 
     max_concurrent: int = 1
 
     def after_stream(self, stats: dict[str, Any]) -> None:
         return None
+
+    def estimate(self, request: PullRequest) -> float | None:
+        return None
+
+    def rates(self) -> dict[str, float]:
+        return {}
 
 
 class _WithDefaults(ComputeDefaults):
@@ -123,6 +143,14 @@ class _WithDefaults(ComputeDefaults):
         after = getattr(self.compute, "after_stream", None)
         if after is not None:
             after(stats)
+
+    def estimate(self, request: PullRequest) -> float | None:
+        got = getattr(self.compute, "estimate", None)
+        return got(request) if got is not None else None
+
+    def rates(self) -> dict[str, float]:
+        got = getattr(self.compute, "rates", None)
+        return got() if got is not None else {}
 
 
 def _with_defaults(compute: Any) -> Compute:
@@ -321,6 +349,7 @@ class PullServer(Listener):
             if der and peer_serial_hex(der) in identity.revoked_serials():
                 raise Refusal("auth", "this certificate was revoked")
             event = self._first_frame(link)
+            t_read = time.monotonic()  # the request is in: a budget counts from here
             if isinstance(event, (Reject, ConnectionClosed)):
                 return
             assert isinstance(event, (Request, Probe))
@@ -334,7 +363,7 @@ class PullServer(Listener):
                     raise Refusal("data", "this producer does not tokenize text prompts; send token ids")
             if self._stop.is_set():
                 raise self._turn_away()
-            self._admitted(link, who, req, identity)
+            self._admitted(link, who, req, identity, t_read)
         except Refusal as refusal:
             self._refuse(link, who, refusal, req, probe)
         except MuserError as exc:
@@ -358,9 +387,36 @@ class PullServer(Listener):
         finally:
             link.deadline = session_end
 
-    def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest, identity: Identity) -> None:
+    def _promise(self, link: Link, who: str, req: PullRequest, t_read: float) -> tuple[float, float | None]:
+        """The request's deadline (monotonic; inf: none) and expected compute; to a request with
+        a budget, the answer at once: ``Promise``, or ``Refusal("late")`` (module doc)."""
+        cost = self.compute.estimate(req)
+        if req.budget_ms is None:
+            return math.inf, cost
+        budget = req.budget_ms / 1000
+        due = t_read + budget
+        start, ahead = self._admit.expected_start(req.consumer, deadline=due, cost_s=cost)
+        start += time.monotonic() - t_read
+        compute = cost or 0.0
+        fields: dict[str, Any] = {"peer": who, "request_id": req.request_id, "consumer": req.consumer,
+                                  "start_s": round(start, 6), "compute_s": round(compute, 6),
+                                  "budget_s": round(budget, 6), "queued": ahead, "rates": self.compute.rates()}
+        if start + compute > budget:
+            self._emit("promise", outcome="late", **fields)
+            raise Refusal("late", f"not in time: this producer expects to start in {start * 1000:.0f} ms "
+                                  f"({ahead} request(s) before it) and to compute for {compute * 1000:.0f} ms; "
+                                  f"the request's budget is {req.budget_ms} ms")
+        link.send(Promise(round(start * 1000), round(compute * 1000), ahead, fields["rates"]), "promising a start")
+        self._emit("promise", outcome="promised", **fields)
+        return due, cost
+
+    def _admitted(self, link: Link, who: str, req: PullRequest | ProbeRequest, identity: Identity,
+                  t_read: float | None = None) -> None:
         probe, consumer = isinstance(req, ProbeRequest), req.consumer
-        if not self._admit.enter(probe, who=consumer):
+        due, cost = math.inf, None
+        if isinstance(req, PullRequest):
+            due, cost = self._promise(link, who, req, time.monotonic() if t_read is None else t_read)
+        if not self._admit.enter(probe, who=consumer, deadline=due, cost_s=cost):
             with self._lock:
                 mine = self._waiting_by.get(consumer, 0)
                 place = mine + 1
@@ -372,7 +428,7 @@ class PullServer(Listener):
             try:
                 self._note(state="queued")
                 link.send(Queued(place), "telling the consumer its place")
-                admitted = self._wait_queued(link, probe, consumer, place)
+                admitted = self._wait_queued(link, probe, consumer, place, due=due, cost_s=cost)
                 if admitted is None:  # it left while it waited: dropped before any work
                     with self._lock:
                         self.counters["failed"] += 1
@@ -380,6 +436,9 @@ class PullServer(Listener):
                                reason=f"the consumer left while queued (place {place}): nothing computed",
                                request_id=req.request_id, key_id=req.key_id, consumer=consumer)
                     return
+                if not admitted and not self._stop.is_set() and time.monotonic() >= due:
+                    raise Refusal("late", f"not in time: the request's budget ({req.budget_ms} ms) ran out while "
+                                          f"it waited (place {place}); nothing computed")
                 if not admitted:
                     raise self._turn_away()
             finally:
@@ -394,12 +453,14 @@ class PullServer(Listener):
                 self._probe(link, who, req, identity)
                 return
             self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids),
-                       consumer=consumer)
+                       consumer=consumer, queue=self._admit.waiting(),
+                       **({"budget_ms": req.budget_ms} if req.budget_ms is not None else {}))
             self._stream(link, who, req, identity)
         finally:
             self._admit.leave(probe)
 
-    def _wait_queued(self, link: Link, probe: bool, consumer: str, place: int) -> bool | None:
+    def _wait_queued(self, link: Link, probe: bool, consumer: str, place: int, *, due: float = math.inf,
+                     cost_s: float | None = None) -> bool | None:
         """Wait for a turn while telling the consumer, every :data:`QUEUED_EVERY_S`, that its
         request still waits (``Queued`` again: its reads never go idle, so its own ``--timeout``
         is what ends its wait). True: admitted; False: the server is stopping; None: the consumer
@@ -425,7 +486,8 @@ class PullServer(Listener):
         watcher = threading.Thread(target=keep_alive, name="muser-queued", daemon=True)
         watcher.start()
         try:
-            admitted = self._admit.wait(probe, lambda: self._stop.is_set() or gone.is_set(), who=consumer)
+            admitted = self._admit.wait(probe, lambda: self._stop.is_set() or gone.is_set() or time.monotonic() >= due,
+                                        who=consumer, deadline=due, cost_s=cost_s)
         finally:
             done.set()
             watcher.join()

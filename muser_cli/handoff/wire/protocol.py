@@ -116,6 +116,7 @@ class Ack:
 
 REJECT_CODES = (
     "busy", "auth", "replay", "stale", "too_large", "data", "model", "protocol", "timeout", "storage", "aborted",
+    "late",  # pull lane: the producer cannot finish within the request's budget_ms (sent only to a request with one)
 )
 
 

@@ -21,7 +21,13 @@ listens; both present certificates from the consumer's private CA):
     longest the consumer will measure each way); once admitted the V3 roles are swapped
     for the probe: the PRODUCER is the V3 receiver (it sends ``Ready`` and answers
     ``ProbeUp``/``ProbeDown`` as ``receive --listen`` does), the consumer the sender;
-  * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, ...),
+  * optionally ``budget_ms`` (issue #39): the consumer wants the pack's last frame to have left
+    within that many milliseconds of the producer reading the request (relative: no clock is
+    compared); the producer answers such a request, before any ``Queued``/``Serving``, with one
+    ``Promise`` (when it expects to start, its compute estimate, its queue and prefill rate by
+    depth) or ``Reject(late)`` at once when it cannot make it. A request without it gets neither
+    (an older consumer never sees either frame);
+  * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, late, ...),
     or ``Queued {"place": N}`` (zero or more times, while another request computes),
     then ``Serving {}``;
   * after ``Serving`` the same connection carries one Handoff V3 session with the roles
@@ -70,6 +76,9 @@ _KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "tokenizer_fin
 _PROMPT_KEYS = {"text", "chat"}
 _ENGINE_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 _HAVE_KEYS = {"held_tokens", "chain"}
+MAX_BUDGET_MS = 3_600_000
+MAX_PROMISE_BYTES = 1024
+_PROMISE_KEYS = {"start_ms", "compute_ms", "queued", "rates"}
 _PROBE_KEYS = {"v", "key_id", "request_id", "issued_at_ms", "consumer", "probe_ms"}
 
 
@@ -92,6 +101,9 @@ class PullRequest:
     engine: str | None = None
     text: str | None = None  # text mode: the producer tokenizes this (token_ids empty until it did) ...
     chat: bool = False  # ... as one user turn of its chat template, or as is
+    #: the consumer's budget (optional, issue #39): the pack's last frame out within this many ms of
+    #: the producer reading the request; it is answered with a Promise, or Reject(late) at once
+    budget_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -107,6 +119,8 @@ class PullRequest:
             out["have"] = {"held_tokens": self.have_tokens, "chain": self.have_chain}
         if self.engine is not None:
             out["engine"] = self.engine
+        if self.budget_ms is not None:
+            out["budget_ms"] = self.budget_ms
         return out
 
 
@@ -135,10 +149,10 @@ def parse_request(raw: bytes) -> PullRequest:
     obj = loads(raw, "pull request", limit=MAX_REQUEST_BYTES, error=ProtocolError)
     if not isinstance(obj, dict):
         raise ProtocolError("pull request is not a JSON object")
-    rest = set(obj) - _KEYS - {"have", "engine"}
+    rest = set(obj) - _KEYS - {"have", "engine", "budget_ms"}
     if not _KEYS <= set(obj) or rest not in ({"token_ids"}, {"prompt"}):
         raise ProtocolError(f"pull request keys differ from {sorted(_KEYS)}, one of 'token_ids' or 'prompt', "
-                            "and an optional 'have' and 'engine'")
+                            "and an optional 'have', 'engine' and 'budget_ms'")
     if obj["v"] != PULL_VERSION or type(obj["v"]) is not int:
         raise ProtocolError(f"pull request version {obj['v']!r} is not {PULL_VERSION}")
     text, chat = None, False
@@ -173,6 +187,8 @@ def parse_request(raw: bytes) -> PullRequest:
         req = replace(req, have_tokens=held, have_chain=chain)
     if "engine" in obj:
         req = replace(req, engine=_str(obj, "engine", _ENGINE_RE))
+    if "budget_ms" in obj:
+        req = replace(req, budget_ms=_int(obj, "budget_ms", 1, MAX_BUDGET_MS))
     if canonical(obj) != raw:
         raise ProtocolError("pull request bytes are not canonical JSON")
     return req
@@ -253,17 +269,51 @@ class Serving:
 
 
 @dataclass(frozen=True)
+class Promise:
+    """The producer's answer to a request with a budget (issue #39): it expects to start computing
+    it in ``start_ms`` and to take ``compute_ms``; ``queued`` requests wait before it;
+    ``rates``: its prefill rate, tokens per second, by depth (the end position's power-of-two
+    bucket, as a string key), as it has measured them."""
+
+    start_ms: int
+    compute_ms: int
+    queued: int
+    rates: dict[str, float]
+
+
+def _promise_body(p: Promise) -> bytes:
+    rates = {str(k): round(float(v), 3) for k, v in list(p.rates.items())[:32]}
+    return canonical({"start_ms": int(p.start_ms), "compute_ms": int(p.compute_ms), "queued": int(p.queued),
+                      "rates": rates})
+
+
+def _parse_promise(body: bytes) -> Promise:
+    obj = strict_json(body, "Promise")
+    if not isinstance(obj, dict) or set(obj) != _PROMISE_KEYS:
+        raise ProtocolError(f"Promise keys differ from {sorted(_PROMISE_KEYS)}")
+    for key in ("start_ms", "compute_ms", "queued"):
+        if type(obj[key]) is not int or not 0 <= obj[key] <= 1 << 40:
+            raise ProtocolError(f"Promise field {key!r} must be a non-negative integer")
+    rates = obj["rates"]
+    if (not isinstance(rates, dict) or len(rates) > 32
+            or any(not isinstance(k, str) or not k.isdigit() or len(k) > 9 or type(v) not in (int, float)
+                   or not 0 < v < 1e12 for k, v in rates.items())):
+        raise ProtocolError("Promise field 'rates' must map depths to positive token rates")
+    return Promise(obj["start_ms"], obj["compute_ms"], obj["queued"], {k: float(v) for k, v in rates.items()})
+
+
+@dataclass(frozen=True)
 class Probe:
     raw: bytes
     mac: bytes
     probe: ProbeRequest | None = None
 
 
-PullEvent = Union[Request, Probe, Queued, Serving, Reject]
-FRAME_TYPES: dict[type, int] = {Request: 0x50, Queued: 0x51, Serving: 0x52, Probe: 0x53, Reject: 0x3F}
+PullEvent = Union[Request, Probe, Queued, Serving, Promise, Reject]
+FRAME_TYPES: dict[type, int] = {Request: 0x50, Queued: 0x51, Serving: 0x52, Probe: 0x53, Promise: 0x54, Reject: 0x3F}
 _BY_CODE = {code: cls for cls, code in FRAME_TYPES.items()}
 MAX_BODY: dict[type, int] = {Request: MAC_BYTES + MAX_REQUEST_BYTES, Queued: 64, Serving: 2,
-                             Probe: MAC_BYTES + MAX_PROBE_BYTES, Reject: MAX_CONTROL_BYTES}
+                             Probe: MAC_BYTES + MAX_PROBE_BYTES, Promise: MAX_PROMISE_BYTES, Reject: MAX_CONTROL_BYTES}
 
 
 class Side(enum.Enum):
@@ -283,6 +333,7 @@ TRANSITIONS: dict[tuple[PullState, Side, type], PullState] = {
     (PullState.START, C, Request): PullState.REQUESTED,
     (PullState.START, C, Probe): PullState.REQUESTED,
     (PullState.REQUESTED, P, Queued): PullState.REQUESTED,
+    (PullState.REQUESTED, P, Promise): PullState.REQUESTED,
     (PullState.REQUESTED, P, Serving): PullState.SERVING,
 }
 
@@ -298,6 +349,8 @@ def encode(event: PullEvent) -> bytes:
         body = canonical({"place": int(event.place)})
     elif isinstance(event, Serving):
         body = b"{}"
+    elif isinstance(event, Promise):
+        body = _promise_body(event)
     else:
         raise LocalProtocolError(f"not a pull event: {event!r}")
     if len(body) > MAX_BODY[type(event)]:
@@ -325,6 +378,8 @@ def _decode(cls: type, body: bytes) -> PullEvent:
         if not isinstance(obj, dict) or set(obj) != {"place"} or type(obj["place"]) is not int or obj["place"] < 0:
             raise ProtocolError("malformed Queued frame")
         return Queued(obj["place"])
+    if cls is Promise:
+        return _parse_promise(body)
     if body != b"{}":
         raise ProtocolError("malformed Serving frame")
     return Serving()
@@ -374,7 +429,7 @@ class PullConnection(FrameMachine):
 
 
 __all__ = [
-    "ALPN_PULL", "MAX_REQUEST_BYTES", "PROBE_MAC_CONTEXT", "Probe", "ProbeRequest", "PullConnection", "PullRequest",
+    "ALPN_PULL", "MAX_REQUEST_BYTES", "PROBE_MAC_CONTEXT", "Probe", "ProbeRequest", "Promise", "PullConnection", "PullRequest",
     "PullState", "Queued", "REJECT_CODES", "Request", "Serving", "Side", "check_fresh", "encode", "new_request_id",
     "parse_probe", "parse_request", "sign_probe", "sign_request", "verify_request_mac",
 ]

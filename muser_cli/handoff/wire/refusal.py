@@ -12,7 +12,13 @@ from __future__ import annotations
 from muser_cli.errors import AuthError, DataError, IdentityMismatch, MuserError, ProtocolError, TempFailure
 from muser_cli.handoff.wire.protocol import REJECT_CODES
 
+class NotInTime(TempFailure):
+    """A producer's ``Reject(late)``: it cannot finish this request within the budget the request
+    carried (``budget_ms``). About this request only (the producer is up): fall back at once."""
+
+
 REJECT_ERRORS: dict[str, type[MuserError]] = {
+    "late": NotInTime,
     "busy": TempFailure, "timeout": TempFailure, "storage": TempFailure, "aborted": TempFailure,
     "auth": AuthError, "replay": AuthError, "stale": AuthError,
     "data": DataError, "too_large": DataError, "model": IdentityMismatch,

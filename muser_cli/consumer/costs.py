@@ -1,0 +1,364 @@
+"""One latency budget across the two schedulers (issue #39): what each way of answering a request
+is expected to cost, learned from what this machine measured, and the choice between them.
+
+:class:`RateByDepth`: a prefill rate by depth -- seconds per token, kept per power-of-two bucket
+of the position the computation reaches (a token at depth 4k costs more than one at 64), each an
+exponential average of what was measured. The producer keeps one of its own compute (sent in its
+``Promise`` and on its ``/metrics``); the consumer one of its local prefills.
+
+:class:`CostModel`: the consumer's live estimates for one model, engine, dtype and thread count
+-- its prefill rate by depth, install (seconds per row), gate, first decode step, connection
+set-up, the link rate (bytes per second of the packs it received) and each producer's rates and
+last promise -- kept in memory for the process and in ``<data dir>/costs/<key>.json`` between
+runs (a cache: a file that cannot be read or written is ignored). :meth:`CostModel.predict`
+gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_whole``,
+``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
+``MUSER_ROUTE=fastest``; the default, ``producer``, asks whenever a producer is given, as before)
+and the budget to ask with. :func:`budget_split` divides one answer's TTFT into its components.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from muser_cli import paths
+from muser_cli.strict import loads
+
+ROUTE_ENV = "MUSER_ROUTE"
+ROUTES = ("producer", "fastest")
+
+#: Cold starts, before anything was measured here (deliberately modest: the first measurements
+#: replace them): a local prefill rate, the per-row install, the first step, a TLS connection.
+COLD_TPS = 2000.0
+COLD_INSTALL_S_PER_ROW = 2e-6
+COLD_FIRST_STEP_S = 0.01
+COLD_CONNECT_S = 0.05
+COLD_LINK_BPS = 100e6
+ALPHA = 0.3  # weight of a new measurement in an average
+
+#: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
+COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
+              "first_step")
+
+
+def _avg(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+def depth_bucket(end: int) -> int:
+    """The power-of-two bucket (at least 64) a computation reaching position ``end`` falls in."""
+    b = 64
+    while b < end:
+        b *= 2
+    return b
+
+
+class RateByDepth:
+    """Seconds per token by depth bucket, learned (module doc); ``cold_tps`` before any."""
+
+    def __init__(self, cold_tps: float = COLD_TPS) -> None:
+        self.cold_tps = cold_tps
+        self.spt: dict[int, float] = {}  # bucket -> seconds per token
+        self._lock = threading.Lock()
+
+    def observe(self, start: int, end: int, seconds: float) -> None:
+        n = end - start
+        if n <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        b = depth_bucket(end)
+        with self._lock:
+            self.spt[b] = _avg(self.spt.get(b), seconds / n)
+
+    def seconds(self, start: int, end: int) -> float:
+        """The expected seconds to compute positions ``[start, end)``."""
+        n = end - start
+        if n <= 0:
+            return 0.0
+        b = depth_bucket(end)
+        with self._lock:
+            spt = self.spt.get(b)
+            if spt is None and self.spt:  # the nearest bucket measured, scaled by depth (attention grows)
+                near = min(self.spt, key=lambda k: abs(math.log2(k) - math.log2(b)))
+                spt = self.spt[near] * (b / near) ** 0.5
+        return n * (spt if spt is not None else 1.0 / self.cold_tps)
+
+    @property
+    def learned(self) -> bool:
+        return bool(self.spt)
+
+    def to_json(self) -> dict[str, float]:
+        """Tokens per second by depth bucket (string keys, as on the wire and in JSON)."""
+        with self._lock:
+            return {str(b): round(1.0 / s, 3) for b, s in sorted(self.spt.items()) if s > 0}
+
+    def load(self, rates: dict[str, Any]) -> None:
+        with self._lock:
+            for k, v in (rates or {}).items():
+                if str(k).isdigit() and isinstance(v, (int, float)) and v > 0:
+                    self.spt[int(k)] = 1.0 / float(v)
+
+
+@dataclass
+class ProducerView:
+    """What this consumer knows of one producer: its prefill rates (its promises say them), when
+    it last promised to start and when that was said."""
+
+    rates: RateByDepth = field(default_factory=lambda: RateByDepth())
+    start_s: float = 0.0
+    said_at: float = 0.0  # time.time() of the promise
+    known: bool = False
+
+    def queue_s(self, now: float) -> float:
+        """What is left of its last promised start (its queue drains as time passes)."""
+        return max(0.0, self.start_s - (now - self.said_at))
+
+
+class CostModel:
+    """The consumer's estimates for one model/engine/dtype/threads (module doc)."""
+
+    def __init__(self, key: str = "", path=None) -> None:
+        self.key = key
+        self.path = path
+        self.local = RateByDepth()
+        self.install_spr: float | None = None  # seconds per row installed
+        self.gate_s: float | None = None
+        self.first_step_s: float | None = None
+        self.connect_s: float | None = None
+        self.link_Bps: float | None = None
+        self.row_bytes: float | None = None  # pack bytes per row, as received
+        self.producers: dict[str, ProducerView] = {}
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- learning
+    def producer(self, address: str) -> ProducerView:
+        with self._lock:
+            return self.producers.setdefault(address, ProducerView())
+
+    def heard(self, address: str, promise: dict[str, Any]) -> None:
+        """A producer's ``Promise`` (the pull client's ``promise`` event)."""
+        view = self.producer(address)
+        view.rates.load(promise.get("rates") or {})
+        view.start_s = max(0.0, float(promise.get("start_ms") or 0) / 1000)
+        view.said_at = time.time()
+        view.known = True
+
+    def observe(self, *, held: int, rows: int, prefill_s: float | None = None, local: bool,
+                install_s: float | None = None, gate_s: float | None = None, first_step_s: float | None = None,
+                connect_s: float | None = None, pack_bytes: int = 0, wire_s: float | None = None,
+                shipped_rows: int = 0) -> None:
+        """One answer's measurements: ``local``: rows ``[held, rows)`` prefilled here in ``prefill_s``."""
+        if local and prefill_s is not None:
+            self.local.observe(held, rows, prefill_s)
+        with self._lock:
+            if install_s is not None and rows > 0:
+                self.install_spr = _avg(self.install_spr, max(0.0, install_s) / rows)
+            if gate_s is not None:
+                self.gate_s = _avg(self.gate_s, max(0.0, gate_s))
+            if first_step_s is not None and first_step_s >= 0:
+                self.first_step_s = _avg(self.first_step_s, first_step_s)
+            if connect_s is not None and connect_s >= 0:
+                self.connect_s = _avg(self.connect_s, connect_s)
+            if pack_bytes > 0 and shipped_rows > 0:
+                self.row_bytes = _avg(self.row_bytes, pack_bytes / shipped_rows)
+            if pack_bytes > 0 and wire_s is not None and wire_s > 0:
+                self.link_Bps = _avg(self.link_Bps, pack_bytes / wire_s)
+
+    # -------------------------------------------------------------- predicting
+    def _tail(self, rows: int, *, gate: bool) -> tuple[float, float, float]:
+        install = rows * (self.install_spr if self.install_spr is not None else COLD_INSTALL_S_PER_ROW)
+        return install, (self.gate_s or 0.0) if gate else 0.0, (self.first_step_s
+                                                                 if self.first_step_s is not None else COLD_FIRST_STEP_S)
+
+    def predict(self, *, tokens: int, held: int, producer: str | None, row_bytes: float | None = None,
+                now: float | None = None) -> dict[str, Any]:
+        """The TTFT (seconds) of every path for a prompt of ``tokens`` whose first ``held`` rows this
+        machine's store holds, and the fastest: ``{"paths": {...}, "choice": NAME, "known": bool}``
+        (``known``: the producer's rates came from its own promise, not guessed from ours)."""
+        rows = tokens - 1
+        now = time.time() if now is None else now
+        install, gate, first = self._tail(rows, gate=False)
+        paths_: dict[str, float] = {}
+        if held >= rows:
+            paths_["store"] = install + first
+        else:
+            paths_["local"] = self.local.seconds(held, rows) + install + first
+        known = False
+        if producer is not None:
+            view = self.producers.get(producer)
+            known = view is not None and view.known and view.rates.learned
+            remote = view.rates if known else self.local  # unknown: as fast as we are
+            queue = (view.queue_s(now) if view is not None else 0.0) + (
+                self.connect_s if self.connect_s is not None else COLD_CONNECT_S)
+            per_row = self.row_bytes or row_bytes or 0.0
+            link = self.link_Bps or COLD_LINK_BPS
+            _, rgate, _ = self._tail(rows, gate=True)
+            for name, start in (("remote_whole", 0), ("remote_delta", held)):
+                if name == "remote_delta" and not 0 < held < rows:
+                    continue
+                compute = remote.seconds(start, rows)
+                wire = per_row * (rows - start) / link
+                paths_[name] = queue + max(compute, wire) + install + rgate + first
+        choice = min(paths_, key=lambda k: paths_[k])
+        return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known}
+
+    # -------------------------------------------------------------- keeping
+    def to_json(self) -> dict[str, Any]:
+        return {"v": 1, "local_tps": self.local.to_json(), "install_s_per_row": self.install_spr,
+                "gate_s": self.gate_s, "first_step_s": self.first_step_s, "connect_s": self.connect_s,
+                "link_Bps": self.link_Bps, "row_bytes": self.row_bytes,
+                "producers": {a: {"rates": v.rates.to_json()} for a, v in self.producers.items() if v.known}}
+
+    def load_json(self, obj: dict[str, Any]) -> None:
+        if not isinstance(obj, dict) or obj.get("v") != 1:
+            return
+        self.local.load(obj.get("local_tps") or {})
+        for name in ("install_spr", "gate_s", "first_step_s", "connect_s", "link_Bps", "row_bytes"):
+            key = "install_s_per_row" if name == "install_spr" else name
+            v = obj.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v):
+                setattr(self, name, float(v))
+        for addr, p in (obj.get("producers") or {}).items():
+            if isinstance(p, dict):
+                view = self.producer(str(addr))
+                view.rates.load(p.get("rates") or {})
+                view.known = view.rates.learned
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            part = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.part")
+            part.write_bytes(json.dumps(self.to_json(), sort_keys=True).encode())
+            os.replace(part, self.path)  # whole or not at all (last writer wins: it is a cache)
+        except OSError:  # a cache: not keeping it costs only a cold start next time
+            pass
+
+
+_MODELS: dict[str, CostModel] = {}
+_MODELS_LOCK = threading.Lock()
+
+
+def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> CostModel:
+    """The process's one :class:`CostModel` for this model, engine, dtype and thread count,
+    loaded from its file the first time."""
+    key = hashlib.sha256(f"{model_fingerprint}|{engine}|{dtype}|{threads}".encode()).hexdigest()[:24]
+    with _MODELS_LOCK:
+        model = _MODELS.get(key)
+        if model is None:
+            path = paths.data_dir() / "costs" / f"{key}.json"
+            model = _MODELS[key] = CostModel(key, path)
+            try:
+                model.load_json(loads(path.read_bytes(), str(path), limit=1 << 20))
+            except Exception:  # noqa: BLE001 - a cache: missing or damaged, start cold
+                pass
+        return model
+
+
+def route_mode() -> str:
+    """``MUSER_ROUTE``: ``producer`` (the default: ask a producer whenever one is given) or
+    ``fastest`` (ask only when the prediction says it is faster, with the budget to beat local)."""
+    value = os.environ.get(ROUTE_ENV, "").strip().lower() or "producer"
+    return value if value in ROUTES else "producer"
+
+
+def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
+          deadline_s: float | None = None) -> dict[str, Any]:
+    """Whether to ask ``producer``, and with what budget: the prediction of every path, the
+    choice, ``ask`` (bool), ``budget_ms`` (the producer must have sent the pack within it to beat
+    the local path: the local prediction less what follows the pack here; None: no budget) and
+    ``why`` (for a local choice: the reason the answer gives). With ``MUSER_ROUTE=producer``
+    the producer is always asked, without a budget (unless ``deadline_s`` gives one)."""
+    got = costs.predict(tokens=tokens, held=held, producer=producer)
+    mode = route_mode()
+    got["mode"] = mode
+    paths_ = got["paths"]
+    here = paths_.get("store", paths_.get("local", 0.0))
+    if producer is None:
+        got.update(ask=False, budget_ms=None, why="")
+        return got
+    if mode == "producer":
+        got.update(ask=True, budget_ms=None, why="")
+        return got
+    install, _, first = costs._tail(tokens - 1, gate=True)
+    connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
+    budget = here - install - first - connect  # what the producer has to beat us
+    if deadline_s is not None:
+        budget = min(budget, deadline_s)
+    remote = min((v for k, v in paths_.items() if k.startswith("remote")), default=math.inf)
+    if not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip
+        ask = budget > 0
+    else:
+        ask = remote < here and budget > 0
+    got.update(ask=ask, budget_ms=max(1, int(budget * 1000)) if ask else None)
+    if not ask:
+        got["choice"] = "store" if "store" in paths_ else "local"
+        got["why"] = (f"route: {got['choice']} predicted faster ({here * 1000:.1f} ms) than asking {producer} "
+                      f"({'unknown' if not got['known'] else f'{remote * 1000:.1f} ms'}; MUSER_ROUTE=fastest)")
+    else:
+        got["why"] = ""
+        if not got["known"]:
+            got["choice"] = "remote_delta" if "remote_delta" in paths_ else "remote_whole"
+    return got
+
+
+def budget_split(*, ttft_s: float, consumer_queue_s: float, remote: bool, lane_s: float,
+                 serving_s: float | None, end_s: float | None, rows_ready_s: float | None,
+                 local_prefill_s: float = 0.0, install_s: float = 0.0, gate_s: float = 0.0,
+                 pack_bytes: int = 0, link_Bps: float | None = None) -> dict[str, float]:
+    """One answer's TTFT divided into :data:`COMPONENTS` (seconds, summing to ``ttft_s``).
+
+    Times are seconds since the request arrived: ``lane_s`` the lane began (the consumer's
+    queue before it), ``serving_s`` the producer admitted it (Serving), ``end_s`` its pack's
+    last byte was in, ``rows_ready_s`` the rows were installed (None: unknown). The producer's
+    part between Serving and the pack's end is wire (the bytes at the link rate, at most all of
+    it) and compute (the rest); after the rows are in, install, the gate, then the first step
+    (the rest up to the first token). Each interval is clipped into the one before, so the
+    components never go negative and always add up."""
+    out = dict.fromkeys(COMPONENTS, 0.0)
+    t = min(max(0.0, consumer_queue_s), ttft_s)
+    out["consumer_queue"] = t
+    if remote and serving_s is not None:
+        s = min(max(t, serving_s), ttft_s)
+        out["producer_queue"] = s - t
+        e = min(max(s, end_s if end_s is not None else s), ttft_s)
+        span = e - s
+        wire = min(span, pack_bytes / link_Bps) if link_Bps and pack_bytes else 0.0
+        out["wire"], out["producer_compute"] = wire, span - wire
+        t = e
+    elif remote:  # asked, but never admitted: the wait for the producer was its queue
+        e = min(max(t, end_s if end_s is not None else t), ttft_s)
+        out["producer_queue"] = e - t
+        t = e
+    if local_prefill_s > 0:
+        lp = min(local_prefill_s, ttft_s - t)
+        out["local_prefill"] = lp
+        t += lp
+    inst = min(max(0.0, install_s), ttft_s - t)
+    out["install"] = inst
+    t += inst
+    g = min(max(0.0, gate_s), ttft_s - t)
+    out["gate"] = g
+    t += g
+    out["first_step"] = max(0.0, ttft_s - t)
+    return {k: round(v, 6) for k, v in out.items()}
+
+
+def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str, float]) -> str | None:
+    """The component that overran an answer over its budget: the one furthest over what it was
+    expected to take (``expected``: seconds by component; absent: 0); None when within budget."""
+    total = sum(split.values())
+    if budget_s is None or total <= budget_s:
+        return None
+    return max(split, key=lambda k: split[k] - expected.get(k, 0.0))
+
+
+__all__ = ["COMPONENTS", "CostModel", "ProducerView", "ROUTE_ENV", "RateByDepth", "budget_split", "costs_for",
+           "depth_bucket", "overrun", "route", "route_mode"]

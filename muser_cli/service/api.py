@@ -39,7 +39,7 @@ class Ask:
 
     kind: str  # "chat" | "completion"
     model: str
-    prompt: str | list[dict[str, str]]  # the text, or the chat turns
+    prompt: str | list[dict[str, Any]]  # the text, or the chat turns
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -48,6 +48,9 @@ class Ask:
     stream: bool = False
     include_usage: bool = False
     prefill_deadline: float | None = None  # extension: seconds to wait for a producer
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, checked (chat only)
+    tool_choice: str | dict[str, Any] = "auto"  # "auto" | "none" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     @property
     def chat(self) -> bool:
@@ -136,20 +139,7 @@ def _int(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
     return value
 
 
-def _content(turn: Any, i: int) -> dict[str, str]:
-    if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
-        raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
-    role = turn["role"]
-    if role not in ROLES:
-        shown = repr(role) if len(role) <= 40 else repr(role[:40]) + "..."
-        what = "tool messages are not supported by this server" if role in ("tool", "function") else \
-            f"the role {shown} is not one of {', '.join(ROLES)}"
-        raise ApiError(400, f"messages[{i}]: {what}", param="messages")
-    name = turn.get("name")
-    if name is not None and (not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum()
-                             or len(name) > 64):
-        raise ApiError(400, f"messages[{i}].name must be up to 64 letters, digits, '_' or '-'", param="messages")
-    content = turn.get("content")
+def _text_of(content: Any, i: int) -> str:
     if isinstance(content, list):  # content parts: only text ones
         parts = []
         for part in content:
@@ -161,7 +151,162 @@ def _content(turn: Any, i: int) -> dict[str, str]:
         content = ""
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or text parts", param="messages")
-    return {"role": turn["role"], "content": content}
+    return content
+
+
+_TURN_KEYS = {"role", "content", "name"}
+
+
+def _content(turn: Any, i: int) -> dict[str, Any]:
+    if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a role", param="messages")
+    role = turn["role"]
+    if role not in ROLES + ("tool",):
+        shown = repr(role) if len(role) <= 40 else repr(role[:40]) + "..."
+        what = "function messages (the deprecated form of tool messages) are not supported" if role == "function" \
+            else f"the role {shown} is not one of {', '.join(ROLES + ('tool',))}"
+        raise ApiError(400, f"messages[{i}]: {what}", param="messages")
+    allowed = _TURN_KEYS | ({"tool_calls", "refusal"} if role == "assistant" else set()) | \
+        ({"tool_call_id"} if role == "tool" else set())
+    extra = sorted(k for k, v in turn.items() if k not in allowed and not (v is None or v == [] or v == {}))
+    if extra:
+        raise ApiError(400, f"messages[{i}].{extra[0]} is not supported on a {role} message", param="messages")
+    name = turn.get("name")
+    if name is not None and (not isinstance(name, str) or not _is_name(name)):
+        raise ApiError(400, f"messages[{i}].name must be up to 64 letters, digits, '_' or '-'", param="messages")
+    out: dict[str, Any] = {"role": role, "content": _text_of(turn.get("content"), i)}
+    if name is not None:
+        out["name"] = name
+    if role == "tool":
+        cid = turn.get("tool_call_id")
+        if not isinstance(cid, str) or not 0 < len(cid) <= 256:
+            raise ApiError(400, f"messages[{i}].tool_call_id must be the id of the call it answers",
+                           param="messages")
+        out["tool_call_id"] = cid
+    if role == "assistant" and turn.get("refusal") is not None:
+        raise ApiError(400, f"messages[{i}].refusal is not supported", param="messages")
+    if role == "assistant" and turn.get("tool_calls") is not None:
+        calls = turn["tool_calls"]
+        if not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+        out["tool_calls"] = [_past_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(calls)]
+        if not out["tool_calls"]:
+            del out["tool_calls"]
+    return out
+
+
+def _is_name(name: str) -> bool:
+    """OpenAI's function and participant names: 1 to 64 letters, digits, '_' or '-'."""
+    return 0 < len(name) <= 64 and name.isascii() and name.replace("_", "").replace("-", "").isalnum()
+
+
+def _past_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant message's earlier call: ``{"id", "type": "function", "function": {"name",
+    "arguments": a JSON object as a string}}``."""
+    if not isinstance(call, dict) or call.get("type", "function") != "function" or \
+            set(call) - {"id", "type", "function"}:
+        raise ApiError(400, f"{where} must be {{\"id\", \"type\": \"function\", \"function\"}}", param="messages")
+    fn = call.get("function")
+    if not isinstance(call.get("id"), str) or not 0 < len(call["id"]) <= 256:
+        raise ApiError(400, f"{where}.id must be a non-empty string", param="messages")
+    if not isinstance(fn, dict) or set(fn) - {"name", "arguments"} or not isinstance(fn.get("name"), str) \
+            or not _is_name(fn["name"]):
+        raise ApiError(400, f"{where}.function must have a name (up to 64 letters, digits, '_' or '-') and "
+                            "arguments", param="messages")
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        raise ApiError(400, f"{where}.function.arguments must be a JSON object written as a string",
+                       param="messages")
+    try:
+        parsed = json.loads(args, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, f"{where}.function.arguments is not a JSON object", param="messages")
+    return {"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+MAX_TOOLS = 128
+_SCHEMA_TYPES = ("object",)
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """``tools``: OpenAI function tools, each ``{"type": "function", "function": {"name",
+    "description"?, "parameters"?}}`` (parameters: a JSON schema of type object)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"tools must be a list of up to {MAX_TOOLS} function tools", param="tools")
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise ApiError(400, f"{where}.type must be 'function' (the only tools this server calls)", param="tools")
+        extra = sorted(set(tool) - {"type", "function"})
+        if extra:
+            raise ApiError(400, f"{where}.{extra[0]} is not supported", param="tools")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ApiError(400, f"{where}.function must be an object", param="tools")
+        extra = sorted(k for k in set(fn) - {"name", "description", "parameters"} if not (k == "strict" and
+                                                                                     fn[k] in (None, False)))
+        if extra:
+            what = "strict schemas are not enforced here (no constrained decoding)" if extra[0] == "strict" \
+                else "not supported"
+            raise ApiError(400, f"{where}.function.{extra[0]}: {what}", param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _is_name(name):
+            raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'", param="tools")
+        if name in seen:
+            raise ApiError(400, f"{where}.function.name {name!r} is given twice", param="tools")
+        seen.add(name)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise ApiError(400, f"{where}.function.description must be a string", param="tools")
+        params = fn.get("parameters")
+        if params is not None:
+            if not isinstance(params, dict) or params.get("type", "object") not in _SCHEMA_TYPES:
+                raise ApiError(400, f"{where}.function.parameters must be a JSON schema of type 'object'",
+                               param="tools")
+            props = params.get("properties")
+            if props is not None and (not isinstance(props, dict) or
+                                      not all(isinstance(v, dict) for v in props.values())):
+                raise ApiError(400, f"{where}.function.parameters.properties must map names to schemas",
+                               param="tools")
+            req = params.get("required")
+            if req is not None and (not isinstance(req, list) or not all(isinstance(r, str) for r in req)):
+                raise ApiError(400, f"{where}.function.parameters.required must be a list of names", param="tools")
+        entry: dict[str, Any] = {"name": name}
+        if desc is not None:
+            entry["description"] = desc
+        entry["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": entry})
+    return out
+
+
+def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "function"} \
+            and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"}:
+        name = choice["function"]["name"]
+        names = [t["function"]["name"] for t in tools or []]
+        if name not in names:
+            raise ApiError(400, f"tool_choice names {str(name)[:64]!r}, which is not one of the tools given",
+                           param="tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}", param="tool_choice")
 
 
 def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> Ask:
@@ -169,10 +314,14 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     for key, ok in (("n", 1), ("best_of", 1)):
         if body.get(key) not in (None, ok):
             raise ApiError(400, f"{key} other than {ok} is not supported", param=key)
-    for key in ("echo", "logprobs", "top_logprobs", "tools", "suffix", "functions", "function_call", "tool_choice",
-                "parallel_tool_calls", "logit_bias", "prediction", "audio", "modalities"):
-        if body.get(key) not in (None, False, [], 0, {}) and not (key == "tool_choice" and body[key] == "none"):
+    for key in ("echo", "logprobs", "top_logprobs", "suffix", "functions", "function_call", "logit_bias",
+                "prediction", "audio", "modalities"):
+        if body.get(key) not in (None, False, [], 0, {}):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
+    if kind != "chat":
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(key) not in (None, [], "none"):
+                raise ApiError(400, f"{key} is a chat completions field (/v1/chat/completions)", param=key)
     for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # accepted only where they do nothing
         if body.get(key) not in (None, 0, 0.0) or isinstance(body.get(key), bool):
             raise ApiError(400, f"{key} other than 0 is not supported by this server", param=key)
@@ -188,7 +337,7 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
         turns = body.get("messages")
         if not isinstance(turns, list) or not turns:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
-        prompt: str | list[dict[str, str]] = [_content(t, i) for i, t in enumerate(turns)]
+        prompt: str | list[dict[str, Any]] = [_content(t, i) for i, t in enumerate(turns)]
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -208,7 +357,13 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     deadline = body.get("muser_prefill_deadline")
     if deadline is not None:
         deadline = _number(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
+    tools = _tools(body) if kind == "chat" else None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=n or default_max_tokens,
+               tools=tools, tool_choice=_tool_choice(body, tools) if kind == "chat" else "auto",
+               parallel_tool_calls=parallel,
                temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
                seed=_int(body, "seed", 0), stop=stop, stream=stream, include_usage=bool(options.get("include_usage")),
                prefill_deadline=deadline)
@@ -223,12 +378,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def response(ask: Ask, rid: str, model: str, text: str, finish: str, use: dict, muser: dict) -> dict[str, Any]:
-    """The whole (non-streamed) answer."""
+def response(ask: Ask, rid: str, model: str, text: str | None, finish: str, use: dict, muser: dict, *,
+             calls: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The whole (non-streamed) answer; ``calls``: its tool calls (``{"id", "name", "arguments"}``)."""
     created = int(time.time())
     if ask.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -238,8 +397,10 @@ def response(ask: Ask, rid: str, model: str, text: str, finish: str, use: dict, 
 
 
 def chunk(ask: Ask, rid: str, model: str, text: str | None, finish: str | None, *, first: bool = False,
-          use: dict | None = None, muser: dict | None = None) -> dict[str, Any]:
-    """One streamed chunk; ``use`` alone (no choice): the usage chunk of include_usage."""
+          use: dict | None = None, muser: dict | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed chunk; ``use`` alone (no choice): the usage chunk of include_usage;
+    ``tool_calls``: the delta's tool call pieces (``{"index", "id"?, "type"?, "function"}``)."""
     created = int(time.time())
     if ask.chat:
         delta: dict[str, Any] = {}
@@ -247,6 +408,8 @@ def chunk(ask: Ask, rid: str, model: str, text: str | None, finish: str | None, 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
         obj = "chat.completion.chunk"
     else:

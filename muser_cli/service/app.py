@@ -20,6 +20,7 @@ from typing import Any, Callable
 from muser_cli.errors import ConfigError, MuserError, UsageError
 from muser_cli.handoff.link import listen_error, parse_hostport
 from muser_cli.service.api import MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
+from muser_cli.service.tools import call_deltas
 from muser_cli.service.worker import Config, Draining, EngineWorker, Job
 from muser_cli.units import utc_stamp
 
@@ -161,9 +162,12 @@ class Service:
         job = Job(ask, lambda kind, payload: loop.call_soon_threadsafe(queue.put_nowait, (kind, payload)))
         self.worker.submit(job)  # QueueFull / Draining: answered by the caller
         rid, model = new_id(ask.kind), ask.model or self.options.model_id
+        calls: list[dict] = []  # the answer's tool calls (a chat with tools)
         try:
             kind, payload = await self._next(queue, request, job)
-            while not ask.stream and kind == "text":  # the whole answer: its summary holds the text
+            while not ask.stream and kind in ("text", "call"):  # the whole answer: its summary holds the text
+                if kind == "call":
+                    calls.append(payload)
                 kind, payload = await self._next(queue, request, job)
         except asyncio.CancelledError:  # the server cancels the task of a request whose client left
             self.worker.withdraw(job)
@@ -179,7 +183,7 @@ class Service:
         if not ask.stream:
             s = payload
             self._count(endpoint, 200)
-            body = response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), _muser(s))
+            body = response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), _muser(s), calls=calls)
             return JSONResponse(body, headers=_headers(s))
         first = (kind, payload)
 
@@ -189,8 +193,12 @@ class Service:
                 yield sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else
                           chunk(ask, rid, model, "", None))
                 k, p = first
-                while k == "text":
-                    yield sse(chunk(ask, rid, model, p, None))
+                while k in ("text", "call"):
+                    if k == "text":
+                        yield sse(chunk(ask, rid, model, p, None))
+                    else:  # a whole call: its name, then its arguments, as OpenAI streams them
+                        for delta in call_deltas(p):
+                            yield sse(chunk(ask, rid, model, None, None, tool_calls=[delta]))
                     k, p = await queue.get()
                 if k == "error":
                     err = _internal(p)
@@ -210,7 +218,7 @@ class Service:
 
         # the first event came: the rows' source and the TTFT are known for the headers
         head = {"x-muser-source": "", "cache-control": "no-cache"}
-        if first[0] == "text":
+        if first[0] in ("text", "call"):
             head.update(self._early_headers(job))
         else:
             head.update(_headers(first[1]))

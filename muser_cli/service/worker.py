@@ -26,11 +26,12 @@ from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
-from muser_cli.model.tokens import encode_prompt, tokenizer_for
+from muser_cli.model.tokens import chat_template_text, encode_prompt, skipped_tokens, tokenizer_for
 from muser_cli.schedule import check_prompt, default_dtype
 from muser_cli.service.api import ApiError, Ask
 from muser_cli.service.metrics import fallback_kind
 from muser_cli.service.textstream import TextStream
+from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
 
 Emit = Callable[[str, Any], None]
 
@@ -221,7 +222,10 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         ask = job.ask
         try:
-            ids = encode_prompt(self.info, ask.prompt, chat=ask.chat)
+            plan = plan_tools(ask, chat_template_text(self.info)) if ask.chat else None  # tools: docs/serve.md
+            ids = encode_prompt(self.info, plan.turns if plan is not None else ask.prompt, chat=ask.chat,
+                                tools=plan.tools if plan is not None else None,
+                                prefix=plan.prefix if plan is not None else "")
             check_prompt(self.info, ids, new_tokens=ask.max_tokens)
         except PromptTooLong as exc:
             raise ApiError(400, str(exc), param="messages" if ask.chat else "prompt",
@@ -230,6 +234,9 @@ class EngineWorker:
             raise ApiError(400, str(exc)) from None
         state = _RunState(job, self)
         state.ids = ids
+        state.tools = plan.stream() if plan is not None else None
+        if state.tools is not None:  # an opening that is a special token: decoding drops it, the parser must see it
+            state.markers = skipped_tokens(self.info, [state.tools.fmt.opening, PYTHON_TAG])
         job.state = state  # the service reads the rows' source from it at the first token
         out = None
         try:
@@ -241,9 +248,18 @@ class EngineWorker:
         if job.cancelled.is_set():
             finish = "cancelled"
         tail = state.stream.finish()
-        if tail and not job.cancelled.is_set():
+        if state.tools is not None and not job.cancelled.is_set():
+            for kind, payload in state.tools.feed(tail) + state.tools.finish():
+                job.emit(kind, payload)
+            if state.tools.error is not None:
+                raise state.tools.error
+        elif tail and not job.cancelled.is_set():
             job.emit("text", tail)
         summary = state.summary(ids, finish)
+        if state.tools is not None:
+            summary["text"], summary["tool_calls"] = state.tools.content, len(state.tools.calls)
+            if state.tools.calls and finish != "cancelled":
+                summary["finish_reason"] = "tool_calls"
         if out is not None and out.store_problems:
             summary["store_problems"] = list(out.store_problems)
         self._observe(state, summary)
@@ -345,6 +361,8 @@ class _RunState:
         self.ids: list[int] = []
         self.counting: _Counting | None = None
         self.turns = worker.turns
+        self.tools: ToolStream | None = None  # the calls read from the answer (a chat with tools)
+        self.markers: dict[int, str] = {}  # special tokens decoding drops that the tool parser reads
 
     def on_rows(self, rows) -> None:
         self.rows = rows
@@ -359,7 +377,12 @@ class _RunState:
         if self.job.cancelled.is_set():
             raise _Stop("the client went away")
         piece = self.stream.push(token)
-        if piece:
+        if self.tools is not None:
+            for kind, payload in self.tools.feed(self.markers.get(int(token), "") + piece):
+                self.job.emit(kind, payload)
+            if self.tools.done:
+                raise _Stop("the tool call asked for is complete, or it failed")
+        elif piece:
             self.job.emit("text", piece)
         if self.stream.stopped:
             raise _Stop("a stop string")

@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         serve: Optional[str] = typer.Option(None, "--serve", help="Stay resident on HOST:PORT (127.0.0.1 unless --api-key; port 0 picks one) and answer OpenAI-compatible requests (/v1/chat/completions, /v1/completions, /metrics); --producer may repeat (the least busy is asked). docs/serve.md"),
         api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MUSER_API_KEY", help="With --serve: clients must send Authorization: Bearer KEY (needed to listen beyond loopback)."),
         max_queue: int = typer.Option(8, "--max-queue", help="With --serve: requests that may wait for the engine; more are answered 429."),
-        max_batch: int = typer.Option(4, "--max-batch", help="With --serve: requests running at once, taking the engine's turns one decode step or prefill chunk each (each decodes exactly as alone); more wait in the queue."),
+        max_batch: int = typer.Option(4, "--max-batch", help="With --serve: requests running at once, taking the engine's turns one decode step or prefill chunk each; on mlx their decode steps are computed together as one batch (see --exact); more wait in the queue."),
+        exact: bool = typer.Option(False, "--exact", help="With --serve: each request decodes alone, one sequence per engine call, so its tokens are exactly its tokens alone (default on mlx: concurrent requests step together in one batched call, whose rounding can change a greedy token; docs/serve.md). torch always decodes alone."),
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
@@ -53,7 +54,7 @@ def register(app: typer.Typer) -> None:
         with guarded(as_json=as_json):
             if serve is not None:
                 _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
-                              producers=producer or [], api_key=api_key, max_queue=max_queue, max_batch=max_batch,
+                              producers=producer or [], api_key=api_key, max_queue=max_queue, max_batch=max_batch, exact=exact,
                               deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
                               reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
                               others=(src, prompt, chat, as_json, send_text))
@@ -73,7 +74,7 @@ def register(app: typer.Typer) -> None:
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
                 pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
                                           dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse,
-                                          send_text=send_text)
+                                          send_text=send_text, threads=threads or default_threads())
                 inp, reason = pulling.reader, pulling.empty_reason
             elif src != "-" and not Path(src).exists() and prompt_text is not None:
                 inp = None
@@ -110,6 +111,7 @@ def register(app: typer.Typer) -> None:
                 err(f"decode: warning: {out.set_aside}; the tokens come from a local prefill (--strict refuses it)")
             if pulling is not None:
                 pulling.explain(out)  # why the pull gave nothing, or not all, in decode's reason
+                pulling.learn(out)  # what this run measured: the next run's route predicts from it (issue #39)
             for line in out.store_problems:
                 err(f"decode: store: {line}")
             held = out.held_tokens
@@ -139,7 +141,13 @@ def register(app: typer.Typer) -> None:
                      f"passed: worst layer {s['worst_layer']} at position {s['worst_position']}, rel "
                      f"{s['worst_rel']:.3g} <= {s['tolerance']:.3g}, {s['ms']:.0f} ms")
             if as_json:
-                emit_json(out.to_json())
+                shown = out.to_json()
+                if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
+                    shown["route"] = {k: pulling.plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms", "parts")
+                                      if k in pulling.plan}
+                    if pulling.promise is not None:
+                        shown["route"]["promise"] = pulling.promise
+                emit_json(shown)
             else:  # ttft counts from the pack's first byte (or the start) and leaves the model load out: say both
                 info(f"decode: {len(out.token_ids)} tokens, ttft {out.ttft_s * 1000:.0f} ms (not counting the "
                      f"model load, {out.load_s:.1f} s), {out.decode_tok_s:.1f} tok/s ({out.engine}, {out.dtype})")
@@ -173,7 +181,7 @@ class _Printer:
 
 
 def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
-                  producers: list[str], api_key: Optional[str], max_queue: int, max_batch: int,
+                  producers: list[str], api_key: Optional[str], max_queue: int, max_batch: int, exact: bool,
                   deadline: Optional[float],
                   chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
     """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
@@ -204,7 +212,7 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
     ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
-                    audit=audit, max_batch=max_batch)
+                    audit=audit, max_batch=max_batch, exact=exact)
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n)

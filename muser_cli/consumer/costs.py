@@ -184,11 +184,11 @@ class CostModel:
         rows = tokens - 1
         now = time.time() if now is None else now
         install, gate, first = self._tail(rows, gate=False)
-        paths_: dict[str, float] = {}
+        parts: dict[str, dict[str, float]] = {}
         if held >= rows:
-            paths_["store"] = install + first
+            parts["store"] = {"install": install, "first_step": first}
         else:
-            paths_["local"] = self.local.seconds(held, rows) + install + first
+            parts["local"] = {"local_prefill": self.local.seconds(held, rows), "first_step": first}
         known = False
         if producer is not None:
             view = self.producers.get(producer)
@@ -204,9 +204,12 @@ class CostModel:
                     continue
                 compute = remote.seconds(start, rows)
                 wire = per_row * (rows - start) / link
-                paths_[name] = queue + max(compute, wire) + install + rgate + first
+                parts[name] = {"producer_queue": queue, "producer_compute": compute,
+                               "wire": max(0.0, wire - compute), "install": install, "gate": rgate, "first_step": first}
+        paths_ = {k: sum(v.values()) for k, v in parts.items()}
         choice = min(paths_, key=lambda k: paths_[k])
-        return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known}
+        return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known,
+                "parts": {k: {c: round(x, 6) for c, x in v.items()} for k, v in parts.items()}}
 
     # -------------------------------------------------------------- keeping
     def to_json(self) -> dict[str, Any]:

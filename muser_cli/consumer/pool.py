@@ -15,6 +15,7 @@ from muser_cli.errors import (
     DataError, IdentityMismatch, MissingInput, MuserError, OutputError, SpotCheckFailed, TempFailure, UsageError,
 )
 from muser_cli.handoff.link import parse_hostport
+from muser_cli.handoff.wire.refusal import NotInTime
 
 
 @dataclass
@@ -56,6 +57,8 @@ def about_the_job(exc: BaseException) -> bool:
     failure (our disk): says nothing against the producer."""
 
     # a producer of another model (Reject(model): IdentityMismatch) refuses every job: not about this one
+    if isinstance(exc, NotInTime):  # "not in time" for this request's budget: the producer is up (issue #39)
+        return True
     return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, (SpotCheckFailed, IdentityMismatch))
 
 
@@ -106,6 +109,12 @@ class ProducerPool:
                 s.down_until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** (s.failures - 1))
             else:
                 s.gone = s.last_error
+
+    def release(self, address: str) -> None:
+        """A producer :meth:`pick` counted busy that was not asked after all (the route chose local)."""
+        with self._lock:
+            s = next(s for s in self.states if s.address == address)
+            s.busy -= 1
 
     def blame(self, address: str, error: BaseException) -> None:
         """A pack from ``address`` failed the consumer's checks: it writes wrong KV; dropped."""

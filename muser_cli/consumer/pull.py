@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
+from muser_cli.consumer.costs import CostModel, costs_for, route, route_mode
 from muser_cli.errors import MuserError
 from muser_cli.handoff.api import ledger_dir
 from muser_cli.handoff.link import parse_hostport
@@ -44,6 +46,7 @@ class PullAsk:
     text: str | None = None  # send the prompt as text (the producer tokenizes; token_ids still checks it) ...
     chat: bool = False  # ... as one user turn of the chat template
     engine: str | None = None  # the engine this consumer decodes on (a producer on it skips the sliding history)
+    budget_ms: int | None = None  # the producer must have sent the pack within it, else it says "late" at once
 
 
 def with_have(ask: PullAsk, store=None) -> PullAsk:
@@ -91,39 +94,84 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
                     model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
                     ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
                     on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain, text=ask.text,
-                    chat=ask.chat, engine=ask.engine)
+                    chat=ask.chat, engine=ask.engine, budget_ms=ask.budget_ms)
     return {**accepted.to_json(), "held_tokens": ask.have_tokens}
 
 
 class PipePull:
     """A pull on a thread, into a pipe: :attr:`reader` is decode's input; :attr:`error` says
-    why nothing (or not all) arrived, once the reader saw its end."""
+    why nothing (or not all) arrived, once the reader saw its end.
 
-    def __init__(self, producer: str, make_ask: Callable[[], PullAsk], *, timeout: float | None) -> None:
-        r, w = os.pipe()
-        self.reader: BinaryIO = open(r, "rb")
-        self._w = w
+    :attr:`marks`: ``time.perf_counter()`` when the pull began (``start``), the producer promised
+    (``promise``, a request with a budget), admitted it (``serving``), its header came
+    (``header``) and the pull ended (``end``); :attr:`promise` what it promised (also told to
+    ``costs``). :attr:`plan`: the routing (:func:`muser_cli.consumer.costs.route`). ``asked``
+    False: the route chose not to ask (no thread, no reader; :attr:`routed_local` says why)."""
+
+    def __init__(self, producer: str, make_ask: Callable[[], PullAsk] | None, *, timeout: float | None,
+                 costs: CostModel | None = None, plan: dict[str, Any] | None = None,
+                 planner: Callable[[PullAsk], tuple[CostModel, dict[str, Any]]] | None = None) -> None:
         self.error: BaseException | None = None
         self.accepted: dict[str, Any] | None = None
         self.producer = producer
+        self.costs, self.plan = costs, plan
+        self.marks: dict[str, float] = {}
+        self.promise: dict[str, Any] | None = None
+        self.asked = make_ask is not None
+        self._planner = planner
+        self.reader: BinaryIO | None = None
+        self._thread: threading.Thread | None = None
+        if make_ask is None:
+            return
+        r, w = os.pipe()
+        self.reader = open(r, "rb")
+        self._w = w
         self._thread = threading.Thread(target=self._run, args=(make_ask, timeout), name="muser-pull", daemon=True)
         self._thread.start()
 
+    @property
+    def routed_local(self) -> str:
+        """Why the route kept this request here ("" when it asked the producer)."""
+        return "" if self.asked else str((self.plan or {}).get("why") or "")
+
+    def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        self.marks.setdefault(kind, time.perf_counter())
+        if kind == "promise":
+            self.promise = {k: v for k, v in fields.items() if k != "producer"}
+            if self.costs is not None:
+                self.costs.heard(self.producer, fields)
+
     def _run(self, make_ask: Callable[[], PullAsk], timeout: float | None) -> None:
+        self.marks["start"] = time.perf_counter()
         try:
             with open(self._w, "wb") as out:
                 try:
-                    self.accepted = pull_prompt(self.producer, make_ask(), out_stream=out, timeout=timeout)
+                    ask = make_ask()
+                    if self._planner is not None:  # the prediction, made on the pull's own thread
+                        self.costs, self.plan = self._planner(ask)
+                    self.accepted = pull_prompt(self.producer, ask, out_stream=out, timeout=timeout,
+                                                on_event=self._on_event)
                 except BaseException as exc:  # noqa: BLE001 - decode falls back; the reason is reported
                     self.error = exc
+                finally:
+                    self.marks["end"] = time.perf_counter()
         except OSError as exc:  # decode stopped reading
             self.error = self.error or exc
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
+
+    def learn(self, out: Any, *, arrived: float | None = None) -> None:
+        """What decode's result ``out`` measured, into ``costs`` (kept for the next run)."""
+        costs = self.costs
+        if costs is None:
+            return
+        learn_from(costs, out, marks=self.marks, accepted=self.accepted)
+        costs.save()
 
     @property
     def empty_reason(self) -> str:
@@ -134,7 +182,7 @@ class PipePull:
         """Once decode finished reading: why the pull gave nothing, or not all, written into
         decode's result ``out`` (its ``reason``, for a fallback or a cut stream)."""
         self.join(timeout=timeout)
-        why = self.reason()
+        why = self.reason() or self.routed_local
         if why and out.source == "partial+local":
             out.reason = f"{out.reason}; {why}"
         elif why and out.fallback:
@@ -149,12 +197,50 @@ class PipePull:
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
 
 
+def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted: dict[str, Any] | None) -> None:
+    """One decode's measurements (its :class:`~muser_cli.consumer.decode.DecodeOutcome`) into ``costs``."""
+    rows = out.prompt_tokens - 1
+    spot = out.spot_check or {}
+    gate_ms = spot.get("ms") if spot.get("ran") else None
+    if isinstance(spot.get("sampled"), dict) and spot["sampled"].get("ms") is not None:
+        gate_ms = (gate_ms or 0) + spot["sampled"]["ms"]
+    gate_s = gate_ms / 1000 if isinstance(gate_ms, (int, float)) else None
+    local = out.source in ("local", "store+local", "store")
+    if local:
+        held = out.held_tokens if out.source != "local" else 0
+        first = out.ttft_s - out.prefill_s - out.pack_read_s
+        costs.observe(held=held, rows=rows, prefill_s=out.prefill_s if out.source != "store" else None, local=True,
+                      install_s=out.prefill_s if out.source == "store" else None,
+                      first_step_s=first if first >= 0 else None)
+        return
+    if out.source not in ("handoff", "delta"):
+        return
+    install = max(0.0, out.prefill_s - (gate_s or 0.0))
+    first = (out.tail_s - out.prefill_s) if out.tail_s is not None else None
+    wire_s = None
+    if "header" in marks and "end" in marks:
+        wire_s = marks["end"] - marks["header"]
+    # set-up to admission (TCP, TLS, the request's checks) when it did not wait in the queue
+    connect = marks["serving"] - marks["start"] if "serving" in marks and "start" in marks and "queued" not in marks \
+        else None
+    got_bytes = int((accepted or {}).get("payload_bytes") or 0)
+    shipped = rows - (out.held_tokens if out.source == "delta" else 0)
+    costs.observe(held=0, rows=rows, local=False, install_s=install, gate_s=gate_s,
+                  first_step_s=first if first is not None and first >= 0 else None, connect_s=connect,
+                  pack_bytes=got_bytes, wire_s=wire_s, shipped_rows=shipped)
+
+
 def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
                     dtype: str | None, engine: str, timeout: float | None, have: bool = True,
-                    send_text: bool = False) -> PipePull:
+                    send_text: bool = False, threads: int = 1) -> PipePull:
     """``have``: tell the producer what this machine's store holds of the prompt, so only the
     rest is computed there and shipped (a delta pack; decode merges it with the stored prefix).
-    ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`)."""
+    ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`).
+
+    The route (issue #39): the TTFT of every path is predicted (:func:`muser_cli.consumer.costs.route`,
+    :attr:`PipePull.plan`); with ``MUSER_ROUTE=fastest`` the prompt is tokenized here first and
+    the producer asked only when that is predicted faster, with the budget to beat the local
+    path (a producer that cannot make it says so at once); else it is asked as before."""
 
     parse_hostport(producer)  # a bad address is a usage error, not a fallback
 
@@ -163,7 +249,19 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
                       send_text=send_text)
         return with_have(ask) if have else ask
 
-    return PipePull(producer, make_ask, timeout=timeout)
+    def planned(ask: PullAsk) -> tuple[CostModel, dict[str, Any]]:
+        costs = costs_for(ask.model_fingerprint, engine, ask.dtype, threads)
+        return costs, route(costs, tokens=len(ask.token_ids), held=ask.have_tokens, producer=producer)
+
+    if route_mode() == "fastest":
+        ask = make_ask()
+        costs, plan = planned(ask)
+        if not plan["ask"]:
+            return PipePull(producer, None, timeout=timeout, costs=costs, plan=plan)
+        ask = replace(ask, budget_ms=plan["budget_ms"])
+        return PipePull(producer, lambda: ask, timeout=timeout, costs=costs, plan=plan)
+
+    return PipePull(producer, make_ask, timeout=timeout, planner=planned)
 
 
-__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "pull_prompt", "start_pull_pipe", "with_have"]
+__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "pull_prompt", "start_pull_pipe", "with_have"]

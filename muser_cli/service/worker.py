@@ -14,13 +14,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
+from muser_cli.consumer.costs import budget_split, costs_for, overrun, route
 from muser_cli.consumer.decode import decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.pool import ProducerPool
-from muser_cli.consumer.pull import PipePull, ask_of, with_have
+from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
@@ -34,6 +35,8 @@ from muser_cli.service.textstream import TextStream
 from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
 
 Emit = Callable[[str, Any], None]
+
+_BUDGET_LOCK = threading.Lock()  # the budget metrics are made once, by the first answer's thread
 
 #: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
 WARM_PROMPT = "Warm up: the first request should cost what the second one does."
@@ -102,6 +105,7 @@ class Config:
     store: bool = False
     audit: int | None = None
     max_batch: int = 4  # requests running at once, taking the engine's turns (docs/serve.md)
+    exact: bool = False  # each sequence decoded alone, even on an engine that batches decode steps
 
 
 class EngineWorker:
@@ -119,8 +123,11 @@ class EngineWorker:
         tokenizer_for(self.info)
         self.dtype = config.dtype or default_dtype(config.engine)
         self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None)
-        self.engine = TurnEngine(get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads),
-                                 self.turns)
+        raw = get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads)
+        self.batched = raw.batches_decode and not config.exact and config.max_batch > 1
+        if self.batched:  # concurrent sequences' decode steps computed as one batch (docs/serve.md)
+            raw.batch_decode(self.turns, on_step=metrics.batch.observe if metrics is not None else None)
+        self.engine = TurnEngine(raw, self.turns)
         self.pool = ProducerPool(config.producers)
         self.metrics = metrics
         self.log = log or (lambda record: None)
@@ -189,6 +196,7 @@ class EngineWorker:
             self._cv.notify_all()
         for thread in self._threads:
             thread.join(5)
+        self.engine.inner.close()
 
     def _gauges(self) -> None:
         if self.metrics is not None:
@@ -271,15 +279,17 @@ class EngineWorker:
 
         def run(src, why: str):
             state.why, state.rows = why, None
-            return decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
+            state.out = decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
                           audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
                           progress=self._chunk_done, prompt_ids=ids, info=self.info)  # tokenized once, in _run
+            return state.out
 
+        state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
         live = self._pull(job) if self.pool else None
         if live is None:
-            return run(None, "no producer given" if not self.pool else "no producer up")
+            return run(None, getattr(state, "route_why", "") or ("no producer given" if not self.pool else "no producer up"))
         state.producer = live.producer
         counting = state.counting = _Counting(live.reader)
         # a pack refused once a token was out cannot be replaced: the refusal is the answer
@@ -294,25 +304,80 @@ class EngineWorker:
         return got.out
 
     def _pull(self, job: Job):
+        """The pull for ``job``, or None: no producer up, or the route (issue #39: ``MUSER_ROUTE``,
+        :func:`muser_cli.consumer.costs.route`) predicts this machine answers sooner."""
+        ask, c, state = job.ask, self.config, job.state
+        deadline = ask.prefill_deadline if ask.prefill_deadline is not None else c.prefill_deadline
+        ids = state.ids  # tokenized once, in _run
+        got = ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype, engine=c.engine)
+        got = with_have(got) if c.reuse else got
+        costs = state.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
         addr = self.pool.pick()
+        plan = state.route = route(costs, tokens=len(ids), held=got.have_tokens, producer=addr)
         if addr is None:
             return None
-        ask, c = job.ask, self.config
-        deadline = ask.prefill_deadline if ask.prefill_deadline is not None else c.prefill_deadline
-
-        ids = job.state.ids  # tokenized once, in _run
-
-        def make_ask():
-            got = ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype, engine=c.engine)
-            return with_have(got) if c.reuse else got
-
-        return PipePull(addr, make_ask, timeout=deadline)
+        if not plan["ask"]:
+            self.pool.release(addr)
+            state.route_why = plan["why"]
+            return None
+        if plan["budget_ms"] is not None:
+            got = replace(got, budget_ms=plan["budget_ms"])
+        state.live = PipePull(addr, lambda: got, timeout=deadline, costs=costs, plan=plan)
+        return state.live
 
     def _chunk_done(self, *progress: Any) -> None:
         """A prefill chunk done (decode's progress callback): the running requests take a step each."""
         self.turns.pass_turn()
 
+    def _budget(self, state: "_RunState", s: dict[str, Any]) -> None:
+        """The answer's route and budget split (issue #39) into its summary ``s``; what it
+        measured into the cost model. The budget: the request's deadline if it set one, else
+        the chosen path's predicted TTFT with a quarter more (and 5 ms) of headroom."""
+        out, live = getattr(state, "out", None), getattr(state, "live", None)
+        plan = getattr(state, "route", None)
+        if plan is None and s.get("ttft_ms") is not None:
+            c = self.config
+            costs = state.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
+            plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
+        if plan is not None:
+            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms") if k in plan}
+            if live is not None and live.promise is not None:
+                s["route"]["promise"] = live.promise
+        if out is None or s.get("ttft_ms") is None:
+            return
+        costs = getattr(state, "costs", None)
+        marks = live.marks if live is not None else {}
+        arrived, ttft = state.job.arrived, s["ttft_ms"] / 1000
+        since = (lambda k: marks[k] - arrived if k in marks else None)
+        from_pack = s["source"] in ("handoff", "delta", "partial+local")
+        spot = out.spot_check or {}
+        gate_ms = (spot.get("ms") or 0) if spot.get("ran") else 0
+        if isinstance(spot.get("sampled"), dict):
+            gate_ms += spot["sampled"].get("ms") or 0
+        gate = gate_ms / 1000
+        split = budget_split(
+            ttft_s=ttft, consumer_queue_s=getattr(state, "t_lane", arrived) - arrived, remote=live is not None,
+            lane_s=getattr(state, "t_lane", arrived) - arrived, serving_s=since("serving"), end_s=since("end"),
+            rows_ready_s=None, local_prefill_s=out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0,
+            install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
+            gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps if costs is not None else None)
+        budget_s = state.job.ask.prefill_deadline
+        if budget_s is None and plan is not None:
+            choice = plan["paths"].get(plan["choice"], 0.0)
+            budget_s = choice * 1.25 + 0.005
+        over = overrun(split, budget_s, (plan or {}).get("parts", {}).get(plan["choice"], {}) if plan else {})
+        s["budget"] = {"budget_ms": round(budget_s * 1000, 3) if budget_s is not None else None,
+                       "split_ms": {k: round(v * 1000, 3) for k, v in split.items()}, "overrun": over}
+        state.split, state.overrun = split, over
+        if costs is not None:
+            learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None)
+            costs.save()
+
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
+        try:
+            self._budget(state, s)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails an answer that was given
+            s["budget_error"] = f"{type(exc).__name__}: {exc}"
         m = self.metrics
         gone = s.get("finish_reason") == "cancelled"  # its client went away while it ran
         self.log({"event": "request", "status": 499 if gone else 200,
@@ -341,6 +406,13 @@ class EngineWorker:
             m.gate.inc()
         if s.get("store_problems"):
             m.store_errors.inc()
+        if getattr(state, "split", None) is not None:
+            with _BUDGET_LOCK:
+                budget = getattr(self, "_budget_metrics", None)
+                if budget is None:
+                    from muser_cli.pulllane.metrics import BudgetMetrics  # lazy: prometheus-client, as the service's metrics
+                    budget = self._budget_metrics = BudgetMetrics(m.registry)
+            budget.observe(state.split, state.overrun)
 
 
 class _RunState:

@@ -26,7 +26,7 @@ from handoff_kit import (
     HANG_S, LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, env_for, held_pull, home_env, keys_dir_of, muser_cmd,
     pull_lane, signed_request, wait_for,
 )
-from muser_cli.consumer.costs import CostModel, RateByDepth, budget_split, route
+from muser_cli.consumer.costs import CostModel, RateByDepth, budget_split, overrun, route
 from muser_cli.handoff.pull.admission import Admission
 
 
@@ -131,6 +131,9 @@ def test_prediction_and_split_add_up():
     assert math.isclose(sum(split.values()), 1.0, abs_tol=1e-5), split
     assert split["producer_queue"] == pytest.approx(0.2) and split["wire"] == pytest.approx(0.1)
     assert split["producer_compute"] == pytest.approx(0.3) and split["first_step"] == pytest.approx(0.23)
+    # over a 0.6 s budget: the component furthest over what the prediction gave it is named
+    assert overrun(split, 0.6, {"producer_queue": 0.19, "producer_compute": 0.05, "wire": 0.1}) == "producer_compute"
+    assert overrun(split, 2.0, {}) is None
 
 
 # ----------------------------------------------------------------------------- real processes

@@ -21,8 +21,9 @@ it on (:meth:`Turns.pass_turn`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 
 class Turns:
@@ -74,6 +75,25 @@ class Turns:
     def holds(self) -> bool:
         with self._cv:
             return self._holder == threading.get_ident()
+
+    @contextlib.contextmanager
+    def away(self) -> Iterator[None]:
+        """Let go of the turn (all nesting levels) for the block, and take it back after, at
+        the same depth: a sequence whose steps someone else computes (a batched decode) waits
+        for its tokens here, costing the engine nothing. A no-op wrap for a thread not holding it."""
+        me = threading.get_ident()
+        with self._cv:
+            depth = self._depth if self._holder == me else 0
+            if depth:
+                self._holder, self._depth = None, 0
+                self._cv.notify_all()
+        try:
+            yield
+        finally:
+            if depth:
+                self.acquire()
+                with self._cv:
+                    self._depth = depth
 
     def pass_turn(self) -> None:
         """After a step or a chunk: let every sequence waiting for the engine take one turn,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -118,6 +118,9 @@ class Engine(abc.ABC):
     #: True when :meth:`prefill_many` computes several prompts together (vLLM): the resident
     #: producer then batches concurrent requests (:meth:`set_max_batch` sets how many).
     batches_prefill: bool = False
+    #: True when :meth:`decode` can step many sequences together (:meth:`batch_decode`): a
+    #: serving consumer's concurrent requests then decode in one batched call per step.
+    batches_decode: bool = False
     #: The engine's own limit on a prompt's tokens below the model's context (vLLM's
     #: ``max_model_len``), or None: the model's context is the only limit.
     max_model_len: int | None = None
@@ -201,6 +204,15 @@ class Engine(abc.ABC):
         """How many prompts one :meth:`prefill_many` may run at once. Only engines with
         :attr:`batches_prefill` implement it."""
         raise UsageError(f"the {self.name} engine cannot prefill several prompts together")
+
+    def batch_decode(self, turns: Any, *, on_step: Callable[[int], None] | None = None) -> None:
+        """From now on, :meth:`decode` calls made on several threads step their sequences
+        together: each computes its first step itself, then joins one batch that a thread of
+        the engine's steps, holding ``turns`` (:class:`muser_cli.engines.stepper.EngineTurns`)
+        for each step. Tokens then depend on which sequences share a step (batched kernels
+        round differently from one-row ones): docs/serve.md. Only engines with
+        :attr:`batches_decode` implement it."""
+        raise UsageError(f"the {self.name} engine cannot decode several sequences together")
 
     def close(self) -> None:
         """Let go of what the engine holds beyond memory (vLLM's processes, spool folders).

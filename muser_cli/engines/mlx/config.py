@@ -34,6 +34,13 @@ APPLIES_ROPE = {"cohere2": lambda attn: bool(getattr(attn, "use_sliding_window",
                  "llama4": lambda attn: bool(getattr(attn, "use_rope", True))}
 # Families mlx-lm implements differently from transformers, refused by name before loading.
 MLX_REFUSED: dict[str, str] = {}
+#: model_type -> why the batched decode (engines/mlx/batch.py) leaves it out: its sequences decode
+#: alone, one per call, even beside others (docs/serve.md). Chunked layers (Llama 4) have no batch
+#: cache in mlx-lm and are left out by their cache kind.
+MLX_DECODES_ALONE: dict[str, str] = {
+    "gemma2": "mlx-lm's gemma2 attention cannot take a batch's padding mask (its soft-capped scores are "
+              "shaped per head group)",
+}
 # transformers model_type -> the mlx-lm module that implements it, where the names differ.
 _MLX_MODULE = {"muse_glimmer_text": "muse_glimmer", "llama4_text": "llama4"}
 # mlx-lm module -> weight-name prefixes of towers it does not implement (a multimodal

@@ -46,11 +46,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
+from muser_cli.engines.stepper import Stepper
 from muser_cli.engines.mlx import blas as mlx_blas
+from muser_cli.engines.mlx.batch import Entry, MlxBatch, batchable, settled
 from muser_cli.engines.mlx import state
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE,
+    MLX_DECODES_ALONE,
     MLX_REFUSED,
     check_dtype,
     check_model,
@@ -79,6 +82,8 @@ class MLXEngine(Engine):
     streams_prefill = True
     RING_EXTRA = 1
     writes_history = True  # each chunk's sliding rows, collected before the ring drops them
+    batches_decode = True  # mlx-lm's generation batch over its batch caches (engines/mlx/batch.py)
+    _stepper: Any = None
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -101,6 +106,7 @@ class MLXEngine(Engine):
         start = time.perf_counter()
         config = read_config(info)
         check_supported(info, config)
+        self.decodes_alone = MLX_DECODES_ALONE.get(str(config.get("model_type")))  # why, or None: it batches
         self.overrides = mlx_config_overrides(config)
         try:
             self.model, self.config = load_model(info.path, model_config=self.overrides, get_model_classes=model_classes)
@@ -185,6 +191,16 @@ class MLXEngine(Engine):
         stats = {"install_s": time.perf_counter() - start}
         return self._generate(caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start, stats,
                               check_first=check_first)
+
+    def batch_decode(self, turns: Any, *, on_step: Callable[[int], None] | None = None) -> None:
+        """See :meth:`Engine.batch_decode`: the sequences step in mlx-lm's own generation batch."""
+        if self._stepper is None:
+            self._stepper = Stepper(MlxBatch(self.mx, self.model), turns, on_step=on_step, name="muser-mlx-steps")
+
+    def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
 
     def generate_reference(
         self,
@@ -429,6 +445,10 @@ class MLXEngine(Engine):
             if check_first is not None:  # the first step's rows are judged before anything is queued
                 mx.eval(y)
                 check_first(self._rows_of(caches, rows + len(next_tokens)))
+            if self._stepper is not None and max_new_tokens > 1 and not self.decodes_alone and batchable(caches):
+                mx.eval(y, settled(caches))  # nothing left to compute on this thread's stream
+                return self._batched(Entry(caches, y, None if sampling.temperature <= 0 else pick, max_new_tokens - 1,
+                                           tuple(eos)), on_token, start, stats, rows)
             mx.async_eval(y)
             for n in range(max_new_tokens):
                 if n + 1 < max_new_tokens:  # queue the next step before reading this token
@@ -450,6 +470,36 @@ class MLXEngine(Engine):
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
                      blas=self.blas.name, blas_path=self.blas.path, **_versions())
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
+
+    def _batched(self, entry: Entry, on_token: Callable[[int], None] | None, start: float, stats: dict,
+                 rows: int) -> DecodeResult:
+        """The rest of a decode whose first step is done: in the running batch (the stepper's
+        thread computes the steps), this thread waiting away from the engine's turn."""
+        stepper = self._stepper
+        tokens = [int(entry.first.item())]  # the batch steps from it: its first step gives the second token
+        first_done = time.perf_counter()
+        ttft, stop = first_done - start, "eos" if tokens[0] in entry.eos else "length"
+        if stop == "eos":
+            if on_token is not None:
+                on_token(tokens[0])
+        else:
+            member = stepper.join(entry)
+            try:
+                with stepper.turns.away():
+                    if on_token is not None:
+                        on_token(tokens[0])
+                    for token, finish in member.tokens():
+                        tokens.append(token)
+                        if on_token is not None:
+                            on_token(token)
+                        if finish == "stop":
+                            stop = "eos"
+            finally:
+                stepper.leave(member)
+        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
+                     blas=self.blas.name, blas_path=self.blas.path, batched=True, **_versions())
+        return DecodeResult(token_ids=tokens, ttft_s=ttft,
+                            decode_s=time.perf_counter() - first_done if tokens else 0.0, stats=stats)
 
     # ------------------------------------------------------------------ conversions
 

@@ -1,0 +1,171 @@
+"""Many sequences decoded together: one batched step at a time, on a thread of its own.
+
+A serving consumer runs each request on a thread of its own (``muser_cli.consumer.turns``);
+with an engine that can step several sequences in one call, each request's thread computes
+its first step itself (the rows installed, the numeric gate fused into that step), then hands
+its cache to the :class:`Stepper` and waits for its tokens, away from the engine
+(:meth:`Member.tokens`). The stepper's thread takes the engine's turn, brings in the sequences
+that joined, drops those that left, computes one step for all of them, gives the turn back
+(so that a prefill chunk of another request runs between two steps) and hands each sequence
+its token.
+
+What a step is belongs to the engine: a :class:`Batch` (MLX: mlx-lm's own generation batch
+over its batch caches). This module holds no arrays and imports no ML framework.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator, Protocol
+
+
+class EngineTurns(Protocol):
+    """The engine's turn, as :class:`muser_cli.consumer.turns.Turns` gives it."""
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def away(self) -> ContextManager[None]: ...
+
+
+@dataclass(eq=False)
+class Member:
+    """One sequence in the batch: what the engine needs to step it (``entry``, the engine's own),
+    and its tokens as the steps give them."""
+
+    entry: Any
+    _out: queue.Queue = field(default_factory=queue.Queue)
+    left: bool = False
+
+    def tokens(self) -> Iterator[tuple[int, str | None]]:
+        """(token, finish) as the steps give them; finish is None until the last one ("length"
+        or "stop"). A step that failed raises its exception here."""
+        while True:
+            item = self._out.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[1] is not None:
+                return
+
+
+class Batch(Protocol):
+    """An engine's running batch (see :class:`Stepper`)."""
+
+    def add(self, members: list[Member]) -> None:
+        """Bring these sequences in (their first step already computed by their own threads)."""
+
+    def drop(self, members: list[Member]) -> None:
+        """Take these sequences out (finished, cancelled, failed)."""
+
+    def step(self) -> list[tuple[Member, int, str | None]]:
+        """One step for every sequence: each one's token and finish (None, "length", "stop");
+        a finished sequence is out of the batch afterwards."""
+
+    def __len__(self) -> int: ...
+
+
+class Stepper:
+    """The thread that steps an engine's running sequences together (see the module's doc).
+
+    ``turns``: the engine's turn (every step is computed holding it); ``on_step(n)``: called
+    with the batch size of every step (the metrics' histogram)."""
+
+    def __init__(self, batch: Batch, turns: EngineTurns, *, on_step: Callable[[int], None] | None = None,
+                 name: str = "muser-stepper") -> None:
+        self._batch = batch
+        self._turns = turns
+        self._on_step = on_step
+        self._cv = threading.Condition()
+        self._joining: list[Member] = []
+        self._leaving: list[Member] = []
+        self._running: set[Member] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def turns(self) -> EngineTurns:
+        return self._turns
+
+    def join(self, entry: Any) -> Member:
+        member = Member(entry)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the stepper is closed")
+            self._joining.append(member)
+            self._cv.notify_all()
+        return member
+
+    def leave(self, member: Member) -> None:
+        """The sequence is done with (its thread returns): out of the batch before the next step."""
+        with self._cv:
+            if member.left:
+                return
+            member.left = True
+            if member in self._joining:
+                self._joining.remove(member)
+            elif member in self._running:
+                self._leaving.append(member)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._joining and not self._running:
+                    self._cv.wait()
+                if self._closed:
+                    failed = list(self._running) + self._joining
+                    break
+                joining, self._joining = self._joining, []
+                leaving, self._leaving = self._leaving, []
+                self._running.update(joining)
+                self._running.difference_update(leaving)
+            given = self._one_step(joining, leaving)
+            with self._cv:
+                for member, token, finish in given:
+                    if finish is not None:
+                        self._running.discard(member)
+                        member.left = True
+                    member._out.put((token, finish))
+        for member in failed:
+            member._out.put(RuntimeError("the engine was closed while the sequence was decoding"))
+
+    def _one_step(self, joining: list[Member], leaving: list[Member]) -> list[tuple[Member, int, str | None]]:
+        self._turns.acquire()
+        try:
+            if leaving:
+                self._batch.drop(leaving)
+            if joining:
+                self._batch.add(joining)
+            if not len(self._batch):
+                return []
+            if self._on_step is not None:
+                self._on_step(len(self._batch))
+            return self._batch.step()
+        except BaseException as exc:  # noqa: BLE001 - every sequence of a failed step gets the failure
+            with self._cv:
+                hit = list(self._running)
+                self._running.clear()
+            for member in hit:
+                member.left = True
+                member._out.put(exc)
+            try:
+                self._batch.drop(hit)
+            except BaseException:  # noqa: BLE001 - the batch is reset below either way
+                pass
+            return []
+        finally:
+            self._turns.release()
+
+
+__all__ = ["Batch", "EngineTurns", "Member", "Stepper"]

@@ -172,7 +172,8 @@ def _content(turn: Any, i: int) -> dict[str, Any]:
     if extra:
         raise ApiError(400, f"messages[{i}].{extra[0]} is not supported on a {role} message", param="messages")
     name = turn.get("name")
-    if name is not None and (not isinstance(name, str) or not _is_name(name)):
+    if name is not None and (not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum()
+                             or len(name) > 64):
         raise ApiError(400, f"messages[{i}].name must be up to 64 letters, digits, '_' or '-'", param="messages")
     out: dict[str, Any] = {"role": role, "content": _text_of(turn.get("content"), i)}
     if name is not None:

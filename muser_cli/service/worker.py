@@ -270,6 +270,7 @@ class EngineWorker:
                 summary["finish_reason"] = "tool_calls"
         if out is not None and out.store_problems:
             summary["store_problems"] = list(out.store_problems)
+        summary["batched"] = out is not None and bool(out.engine_stats.get("batched"))  # stepped with others' sequences
         self._observe(state, summary)
         job.emit("done", summary)
 

@@ -33,9 +33,11 @@ PROMPTS = [f"Request {i}: the committee met on a grey Tuesday to decide where br
 Server = DecodeServer
 
 
-def _texts(server: Server, prompts: list[str], *, concurrent: bool, n: int = 12) -> list[str]:
+def _texts(server: Server, prompts: list[str], *, concurrent: bool, n: int = 12, batched: list | None = None) -> list[str]:
     def one(prompt: str) -> str:
         out = server.client().completions.create(model="default", prompt=prompt, max_tokens=n, temperature=0)
+        if batched is not None:
+            batched.append(out.model_extra["muser"]["batched"])
         return out.choices[0].text
 
     if not concurrent:
@@ -44,12 +46,16 @@ def _texts(server: Server, prompts: list[str], *, concurrent: bool, n: int = 12)
         return list(pool.map(one, prompts))
 
 
-def _concurrent_equals_solo(home: Path, model: str, *flags: str, n: int = 12) -> None:
+def _concurrent_equals_solo(home: Path, model: str, *flags: str, n: int = 12, batched: bool = False) -> None:
+    """Eight prompts alone, then at once: the same greedy texts. ``batched``: the engine steps
+    the eight in one batched call (the answers' ``muser.batched``), else each alone (--exact, torch)."""
     server = Server(home, "-m", model, "--threads", "1", "--no-reuse", "--max-batch", "8", *flags)
     try:
         solo = _texts(server, PROMPTS, concurrent=False, n=n)
         steps_alone = server.metric("muser_batch_size_count")
-        together = _texts(server, PROMPTS, concurrent=True, n=n)
+        seen: list[bool] = []
+        together = _texts(server, PROMPTS, concurrent=True, n=n, batched=seen)
+        assert seen == [batched] * len(PROMPTS)
         assert together == solo
         assert len(set(solo)) > 1  # distinct prompts, distinct answers: a mix-up would show
         # the eight ran together: some steps had more than one sequence taking turns
@@ -65,8 +71,17 @@ def test_eight_concurrent_requests_each_get_their_solo_text_on_torch(tmp_path, t
 
 
 def test_eight_concurrent_requests_each_get_their_solo_text_on_mlx(tmp_path, tiny_llama):
+    """MLX steps the eight together (one batched forward a step): on this model the greedy
+    texts are the solo ones all the same (docs/serve.md gives the agreement measured)."""
     pytest.importorskip("mlx_lm")
-    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32", "--engine", "mlx")
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32", "--engine", "mlx",
+                            batched=True)
+
+
+def test_exact_mode_decodes_each_request_alone_on_mlx(tmp_path, tiny_llama):
+    pytest.importorskip("mlx_lm")
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32", "--engine", "mlx",
+                            "--exact")
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "qwen3_next"])
@@ -74,9 +89,24 @@ def test_sliding_latent_and_state_families_answer_concurrently_as_alone(tmp_path
     _concurrent_equals_solo(tmp_path / "home", str(tiny_family(family).path), "--dtype", "float32", n=8)
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "qwen3_next", "gemma2"])
+def test_sliding_latent_and_state_families_batch_on_mlx(tmp_path, tiny_family, family):
+    """Sliding rings, latent rows and recurrent state merge into mlx-lm's batch caches;
+    gemma2 decodes each request alone, by name (engines/mlx/config.py MLX_DECODES_ALONE)."""
+    pytest.importorskip("mlx_lm")
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_family(family).path), "--dtype", "float32", "--engine",
+                            "mlx", n=8, batched=family != "gemma2")
+
+
 @pytest.mark.slow
 def test_the_real_model_answers_concurrent_requests_as_alone(tmp_path, real_model):
     _concurrent_equals_solo(tmp_path / "home", str(real_model.path), n=8)
+
+
+@pytest.mark.slow
+def test_the_real_model_batched_on_mlx_answers_as_alone(tmp_path, real_model):
+    pytest.importorskip("mlx_lm")
+    _concurrent_equals_solo(tmp_path / "home", str(real_model.path), "--engine", "mlx", n=8, batched=True)
 
 
 class Stall:

@@ -446,7 +446,7 @@ class MLXEngine(Engine):
                 mx.eval(y)
                 check_first(self._rows_of(caches, rows + len(next_tokens)))
             if self._stepper is not None and max_new_tokens > 1 and not self.decodes_alone and batchable(caches):
-                mx.eval(y, settled(caches))  # nothing left to compute on this thread's stream
+                mx.eval(y, settled(caches), getattr(pick, "state", list)())  # nothing left on this thread's stream
                 return self._batched(Entry(caches, y, None if sampling.temperature <= 0 else pick, max_new_tokens - 1,
                                            tuple(eos)), on_token, start, stats, rows)
             mx.async_eval(y)

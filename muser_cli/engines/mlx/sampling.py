@@ -31,4 +31,5 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         choice = mx.random.categorical(ranked, key=sub)
         return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
+    pick.state = lambda: [state["key"]]  # type: ignore[attr-defined] - arrays it carries to its next call
     return pick

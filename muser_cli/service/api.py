@@ -294,9 +294,11 @@ def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[s
     choice = body.get("tool_choice")
     if choice is None:
         return "auto"
-    if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    if choice == "none":
+        return choice
+    if not tools:  # as OpenAI: a choice among no tools is refused, not ignored
+        raise ApiError(400, f"tool_choice {str(choice)[:64]!r} without tools is not supported", param="tool_choice")
+    if choice in ("auto", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "function"} \
             and isinstance(choice["function"], dict) and set(choice["function"]) == {"name"}:
@@ -362,6 +364,8 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    if body.get("parallel_tool_calls") is not None and not tools:
+        raise ApiError(400, "parallel_tool_calls without tools is not supported", param="parallel_tool_calls")
     return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=n or default_max_tokens,
                tools=tools, tool_choice=_tool_choice(body, tools) if kind == "chat" else "auto",
                parallel_tool_calls=parallel,

@@ -116,10 +116,9 @@ def test_required_with_and_without_parallel_calls(server):
 
 
 def test_the_tools_answers_go_back_and_the_chat_goes_on(server, tool_model):
-    from muser_cli.model.tokens import encode_prompt, render_chat
+    from muser_cli.model.tokens import chat_template_text, encode_prompt, render_chat
     from muser_cli.service.api import parse_ask
     from muser_cli.service.tools import plan_tools
-    from muser_cli.model.tokens import chat_template_text
 
     client = server.client()
     first = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, temperature=0)

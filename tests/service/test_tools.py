@@ -202,8 +202,10 @@ def test_mistral_ids_are_nine_characters_the_same_every_turn(tok):
     mapped = template_turns(fmt, parsed)
     assert mapped == template_turns(fmt, parsed)
     ids = [c["id"] for c in mapped[1]["tool_calls"]]
-    assert all(len(i) == 9 and i.isalnum() for i in ids) and [mapped[2]["tool_call_id"], mapped[3]["tool_call_id"]] == ids
-    assert mapped[2]["name"] == "get_weather" and mapped[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert all(len(i) == 9 and i.isalnum() for i in ids)
+    assert [mapped[2]["tool_call_id"], mapped[3]["tool_call_id"]] == ids
+    assert mapped[2]["name"] == "get_weather"
+    assert mapped[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     text = tok.apply_chat_template(mapped, tools=TOOLS, tokenize=False)  # the template's own id check passes
     assert '"call_id": "%s"' % ids[1] in text
 
@@ -264,3 +266,25 @@ def test_completions_take_no_tools():
     with pytest.raises(ApiError, match="chat completions field") as exc:
         parse_ask({"prompt": "hi", "tools": [TIME]}, "completion", default_max_tokens=4)
     assert exc.value.param == "tools"
+
+
+def test_an_opening_that_is_a_special_token_is_seen_where_decoding_drops_it(tiny_llama, tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token: the text of the answer loses it, so the worker
+    hands its text to the parser by id (skipped_tokens); an ordinary token is not listed."""
+    from transformers import AutoTokenizer
+
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tokens import decode_text, skipped_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama.path))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.chat_template = MISTRAL
+    folder = tmp_path / "special"
+    import shutil
+
+    shutil.copytree(tiny_llama.path, folder)
+    tok.save_pretrained(str(folder))
+    info = resolve_model(str(folder))
+    (marker,) = tok.convert_tokens_to_ids(["[TOOL_CALLS]"])
+    assert skipped_tokens(info, ["[TOOL_CALLS]", "<tool_call>", "<|python_tag|>"]) == {marker: "[TOOL_CALLS]"}
+    assert decode_text(info, [marker]) == ""

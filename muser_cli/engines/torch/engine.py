@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
+from muser_cli.engines.stepper import Stepper
 from muser_cli.engines.torch import latent, recompute, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
 from muser_cli.errors import ConfigError, DataError, UsageError
@@ -64,6 +65,9 @@ class TorchEngine(Engine):
     RING_EXTRA = 1
     _ring_ok = True
     _rope_order = False  # latent layers' rope keys reordered between the cache and a pack (latent.py)
+    batches_decode = True  # one left-padded transformers cache over the running sequences (torch/batch.py)
+    _stepper: Any = None
+    decodes_alone: str | None = None  # why this model's sequences decode alone beside others, or None
 
     @property
     def ring_extra(self) -> int:
@@ -96,6 +100,9 @@ class TorchEngine(Engine):
             raise DataError(f"cannot load model {info.path}: {exc}") from exc
         self.model.eval()
         self._cache_kw = _cache_keyword(self.model)
+        from muser_cli.engines.torch.batch import TORCH_DECODES_ALONE  # lazy: pulls transformers
+
+        self.decodes_alone = TORCH_DECODES_ALONE.get(str(getattr(self.model.config, "model_type", "")))
         self.load_s = time.perf_counter() - start
         self._check_layout()
 
@@ -173,8 +180,22 @@ class TorchEngine(Engine):
             cache = self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt)
             return self._generate(
                 cache, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start,
-                stats={"install_s": time.perf_counter() - start}, check_first=check_first,
+                stats={"install_s": time.perf_counter() - start}, check_first=check_first, may_batch=True,
             )
+
+    def batch_decode(self, turns: Any, *, on_step: Callable[[int], None] | None = None) -> None:
+        """See :meth:`Engine.batch_decode`: the sequences step in one left-padded transformers
+        cache (:mod:`muser_cli.engines.torch.batch`), on the stepper's thread with this engine's
+        thread count."""
+        if self._stepper is None:
+            from muser_cli.engines.torch.batch import TorchBatch  # lazy: pulls transformers
+
+            self._stepper = Stepper(TorchBatch(self), turns, on_step=on_step, name="muser-torch-steps")
+
+    def close(self) -> None:
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
 
     def generate_reference(
         self,
@@ -422,6 +443,7 @@ class TorchEngine(Engine):
         *,
         stats: dict,
         check_first: Callable[[RowsOf], None] | None = None,
+        may_batch: bool = False,
     ) -> DecodeResult:
         generator = _generator(sampling)
         eos = set(self.info.eos_token_ids) if stop_on_eos else set()
@@ -440,6 +462,10 @@ class TorchEngine(Engine):
             if step == 0:
                 first_done = time.perf_counter()
                 ttft = first_done - start
+                if (may_batch and self._stepper is not None and max_new_tokens > 1 and token not in eos
+                        and not self.decodes_alone and self._batchable(cache)):
+                    return self._batched(cache, token, position, generator, sampling, max_new_tokens - 1, eos,
+                                         on_token, first_done, ttft, stats, rows)
             if on_token is not None:
                 on_token(token)
             if token in eos:
@@ -449,6 +475,38 @@ class TorchEngine(Engine):
         decode_s = time.perf_counter() - first_done if tokens else 0.0
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads())
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
+
+    def _batchable(self, cache: Any) -> bool:
+        from muser_cli.engines.torch.batch import batchable  # lazy: pulls transformers
+
+        return batchable(self.info.layers, cache)
+
+    def _batched(self, cache: Any, first: int, position: int, generator: Any, sampling: Sampling, more: int,
+                 eos: set[int], on_token: Callable[[int], None] | None, first_done: float, ttft: float, stats: dict,
+                 rows: int) -> DecodeResult:
+        """The rest of a decode whose first step is done (``first`` picked, not an end token):
+        in the running batch (the stepper's thread computes the steps), this thread waiting away
+        from the engine's turn."""
+        from muser_cli.engines.torch.batch import Entry
+
+        stepper = self._stepper
+        tokens, stop = [first], "length"
+        entry = Entry(cache, first, position, lambda logits: _pick(logits, sampling, generator), more, tuple(eos))
+        member = stepper.join(entry)
+        try:
+            with stepper.turns.away():
+                if on_token is not None:
+                    on_token(first)
+                for token, finish in member.tokens():
+                    tokens.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    if finish == "stop":
+                        stop = "eos"
+        finally:
+            stepper.leave(member)
+        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads(), batched=True)
+        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=time.perf_counter() - first_done, stats=stats)
 
 
 def _generator(sampling: Sampling) -> "torch.Generator | None":

@@ -36,6 +36,7 @@ class Turns:
         self._cv = threading.Condition()
         self._queue: collections.deque[int] = collections.deque()
         self._holder: int | None = None
+        self._last: int | None = None  # who held the turn last
         self._depth = 0
         self._members: set[int] = set()
         self.on_step = on_step
@@ -51,13 +52,21 @@ class Turns:
             self._members.discard(threading.get_ident())
 
     # -------------------------------------------------------------- the turn
-    def acquire(self) -> None:
+    def acquire(self, *, first: bool = False) -> None:
+        """Take the turn (wait for it). ``first``: at the head of the queue, not its tail —
+        the batched decode's stepper asks so, so that between two of its steps at most one
+        other holder (one prefill chunk) runs."""
         me = threading.get_ident()
         with self._cv:
             if self._holder == me:
                 self._depth += 1
                 return
-            self._queue.append(me)
+            if first and self._last == me and self._queue:
+                self._queue.insert(1, me)  # it just had the turn: the one waiting longest goes first
+            elif first:
+                self._queue.appendleft(me)
+            else:
+                self._queue.append(me)
             while self._holder is not None or self._queue[0] != me:
                 self._cv.wait()
             self._queue.popleft()
@@ -69,7 +78,7 @@ class Turns:
                 raise RuntimeError("released a turn this thread does not hold")
             self._depth -= 1
             if self._depth == 0:
-                self._holder = None
+                self._holder, self._last = None, self._holder
                 self._cv.notify_all()
 
     def holds(self) -> bool:
@@ -85,7 +94,7 @@ class Turns:
         with self._cv:
             depth = self._depth if self._holder == me else 0
             if depth:
-                self._holder, self._depth = None, 0
+                self._holder, self._depth, self._last = None, 0, me
                 self._cv.notify_all()
         try:
             yield
@@ -107,7 +116,7 @@ class Turns:
                 self.on_step(max(1, len(self._members)))
             if not self._queue:
                 return
-            depth, self._holder, self._depth = self._depth, None, 0
+            depth, self._holder, self._depth, self._last = self._depth, None, 0, me
             self._queue.append(me)
             self._cv.notify_all()
             while self._holder is not None or self._queue[0] != me:

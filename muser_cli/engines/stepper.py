@@ -6,8 +6,10 @@ its first step itself (the rows installed, the numeric gate fused into that step
 its cache to the :class:`Stepper` and waits for its tokens, away from the engine
 (:meth:`Member.tokens`). The stepper's thread takes the engine's turn, brings in the sequences
 that joined, drops those that left, computes one step for all of them, gives the turn back
-(so that a prefill chunk of another request runs between two steps) and hands each sequence
-its token.
+and hands each sequence its token. It asks for the turn ahead of those waiting, so between two
+steps exactly one other holder runs at most — one prefill chunk, or one sequence's first step:
+a long local prefill slows the running streams by one chunk per token, never freezes them,
+and the prompt work of several waiting requests goes in turn.
 
 What a step is belongs to the engine: a :class:`Batch` (MLX: mlx-lm's own generation batch
 over its batch caches). This module holds no arrays and imports no ML framework.
@@ -24,7 +26,7 @@ from typing import Any, Callable, ContextManager, Iterator, Protocol
 class EngineTurns(Protocol):
     """The engine's turn, as :class:`muser_cli.consumer.turns.Turns` gives it."""
 
-    def acquire(self) -> None: ...
+    def acquire(self, *, first: bool = False) -> None: ...  # first: ahead of those waiting
 
     def release(self) -> None: ...
 
@@ -141,7 +143,7 @@ class Stepper:
             member._out.put(RuntimeError("the engine was closed while the sequence was decoding"))
 
     def _one_step(self, joining: list[Member], leaving: list[Member]) -> list[tuple[Member, int, str | None]]:
-        self._turns.acquire()
+        self._turns.acquire(first=True)  # between two steps, one other holder at most (a prefill chunk)
         try:
             if leaving:
                 self._batch.drop(leaving)

@@ -101,15 +101,19 @@ def test_a_failed_step_reaches_its_sequences_and_the_next_ones_decode(engines, m
     real_step = batch.step
     failed = threading.Event()
 
-    def failing_step():  # the first step all three share fails
-        if len(batch) == 3 and not failed.is_set():
+    def failing_step():  # the first step two or more share fails
+        if len(batch) >= 2 and not failed.is_set():
             failed.set()
             raise RuntimeError("a step that failed")
         return real_step()
 
     monkeypatch.setattr(batch, "step", failing_step)
-    outcomes = _together(turns, lambda p: _catch(lambda: _decode(info, eng, p)), PROMPTS[:3])
-    assert all(isinstance(o, RuntimeError) and "a step that failed" in str(o) for o in outcomes), outcomes
+    outcomes = _together(turns, lambda p: _catch(lambda: _decode(info, eng, p, n=32)), PROMPTS[:3])
+    hit = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(hit) >= 2 and all(isinstance(o, RuntimeError) and "a step that failed" in str(o) for o in hit), outcomes
+    for prompt, o in zip(PROMPTS, outcomes):  # one that joined after the failure decoded as alone
+        if not isinstance(o, Exception):
+            assert o.token_ids == _decode(info, solo, prompt, n=32).token_ids
     monkeypatch.setattr(batch, "step", real_step)
     alone = _decode(info, solo, PROMPTS[0]).token_ids
     assert _together(turns, lambda p: _decode(info, eng, p).token_ids, [PROMPTS[0]]) == [alone]

@@ -172,12 +172,16 @@ def tiny_long(tmp_path_factory) -> Path:
     return make_tiny_long_llama(tmp_path_factory.mktemp("concurrent-models") / "tiny-long")
 
 
-def test_a_long_local_prefill_does_not_freeze_a_streaming_request(tmp_path, tiny_long):
+@pytest.mark.parametrize("engine", ["torch", "mlx"])
+def test_a_long_local_prefill_does_not_freeze_a_streaming_request(tmp_path, tiny_long, engine):
     """Request A streams (up to 3000 tokens: still going when B comes); request B brings a 2k-token
     prompt prefilled here in chunks of 128. Between B's arrival and B's first token, A's tokens
-    keep coming (one between two of B's chunks), and A is still streaming after B's first token."""
+    keep coming (one between two of B's chunks), and A is still streaming after B's first token.
+    On MLX, A's steps are the batched decode's (the stepper's thread)."""
+    if engine == "mlx":
+        pytest.importorskip("mlx_lm")
     server = Server(tmp_path / "home", "-m", str(tiny_long), "--threads", "1", "--dtype", "float32",
-                    "--no-reuse", "--max-batch", "4", "--chunk", "128")
+                    "--no-reuse", "--max-batch", "4", "--chunk", "128", "--engine", engine)
     events: list[str] = []
     lock = threading.Lock()
     started = threading.Event()

@@ -39,6 +39,8 @@ BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Sequence
@@ -76,6 +78,19 @@ _STORAGE = {np.dtype("<f4"): "float32", np.dtype("<f2"): "float16", np.dtype("<u
 # (mlx-lm's llama assumes True, which silently drops a separate lm_head).
 
 
+def _own_snaps(method: Callable) -> Callable:
+    """A public call that prefills or installs rows: the calling thread's state snapshots are
+    let go when it returns (they serve that call only), so none outlive their thread."""
+    @functools.wraps(method)
+    def call(self: "MLXEngine", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self._snaps_of is not None:
+                self._snaps_of.pop(threading.get_ident(), None)
+    return call
+
+
 class MLXEngine(Engine):
     name = "mlx"
     resumes_prefill = True
@@ -84,6 +99,24 @@ class MLXEngine(Engine):
     writes_history = True  # each chunk's sliding rows, collected before the ring drops them
     batches_decode = True  # mlx-lm's generation batch over its batch caches (engines/mlx/batch.py)
     _stepper: Any = None
+    _snaps_of: Any = None  # thread ident -> that thread's snapshots (see _snaps)
+
+    @property
+    def _snaps(self) -> dict:
+        """State layers' snapshots by chunk end (engines/mlx/state.py) of the prefill or install
+        the calling thread runs: each serving thread has its own (a prefill passes the engine's
+        turn between chunks, and another thread's prefill or install must not reset them). Held
+        on the engine, not in a ``threading.local``: mlx arrays must not outlive their thread's
+        stream at a thread's end."""
+        if self._snaps_of is None:
+            self._snaps_of = {}
+        return self._snaps_of.setdefault(threading.get_ident(), {})
+
+    @_snaps.setter
+    def _snaps(self, value: dict) -> None:
+        if self._snaps_of is None:
+            self._snaps_of = {}
+        self._snaps_of[threading.get_ident()] = value
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
@@ -122,6 +155,7 @@ class MLXEngine(Engine):
 
     # ------------------------------------------------------------------ producer
 
+    @_own_snaps
     def prefill(
         self,
         token_ids: Sequence[int],
@@ -135,6 +169,7 @@ class MLXEngine(Engine):
         caches = self._prefill_caches(ids, chunk_tokens, progress, on_chunk, history)
         return self._extract(caches, len(ids), self.pack_ring_extra(len(ids)), history)
 
+    @_own_snaps
     def prefill_from(
         self,
         layers: Sequence[LayerKV],
@@ -166,6 +201,7 @@ class MLXEngine(Engine):
 
     # ------------------------------------------------------------------ consumer
 
+    @_own_snaps
     def decode(
         self,
         layers: Sequence[LayerKV],
@@ -202,6 +238,7 @@ class MLXEngine(Engine):
             self._stepper.close()
             self._stepper = None
 
+    @_own_snaps
     def generate_reference(
         self,
         token_ids: Sequence[int],
@@ -220,6 +257,7 @@ class MLXEngine(Engine):
         return self._generate(caches, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None,
                               time.perf_counter(), {})
 
+    @_own_snaps
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int],
                     chunk_tokens: int | None = None) -> np.ndarray:
         """Install ``layers`` and run ``next_tokens`` once: float32 logits (len(next_tokens), vocab)."""
@@ -228,6 +266,7 @@ class MLXEngine(Engine):
         logits = self.model(self.mx.array([nxt]), cache=caches)[0]
         return np.array(logits.astype(self.mx.float32))
 
+    @_own_snaps
     def recompute(
         self,
         layers: Sequence[LayerKV],
@@ -321,7 +360,7 @@ class MLXEngine(Engine):
             raise UsageError(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self._set_threads()
         caches = self._make_cache(self.model)
-        self._snaps: dict = {}  # state layers' snapshots by chunk end (engines/mlx/state.py)
+        self._snaps = {}  # state layers' snapshots by chunk end (engines/mlx/state.py): this thread's
         self._run_chunks(caches, ids, 0, chunk_tokens, progress, on_chunk, history)
         return caches
 
@@ -450,22 +489,25 @@ class MLXEngine(Engine):
                 return self._batched(Entry(caches, y, None if sampling.temperature <= 0 else pick, max_new_tokens - 1,
                                            tuple(eos)), on_token, start, stats, rows)
             mx.async_eval(y)
-            for n in range(max_new_tokens):
-                if n + 1 < max_new_tokens:  # queue the next step before reading this token
-                    next_y = step(y[:, None])
-                    mx.async_eval(next_y)
-                token = int(y.item())
-                tokens.append(token)
-                if n == 0:
-                    first_done = time.perf_counter()
-                    ttft = first_done - start
-                if on_token is not None:
-                    on_token(token)
-                if token in eos:
-                    stop = "eos"
-                    break
-                if n + 1 < max_new_tokens:
-                    y = next_y
+            try:
+                for n in range(max_new_tokens):
+                    if n + 1 < max_new_tokens:  # queue the next step before reading this token
+                        next_y = step(y[:, None])
+                        mx.async_eval(next_y)
+                    token = int(y.item())
+                    tokens.append(token)
+                    if n == 0:
+                        first_done = time.perf_counter()
+                        ttft = first_done - start
+                    if on_token is not None:
+                        on_token(token)
+                    if token in eos:
+                        stop = "eos"
+                        break
+                    if n + 1 < max_new_tokens:
+                        y = next_y
+            finally:  # a step queued ahead and never read (an end, a stop): no work left on this
+                mx.synchronize()  # thread's stream when it ends (mlx aborts the process at exit otherwise)
         decode_s = time.perf_counter() - first_done if tokens else 0.0
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
                      blas=self.blas.name, blas_path=self.blas.path, **_versions())

@@ -11,6 +11,7 @@ on the same core, one compute thread, one after another:
 
   muser-mlx     muser decode --serve 127.0.0.1:0 --engine mlx   --max-batch N --no-reuse
   muser-torch   muser decode --serve 127.0.0.1:0 --engine torch --max-batch N --no-reuse
+  muser-mlx-exact, muser-torch-exact   the same with --exact (each request decoded alone, in turns)
   mlx-lm        python -m mlx_lm.server --model FOLDER --port P --decode-concurrency N --prompt-concurrency N
   baseline      muser decode --serve ... --max-batch 1 (the old one-request-at-a-time server),
                 at --baseline-clients clients only
@@ -59,7 +60,7 @@ from _common import RESULTS, run, stderr, summarize
 
 from muser_cli.bench.common import BenchResult, allowed_cpus, corpus_ids, parse_ints, receipt_path, write_receipt
 
-SERVERS = ("muser-mlx", "muser-torch", "mlx-lm")
+SERVERS = ("muser-mlx", "muser-torch", "mlx-lm", "muser-mlx-exact", "muser-torch-exact")
 
 
 def _version(dist: str) -> str | None:
@@ -106,7 +107,7 @@ class Server:
             home.mkdir(parents=True)
             self.argv = [*MUSER, "decode", "--serve", "127.0.0.1:0", "--engine", engine, "--max-batch", str(max_batch),
                          "--max-queue", str(max_queue), "--no-reuse", "-m", str(model), "--threads", "1",
-                         "-n", str(max_tokens)]
+                         "-n", str(max_tokens)] + (["--exact"] if kind.endswith("-exact") else [])
             env = dict(os.environ, MUSER_HOME=str(home), **threads)
             self.proc = subprocess.Popen([*taskset, *self.argv], env=env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -267,7 +268,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--servers", default="muser-mlx,muser-torch,mlx-lm", help="any of " + ", ".join(SERVERS))
     ap.add_argument("--baseline-clients", type=int, default=8, help="clients for the --max-batch 1 baseline (0: none)")
     ap.add_argument("--baseline-engines", default="mlx,torch")
     ap.add_argument("--max-batch", type=int, default=0, help="default: the largest client count")
@@ -290,7 +291,7 @@ def main() -> int:
         from muser_cli.model.tiny import make_tiny_llama
 
         args.clients, args.max_tokens, args.prompt_tokens, args.reps = "2", 8, 32, 1
-        args.servers = args.servers if args.servers != ",".join(SERVERS) else "muser-mlx"
+        args.servers = args.servers if args.servers != "muser-mlx,muser-torch,mlx-lm" else "muser-mlx"
         args.baseline_clients = 0 if args.baseline_clients == 8 else args.baseline_clients
         args.model = str(make_tiny_llama(work / "tiny-llama"))
         args.receipt_dir = args.receipt_dir or tempfile.mkdtemp(prefix="muser-bench-serve-quick-")

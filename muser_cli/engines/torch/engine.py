@@ -177,9 +177,10 @@ class TorchEngine(Engine):
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
         with self._session():
-            cache = self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt)
+            # no local name for the cache: a batched decode lets it go once the batch holds its rows
             return self._generate(
-                cache, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start,
+                self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt), rows, nxt,
+                max_new_tokens, sampling, stop_on_eos, on_token, start,
                 stats={"install_s": time.perf_counter() - start}, check_first=check_first, may_batch=True,
             )
 
@@ -464,8 +465,12 @@ class TorchEngine(Engine):
                 ttft = first_done - start
                 if (may_batch and self._stepper is not None and max_new_tokens > 1 and token not in eos
                         and not self.decodes_alone and self._batchable(cache)):
-                    return self._batched(cache, token, position, generator, sampling, max_new_tokens - 1, eos,
-                                         on_token, first_done, ttft, stats, rows)
+                    from muser_cli.engines.torch.batch import Entry  # lazy: pulls transformers
+
+                    entry = Entry(cache, token, position, lambda lg, s=sampling, g=generator: _pick(lg, s, g),
+                                  max_new_tokens - 1, tuple(eos))
+                    del cache, logits  # the batch copies the rows and drops the entry's cache
+                    return self._batched(entry, on_token, first_done, ttft, stats, rows)
             if on_token is not None:
                 on_token(token)
             if token in eos:
@@ -481,22 +486,18 @@ class TorchEngine(Engine):
 
         return batchable(self.info.layers, cache)
 
-    def _batched(self, cache: Any, first: int, position: int, generator: Any, sampling: Sampling, more: int,
-                 eos: set[int], on_token: Callable[[int], None] | None, first_done: float, ttft: float, stats: dict,
-                 rows: int) -> DecodeResult:
-        """The rest of a decode whose first step is done (``first`` picked, not an end token):
-        in the running batch (the stepper's thread computes the steps), this thread waiting away
-        from the engine's turn."""
-        from muser_cli.engines.torch.batch import Entry
-
+    def _batched(self, entry: Any, on_token: Callable[[int], None] | None, first_done: float, ttft: float,
+                 stats: dict, rows: int) -> DecodeResult:
+        """The rest of a decode whose first step is done (``entry.first`` picked, not an end
+        token): in the running batch (the stepper's thread computes the steps), this thread
+        waiting away from the engine's turn."""
         stepper = self._stepper
-        tokens, stop = [first], "length"
-        entry = Entry(cache, first, position, lambda logits: _pick(logits, sampling, generator), more, tuple(eos))
+        tokens, stop = [entry.first], "length"
         member = stepper.join(entry)
         try:
             with stepper.turns.away():
                 if on_token is not None:
-                    on_token(first)
+                    on_token(entry.first)
                 for token, finish in member.tokens():
                     tokens.append(token)
                     if on_token is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -26,12 +27,13 @@ from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
 from muser_cli.consumer.decode import decode
+from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.consumer.lane import Source, answer, one_line
 from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, with_have
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
-from muser_cli.errors import ExitStatus, MuserError
+from muser_cli.errors import ExitStatus, MuserError, UsageError
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
 from muser_cli.reuse.chain import Scope, chain_at
@@ -51,6 +53,7 @@ class BatchConfig:
     timeout: float | None = None  # per pull: seconds to the producer's first frame
     audit: int | None = None
     reuse: bool = True  # the store: look there first, keep shared prefixes there
+    max_batch: int = 1  # jobs running at once in the engine's turns (decoded together where it batches)
 
 
 @dataclass
@@ -116,6 +119,24 @@ def failure(item: Job | BadJob, exc: BaseException, *, model: str) -> dict[str, 
     return {"id": item.id, "line": item.line, "model": model,
             "job": item.digest if isinstance(item, Job) else None, "error": err, "text": None, "token_ids": None,
             "source": None, "producer": None}
+
+
+def waves(order: Sequence[Planned]) -> list[list[Planned]]:
+    """``order`` (the plan's run order) in waves that can run at once: a job that shares a
+    prefix with the job before it waits for the last job of that chain that stores its rows
+    (one wave later), so it finds them in the store; a job that shares nothing starts at once."""
+    out: list[list[Planned]] = []
+    stored_in: int | None = None  # the wave of the chain's last storing job
+    for i, p in enumerate(order):
+        w = stored_in + 1 if i and order[i - 1].shares_next > 0 and stored_in is not None else 0
+        if not (i and order[i - 1].shares_next > 0):
+            stored_in = None
+        while len(out) <= w:
+            out.append([])
+        out[w].append(p)
+        if p.store:
+            stored_in = w
+    return out
 
 
 class Tally:
@@ -187,6 +208,9 @@ class Batch:
         self.dtype = ""
         self._spool: Path | None = None
         self._fetches: dict[int, _Fetch] = {}  # by job line: pulls started ahead
+        self.turns: Turns | None = None  # with max_batch > 1: the engine's turns
+        if config.max_batch < 1:
+            raise UsageError("--max-batch must be at least 1")
 
     # ------------------------------------------------------------------ set-up
     def load_info(self) -> None:
@@ -203,7 +227,13 @@ class Batch:
         t0 = time.perf_counter()
         self.load_info()
         c = self.config
-        self.engine = get_engine(c.engine, self.info, dtype=self.dtype, threads=c.threads)
+        engine = get_engine(c.engine, self.info, dtype=self.dtype, threads=c.threads)
+        if c.max_batch > 1:  # jobs on threads of their own, taking the engine's turns
+            self.turns = Turns()
+            if engine.batches_decode:
+                engine.batch_decode(self.turns)
+            engine = TurnEngine(engine, self.turns)
+        self.engine = engine
         return time.perf_counter() - t0
 
     @property
@@ -262,19 +292,56 @@ class Batch:
         order = self.prepare(items, tally)
         ran_all = False
         try:
-            for i, p in enumerate(order):
-                if self.stop.is_set():
-                    tally.summary.interrupted = True
-                    break
-                tally.emit(self.run_one(p, order[i + 1] if i + 1 < len(order) else None))
+            if self.turns is not None:
+                ran_all = self._run_together(order, tally)
             else:
-                ran_all = True
+                for i, p in enumerate(order):
+                    if self.stop.is_set():
+                        tally.summary.interrupted = True
+                        break
+                    tally.emit(self.run_one(p, order[i + 1] if i + 1 < len(order) else None))
+                else:
+                    ran_all = True
         finally:
             try:
                 self.close()
             finally:
                 tally.finish(self.pool.to_json(), complete=ran_all)
         return tally.summary
+
+    def _run_together(self, order: list[Planned], tally: "Tally") -> bool:
+        """Up to ``max_batch`` jobs at once, each on a thread of its own in the engine's turns
+        (their decode steps computed together where the engine batches), wave by wave: a job
+        whose prompt shares a prefix with a job that stores it (the document of several
+        questions) starts once that job is done, so it computes only its own tail; the others
+        of a wave start together. Results are written as they come (stdout keeps input order).
+        No pull starts ahead here: each job pulls for itself (into a file, trying the pool's
+        producers in turn, as a pull started ahead does) while the others compute."""
+        if self._spool is None:
+            self._spool = make_spool()
+        for wave in waves(order):
+            with ThreadPoolExecutor(self.config.max_batch, thread_name_prefix="muser-batch-job") as pool:
+                running = [pool.submit(self._in_turns, p) for p in wave]
+                for done in as_completed(running):
+                    result = done.result()
+                    if result is not None:
+                        tally.emit(result)
+            if self.stop.is_set():
+                tally.summary.interrupted = True
+                return False
+        return True
+
+    def _in_turns(self, p: Planned) -> dict[str, Any] | None:
+        """One job on a pool thread, counted among the sequences taking the engine's turns; None
+        when the run was stopped before it began."""
+        if self.stop.is_set():
+            return None
+        assert self.turns is not None
+        self.turns.join()
+        try:
+            return self.run_one(p, None, pulled=bool(self.pool))
+        finally:
+            self.turns.leave()
 
     def prepare(self, items: Sequence[Job | BadJob], tally: "Tally") -> list[Planned]:
         """Resume (skip what is done), report bad lines, and plan the rest (in run order)."""
@@ -303,12 +370,16 @@ class Batch:
             tally.emit(failure(job, exc, model=model))
         return order
 
-    def run_one(self, p: Planned, nxt: Planned | None) -> dict[str, Any]:
+    def run_one(self, p: Planned, nxt: Planned | None, *, pulled: bool = False) -> dict[str, Any]:
         """One job's result line (its failure is its line too); ``nxt``: the job that runs next
-        here, whose pull starts while this one decodes."""
+        here, whose pull starts while this one decodes. ``pulled``: the job's own pull, to a file
+        from the first producer of the pool that serves it, before it decodes (jobs running at
+        once: :meth:`_run_together`)."""
         if self._spool is None:
             self._spool = make_spool()
         try:
+            if pulled:
+                return self._one(p, None, {p.job.line: self._prefetch(p, after=None, schedule=None)})
             return self._one(p, nxt, self._fetches)
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -355,7 +426,8 @@ class Batch:
                           sampling=Sampling(temperature=job.temperature, top_p=job.top_p, seed=job.seed),
                           chunk_tokens=self.chunk, fallback_reason=why or "empty input", reuse=c.reuse,
                           store=p.store, audit=c.audit, resident=self.engine, on_rows=rows_ready,
-                          prompt_ids=list(p.ids), info=self.info)  # tokenized once, when planned
+                          prompt_ids=list(p.ids), info=self.info,  # tokenized once, when planned
+                          progress=self._pass_turn if self.turns is not None else None)
 
         def unlink_fetched() -> None:
             if fetch is not None and fetch.path is not None:
@@ -375,12 +447,17 @@ class Batch:
         elif got.refused is None and live is not None and live.error is not None and out.fallback:
             out.reason = live.reason()
         result = out.to_json()
-        result.pop("engine_stats", None)
+        result["batched"] = bool(result.pop("engine_stats", {}).get("batched"))  # stepped with other jobs
         if out.fallback:
             producer, shipped = None, 0 if out.source != "partial+local" else shipped
         result.update({"id": job.id, "line": job.line, "model": self.model_fingerprint, "job": job.digest,
                        "error": None, "producer": producer, "shipped_bytes": shipped, "chunk": self.chunk})
         return result
+
+    def _pass_turn(self, *progress: Any) -> None:
+        """A prefill chunk done: the other running jobs take a step each (or a batched step)."""
+        assert self.turns is not None
+        self.turns.pass_turn()
 
     # ------------------------------------------------------------------ pulls
     def _ask(self, p: Planned, *, after: Planned | None = None, schedule: int | None = None):
@@ -418,7 +495,7 @@ class Batch:
         except (MuserError, OSError, RuntimeError):  # no prefetch: p pulls (or computes) itself, as without one
             pass
 
-    def _prefetch(self, p: Planned, *, after: Planned, schedule: int | None) -> _Fetch:
+    def _prefetch(self, p: Planned, *, after: Planned | None, schedule: int | None) -> _Fetch:
         fetch = _Fetch()
         assert self._spool is not None
         target = self._spool / f"job-{p.job.line}.kvpack"

@@ -41,6 +41,7 @@ class Member:
     entry: Any
     _out: queue.Queue = field(default_factory=queue.Queue)
     left: bool = False
+    peak: int = 0  # the most sequences it shared a step with (itself included)
 
     def tokens(self) -> Iterator[tuple[int, str | None]]:
         """(token, finish) as the steps give them; finish is None until the last one ("length"
@@ -102,6 +103,28 @@ class Stepper:
             self._cv.notify_all()
         return member
 
+    def follow(self, entry: Any, first: int, on_token: Callable[[int], None] | None) -> tuple[list[int], str, int]:
+        """The rest of a sequence whose first step its own thread computed (``first``, not an
+        end token, not yet given out): it joins the batch; its tokens, ``first`` included, go
+        to ``on_token`` as they come, on this thread, which meanwhile holds no turn of the
+        engine. Returns (tokens, stop: "eos" or "length", the most sequences it shared a step
+        with). Whatever ``on_token`` raises takes it out of the batch and goes up."""
+        tokens, stop = [first], "length"
+        member = self.join(entry)
+        try:
+            with self._turns.away():
+                if on_token is not None:
+                    on_token(first)
+                for token, finish in member.tokens():
+                    tokens.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    if finish == "stop":
+                        stop = "eos"
+        finally:
+            self.leave(member)
+        return tokens, stop, member.peak
+
     def leave(self, member: Member) -> None:
         """The sequence is done with (its thread returns): out of the batch before the next step."""
         with self._cv:
@@ -149,10 +172,14 @@ class Stepper:
                 self._batch.drop(leaving)
             if joining:
                 self._batch.add(joining)
-            if not len(self._batch):
+            size = len(self._batch)
+            if not size:
                 return []
+            with self._cv:
+                for member in self._running:
+                    member.peak = max(member.peak, size)
             if self._on_step is not None:
-                self._on_step(len(self._batch))
+                self._on_step(size)
             return self._batch.step()
         except BaseException as exc:  # noqa: BLE001 - every sequence of a failed step gets the failure
             with self._cv:

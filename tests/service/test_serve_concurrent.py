@@ -48,14 +48,15 @@ def _texts(server: Server, prompts: list[str], *, concurrent: bool, n: int = 12,
 
 def _concurrent_equals_solo(home: Path, model: str, *flags: str, n: int = 12, batched: bool = False) -> None:
     """Eight prompts alone, then at once: the same greedy texts. ``batched``: the engine steps
-    the eight in one batched call (the answers' ``muser.batched``), else each alone (--exact, torch)."""
+    them together in batched calls (answers' ``muser.batched``: it shared a step with another),
+    else each alone (--exact, a family that decodes alone)."""
     server = Server(home, "-m", model, "--threads", "1", "--no-reuse", "--max-batch", "8", *flags)
     try:
         solo = _texts(server, PROMPTS, concurrent=False, n=n)
         steps_alone = server.metric("muser_batch_size_count")
         seen: list[bool] = []
         together = _texts(server, PROMPTS, concurrent=True, n=n, batched=seen)
-        assert seen == [batched] * len(PROMPTS)
+        assert any(seen) if batched else not any(seen), seen  # some shared steps (the first may end alone)
         assert together == solo
         assert len(set(solo)) > 1  # distinct prompts, distinct answers: a mix-up would show
         # the eight ran together: some steps had more than one sequence taking turns

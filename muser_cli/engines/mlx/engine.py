@@ -517,29 +517,18 @@ class MLXEngine(Engine):
                  rows: int) -> DecodeResult:
         """The rest of a decode whose first step is done: in the running batch (the stepper's
         thread computes the steps), this thread waiting away from the engine's turn."""
-        stepper = self._stepper
-        tokens = [int(entry.first.item())]  # the batch steps from it: its first step gives the second token
+        first = int(entry.first.item())  # the batch steps from it: its first step gives the second token
         first_done = time.perf_counter()
-        ttft, stop = first_done - start, "eos" if tokens[0] in entry.eos else "length"
-        if stop == "eos":
+        ttft, stop, peak = first_done - start, "eos", 1
+        if first in entry.eos:
+            tokens = [first]
             if on_token is not None:
-                on_token(tokens[0])
+                on_token(first)
         else:
-            member = stepper.join(entry)
-            try:
-                with stepper.turns.away():
-                    if on_token is not None:
-                        on_token(tokens[0])
-                    for token, finish in member.tokens():
-                        tokens.append(token)
-                        if on_token is not None:
-                            on_token(token)
-                        if finish == "stop":
-                            stop = "eos"
-            finally:
-                stepper.leave(member)
+            tokens, stop, peak = self._stepper.follow(entry, first, on_token)
         stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
-                     blas=self.blas.name, blas_path=self.blas.path, batched=True, **_versions())
+                     blas=self.blas.name, blas_path=self.blas.path, batched=peak > 1, batch_peak=peak,
+                     **_versions())
         return DecodeResult(token_ids=tokens, ttft_s=ttft,
                             decode_s=time.perf_counter() - first_done if tokens else 0.0, stats=stats)
 

@@ -121,6 +121,7 @@ class TorchBatch:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None  # (batch, capacity) 1 on real columns
         self._length = 0  # L: columns every row ends at
+        self._padded = False  # whether some row has padding columns (else no mask is passed)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -168,7 +169,9 @@ class TorchBatch:
             self._mask[:, length] = 1
             ids = torch.tensor([[r.last] for r in self._rows], dtype=torch.long)
             positions = torch.tensor([[r.position] for r in self._rows], dtype=torch.long)
-            out = engine.model(input_ids=ids, position_ids=positions, attention_mask=self._mask[:, :length + 1],
+            # no padding column (one sequence, or all of one length): no mask, as the solo step
+            mask = self._mask[:, :length + 1] if self._padded else None
+            out = engine.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                                use_cache=True, logits_to_keep=1, **{engine._cache_kw: self._cache})
             logits = out.logits[:, -1]
             self._length = length + 1
@@ -269,6 +272,7 @@ class TorchBatch:
         for i, r in enumerate(rows):
             mask[i, length - r.position:length] = 1
         self._rows, self._cache, self._mask, self._length = rows, cache, mask, length
+        self._padded = any(r.position != length for r in rows)
 
     @staticmethod
     def _place(keys: torch.Tensor, values: torch.Tensor, got: list, rows: list[_Row], offsets: list[int],

@@ -15,6 +15,10 @@ layers keep one row more (:attr:`TorchEngine.RING_EXTRA`, a pack's ``ring_extra`
 that a consumer's spot-check can recompute the last position of every layer; installing
 drops it again.
 
+Serving many requests (:meth:`TorchEngine.batch_decode`), each decode computes its first step
+itself, then hands its cache to a stepper thread that steps every running sequence in one
+forward over a left-padded batch cache (:mod:`muser_cli.engines.torch.batch`).
+
 :meth:`TorchEngine.generate_reference` decodes from the producer's own live cache,
 without extraction: the truth the handed-off path must reproduce bit for bit.
 """

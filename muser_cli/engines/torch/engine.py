@@ -494,23 +494,10 @@ class TorchEngine(Engine):
                  stats: dict, rows: int) -> DecodeResult:
         """The rest of a decode whose first step is done (``entry.first`` picked, not an end
         token): in the running batch (the stepper's thread computes the steps), this thread
-        waiting away from the engine's turn."""
-        stepper = self._stepper
-        tokens, stop = [entry.first], "length"
-        member = stepper.join(entry)
-        try:
-            with stepper.turns.away():
-                if on_token is not None:
-                    on_token(entry.first)
-                for token, finish in member.tokens():
-                    tokens.append(token)
-                    if on_token is not None:
-                        on_token(token)
-                    if finish == "stop":
-                        stop = "eos"
-        finally:
-            stepper.leave(member)
-        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads(), batched=True)
+        waiting away from the engine's turn (:meth:`Stepper.follow`)."""
+        tokens, stop, peak = self._stepper.follow(entry, entry.first, on_token)
+        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads(),
+                     batched=peak > 1, batch_peak=peak)
         return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=time.perf_counter() - first_done, stats=stats)
 
 

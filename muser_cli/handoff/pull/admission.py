@@ -44,6 +44,9 @@ class _Queue:
     tickets: list[Ticket] = field(default_factory=list)
     turns: int = 0  # turns taken since it last had nothing waiting (the rounds)
 
+    def __len__(self) -> int:  # its waiting requests
+        return len(self.tickets)
+
 
 class Admission:
     """Who computes now: up to ``slots`` requests at once (1 on torch/MLX; a batching engine's

@@ -32,12 +32,15 @@ a candidate to measure. A ``DynamicCache`` over batch tensors is what transforme
 itself decodes a padded batch with: the model code and its masks are the ones the solo decode
 runs, and a batch of one (all columns real: transformers then builds no mask) computes exactly
 the solo step. Measured on SmolLM2-135M, float32, one thread (a shared 2-core machine): a step
-of 8 sequences ~116 ms against ~62 ms for one (the matmuls of 8 rows are compute-bound:
-``aten::mm`` is 84% of the step), so 8 clients decode ~4.3x one client's tokens/s once they
+of 8 sequences ~114 ms against ~59-62 ms for one (the matmuls of 8 rows are compute-bound:
+``aten::mm`` is 84% of the step), so 8 clients decode ~4.2x one client's tokens/s once they
 all run; each joining sequence's own first step (install + fused gate) runs alone between two
-steps. Batched kernels round differently from one-row ones (an 8-row ``linear`` is not
-bitwise the 1-row one), so a greedy token can change where two logits nearly tie: 8 prompts'
-greedy tokens were all their solo tokens on the real model and on tiny models of 20 families.
+steps, which brings 8 clients x 64 tokens to ~3.5x end to end. Batched kernels round
+differently from one-row ones (an 8-row ``linear`` is not bitwise the 1-row one), so a greedy
+token can change where two logits nearly tie. float32: 16 of 16 real-model sequences of 128
+greedy tokens were their solo tokens, and 8 of 8 on tiny models of 20 families. bfloat16 (not
+the measured default): on tiny random models, whose logits often tie to one bfloat16 step,
+4 to 8 of 8 sequences of 24 tokens kept their solo tokens.
 
 Cost of joining and leaving: the batch cache is rebuilt (every row copied once) whenever
 sequences join or leave, about one step's worth of memory traffic; a step itself copies nothing

@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
         threads: int = typer.Option(0, "--threads", help="Compute threads (0 = default)."),
-        max_batch: int = typer.Option(4, "--max-batch", help="Jobs running at once, taking the engine's turns (on mlx their decode steps computed together); a job that shares a prefix with one that stores it starts when that one is done. 1: one after another, the next job's pull started while one decodes."),
+        max_batch: int = typer.Option(4, "--max-batch", help="Jobs running at once, taking the engine's turns (their decode steps computed together); a job that shares a prefix with one that stores it starts when that one is done. 1: one after another, the next job's pull started while one decodes."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds to wait for a producer's first frame before prefilling locally."),
         audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check N positions of every pulled pack (default: 1, only for a foreign pack)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of foreign packs."),

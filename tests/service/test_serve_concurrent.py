@@ -68,7 +68,11 @@ def _concurrent_equals_solo(home: Path, model: str, *flags: str, n: int = 12, ba
 
 
 def test_eight_concurrent_requests_each_get_their_solo_text_on_torch(tmp_path, tiny_llama):
-    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32")
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32", batched=True)
+
+
+def test_exact_mode_decodes_each_request_alone_on_torch(tmp_path, tiny_llama):
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_llama.path), "--dtype", "float32", "--exact")
 
 
 def test_eight_concurrent_requests_each_get_their_solo_text_on_mlx(tmp_path, tiny_llama):
@@ -87,7 +91,8 @@ def test_exact_mode_decodes_each_request_alone_on_mlx(tmp_path, tiny_llama):
 
 @pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "qwen3_next"])
 def test_sliding_latent_and_state_families_answer_concurrently_as_alone(tmp_path, tiny_family, family):
-    _concurrent_equals_solo(tmp_path / "home", str(tiny_family(family).path), "--dtype", "float32", n=8)
+    _concurrent_equals_solo(tmp_path / "home", str(tiny_family(family).path), "--dtype", "float32", n=8,
+                            batched=True)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3", "qwen3_next", "gemma2"])
@@ -101,7 +106,7 @@ def test_sliding_latent_and_state_families_batch_on_mlx(tmp_path, tiny_family, f
 
 @pytest.mark.slow
 def test_the_real_model_answers_concurrent_requests_as_alone(tmp_path, real_model):
-    _concurrent_equals_solo(tmp_path / "home", str(real_model.path), n=8)
+    _concurrent_equals_solo(tmp_path / "home", str(real_model.path), n=8, batched=True)
 
 
 @pytest.mark.slow

@@ -104,7 +104,8 @@ class PipePull:
 
     :attr:`marks`: ``time.perf_counter()`` when the pull began (``start``), the producer promised
     (``promise``, a request with a budget), admitted it (``serving``), its header came
-    (``header``) and the pull ended (``end``); :attr:`promise` what it promised (also told to
+    (``header``), the pack's last byte came (``last_byte``) and the pull ended (``end``: after
+    the ledger and the Ack); :attr:`promise` what it promised (also told to
     ``costs``). :attr:`plan`: the routing (:func:`muser_cli.consumer.costs.route`). ``asked``
     False: the route chose not to ask (no thread, no reader; :attr:`routed_local` says why)."""
 
@@ -151,6 +152,9 @@ class PipePull:
                         self.costs, self.plan = self._planner(ask)
                     self.accepted = pull_prompt(self.producer, ask, out_stream=out, timeout=timeout,
                                                 on_event=self._on_event)
+                    last = (self.accepted or {}).get("last_byte_unix")
+                    if isinstance(last, (int, float)):  # the pack's last byte in (before the ledger and the Ack)
+                        self.marks["last_byte"] = time.perf_counter() - max(0.0, time.time() - last)
                 except BaseException as exc:  # noqa: BLE001 - decode falls back; the reason is reported
                     self.error = exc
                 finally:
@@ -218,8 +222,8 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     install = max(0.0, out.prefill_s - (gate_s or 0.0))
     first = (out.tail_s - out.prefill_s) if out.tail_s is not None else None
     wire_s = None
-    if "header" in marks and "end" in marks:
-        wire_s = marks["end"] - marks["header"]
+    if "header" in marks and ("last_byte" in marks or "end" in marks):
+        wire_s = marks.get("last_byte", marks.get("end", 0.0)) - marks["header"]
     # set-up to admission (TCP, TLS, the request's checks) when it did not wait in the queue
     connect = marks["serving"] - marks["start"] if "serving" in marks and "start" in marks and "queued" not in marks \
         else None

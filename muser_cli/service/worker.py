@@ -358,7 +358,8 @@ class EngineWorker:
         gate = gate_ms / 1000
         split = budget_split(
             ttft_s=ttft, consumer_queue_s=getattr(state, "t_lane", arrived) - arrived, remote=live is not None,
-            lane_s=getattr(state, "t_lane", arrived) - arrived, serving_s=since("serving"), end_s=since("end"),
+            lane_s=getattr(state, "t_lane", arrived) - arrived, serving_s=since("serving"),
+            end_s=since("last_byte") if "last_byte" in marks else since("end"),
             rows_ready_s=None, local_prefill_s=out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0,
             install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
             gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps if costs is not None else None)

@@ -148,6 +148,9 @@ class MLXEngine(Engine):
         check_dtype(info, self.model, dtype)
         if dtype != "float32" or _param_dtype(self.model) != mx.float32:
             self.model.set_dtype(self.mx_dtype)
+        # the weights computed now, on this thread: a lazy cast would carry this thread's stream,
+        # which another thread (a serving request's, the batch's stepper) cannot run
+        mx.eval(self.model.parameters())
         # Gemma 3: transformers' embedding scale in float32 too (engines/mlx/gemma3.py); None elsewhere
         self.embed_scale_fix = match_embed_scale(self.model, dtype)
         self.load_s = time.perf_counter() - start

@@ -387,12 +387,17 @@ class Batch:
             return failure(p.job, exc, model=self.model_fingerprint)
 
     def close(self) -> None:
+        """Pulls joined, the spool removed; with jobs at once, the engine's stepper stopped (a
+        later run loads the engine again)."""
         for f in self._fetches.values():
             f.wait()
         self._fetches.clear()
         if self._spool is not None:
             shutil.rmtree(self._spool, ignore_errors=True)
             self._spool = None
+        if self.turns is not None and self.engine is not None:
+            self.engine.inner.close()  # the stepper's thread ends with nothing queued on its stream
+            self.engine, self.turns = None, None
 
     def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "_Fetch"]) -> dict[str, Any]:
         c, job = self.config, p.job

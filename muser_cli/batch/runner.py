@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Sequence
@@ -27,10 +27,10 @@ from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
 from muser_cli.consumer.decode import decode
-from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.consumer.lane import Source, answer, one_line
 from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, with_have
+from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import ExitStatus, MuserError, UsageError
@@ -128,9 +128,9 @@ def waves(order: Sequence[Planned]) -> list[list[Planned]]:
     out: list[list[Planned]] = []
     stored_in: int | None = None  # the wave of the chain's last storing job
     for i, p in enumerate(order):
-        w = stored_in + 1 if i and order[i - 1].shares_next > 0 and stored_in is not None else 0
-        if not (i and order[i - 1].shares_next > 0):
+        if not (i and order[i - 1].shares_next > 0):  # a new chain
             stored_in = None
+        w = 0 if stored_in is None else stored_in + 1
         while len(out) <= w:
             out.append([])
         out[w].append(p)

@@ -90,10 +90,6 @@ class Stepper:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def turns(self) -> EngineTurns:
-        return self._turns
-
     def join(self, entry: Any) -> Member:
         member = Member(entry)
         with self._cv:

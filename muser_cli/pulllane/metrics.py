@@ -157,26 +157,6 @@ class ProducerMetrics:
         return app
 
 
-class BudgetMetrics:
-    """The consumer's budget split (issue #39), in the consumer service's registry: a histogram
-    per TTFT component (``muser_budget_seconds{component}``) and the answers over their budget,
-    by the component that overran (``muser_budget_overruns_total{component}``)."""
-
-    def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Histogram
-
-        self.seconds = Histogram("muser_budget_seconds", "Each answer's TTFT, by component of the budget split",
-                                 ["component"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.overruns = Counter("muser_budget_overruns", "Answers over their budget, by the component that overran",
-                                ["component"], registry=registry)
-
-    def observe(self, split: dict[str, float], over: str | None) -> None:
-        for component, seconds in split.items():
-            self.seconds.labels(component).observe(_num(seconds))
-        if over:
-            self.overruns.labels(over).inc()
-
-
 def serve_producer_metrics(listen: str):
     """:class:`ProducerMetrics` served on ``listen``: (its event observer, the bound address,
     the :class:`~muser_cli.handoff.listener.LiveConnections` the server is to keep its open

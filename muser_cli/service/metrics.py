@@ -1,7 +1,7 @@
 """Prometheus metrics of the consumer service (``decode --serve``; ``prometheus_client``,
 imported only here and only when the service starts, into a registry of its own, served as
 text format): TTFT and per-token latency by source, bytes shipped, rows held, fallbacks by
-reason, gate refusals, producer health, queue depth, requests by status. The resident
+reason, gate refusals, producer health, queue depth, requests by status, the budget split. The resident
 producer's (``prefill --serve --metrics``) are :mod:`muser_cli.pulllane.metrics`."""
 
 from __future__ import annotations
@@ -48,6 +48,17 @@ class ConsumerMetrics:
         self.tokens = Counter("muser_generated_tokens", "Tokens generated", registry=r)
         self.store_errors = Counter("muser_store_errors", "Answers whose rows the store could not keep (the answer "
                                     "was given)", registry=r)
+        # issue #39: each answer's budget split, and the component that overran its budget
+        self.budget = Histogram("muser_budget_seconds", "Each answer's TTFT, by component of the budget split",
+                                ["component"], buckets=LATENCY_BUCKETS, registry=r)
+        self.overruns = Counter("muser_budget_overruns", "Answers over their budget, by the component that overran",
+                                ["component"], registry=r)
+
+    def observe_budget(self, split: dict[str, float], over: str | None) -> None:
+        for component, seconds in split.items():
+            self.budget.labels(component).observe(max(0.0, float(seconds)))
+        if over:
+            self.overruns.labels(over).inc()
 
     def text(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -36,8 +36,6 @@ from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
 
 Emit = Callable[[str, Any], None]
 
-_BUDGET_LOCK = threading.Lock()  # the budget metrics are made once, by the first answer's thread
-
 #: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
 WARM_PROMPT = "Warm up: the first request should cost what the second one does."
 
@@ -129,6 +127,7 @@ class EngineWorker:
             raw.batch_decode(self.turns, on_step=metrics.batch.observe if metrics is not None else None)
         self.engine = TurnEngine(raw, self.turns)
         self.pool = ProducerPool(config.producers)
+        self.costs = costs_for(self.info.fingerprint, config.engine, self.dtype, config.threads)  # issue #39
         self.metrics = metrics
         self.log = log or (lambda record: None)
         self._store_warned = False
@@ -290,7 +289,7 @@ class EngineWorker:
         state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
         live = self._pull(job) if self.pool else None
         if live is None:
-            return run(None, getattr(state, "route_why", "") or ("no producer given" if not self.pool else "no producer up"))
+            return run(None, state.route_why or ("no producer given" if not self.pool else "no producer up"))
         state.producer = live.producer
         counting = state.counting = _Counting(live.reader)
         # a pack refused once a token was out cannot be replaced: the refusal is the answer
@@ -312,9 +311,8 @@ class EngineWorker:
         ids = state.ids  # tokenized once, in _run
         got = ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype, engine=c.engine)
         got = with_have(got) if c.reuse else got
-        costs = state.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
         addr = self.pool.pick()
-        plan = state.route = route(costs, tokens=len(ids), held=got.have_tokens, producer=addr)
+        plan = state.route = route(self.costs, tokens=len(ids), held=got.have_tokens, producer=addr)
         if addr is None:
             return None
         if not plan["ask"]:
@@ -323,7 +321,7 @@ class EngineWorker:
             return None
         if plan["budget_ms"] is not None:
             got = replace(got, budget_ms=plan["budget_ms"])
-        state.live = PipePull(addr, lambda: got, timeout=deadline, costs=costs, plan=plan)
+        state.live = PipePull(addr, lambda: got, timeout=deadline, costs=self.costs, plan=plan)
         return state.live
 
     def _chunk_done(self, *progress: Any) -> None:
@@ -334,11 +332,8 @@ class EngineWorker:
         """The answer's route and budget split (issue #39) into its summary ``s``; what it
         measured into the cost model. The budget: the request's deadline if it set one, else
         the chosen path's predicted TTFT with a quarter more (and 5 ms) of headroom."""
-        out, live = getattr(state, "out", None), getattr(state, "live", None)
-        plan = getattr(state, "route", None)
+        out, live, plan, costs = state.out, state.live, state.route, self.costs
         if plan is None and s.get("ttft_ms") is not None:
-            c = self.config
-            costs = state.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
             s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms") if k in plan}
@@ -346,7 +341,6 @@ class EngineWorker:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:
             return
-        costs = getattr(state, "costs", None)
         marks = live.marks if live is not None else {}
         arrived, ttft = state.job.arrived, s["ttft_ms"] / 1000
         since = (lambda k: marks[k] - arrived if k in marks else None)
@@ -357,12 +351,12 @@ class EngineWorker:
             gate_ms += spot["sampled"].get("ms") or 0
         gate = gate_ms / 1000
         split = budget_split(
-            ttft_s=ttft, consumer_queue_s=getattr(state, "t_lane", arrived) - arrived, remote=live is not None,
-            lane_s=getattr(state, "t_lane", arrived) - arrived, serving_s=since("serving"),
+            ttft_s=ttft, consumer_queue_s=state.t_lane - arrived, remote=live is not None,
+            lane_s=state.t_lane - arrived, serving_s=since("serving"),
             end_s=since("last_byte") if "last_byte" in marks else since("end"),
             rows_ready_s=None, local_prefill_s=out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0,
             install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
-            gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps if costs is not None else None)
+            gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps)
         budget_s = state.job.ask.prefill_deadline
         if budget_s is None and plan is not None:
             choice = plan["paths"].get(plan["choice"], 0.0)
@@ -371,9 +365,8 @@ class EngineWorker:
         s["budget"] = {"budget_ms": round(budget_s * 1000, 3) if budget_s is not None else None,
                        "split_ms": {k: round(v * 1000, 3) for k, v in split.items()}, "overrun": over}
         state.split, state.overrun = split, over
-        if costs is not None:
-            learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None)
-            costs.save()
+        learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None)
+        costs.save()
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         try:
@@ -408,13 +401,8 @@ class EngineWorker:
             m.gate.inc()
         if s.get("store_problems"):
             m.store_errors.inc()
-        if getattr(state, "split", None) is not None:
-            with _BUDGET_LOCK:
-                budget = getattr(self, "_budget_metrics", None)
-                if budget is None:
-                    from muser_cli.pulllane.metrics import BudgetMetrics  # lazy: prometheus-client, as the service's metrics
-                    budget = self._budget_metrics = BudgetMetrics(m.registry)
-            budget.observe(state.split, state.overrun)
+        if state.split is not None:
+            m.observe_budget(state.split, state.overrun)
 
 
 class _RunState:
@@ -437,6 +425,14 @@ class _RunState:
         self.turns = worker.turns
         self.tools: ToolStream | None = None  # the calls read from the answer (a chat with tools)
         self.markers: dict[int, str] = {}  # special tokens decoding drops that the tool parser reads
+        # issue #39: the route taken, the pull, the outcome, and the budget split measured from them
+        self.t_lane = job.arrived  # when the lane began (the consumer's queue is before it)
+        self.route: dict[str, Any] | None = None
+        self.route_why = ""  # why the route kept this request local
+        self.live: PipePull | None = None
+        self.out: Any = None  # decode's outcome
+        self.split: dict[str, float] | None = None
+        self.overrun: str | None = None
 
     def on_rows(self, rows) -> None:
         self.rows = rows

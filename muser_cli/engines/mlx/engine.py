@@ -48,10 +48,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
-from muser_cli.engines.stepper import Stepper
 from muser_cli.engines.mlx import blas as mlx_blas
-from muser_cli.engines.mlx.batch import Entry, MlxBatch, batchable, settled
 from muser_cli.engines.mlx import state
+from muser_cli.engines.mlx.batch import Entry, MlxBatch, batchable, settled
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE,
@@ -67,6 +66,7 @@ from muser_cli.engines.mlx.config import (  # noqa: F401
 )
 from muser_cli.engines.mlx.gemma3 import match_embed_scale
 from muser_cli.engines.mlx.sampling import sampler
+from muser_cli.engines.stepper import Stepper
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
 from muser_cli.model.info import ModelInfo, ProgressFn
@@ -86,8 +86,7 @@ def _own_snaps(method: Callable) -> Callable:
         try:
             return method(self, *args, **kwargs)
         finally:
-            if self._snaps_of is not None:
-                self._snaps_of.pop(threading.get_ident(), None)
+            self._snaps_of.pop(threading.get_ident(), None)
     return call
 
 
@@ -99,7 +98,6 @@ class MLXEngine(Engine):
     writes_history = True  # each chunk's sliding rows, collected before the ring drops them
     batches_decode = True  # mlx-lm's generation batch over its batch caches (engines/mlx/batch.py)
     _stepper: Any = None
-    _snaps_of: Any = None  # thread ident -> that thread's snapshots (see _snaps)
 
     @property
     def _snaps(self) -> dict:
@@ -108,18 +106,15 @@ class MLXEngine(Engine):
         turn between chunks, and another thread's prefill or install must not reset them). Held
         on the engine, not in a ``threading.local``: mlx arrays must not outlive their thread's
         stream at a thread's end."""
-        if self._snaps_of is None:
-            self._snaps_of = {}
         return self._snaps_of.setdefault(threading.get_ident(), {})
 
     @_snaps.setter
     def _snaps(self, value: dict) -> None:
-        if self._snaps_of is None:
-            self._snaps_of = {}
         self._snaps_of[threading.get_ident()] = value
 
     def __init__(self, info: ModelInfo, *, dtype: str, threads: int) -> None:
         super().__init__(info, dtype=dtype, threads=threads)
+        self._snaps_of: dict[int, dict] = {}  # thread ident -> that thread's snapshots (see _snaps)
         if dtype not in MLX_DTYPES:
             raise UsageError(f"the mlx engine has no dtype {dtype!r}", hint="choose one of: " + ", ".join(MLX_DTYPES))
         if info.architecture in MLX_REFUSED:

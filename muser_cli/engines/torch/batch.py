@@ -64,7 +64,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from muser_cli.engines.stepper import Member
 from muser_cli.engines.torch.cache import SizedLayer
-from muser_cli.engines.torch.state import is_state_layer
+from muser_cli.engines.torch.state import is_state_layer, set_state
 
 #: model_type -> why the batched decode leaves it out: its sequences decode alone, one per call,
 #: even beside others (docs/serve.md). Chunked layers (Llama 4) are left out by their kind
@@ -241,15 +241,7 @@ class TorchBatch:
                     if g is not None:
                         conv[off:off + cnt].copy_(g[0])
                         rec[off:off + cnt].copy_(g[1])
-                kernel = ref[0].shape[-1]
-                layer.lazy_initialization(conv_states=conv, state_idx=0, conv_kernel_size=kernel)
-                layer.lazy_initialization(recurrent_states=rec, state_idx=0)
-                layer.conv_states[0].copy_(conv)
-                layer.recurrent_states[0].copy_(rec)
-                layer.has_previous_state[0] = True
-                counter = getattr(layer, "cumulative_length_linear", None)
-                if isinstance(counter, torch.Tensor):
-                    counter.fill_(length)
+                set_state(layer, conv, rec, kernel=ref[0].shape[-1], rows=length)
                 continue
             if all(g is None for g in got):
                 continue

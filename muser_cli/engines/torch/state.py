@@ -106,10 +106,19 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
         raise DataError(f"layer {index}: a conv window of {conv.shape[-1]} columns for a kernel of {kernel}")
     window = torch.nn.functional.pad(conv, (1, 0)).unsqueeze(0)  # (1, channels, kernel)
     recurrent = torch.from_numpy(np.array(kv.tensors["recurrent"], dtype=np.float32)).unsqueeze(0)
-    layer = cache.layers[index]
-    layer.lazy_initialization(conv_states=window, state_idx=0, conv_kernel_size=kernel)
+    set_state(cache.layers[index], window, recurrent, kernel=kernel, rows=rows)
+    held = cache.__dict__.setdefault(_SNAPS, {})  # a prefill resumed here carries them into its pack
+    for position, tensors in {**kv.earlier, rows: kv.tensors}.items():
+        held.setdefault(position, {})[index] = tensors
+
+
+def set_state(layer: Any, conv: torch.Tensor, recurrent: torch.Tensor, *, kernel: int, rows: int) -> None:
+    """Put a conv window and a recurrent matrix (batch first: one sequence's, or a batch's)
+    into transformers' linear-attention cache ``layer``, marked as holding a previous state as
+    of ``rows`` positions."""
+    layer.lazy_initialization(conv_states=conv, state_idx=0, conv_kernel_size=kernel)
     layer.lazy_initialization(recurrent_states=recurrent, state_idx=0)
-    layer.conv_states[0].copy_(window)
+    layer.conv_states[0].copy_(conv)
     layer.recurrent_states[0].copy_(recurrent)
     layer.has_previous_state[0] = True
     # transformers 5.25 counts a linear layer's positions itself (``get_seq_length`` of a hybrid
@@ -117,9 +126,6 @@ def install(cache: Any, index: int, spec: LayerSpec, kv: Any, rows: int, dtype: 
     counter = getattr(layer, "cumulative_length_linear", None)
     if isinstance(counter, torch.Tensor):
         counter.fill_(rows)
-    held = cache.__dict__.setdefault(_SNAPS, {})  # a prefill resumed here carries them into its pack
-    for position, tensors in {**kv.earlier, rows: kv.tensors}.items():
-        held.setdefault(position, {})[index] = tensors
 
 
 def conv_kernel(config: Any) -> int:

@@ -152,14 +152,18 @@ def stop_at_lines(proc, res, lines: int) -> None:
 
 
 # ----------------------------------------------------------------------------- resume
-def start_stopped(model, tmp_path, lines: int):
+def start_stopped(model, tmp_path, lines: int, max_batch: int = 1):
     """A batch of the six questions started in the background and stopped (SIGSTOP) once
-    ``lines`` results are in: (the process, its jobs file, results file and home)."""
+    ``lines`` results are in: (the process, its jobs file, results file and home). One job at
+    a time by default: then no job after the one running can have begun when the signal lands
+    (with several at once, jobs that finished but were not yet written let the next ones start,
+    so every job may be running or done by the time one line is in the file)."""
     jobs = write_jobs(tmp_path)
     res = tmp_path / "res.jsonl"
     home = tmp_path / "home"
-    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res)), env=env_for(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "-o", str(res),
+                                      "--max-batch", str(max_batch)),
+                            env=env_for(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stop_at_lines(proc, res, lines)
     return proc, jobs, res, home
 
@@ -194,6 +198,27 @@ def test_ctrl_c_stops_after_the_current_job_and_resume_finishes(model, expected,
     assert res.read_bytes().endswith(b"\n")  # whole lines only
     r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume")
     assert r.returncode == 0, r.stderr
+    final = lines_of(res.read_bytes())
+    assert [g["id"] for g in final] == [f"q{i}" for i in range(len(QUESTIONS))]
+    assert all(g["token_ids"] == expected[g["id"]] for g in final)
+
+
+def test_ctrl_c_with_jobs_at_once_ends_the_running_jobs_and_resume_finishes(model, expected, tmp_path):
+    """--max-batch 4: Ctrl-C lets the jobs already running end (their lines written whole, none
+    failed), starts no other, exits 130; --resume does what is left, each job once."""
+    proc, jobs, res, home = start_stopped(model, tmp_path, 1, max_batch=4)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130, err
+    assert b"stopping after the current job" in err
+    partial = lines_of(res.read_bytes())
+    assert partial and all(g["error"] is None and g["token_ids"] == expected[g["id"]] for g in partial)
+    assert res.read_bytes().endswith(b"\n")
+    r = batch(home, str(jobs), *common(model), "-o", str(res), "--resume", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["skipped"] == len(partial) and summary["done"] == len(QUESTIONS) - len(partial)
     final = lines_of(res.read_bytes())
     assert [g["id"] for g in final] == [f"q{i}" for i in range(len(QUESTIONS))]
     assert all(g["token_ids"] == expected[g["id"]] for g in final)

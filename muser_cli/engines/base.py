@@ -31,11 +31,37 @@ RowsOf = Callable[[int, int, int], "tuple[np.ndarray, np.ndarray]"]
 #: rows, when continuing); every row below ``rows_done`` is final from then on.
 ChunkFn = Callable[[int, RowsOf], None]
 
+#: One picked token's log-probabilities: (its logprob, [(token id, logprob), ...] the most likely
+#: ``Sampling.logprobs`` tokens, most likely first). Log-softmax of the model's raw logits.
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass(frozen=True)
 class Sampling:
+    """How each token is picked. The logits are shaped first, in this order, for engines with
+    :attr:`Engine.shapes_logits`: ``frequency_penalty * count + presence_penalty * (count > 0)``
+    subtracted from each token's logit (count: how often it was *generated* so far in this
+    sequence, the prompt not counted: OpenAI's definition), then ``logit_bias`` added; then
+    temperature and top-p pick from them (temperature 0: the largest shaped logit).
+
+    ``logprobs``: None records nothing; k (0..20) appends, for every token given out and before
+    it is given out, a :data:`TokenLogprobs` with the k most likely tokens to ``record``: the
+    log-softmax of the model's raw logits of that step (before penalties, bias, temperature and
+    top-p: the model's own distribution, as vLLM's default ``raw_logprobs``)."""
+
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None
+    record: list | None = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def shapes(self) -> bool:
+        """Whether the logits are shaped before the pick (a penalty or a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass
@@ -124,6 +150,9 @@ class Engine(abc.ABC):
     #: The engine's own limit on a prompt's tokens below the model's context (vLLM's
     #: ``max_model_len``), or None: the model's context is the only limit.
     max_model_len: int | None = None
+    #: True when :meth:`decode` honours :class:`Sampling`'s penalties, ``logit_bias`` and
+    #: ``logprobs`` (solo and batched); else only temperature, top-p and seed.
+    shapes_logits: bool = False
     #: True when the engine takes engine options (``--vllm-opt``: vLLM's engine arguments);
     #: the registry refuses options for the others.
     takes_options: bool = False
@@ -168,10 +197,14 @@ class Engine(abc.ABC):
         token_ids: Sequence[int],
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
+        anywhere: bool = False,
     ) -> list[LayerKV]:
         """Continue the canonical schedule from ``layers`` (the cache as of ``rows`` positions,
         a chunk boundary) over ``token_ids``; returns what :meth:`prefill` over all the tokens
-        returns, byte for byte. Only engines with :attr:`resumes_prefill` implement it."""
+        returns, byte for byte. ``anywhere``: ``rows`` may be any position (a server's turn
+        memory, docs/serve.md): the chunks then start at ``rows``, a schedule break, and the
+        result is a prefill on that schedule, not the canonical one. Only engines with
+        :attr:`resumes_prefill` implement it."""
         raise UsageError(f"the {self.name} engine cannot continue a prefill from stored rows")
 
     def recompute(self, layers: Sequence[LayerKV], *, rows: int, token_ids: Sequence[int]) -> list[LayerKV]:
@@ -252,10 +285,11 @@ class Engine(abc.ABC):
             )
         return ids
 
-    def _check_resume(self, rows: int, token_ids: Sequence[int], chunk_tokens: int) -> list[int]:
+    def _check_resume(self, rows: int, token_ids: Sequence[int], chunk_tokens: int,
+                      anywhere: bool = False) -> list[int]:
         """:meth:`prefill_from`'s ``token_ids`` checked (:meth:`_check_prompt`) for a prefill that
-        resumes at ``rows`` (> 0): only at a chunk boundary of ``chunk_tokens``."""
-        if chunk_tokens < 1 or rows % chunk_tokens:
+        resumes at ``rows`` (> 0): only at a chunk boundary of ``chunk_tokens`` unless ``anywhere``."""
+        if chunk_tokens < 1 or (rows % chunk_tokens and not anywhere):
             raise UsageError(f"a prefill resumes only at a chunk boundary: {rows} rows, chunk {chunk_tokens}")
         return self._check_prompt(token_ids, rows)
 

@@ -22,7 +22,7 @@ class Entry:
 
     caches: list[Any]  # mlx-lm caches, one per layer, holding every row before ``first``
     first: Any  # (1,) the token its own first step picked (not yet in its caches)
-    pick: Callable[[Any], Any] | None  # log-probabilities (1, vocab) -> (1,); None: greedy
+    pick: Callable[[Any], Any] | None  # log-probabilities (1, vocab) -> (1,); None: plain greedy
     max_tokens: int  # tokens to give out after ``first``
     eos: tuple[int, ...]
 
@@ -99,6 +99,9 @@ class MlxBatch:
         out = []
         for r in self._batch.next():
             member = self._by_uid[r.uid]
+            emit = getattr(member.entry.pick, "emit", None)
+            if emit is not None:
+                emit()  # the token's logprobs (if asked) onto its record, evaluated on this thread
             if r.finish_reason is not None:
                 del self._by_uid[r.uid]
             out.append((member, int(r.token), r.finish_reason))

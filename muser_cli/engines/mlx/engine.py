@@ -97,6 +97,7 @@ class MLXEngine(Engine):
     RING_EXTRA = 1
     writes_history = True  # each chunk's sliding rows, collected before the ring drops them
     batches_decode = True  # mlx-lm's generation batch over its batch caches (engines/mlx/batch.py)
+    shapes_logits = True  # penalties, logit_bias and logprobs: engines/mlx/sampling.py
     _stepper: Any = None
 
     @property
@@ -177,6 +178,7 @@ class MLXEngine(Engine):
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
         on_chunk: ChunkFn | None = None,
+        anywhere: bool = False,
     ) -> list[LayerKV]:
         """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
         ``rows`` positions (a chunk boundary), ``token_ids`` are the next prompt tokens.
@@ -184,7 +186,7 @@ class MLXEngine(Engine):
         for byte (the installed caches are laid out as mlx-lm's own at that boundary)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        ids = self._check_resume(rows, token_ids, chunk_tokens)
+        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Engine.prefill_from
         total = rows + len(ids)
         caches = self._install(layers, rows, chunk_tokens)
         history = self._new_history(caches, rows)
@@ -484,7 +486,8 @@ class MLXEngine(Engine):
                 check_first(self._rows_of(caches, rows + len(next_tokens)))
             if self._stepper is not None and max_new_tokens > 1 and not self.decodes_alone and batchable(caches):
                 mx.eval(y, settled(caches), getattr(pick, "state", list)())  # nothing left on this thread's stream
-                return self._batched(Entry(caches, y, None if sampling.temperature <= 0 else pick, max_new_tokens - 1,
+                plain = sampling.temperature <= 0 and not sampling.shapes and sampling.logprobs is None
+                return self._batched(Entry(caches, y, None if plain else pick, max_new_tokens - 1,
                                            tuple(eos)), on_token, start, stats, rows)
             mx.async_eval(y)
             try:
@@ -493,6 +496,7 @@ class MLXEngine(Engine):
                         next_y = step(y[:, None])
                         mx.async_eval(next_y)
                     token = int(y.item())
+                    pick.emit()  # its logprobs (if asked) onto the record, before it is given out
                     tokens.append(token)
                     if n == 0:
                         first_done = time.perf_counter()
@@ -516,6 +520,8 @@ class MLXEngine(Engine):
         """The rest of a decode whose first step is done: in the running batch (the stepper's
         thread computes the steps), this thread waiting away from the engine's turn."""
         first = int(entry.first.item())  # the batch steps from it: its first step gives the second token
+        if entry.pick is not None:
+            entry.pick.emit()  # its logprobs (if asked) onto the record, before it is given out
         first_done = time.perf_counter()
         ttft, stop, peak = first_done - start, "eos", 1
         if first in entry.eos:

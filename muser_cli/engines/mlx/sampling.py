@@ -1,9 +1,10 @@
 """The MLX engine's token picker: greedy, or temperature + top-p with a seeded key (the torch
-engine's rule, on mlx arrays). Takes ``mlx.core`` as an argument: importing this module
-imports no MLX."""
+engine's rule, on mlx arrays), after the penalties and the bias of :class:`Sampling`, with its
+logprob record. Takes ``mlx.core`` as an argument: importing this module imports no MLX."""
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any, Callable
 
@@ -11,16 +12,32 @@ from muser_cli.engines.base import Sampling
 
 
 def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
-    """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,)."""
-    if sampling.temperature <= 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-    state = {"key": mx.random.key(int(seed))}
-    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+    """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,).
 
-    def pick(logits: Any) -> Any:
+    Everything stays lazy (mlx-lm's batch computes a step ahead): the penalty counts are an array
+    updated with each pick, and each pick's log-probabilities wait in ``pick.pending`` until
+    ``pick.emit()`` (called as its token is given out, on the thread that evaluates it) appends
+    them to ``sampling.record`` as numbers. ``pick.state()``: the arrays it carries to its next
+    call (evaluated before the sequence moves to another thread)."""
+    temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+    penalised = bool(sampling.presence_penalty or sampling.frequency_penalty)
+    k = sampling.logprobs
+    record = sampling.record if k is not None else None
+    state: dict[str, Any] = {"counts": None}
+    if temperature > 0:
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
+        state["key"] = mx.random.key(int(seed))
+    bias = None
+    if sampling.logit_bias:
+        ids, values = zip(*sampling.logit_bias)
+        bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
+    pending: collections.deque = collections.deque()
+
+    def choose(scaled: Any) -> Any:
+        if temperature <= 0:
+            return mx.argmax(scaled, axis=-1)
         state["key"], sub = mx.random.split(state["key"])
-        scaled = logits.astype(mx.float32) / temperature
+        scaled = scaled.astype(mx.float32) / temperature
         if top_p >= 1.0:
             return mx.random.categorical(scaled, key=sub)
         order = mx.argsort(-scaled, axis=-1)  # (1, vocab), most likely first
@@ -31,5 +48,47 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         choice = mx.random.categorical(ranked, key=sub)
         return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
-    pick.state = lambda: [state["key"]]  # type: ignore[attr-defined] - arrays it carries to its next call
+    def pick(logits: Any) -> Any:
+        shaped = logits
+        if penalised or bias is not None:
+            shaped = logits.astype(mx.float32)
+            if state["counts"] is not None:
+                counts = state["counts"]
+                shaped = shaped - (sampling.frequency_penalty * counts
+                                   + sampling.presence_penalty * (counts > 0).astype(mx.float32))
+            if bias is not None:
+                ids, values = bias
+                keep = ids < shaped.shape[-1]
+                shaped = shaped.at[:, mx.where(keep, ids, 0)].add(mx.where(keep, values, 0.0)[None, :])
+        token = choose(shaped)
+        if penalised:
+            counts = state["counts"]
+            if counts is None:
+                counts = mx.zeros((logits.shape[-1],), dtype=mx.float32)
+            state["counts"] = counts.at[token].add(1.0)
+        if record is not None:
+            raw = logits.astype(mx.float32)
+            raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (1, vocab)
+            chosen = mx.take_along_axis(raw, token[:, None], axis=-1)[0, 0]
+            top = mx.argsort(-raw[0])[:k] if k else None
+            pending.append((chosen, top, raw[0][top] if k else None))
+        return token
+
+    def emit() -> None:
+        """The oldest pending pick's log-probabilities, as numbers, onto the record."""
+        if record is None or not pending:
+            return
+        chosen, top, values = pending.popleft()
+        mx.eval(chosen, *(a for a in (top, values) if a is not None))
+        record.append((float(chosen.item()), list(zip(top.tolist(), values.tolist())) if top is not None else []))
+
+    def carried() -> list:
+        out = [state[key] for key in ("key", "counts") if state.get(key) is not None]
+        for chosen, top, values in pending:
+            out.extend(a for a in (chosen, top, values) if a is not None)
+        return out
+
+    pick.state = carried  # type: ignore[attr-defined]
+    pick.emit = emit  # type: ignore[attr-defined]
+    pick.pending = pending  # type: ignore[attr-defined]
     return pick

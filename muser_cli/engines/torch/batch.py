@@ -19,8 +19,8 @@ column) and each sequence's own absolute position (``position_ids``: RoPE sees w
 decode sees). transformers builds the per-layer masks from that 2-D mask in the padded
 coordinates (``kv_offset`` included, so the sliding window's distance is each sequence's own);
 a one-token step of a recurrent layer reads no mask. Each sequence then picks its token from
-its own row of the logits with its own picker (the solo path's ``_pick`` and its own seeded
-generator), stops at its end-of-sequence tokens or its token count; a finished or departed
+its own row of the logits with its own picker (the solo path's ``Picker``: its own seeded
+generator, penalty counts, bias and logprob record), stops at its end-of-sequence tokens or its token count; a finished or departed
 sequence is cut out (the cache rebuilt from the rows that stay, the leading columns no one
 needs trimmed), the others untouched.
 
@@ -81,7 +81,7 @@ class Entry:
     cache: Any  # its own DynamicCache, holding every position before ``position``
     first: int  # the token its own first step picked (not yet in its cache)
     position: int  # the absolute position ``first`` goes in (= rows the cache has seen)
-    pick: Callable[[torch.Tensor], int]  # its row's logits (vocab,) -> its token (its own generator)
+    pick: Callable[[torch.Tensor], int]  # its row's logits (vocab,) -> its token (its own Picker)
     max_tokens: int  # tokens to give out after ``first``
     eos: tuple[int, ...]
 

@@ -69,6 +69,7 @@ class TorchEngine(Engine):
     RING_EXTRA = 1
     _ring_ok = True
     _rope_order = False  # latent layers' rope keys reordered between the cache and a pack (latent.py)
+    shapes_logits = True  # penalties, logit_bias and logprobs: Picker
     batches_decode = True  # one left-padded transformers cache over the running sequences (torch/batch.py)
     _stepper: Any = None
     decodes_alone: str | None = None  # why this model's sequences decode alone beside others, or None
@@ -135,6 +136,7 @@ class TorchEngine(Engine):
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         progress: ProgressFn | None = None,
         on_chunk: ChunkFn | None = None,
+        anywhere: bool = False,
     ) -> list[LayerKV]:
         """Continue the canonical schedule from installed rows: ``layers`` hold the cache as of
         ``rows`` positions (a multiple of ``chunk_tokens``: a chunk boundary), ``token_ids`` are
@@ -142,7 +144,7 @@ class TorchEngine(Engine):
         tokens returns, byte for byte (every chunk sees the same inputs and shapes)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        ids = self._check_resume(rows, token_ids, chunk_tokens)
+        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Engine.prefill_from
         total = rows + len(ids)
         with self._session():
             ring = self.pack_ring_extra(total, rows)
@@ -450,7 +452,7 @@ class TorchEngine(Engine):
         check_first: Callable[[RowsOf], None] | None = None,
         may_batch: bool = False,
     ) -> DecodeResult:
-        generator = _generator(sampling)
+        pick = Picker(sampling)
         eos = set(self.info.eos_token_ids) if stop_on_eos else set()
         tokens: list[int] = []
         ttft = 0.0
@@ -461,7 +463,7 @@ class TorchEngine(Engine):
             logits = self._forward(feed, position, cache, keep=1)[0, -1]
             if step == 0 and check_first is not None:
                 check_first(self._rows_of(cache, position + len(feed)))
-            token = _pick(logits, sampling, generator)
+            token = pick(logits)
             position += len(feed)
             tokens.append(token)
             if step == 0:
@@ -471,8 +473,7 @@ class TorchEngine(Engine):
                         and not self.decodes_alone and self._batchable(cache)):
                     from muser_cli.engines.torch.batch import Entry  # lazy: pulls transformers
 
-                    entry = Entry(cache, token, position, lambda lg, s=sampling, g=generator: _pick(lg, s, g),
-                                  max_new_tokens - 1, tuple(eos))
+                    entry = Entry(cache, token, position, pick, max_new_tokens - 1, tuple(eos))
                     del cache, logits  # the batch copies the rows and drops the entry's cache
                     return self._batched(entry, on_token, first_done, ttft, stats, rows)
             if on_token is not None:
@@ -506,6 +507,55 @@ def _generator(sampling: Sampling) -> "torch.Generator | None":
         return None
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     return torch.Generator().manual_seed(int(seed))
+
+
+class Picker:
+    """One sequence's token picker: its seeded generator, the counts of the tokens it picked (the
+    penalties'), its bias, and its log-probability record (:class:`Sampling`'s rule). Without a
+    penalty, a bias or logprobs asked it is :func:`_pick` on the logits as they come."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.generator = _generator(sampling)
+        self.counts: torch.Tensor | None = None  # (vocab,) float32 once a penalty is asked
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        s = self.sampling
+        raw = torch.log_softmax(logits.float(), dim=-1) if s.logprobs is not None else None
+        shaped = shape_logits(logits, s, self.counts, self.bias) if s.shapes else logits
+        token = _pick(shaped, s, self.generator)
+        if s.presence_penalty or s.frequency_penalty:
+            if self.counts is None:
+                self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32)
+            self.counts[token] += 1
+        if raw is not None and s.record is not None:
+            s.record.append(logprobs_of(raw, token, s.logprobs or 0))
+        return token
+
+
+def shape_logits(logits: torch.Tensor, sampling: Sampling, counts: torch.Tensor | None,
+                 bias: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The logits a token is picked from: minus ``frequency * count + presence * (count > 0)`` of
+    each generated token, plus the bias (float32, a new tensor)."""
+    out = logits.float().clone()
+    if counts is not None:
+        out -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
+    if bias is not None:
+        ids, values = bias
+        keep = ids < out.shape[-1]
+        out.index_add_(0, ids[keep], values[keep])
+    return out
+
+
+def logprobs_of(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """``token``'s log-probability in ``row`` (a log-softmax) and the ``k`` most likely tokens'."""
+    top = torch.topk(row, k) if k else None
+    return float(row[token]), ([(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top is not None
+                               else [])
 
 
 def _pick(logits: "torch.Tensor", sampling: Sampling, generator: "torch.Generator | None") -> int:

@@ -86,6 +86,18 @@ MISTRAL = (
     "{%- endfor %}"
 )
 
+#: :data:`HERMES` whose generation prompt after the tools' answers ends with :data:`REPLY_MARK`, so a
+#: tool model made with ``reply`` (:func:`make_tool_model`) answers them in text, as a model that read
+#: them would, and an agent's loop ends: the first turn calls, the turn after the results answers.
+REPLY_MARK = "<answer>"
+HERMES_REPLY = HERMES.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if messages[-1].role == 'tool' %}{{- '" + REPLY_MARK + "' }}{%- endif %}{%- endif %}")
+assert HERMES_REPLY != HERMES
+#: The answer of a model made with ``reply`` after the tools' answers (its own tokens, as ANSWER's).
+REPLY = ["It is sunny", " in Paris", " at 14:05."]
+
 #: A template that says ``<tool_call>`` but writes nothing of the tools it is given.
 DEAF = "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}" \
        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}" \
@@ -105,27 +117,33 @@ ANSWER = ['<tool_call>\n{"name": "', "get_weather", '", "arguments": ', '{"city"
           '"}}\n</tool_call>\n<tool_call>\n{"name":"', "get_time", '","arguments":', '{"tz":"CET"}}\n</tool_call>']
 
 
-def make_tool_model(base, directory, template: str = HERMES):
+def make_tool_model(base, directory, template: str = HERMES, *, reply: list[str] | None = None):
     """A one-layer Llama that calls tools: a bigram model (each next token a function of the
     current one only: attention and MLP outputs zero, the head reading the token's own
     embedding), its table set so that after the assistant prompt it writes :data:`ANSWER` then
     ``<|im_end|>``, and after any token of ANSWER the one that follows it there. So a forced
     opening (``<tool_call>\\n{"name": "get_weather", "arguments": ``) is continued as ANSWER
     continues it. Its tokenizer: ``base``'s (the tiny model's) with ANSWER's tokens added and
-    ``template`` as its chat template. Returns the folder."""
+    ``template`` as its chat template. ``reply``: after :data:`REPLY_MARK` (which
+    :data:`HERMES_REPLY` writes after the tools' answers) it writes these tokens, then
+    ``<|im_end|>``. Returns the folder."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from muser_cli.model.resolve import add_top_level_rope_theta, quiet_transformers
 
     tok = AutoTokenizer.from_pretrained(str(base.path))
-    tok.add_tokens(ANSWER)
+    tok.add_tokens(ANSWER + ([REPLY_MARK] + reply if reply else []))
     tok.chat_template = template
     start = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                     tokenize=False)
     after_prompt = tok(start, add_special_tokens=False)["input_ids"][-1]
     seq = [after_prompt] + tok.convert_tokens_to_ids(ANSWER) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    assert len(set(seq)) == len(seq), "the answer's tokens must each be followed by one token"
+    chains = [seq]
+    if reply:
+        chains.append(tok.convert_tokens_to_ids([REPLY_MARK] + reply) + [seq[-1]])
+    heads = [t for chain in chains for t in chain[:-1]]
+    assert len(set(heads)) == len(heads), "the answer's tokens must each be followed by one token"
     hidden = 64
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -140,8 +158,9 @@ def make_tool_model(base, directory, template: str = HERMES):
         emb = model.model.embed_tokens.weight
         normed = emb / emb.pow(2).mean(-1, keepdim=True).add(config.rms_norm_eps).sqrt()
         head = torch.zeros_like(model.lm_head.weight)
-        for cur, nxt in zip(seq, seq[1:]):
-            head[nxt] += 30.0 * normed[cur] / hidden  # logit 30 for the next token, ~±4 for others
+        for chain in chains:
+            for cur, nxt in zip(chain, chain[1:]):
+                head[nxt] += 30.0 * normed[cur] / hidden  # logit 30 for the next token, ~±4 for others
         model.lm_head.weight.copy_(head)
         model.save_pretrained(str(directory))
         tok.save_pretrained(str(directory))

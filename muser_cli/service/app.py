@@ -1,7 +1,10 @@
 """``muser decode --serve``: the OpenAI-compatible endpoint (Starlette on uvicorn).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
-events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+events or not), ``POST /v1/messages`` (Anthropic's Messages API: :mod:`.messages`),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Each generation
+route is a *shape* (how a request is read and its answer, stream and errors written) around
+one path through the worker.
 Requests go to one :class:`~muser_cli.service.worker.EngineWorker`; a streamed answer starts
 with its first token, so its headers carry where the rows came from (``x-muser-source``),
 the TTFT (``x-muser-ttft-ms``) and the pack bytes shipped (``x-muser-bytes``), as does the
@@ -20,6 +23,7 @@ from typing import Any, Callable
 from muser_cli.errors import ConfigError, MuserError, UsageError
 from muser_cli.handoff.link import listen_error, parse_hostport
 from muser_cli.service.api import MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
+from muser_cli.service.messages import MessagesShape
 from muser_cli.service.tools import call_deltas
 from muser_cli.service.worker import Config, Draining, EngineWorker, Job
 from muser_cli.units import utc_stamp
@@ -41,10 +45,66 @@ class ClientGone(Exception):
     """The client closed its connection before its answer was sent (logged as a 499)."""
 
 
-def _error(exc: ApiError):
+def _error(exc: ApiError, shape: Any = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    body = exc.body() if shape is None else shape.error(exc)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+_KEY_NEEDED = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)"
+
+
+class OpenAIShape:
+    """``/v1/chat/completions`` (kind ``chat``) and ``/v1/completions``: OpenAI's request, answer,
+    stream chunks and errors (:mod:`.api`)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.endpoint = "chat" if kind == "chat" else "completions"
+
+    def parse(self, body: dict, *, default_max_tokens: int) -> Ask:
+        return parse_ask(body, self.kind, default_max_tokens=default_max_tokens)
+
+    def error(self, exc: ApiError) -> dict:
+        return exc.body()
+
+    def new_id(self, ask: Ask) -> str:
+        return new_id(ask.kind)
+
+    def whole(self, ask: Ask, rid: str, model: str, s: dict, calls: list[dict]) -> dict:
+        return response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), s["muser"], calls=calls)
+
+    def streamer(self, ask: Ask, rid: str, model: str, early: dict | None) -> _OpenAIStream:
+        return _OpenAIStream(ask, rid, model)
+
+
+class _OpenAIStream:
+    """One streamed OpenAI answer: each method gives the server-sent events of one event of the job."""
+
+    def __init__(self, ask: Ask, rid: str, model: str) -> None:
+        self.ask, self.rid, self.model = ask, rid, model
+
+    def start(self) -> list[bytes]:
+        ask, rid, model = self.ask, self.rid, self.model
+        return [sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else chunk(ask, rid, model, "", None))]
+
+    def text(self, piece: str) -> list[bytes]:
+        return [sse(chunk(self.ask, self.rid, self.model, piece, None))]
+
+    def call(self, call: dict) -> list[bytes]:  # a whole call: its name, then its arguments, as OpenAI streams them
+        return [sse(chunk(self.ask, self.rid, self.model, None, None, tool_calls=[delta])) for delta in call_deltas(call)]
+
+    def error(self, err: ApiError) -> list[bytes]:
+        return [sse(err.body())]
+
+    def done(self, s: dict) -> list[bytes]:
+        ask, rid, model = self.ask, self.rid, self.model
+        out = [sse(chunk(ask, rid, model, None if ask.chat else "", s["finish_reason"], muser=s["muser"]))]
+        if ask.include_usage:
+            out.append(sse(chunk(ask, rid, model, None, None, use=_usage(s))))
+        out.append(sse("[DONE]"))
+        return out
 
 
 def _internal(exc: BaseException) -> ApiError:
@@ -71,7 +131,10 @@ class Service:
         if not key:
             return True
         got = request.headers.get("authorization", "")
-        return got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), key.encode())
+        if got.startswith("Bearer "):
+            return hmac.compare_digest(got[7:].strip().encode(), key.encode())
+        got = request.headers.get("x-api-key")  # Anthropic's clients send their key so
+        return got is not None and hmac.compare_digest(got.strip().encode(), key.encode())
 
     def _count(self, endpoint: str, status: int, reason: ApiError | str | None = None, *,
                 logged: bool = False) -> None:
@@ -132,36 +195,39 @@ class Service:
 
     # ------------------------------------------------------------------ routes
     async def completions(self, request, kind: str):
-        endpoint = "chat" if kind == "chat" else "completions"
+        return await self.generate(request, OpenAIShape(kind))
+
+    async def generate(self, request, shape: Any):
+        """One generation request of ``shape``'s API (:class:`OpenAIShape`, :class:`MessagesShape`)."""
+        endpoint = shape.endpoint
         try:
             if self.draining:
                 raise Draining()
             if not self._authorized(request):
-                raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                               code="invalid_api_key")
-            ask = parse_ask(parse_body(await self._body(request)), kind,
-                            default_max_tokens=self.options.default_max_tokens)
+                raise ApiError(401, _KEY_NEEDED, code="invalid_api_key")
+            ask = shape.parse(parse_body(await self._body(request)), default_max_tokens=self.options.default_max_tokens)
             if ask.model and ask.model not in self.ids:
                 raise ApiError(404, f"the model {ask.model!r} does not exist here; this server serves "
                                     f"{self.options.model_id!r}", param="model", code="model_not_found")
-            return await self._generate(request, ask, endpoint)
+            return await self._generate(request, ask, shape)
         except ApiError as exc:
             self._count(endpoint, exc.status, exc)
-            return _error(exc)
+            return _error(exc, shape)
         except ClientGone as exc:  # nobody reads an answer now: a log line, not a traceback
             self._count(endpoint, 499, str(exc), logged=getattr(exc, "logged", False))
             from starlette.responses import Response
 
             return Response(status_code=499)
 
-    async def _generate(self, request, ask: Ask, endpoint: str):
+    async def _generate(self, request, ask: Ask, shape: Any):
         from starlette.responses import JSONResponse, StreamingResponse
 
+        endpoint = shape.endpoint
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         job = Job(ask, lambda kind, payload: loop.call_soon_threadsafe(queue.put_nowait, (kind, payload)))
         self.worker.submit(job)  # QueueFull / Draining: answered by the caller
-        rid, model = new_id(ask.kind), ask.model or self.options.model_id
+        rid, model = shape.new_id(ask), ask.model or self.options.model_id
         calls: list[dict] = []  # the answer's tool calls (a chat with tools)
         try:
             kind, payload = await self._next(queue, request, job)
@@ -181,34 +247,31 @@ class Service:
         if kind == "error":
             raise _internal(payload)
         if not ask.stream:
-            s = payload
+            s = _finished(payload, job)
             self._count(endpoint, 200)
-            body = response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), _muser(s), calls=calls)
-            return JSONResponse(body, headers=_headers(s))
+            return JSONResponse(shape.whole(ask, rid, model, s, calls), headers=_headers(s))
         first = (kind, payload)
+        state = getattr(job, "state", None)
+        out = shape.streamer(ask, rid, model, state.summary(state.ids, "") if state is not None else None)
 
         async def events():
             status = 499  # until the stream ends as it should: the client went away
             try:
-                yield sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else
-                          chunk(ask, rid, model, "", None))
+                for piece in out.start():
+                    yield piece
                 k, p = first
                 while k in ("text", "call"):
-                    if k == "text":
-                        yield sse(chunk(ask, rid, model, p, None))
-                    else:  # a whole call: its name, then its arguments, as OpenAI streams them
-                        for delta in call_deltas(p):
-                            yield sse(chunk(ask, rid, model, None, None, tool_calls=[delta]))
+                    for piece in (out.text(p) if k == "text" else out.call(p)):
+                        yield piece
                     k, p = await queue.get()
                 if k == "error":
                     err = _internal(p)
                     status = err.status
-                    yield sse(err.body())
+                    for piece in out.error(err):
+                        yield piece
                     return
-                yield sse(chunk(ask, rid, model, None if ask.chat else "", p["finish_reason"], muser=_muser(p)))
-                if ask.include_usage:
-                    yield sse(chunk(ask, rid, model, None, None, use=_usage(p)))
-                yield sse("[DONE]")
+                for piece in out.done(_finished(p, job)):
+                    yield piece
                 status = 200
             finally:
                 if status == 499:
@@ -231,8 +294,7 @@ class Service:
 
     async def models(self, request):
         if not self._authorized(request):
-            return _error(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                   code="invalid_api_key"))
+            return _error(ApiError(401, _KEY_NEEDED, code="invalid_api_key"))
         from starlette.responses import JSONResponse
 
         return JSONResponse({"object": "list", "data": [{"id": self.options.model_id, "object": "model",
@@ -250,8 +312,7 @@ class Service:
         from starlette.responses import Response
 
         if not self._authorized(request):  # every route but /health, as docs/serve.md says
-            return _error(ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                   code="invalid_api_key"))
+            return _error(ApiError(401, _KEY_NEEDED, code="invalid_api_key"))
 
         body, ctype = self.metrics.text()
         return Response(body, media_type=ctype.split(";")[0], headers={"content-type": ctype})
@@ -266,6 +327,9 @@ class Service:
         async def completions(request):
             return await self.completions(request, "completion")
 
+        async def messages(request):
+            return await self.generate(request, MessagesShape())
+
         async def not_found(request, exc):
             status = getattr(exc, "status_code", 404)
             return _error(ApiError(status, f"{request.method} {request.url.path}: "
@@ -274,10 +338,18 @@ class Service:
 
         routes = [Route("/v1/chat/completions", chat, methods=["POST"]),
                   Route("/v1/completions", completions, methods=["POST"]),
+                  Route("/v1/messages", messages, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.metrics_route, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+
+
+def _finished(s: dict, job: Job) -> dict:
+    """The worker's summary ``s`` of a finished answer, with what every shape writes of it: the
+    stop string that ended it (``stop_sequence``; None: none did) and the ``muser`` field."""
+    stream = getattr(getattr(job, "state", None), "stream", None)
+    return {**s, "stop_sequence": getattr(stream, "matched", None), "muser": _muser(s)}
 
 
 def _usage(s: dict) -> dict:

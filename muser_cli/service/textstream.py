@@ -22,6 +22,7 @@ class TextStream:
         self.ids: list[int] = []
         self.stop = [s for s in stop if s]
         self.stopped = False  # a stop string appeared: nothing more is emitted
+        self.matched: str | None = None  # the stop string that appeared (the earliest one)
         self._prefix = 0  # the window: ids[_prefix:_read] is the piece already emitted ...
         self._read = 0  # ... ids[_read:] are not emitted yet
         self._text = ""  # all text decided so far (before any holding back for stop strings)
@@ -61,7 +62,7 @@ class TextStream:
             at = self._text.find(s, max(0, self._sent - len(s) + 1))
             if at >= 0 and at < end:
                 end = at
-                self.stopped = True
+                self.stopped, self.matched = True, s
         if not self.stopped and not final and self.stop:  # a stop string may still be starting
             hold = max(len(s) for s in self.stop) - 1
             end = max(self._sent, len(self._text) - hold)

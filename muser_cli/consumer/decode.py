@@ -8,9 +8,10 @@ here) -> the engine's decode. Each step is a function below; the outcome is type
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.engines.base import Engine, Sampling
@@ -49,6 +50,17 @@ class Rows:
     local_rows: int | None = None  # ... and rows computed here
     cut_prefill_s: float = 0.0
     spot: dict | None = None  # the gate on a cut stream's kept rows
+
+
+@dataclass(eq=False)
+class Extra:
+    """One more sequence decoded from the same rows (``decode(more=...)``: a request's choices
+    after the first): its own sampling and token callback; decode fills ``result`` or ``error``."""
+
+    sampling: Sampling
+    on_token: Callable[[int], None] | None = None
+    result: Any = None  # the engine's DecodeResult
+    error: BaseException | None = None
 
 
 @dataclass
@@ -147,6 +159,7 @@ def decode(
     audit_seed: int | None = None,
     prompt_ids: list[int] | None = None,
     info: ModelInfo | None = None,
+    more: Sequence[Extra] = (),
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
@@ -157,6 +170,11 @@ def decode(
     ``prompt_ids`` and ``info``: the prompt already tokenized for this model (a service or a
     batch tokenizes each request once, and passes the ids and the loaded model's facts); else
     ``prompt`` is tokenized here for ``model``.
+
+    ``more``: sequences decoded from the same rows besides this one (:class:`Extra`, each on a
+    thread of its own beside this one's, while this one decodes: an engine that batches decode
+    steps steps them together); the rows are installed once per sequence (never adopted), and a
+    gate on them runs before the first step of any (not fused into one sequence's step).
 
     ``audit``: a pack made by another engine, in another dtype, quantized or with an
     unknown codec gets a numeric spot-check before its first token (its last position
@@ -192,7 +210,7 @@ def decode(
     stream = StreamedPack(src, spare_rows=spare) if src is not None else None
     run = _Run(stream=stream, t_begin=t_begin, max_new_tokens=max_new_tokens, engine=engine, threads=threads,
                chunk_tokens=chunk_tokens, reuse=reuse, progress=progress, audit=audit, strict=strict,
-               audit_seed=audit_seed, on_rows=on_rows)
+               audit_seed=audit_seed, on_rows=on_rows, more=list(more))
     _set_up(run, model=model, prompt=prompt, chat=chat, dtype=dtype, resident=resident, prompt_ids=prompt_ids,
             info=info)
     _rows_ready(run)
@@ -225,6 +243,7 @@ class _Run:
     strict: bool
     audit_seed: int | None
     on_rows: Callable[[Rows], None] | None
+    more: list[Extra] = field(default_factory=list)
     # _set_up
     info: ModelInfo | None = None
     ids: list[int] = field(default_factory=list)
@@ -342,7 +361,7 @@ def _rows_ready(run: _Run) -> None:
     on_rows = run.on_rows
     try:
         spot, gate, sampled = _spot_check(got, eng, engine=run.engine, dtype=run.dtype, audit=run.audit,
-                                          seed=run.audit_seed,
+                                          seed=run.audit_seed, fuse=not run.more,
                                           on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
     except SpotCheckFailed as exc:
         run.aside = _set_aside(exc, run.may_set_aside)
@@ -363,6 +382,8 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
     layers, rows, first_feed = got.layers, len(ids) - 1, [ids[-1]]
     if gate is not None:  # the spot-check rides in the first step: its positions are fed again
         layers, rows, first_feed = gate.prefix, gate.start, gate.token_ids + [ids[-1]]
+    if run.more:  # several sequences from these rows: none adopts them (no gate is fused: _rows_ready)
+        return _several(run, sampling=sampling, on_token=on_token)
     try:
         result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=run.max_new_tokens,
                             sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
@@ -388,6 +409,31 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
     if run.spot is not None and run.sampled is not None:
         run.spot["sampled"] = run.sampled
     return result
+
+
+def _several(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] | None) -> Any:
+    """This sequence and ``run.more``'s, each from its own install of the rows, the extra ones on
+    threads of their own; this one's result returned (or its exception raised) once all ended."""
+    got, eng, ids = run.got, run.eng, run.ids
+
+    def one(extra: Extra) -> None:
+        try:
+            extra.result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]],
+                                      max_new_tokens=run.max_new_tokens, sampling=extra.sampling,
+                                      on_token=extra.on_token, chunk_tokens=got.schedule)
+        except BaseException as exc:  # noqa: BLE001 - the caller reads it from the Extra
+            extra.error = exc
+
+    threads = [threading.Thread(target=one, args=(extra,), name=f"muser-choice-{i + 1}", daemon=True)
+               for i, extra in enumerate(run.more)]
+    for thread in threads:
+        thread.start()
+    try:
+        return eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=run.max_new_tokens,
+                          sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
+    finally:
+        for thread in threads:
+            thread.join()
 
 
 def _outcome(run: _Run, result: Any, *, stored: str | None, store_asked: bool, fallback_reason: str) -> DecodeOutcome:
@@ -425,7 +471,7 @@ def _set_aside(exc: DataError, allowed: bool) -> str:
 
 
 def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None, seed: int | None = None,
-                on_pass: Callable[[], None] | None = None) -> tuple[dict | None, SpotGate | None, dict | None]:
+                on_pass: Callable[[], None] | None = None, fuse: bool = True) -> tuple[dict | None, SpotGate | None, dict | None]:
     """The numeric gate before the first token of a pack this consumer would not have made
     itself: SpotCheckFailed (65) names the worst layer and the likely cause. Where it can,
     the gate is fused into the first decode step (returned, to be given to the engine;
@@ -455,7 +501,7 @@ def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int |
     # recomputation of the checked rows: equal within the tolerance, not in every bit (in
     # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps
     # its bit-exact decode, so a check asked for on one (--audit N) runs as a step of its own.
-    if reason is not None and SpotGate.fusable(pack, positions):
+    if fuse and reason is not None and SpotGate.fusable(pack, positions):
         return None, SpotGate(pack, engine, positions=positions, reason=why, on_pass=on_pass), sampled
     return spot_check(pack, eng, positions=positions, reason=why).to_json(), None, sampled
 

@@ -51,6 +51,12 @@ class Ask:
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, checked (chat only)
     tool_choice: str | dict[str, Any] = "auto"  # "auto" | "none" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool = True
+    n: int = 1  # choices, each its own sequence (choice i seeded seed + i)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids checked by the worker
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely (chat: top_logprobs)
+    user: str | None = None  # user / safety_identifier: written to the request's log line
 
     @property
     def chat(self) -> bool:
@@ -312,22 +318,91 @@ def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[s
                         "\"function\": {\"name\": ...}}", param="tool_choice")
 
 
+MAX_N = 8
+MAX_TOP_LOGPROBS = {"chat": 20, "completion": 5}
+MAX_LOGIT_BIAS = 300
+#: Fields accepted only with the value that asks for nothing (OpenAI's default, or what this server does).
+_ONLY = {"echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",), "prediction": (),
+         "audio": (), "modalities": (["text"],), "store": (False,), "metadata": ({},), "service_tier": (),
+         "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (),
+         "prompt_cache_key": (), "prompt_cache_options": (), "prompt_cache_retention": ()}
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "functions", "function_call",
+              "prediction", "audio", "modalities", "store", "metadata", "service_tier", "reasoning_effort",
+              "verbosity", "web_search_options", "moderation", "prompt_cache_key", "prompt_cache_options",
+              "prompt_cache_retention")
+_COMPLETION_ONLY = ("prompt", "echo", "suffix", "best_of")
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: token ids (decimal strings) -> a number in [-100, 100] added to the logit."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias must map up to {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
+                       param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            raise ApiError(400, f"logit_bias: {str(key)[:40]!r} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key}] must be a number in [-100, 100], got {value!r}"[:160],
+                           param="logit_bias")
+        if value:
+            out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Chat: ``logprobs`` true and ``top_logprobs`` 0..20; completions: ``logprobs`` 0..5."""
+    top = MAX_TOP_LOGPROBS[kind]
+    if kind != "chat":
+        if isinstance(body.get("logprobs"), bool):
+            raise ApiError(400, f"logprobs must be an integer in [0, {top}] on completions", param="logprobs")
+        return _int(body, "logprobs", 0, top)
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise ApiError(400, "logprobs must be true or false", param="logprobs")
+    k = _int(body, "top_logprobs", 0, top)
+    if k is not None and not asked:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (k or 0) if asked else None
+
+
 def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> Ask:
     """The request ``body`` of ``/v1/chat/completions`` (kind chat) or ``/v1/completions``."""
-    for key, ok in (("n", 1), ("best_of", 1)):
-        if body.get(key) not in (None, ok):
-            raise ApiError(400, f"{key} other than {ok} is not supported", param=key)
-    for key in ("echo", "logprobs", "top_logprobs", "suffix", "functions", "function_call", "logit_bias",
-                "prediction", "audio", "modalities"):
-        if body.get(key) not in (None, False, [], 0, {}):
-            raise ApiError(400, f"{key} is not supported by this server", param=key)
-    if kind != "chat":
-        for key in ("tools", "tool_choice", "parallel_tool_calls"):
-            if body.get(key) not in (None, [], "none"):
-                raise ApiError(400, f"{key} is a chat completions field (/v1/chat/completions)", param=key)
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # accepted only where they do nothing
-        if body.get(key) not in (None, 0, 0.0) or isinstance(body.get(key), bool):
-            raise ApiError(400, f"{key} other than 0 is not supported by this server", param=key)
+    for key in (_COMPLETION_ONLY if kind == "chat" else _CHAT_ONLY):
+        if body.get(key) is not None and not (kind != "chat" and key in ("tools",) and body[key] == []) \
+                and not (kind != "chat" and key == "tool_choice" and body[key] == "none"):
+            where = "/v1/completions" if kind == "chat" else "/v1/chat/completions"
+            what = "a completions" if kind == "chat" else "a chat completions"
+            raise ApiError(400, f"{key} is {what} field ({where})", param=key)
+    for key, ok in _ONLY.items():
+        if body.get(key) is not None and body[key] not in ok:
+            shown = json.dumps(body[key])[:60]
+            raise ApiError(400, f"{key} {shown} is not supported by this server", param=key)
+    n = _int(body, "n", 1, MAX_N) or 1
+    best_of = _int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, "best_of other than n is not supported (no choice is ranked here)", param="best_of")
+    if body.get("repetition_penalty") not in (None, 0, 0.0, 1, 1.0) or isinstance(body.get("repetition_penalty"), bool):
+        raise ApiError(400, "repetition_penalty is not supported (presence_penalty and frequency_penalty are)",
+                       param="repetition_penalty")
+    options = body.get("stream_options") or {}
+    if isinstance(options, dict):
+        extra = sorted(k for k, v in options.items() if k not in ("include_usage",) and
+                       not (k == "include_obfuscation" and v in (None, False)))
+        if extra:
+            raise ApiError(400, f"stream_options.{extra[0]} is not supported", param="stream_options")
+        if options and not body.get("stream"):
+            raise ApiError(400, "stream_options is only for stream: true", param="stream_options")
+    user = None
+    for key in ("user", "safety_identifier"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or len(value) > 256):
+            raise ApiError(400, f"{key} must be a string of up to 256 characters", param=key)
+        user = value if value is not None else user
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         kind = fmt.get("type") if isinstance(fmt, dict) else fmt
@@ -347,8 +422,8 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be a non-empty string", param="prompt")
-    n = _int(body, "max_completion_tokens", 1)
-    n = n if n is not None else _int(body, "max_tokens", 1)
+    most = _int(body, "max_completion_tokens", 1)
+    most = most if most is not None else _int(body, "max_tokens", 1)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -366,12 +441,47 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if body.get("parallel_tool_calls") is not None and not tools:
         raise ApiError(400, "parallel_tool_calls without tools is not supported", param="parallel_tool_calls")
-    return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=n or default_max_tokens,
+    return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=most or default_max_tokens,
+               n=n, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logit_bias=_logit_bias(body),
+               logprobs=_logprobs(body, kind), user=user,
                tools=tools, tool_choice=_tool_choice(body, tools) if kind == "chat" else "auto",
                parallel_tool_calls=parallel,
                temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
                seed=_int(body, "seed", 0), stop=stop, stream=stream, include_usage=bool(options.get("include_usage")),
                prefill_deadline=deadline)
+
+
+class Piece(str):
+    """A piece of an answer's text as the worker gives it out, with the choice it belongs to
+    (``choice``: its index) and its tokens' logprob entries (``logprobs``; None: not asked for)."""
+
+    choice: int
+    logprobs: list[dict[str, Any]] | None
+
+    def __new__(cls, text: str, choice: int = 0, logprobs: list[dict[str, Any]] | None = None) -> "Piece":
+        obj = super().__new__(cls, text)
+        obj.choice, obj.logprobs = choice, logprobs
+        return obj
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def logprobs_json(ask: Ask, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` in OpenAI's shape from the worker's entries: chat's ``content``
+    list (``token``, ``logprob``, ``bytes``, ``top_logprobs``), or completions' ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (one {token: logprob} a token) and ``text_offset``."""
+    if entries is None:
+        return None
+    if ask.chat:
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+                             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])}
+                                              for t in e["top"]]} for e in entries], "refusal": None}
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
 
 
 def new_id(kind: str) -> str:
@@ -384,8 +494,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, 
 
 
 def response(ask: Ask, rid: str, model: str, text: str | None, finish: str, use: dict, muser: dict, *,
-             calls: list[dict[str, Any]] = ()) -> dict[str, Any]:
-    """The whole (non-streamed) answer; ``calls``: its tool calls (``{"id", "name", "arguments"}``)."""
+             calls: list[dict[str, Any]] = (), choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The whole (non-streamed) answer; ``calls``: its tool calls (``{"id", "name", "arguments"}``);
+    ``choices``: the worker's choices (``{"index", "text", "finish_reason", "logprobs"}``) where
+    there are several or logprobs were asked for."""
+    if choices is not None:
+        out = response(ask, rid, model, text, finish, use, muser, calls=calls)
+        out["choices"] = [{**response(ask, rid, model, c["text"], c["finish_reason"], use, muser)["choices"][0],
+                           "index": c["index"], "logprobs": logprobs_json(ask, c["logprobs"])} for c in choices]
+        return out
     created = int(time.time())
     if ask.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -403,9 +520,11 @@ def response(ask: Ask, rid: str, model: str, text: str | None, finish: str, use:
 
 def chunk(ask: Ask, rid: str, model: str, text: str | None, finish: str | None, *, first: bool = False,
           use: dict | None = None, muser: dict | None = None,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          tool_calls: list[dict[str, Any]] | None = None, index: int = 0,
+          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk; ``use`` alone (no choice): the usage chunk of include_usage;
-    ``tool_calls``: the delta's tool call pieces (``{"index", "id"?, "type"?, "function"}``)."""
+    ``tool_calls``: the delta's tool call pieces (``{"index", "id"?, "type"?, "function"}``);
+    ``index``: the choice; ``logprobs``: its tokens' logprob entries (the worker's)."""
     created = int(time.time())
     if ask.chat:
         delta: dict[str, Any] = {}
@@ -415,10 +534,11 @@ def chunk(ask: Ask, rid: str, model: str, text: str | None, finish: str | None, 
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs_json(ask, logprobs)}]
         obj = "chat.completion.chunk"
     else:
-        choices = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+        choices = [{"index": index, "text": text or "", "finish_reason": finish,
+                    "logprobs": logprobs_json(ask, logprobs)}]
         obj = "text_completion"
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
     if use is not None:

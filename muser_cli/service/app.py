@@ -73,7 +73,8 @@ class OpenAIShape:
         return new_id(ask.kind)
 
     def whole(self, ask: Ask, rid: str, model: str, s: dict, calls: list[dict]) -> dict:
-        return response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), s["muser"], calls=calls)
+        return response(ask, rid, model, s["text"], s["finish_reason"], _usage(s), s["muser"], calls=calls,
+                        choices=s.get("choices"))
 
     def streamer(self, ask: Ask, rid: str, model: str, early: dict | None) -> _OpenAIStream:
         return _OpenAIStream(ask, rid, model)
@@ -87,10 +88,12 @@ class _OpenAIStream:
 
     def start(self) -> list[bytes]:
         ask, rid, model = self.ask, self.rid, self.model
-        return [sse(chunk(ask, rid, model, "", None, first=True) if ask.chat else chunk(ask, rid, model, "", None))]
+        return [sse(chunk(ask, rid, model, "", None, first=True, index=i) if ask.chat else
+                    chunk(ask, rid, model, "", None, index=i)) for i in range(ask.n)]
 
-    def text(self, piece: str) -> list[bytes]:
-        return [sse(chunk(self.ask, self.rid, self.model, piece, None))]
+    def text(self, piece: str) -> list[bytes]:  # a Piece (api.py): its choice and its tokens' logprobs
+        return [sse(chunk(self.ask, self.rid, self.model, piece, None, index=getattr(piece, "choice", 0),
+                          logprobs=getattr(piece, "logprobs", None)))]
 
     def call(self, call: dict) -> list[bytes]:  # a whole call: its name, then its arguments, as OpenAI streams them
         return [sse(chunk(self.ask, self.rid, self.model, None, None, tool_calls=[delta])) for delta in call_deltas(call)]
@@ -100,7 +103,10 @@ class _OpenAIStream:
 
     def done(self, s: dict) -> list[bytes]:
         ask, rid, model = self.ask, self.rid, self.model
-        out = [sse(chunk(ask, rid, model, None if ask.chat else "", s["finish_reason"], muser=s["muser"]))]
+        ends = [(c["index"], c["finish_reason"]) for c in s["choices"]] if s.get("choices") else \
+            [(0, s["finish_reason"])]
+        out = [sse(chunk(ask, rid, model, None if ask.chat else "", finish, index=i,
+                         muser=s["muser"] if i == ends[-1][0] else None)) for i, finish in ends]
         if ask.include_usage:
             out.append(sse(chunk(ask, rid, model, None, None, use=_usage(s))))
         out.append(sse("[DONE]"))

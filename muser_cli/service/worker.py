@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.consumer.costs import budget_split, costs_for, overrun, route
-from muser_cli.consumer.decode import decode
+from muser_cli.consumer.decode import Extra, decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
@@ -27,9 +27,9 @@ from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
-from muser_cli.model.tokens import chat_template_text, encode_prompt, skipped_tokens, tokenizer_for
+from muser_cli.model.tokens import chat_template_text, decode_text, encode_prompt, skipped_tokens, tokenizer_for
 from muser_cli.schedule import check_prompt, default_dtype
-from muser_cli.service.api import ApiError, Ask
+from muser_cli.service.api import ApiError, Ask, Piece
 from muser_cli.service.metrics import fallback_kind
 from muser_cli.service.textstream import TextStream
 from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
@@ -131,6 +131,7 @@ class EngineWorker:
         self.metrics = metrics
         self.log = log or (lambda record: None)
         self._store_warned = False
+        self._token_texts: dict[int, str] = {}
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
@@ -239,6 +240,7 @@ class EngineWorker:
                            code="context_length_exceeded") from None
         except MuserError as exc:
             raise ApiError(400, str(exc)) from None
+        self._check_sampling(ask, plan is not None and bool(plan.tools))
         state = _RunState(job, self)
         state.ids = ids
         state.tools = plan.stream() if plan is not None else None
@@ -260,8 +262,13 @@ class EngineWorker:
                 job.emit(kind, payload)
             if state.tools.error is not None:
                 raise state.tools.error
-        elif tail and not job.cancelled.is_set():
-            job.emit("text", tail)
+        elif (tail or state.first.unsent) and not job.cancelled.is_set():
+            job.emit("text", state.first.piece(tail))
+        state.first.finish_reason = finish
+        for extra, choice in zip(state.extras, state.choices[1:]):
+            if extra.error is not None and not isinstance(extra.error, _Stop):
+                raise extra.error
+            choice.end(finish == "cancelled")
         summary = state.summary(ids, finish)
         if state.tools is not None:
             summary["text"], summary["tool_calls"] = state.tools.content, len(state.tools.calls)
@@ -273,9 +280,37 @@ class EngineWorker:
         self._observe(state, summary)
         job.emit("done", summary)
 
+    def _check_sampling(self, ask: Ask, tools: bool) -> None:
+        """What the engine and the model cannot honour, refused (400) before anything runs."""
+        shaping = [k for k, v in (("presence_penalty", ask.presence_penalty), ("frequency_penalty",
+                                  ask.frequency_penalty), ("logit_bias", ask.logit_bias),
+                                  ("top_logprobs" if ask.chat and ask.logprobs else "logprobs",
+                                   ask.logprobs is not None)) if v]
+        if shaping and not self.engine.inner.shapes_logits:
+            raise ApiError(400, f"{shaping[0]} is not supported by the {self.config.engine} engine",
+                           param=shaping[0])
+        vocab = self.info.vocab_size
+        bad = [t for t, _ in ask.logit_bias if vocab and t >= vocab]
+        if bad:
+            raise ApiError(400, f"logit_bias: token id {bad[0]} is outside the model's vocabulary of {vocab}",
+                           param="logit_bias")
+        if tools and ask.n > 1:
+            raise ApiError(400, "n > 1 with tools is not supported", param="n")
+        if tools and ask.logprobs is not None:
+            raise ApiError(400, "logprobs with tools are not supported", param="logprobs")
+
+    def token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (special tokens written out; a token that is part
+        of a character: U+FFFD)."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = decode_text(self.info, [token], skip_special_tokens=False)
+        return text
+
     def _decode(self, job: Job, state: "_RunState", ids: list[int]):
         ask, c = job.ask, self.config
-        sampling = Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=ask.seed)
+        sampling = state.first.sampling()
+        state.extras = [Extra(choice.sampling(), choice.on_token) for choice in state.choices[1:]]
 
         def run(src, why: str):
             state.why, state.rows = why, None
@@ -283,7 +318,8 @@ class EngineWorker:
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
                           audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
-                          progress=self._chunk_done, prompt_ids=ids, info=self.info)  # tokenized once, in _run
+                          progress=self._chunk_done, prompt_ids=ids, info=self.info,  # tokenized once, in _run
+                          more=state.extras)
             return state.out
 
         state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
@@ -377,7 +413,8 @@ class EngineWorker:
         gone = s.get("finish_reason") == "cancelled"  # its client went away while it ran
         self.log({"event": "request", "status": 499 if gone else 200,
                   **({"reason": "the client went away while its answer was made"} if gone else {}),
-                  **{k: v for k, v in s.items() if k != "text"}})
+                  **{k: v for k, v in s.items() if k not in ("text", "choices")},
+                  **({"user": state.job.ask.user} if state.job.ask.user is not None else {})})
         if s.get("store_problems") and not self._store_warned:  # once: every answer's line says it too
             self._store_warned = True
             self.log({"event": "warning", "warning": f"the store could not keep an answer's rows "
@@ -410,7 +447,10 @@ class _RunState:
 
     def __init__(self, job: Job, worker: EngineWorker) -> None:
         self.job = job
-        self.stream = TextStream(worker.info, job.ask.stop)
+        self.choices = [_Choice(job, worker, i) for i in range(job.ask.n)]  # n: each its own sequence
+        self.first = self.choices[0]  # this state's own sequence (on_token); the others: decode's ``more``
+        self.extras: list[Extra] = []
+        self.stream = self.first.stream
         self.rows = None
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -446,6 +486,7 @@ class _RunState:
         self.last_token = now
         if self.job.cancelled.is_set():
             raise _Stop("the client went away")
+        self.first.took(token)
         piece = self.stream.push(token)
         if self.tools is not None:
             for kind, payload in self.tools.feed(self.markers.get(int(token), "") + piece):
@@ -453,7 +494,7 @@ class _RunState:
             if self.tools.done:
                 raise _Stop("the tool call asked for is complete, or it failed")
         elif piece:
-            self.job.emit("text", piece)
+            self.job.emit("text", self.first.piece(piece))
         if self.stream.stopped:
             raise _Stop("a stop string")
         self.turns.pass_turn()  # one step done: every other running request takes one
@@ -476,9 +517,85 @@ class _RunState:
         received = self.shipped or (self.counting.bytes if self.counting is not None else 0)
         return {"source": source, "producer": self.producer if shipped else None,
                 "ttft_ms": round(ttft, 3) if ttft is not None else None, "bytes": received,
-                "prompt_tokens": len(ids), "completion_tokens": len(self.stream.ids), "held_rows": held,
+                "prompt_tokens": len(ids), "completion_tokens": sum(len(c.stream.ids) for c in self.choices),
+                "held_rows": held,
                 "computed_rows": computed, "finish_reason": finish, "fallback_reason": reason,
-                "text": self.stream.text}
+                "text": self.stream.text, **self._choices()}
+
+    def _choices(self) -> dict[str, Any]:
+        """``choices``: each choice's text, finish and logprob entries, where there are several or
+        logprobs were asked for (else the summary's text and finish are the one choice's)."""
+        if len(self.choices) == 1 and self.job.ask.logprobs is None:
+            return {}
+        return {"choices": [{"index": c.index, "text": c.stream.text, "finish_reason": c.finish_reason,
+                             "logprobs": c.entries if c.record is not None else None} for c in self.choices]}
+
+
+class _Choice:
+    """One choice's sequence: its sampling (seeded ``seed + index``), its text, its logprob entries
+    (``{"id", "token", "logprob", "offset", "top": [{"id", "token", "logprob"}]}``: ``offset``, the
+    token's place in the choice's text as the tokens' own texts add up) and how it ended. The
+    first choice's tokens come through :meth:`_RunState.on_token`; the others' through
+    :meth:`on_token`, on the threads decode runs them on."""
+
+    def __init__(self, job: Job, worker: EngineWorker, index: int) -> None:
+        self.job, self.worker, self.index = job, worker, index
+        self.stream = TextStream(worker.info, job.ask.stop)
+        self.record: list | None = [] if job.ask.logprobs is not None else None  # the engine appends to it
+        self.entries: list[dict[str, Any]] = []
+        self.sent = 0  # entries given out with a piece
+        self.offset = 0
+        self.last: int | None = None
+        self.finish_reason: str | None = None
+
+    def sampling(self) -> Sampling:
+        ask = self.job.ask
+        seed = None if ask.seed is None else (ask.seed + self.index) % (1 << 63)
+        return Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=seed, presence_penalty=ask.presence_penalty,
+                        frequency_penalty=ask.frequency_penalty, logit_bias=ask.logit_bias, logprobs=ask.logprobs,
+                        record=self.record)
+
+    @property
+    def unsent(self) -> bool:
+        return self.sent < len(self.entries)
+
+    def took(self, token: int) -> None:
+        """The engine gave ``token`` (its logprobs, if asked, are on the record by now)."""
+        self.last = token
+        if self.record is None or len(self.entries) >= len(self.record):
+            return
+        logprob, top = self.record[len(self.entries)]
+        text = self.worker.token_text(token)
+        self.entries.append({"id": token, "token": text, "logprob": logprob, "offset": self.offset,
+                             "top": [{"id": t, "token": self.worker.token_text(t), "logprob": v} for t, v in top]})
+        self.offset += len(text)
+
+    def piece(self, text: str) -> str:
+        """``text`` as given out: with its index and the logprob entries not given out yet."""
+        if self.record is None and self.index == 0:
+            return text
+        entries, self.sent = self.entries[self.sent:], len(self.entries)
+        return Piece(text, self.index, entries if self.record is not None else None)
+
+    def on_token(self, token: int) -> None:
+        if self.job.cancelled.is_set():
+            raise _Stop("the client went away")
+        self.took(token)
+        piece = self.stream.push(token)
+        if piece:
+            self.job.emit("text", self.piece(piece))
+        if self.stream.stopped:
+            raise _Stop("a stop string")
+        self.worker.turns.pass_turn()
+
+    def end(self, cancelled: bool) -> None:
+        """The sequence ended: its held-back text (and logprobs) given out, its finish reason."""
+        eos = self.last is not None and self.last in self.worker.info.eos_token_ids
+        self.finish_reason = "cancelled" if cancelled else "stop" if self.stream.stopped or eos else "length"
+        tail = self.stream.finish()
+        if (tail or self.unsent) and not cancelled:
+            self.job.emit("text", self.piece(tail))
+
 
 
 __all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull"]

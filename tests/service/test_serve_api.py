@@ -81,7 +81,7 @@ def test_streamed_chat_equals_the_whole_answer(client):
     (b"[1, 2]", 400, None),
     (b'{"model": "tiny", "prompt": ""}', 400, None),
     (b'{"model": "tiny", "prompt": "hi there", "temperature": -1}', 400, None),
-    (b'{"model": "tiny", "prompt": "hi there", "n": 2}', 400, None),
+    (b'{"model": "tiny", "prompt": "hi there", "n": 9}', 400, None),
     (b'{"model": "other", "prompt": "hi there"}', 404, "model_not_found"),
     (b'{"model": "tiny", "prompt": "hi there", "max_tokens": 100000}', 400, "context_length_exceeded"),
 ])

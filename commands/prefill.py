@@ -141,7 +141,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
         if kind == "listening":
             say(f"prefill: listening on {f['address']}")
         elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error",
-                      "warmed", "promise") and as_json:
+                      "warmed", "promise", "paused") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
             sys.stderr.flush()
         elif kind == "request":
@@ -155,6 +155,9 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
             rates = " ".join(f"{d} {f[d + '_bytes'] / f[d + '_s'] / 1e6:.0f} MB/s" for d in ("up", "down")
                              if f.get(d + "_s"))
             say(f"prefill: link probe {f.get('outcome')} from {f.get('peer')}: {rates or f.get('reason', '')}")
+        elif kind == "paused":
+            say(f"prefill: paused {f.get('request_id') or ''} at a chunk boundary for {f.get('paused_s')} s: a "
+                f"shorter request with an earlier deadline went first")
         elif kind == "tls_failed":  # counted in the summary's "refused"
             say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
         elif kind == "warmed":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.engines.base import Engine, RowsOf
 from muser_cli.errors import DataError, UsageError
@@ -135,16 +135,35 @@ class Produced:
     emit_s: float  # of which frames written while computing
     first_frame: float | None  # perf_counter: the first frame left (streaming engines)
     cpu_s: float = 0.0  # the producing thread's CPU time making the rows (frames excluded): the work, not the waits
+    paused_s: float = 0.0  # given up to other requests at chunk boundaries (``between``): not in prefill_s
 
     @property
     def layers(self) -> list[LayerKV]:
         return self.rows.layers
 
 
-def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: PackSink) -> Produced:
+class _Between:
+    """An ``on_chunk`` callback: the frames of the chunk out (:class:`FrameEmitter`), then
+    ``between()`` (the resident producer's preemption point), its seconds counted apart."""
+
+    def __init__(self, emitter: FrameEmitter, between: Callable[[], None]) -> None:
+        self.emitter, self.between = emitter, between
+        self.seconds = 0.0
+
+    def __call__(self, done: int, rows_of: RowsOf) -> None:
+        self.emitter(done, rows_of)
+        t0 = time.perf_counter()
+        self.between()
+        self.seconds += time.perf_counter() - t0
+
+
+def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: PackSink, *,
+                 between: Callable[[], None] | None = None) -> Produced:
     """Write ``job``'s pack to ``sink``. ``sources``: the row sources to take a held prefix
     from, in order (each asked only for a deeper one), then the :class:`EngineRows` that
-    computes the rest; a source with ``remember`` is told the rows made."""
+    computes the rest; a source with ``remember`` is told the rows made. ``between``: called
+    after each chunk's frames left, on an engine that streams its prefill (it may block: the
+    request pauses there; that time is ``paused_s``, not ``prefill_s``)."""
     *held, engine = sources
     assert isinstance(engine, EngineRows), "the last row source computes: EngineRows"
     eng = engine.eng
@@ -170,8 +189,9 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
     if writer is not None:
         sink.out.flush()  # the header leaves before the first chunk is computed
         emitter = FrameEmitter(writer, sink.out)
+    pauses = _Between(emitter, between) if emitter is not None and between is not None else None
     made = gather_rows(job.ids, held, engine, dtype=job.dtype, chunk_tokens=job.chunk_tokens,
-                       ring_extra=full.ring_extra, on_chunk=emitter)
+                       ring_extra=full.ring_extra, on_chunk=pauses or emitter)
     for source in held:
         if hasattr(source, "remember") and eng.resumes_prefill:
             source.remember(job.ids, dtype=job.dtype, chunk_tokens=job.chunk_tokens, layers=made.layers)
@@ -188,10 +208,11 @@ def produce_pack(job: PackJob, sources: Sequence[RowSource | EngineRows], sink: 
         writer.finish()
     sink.out.flush()
     emit_s = emitter.seconds if emitter is not None else 0.0
+    paused_s = pauses.seconds if pauses is not None else 0.0
     return Produced(header=writer.header, full=full, rows=made, bytes_written=writer.bytes_written, started=t0,
-                    prefill_s=t1 - t0 - emit_s, write_s=emit_s + time.perf_counter() - t1, emit_s=emit_s,
+                    prefill_s=t1 - t0 - emit_s - paused_s, write_s=emit_s + time.perf_counter() - t1, emit_s=emit_s,
                     first_frame=emitter.first_frame_s if emitter is not None else None,
-                    cpu_s=max(0.0, c1 - c0 - (emitter.cpu_s if emitter is not None else 0.0)))
+                    cpu_s=max(0.0, c1 - c0 - (emitter.cpu_s if emitter is not None else 0.0)), paused_s=paused_s)
 
 
 def check_state_every(info: ModelInfo, state_every: int) -> None:
@@ -231,4 +252,6 @@ def stats_of(made: Produced, job: PackJob) -> dict[str, Any]:
                              "reused_rows": rows.held, "reused_from": rows.origin if rows.held else None}
     if rows.batch is not None:
         stats["batch"] = rows.batch  # computed together with batch - 1 other requests
+    if made.paused_s:
+        stats["paused_s"] = round(made.paused_s, 6)  # other requests computed meanwhile (preempted)
     return stats

@@ -75,6 +75,9 @@ class ProducerMetrics:
                            registry=r)
         self.promises = Counter("muser_producer_promises", "Answers to requests with a budget: promised or late",
                                 ["outcome"], registry=r)
+        self.preemptions = Counter("muser_producer_preemptions",
+                                   "Requests paused at a chunk boundary so a shorter one with an earlier deadline "
+                                   "went first", registry=r)
         self.rate = Gauge("muser_producer_prefill_tokens_per_second",
                           "Measured prefill rate by depth (the end position's power-of-two bucket)", ["depth"],
                           registry=r)
@@ -92,6 +95,8 @@ class ProducerMetrics:
             self._rates(f.get("rates"))
         elif kind == "admitted":
             self.queue.set(_num(f.get("queue")))
+        elif kind == "paused":
+            self.preemptions.inc()
         elif kind == "warmed" or kind == "rates":
             self._rates(f.get("rates"))
         elif kind == "request":

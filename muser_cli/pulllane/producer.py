@@ -240,10 +240,19 @@ class ResidentProducer:
             req = have_on_grid(req, scope)
         return req
 
-    def run(self, req: PullRequest, out: BinaryIO) -> dict[str, Any]:
+    @property
+    def preempts(self) -> bool:
+        """Whether a request may pause at a chunk boundary for another (the server's
+        admission): one request at a time, on an engine that streams its prefill chunk by chunk."""
+        return self._batcher is None and self.engine.streams_prefill
+
+    def run(self, req: PullRequest, out: BinaryIO, pause: Callable[[], None] | None = None) -> dict[str, Any]:
         """Compute ``req`` and write its pack to ``out``: a delta from ``req.have_tokens`` when the
         consumer holds a prefix. The rows of the previous request are kept: a prompt that
-        shares whole chunks with it is continued from there (same bytes, less compute)."""
+        shares whole chunks with it is continued from there (same bytes, less compute).
+        ``pause`` (:attr:`preempts`): called after each chunk's frames left; while it blocks,
+        other requests compute on this engine (its cache is this request's own; the settings
+        this request set on the engine are set again when it returns)."""
 
         ids = list(req.token_ids)
         eng = self.engine
@@ -258,7 +267,15 @@ class ResidentProducer:
             # a consumer on this very engine runs no numeric gate: the sliding history would be bytes for nothing
             eng.history = self.history and req.engine != self.engine_name
         self._local.put = None
-        made = produce_pack(job, [*sources, EngineRows(eng, batched=batched)], PackSink(out))
+        between = None
+        if pause is not None and batched is None:
+            mine = eng.history
+
+            def between() -> None:
+                pause()
+                eng.history = mine  # what a request computed meanwhile set is undone
+
+        made = produce_pack(job, [*sources, EngineRows(eng, batched=batched)], PackSink(out), between=between)
         rows = made.rows
         if self.store and not (rows.origin == "store" and rows.held == len(ids) - 1):  # a full hit is held already
             self._local.put = (made.full, made.layers)

@@ -10,6 +10,14 @@ none: after those with one; ties to the consumer that waited longest since its l
 the oldest request). So a consumer that floods the producer never starves another (A flooding
 with three waiting, then B with two: A, B, A, B, A), and a request with a tight deadline overtakes
 a relaxed one of another consumer within the round.
+
+**Preemption at chunk boundaries**: a running request's compute asks :meth:`Admission.preempt_for`
+between two chunks whether the request next in that order should pass it -- one with an earlier
+deadline whose expected compute is short (at most :data:`PREEMPT_MAX_S`: the paused stream's
+consumer sees no frame meanwhile) -- and if so :meth:`Admission.pause` gives its turn up and
+waits to take it back. A paused request goes before every waiting one whose deadline is not
+earlier than its own (so it resumes right after what passed it); its rows stay exact: its
+cache is its own, and the chunks it computes after the pause are the ones it would have.
 """
 
 from __future__ import annotations
@@ -33,10 +41,28 @@ class Ticket:
     seq: int = 0
 
 
+#: The longest expected compute (seconds) of a request that may pass a running one at a chunk
+#: boundary: the paused stream's consumer waits that long for its next frame.
+PREEMPT_MAX_S = 5.0
+
+
 @dataclass(eq=False)
-class _Running:
+class Turn:
+    """A request's turn (running or paused): when it started, its expected cost and deadline,
+    the thread that entered (the one that leaves), and how often and how long it paused."""
+
     started: float
     cost_s: float | None
+    deadline: float = math.inf
+    thread: int = 0
+    paused: int = 0
+    paused_s: float = 0.0
+    paused_at: float | None = None  # while paused: since when
+
+    def ran_s(self, now: float) -> float:
+        """Seconds it computed (its pauses left out)."""
+        pausing = now - self.paused_at if self.paused_at is not None else 0.0
+        return now - self.started - self.paused_s - pausing
 
 
 @dataclass
@@ -57,7 +83,8 @@ class Admission:
     def __init__(self, slots: int) -> None:
         self.slots = max(1, int(slots))
         self._cv = threading.Condition()
-        self._running: list[tuple[int, _Running]] = []  # (the thread that entered, its turn)
+        self._running: list[Turn] = []
+        self._paused: list[Turn] = []  # turns given up at a chunk boundary, to be taken back
         self._probing = False
         self._probe_waiting = 0  # a waiting probe holds new requests back, so it is not starved
         self._queues: OrderedDict[str, _Queue] = OrderedDict()  # consumer -> its waiting tickets
@@ -85,7 +112,9 @@ class Admission:
         if self._probing or self._probe_waiting or len(self._running) >= self.slots:
             return False
         nxt = self._order_key(self._queues)
-        return nxt is not None and nxt[0] == who and nxt[1] is ticket
+        if nxt is None or nxt[0] != who or nxt[1] is not ticket:
+            return False
+        return all(ticket.deadline < t.deadline for t in self._paused)  # a paused one goes first
 
     def enter(self, probe: bool, timeout: float | None = 0.0, who: str = "", *, deadline: float = math.inf,
               cost_s: float | None = None) -> bool:
@@ -119,7 +148,7 @@ class Admission:
                 if probe:
                     self._probing = True
                 else:
-                    self._running.append((threading.get_ident(), _Running(time.monotonic(), cost_s)))
+                    self._running.append(Turn(time.monotonic(), cost_s, deadline, threading.get_ident()))
                 served = True
                 return True
             finally:
@@ -147,10 +176,61 @@ class Admission:
                 self._probing = False
             else:
                 me = threading.get_ident()
-                at = next((i for i, (t, _) in enumerate(self._running) if t == me), 0)
+                at = next((i for i, t in enumerate(self._running) if t.thread == me), 0)
                 if self._running:
                     self._running.pop(at)
             self._cv.notify_all()
+
+    # -------------------------------------------------------------- preemption
+    def turn(self) -> Turn | None:
+        """The running turn the calling thread entered (None: it holds none)."""
+        me = threading.get_ident()
+        with self._cv:
+            return next((t for t in self._running if t.thread == me), None)
+
+    def preempt_for(self, turn: Turn) -> bool:
+        """Whether ``turn`` should give its turn up now (module doc): the request next in order
+        has an earlier deadline and a known compute of at most :data:`PREEMPT_MAX_S`."""
+        with self._cv:
+            if turn not in self._running or self._probing or self._probe_waiting:
+                return False
+            nxt = self._order_key(self._queues)
+            if nxt is None:
+                return False
+            t = nxt[1]
+            return t.deadline < turn.deadline and t.cost_s is not None and t.cost_s <= PREEMPT_MAX_S
+
+    def yield_turn(self, turn: Turn) -> float | None:
+        """At a chunk boundary: pause ``turn`` when :meth:`preempt_for` says so; the seconds it
+        was paused (None: it went on)."""
+        return self.pause(turn) if self.preempt_for(turn) else None
+
+    def pause(self, turn: Turn) -> float:
+        """Give ``turn`` up and wait to take it back (module doc); the seconds it was paused.
+        Called by the thread computing for it (not necessarily the one that entered)."""
+        with self._cv:
+            t0 = turn.paused_at = time.monotonic()
+            self._running.remove(turn)
+            self._paused.append(turn)
+            self._cv.notify_all()
+            try:
+                while not self._resumable(turn):
+                    self._cv.wait(0.2)
+            finally:
+                self._paused.remove(turn)
+                self._running.append(turn)
+                waited = time.monotonic() - t0
+                turn.paused, turn.paused_s, turn.paused_at = turn.paused + 1, turn.paused_s + waited, None
+                self._cv.notify_all()
+        return waited
+
+    def _resumable(self, turn: Turn) -> bool:
+        if self._probing or self._probe_waiting or len(self._running) >= self.slots:
+            return False
+        if min(self._paused, key=lambda t: t.deadline) is not turn:
+            return False
+        nxt = self._order_key(self._queues)
+        return nxt is None or not nxt[1].deadline < turn.deadline
 
     # -------------------------------------------------------------- the promise
     def waiting(self) -> int:
@@ -167,12 +247,16 @@ class Admission:
         now = time.monotonic()
         with self._cv:
             free = []
-            for _, r in self._running:
+            for r in self._running:
                 cost = r.cost_s if r.cost_s is not None else default_s
-                ran = now - r.started
+                ran = r.ran_s(now)
                 free.append(cost - ran if ran < cost else ran)
             free += [0.0] * (self.slots - len(free))
             heapq.heapify(free)
+            for r in sorted(self._paused, key=lambda t: t.deadline):  # each resumes on the first free slot
+                cost = r.cost_s if r.cost_s is not None else default_s
+                ran = r.ran_s(now)
+                heapq.heappush(free, heapq.heappop(free) + (cost - ran if ran < cost else ran))
             queues: OrderedDict[str, _Queue] = OrderedDict(
                 (w, _Queue(list(q.tickets), q.turns)) for w, q in self._queues.items())
         mine = Ticket(deadline, cost_s, 1 << 62)
@@ -198,4 +282,4 @@ class Admission:
                 queues.move_to_end(w)
 
 
-__all__ = ["Admission", "Ticket"]
+__all__ = ["PREEMPT_MAX_S", "Admission", "Ticket", "Turn"]

@@ -56,7 +56,7 @@ from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
 from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, continue_as_v3, server_context
 from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
-from muser_cli.handoff.pull.admission import Admission
+from muser_cli.handoff.pull.admission import Admission, Turn
 from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
 from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.trust.ledger import LedgerError, Record
@@ -88,6 +88,9 @@ class Compute(Protocol):
     #: How many requests ``run`` may be given at once (the server's admission): 1 on torch and
     #: MLX; the batch size on an engine that batches (vLLM). Read once, when the server is made.
     max_concurrent: int
+    #: Whether ``run`` takes ``pause``, called between chunks, where the request may give its
+    #: turn to a shorter one with an earlier deadline (issue #39; the admission decides).
+    preempts: bool
 
     def check(self, request: PullRequest) -> PullRequest | None:
         """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve.
@@ -95,7 +98,9 @@ class Compute(Protocol):
 
     def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
         """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
-        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once."""
+        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once.
+        One that ``preempts`` is called with ``pause=`` too: a callable for between two chunks
+        (it returns when the request has its turn again)."""
 
     def after_stream(self, stats: dict[str, Any]) -> None:
         """Called once ``run``'s ``out`` is closed (work the consumer should not wait for, such
@@ -114,6 +119,7 @@ class ComputeDefaults:
     request at a time, nothing after the stream, no estimate."""
 
     max_concurrent: int = 1
+    preempts: bool = False
 
     def after_stream(self, stats: dict[str, Any]) -> None:
         return None
@@ -132,12 +138,13 @@ class _WithDefaults(ComputeDefaults):
     def __init__(self, compute: Any) -> None:
         self.compute = compute
         self.max_concurrent = getattr(compute, "max_concurrent", ComputeDefaults.max_concurrent)
+        self.preempts = bool(getattr(compute, "preempts", ComputeDefaults.preempts))
 
     def check(self, request: PullRequest) -> PullRequest | None:
         return self.compute.check(request)
 
-    def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
-        return self.compute.run(request, out)
+    def run(self, request: PullRequest, out: BinaryIO, **kw: Any) -> dict[str, Any]:
+        return self.compute.run(request, out, **kw)
 
     def after_stream(self, stats: dict[str, Any]) -> None:
         after = getattr(self.compute, "after_stream", None)
@@ -455,7 +462,7 @@ class PullServer(Listener):
             self._emit("admitted", peer=who, request_id=req.request_id, key_id=req.key_id, tokens=len(req.token_ids),
                        consumer=consumer, queue=self._admit.waiting(),
                        **({"budget_ms": req.budget_ms} if req.budget_ms is not None else {}))
-            self._stream(link, who, req, identity)
+            self._stream(link, who, req, identity, self._admit.turn())
         finally:
             self._admit.leave(probe)
 
@@ -546,8 +553,22 @@ class PullServer(Listener):
         self._emit("probe", outcome=outcome, total_s=round(time.monotonic() - t0, 6), **fields,
                    **({"reason": reason} if reason else {}))
 
-    def _stream(self, link: Link, who: str, req: PullRequest, identity: Identity) -> None:
+    def _pause_point(self, req: PullRequest, turn: Turn | None):
+        """The ``pause`` a preempting compute calls between chunks (None: it may not pause):
+        gives the turn to the request next in order when the admission says so, logged."""
+        if turn is None or not self.compute.preempts:
+            return None
+
+        def pause() -> None:
+            waited = self._admit.yield_turn(turn)
+            if waited is not None:
+                self._emit("paused", request_id=req.request_id, consumer=req.consumer, paused_s=round(waited, 6))
+
+        return pause
+
+    def _stream(self, link: Link, who: str, req: PullRequest, identity: Identity, turn: Turn | None = None) -> None:
         t0 = time.monotonic()
+        pause = self._pause_point(req, turn)
         link.send(Serving(), "admitting the request")
         continue_as_v3(link, Role.SENDER)  # the rest of the connection is one V3 handoff, we are its sender
         link.idle_s = self.config.idle_s
@@ -567,7 +588,8 @@ class PullServer(Listener):
         def work() -> None:
             try:
                 with open(w, "wb") as out:
-                    box["stats"] = self.compute.run(req, out)
+                    box["stats"] = (self.compute.run(req, out) if pause is None else
+                                    self.compute.run(req, out, pause=pause))
                 self.compute.after_stream(box["stats"])  # the pipe is closed: the consumer does not wait on this
             except BaseException as exc:  # noqa: BLE001 - reported through the stream's end
                 box["error"] = exc

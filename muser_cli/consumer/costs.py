@@ -13,7 +13,7 @@ last promise -- kept in memory for the process and in ``<data dir>/costs/<key>.j
 runs (a cache: a file that cannot be read or written is ignored). :meth:`CostModel.predict`
 gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_whole``,
 ``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
-``MUSER_ROUTE=fastest``; the default, ``producer``, asks whenever a producer is given, as before)
+``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given)
 and the budget to ask with. :func:`budget_split` divides one answer's TTFT into its components.
 """
 
@@ -266,10 +266,11 @@ def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> 
 
 
 def route_mode() -> str:
-    """``MUSER_ROUTE``: ``producer`` (the default: ask a producer whenever one is given) or
-    ``fastest`` (ask only when the prediction says it is faster, with the budget to beat local)."""
-    value = os.environ.get(ROUTE_ENV, "").strip().lower() or "producer"
-    return value if value in ROUTES else "producer"
+    """``MUSER_ROUTE``: ``fastest`` (the default: ask a producer only when the prediction says
+    it is faster, with the budget to beat local) or ``producer`` (ask whenever one is given:
+    the lane's mechanics, whatever the prediction). Anything else counts as the default."""
+    value = os.environ.get(ROUTE_ENV, "").strip().lower()
+    return value if value in ROUTES else "fastest"
 
 
 def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,

@@ -37,12 +37,13 @@ def lane(tmp_path_factory, tiny_llama):
         yield lane
 
 
-def decode(lane, prompt_path, *extra: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+def decode(lane, prompt_path, *extra: str, env_extra: dict | None = None,
+           env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
+    base = env_for(lane["nodes"].consumer_home) if env is None else env
     r = subprocess.run(muser_cmd("decode", *lane["common"], "--chunk", str(CHUNK), "--prompt", str(prompt_path),
                                  "-n", "4", "--no-reuse", "--json", "--producer", lane["producer"].address, *extra),
-                       env={**env_for(lane["nodes"].consumer_home), **(env_extra or {})}, capture_output=True,
-                       timeout=HANG_S)
+                       env={**base, **(env_extra or {})}, capture_output=True, timeout=HANG_S)
     return r, time.monotonic() - t0
 
 
@@ -137,11 +138,14 @@ def test_prediction_and_split_add_up():
 
 
 # ----------------------------------------------------------------------------- real processes
-def test_a_short_prompt_stays_local_while_a_producer_is_up(lane, tmp_path):
+@pytest.mark.parametrize("mode", ["fastest", None])  # None: MUSER_ROUTE unset, the default
+def test_a_short_prompt_stays_local_while_a_producer_is_up(lane, tmp_path, mode):
     short = tmp_path / "short.txt"
     short.write_text("Hello there.")
     before = len(lane["producer"].events("request")) + len(lane["producer"].events("promise"))
-    r, _ = decode(lane, short, env_extra={"MUSER_ROUTE": "fastest"})
+    env = env_for(lane["nodes"].consumer_home)
+    env.pop("MUSER_ROUTE", None)
+    r, _ = decode(lane, short, env_extra=None if mode is None else {"MUSER_ROUTE": mode}, env=env)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["source"] == "local", got

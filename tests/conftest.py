@@ -39,11 +39,19 @@ def muser_home(tmp_path, monkeypatch, shared_models_dir) -> Path:
     home = tmp_path / "muser-home"
     monkeypatch.setenv("MUSER_HOME", str(home))
     monkeypatch.setenv("MUSER_MODELS", str(shared_models_dir))
-    # The pull lane's tests ask the producer they start whatever the cost model predicts (a tiny
-    # model's short prompts would all stay local by default); the route's own tests
-    # (tests/pulllane/test_budget.py) set MUSER_ROUTE themselves, or drop it for the default.
-    monkeypatch.setenv("MUSER_ROUTE", "producer")
     return home
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _route_producer():
+    """The pull lane's tests ask the producer they start whatever the cost model predicts (a tiny
+    model's short prompts would all stay local by default), module-scoped servers included; the
+    route's own tests (tests/pulllane/test_budget.py) set MUSER_ROUTE themselves, or drop it for
+    the default."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MUSER_ROUTE", "producer")
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session")

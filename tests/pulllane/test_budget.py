@@ -182,6 +182,31 @@ def test_not_in_time_sends_the_consumer_to_local_prefill_at_once(lane):
     assert any(e["outcome"] == "late" for e in prod.events("request"))
 
 
+def test_a_broken_promise_is_cut_and_the_consumer_prefills_here(lane):
+    """Hedging: the local path is known to be very slow here (2 tokens/s), so the consumer asks
+    with a generous budget, and the producer promises a start (the request holding its turn was
+    expected to end soon). The turn stays held: once the promise, a quarter more and half a
+    second have passed, the consumer cuts the pull and prefills here -- long before its 120 s
+    --timeout -- with the same tokens a local decode gives."""
+    seed_costs(lane, local_tps={"64": 2.0, "128": 2.0})
+    prod = lane["producer"]
+    ident, request = signed_request(lane)
+    with held_pull(ident, prod.address, request) as answer:
+        assert type(answer).__name__ == "Serving"
+        before = len(prod.events("promise"))
+        r, took = decode(lane, lane["prompt"], "--timeout", "120", env_extra={"MUSER_ROUTE": "fastest"})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    promised = prod.wait_events(before + 1, "promise")[before:]
+    assert [e["outcome"] for e in promised] == ["promised"], promised
+    assert got["source"] == "local" and got["fallback"], got
+    assert "broke its promise" in got["fallback_reason"], got
+    assert took < 100, took  # cut at the promise, not at the --timeout
+    local, _ = decode(lane, lane["prompt"], env_extra={"MUSER_ROUTE": "producer"})  # the producer free again
+    assert local.returncode == 0, local.stderr
+    assert got["token_ids"] == json.loads(local.stdout)["token_ids"]
+
+
 def test_a_producer_orders_queued_requests_by_deadline(lane):
     """Two requests of one consumer wait while the turn is held: the one sent second, with the
     tighter budget, is admitted first; each was promised a start at once."""

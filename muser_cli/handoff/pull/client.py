@@ -136,7 +136,42 @@ def request_probe(link: Link, identity: Identity, cn: str, where: str, *, second
     return probe
 
 
-def _await_serving(link: Link, where: str, on_event: EventFn | None) -> None:
+#: A producer that promised (``Promise``, a request with a budget) is held to it: the pack must
+#: be in by its promised start plus compute, a quarter more and :data:`HEDGE_SLACK_S`, counted
+#: from when the promise came. Past that the pull is cut (issue #39, hedging): the consumer goes
+#: on with what verified (whole chunks, the rest computed there) or prefills itself, instead of
+#: waiting out its timeout; it never computes what it is still waiting for.
+HEDGE_MARGIN = 0.25
+HEDGE_SLACK_S = 0.5
+
+
+class _Hedge:
+    """The deadline a promise set on a pull (None until one came), and what was promised."""
+
+    def __init__(self) -> None:
+        self.by: float | None = None
+        self.promised = ""
+
+    def promise(self, link: Link, ev: Promise) -> None:
+        wait_s = (ev.start_ms + ev.compute_ms) / 1000.0
+        self.by = time.monotonic() + wait_s * (1 + HEDGE_MARGIN) + HEDGE_SLACK_S
+        self.promised = f"start in {ev.start_ms} ms, compute {ev.compute_ms} ms"
+        self.keep(link)
+
+    def keep(self, link: Link) -> None:
+        """The link's total deadline no later than the promise's."""
+        if self.by is not None:
+            link.deadline = self.by if link.deadline is None else min(link.deadline, self.by)
+
+    def broken(self, exc: BaseException, where: str) -> TempFailure | None:
+        """``exc`` (a deadline that passed) as the promise broken, or None when it is not that."""
+        if self.by is None or not isinstance(exc, TempFailure) or time.monotonic() < self.by:
+            return None
+        return TempFailure(f"{where} broke its promise ({self.promised}): its pack was not in "
+                           f"{HEDGE_MARGIN:.0%} and {HEDGE_SLACK_S} s past it; the pull was cut ({exc})")
+
+
+def _await_serving(link: Link, where: str, on_event: EventFn | None, hedge: _Hedge | None = None) -> None:
     while True:
         ev = link.next_event(f"waiting for {where} to answer the request")
         if isinstance(ev, Reject):
@@ -148,6 +183,8 @@ def _await_serving(link: Link, where: str, on_event: EventFn | None) -> None:
                 on_event("queued", {"place": ev.place, "producer": where})
             continue
         if isinstance(ev, Promise):  # the answer to a request with a budget (issue #39)
+            if hedge is not None:
+                hedge.promise(link, ev)
             if on_event:
                 on_event("promise", {"start_ms": ev.start_ms, "compute_ms": ev.compute_ms, "queued": ev.queued,
                                      "rates": dict(ev.rates), "producer": where})
@@ -195,14 +232,25 @@ def pull(
                           budget_ms=None if budget_ms is None else max(1, min(MAX_BUDGET_MS, int(budget_ms))))
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
-        _await_serving(link, where, on_event)
-        continue_as_v3(link, Role.RECEIVER)
-        config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
-        receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination, out_stream=out_stream)
+        hedge = _Hedge()
         try:
-            accepted = _receive(link, receiver, req, where, cn, t_start, on_event, expect_ids=list(token_ids))
-        finally:
-            receiver.close()
+            _await_serving(link, where, on_event, hedge)
+            continue_as_v3(link, Role.RECEIVER)
+            config = ReceiveConfig(once=True, timeout=timeout, idle_s=idle_s, window_s=window_s)
+            receiver = Receiver(identity, config, ledger_dir=ledger_dir, destination=destination,
+                                out_stream=out_stream)
+            try:
+                accepted = _receive(link, receiver, req, where, cn, t_start, on_event, expect_ids=list(token_ids),
+                                    hedge=hedge)
+            finally:
+                receiver.close()
+        except TempFailure as exc:
+            broken = hedge.broken(exc, where)
+            if broken is None:
+                raise
+            if on_event:
+                on_event("hedged", {"producer": where, "promised": hedge.promised})
+            raise broken from None
         note_peer(identity, cn, role="producer", address=where, key_id=key.key_id, via="pull")  # its pack verified
         return accepted
     finally:
@@ -210,7 +258,7 @@ def pull(
 
 
 def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: str, t_start: float,
-             on_event: EventFn | None = None, *, expect_ids: list[int]) -> Accepted:
+             on_event: EventFn | None = None, *, expect_ids: list[int], hedge: _Hedge | None = None) -> Accepted:
 
     config = receiver.config
     info = {"v": PROTOCOL_VERSION, "node": receiver.identity.name, "max_payload": config.max_payload,
@@ -241,6 +289,8 @@ def _receive(link: Link, receiver: Receiver, req: PullRequest, where: str, cn: s
             raise Refusal("model", f"the producer's pack starts at position {h.rows_start}: not 0 nor a point on "
                                    f"the chunk grid ({req.chunk_tokens}) within the {req.have_tokens} rows held here")
         link.deadline = t_start + config.session_s  # the first frame is in: the stream runs on idle deadlines
+        if hedge is not None:
+            hedge.keep(link)  # ... and by what was promised
         link.idle_s = config.idle_s
         receiver._handoff(link, ev, who, cn, t_start)
     except Refusal as exc:

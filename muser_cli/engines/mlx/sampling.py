@@ -70,7 +70,10 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
             raw = logits.astype(mx.float32)
             raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (1, vocab)
             chosen = mx.take_along_axis(raw, token[:, None], axis=-1)[0, 0]
-            top = mx.argsort(-raw[0])[:k] if k else None
+            top = None
+            if k:  # the k largest (argpartition: no sort of the whole vocabulary), then in order
+                top = mx.argpartition(-raw[0], kth=k - 1)[:k]
+                top = top[mx.argsort(-raw[0][top])]
             pending.append((chosen, top, raw[0][top] if k else None))
         return token
 

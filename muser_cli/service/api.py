@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from muser_cli.service.schema import schema_problem
+
 MAX_BODY = 8 << 20  # bytes of a request body (a prompt far past any context is refused before parsing)
 MAX_STOPS = 4
 MAX_DEPTH = 32  # nesting of a request body's arrays and objects (OpenAI's shapes need 5)
@@ -260,12 +262,12 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise ApiError(400, f"{where}.function must be an object", param="tools")
-        extra = sorted(k for k in set(fn) - {"name", "description", "parameters"} if not (k == "strict" and
-                                                                                     fn[k] in (None, False)))
+        extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
         if extra:
-            what = "strict schemas are not enforced here (no constrained decoding)" if extra[0] == "strict" \
-                else "not supported"
-            raise ApiError(400, f"{where}.function.{extra[0]}: {what}", param="tools")
+            raise ApiError(400, f"{where}.function.{extra[0]}: not supported", param="tools")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ApiError(400, f"{where}.function.strict must be true or false", param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _is_name(name):
             raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'", param="tools")
@@ -292,6 +294,11 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         if desc is not None:
             entry["description"] = desc
         entry["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+        if strict:  # honoured by checking each call's arguments against the schema (tools.py), so it must be one
+            problem = schema_problem(entry["parameters"])  # whose every keyword is checked
+            if problem:
+                raise ApiError(400, f"{where}.function.parameters (strict): {problem}", param="tools")
+            entry["strict"] = True  # not rendered: plan_tools gives the template the tools without it
         out.append({"type": "function", "function": entry})
     return out
 

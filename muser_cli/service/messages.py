@@ -7,7 +7,7 @@ become Anthropic's answer, its server-sent events and its errors.
 Read: ``model``, ``max_tokens`` (both required), ``messages`` (``user`` / ``assistant``, content
 a string or ``text``, ``tool_use`` and ``tool_result`` blocks), ``system`` (a string or text
 blocks), ``stop_sequences``, ``temperature``, ``top_p``, ``stream``, ``tools`` (custom tools:
-``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``, ``any``, ``tool``,
+``name``, ``description``, ``input_schema``, ``strict``), ``tool_choice`` (``auto``, ``any``, ``tool``,
 ``none``; ``disable_parallel_tool_use``), ``metadata`` (accepted, it changes nothing) and
 muser's ``muser_prefill_deadline``. Anything else, ``top_k`` among them (the engines sample
 with temperature and top-p only), is a 400 naming it: never accepted and ignored."""
@@ -175,12 +175,13 @@ def _anthropic_tools(body: dict) -> list[dict[str, Any]] | None:
         if tool.get("type", "custom") != "custom":
             raise _bad(f"{where}.type {_shown(tool['type'])}: only custom tools (name, description, input_schema) "
                        "are supported here")
-        _keys(tool, {"type", "name", "description", "input_schema"}, where)
+        _keys(tool, {"type", "name", "description", "input_schema", "strict"}, where)
         if not isinstance(tool.get("input_schema"), dict):
             raise _bad(f"{where}.input_schema must be a JSON schema of type 'object'")
         fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if "description" in tool:
-            fn["description"] = tool["description"]
+        for key in ("description", "strict"):
+            if key in tool:
+                fn[key] = tool[key]
         converted.append({"type": "function", "function": fn})
     try:
         return _tools({"tools": converted})

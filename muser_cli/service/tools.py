@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muser_cli.service.api import ApiError, Ask
+from muser_cli.service.schema import instance_problem
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -125,12 +126,14 @@ class ToolPlan:
     required: bool = False
     named: str | None = None
     parallel: bool = True
+    strict: dict[str, Any] = field(default_factory=dict)  # the strict tools' parameters, by name
 
     def stream(self) -> "ToolStream | None":
         if self.tools is None or self.fmt is None:
             return None
         return ToolStream(self.fmt, self.names, required=self.required, named=self.named,
-                          single=self.named is not None or not self.parallel, prefix=self.prefix)
+                          single=self.named is not None or not self.parallel, prefix=self.prefix,
+                          strict=self.strict)
 
 
 def plan_tools(ask: Ask, template: str | None) -> ToolPlan:
@@ -149,9 +152,13 @@ def plan_tools(ask: Ask, template: str | None) -> ToolPlan:
                        param="tools")
     named = ask.tool_choice.get("function", {}).get("name") if isinstance(ask.tool_choice, dict) else None
     required = named is not None or ask.tool_choice == "required"
-    return ToolPlan(turns=turns, tools=ask.tools, prefix=fmt.forced(named) if required else "", fmt=fmt,
+    # the template is given each tool as OpenAI defines one, without muser's strict mark
+    tools = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+             for t in ask.tools]
+    strict = {t["function"]["name"]: t["function"]["parameters"] for t in ask.tools if t["function"].get("strict")}
+    return ToolPlan(turns=turns, tools=tools, prefix=fmt.forced(named) if required else "", fmt=fmt,
                     names=tuple(t["function"]["name"] for t in ask.tools), required=required, named=named,
-                    parallel=ask.parallel_tool_calls)
+                    parallel=ask.parallel_tool_calls, strict=strict)
 
 
 def _no_constant(name: str) -> Any:
@@ -173,7 +180,10 @@ class ToolStream:
     passed off as a call); ``named``: the call must name that function; ``single``: generation
     may stop after the first call (:attr:`done`). Without ``required`` a call that does not parse
     (bad JSON, a function not offered) stays content, as the model wrote it. ``prefix``: the
-    forced opening, the start of the answer already."""
+    forced opening, the start of the answer already. ``strict``: the parameters of the tools given
+    with ``strict: true``, by name: a call of one whose arguments do not match them is
+    :class:`ToolCallFailed` (the arguments are checked, not steered: no constrained decoding), so a
+    strict tool's call is never returned with arguments its schema refuses."""
 
     fmt: ToolFormat
     names: tuple[str, ...]
@@ -181,6 +191,7 @@ class ToolStream:
     named: str | None = None
     single: bool = False
     prefix: str = ""
+    strict: dict[str, Any] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     error: ToolCallFailed | None = None
     _pending: str = ""
@@ -246,6 +257,13 @@ class ToolStream:
             return False
         if self.single and self.calls:
             return True  # one was asked for: a further one is dropped
+        if name in self.strict:
+            problem = instance_problem(args, self.strict[name])
+            if problem:
+                self.error = ToolCallFailed(f"the model called {name!r} (strict) with arguments its schema refuses: "
+                                            f"{problem} (the arguments are checked, not steered: no constrained "
+                                            "decoding here)")
+                return True  # no call, and no text either: the answer failed
         call = {"index": len(self.calls), "id": new_call_id(), "name": name,
                 "arguments": json.dumps(args, ensure_ascii=False)}
         self.calls.append(call)

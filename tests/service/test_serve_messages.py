@@ -254,3 +254,30 @@ def test_the_api_key_goes_in_x_api_key_or_bearer(server):
     metrics = httpx.get(f"http://{server.address}/metrics", headers={"x-api-key": KEY}, timeout=HANG_S).text
     assert 'muser_requests_total{endpoint="messages",status="401"}' in metrics
     assert 'muser_requests_total{endpoint="messages",status="200"}' in metrics
+
+
+def test_a_strict_tools_call_must_match_its_schema(server):
+    """``strict: true`` is honoured by checking: a call whose arguments the schema refuses is an error
+    (500, never returned as a call); one that matches is returned. The same on both routes."""
+    strict = [{**t, "strict": True, "input_schema": {**t["input_schema"], "additionalProperties": False}}
+              for t in A_TOOLS]
+    ok = claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict, extra_body=T0)
+    assert uses(ok) == BOTH
+    with pytest.raises(anthropic.InternalServerError) as exc:  # named get_time: the model writes {"city": ...}
+        claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict, extra_body=T0,
+                                       tool_choice={"type": "tool", "name": "get_time"})
+    assert exc.value.body["error"]["type"] == "api_error" and "schema refuses" in exc.value.body["error"]["message"]
+    with pytest.raises(anthropic.APIStatusError, match="schema refuses"):  # streamed: an error event
+        list(claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict,
+                                            extra_body=T0, stream=True, tool_choice={"type": "tool", "name": "get_time"}))
+    import openai
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with pytest.raises(openai.InternalServerError) as exc:
+        gpt(server).chat.completions.create(model="default", max_tokens=64, messages=ASK, extra_body=T0,
+                                            tool_choice=named, tools=[{"type": "function", "function": {
+                                                **t["function"], "strict": True}} for t in TOOLS])
+    assert exc.value.body["code"] == "tool_call_failed" and "'tz' is missing" in exc.value.body["message"]
+    r = _refused(server, {"model": "default", "max_tokens": 8, "messages": ASK, "tools": [
+        {**A_TOOLS[0], "strict": True, "input_schema": {"type": "object", "properties": {}, "patternProperties": {}}}]})
+    assert r.status_code == 400 and "does not check the keyword 'patternProperties'" in r.json()["error"]["message"]

@@ -233,7 +233,9 @@ def test_request_fields_are_checked():
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "tools",
      "properties"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "not": {}}}}]}, "tools", "does not check the keyword 'not'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools", "strict must be"),
     ({"tools": [{"type": "function", "function": {"name": "f", "examples": []}}]}, "tools", "examples"),
     ({"tools": [WEATHER, WEATHER]}, "tools", "given twice"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be"),

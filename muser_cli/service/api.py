@@ -127,7 +127,7 @@ def _check_text(value: Any, where: str) -> None:
             _check_text(item, f"{where}[{i}]")
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+def number_field(body: dict, key: str, default: float, lo: float, hi: float) -> float:
     value = body.get(key)
     if value is None:
         return default
@@ -137,7 +137,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def _int(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
+def int_field(body: dict, key: str, lo: int, hi: int = MAX_INT) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -204,7 +204,7 @@ def _content(turn: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _is_name(name: str) -> bool:
+def is_name(name: str) -> bool:
     """OpenAI's function and participant names: 1 to 64 letters, digits, '_' or '-'."""
     return 0 < len(name) <= 64 and name.isascii() and name.replace("_", "").replace("-", "").isalnum()
 
@@ -219,7 +219,7 @@ def _past_call(call: Any, where: str) -> dict[str, Any]:
     if not isinstance(call.get("id"), str) or not 0 < len(call["id"]) <= 256:
         raise ApiError(400, f"{where}.id must be a non-empty string", param="messages")
     if not isinstance(fn, dict) or set(fn) - {"name", "arguments"} or not isinstance(fn.get("name"), str) \
-            or not _is_name(fn["name"]):
+            or not is_name(fn["name"]):
         raise ApiError(400, f"{where}.function must have a name (up to 64 letters, digits, '_' or '-') and "
                             "arguments", param="messages")
     args = fn.get("arguments", "{}")
@@ -243,7 +243,7 @@ MAX_TOOLS = 128
 _SCHEMA_TYPES = ("object",)
 
 
-def _tools(body: dict) -> list[dict[str, Any]] | None:
+def parse_tools(body: dict) -> list[dict[str, Any]] | None:
     """``tools``: OpenAI function tools, each ``{"type": "function", "function": {"name",
     "description"?, "parameters"?}}`` (parameters: a JSON schema of type object)."""
     tools = body.get("tools")
@@ -269,7 +269,7 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
         if strict is not None and not isinstance(strict, bool):
             raise ApiError(400, f"{where}.function.strict must be true or false", param="tools")
         name = fn.get("name")
-        if not isinstance(name, str) or not _is_name(name):
+        if not isinstance(name, str) or not is_name(name):
             raise ApiError(400, f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-'", param="tools")
         if name in seen:
             raise ApiError(400, f"{where}.function.name {name!r} is given twice", param="tools")
@@ -303,7 +303,7 @@ def _tools(body: dict) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+def parse_tool_choice(body: dict, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
     choice = body.get("tool_choice")
     if choice is None:
         return "auto"
@@ -367,11 +367,11 @@ def _logprobs(body: dict, kind: str) -> int | None:
     if kind != "chat":
         if isinstance(body.get("logprobs"), bool):
             raise ApiError(400, f"logprobs must be an integer in [0, {top}] on completions", param="logprobs")
-        return _int(body, "logprobs", 0, top)
+        return int_field(body, "logprobs", 0, top)
     asked = body.get("logprobs")
     if asked is not None and not isinstance(asked, bool):
         raise ApiError(400, "logprobs must be true or false", param="logprobs")
-    k = _int(body, "top_logprobs", 0, top)
+    k = int_field(body, "top_logprobs", 0, top)
     if k is not None and not asked:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return (k or 0) if asked else None
@@ -389,8 +389,8 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
         if body.get(key) is not None and body[key] not in ok:
             shown = json.dumps(body[key])[:60]
             raise ApiError(400, f"{key} {shown} is not supported by this server", param=key)
-    n = _int(body, "n", 1, MAX_N) or 1
-    best_of = _int(body, "best_of", 1, MAX_N)
+    n = int_field(body, "n", 1, MAX_N) or 1
+    best_of = int_field(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
         raise ApiError(400, "best_of other than n is not supported (no choice is ranked here)", param="best_of")
     if body.get("repetition_penalty") not in (None, 0, 0.0, 1, 1.0) or isinstance(body.get("repetition_penalty"), bool):
@@ -429,8 +429,8 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be a non-empty string", param="prompt")
-    most = _int(body, "max_completion_tokens", 1)
-    most = most if most is not None else _int(body, "max_tokens", 1)
+    most = int_field(body, "max_completion_tokens", 1)
+    most = most if most is not None else int_field(body, "max_tokens", 1)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
@@ -441,21 +441,21 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
         raise ApiError(400, "stream must be true or false and stream_options an object", param="stream")
     deadline = body.get("muser_prefill_deadline")
     if deadline is not None:
-        deadline = _number(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
-    tools = _tools(body) if kind == "chat" else None
+        deadline = number_field(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
+    tools = parse_tools(body) if kind == "chat" else None
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
     if body.get("parallel_tool_calls") is not None and not tools:
         raise ApiError(400, "parallel_tool_calls without tools is not supported", param="parallel_tool_calls")
     return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=most or default_max_tokens,
-               n=n, presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), logit_bias=_logit_bias(body),
+               n=n, presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+               frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0), logit_bias=_logit_bias(body),
                logprobs=_logprobs(body, kind), user=user,
-               tools=tools, tool_choice=_tool_choice(body, tools) if kind == "chat" else "auto",
+               tools=tools, tool_choice=parse_tool_choice(body, tools) if kind == "chat" else "auto",
                parallel_tool_calls=parallel,
-               temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-               seed=_int(body, "seed", 0), stop=stop, stream=stream, include_usage=bool(options.get("include_usage")),
+               temperature=number_field(body, "temperature", 1.0, 0.0, 2.0), top_p=number_field(body, "top_p", 1.0, 1e-9, 1.0),
+               seed=int_field(body, "seed", 0), stop=stop, stream=stream, include_usage=bool(options.get("include_usage")),
                prefill_deadline=deadline)
 
 

@@ -18,16 +18,7 @@ import json
 import uuid
 from typing import Any
 
-from muser_cli.service.api import (
-    ApiError,
-    Ask,
-    _int,
-    _is_name,
-    _number,
-    _tool_choice,
-    _tools,
-    sse,
-)
+from muser_cli.service.api import ApiError, Ask, int_field, is_name, number_field, parse_tool_choice, parse_tools, sse
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
                     "stream", "tools", "tool_choice", "metadata", "muser_prefill_deadline"})
@@ -115,7 +106,7 @@ def _turns(messages: Any) -> list[dict[str, Any]]:
                 _keys(block, {"type", "id", "name", "input"}, at)
                 if not isinstance(block.get("id"), str) or not 0 < len(block["id"]) <= 256:
                     raise _bad(f"{at}.id must be a non-empty string")
-                if not isinstance(block.get("name"), str) or not _is_name(block["name"]):
+                if not isinstance(block.get("name"), str) or not is_name(block["name"]):
                     raise _bad(f"{at}.name must be 1 to 64 letters, digits, '_' or '-'")
                 if not isinstance(block.get("input"), dict):
                     raise _bad(f"{at}.input must be an object")
@@ -184,7 +175,7 @@ def _anthropic_tools(body: dict) -> list[dict[str, Any]] | None:
                 fn[key] = tool[key]
         converted.append({"type": "function", "function": fn})
     try:
-        return _tools({"tools": converted})
+        return parse_tools({"tools": converted})
     except ApiError as exc:
         raise _bad(_in_anthropic_words(exc.message)) from None
 
@@ -193,7 +184,7 @@ def _choice(body: dict, tools: list[dict[str, Any]] | None) -> tuple[str | dict[
     """``tool_choice`` as the OpenAI choice it is, and whether calls may come in parallel."""
     choice = body.get("tool_choice")
     if choice is None:
-        return _tool_choice({}, tools), True
+        return parse_tool_choice({}, tools), True
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise _bad("tool_choice must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"tool\", \"name\"} "
                    "or {\"type\": \"none\"}")
@@ -209,7 +200,7 @@ def _choice(body: dict, tools: list[dict[str, Any]] | None) -> tuple[str | dict[
         raise _bad("tool_choice.name must name one of the tools")
     openai = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
         {"type": "function", "function": {"name": choice["name"]}}
-    return _tool_choice({"tool_choice": openai}, tools), not single
+    return parse_tool_choice({"tool_choice": openai}, tools), not single
 
 
 def parse_messages(body: dict[str, Any], *, default_max_tokens: int | None = None) -> Ask:
@@ -224,7 +215,7 @@ def parse_messages(body: dict[str, Any], *, default_max_tokens: int | None = Non
         raise _bad("model: a string is required")
     if body.get("max_tokens") is None:
         raise _bad("max_tokens: a field required by the Messages API")
-    max_tokens = _int(body, "max_tokens", 1)
+    max_tokens = int_field(body, "max_tokens", 1)
     turns = _turns(body.get("messages"))
     system = body.get("system")
     if system is not None:
@@ -249,11 +240,11 @@ def parse_messages(body: dict[str, Any], *, default_max_tokens: int | None = Non
             raise _bad("metadata.user_id must be a string")
     deadline = body.get("muser_prefill_deadline")
     if deadline is not None:
-        deadline = _number(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
+        deadline = number_field(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
     tools = _anthropic_tools(body)
     choice, parallel = _choice(body, tools)
     return Ask(kind="chat", model=model, prompt=turns, max_tokens=max_tokens,
-               temperature=_number(body, "temperature", 1.0, 0.0, 1.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+               temperature=number_field(body, "temperature", 1.0, 0.0, 1.0), top_p=number_field(body, "top_p", 1.0, 1e-9, 1.0),
                stop=list(stops), stream=stream, prefill_deadline=deadline, tools=tools, tool_choice=choice,
                parallel_tool_calls=parallel)
 

@@ -3,6 +3,9 @@ context turn after turn through the OpenAI client, against ``muser decode --serv
 
     .venv/bin/python benchmarks/bench_agent_refresh.py [--turns 10] [--start 2048] [--end 7800] [--reps 3]
                                                        [--mlx-lm]   # also mlx_lm.server on the same prompts
+                                                       [--engine torch|mlx] [--lanes producer,local]
+    # issue #38's short chat: three short turns, MLX against mlx_lm.server
+    .venv/bin/python benchmarks/bench_agent_refresh.py --turns 3 --start 48 --end 200 --engine mlx --mlx-lm
 
 One conversation: turn 1 sends a document of ``--start`` tokens; every later turn appends
 the model's answer and a new slice of the document, growing to ``--end`` tokens. Each turn
@@ -17,8 +20,11 @@ started once (model loaded once), the conversation run ``--reps`` times on new d
 
 Producer on one core, consumer on another (``taskset``), one compute thread each, loopback
 mutual TLS, float32. Reported per turn: median TTFT and its spread for each lane, and for
-the producer lane the source (``x-muser-source``) and the bytes shipped. The aim: every turn
-after the first ships only its delta and its TTFT is under the local one.
+the producer lane the source (``x-muser-source``) and the bytes shipped, and for each muser
+lane the rows its turn memory held and the rows it computed (the ``muser`` field of the last
+chunk: ``held_rows``, ``computed_rows``). The aim: every turn after the first ships or computes
+only its new tokens and its TTFT is under the local one (and, issue #38, no more than
+mlx_lm.server's, which keeps the whole conversation's cache).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--mlx-lm", action="store_true")
+    ap.add_argument("--engine", default="torch", choices=["torch", "mlx"], help="the muser lanes' engine")
+    ap.add_argument("--lanes", default="producer,local", help="the muser lanes to run (producer, local)")
     args = ap.parse_args()
     import openai
 
@@ -54,7 +62,7 @@ def main() -> int:
     pins = pinning(True)
     work = Path(tempfile.mkdtemp(prefix="muser-bench-agent-"))
     nodes = make_nodes(work)
-    common = ["-m", args.model, "--threads", "1", "--dtype", "float32"]
+    common = ["-m", args.model, "--threads", "1", "--dtype", "float32", "--engine", args.engine]
     step = (args.end - args.start) // max(1, args.turns - 1)
 
     def slices(rep: int) -> list[str]:
@@ -78,6 +86,8 @@ def main() -> int:
             "producer": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", "--producer", address, *common],
             "local": [*MUSER, "decode", "--serve", "127.0.0.1:0", "--store", *common],
         }
+        wanted = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
+        servers = {lane: argv for lane, argv in servers.items() if lane in wanted}
         for lane, argv in servers.items():
             home = work / f"home-{lane}"
             shutil.copytree(nodes.consumer_home, home, symlinks=True)  # each lane its own (empty) store
@@ -104,11 +114,14 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = {lane: [summarize([rep[t]["ttft_s"] for rep in reps]) for t in range(args.turns)]
              for lane, reps in lanes.items()}
-    print(f"{'turn':>4} " + " ".join(f"{lane + ' ttft s':>22}" for lane in table) + "  producer source/bytes")
+    muser_lanes = [lane for lane in ("producer", "local") if lane in lanes]
+    print(f"{'turn':>4} " + " ".join(f"{lane + ' ttft s':>22}" for lane in table) +
+          "".join(f"  {lane}: source/bytes/held/computed" for lane in muser_lanes))
     for t in range(args.turns):
         cells = " ".join(f"{s['median']:>10.3f} [{s['min']:.3f}-{s['max']:.3f}]" for s in (v[t] for v in table.values()))
-        src = lanes["producer"][0][t]
-        print(f"{t + 1:>4} {cells}  {src['source']}/{src['bytes']}")
+        rows = "".join(f"  {r['source']}/{r['bytes']}/{r.get('held_rows')}/{r.get('computed_rows')}"
+                       for r in (lanes[lane][0][t] for lane in muser_lanes))
+        print(f"{t + 1:>4} {cells}{rows}")
     path = write_receipt("agent-refresh", {"args": vars(args), "machine": machine(), "pinning": pins.__dict__,
                                            "turns": table, "raw": lanes,
                                            "failures": failures})

@@ -59,15 +59,22 @@ def conversation(client: Any, model: str, slices: list[str], max_tokens: int) ->
         t0 = time.perf_counter()
         raw = client.chat.completions.with_raw_response.create(model=model, messages=turns, max_tokens=max_tokens,
                                                                temperature=0, stream=True)
-        ttft, text = None, []
+        ttft, text, muser = None, [], None
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 text.append(chunk.choices[0].delta.content)
+            extra = getattr(chunk, "model_extra", None) or {}
+            if isinstance(extra.get("muser"), dict):  # muser's own field, on the last chunk
+                muser = extra["muser"]
         turns.append({"role": "assistant", "content": "".join(text)})
-        out.append({"turn": i + 1, "ttft_s": ttft, "source": raw.headers.get("x-muser-source"),
-                    "bytes": int(raw.headers.get("x-muser-bytes") or 0)})
+        got = {"turn": i + 1, "ttft_s": ttft, "source": raw.headers.get("x-muser-source"),
+               "bytes": int(raw.headers.get("x-muser-bytes") or 0)}
+        if muser is not None:
+            got.update({k: muser.get(k) for k in ("prompt_tokens", "held_rows", "computed_rows", "cached_tokens")
+                        if k in muser})
+        out.append(got)
     return out
 
 

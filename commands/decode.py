@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
         max_queue: int = typer.Option(8, "--max-queue", help="With --serve: requests that may wait for the engine; more are answered 429."),
         max_batch: int = typer.Option(4, "--max-batch", help="With --serve: requests running at once, taking the engine's turns; their decode steps are computed together as one batch (see --exact), a prefill chunk between two steps; more wait in the queue."),
         exact: bool = typer.Option(False, "--exact", help="With --serve: each request decodes alone, one sequence per engine call, so its tokens are exactly its tokens alone (default: concurrent requests step together in one batched call, whose rounding can change a greedy token; docs/serve.md)."),
+        turn_memory: float = typer.Option(1024.0, "--turn-memory", metavar="MB", help="With --serve: keep each answered conversation's rows, its prompt and the answer, in memory (most recently used first, up to MB megabytes), so the next turn computes only its new tokens and never pulls a held prompt again; 0: off, every prompt's rows on the canonical schedule (equal to a cold prefill). docs/serve.md"),
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
@@ -55,7 +56,7 @@ def register(app: typer.Typer) -> None:
             if serve is not None:
                 _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                               producers=producer or [], api_key=api_key, max_queue=max_queue, max_batch=max_batch, exact=exact,
-                              deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
+                              turn_memory=turn_memory, deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
                               reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
                               others=(src, prompt, chat, as_json, send_text))
                 return
@@ -182,7 +183,7 @@ class _Printer:
 
 def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
                   producers: list[str], api_key: Optional[str], max_queue: int, max_batch: int, exact: bool,
-                  deadline: Optional[float],
+                  turn_memory: float, deadline: Optional[float],
                   chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
     """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
     (muser_cli/service, docs/serve.md); the exit status is the drain's."""
@@ -203,6 +204,8 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
         raise UsageError("--max-batch must be at least 1")
     if deadline is not None and deadline < 0:
         raise UsageError("--prefill-deadline must be >= 0")
+    if not turn_memory >= 0:
+        raise UsageError("--turn-memory must be >= 0 (megabytes; 0: off)")
     if n < 1:
         raise UsageError("-n must be at least 1")
     if engine not in ("torch", "mlx"):
@@ -212,7 +215,7 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
     ProducerPool(producers)  # a bad or repeated address: a usage error before the model loads
     config = Config(model=model, engine=engine, dtype=dtype, threads=threads, producers=tuple(producers),
                     prefill_deadline=deadline, max_queue=max_queue, chunk_tokens=chunk, reuse=reuse, store=store,
-                    audit=audit, max_batch=max_batch, exact=exact)
+                    audit=audit, max_batch=max_batch, exact=exact, turn_memory_mb=turn_memory)
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n)

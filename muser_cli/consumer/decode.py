@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.about import STARTED_AT, STARTED_UNIX
+from muser_cli.consumer.memory import Held
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
@@ -30,7 +31,7 @@ from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
 from muser_cli.reuse.manifest import check_base
 from muser_cli.rows import local_rows
-from muser_cli.schedule import build_header, check_prompt, default_dtype
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, build_header, check_prompt, default_dtype
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Rows:
     """The rows decode installs, and where they came from."""
 
     layers: list[LayerKV]
-    source: str  # handoff | delta | store | store+local | local
+    source: str  # handoff | delta | store | store+local | local | held (the server's turn memory)
     schedule: int | None  # the chunk size they were made on (None: unknown, a foreign pack's)
     pack: KVPack | None  # the pack they came from; None when made here (the fallback)
     held: int = 0  # rows taken from the store
@@ -106,6 +107,8 @@ class DecodeOutcome:
             return {"held_tokens": self.held_tokens, "entry": self.entry}
         if self.source in ("store", "store+local"):
             return {"held_tokens": self.held_tokens, "entry": self.entry, "computed_tokens": self.computed_tokens}
+        if self.source == "held":
+            return {"held_tokens": self.held_tokens, "computed_tokens": self.computed_tokens}
         return {}
 
     def to_json(self) -> dict:
@@ -159,6 +162,7 @@ def decode(
     audit_seed: int | None = None,
     prompt_ids: list[int] | None = None,
     info: ModelInfo | None = None,
+    held: Held | None = None,
     more: Sequence[Extra] = (),
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
@@ -170,6 +174,10 @@ def decode(
     ``prompt_ids`` and ``info``: the prompt already tokenized for this model (a service or a
     batch tokenizes each request once, and passes the ids and the loaded model's facts); else
     ``prompt`` is tokenized here for ``model``.
+
+    ``held``: with no pack, rows of a prefix of the prompt a server's turn memory holds
+    (:class:`muser_cli.consumer.memory.Held`): the rest is computed from them, its chunks
+    starting there (source ``held``; not the canonical schedule, so never stored).
 
     ``more``: sequences decoded from the same rows besides this one (:class:`Extra`, each on a
     thread of its own beside this one's, while this one decodes: an engine that batches decode
@@ -210,7 +218,7 @@ def decode(
     stream = StreamedPack(src, spare_rows=spare) if src is not None else None
     run = _Run(stream=stream, t_begin=t_begin, max_new_tokens=max_new_tokens, engine=engine, threads=threads,
                chunk_tokens=chunk_tokens, reuse=reuse, progress=progress, audit=audit, strict=strict,
-               audit_seed=audit_seed, on_rows=on_rows, more=list(more))
+               audit_seed=audit_seed, on_rows=on_rows, held=held, more=list(more))
     _set_up(run, model=model, prompt=prompt, chat=chat, dtype=dtype, resident=resident, prompt_ids=prompt_ids,
             info=info)
     _rows_ready(run)
@@ -218,7 +226,7 @@ def decode(
     if stream is not None and run.got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is kept or returned
     stored = None
-    if store:
+    if store and run.got.source != "held":  # the store keeps canonical rows only (docs/reuse.md)
         try:
             stored = _store(run.got, run.info, run.ids, dtype=run.dtype, engine=engine, threads=threads, eng=run.eng,
                             spot=run.spot)
@@ -243,6 +251,7 @@ class _Run:
     strict: bool
     audit_seed: int | None
     on_rows: Callable[[Rows], None] | None
+    held: Held | None = None
     more: list[Extra] = field(default_factory=list)
     # _set_up
     info: ModelInfo | None = None
@@ -333,6 +342,21 @@ def _local(run: _Run, why: str) -> Rows:
     return made
 
 
+def _held(run: _Run) -> Rows:
+    """The prompt's rows from a turn memory's prefix: the rest computed here, its chunks
+    starting at the held point (a schedule break: ``anywhere``)."""
+    held, ids = run.held, run.ids
+    assert held is not None and run.eng is not None
+    rows, chunk = len(ids) - 1, run.chunk_tokens or DEFAULT_CHUNK_TOKENS
+    if held.rows > rows:
+        raise DataError(f"turn memory gave {held.rows} rows for a prompt of {rows}")
+    layers = held.layers
+    if held.rows < rows:
+        layers = run.eng.prefill_from(held.layers, rows=held.rows, token_ids=ids[held.rows:-1], chunk_tokens=chunk,
+                                      progress=run.progress, anywhere=True)
+    return Rows(list(layers), "held", chunk, None, held=held.rows, computed=rows - held.rows)
+
+
 def _rows_ready(run: _Run) -> None:
     """The rows decode installs, through the gate: the pack's (whole, a delta merged with its
     base, or a cut stream's kept chunks and the rest made here), the store's, or made here; a
@@ -354,6 +378,8 @@ def _rows_ready(run: _Run) -> None:
     t0 = time.perf_counter()
     if got is None and run.aside:
         got = _local(run, run.aside)
+    if got is None and pack is None and run.held is not None and run.held.rows > 0:
+        got = _held(run)
     if got is None:
         got = rows_for(pack, eng, run.ids, can_fall_back=run.has_prompt, dtype=run.dtype,
                        chunk_tokens=run.chunk_tokens, reuse=run.reuse, progress=run.progress,

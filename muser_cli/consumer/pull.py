@@ -209,7 +209,7 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     if isinstance(spot.get("sampled"), dict) and spot["sampled"].get("ms") is not None:
         gate_ms = (gate_ms or 0) + spot["sampled"]["ms"]
     gate_s = gate_ms / 1000 if isinstance(gate_ms, (int, float)) else None
-    local = out.source in ("local", "store+local", "store")
+    local = out.source in ("local", "store+local", "store", "held")  # held: the server's turn memory
     if local:
         held = out.held_tokens if out.source != "local" else 0
         first = out.ttft_s - out.prefill_s - out.pack_read_s

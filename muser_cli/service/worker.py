@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, Callable
 from muser_cli.consumer.costs import budget_split, costs_for, overrun, route
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.consumer.lane import Source, answer
+from muser_cli.consumer.memory import Held, TurnMemory
 from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
@@ -28,7 +29,7 @@ from muser_cli.engines.registry import get_engine
 from muser_cli.errors import DataError, MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import chat_template_text, decode_text, encode_prompt, skipped_tokens, tokenizer_for
-from muser_cli.schedule import check_prompt, default_dtype
+from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_prompt, default_dtype
 from muser_cli.service.api import ApiError, Ask, Piece
 from muser_cli.service.metrics import fallback_kind
 from muser_cli.service.textstream import TextStream
@@ -104,6 +105,7 @@ class Config:
     audit: int | None = None
     max_batch: int = 4  # requests running at once, taking the engine's turns (docs/serve.md)
     exact: bool = False  # each sequence decoded alone, even on an engine that batches decode steps
+    turn_memory_mb: float = 1024.0  # conversations' rows kept for their next turn (docs/serve.md); 0: off
 
 
 class EngineWorker:
@@ -128,6 +130,10 @@ class EngineWorker:
         self.engine = TurnEngine(raw, self.turns)
         self.pool = ProducerPool(config.producers)
         self.costs = costs_for(self.info.fingerprint, config.engine, self.dtype, config.threads)  # issue #39
+        self.memory: TurnMemory | None = None  # turn memory (docs/serve.md): an engine that resumes anywhere
+        if config.turn_memory_mb > 0 and raw.resumes_prefill:
+            self.memory = TurnMemory([s.kind for s in self.info.layers], self._memory_key(),
+                                     int(config.turn_memory_mb * 1e6))
         self.metrics = metrics
         self.log = log or (lambda record: None)
         self._store_warned = False
@@ -141,6 +147,9 @@ class EngineWorker:
                          for i in range(config.max_batch)]
         for thread in self._threads:
             thread.start()
+
+    def _memory_key(self) -> tuple:
+        return (self.info.fingerprint, self.info.tokenizer_fingerprint, self.config.engine, self.dtype)
 
     def warm_up(self) -> dict[str, Any]:
         """One throwaway request on the engine before the service listens, so the first client
@@ -278,7 +287,47 @@ class EngineWorker:
             summary["store_problems"] = list(out.store_problems)
         summary["batched"] = out is not None and bool(out.engine_stats.get("batched"))  # stepped with others' sequences
         self._observe(state, summary)
-        job.emit("done", summary)
+        ticket = self._will_remember(state, ids, finish)  # before the answer goes: the next turn waits for it
+        try:
+            job.emit("done", summary)
+        finally:
+            if ticket is not None:
+                self._remember(state, ids, ticket)
+
+    def _will_remember(self, state: "_RunState", ids: list[int], finish: str) -> int | None:
+        """Whether this answer's rows go to the turn memory: a ticket (lookups that it would
+        serve deeper wait for it), or None."""
+        rows = state.rows
+        if self.memory is None or rows is None or finish == "cancelled" or not state.stream.ids:
+            return None
+        return self.memory.begin(self._conversation(ids, state))
+
+    def _conversation(self, ids: list[int], state: "_RunState") -> list[int]:
+        """The prompt and the answer's tokens (what the engine generated, up to the model's context)."""
+        return (list(ids) + list(state.stream.ids))[: self.info.max_positions - 1]
+
+    def _remember(self, state: "_RunState", ids: list[int], ticket: int) -> None:
+        """After the answer was given: its prompt's rows extended over the answer's tokens by the
+        engine (taking the engine's turns as any prefill, one chunk a turn) and kept, with the
+        layers that cannot be cut anywhere as of the prompt's end too (docs/serve.md). A failure
+        only means the next turn computes more: logged, never raised."""
+        assert self.memory is not None and state.rows is not None
+        memory, got, c = self.memory, state.rows, self.config
+        tokens = self._conversation(ids, state)
+        rows = len(ids) - 1
+        try:
+            t0 = time.perf_counter()
+            layers = self.engine.prefill_from(got.layers, rows=rows, token_ids=tokens[rows:],
+                                              chunk_tokens=c.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                                              progress=self._chunk_done, anywhere=True)
+            kept = memory.keep(ticket, tokens, layers, {rows: got.layers})
+            self.log({"event": "turn_memory", "kept": kept, "tokens": len(tokens), "extended": len(tokens) - rows,
+                      "extend_ms": round((time.perf_counter() - t0) * 1000, 3), "entries": len(memory),
+                      "bytes": memory.nbytes, "evicted": memory.evicted})
+        except Exception as exc:  # noqa: BLE001 - a cache: the answer was given; the next turn computes more
+            memory.end(ticket)
+            self.log({"event": "warning", "warning": f"turn memory: an answer's rows were not kept "
+                                                     f"({type(exc).__name__}: {exc})"})
 
     def _check_sampling(self, ask: Ask, tools: bool) -> None:
         """What the engine and the model cannot honour, refused (400) before anything runs."""
@@ -312,18 +361,21 @@ class EngineWorker:
         sampling = state.first.sampling()
         state.extras = [Extra(choice.sampling(), choice.on_token) for choice in state.choices[1:]]
 
-        def run(src, why: str):
+        def run(src, why: str, held: Held | None = None):
             state.why, state.rows = why, None
             state.out = decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
                           audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
                           progress=self._chunk_done, prompt_ids=ids, info=self.info,  # tokenized once, in _run
-                          more=state.extras)
+                          held=held, more=state.extras)
             return state.out
 
         state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
-        live = self._pull(job) if self.pool else None
+        held = self.memory.find(ids) if self.memory is not None else None
+        live = self._pull(job, held) if self.pool else None
+        if held is not None and (state.held_wins or not self.pool):
+            return run(None, "", held=held)  # the turn memory holds the prompt (or all but a tail faster here)
         if live is None:
             return run(None, state.route_why or ("no producer given" if not self.pool else "no producer up"))
         state.producer = live.producer
@@ -339,9 +391,11 @@ class EngineWorker:
             state.refused = got.refused
         return got.out
 
-    def _pull(self, job: Job):
+    def _pull(self, job: Job, held: Held | None = None):
         """The pull for ``job``, or None: no producer up, or the route (issue #39: ``MUSER_ROUTE``,
-        :func:`muser_cli.consumer.costs.route`) predicts this machine answers sooner."""
+        :func:`muser_cli.consumer.costs.route`) predicts this machine answers sooner, or the turn
+        memory holds ``held`` rows of the prompt and computing the rest here is predicted no
+        slower than any producer (``state.held_wins``): a prompt held is never pulled again."""
         ask, c, state = job.ask, self.config, job.state
         deadline = ask.prefill_deadline if ask.prefill_deadline is not None else c.prefill_deadline
         ids = state.ids  # tokenized once, in _run
@@ -349,6 +403,17 @@ class EngineWorker:
         got = with_have(got) if c.reuse else got
         addr = self.pool.pick()
         plan = state.route = route(self.costs, tokens=len(ids), held=got.have_tokens, producer=addr)
+        if held is not None:
+            here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None)
+            mine = here["paths"][here["choice"]]
+            remote = min((v for k, v in plan["paths"].items() if k.startswith("remote")), default=float("inf"))
+            if held.rows >= len(ids) - 1 or mine <= remote or addr is None:
+                state.held_wins = True
+                state.route = {**here, "mode": plan.get("mode"), "held": held.rows,
+                               "remote_ms": round(remote * 1000, 3) if remote != float("inf") else None}
+                if addr is not None:
+                    self.pool.release(addr)
+                return None
         if addr is None:
             return None
         if not plan["ask"]:
@@ -473,6 +538,7 @@ class _RunState:
         self.out: Any = None  # decode's outcome
         self.split: dict[str, float] | None = None
         self.overrun: str | None = None
+        self.held_wins = False  # the turn memory's rows answer it: no producer asked
 
     def on_rows(self, rows) -> None:
         self.rows = rows
@@ -595,7 +661,6 @@ class _Choice:
         tail = self.stream.finish()
         if (tail or self.unsent) and not cancelled:
             self.job.emit("text", self.piece(tail))
-
 
 
 __all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull"]

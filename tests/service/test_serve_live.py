@@ -43,7 +43,8 @@ def lane(tmp_path_factory, tiny_llama):
         lane["local"] = local_decode(lane["nodes"].consumer_home, *lane["common"], "--prompt", str(lane["prompt"]),
                                      "-n", str(N), "--no-reuse", "--json")
         lane["consumer"] = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer",
-                                    lane["producer"].address, "--no-reuse", "--max-queue", "4")
+                                    lane["producer"].address, "--no-reuse", "--max-queue", "4",
+                                    "--turn-memory", "0")  # the pull lane every time (docs/serve.md "Turn memory")
         yield lane
         lane["consumer"].stop()
 
@@ -154,7 +155,7 @@ def test_producer_killed_the_same_text_from_local_prefill(lane, tmp_path):
     home = copy_home(lane["nodes"].producer_home, tmp_path / "p2")
     victim = Producer(home, *lane["common"])
     consumer = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", victim.address, "--no-reuse",
-                        "--prefill-deadline", str(HANG_S))
+                        "--prefill-deadline", str(HANG_S), "--turn-memory", "0")
     try:
         first = complete(consumer.client())
         assert first.headers["x-muser-source"] == "handoff"
@@ -212,7 +213,7 @@ def test_a_second_turn_ships_only_its_delta(lane, tmp_path, monkeypatch):
     """With --store the consumer keeps each prompt's rows: the next turn of the same chat asks
     the producer for the rest only (a delta), and its text is still the local text."""
     c = Consumer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address, "--store",
-                 "--chunk", "8")
+                 "--chunk", "8", "--turn-memory", "0")  # the store's delta, not the turn memory
     try:
         client = c.client()
         turns = [{"role": "user", "content": PROMPT}]

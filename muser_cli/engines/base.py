@@ -47,7 +47,12 @@ class Sampling:
     ``logprobs``: None records nothing; k (0..20) appends, for every token given out and before
     it is given out, a :data:`TokenLogprobs` with the k most likely tokens to ``record``: the
     log-softmax of the model's raw logits of that step (before penalties, bias, temperature and
-    top-p: the model's own distribution, as vLLM's default ``raw_logprobs``)."""
+    top-p: the model's own distribution, as vLLM's default ``raw_logprobs``).
+
+    ``constraint``: a grammar the tokens keep to (:class:`muser_cli.engines.constraint.Constraint`,
+    structured output): each sequence takes its own matcher from it, whose mask of the tokens that
+    may come next is applied to the shaped logits before temperature and top-p (every other token
+    at minus infinity; an end token only where the grammar accepts), the first pick included."""
 
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -57,6 +62,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None
     record: list | None = field(default=None, compare=False, hash=False, repr=False)
+    constraint: Any = field(default=None, compare=False, hash=False, repr=False)  # a Constraint, or None
 
     @property
     def shapes(self) -> bool:

@@ -486,7 +486,8 @@ class MLXEngine(Engine):
                 check_first(self._rows_of(caches, rows + len(next_tokens)))
             if self._stepper is not None and max_new_tokens > 1 and not self.decodes_alone and batchable(caches):
                 mx.eval(y, settled(caches), getattr(pick, "state", list)())  # nothing left on this thread's stream
-                plain = sampling.temperature <= 0 and not sampling.shapes and sampling.logprobs is None
+                plain = (sampling.temperature <= 0 and not sampling.shapes and sampling.logprobs is None
+                         and sampling.constraint is None)
                 return self._batched(Entry(caches, y, None if plain else pick, max_new_tokens - 1,
                                            tuple(eos)), on_token, start, stats, rows)
             mx.async_eval(y)

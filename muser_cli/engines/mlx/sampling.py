@@ -18,7 +18,12 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
     updated with each pick, and each pick's log-probabilities wait in ``pick.pending`` until
     ``pick.emit()`` (called as its token is given out, on the thread that evaluates it) appends
     them to ``sampling.record`` as numbers. ``pick.state()``: the arrays it carries to its next
-    call (evaluated before the sequence moves to another thread)."""
+    call (evaluated before the sequence moves to another thread).
+
+    A constraint (``sampling.constraint``) is the one thing not lazy: its matcher (this sequence's
+    own) must have taken the previous pick before it can mask this step's logits, so each call
+    first reads the token the previous call picked (evaluating it), advances the matcher with it,
+    then masks the shaped logits (after penalties and bias, before temperature and top-p)."""
     temperature, top_p = float(sampling.temperature), float(sampling.top_p)
     penalised = bool(sampling.presence_penalty or sampling.frequency_penalty)
     k = sampling.logprobs
@@ -32,6 +37,7 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         ids, values = zip(*sampling.logit_bias)
         bias = (mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
     pending: collections.deque = collections.deque()
+    matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
 
     def choose(scaled: Any) -> Any:
         if temperature <= 0:
@@ -60,7 +66,15 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
                 ids, values = bias
                 keep = ids < shaped.shape[-1]
                 shaped = shaped.at[:, mx.where(keep, ids, 0)].add(mx.where(keep, values, 0.0)[None, :])
+        if matcher is not None:
+            last = state.get("last")
+            if last is not None:  # the previous pick, read now: the matcher takes it before this mask
+                matcher.advance(int(last.item()))
+            allowed = mx.array(matcher.allowed(shaped.shape[-1]))[None, :]
+            shaped = mx.where(allowed, shaped.astype(mx.float32), -mx.inf)
         token = choose(shaped)
+        if matcher is not None:
+            state["last"] = token
         if penalised:
             counts = state["counts"]
             if counts is None:
@@ -86,7 +100,7 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         record.append((float(chosen.item()), list(zip(top.tolist(), values.tolist())) if top is not None else []))
 
     def carried() -> list:
-        out = [state[key] for key in ("key", "counts") if state.get(key) is not None]
+        out = [state[key] for key in ("key", "counts", "last") if state.get(key) is not None]
         for chosen, top, values in pending:
             out.extend(a for a in (chosen, top, values) if a is not None)
         return out

@@ -512,7 +512,9 @@ def _generator(sampling: Sampling) -> "torch.Generator | None":
 class Picker:
     """One sequence's token picker: its seeded generator, the counts of the tokens it picked (the
     penalties'), its bias, and its log-probability record (:class:`Sampling`'s rule). Without a
-    penalty, a bias or logprobs asked it is :func:`_pick` on the logits as they come."""
+    penalty, a bias, logprobs or a constraint asked it is :func:`_pick` on the logits as they come.
+    A constraint's matcher (its own) masks the shaped logits before each pick and takes the token
+    picked."""
 
     def __init__(self, sampling: Sampling) -> None:
         self.sampling = sampling
@@ -522,12 +524,18 @@ class Picker:
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
             self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
+        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
 
     def __call__(self, logits: torch.Tensor) -> int:
         s = self.sampling
         raw = torch.log_softmax(logits.float(), dim=-1) if s.logprobs is not None else None
         shaped = shape_logits(logits, s, self.counts, self.bias) if s.shapes else logits
+        if self.matcher is not None:  # the grammar's mask, after penalties and bias, before temperature/top-p
+            allowed = torch.from_numpy(self.matcher.allowed(shaped.shape[-1]))
+            shaped = shaped.float().masked_fill(~allowed, float("-inf"))
         token = _pick(shaped, s, self.generator)
+        if self.matcher is not None:
+            self.matcher.advance(token)
         if s.presence_penalty or s.frequency_penalty:
             if self.counts is None:
                 self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32)

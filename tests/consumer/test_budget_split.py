@@ -39,7 +39,7 @@ def _check_split(record: dict) -> dict:
 
 def test_the_budget_split_adds_up_to_the_ttft(lane):
     server = DecodeServer(lane["nodes"].consumer_home, *lane["common"], "--producer", lane["producer"].address,
-                          "--no-reuse")
+                          "--no-reuse", "--turn-memory", "0")  # both pulled: the turn memory would hold the second
     try:
         client = openai.OpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=HANG_S)
         for _ in range(2):

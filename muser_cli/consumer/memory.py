@@ -23,6 +23,7 @@ Pure Python over numpy arrays: no ML framework here.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +97,7 @@ class TurnMemory:
         self._entries: list[_Entry] = []
         self._pending: dict[int, tuple[int, ...]] = {}
         self._cv = threading.Condition()
+        self._tickets = itertools.count(1)
         self.evicted = 0
 
     # -------------------------------------------------------------- reading
@@ -158,7 +160,7 @@ class TurnMemory:
         """An answer's rows are about to be extended over ``tokens``: lookups that it would
         serve deeper wait for :meth:`keep` or :meth:`end` (the ticket returned)."""
         with self._cv:
-            ticket = id(tokens) ^ int(time.monotonic_ns())
+            ticket = next(self._tickets)
             self._pending[ticket] = tuple(int(t) for t in tokens)
             return ticket
 

@@ -59,8 +59,12 @@ def grammar_tokenizer(info: ModelInfo) -> Any:
         return tok
 
 
-def _styled(schema: dict[str, Any]) -> dict[str, Any]:
-    return {**schema, "x-guidance": JSON_STYLE}
+def _styled(schema: dict[str, Any], lenient: bool = False, flexible: bool = False) -> dict[str, Any]:
+    """``schema`` with the JSON style (``flexible``: free whitespace, llguidance's default);
+    ``lenient``: a keyword llguidance does not implement is left out (the rest still constrains)
+    instead of failing the grammar."""
+    style = {"whitespace_flexible": True} if flexible else JSON_STYLE
+    return {**schema, "x-guidance": {**style, "lenient": lenient}}
 
 
 def _literal(text: str) -> str:
@@ -123,33 +127,56 @@ class Matcher:
         return bool(self._m.is_accepting())
 
 
-def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why llguidance cannot compile ``schema`` (a keyword it does not implement, a bad
-    ``$ref``), or None. Needs no tokenizer."""
+def schema_problem(schema: dict[str, Any], lenient: bool = False) -> str | None:
+    """Why llguidance cannot compile ``schema`` (a keyword it does not implement, unless
+    ``lenient``; a bad ``$ref``), or None. Needs no tokenizer."""
     ll = _llguidance()
     try:
-        grammar = ll.LLMatcher.grammar_from_json_schema(_styled(schema))
+        grammar = ll.LLMatcher.grammar_from_json_schema(_styled(schema, lenient))
     except (ValueError, TypeError) as exc:
         return str(exc)
     error, messages = ll.LLMatcher.validate_grammar_with_warnings(grammar)
     return messages[0] if error else None
 
 
-def json_constraint(info: ModelInfo, schema: dict[str, Any] | None = None) -> Constraint:
+def json_constraint(info: ModelInfo, schema: dict[str, Any] | None = None, lenient: bool = False) -> Constraint:
     """The answer is one JSON value by ``schema`` (None: any JSON object), then the end."""
     ll = _llguidance()
-    grammar = ll.LLMatcher.grammar_from_json_schema(_styled(schema if schema is not None else {"type": "object"}))
+    grammar = ll.LLMatcher.grammar_from_json_schema(_styled(schema if schema is not None else {"type": "object"},
+                                                            lenient))
     return _checked(grammar, grammar_tokenizer(info))
 
 
-def tool_constraint(info: ModelInfo, calls: Sequence[tuple[str, dict[str, Any]]], closing: str) -> Constraint:
+def tool_constraint(info: ModelInfo, calls: Sequence[tuple[str, dict[str, Any]]], closing: str, *,
+                    between: str | None = None, whole: Sequence[dict[str, Any]] = (), tail: str = "",
+                    tail_needed: bool = False, lenient: bool = True) -> Constraint:
     """The answer goes on from a forced call opening: one of ``calls`` (text, then a JSON object by
-    its schema: the arguments), then ``closing`` (what closes the call's JSON), then the end."""
-    lines = ["start: " + " | ".join(f"c{i}" for i in range(len(calls)))]
+    its schema: the arguments), then ``closing`` (what closes the call's JSON); then, where
+    ``between`` is given (parallel calls), any number of further calls, each ``between`` and a
+    whole call's JSON by one of the schemas ``whole``; then ``tail`` (optional unless
+    ``tail_needed``: the format's closing tag), then the end. One call (no ``between``): after its
+    tail any text may follow (a model's token can run past the call: the caller reads only the
+    call, as :class:`muser_cli.service.tools.ToolStream` does with one call asked for). A call's
+    JSON takes free whitespace
+    (models write their templates' style); ``lenient`` (the default: a tool's schema is not
+    refused for it): a keyword llguidance does not implement is left out of the grammar."""
+    parallel = between is not None and bool(whole)
+    seq = f"first ({_literal(between)} more)*" if parallel else "first"
+    if tail:  # one call: after its closing tag the text is free (the server reads no further)
+        after = "tail" if parallel else "tail free?"
+        seq += f" {after}" if tail_needed else f" ({after})?"
+    elif not parallel:
+        seq += " free?"
+    lines = [f"start: {seq}", "first: " + " | ".join(f"c{i}" for i in range(len(calls))),
+             "free: /(?s:.+)/"]
     for i, (text, schema) in enumerate(calls):
         head = f"{_literal(text)} " if text else ""
         lines.append(f"c{i}: {head}a{i} {_literal(closing)}" if closing else f"c{i}: {head}a{i}")
-        lines.append(f"a{i}: %json {json.dumps(_styled(schema))}")
+        lines.append(f"a{i}: %json {json.dumps(_styled(schema, lenient, flexible=True))}")
+    if between is not None and whole:
+        lines.append(f"more: %json {json.dumps(_styled({'anyOf': list(whole)}, lenient, flexible=True))}")
+    if tail:
+        lines.append(f"tail: {_literal(tail)}")
     ll = _llguidance()
     return _checked(ll.LLMatcher.grammar_from_lark("\n".join(lines) + "\n"), grammar_tokenizer(info))
 

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from muser_cli.errors import MuserError
 from muser_cli.service.schema import schema_problem
 
 MAX_BODY = 8 << 20  # bytes of a request body (a prompt far past any context is refused before parsing)
@@ -59,6 +60,8 @@ class Ask:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids checked by the worker
     logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely (chat: top_logprobs)
     user: str | None = None  # user / safety_identifier: written to the request's log line
+    # structured output (chat): None (text), {"type": "json_object"}, or {"type": "json_schema", "schema", "strict"}
+    response_format: dict[str, Any] | None = None
 
     @property
     def chat(self) -> bool:
@@ -377,6 +380,55 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return (k or 0) if asked else None
 
 
+def _response_format(body: dict, kind: str) -> dict[str, Any] | None:
+    """``response_format``: ``text`` (None), ``json_object``, or ``json_schema`` ({"name", "schema",
+    "strict", "description"}): honoured by constrained decoding (docs/serve.md, Structured output).
+    A strict schema with a keyword the grammar cannot enforce is refused naming it; a schema that
+    is not strict is kept to as far as the grammar can (a keyword it cannot enforce is left out)."""
+    fmt = body.get("response_format")
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    what = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if what not in ("json_object", "json_schema") or not isinstance(fmt, dict):
+        raise ApiError(400, f"response_format {str(what)[:40]!r} is not supported by this server "
+                            "(text, json_object, json_schema)", param="response_format")
+    if kind != "chat":
+        raise ApiError(400, "response_format json is not supported on /v1/completions (chat only)",
+                       param="response_format")
+    extra = sorted(set(fmt) - {"type", "json_schema"} if what == "json_schema" else set(fmt) - {"type"})
+    if extra:
+        raise ApiError(400, f"response_format.{str(extra[0])[:40]} is not supported", param="response_format")
+    if what == "json_object":
+        return {"type": "json_object"}
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with a name and a schema",
+                       param="response_format")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise ApiError(400, f"response_format.json_schema.{str(extra[0])[:40]} is not supported",
+                       param="response_format")
+    name, schema, strict = spec.get("name"), spec.get("schema", {}), spec.get("strict")
+    if not isinstance(name, str) or not is_name(name):
+        raise ApiError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
+                       param="response_format")
+    if not isinstance(schema, dict) or (strict is not None and not isinstance(strict, bool)) or \
+            not isinstance(spec.get("description", ""), str):
+        raise ApiError(400, "response_format.json_schema: schema must be an object, strict true or false, "
+                            "description a string", param="response_format")
+    from muser_cli.engines.constraint import schema_problem as grammar_problem  # lazy: llguidance, when asked
+
+    try:
+        problem = grammar_problem(schema, lenient=not strict)
+    except MuserError as exc:  # llguidance missing
+        raise ApiError(400, f"response_format json_schema is not supported here: {exc}",
+                       param="response_format") from None
+    if problem:
+        raise ApiError(400, f"response_format.json_schema.schema is not supported: {problem}"[:400],
+                       param="response_format")
+    return {"type": "json_schema", "schema": schema, "strict": bool(strict)}
+
+
 def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> Ask:
     """The request ``body`` of ``/v1/chat/completions`` (kind chat) or ``/v1/completions``."""
     for key in (_COMPLETION_ONLY if kind == "chat" else _CHAT_ONLY):
@@ -410,11 +462,7 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
         if value is not None and (not isinstance(value, str) or len(value) > 256):
             raise ApiError(400, f"{key} must be a string of up to 256 characters", param=key)
         user = value if value is not None else user
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise ApiError(400, f"response_format {kind!r} is not supported by this server (only 'text')",
-                       param="response_format")
+    fmt = _response_format(body, kind)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "model must be a string", param="model")
@@ -443,6 +491,9 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     if deadline is not None:
         deadline = number_field(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
     tools = parse_tools(body) if kind == "chat" else None
+    if fmt is not None and tools and body.get("tool_choice") != "none":
+        raise ApiError(400, "response_format json with tools is not supported (tool_choice 'required' or a named "
+                            "function constrains a call's arguments)", param="response_format")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ApiError(400, "parallel_tool_calls must be true or false", param="parallel_tool_calls")
@@ -456,7 +507,7 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
                parallel_tool_calls=parallel,
                temperature=number_field(body, "temperature", 1.0, 0.0, 2.0), top_p=number_field(body, "top_p", 1.0, 1e-9, 1.0),
                seed=int_field(body, "seed", 0), stop=stop, stream=stream, include_usage=bool(options.get("include_usage")),
-               prefill_deadline=deadline)
+               prefill_deadline=deadline, response_format=fmt)
 
 
 class Piece(str):

@@ -182,8 +182,10 @@ class ToolStream:
     (bad JSON, a function not offered) stays content, as the model wrote it. ``prefix``: the
     forced opening, the start of the answer already. ``strict``: the parameters of the tools given
     with ``strict: true``, by name: a call of one whose arguments do not match them is
-    :class:`ToolCallFailed` (the arguments are checked, not steered: no constrained decoding), so a
-    strict tool's call is never returned with arguments its schema refuses."""
+    :class:`ToolCallFailed` (checked after the fact; under ``tool_choice`` ``required`` or named, on an
+    engine that constrains decoding, the arguments were steered by the schema too:
+    service/structured.py), so a strict tool's call is never returned with arguments its schema
+    refuses."""
 
     fmt: ToolFormat
     names: tuple[str, ...]
@@ -230,8 +232,8 @@ class ToolStream:
             self._step(events, final=True)
         if self.error is None and self.required and not self.calls:
             self.error = ToolCallFailed("tool_choice asked for a tool call and the model's answer holds none that "
-                                        "parses (constrained decoding is not done here: the answer was made to "
-                                        "start with the call's opening only)")
+                                        "parses (cut by max_tokens, or an engine that does not constrain decoding: "
+                                        "the answer was made to start with the call's opening only)")
         return events
 
     # ------------------------------------------------------------------ the machine
@@ -261,8 +263,8 @@ class ToolStream:
             problem = instance_problem(args, self.strict[name])
             if problem:
                 self.error = ToolCallFailed(f"the model called {name!r} (strict) with arguments its schema refuses: "
-                                            f"{problem} (the arguments are checked, not steered: no constrained "
-                                            "decoding here)")
+                                            f"{problem} (checked after the fact: an automatic call is not "
+                                            "constrained by its schema)")
                 return True  # no call, and no text either: the answer failed
         call = {"index": len(self.calls), "id": new_call_id(), "name": name,
                 "arguments": json.dumps(args, ensure_ascii=False)}

@@ -33,6 +33,7 @@ from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_prompt, default_dtype
 from muser_cli.service.api import ApiError, Ask, Piece
 from muser_cli.service.metrics import fallback_kind
 from muser_cli.service.textstream import TextStream
+from muser_cli.service.structured import request_constraint
 from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
 
 Emit = Callable[[str, Any], None]
@@ -250,7 +251,11 @@ class EngineWorker:
         except MuserError as exc:
             raise ApiError(400, str(exc)) from None
         self._check_sampling(ask, plan is not None and bool(plan.tools))
+        constraint = request_constraint(ask, plan, self.info, engine=self.config.engine,  # structured output
+                                        shapes=self.engine.inner.shapes_logits)
         state = _RunState(job, self)
+        for choice in state.choices:
+            choice.constraint = constraint  # each sequence takes its own matcher from it
         state.ids = ids
         state.tools = plan.stream() if plan is not None else None
         if state.tools is not None:  # an opening that is a special token: decoding drops it, the parser must see it
@@ -613,13 +618,14 @@ class _Choice:
         self.offset = 0
         self.last: int | None = None
         self.finish_reason: str | None = None
+        self.constraint = None  # the grammar of a structured answer (service/structured.py)
 
     def sampling(self) -> Sampling:
         ask = self.job.ask
         seed = None if ask.seed is None else (ask.seed + self.index) % (1 << 63)
         return Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=seed, presence_penalty=ask.presence_penalty,
                         frequency_penalty=ask.frequency_penalty, logit_bias=ask.logit_bias, logprobs=ask.logprobs,
-                        record=self.record)
+                        record=self.record, constraint=self.constraint)
 
     @property
     def unsent(self) -> bool:

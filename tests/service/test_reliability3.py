@@ -499,8 +499,9 @@ def test_on_a_terminal_the_notes_never_land_inside_the_streamed_answer(tmp_path,
 
 # ----------------------------------------------------------------------------- item 2: fields accepted and ignored
 @pytest.mark.parametrize("extra, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # the json modes: test_serve_structured.py
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}, "strict": True}}},
+     "response_format"),
     ({"presence_penalty": 2.5}, "presence_penalty"),  # honoured in [-2, 2] (issue #38: test_serve_sampling.py)
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"tool_choice": "auto"}, "tool_choice"),

@@ -7,9 +7,9 @@ accepted and ignored.
 A real server on 127.0.0.1 (torch, a tiny model, float32), the real ``openai`` client; every
 field is sent in the request body as the client would send it (``extra_body``, so the walk does
 not depend on the client's own keyword arguments). ``CHECKS`` is the table: field -> how it is
-checked. The tool-call fields and ``response_format`` may be either (another change decides
-them): refused naming them, or accepted and read (a malformed value refused naming them; their
-behaviour is tested in test_serve_tools.py and with the json modes).
+checked. The tool-call fields may be either: refused naming them, or accepted and read (a
+malformed value refused naming them; their behaviour is tested in test_serve_tools.py);
+``response_format`` is honoured (the json modes: test_serve_structured.py).
 """
 
 from __future__ import annotations
@@ -274,14 +274,24 @@ def _best_of(w: Walk, field: str) -> None:
 
 
 def _response_format(w: Walk, field: str) -> None:
-    """Another change does the json modes: refused naming it, or honoured (the answer parses)."""
+    """Honoured by constrained decoding (test_serve_structured.py): a strict json_schema answer
+    parses and validates; a json_object answer is an object from its first token (whole: it
+    parses); a malformed value is refused naming it."""
+    import jsonschema
+
     assert w.ask(response_format={"type": "text"}).choices
-    try:
-        r = w.ask(response_format={"type": "json_object"}, max_tokens=64)
-    except openai.BadRequestError as err:
-        assert err.body["param"] == field, err.body
-        return
-    json.loads(w.text(r))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = w.ask(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}},
+              max_tokens=64)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(w.text(r)), schema)
+    r = w.ask(response_format={"type": "json_object"}, max_tokens=16)
+    assert w.text(r).startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(w.text(r)), dict)
+    w.refused(field, {"type": "json_schema"})
 
 
 TOOLS = [{"type": "function", "function": {"name": "where", "parameters": {"type": "object", "properties": {}}}}]

@@ -166,7 +166,8 @@ def test_tool_choice_named_and_any_without_parallel_calls(server):
     client = claude(server)
     named = client.messages.create(model="default", max_tokens=64, messages=ASK, tools=A_TOOLS, extra_body=T0,
                                    tool_choice={"type": "tool", "name": "get_time"})
-    assert uses(named) == [("get_time", {"city": "Paris"})]  # forced opening; the arguments are the model's
+    # forced opening, the arguments decoded under get_time's schema (unconstrained: {"city": "Paris"})
+    assert uses(named) == [("get_time", {"tz": "CET"})]
     one = client.messages.create(model="default", max_tokens=64, messages=ASK, tools=A_TOOLS, extra_body=T0,
                                  tool_choice={"type": "any", "disable_parallel_tool_use": True})
     assert uses(one) == BOTH[:1] and one.stop_reason == "tool_use"
@@ -257,27 +258,32 @@ def test_the_api_key_goes_in_x_api_key_or_bearer(server):
 
 
 def test_a_strict_tools_call_must_match_its_schema(server):
-    """``strict: true`` is honoured by checking: a call whose arguments the schema refuses is an error
-    (500, never returned as a call); one that matches is returned. The same on both routes."""
+    """``strict: true`` is honoured: a call the model makes on its own is checked, and one whose
+    arguments the schema refuses is an error (500, never returned as a call); a named call is
+    decoded under the schema, so it matches. The same on both routes."""
     strict = [{**t, "strict": True, "input_schema": {**t["input_schema"], "additionalProperties": False}}
               for t in A_TOOLS]
     ok = claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict, extra_body=T0)
     assert uses(ok) == BOTH
-    with pytest.raises(anthropic.InternalServerError) as exc:  # named get_time: the model writes {"city": ...}
-        claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict, extra_body=T0,
-                                       tool_choice={"type": "tool", "name": "get_time"})
+    # named get_time: unconstrained the model writes {"city": ...}; steered by the schema it writes a tz
+    named = claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict, extra_body=T0,
+                                           tool_choice={"type": "tool", "name": "get_time"})
+    assert uses(named) == [("get_time", {"tz": "CET"})]
+    oslo = {"type": "object", "properties": {"city": {"enum": ["Oslo"]}}, "required": ["city"],
+            "additionalProperties": False}
+    refusing = [{**strict[0], "input_schema": oslo}, strict[1]]
+    with pytest.raises(anthropic.InternalServerError) as exc:  # auto: the model's own call, Paris, is refused
+        claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=refusing, extra_body=T0)
     assert exc.value.body["error"]["type"] == "api_error" and "schema refuses" in exc.value.body["error"]["message"]
     with pytest.raises(anthropic.APIStatusError, match="schema refuses"):  # streamed: an error event
-        list(claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=strict,
-                                            extra_body=T0, stream=True, tool_choice={"type": "tool", "name": "get_time"}))
+        list(claude(server).messages.create(model="default", max_tokens=64, messages=ASK, tools=refusing,
+                                            extra_body=T0, stream=True))
     import openai
 
-    named = {"type": "function", "function": {"name": "get_time"}}
     with pytest.raises(openai.InternalServerError) as exc:
-        gpt(server).chat.completions.create(model="default", max_tokens=64, messages=ASK, extra_body=T0,
-                                            tool_choice=named, tools=[{"type": "function", "function": {
-                                                **t["function"], "strict": True}} for t in TOOLS])
-    assert exc.value.body["code"] == "tool_call_failed" and "'tz' is missing" in exc.value.body["message"]
+        gpt(server).chat.completions.create(model="default", max_tokens=64, messages=ASK, extra_body=T0, tools=[
+            {"type": "function", "function": {**TOOLS[0]["function"], "parameters": oslo, "strict": True}}])
+    assert exc.value.body["code"] == "tool_call_failed" and "schema refuses" in exc.value.body["message"]
     r = _refused(server, {"model": "default", "max_tokens": 8, "messages": ASK, "tools": [
         {**A_TOOLS[0], "strict": True, "input_schema": {"type": "object", "properties": {}, "patternProperties": {}}}]})
     assert r.status_code == 400 and "does not check the keyword 'patternProperties'" in r.json()["error"]["message"]

@@ -92,12 +92,13 @@ def test_a_named_tool_choice_gets_exactly_that_call(server):
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(model="default", messages=ASK, tools=TOOLS, tool_choice=named,
                                        temperature=0)
-    # the answer was made to start with get_time's opening; the arguments are the model's own
-    assert calls_of(r.choices[0].message) == [("get_time", {"city": "Paris"})]
+    # the answer was made to start with get_time's opening and its arguments decoded under get_time's
+    # schema (docs/serve.md, Structured output): unconstrained, this model writes {"city": "Paris"} there
+    assert calls_of(r.choices[0].message) == [("get_time", {"tz": "CET"})]
     assert r.choices[0].finish_reason == "tool_calls"
     calls, content, finishes, _ = streamed(client, model="default", messages=ASK, tools=TOOLS, tool_choice=named,
                                            temperature=0)
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"city": "Paris"})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"tz": "CET"})]
     assert finishes == ["tool_calls"] and content == ""
 
 
@@ -155,17 +156,23 @@ def test_an_answer_cut_inside_a_call_is_text_not_a_call(server):
     assert r.choices[0].message.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
 
 
-def test_a_required_call_that_does_not_parse_is_an_error(server):
+def test_a_required_call_is_steered_to_an_offered_tool_or_fails(server):
     import openai
 
     client = server.client()
-    # only get_time offered: the model still writes get_weather, which is no call of this request
+    # only get_time offered: unconstrained the model writes get_weather, no call of this request;
+    # decoded under the grammar of the offered calls it writes get_time with get_time's arguments
+    r = client.chat.completions.create(model="default", messages=ASK, tools=[TIME], tool_choice="required",
+                                       temperature=0)
+    assert calls_of(r.choices[0].message) == [("get_time", {"tz": "CET"})]
+    # a required call cut by max_tokens does not parse: the request fails, never text passed off as a call
     with pytest.raises(openai.InternalServerError) as exc:
         client.chat.completions.create(model="default", messages=ASK, tools=[TIME], tool_choice="required",
-                                       temperature=0)
-    assert exc.value.body["code"] == "tool_call_failed" and "not one of the tools" in exc.value.body["message"]
+                                       temperature=0, max_tokens=1)
+    assert exc.value.body["code"] == "tool_call_failed" and "does not parse" in exc.value.body["message"]
     with pytest.raises(openai.APIError, match="tool_call_failed|does not parse"):
-        streamed(client, model="default", messages=ASK, tools=[TIME], tool_choice="required", temperature=0)
+        streamed(client, model="default", messages=ASK, tools=[TIME], tool_choice="required", temperature=0,
+                 max_tokens=1)
     auto = client.chat.completions.create(model="default", messages=ASK, tools=[TIME], temperature=0)
     # auto: the block that is no call stays text, as the model wrote it; the one that is, is a call
     assert calls_of(auto.choices[0].message) == BOTH[1:]

@@ -1,0 +1,73 @@
+"""Structured output on ``/v1/chat/completions`` (docs/serve.md, Structured output): the grammar
+a request's answer is decoded under, or None.
+
+* ``response_format`` ``json_object``: one JSON object; ``json_schema``: one JSON value by the
+  schema (strict: every keyword enforced, else refused when parsed; not strict: the keywords the
+  grammar can enforce);
+* ``tool_choice`` ``required`` or a named function: the answer already starts with the call's
+  opening (:meth:`muser_cli.service.tools.ToolFormat.forced`); the grammar takes it from there:
+  an offered function's name (``required``), the arguments' key as the template writes it, a JSON
+  object by that function's ``parameters`` (free whitespace), the brace that closes the call;
+  with ``required`` and parallel calls, any further calls, each a whole call's JSON by one
+  function's schema after the format's separator; then the format's closing (``</tool_call>``
+  may follow, Mistral's ``]`` must), then the end token.
+
+Built only for an engine that shapes its logits (torch, MLX); llguidance is imported here only
+when a request asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from muser_cli.errors import MuserError
+from muser_cli.model.info import ModelInfo
+from muser_cli.service.api import ApiError, Ask
+from muser_cli.service.tools import ToolPlan
+
+#: per call format: the text between two calls, and what may follow the last (Mistral's list: must)
+_FORMATS = {"hermes": ("\n</tool_call>\n<tool_call>\n", "\n</tool_call>"), "llama3": ("; ", ""),
+            "mistral": (", ", "]")}
+
+
+def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engine: str,
+                       shapes: bool) -> Any:
+    """The :class:`muser_cli.engines.constraint.Constraint` of ``ask`` (None: unconstrained).
+    ``shapes``: whether the engine applies one (``Engine.shapes_logits``)."""
+    fmt = ask.response_format
+    tools = plan is not None and bool(plan.tools)
+    if fmt is not None:
+        if tools:
+            raise ApiError(400, "response_format json with tools is not supported (tool_choice 'required' or "
+                                "a named function constrains a call's arguments)", param="response_format")
+        if not shapes:
+            raise ApiError(400, f"response_format json is not supported by the {engine} engine",
+                           param="response_format")
+    elif not (tools and plan.required and plan.fmt is not None and shapes):
+        return None  # a required call on an engine that cannot constrain: the forced opening only
+    from muser_cli.engines.constraint import (  # lazy: llguidance
+        json_constraint,
+        tool_constraint,
+    )
+
+    try:
+        if fmt is not None:
+            return json_constraint(info, fmt.get("schema"), lenient=not fmt.get("strict"))
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in plan.tools}
+        key = plan.fmt.args_key
+        if plan.named is not None:
+            calls = [("", schemas[plan.named])]
+        else:
+            calls = [(f'{name}", "{key}": ', schema) for name, schema in schemas.items()]
+        parallel = plan.named is None and plan.parallel
+        whole = [{"type": "object", "properties": {"name": {"const": name}, key: schema},
+                  "required": ["name", key], "additionalProperties": False} for name, schema in schemas.items()]
+        between, tail = _FORMATS[plan.fmt.name]
+        return tool_constraint(info, calls, "}", between=between if parallel else None, whole=whole, tail=tail,
+                               tail_needed=plan.fmt.name == "mistral")
+    except MuserError as exc:
+        raise ApiError(400, f"structured output: {exc}", param="response_format" if fmt is not None else "tools") \
+            from None
+
+
+__all__ = ["request_constraint"]

@@ -130,9 +130,9 @@ def test_jobs_from_stdin_and_a_missing_document_is_that_jobs_exit_66(model, expe
     lines = [json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4}),
              json.dumps({"id": "gone", "prompt_file": str(tmp_path / "nope.txt"), "question": "?"})]
     r = batch(tmp_path / "home", "-", *common(model), "--json", input=("\n".join(lines) + "\n").encode())
-    assert r.returncode == 1
     got = lines_of(r.stdout)
-    assert got[0]["token_ids"] == expected["solo"]
+    assert r.returncode == 1, (got, r.stderr)
+    assert got[0]["token_ids"] == expected["solo"], (got[0], r.stderr)
     assert got[1]["error"]["exit"] == 66 and "nope.txt" in got[1]["error"]["message"]
     summary = json.loads(r.stderr.decode().strip().splitlines()[-1])  # --json with results on stdout: stderr
     assert summary["done"] == 1 and summary["failed"] == 1 and not summary["ok"]

@@ -176,11 +176,12 @@ ENVIRONMENT = [
     ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "
      "recently used entries are evicted beyond it. An unreadable size is exit 2.", "`20G`"),
     ("MUSER_ROUTE", "How a consumer (`decode --producer`, `decode --serve`) picks where a prompt's rows come from "
-     "(issue #39, docs/pull-lane.md \"One latency budget\"): `producer` asks the producer whenever one is given; "
-     "`fastest` predicts the TTFT of every path (store, local, remote whole, remote delta) from what this machine "
-     "measured (`<data dir>/costs/`) and asks only when that is predicted faster, with the budget that beats the "
-     "local path, which a producer that cannot make it answers `late` at once. Anything else counts as `producer`.",
-     "`producer`"),
+     "(issue #39, docs/pull-lane.md \"One latency budget\"): `fastest` predicts the TTFT of every path (store, "
+     "local, remote whole, remote delta) from what this machine measured (`<data dir>/costs/`) and asks only when "
+     "that is predicted faster, with the budget that beats the local path, which a producer that cannot make it "
+     "answers `late` at once (so a short prompt stays local while a producer is up); `producer` asks the producer "
+     "whenever one is given, without a budget. Anything else counts as `fastest`.",
+     "`fastest`"),
     ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "
      "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "
      "`cblas_sgemm`. An explicit choice that cannot be honoured is exit 78.",

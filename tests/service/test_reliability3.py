@@ -415,7 +415,8 @@ def test_a_full_store_disk_fails_no_answer(tmp_path, tiny_llama):
     store = tmp_path / "store"
     store.mkdir()
     serve = " ".join(shlex.quote(a) for a in muser_cmd("decode", "--serve", "127.0.0.1:0", "-m", str(tiny_llama.path),
-                                                         "--threads", "1", "--dtype", "float32", "--store"))
+                                                         "--threads", "1", "--dtype", "float32", "--store",
+                                                         "--turn-memory", "0"))  # each prompt computed and stored
     mounted = f"mount -t tmpfs -o size=64k tmpfs {shlex.quote(str(store))} && exec {serve}"
     service = ServiceProcess(tmp_path / "home", ["unshare", "-rm", "sh", "-c", mounted],
                              re.compile(r"listening on http://(\S+)/v1"), extra_env={"MUSER_STORE": str(store)})

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from handoff_kit import (
-    HANG_S, LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, env_for, held_pull, home_env, keys_dir_of, muser_cmd,
+    HANG_S, LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, env_for, held_pull, home_env, muser_cmd,
     pull_lane, signed_request, wait_for,
 )
 from muser_cli.consumer.costs import CostModel, RateByDepth, budget_split, overrun, route
@@ -210,7 +210,7 @@ def test_a_broken_promise_is_cut_and_the_consumer_prefills_here(lane):
 def test_a_producer_orders_queued_requests_by_deadline(lane):
     """Two requests of one consumer wait while the turn is held: the one sent second, with the
     tighter budget, is admitted first; each was promised a start at once."""
-    from muser_cli.consumer.pull import PullAsk, ask_for, pull_prompt
+    from muser_cli.consumer.pull import ask_for, pull_prompt
 
     prod = lane["producer"]
     ident, request = signed_request(lane)

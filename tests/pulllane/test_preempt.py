@@ -12,7 +12,6 @@ packs are compared byte for byte with each prompt computed alone.
 from __future__ import annotations
 
 import io
-import math
 import threading
 import time
 

@@ -106,7 +106,7 @@ def main() -> None:
     except SystemExit as done:
         _leave_without_teardown(done.code)
         raise
-    _leave_without_teardown(0)
+    _leave_without_teardown(ExitStatus.OK)
 
 
 def _leave_without_teardown(code: object) -> None:
@@ -127,11 +127,11 @@ def _leave_without_teardown(code: object) -> None:
         except (OSError, ValueError):  # a reader that went away, a closed stream
             pass
     if code is None:
-        status = 0
+        status = int(ExitStatus.OK)
     elif isinstance(code, int):
         status = code
     else:  # sys.exit("message"): Python prints it and exits 1
         sys.stderr.write(f"{code}\n")
         sys.stderr.flush()
-        status = 1
+        status = int(ExitStatus.ERROR)
     os._exit(status)

@@ -581,6 +581,8 @@ class _RunState:
         reason, computed = "", 0
         if rows is not None and rows.pack is None:
             reason = rows.reason or self.pull_error or self.why
+            if rows.handoff_rows is not None and rows.reason and self.pull_error:  # a cut stream: why it was cut
+                reason = f"{rows.reason} ({self.pull_error})"
             if self.refused is not None:
                 reason = f"the pack from {self.producer} was refused: {self.refused}"
             computed = rows.local_rows if rows.local_rows is not None else len(ids) - 1 - held

@@ -92,14 +92,17 @@ serving=$!
 for _ in $(seq 300); do grep -q "listening on" "$work/serve.log" 2>/dev/null && break; sleep 0.2; done
 paddr="$(sed -n 's/.*listening on \([^ ]*\).*/\1/p' "$work/serve.log")"
 pull=(-m "$model" --chat --chunk 32 -n 32 --json --producer "$paddr")
-MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/doc.txt" --store > "$work/pull1.json"
-MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull2.json"
+# The lane itself: ask the producer whatever the cost model predicts. By default
+# (MUSER_ROUTE=fastest) a prompt this short stays here, both "machines" being this one.
+MUSER_HOME="$consumer" MUSER_ROUTE=producer muser -q decode "${pull[@]}" --prompt "$work/doc.txt" --store \
+  > "$work/pull1.json"
+MUSER_HOME="$consumer" MUSER_ROUTE=producer muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull2.json"
 kill -TERM "$serving"
 status=0; wait "$serving" || status=$?
 echo "   producer stopped (SIGTERM), exit status $status"
 test "$status" = 0
 echo "== producer gone: decode --producer falls back by itself"
-MUSER_HOME="$consumer" muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull3.json"
+MUSER_HOME="$consumer" MUSER_ROUTE=producer muser -q decode "${pull[@]}" --prompt "$work/follow.txt" > "$work/pull3.json"
 python - "$work/serve.log" "$work/pull1.json" "$work/pull2.json" "$work/pull3.json" <<'PY'
 import json, sys
 served = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]

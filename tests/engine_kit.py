@@ -5,6 +5,8 @@ before it computes. It holds no tests itself."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -50,3 +52,20 @@ def refuses_bad_rows(eng, ids: list[int], chunk: int) -> list[LayerKV]:
     with pytest.raises(DataError, match="outside the model's vocabulary"):
         eng.decode(layers, rows=20, next_tokens=[512], max_new_tokens=1)
     return layers
+
+
+def run_queued_together(turns, n: int, one) -> None:
+    """``one(i)`` for i in 0..n-1, each on a thread of its own, all queued for ``turns`` (held
+    here meanwhile) before any runs: then released together, so their decode steps meet."""
+    turns.acquire()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(turns._queue) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        turns.release()
+    for t in threads:
+        t.join(120)

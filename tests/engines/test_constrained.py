@@ -6,12 +6,11 @@ token once the grammar accepts, never before."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import jsonschema
 import pytest
 
+from engine_kit import run_queued_together
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.constraint import (
@@ -142,18 +141,7 @@ def test_batched_sequences_each_keep_their_own_schema(engine, tiny_llama):
         finally:
             turns.leave()
 
-    turns.acquire()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(turns._queue) < len(prompts) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    finally:
-        turns.release()
-    for t in threads:
-        t.join(120)
+    run_queued_together(turns, len(prompts), one)
     batched.close()
     assert not any(isinstance(o, BaseException) for o in out), out
     assert max(steps) > 1

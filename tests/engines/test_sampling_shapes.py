@@ -8,12 +8,11 @@ only), the greedy token the largest of them; logprobs the log-softmax of the raw
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
 
+from engine_kit import run_queued_together
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_engine
@@ -139,18 +138,7 @@ def test_batched_sequences_keep_their_own_settings(engine, tiny_llama):
         finally:
             turns.leave()
 
-    turns.acquire()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(settings))]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(turns._queue) < len(settings) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    finally:
-        turns.release()
-    for t in threads:
-        t.join(120)
+    run_queued_together(turns, len(settings), one)
     batched.close()
     assert not any(isinstance(o, BaseException) for o in out), out
     assert max(steps) > 1

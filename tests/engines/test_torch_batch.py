@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-import time
 
 import pytest
 
+from engine_kit import run_queued_together
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.torch.engine import TorchEngine
@@ -64,18 +64,7 @@ def _together(engine, packs, samplings, new=NEW, cut: dict[int, int] | None = No
         except BaseException as exc:  # noqa: BLE001 - reported by the assert below
             out[i] = exc
 
-    turns.acquire()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(packs))]
-    try:
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while len(turns._queue) < len(packs) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    finally:
-        turns.release()
-    for t in threads:
-        t.join(120)
+    run_queued_together(turns, len(packs), one)
     engine.close()
     assert not any(isinstance(o, BaseException) for o in out), out
     return out, steps

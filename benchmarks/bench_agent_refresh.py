@@ -6,6 +6,10 @@ context turn after turn through the OpenAI client, against ``muser decode --serv
                                                        [--engine torch|mlx] [--lanes producer,local]
     # issue #38's short chat: three short turns, MLX against mlx_lm.server
     .venv/bin/python benchmarks/bench_agent_refresh.py --turns 3 --start 48 --end 200 --engine mlx --mlx-lm
+    # issue #37: four agents at once against one server, beside one agent alone
+    .venv/bin/python benchmarks/bench_agent_refresh.py --agents 4 --turns 4 --start 256 --end 1024 --engine mlx \
+        --lanes local --mlx-lm
+    .venv/bin/python benchmarks/bench_agent_refresh.py --turns 3 --start 48 --end 200 --engine mlx --mlx-lm
 
 One conversation: turn 1 sends a document of ``--start`` tokens; every later turn appends
 the model's answer and a new slice of the document, growing to ``--end`` tokens. Each turn
@@ -25,6 +29,12 @@ lane the rows its turn memory held and the rows it computed (the ``muser`` field
 chunk: ``held_rows``, ``computed_rows``). The aim: every turn after the first ships or computes
 only its new tokens and its TTFT is under the local one (and, issue #38, no more than
 mlx_lm.server's, which keeps the whole conversation's cache).
+
+``--agents N`` (issue #37): after the one-agent reps, each server gets N conversations at once
+(each its own document, all started together, each going turn after turn), ``--reps`` times;
+``mlx_lm.server`` then runs with ``--decode-concurrency N --prompt-concurrency N``. Reported per
+turn: the N agents' TTFT p50 and p90 (over agents and reps) and p90 against N x the one-agent
+median (the aim: at most 1, sharing the machine costs no more than taking turns whole).
 """
 
 from __future__ import annotations
@@ -50,11 +60,12 @@ def main() -> int:
     ap.add_argument("--mlx-lm", action="store_true")
     ap.add_argument("--engine", default="torch", choices=["torch", "mlx"], help="the muser lanes' engine")
     ap.add_argument("--lanes", default="producer,local", help="the muser lanes to run (producer, local)")
+    ap.add_argument("--agents", type=int, default=1, help="also run this many conversations at once (issue #37)")
     args = ap.parse_args()
     import openai
 
-    from muser_cli.bench.agent import conversation, mlx_lm_conversations, wait_url
-    from muser_cli.bench.common import machine, pinning, resolve_bench_model
+    from muser_cli.bench.agent import agents_at_once, conversation, mlx_lm_conversations, wait_url
+    from muser_cli.bench.common import machine, pinning, quantile, resolve_bench_model
     from muser_cli.bench.loopback import MUSER, drain_in_background, make_nodes, node_env, wait_listening
     from muser_cli.model.tokens import decode_text
 
@@ -73,6 +84,7 @@ def main() -> int:
 
     procs: list[subprocess.Popen] = []
     lanes: dict[str, list[list[dict]]] = {}
+    many: dict[str, list[list[dict]]] = {}  # --agents: each agent's conversation, every rep
     failures: dict[str, str] = {}
     try:
         producer = subprocess.Popen(pins.command("producer", [*MUSER, "prefill", "--serve", "127.0.0.1:0", "--store",
@@ -98,10 +110,16 @@ def main() -> int:
             client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
             conversation(client, "default", slices(-1)[:2], args.max_tokens)  # warm-up
             lanes[lane] = [conversation(client, "default", slices(r), args.max_tokens) for r in range(args.reps)]
+            if args.agents > 1:
+                many[lane] = agents_at_once(client, "default", slices, reps=args.reps, agents=args.agents,
+                                            max_tokens=args.max_tokens)
         if args.mlx_lm:
             try:
-                lanes["mlx-lm"] = mlx_lm_conversations(str(info.path), pins, slices, reps=args.reps,
-                                                       max_tokens=args.max_tokens)
+                got = mlx_lm_conversations(str(info.path), pins, slices, reps=args.reps, max_tokens=args.max_tokens,
+                                           agents=args.agents)
+                lanes["mlx-lm"] = got["one"]
+                if "many" in got:
+                    many["mlx-lm"] = got["many"]
             except Exception as exc:  # keep the muser lanes' figures: the receipt says what failed
                 failures["mlx-lm"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -122,8 +140,21 @@ def main() -> int:
         rows = "".join(f"  {r['source']}/{r['bytes']}/{r.get('held_rows')}/{r.get('computed_rows')}"
                        for r in (lanes[lane][0][t] for lane in muser_lanes))
         print(f"{t + 1:>4} {cells}{rows}")
+    together = {}
+    if many:
+        print(f"{args.agents} agents at once: per turn TTFT p50 / p90 s, and p90 / ({args.agents} x one agent's median)")
+    for lane, convs in many.items():
+        rows = []
+        for t in range(args.turns):
+            ttfts = [c[t]["ttft_s"] for c in convs]
+            s = {**summarize(ttfts), "p90": quantile(ttfts, 0.9)}
+            alone = table[lane][t]["median"]
+            rows.append({**s, "vs_turns_whole": s["p90"] / (args.agents * alone) if alone else None})
+        together[lane] = rows
+        print(f"  {lane:>9}: " + "  ".join(f"{r['median']:.2f}/{r['p90']:.2f} ({r['vs_turns_whole']:.2f}x)"
+                                          for r in rows))
     path = write_receipt("agent-refresh", {"args": vars(args), "machine": machine(), "pinning": pins.__dict__,
-                                           "turns": table, "raw": lanes,
+                                           "turns": table, "raw": lanes, "together": together, "raw_together": many,
                                            "failures": failures})
     for lane, why in failures.items():
         print(f"{lane}: not measured ({why})")

@@ -58,7 +58,8 @@ from pathlib import Path
 
 from _common import RESULTS, run, stderr, summarize
 
-from muser_cli.bench.common import BenchResult, allowed_cpus, corpus_ids, parse_ints, receipt_path, write_receipt
+from muser_cli.bench.common import (BenchResult, allowed_cpus, corpus_ids, parse_ints, quantile, receipt_path,
+                                    write_receipt)
 
 SERVERS = ("muser-mlx", "muser-torch", "mlx-lm", "muser-mlx-exact", "muser-torch-exact")
 
@@ -74,17 +75,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between order statistics (q=0.9 of one value is it)."""
-    vals = sorted(values)
-    if len(vals) == 1:
-        return vals[0]
-    pos = q * (len(vals) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
 class Server:
@@ -201,7 +191,7 @@ def run_clients(server: Server, prompts: list[str], max_tokens: int) -> dict:
     itls = [r["itl_s"] for r in ok if r["itl_s"] is not None]
     ttfts = [r["ttft_s"] for r in ok]
     return {"clients": n, "wall_s": wall, "tokens": total, "agg_tok_s": total / wall if wall else None,
-            "ttft_p50_s": _pct(ttfts, 0.5) if ttfts else None, "ttft_p90_s": _pct(ttfts, 0.9) if ttfts else None,
+            "ttft_p50_s": quantile(ttfts, 0.5) if ttfts else None, "ttft_p90_s": quantile(ttfts, 0.9) if ttfts else None,
             "itl_p50_s": statistics.median(itls) if itls else None, "errors": len(reqs) - len(ok),
             "short": sum(1 for r in ok if r["tokens"] < max_tokens), "requests": reqs}
 

@@ -78,6 +78,24 @@ def conversation(client: Any, model: str, slices: list[str], max_tokens: int) ->
     return out
 
 
+def agents_at_once(client: Any, model: str, slices: Callable[[int], list[str]], *, reps: int, agents: int,
+                   max_tokens: int) -> list[list[dict]]:
+    """``agents`` conversations at once against one server, ``reps`` times: each agent its own
+    document (``slices(k)`` for a ``k`` no other agent or rep uses), all started together and
+    each going turn after turn as fast as the server answers it. One list of turns per agent
+    and rep (``agents * reps`` of them), each turn as :func:`conversation` gives it. A failed
+    conversation raises here, after the others ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out: list[list[dict]] = []
+    with ThreadPoolExecutor(max_workers=agents) as pool:
+        for r in range(reps):
+            futures = [pool.submit(conversation, client, model, slices(100 + r * agents + a), max_tokens)
+                       for a in range(agents)]
+            out.extend(f.result() for f in futures)
+    return out
+
+
 def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Wait for ``mlx_lm.server``'s ``/health`` (its ``/v1/models`` scans the Hugging Face hub
     cache and answers an empty body when there is none, as on a fresh machine)."""
@@ -98,18 +116,21 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 
 
 def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int], list[str]], *, reps: int,
-                         max_tokens: int) -> list[list[dict]]:
+                         max_tokens: int, agents: int = 1) -> dict[str, list[list[dict]]]:
     """The same conversations against ``mlx_lm.server`` on the consumer's core, with the BLAS
     muser's MLX engine uses (MKL preloaded, one thread: the ``mlx[cpu]`` wheel's bundled
-    reference BLAS would make mlx-lm ~30x slower than it is with a real one)."""
+    reference BLAS would make mlx-lm ~30x slower than it is with a real one): ``{"one": one
+    agent's reps}``, and with ``agents`` > 1 also ``{"many": }`` :func:`agents_at_once`'s, the
+    server batching that many (``--decode-concurrency``/``--prompt-concurrency``)."""
     import openai
 
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    concurrency = ["--decode-concurrency", str(agents), "--prompt-concurrency", str(agents)] if agents > 1 else []
     proc = subprocess.Popen(pins.command("consumer", [sys.executable, "-m", "mlx_lm.server", "--model", model_path,
-                                                      "--host", "127.0.0.1", "--port", str(port)]),
+                                                      "--host", "127.0.0.1", "--port", str(port), *concurrency]),
                             env=preload_env(dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")),
                             stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -117,7 +138,10 @@ def mlx_lm_conversations(model_path: str, pins: Pinning, slices: Callable[[int],
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
         _wait_health(f"http://127.0.0.1:{port}/health", proc)
         conversation(client, model_path, slices(-1)[:2], max_tokens)
-        return [conversation(client, model_path, slices(r), max_tokens) for r in range(reps)]
+        got = {"one": [conversation(client, model_path, slices(r), max_tokens) for r in range(reps)]}
+        if agents > 1:
+            got["many"] = agents_at_once(client, model_path, slices, reps=reps, agents=agents, max_tokens=max_tokens)
+        return got
     finally:
         proc.terminate()
         proc.wait(60)

@@ -53,6 +53,18 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     return {"median": statistics.median(vals), "cv": cv, "min": min(vals), "max": max(vals), "reps": vals}
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of ``values`` by linear interpolation between order statistics
+    (q=0.9 of one value is that value)."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        raise ValueError("no values")
+    pos = q * (len(vals) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
 def measure(fn: Callable[[], object], *, reps: int = 5, warmup: int = 1) -> dict[str, Any]:
     """Seconds per call of ``fn``: ``warmup`` uncounted calls, then ``reps`` counted ones."""
     for _ in range(warmup):

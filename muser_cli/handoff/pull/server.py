@@ -50,18 +50,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any
 
 from muser_cli.errors import AuthError, KVPackError, MuserError, TempFailure
-from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, consumer_sni, continue_as_v3, server_context
+from muser_cli.handoff.link import DEFAULT_IDLE_S, Link, continue_as_v3
 from muser_cli.handoff.listener import EventFn, Listener, LiveConnections, reject_and_linger
 from muser_cli.handoff.probes import serve_probe_down, serve_probe_up
 from muser_cli.handoff.pull.admission import Admission, Turn
+from muser_cli.handoff.pull.compute import Compute, ComputeDefaults, with_defaults
+from muser_cli.handoff.pull.identities import Identities
 from muser_cli.handoff.push.sender import PackSource, prepare_handoff, transmit_over
 from muser_cli.handoff.trust.certs import peer_common_name, peer_serial_hex
 from muser_cli.handoff.trust.ledger import LedgerError, Record
 from muser_cli.handoff.trust.node import Identity
-from muser_cli.handoff.trust.nodedir import identities_stamp, load_identities, note_peer
+from muser_cli.handoff.trust.nodedir import note_peer
 from muser_cli.handoff.wire.header import DEFAULT_WINDOW_S
 from muser_cli.handoff.wire.protocol import (
     MAX_DATA_BYTES, PROTOCOL_VERSION, ConnectionClosed, ProbeDown, ProbeUp, Ready, Reject, Role, State,
@@ -78,94 +80,6 @@ from muser_cli.handoff.wire.refusal import Refusal
 QUEUED_EVERY_S = 5.0
 
 
-@runtime_checkable
-class Compute(Protocol):
-    """What the server asks of the engine side (muser_cli.pulllane.producer): every member the
-    server reads. ``check`` and ``run`` every compute has; ``max_concurrent`` and
-    ``after_stream`` are optional: a compute without them gets :class:`ComputeDefaults`'
-    (:class:`PullServer` fills them in), and may subclass that class to say so."""
-
-    #: How many requests ``run`` may be given at once (the server's admission): 1 on torch and
-    #: MLX; the batch size on an engine that batches (vLLM). Read once, when the server is made.
-    max_concurrent: int
-    #: Whether ``run`` takes ``pause``, called between chunks, where the request may give its
-    #: turn to a shorter one with an earlier deadline (issue #39; the admission decides).
-    preempts: bool
-
-    def check(self, request: PullRequest) -> PullRequest | None:
-        """Raise :class:`Refusal` (``model``, ``too_large``, ...) for a request it will not serve.
-        May return the request to compute instead (a text request with its token ids filled in)."""
-
-    def run(self, request: PullRequest, out: BinaryIO) -> dict[str, Any]:
-        """Write the request's kvpack to ``out``, each frame as its chunk finishes; return stats.
-        A compute with ``max_concurrent`` > 1 has ``run`` called from that many threads at once.
-        One that ``preempts`` is called with ``pause=`` too: a callable for between two chunks
-        (it returns when the request has its turn again)."""
-
-    def after_stream(self, stats: dict[str, Any]) -> None:
-        """Called once ``run``'s ``out`` is closed (work the consumer should not wait for, such
-        as keeping the rows); it may add to ``stats``. Not called when ``run`` raised."""
-
-    def estimate(self, request: PullRequest) -> float | None:
-        """Seconds ``run`` is expected to take for ``request`` (None: no idea yet): the promise."""
-
-    def rates(self) -> dict[str, float]:
-        """Its prefill rate by depth, as measured: tokens per second by the end position's
-        power-of-two bucket (a string key). Sent in each ``Promise``."""
-
-
-class ComputeDefaults:
-    """The optional members of :class:`Compute`, as a compute without them has them: one
-    request at a time, nothing after the stream, no estimate."""
-
-    max_concurrent: int = 1
-    preempts: bool = False
-
-    def after_stream(self, stats: dict[str, Any]) -> None:
-        return None
-
-    def estimate(self, request: PullRequest) -> float | None:
-        return None
-
-    def rates(self) -> dict[str, float]:
-        return {}
-
-
-class _WithDefaults(ComputeDefaults):
-    """A compute without every member of :class:`Compute`: the members it has answer, the
-    others are :class:`ComputeDefaults`'."""
-
-    def __init__(self, compute: Any) -> None:
-        self.compute = compute
-        self.max_concurrent = getattr(compute, "max_concurrent", ComputeDefaults.max_concurrent)
-        self.preempts = bool(getattr(compute, "preempts", ComputeDefaults.preempts))
-
-    def check(self, request: PullRequest) -> PullRequest | None:
-        return self.compute.check(request)
-
-    def run(self, request: PullRequest, out: BinaryIO, **kw: Any) -> dict[str, Any]:
-        return self.compute.run(request, out, **kw)
-
-    def after_stream(self, stats: dict[str, Any]) -> None:
-        after = getattr(self.compute, "after_stream", None)
-        if after is not None:
-            after(stats)
-
-    def estimate(self, request: PullRequest) -> float | None:
-        got = getattr(self.compute, "estimate", None)
-        return got(request) if got is not None else None
-
-    def rates(self) -> dict[str, float]:
-        got = getattr(self.compute, "rates", None)
-        return got() if got is not None else {}
-
-
-def _with_defaults(compute: Any) -> Compute:
-    """``compute`` itself when it has every member of :class:`Compute`; else it with the
-    missing optional ones :class:`ComputeDefaults`' (``check`` and ``run`` it must have)."""
-    return compute if isinstance(compute, Compute) else _WithDefaults(compute)
-
-
 @dataclass
 class ServeConfig:
     host: str = "127.0.0.1"
@@ -178,69 +92,6 @@ class ServeConfig:
     session_s: float = 3600.0
     max_pending: int = 64
     probe_max_s: float = 10.0  # the longest one probe direction runs, whatever the consumer asks
-
-
-def _ctx(identity: Identity) -> ssl.SSLContext:
-    ctx = server_context(identity)
-    ctx.set_alpn_protocols([ALPN_PULL])
-    return ctx
-
-
-class _Identities:
-    """The consumers this producer joined, one TLS context each (its CA the only trust
-    anchor, its certificate the one presented). The consumer's server name
-    (:func:`~muser_cli.handoff.link.consumer_sni`) picks the context; a client that names
-    none gets the first consumer's.
-
-    ``directory`` (the node directory they were loaded from): every handshake first looks
-    whether its identities changed on disk (:func:`~muser_cli.handoff.trust.nodedir.identities_stamp`:
-    a consumer joined, or re-joined with ``--force``, since the producer started) and if so
-    loads them again, so a consumer joined on a running producer is served without a restart.
-    What a handshake checks is unchanged: the context picked holds that consumer's CA alone,
-    and the keyring is read per request as before. A join caught half-written is retried at
-    the next handshake (the contexts loaded before stay in use)."""
-
-    def __init__(self, identities: list[Identity], directory: Path | None = None) -> None:
-        self.directory = directory
-        self._lock = threading.Lock()
-        self._known: dict[ssl.SSLContext, Identity] = {}  # every context made: a handshake may end on an older one
-        self._stamp = identities_stamp(directory) if directory is not None else None
-        self._use(identities)
-        self.default = self.pairs[0][0]  # every handshake starts on it; its SNI callback picks the one to use
-        if len(self.pairs) > 1 or directory is not None:
-            self.default.sni_callback = self._pick
-
-    def _use(self, identities: list[Identity]) -> None:
-        pairs = [(_ctx(i), i) for i in identities]
-        self._known.update({ctx: i for ctx, i in pairs})
-        by_sni = {sni: ctx for ctx, i in pairs if (sni := consumer_sni(i.consumer)) is not None}
-        self.pairs, self.by_sni = pairs, by_sni
-
-    def refresh(self) -> None:
-        """Load the identities again if their files changed since they were last loaded."""
-        if self.directory is None:
-            return
-        with self._lock:
-            stamp = identities_stamp(self.directory)
-            if stamp == self._stamp:
-                return
-            try:
-                identities = load_identities(self.directory)
-                self._use(identities)
-            except (MuserError, OSError, ssl.SSLError):  # caught mid-join: keep what works, look again next time
-                return
-            self._stamp = stamp
-
-    def _pick(self, sock: ssl.SSLObject, server_name: str | None, _ctx: ssl.SSLContext) -> None:
-        self.refresh()
-        chosen = self.by_sni.get((server_name or "").lower(), self.pairs[0][0])
-        if chosen is not sock.context:
-            sock.context = chosen
-        return None
-
-    def of(self, tls: ssl.SSLSocket) -> Identity:
-        """The identity whose context this connection's handshake used."""
-        return self._known.get(tls.context, self.pairs[0][1])
 
 
 class PullServer(Listener):
@@ -257,8 +108,8 @@ class PullServer(Listener):
         ``keys_dir``: the node directory they came from, looked at again at each handshake (a
         consumer joined while this server runs is served; None: these identities only)."""
         self.identity = identity
-        self.compute = _with_defaults(compute)
-        self._idents = _Identities([identity, *(more or [])], keys_dir)
+        self.compute = with_defaults(compute)
+        self._idents = Identities([identity, *(more or [])], keys_dir)
         super().__init__(config, ctx=self._idents.default, ledger_dir=ledger_dir, on_event=on_event,
                          counters={"connections": 0, "served": 0, "refused": 0, "failed": 0, "turned_away": 0,
                                    "tls_failed": 0},

@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from muser_cli.errors import ConfigError, MuserError, UsageError
 from muser_cli.handoff.link import listen_error, parse_hostport
-from muser_cli.service.api import MAX_BODY, ApiError, Ask, chunk, new_id, parse_ask, parse_body, response, sse, usage
+from muser_cli.service.api import MAX_BODY, ApiError, Ask, parse_ask, parse_body
+from muser_cli.service.replies import chunk, new_id, response, sse, usage
 from muser_cli.service.messages import MessagesShape
 from muser_cli.service.tools import call_deltas
 from muser_cli.service.worker import Config, Draining, EngineWorker, Job

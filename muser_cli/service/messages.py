@@ -18,7 +18,8 @@ import json
 import uuid
 from typing import Any
 
-from muser_cli.service.api import ApiError, Ask, int_field, is_name, number_field, parse_tool_choice, parse_tools, sse
+from muser_cli.service.api import ApiError, Ask, int_field, is_name, number_field, parse_tool_choice, parse_tools
+from muser_cli.service.replies import sse
 
 FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
                     "stream", "tools", "tool_choice", "metadata", "muser_prefill_deadline"})

@@ -175,7 +175,7 @@ def local_rows(
     schedule, else the default). ``on_chunk`` (engines that declare ``streams_prefill``)
     sees the rows as each chunk finishes, stored ones included. ``spare_rows``: a full
     hit's full layers come with that much room after their rows, for the engine to adopt
-    (``Engine.decode(adopt=True)``). ``ring_extra``: a full hit must hold that many ring
+    (``Consumer.open(adopt=True)``). ``ring_extra``: a full hit must hold that many ring
     rows beyond ``window - 1`` (the header a producer already wrote promises them)."""
     sources = [StoreRows(eng, store or Store(), spare_rows=spare_rows)] if reuse else []
     return gather_rows(ids, sources, EngineRows(eng, progress=progress), dtype=dtype, chunk_tokens=chunk_tokens,

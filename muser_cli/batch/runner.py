@@ -32,7 +32,7 @@ from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
-from muser_cli.engines.registry import get_engine
+from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import ExitStatus, MuserError, UsageError
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
@@ -227,7 +227,7 @@ class Batch:
         t0 = time.perf_counter()
         self.load_info()
         c = self.config
-        engine = get_engine(c.engine, self.info, dtype=self.dtype, threads=c.threads)
+        engine = get_consumer(c.engine, self.info, dtype=self.dtype, threads=c.threads)
         if c.max_batch > 1:  # jobs on threads of their own, taking the engine's turns
             self.turns = Turns()
             if engine.batches_decode:

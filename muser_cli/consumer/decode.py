@@ -8,7 +8,6 @@ here) -> the engine's decode. Each step is a function below; the outcome is type
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Sequence
@@ -16,7 +15,8 @@ from typing import Any, BinaryIO, Callable, Sequence
 from muser_cli.about import STARTED_AT, STARTED_UNIX
 from muser_cli.consumer.memory import Held
 from muser_cli.engines.base import Engine, Sampling
-from muser_cli.engines.registry import get_engine
+from muser_cli.engines.registry import get_consumer
+from muser_cli.engines.sequence import run_together
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
 from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
 from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
@@ -179,10 +179,11 @@ def decode(
     (:class:`muser_cli.consumer.memory.Held`): the rest is computed from them, its chunks
     starting there (source ``held``; not the canonical schedule, so never stored).
 
-    ``more``: sequences decoded from the same rows besides this one (:class:`Extra`, each on a
-    thread of its own beside this one's, while this one decodes: an engine that batches decode
-    steps steps them together); the rows are installed once per sequence (never adopted), and a
-    gate on them runs before the first step of any (not fused into one sequence's step).
+    ``more``: sequences decoded from the same rows besides this one (:class:`Extra`): the rows
+    are installed once and the first step computed once (never adopted), then each extra forks
+    from it (its own copy of the cache, its own sampling: ``Consumer.fork``) and runs on a
+    thread of its own beside this one's (an engine that batches decode steps steps them
+    together); a gate on the rows runs before that first step (not fused into it).
 
     ``audit``: a pack made by another engine, in another dtype, quantized or with an
     unknown codec gets a numeric spot-check before its first token (its last position
@@ -304,7 +305,7 @@ def _set_up(run: _Run, *, model: str | None, prompt: str | None, chat: bool, dty
         raise UsageError("the resident engine holds another model than the one asked for")
     if eng is None and dtype is not None:  # the engine needs no header: load it while the producer still works
         t_load0 = time.perf_counter()
-        eng = get_engine(run.engine, info, dtype=dtype, threads=run.threads)
+        eng = get_consumer(run.engine, info, dtype=dtype, threads=run.threads)
         t_load1 = time.perf_counter()
     run.has_prompt = prompt_ids is not None
     run.may_set_aside = run.has_prompt and not run.strict
@@ -323,7 +324,7 @@ def _set_up(run: _Run, *, model: str | None, prompt: str | None, chat: bool, dty
     check_prompt(info, ids, new_tokens=run.max_new_tokens)
     if eng is None:
         t_load0 = time.perf_counter()
-        eng = get_engine(run.engine, info, dtype=dtype, threads=run.threads)
+        eng = get_consumer(run.engine, info, dtype=dtype, threads=run.threads)
         t_load1 = time.perf_counter()
     elif resident is not None:
         t_load0 = t_load1 = time.perf_counter()
@@ -408,7 +409,7 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
     layers, rows, first_feed = got.layers, len(ids) - 1, [ids[-1]]
     if gate is not None:  # the spot-check rides in the first step: its positions are fed again
         layers, rows, first_feed = gate.prefix, gate.start, gate.token_ids + [ids[-1]]
-    if run.more:  # several sequences from these rows: none adopts them (no gate is fused: _rows_ready)
+    if run.more:  # several sequences from one first step: it adopts nothing (no gate is fused: _rows_ready)
         return _several(run, sampling=sampling, on_token=on_token)
     try:
         result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=run.max_new_tokens,
@@ -438,28 +439,24 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
 
 
 def _several(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] | None) -> Any:
-    """This sequence and ``run.more``'s, each from its own install of the rows, the extra ones on
-    threads of their own; this one's result returned (or its exception raised) once all ended."""
+    """This sequence and ``run.more``'s from one install of the rows and one first step: the
+    sequence opened once, forked for each extra (its own copy of the cache, its own sampling),
+    then all run at once, the extra ones on threads of their own (stepping together where the
+    engine's batched decode is on); this one's result returned (or its exception raised) once
+    all ended."""
     got, eng, ids = run.got, run.eng, run.ids
-
-    def one(extra: Extra) -> None:
-        try:
-            extra.result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]],
-                                      max_new_tokens=run.max_new_tokens, sampling=extra.sampling,
-                                      on_token=extra.on_token, chunk_tokens=got.schedule)
-        except BaseException as exc:  # noqa: BLE001 - the caller reads it from the Extra
-            extra.error = exc
-
-    threads = [threading.Thread(target=one, args=(extra,), name=f"muser-choice-{i + 1}", daemon=True)
-               for i, extra in enumerate(run.more)]
-    for thread in threads:
-        thread.start()
-    try:
-        return eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=run.max_new_tokens,
-                          sampling=sampling, on_token=on_token, chunk_tokens=got.schedule)
-    finally:
-        for thread in threads:
-            thread.join()
+    seq = eng.open(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=run.max_new_tokens,
+                   sampling=sampling, chunk_tokens=got.schedule)
+    forks = eng.fork(seq, [extra.sampling for extra in run.more])
+    results = run_together(eng, [seq, *forks], [on_token, *(extra.on_token for extra in run.more)])
+    for extra, result in zip(run.more, results[1:]):
+        if isinstance(result, BaseException):
+            extra.error = result
+        else:
+            extra.result = result
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
 
 
 def _outcome(run: _Run, result: Any, *, stored: str | None, store_asked: bool, fallback_reason: str) -> DecodeOutcome:

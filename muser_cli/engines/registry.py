@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from muser_cli.engines.base import Engine
+from muser_cli.engines.base import Consumer, Engine
 from muser_cli.errors import UsageError
 from muser_cli.model.info import ModelInfo
 
@@ -28,6 +28,25 @@ def engine_class(name: str) -> type[Engine]:
     except KeyError:
         raise UsageError(f"unknown engine {name!r}", hint="choose one of: " + ", ".join(ENGINE_NAMES)) from None
     return getattr(importlib.import_module(module), cls)
+
+
+def consumer_class(name: str, doing: str = "decode") -> type[Consumer]:
+    """The class of the named engine, which must have the consumer role (a
+    :class:`~muser_cli.engines.base.Consumer`): else a one-line :class:`UsageError` naming the
+    engine, what it can do and what was asked (``doing``), before any model is loaded."""
+    cls = engine_class(name)
+    if not issubclass(cls, Consumer):
+        raise UsageError(f"the {name} engine is a producer only: it prefills and ships KV, it cannot {doing}",
+                         hint="use --engine torch or --engine mlx")
+    return cls
+
+
+def get_consumer(name: str, info: ModelInfo, *, dtype: str, threads: int, doing: str = "decode") -> Consumer:
+    """:func:`get_engine` for an engine that must have the consumer role (:func:`consumer_class`)."""
+    consumer_class(name, doing)
+    engine = get_engine(name, info, dtype=dtype, threads=threads)
+    assert isinstance(engine, Consumer)
+    return engine
 
 
 def get_engine(name: str, info: ModelInfo, *, dtype: str, threads: int, options: dict | None = None) -> Engine:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
-from muser_cli.engines.registry import get_engine
+from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import DataError, KVPackError, SpotCheckFailed, UsageError
 from muser_cli.gate import sampled
 from muser_cli.gate.audit import audit as run_audit
@@ -94,7 +94,7 @@ def verify(
     if audit < 0:
         raise UsageError("--audit must be >= 0")
     if audit and all(c.ok for c in checks):
-        eng = get_engine(engine, info, dtype=h.dtype, threads=threads)
+        eng = get_consumer(engine, info, dtype=h.dtype, threads=threads, doing="recompute rows for --audit")
         if any(spec.kind == "state" for spec in h.layers):  # recurrent state: from the pack's own checkpoints
             checks.append(_state_audit(pack, eng, audit, summary))
             return VerifyReport(checks, pack, time.perf_counter() - t0, summary, spool)

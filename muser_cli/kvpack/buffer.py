@@ -303,7 +303,7 @@ def read_buffer(buf: memoryview | bytes, *, max_bytes: int | None = None, progre
     ``spare_rows`` > 0: every full-attention layer that starts at position 0 is placed,
     frame by frame as it is hashed, into a writable array with that many rows of room
     after its own, and handed out as the leading rows of it -- the layout an engine may
-    adopt as its cache (``Engine.decode(..., adopt=True)``), so that this one placement
+    adopt as its cache (``Consumer.open(..., adopt=True)``), so that this one placement
     is the install and no other copy follows. Other layers are read as without it.
     """
     # 1. the structure (``_scan``); 2. one task a frame, on the pool: its payload digest (v1.1), its decoding, and --

@@ -33,7 +33,7 @@ _FORMATS = {"hermes": ("\n</tool_call>\n<tool_call>\n", "\n</tool_call>"), "llam
 def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engine: str,
                        shapes: bool) -> Any:
     """The :class:`muser_cli.engines.constraint.Constraint` of ``ask`` (None: unconstrained).
-    ``shapes``: whether the engine applies one (``Engine.shapes_logits``)."""
+    ``shapes``: whether the engine applies one (``Consumer.shapes_logits``)."""
     fmt = ask.response_format
     tools = plan is not None and bool(plan.tools)
     if fmt is not None:

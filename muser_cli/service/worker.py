@@ -25,7 +25,7 @@ from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
-from muser_cli.engines.registry import get_engine
+from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import DataError, MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import chat_template_text, decode_text, encode_prompt, skipped_tokens, tokenizer_for
@@ -124,7 +124,7 @@ class EngineWorker:
         tokenizer_for(self.info)
         self.dtype = config.dtype or default_dtype(config.engine)
         self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None)
-        raw = get_engine(config.engine, self.info, dtype=self.dtype, threads=config.threads)
+        raw = get_consumer(config.engine, self.info, dtype=self.dtype, threads=config.threads)
         self.batched = raw.batches_decode and not config.exact and config.max_batch > 1
         if self.batched:  # concurrent sequences' decode steps computed as one batch (docs/serve.md)
             raw.batch_decode(self.turns, on_step=metrics.batch.observe if metrics is not None else None)

@@ -1,9 +1,12 @@
-"""Engine abilities are declared on the ``Engine`` base class, never probed (#26 part 3).
+"""Engine roles and abilities are declared in the type, never probed (#26 part 3, #37 item 2).
 
-Each engine is a package of its own (``engines/torch``, ``engines/mlx``, ``engines/vllm``);
-what an engine can do beyond prefill and decode is a class attribute with a default on
-:class:`~muser_cli.engines.base.Engine`, and the optional methods have defaults there that
-refuse by name. Nothing here loads a framework: the registry's classes import theirs lazily.
+Each engine is a package of its own (``engines/torch``, ``engines/mlx``, ``engines/vllm``).
+Whether it prefills or decodes at all is its role, a base class
+(:class:`~muser_cli.engines.base.Producer`, :class:`~muser_cli.engines.base.Consumer`): torch
+and mlx are both, vllm a producer only. What an engine can do beyond its roles' required
+methods is a class attribute with a default on the role, and the optional methods have defaults
+there that refuse by name. Nothing here loads a framework: the registry's classes import theirs
+lazily (the vllm engine's module imports no vllm).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from muser_cli.engines.base import DecodeResult, Engine
-from muser_cli.engines.registry import ENGINE_NAMES, engine_class
+from muser_cli.engines.base import Consumer, DecodeResult, Engine, Producer
+from muser_cli.engines.registry import ENGINE_NAMES, consumer_class, engine_class
+from muser_cli.engines.sequence import Sequence
 from muser_cli.errors import UsageError
 from muser_cli.model.info import ModelInfo
 
@@ -22,16 +26,60 @@ ROOT = Path(__file__).resolve().parents[2]
 ABILITIES = {"resumes_prefill", "streams_prefill", "recomputes_at", "batches_prefill", "takes_options"}
 
 
-class Minimal(Engine):
-    """An engine with only the two required methods."""
+class Minimal(Producer, Consumer):
+    """An engine of both roles with only their required methods."""
 
     name = "minimal"
 
     def prefill(self, token_ids, *, chunk_tokens=512, progress=None):
         return []
 
-    def decode(self, layers, *, rows, next_tokens, max_new_tokens, **kw):
+    def open(self, layers, *, rows, next_tokens, max_new_tokens, **kw):
+        return Sequence(rows=rows, max_new_tokens=max_new_tokens, eos=(), start=0.0)
+
+    def fork(self, seq, samplings):
+        return [Sequence(rows=seq.rows, max_new_tokens=seq.max_new_tokens, eos=(), start=0.0) for _ in samplings]
+
+    def run(self, seq, on_token=None):
+        seq.take()
         return DecodeResult([], 0.0, 0.0)
+
+    def recompute(self, layers, *, rows, token_ids):
+        return []
+
+
+def test_roles_are_types():
+    roles = {name: {r for r, cls in (("producer", Producer), ("consumer", Consumer)) if issubclass(engine_class(name), cls)}
+             for name in ENGINE_NAMES}
+    assert roles == {"torch": {"producer", "consumer"}, "mlx": {"producer", "consumer"}, "vllm": {"producer"}}
+    vllm = engine_class("vllm")
+    assert not issubclass(vllm, Consumer) and "decode" not in vars(vllm)  # no decode stub: the role is absent
+    for name in ("torch", "mlx"):
+        assert consumer_class(name) is engine_class(name)
+    with pytest.raises(UsageError, match="^the vllm engine is a producer only: it prefills and ships KV, it cannot "
+                                         "recompute rows$") as refused:
+        consumer_class("vllm", "recompute rows")
+    assert "--engine torch" in (refused.value.hint or "")
+
+
+def test_a_role_needs_its_methods():
+    class Half(Consumer):
+        name = "half"
+
+        def recompute(self, layers, *, rows, token_ids):
+            return []
+
+    info = ModelInfo(path=Path("/nowhere"), name="m", fingerprint="x", tokenizer_fingerprint="y", architecture="a",
+                     layers=(), max_positions=8)
+    with pytest.raises(TypeError, match="open"):
+        Half(info, dtype="float32", threads=1)  # type: ignore[abstract]
+    eng = Minimal(info, dtype="float32", threads=1)
+    assert isinstance(eng, Producer) and isinstance(eng, Consumer)
+    assert eng.decode([], rows=0, next_tokens=[1], max_new_tokens=2).token_ids == []  # decode: open, then run
+    seq = eng.open([], rows=0, next_tokens=[1], max_new_tokens=2)
+    eng.run(seq)
+    with pytest.raises(UsageError, match="runs once"):
+        eng.run(seq)
 
 
 def test_each_engine_lives_in_its_own_package():
@@ -43,7 +91,7 @@ def test_each_engine_lives_in_its_own_package():
 
 
 def test_abilities_are_declared_per_engine():
-    got = {name: {a for a in ABILITIES if getattr(engine_class(name), a)} for name in ENGINE_NAMES}
+    got = {name: {a for a in ABILITIES if getattr(engine_class(name), a, False)} for name in ENGINE_NAMES}  # a role it lacks: none of its abilities
     assert got == {"torch": {"resumes_prefill", "streams_prefill", "recomputes_at"},
                    "mlx": {"resumes_prefill", "streams_prefill"},
                    "vllm": {"batches_prefill", "takes_options"}}
@@ -53,12 +101,12 @@ def test_a_minimal_engine_gets_the_defaults_and_refuses_by_name():
     info = ModelInfo(path=Path("/nowhere"), name="m", fingerprint="x", tokenizer_fingerprint="y", architecture="a",
                      layers=(), max_positions=8)
     eng = Minimal(info, dtype="float32", threads=1)
-    assert not any(getattr(eng, a) for a in ABILITIES)
+    assert not any(getattr(eng, a) for a in ABILITIES) and not eng.batches_decode and not eng.shapes_logits
     assert eng.max_model_len is None and eng.ring_extra == 0 and eng.producer_info() == {}
     eng.close()
     eng.warm_up()
-    calls = [lambda: eng.recompute([], rows=0, token_ids=[1]),
-             lambda: eng.recompute_at([], rows=1, positions=[0], token_ids=[1]),
+    calls = [lambda: eng.recompute_at([], rows=1, positions=[0], token_ids=[1]),
+             lambda: eng.batch_decode(None),
              lambda: eng.prefill_many([[1, 2]]),
              lambda: eng.set_max_batch(2),
              lambda: eng.prefill_from([], rows=0, token_ids=[1])]

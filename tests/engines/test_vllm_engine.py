@@ -495,8 +495,10 @@ def test_engine_prefill_through_the_connector(monkeypatch, info):
         assert record["shutdown"] is True and record["kwargs"]["max_num_batched_tokens"] == 32
         workdir = eng._workdir
         assert workdir is not None and list(workdir.iterdir()) == []  # spools consumed
-        with pytest.raises(UsageError, match="producer"):
-            eng.decode(layers, rows=50, next_tokens=[1], max_new_tokens=4)
+        from muser_cli.engines.base import Consumer, Producer
+
+        assert isinstance(eng, Producer) and not isinstance(eng, Consumer)
+        assert not hasattr(eng, "decode")  # a producer only: no decode to call, by its type
         with pytest.raises(PromptTooShort, match="at least two tokens"):
             eng.prefill([])
         with pytest.raises(PromptTooLong, match="exceed"):

@@ -29,8 +29,9 @@ masks by absolute chunk, so a pack's rows of the current chunk go in as they are
 Schedule. :meth:`MLXEngine.prefill` runs token_ids in fixed chunks of ``chunk_tokens``
 into one set of caches (the same schedule as ``mlx_lm.generate_step`` with
 ``prefill_step_size=chunk_tokens``), then extracts numpy rows: float32 as ``np.float32``,
-bfloat16 as raw ``uint16`` bits. Decode pipelines steps with ``mx.async_eval`` as
-mlx-lm's own loop does.
+bfloat16 as raw ``uint16`` bits. Decoding goes by sequence handles
+(:mod:`muser_cli.engines.mlx.sequence`: open, fork, run), its steps pipelined with
+``mx.async_eval`` as mlx-lm's own loop does.
 
 BLAS. On Linux the engine makes MKL (or OpenBLAS) global before MLX loads
 (:mod:`muser_cli.engines.mlx.blas`); which BLAS is in use goes into
@@ -47,10 +48,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
+from muser_cli.engines.base import ChunkFn, Consumer, DecodeResult, Producer, RowsOf, Sampling
 from muser_cli.engines.mlx import blas as mlx_blas
-from muser_cli.engines.mlx import state
-from muser_cli.engines.mlx.batch import Entry, MlxBatch, batchable, settled
+from muser_cli.engines.mlx import sequence, state
+from muser_cli.engines.mlx.batch import MlxBatch
 from muser_cli.engines.mlx.cache import cut_rows, install_rotating, ring_slot, temporal  # noqa: F401 - ring_slot: importable here
 from muser_cli.engines.mlx.config import (  # noqa: F401
     APPLIES_ROPE,
@@ -65,7 +66,7 @@ from muser_cli.engines.mlx.config import (  # noqa: F401
     read_config,
 )
 from muser_cli.engines.mlx.gemma3 import match_embed_scale
-from muser_cli.engines.mlx.sampling import sampler
+from muser_cli.engines.sequence import Sequence as SequenceHandle
 from muser_cli.engines.stepper import Stepper
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LOCAL_KINDS, LayerKV, ring_tail
@@ -90,7 +91,7 @@ def _own_snaps(method: Callable) -> Callable:
     return call
 
 
-class MLXEngine(Engine):
+class MLXEngine(Producer, Consumer):
     name = "mlx"
     resumes_prefill = True
     streams_prefill = True
@@ -186,7 +187,7 @@ class MLXEngine(Engine):
         for byte (the installed caches are laid out as mlx-lm's own at that boundary)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Engine.prefill_from
+        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Producer.prefill_from
         total = rows + len(ids)
         caches = self._install(layers, rows, chunk_tokens)
         history = self._new_history(caches, rows)
@@ -202,7 +203,7 @@ class MLXEngine(Engine):
     # ------------------------------------------------------------------ consumer
 
     @_own_snaps
-    def decode(
+    def open(
         self,
         layers: Sequence[LayerKV],
         *,
@@ -211,25 +212,33 @@ class MLXEngine(Engine):
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         stop_on_eos: bool = True,
-        on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
         check_first: Callable[[RowsOf], None] | None = None,
-    ) -> DecodeResult:
-        """See :meth:`Engine.decode`. ``chunk_tokens`` (the pack header's) lets a sliding
-        layer's ring be laid out exactly as the producer's own MLX cache would be, so that
-        MLX -> MLX decoding is bit-identical to decoding from the live cache; without it
-        the default chunk size is assumed (tokens agree either way, logits to the ulp)."""
+    ) -> SequenceHandle:
+        """See :meth:`Consumer.open` (:mod:`muser_cli.engines.mlx.sequence`). ``chunk_tokens``
+        (the pack header's) lets a sliding layer's ring be laid out exactly as the producer's own
+        MLX cache would be, so that MLX -> MLX decoding is bit-identical to decoding from the
+        live cache; without it the default chunk size is assumed (tokens agree either way,
+        logits to the ulp)."""
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
         caches = self._install(layers, rows, chunk_tokens)
         self.mx.eval([c.state[:2] for c in caches if not c.empty()])
         stats = {"install_s": time.perf_counter() - start}
-        return self._generate(caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, on_token, start, stats,
-                              check_first=check_first)
+        return sequence.open_caches(self, caches, rows, nxt, max_new_tokens, sampling, stop_on_eos, start, stats,
+                                    check_first=check_first)
+
+    def fork(self, seq: SequenceHandle, samplings: Sequence[Sampling]) -> list[SequenceHandle]:
+        """See :meth:`Consumer.fork`: each fork a copy of ``seq``'s caches, evaluated here."""
+        return sequence.fork(self, seq, samplings)
+
+    def run(self, seq: SequenceHandle, on_token: Callable[[int], None] | None = None) -> DecodeResult:
+        """See :meth:`Consumer.run`."""
+        return sequence.run(self, seq, on_token)
 
     def batch_decode(self, turns: Any, *, on_step: Callable[[int], None] | None = None) -> None:
-        """See :meth:`Engine.batch_decode`: the sequences step in mlx-lm's own generation batch."""
+        """See :meth:`Consumer.batch_decode`: the sequences step in mlx-lm's own generation batch."""
         if self._stepper is None:
             self._stepper = Stepper(MlxBatch(self.mx, self.model), turns, on_step=on_step, name="muser-mlx-steps")
 
@@ -254,8 +263,9 @@ class MLXEngine(Engine):
         ids = self._check_ids(token_ids)
         nxt = self._check_decode_args(len(ids), next_tokens, max_new_tokens)
         caches = self._prefill_caches(ids, chunk_tokens, None)
-        return self._generate(caches, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None,
-                              time.perf_counter(), {})
+        seq = sequence.open_caches(self, caches, len(ids), nxt, max_new_tokens, sampling, stop_on_eos,
+                                   time.perf_counter(), {})
+        return sequence.run(self, seq, None)
 
     @_own_snaps
     def step_logits(self, layers: Sequence[LayerKV], *, rows: int, next_tokens: Sequence[int],
@@ -467,75 +477,10 @@ class MLXEngine(Engine):
 
     # ------------------------------------------------------------------ decoding
 
-    def _generate(self, caches: list[Any], rows: int, next_tokens: list[int], max_new_tokens: int, sampling: Sampling,
-                  stop_on_eos: bool, on_token: Callable[[int], None] | None, start: float, stats: dict, *,
-                  check_first: Callable[[RowsOf], None] | None = None) -> DecodeResult:
-        mx = self.mx
-        pick = sampler(mx, sampling)
-        eos = set(self.info.eos_token_ids) if stop_on_eos else set()
-
-        def step(feed: Any) -> Any:
-            return pick(self.model(feed, cache=caches)[:, -1, :])  # (1,) token id
-
-        tokens: list[int] = []
-        ttft, first_done, stop = 0.0, start, "length"
-        if max_new_tokens > 0:
-            y = step(mx.array([next_tokens]))
-            if check_first is not None:  # the first step's rows are judged before anything is queued
-                mx.eval(y)
-                check_first(self._rows_of(caches, rows + len(next_tokens)))
-            if self._stepper is not None and max_new_tokens > 1 and not self.decodes_alone and batchable(caches):
-                mx.eval(y, settled(caches), getattr(pick, "state", list)())  # nothing left on this thread's stream
-                plain = (sampling.temperature <= 0 and not sampling.shapes and sampling.logprobs is None
-                         and sampling.constraint is None)
-                return self._batched(Entry(caches, y, None if plain else pick, max_new_tokens - 1,
-                                           tuple(eos)), on_token, start, stats, rows)
-            mx.async_eval(y)
-            try:
-                for n in range(max_new_tokens):
-                    if n + 1 < max_new_tokens:  # queue the next step before reading this token
-                        next_y = step(y[:, None])
-                        mx.async_eval(next_y)
-                    token = int(y.item())
-                    pick.emit()  # its logprobs (if asked) onto the record, before it is given out
-                    tokens.append(token)
-                    if n == 0:
-                        first_done = time.perf_counter()
-                        ttft = first_done - start
-                    if on_token is not None:
-                        on_token(token)
-                    if token in eos:
-                        stop = "eos"
-                        break
-                    if n + 1 < max_new_tokens:
-                        y = next_y
-            finally:  # a step queued ahead and never read (an end, a stop): no work left on this
-                mx.synchronize()  # thread's stream when it ends (mlx aborts the process at exit otherwise)
-        decode_s = time.perf_counter() - first_done if tokens else 0.0
-        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
-                     blas=self.blas.name, blas_path=self.blas.path, **_versions())
-        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
-
-    def _batched(self, entry: Entry, on_token: Callable[[int], None] | None, start: float, stats: dict,
-                 rows: int) -> DecodeResult:
-        """The rest of a decode whose first step is done: in the running batch (the stepper's
-        thread computes the steps), this thread waiting away from the engine's turn."""
-        first = int(entry.first.item())  # the batch steps from it: its first step gives the second token
-        if entry.pick is not None:
-            entry.pick.emit()  # its logprobs (if asked) onto the record, before it is given out
-        first_done = time.perf_counter()
-        ttft, stop, peak = first_done - start, "eos", 1
-        if first in entry.eos:
-            tokens = [first]
-            if on_token is not None:
-                on_token(first)
-        else:
-            tokens, stop, peak = self._stepper.follow(entry, first, on_token)
-        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=self.blas_threads or 1,
-                     blas=self.blas.name, blas_path=self.blas.path, batched=peak > 1, batch_peak=peak,
-                     **_versions())
-        return DecodeResult(token_ids=tokens, ttft_s=ttft,
-                            decode_s=time.perf_counter() - first_done if tokens else 0.0, stats=stats)
+    def _stats(self) -> dict:
+        """What every decode's stats carry about this engine (its load, threads, BLAS, versions)."""
+        return dict(load_s=self.load_s, threads=self.blas_threads or 1, blas=self.blas.name, blas_path=self.blas.path,
+                    **_versions())
 
     # ------------------------------------------------------------------ conversions
 

@@ -4,7 +4,7 @@ Producer side, :meth:`TorchEngine.prefill` runs the canonical schedule (fixed ch
 ``chunk_tokens`` into one ``DynamicCache``) and extracts each layer's rows as numpy
 arrays in the storage dtype (float32, or bfloat16 as its raw uint16 bits).
 
-Consumer side, :meth:`TorchEngine.decode` rebuilds a cache from such rows, its
+Consumer side, :meth:`TorchEngine.open` rebuilds a cache from such rows, its
 full-attention layers sized once for the prompt and every new token
 (:mod:`muser_cli.engines.torch.cache`: no generated token copies the cache).
 A sliding layer holds only its last ``window - 1`` rows; transformers tracks the
@@ -15,8 +15,10 @@ layers keep one row more (:attr:`TorchEngine.RING_EXTRA`, a pack's ``ring_extra`
 that a consumer's spot-check can recompute the last position of every layer; installing
 drops it again.
 
-Serving many requests (:meth:`TorchEngine.batch_decode`), each decode computes its first step
-itself, then hands its cache to a stepper thread that steps every running sequence in one
+Its sequence handles (:mod:`muser_cli.engines.torch.sequence`): :meth:`TorchEngine.open` computes
+the first step, :meth:`TorchEngine.fork` copies the cache for more choices, :meth:`TorchEngine.run`
+steps to the end. Serving many requests (:meth:`TorchEngine.batch_decode`), each sequence computes
+its first step itself, then hands its cache to a stepper thread that steps every running sequence in one
 forward over a left-padded batch cache (:mod:`muser_cli.engines.torch.batch`).
 
 :meth:`TorchEngine.generate_reference` decodes from the producer's own live cache,
@@ -26,17 +28,18 @@ without extraction: the truth the handed-off path must reproduce bit for bit.
 from __future__ import annotations
 
 import inspect
-import os
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from muser_cli.engines.base import ChunkFn, DecodeResult, Engine, RowsOf, Sampling
+from muser_cli.engines.base import ChunkFn, Consumer, DecodeResult, Producer, RowsOf, Sampling
+from muser_cli.engines.sequence import Sequence as SequenceHandle
 from muser_cli.engines.stepper import Stepper
-from muser_cli.engines.torch import latent, recompute, state
+from muser_cli.engines.torch import latent, recompute, sequence, state
 from muser_cli.engines.torch.arrays import adoptable, chunk_ring, to_numpy, to_torch, view_torch
+from muser_cli.engines.torch.sampling import Picker, logprobs_of, shape_logits  # noqa: F401 - importable here
 from muser_cli.errors import ConfigError, DataError, UsageError
 from muser_cli.kvpack.layers import LayerKV, ring_tail
 from muser_cli.model.config import FAMILIES
@@ -58,7 +61,7 @@ def _cache_keyword(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class TorchEngine(Engine):
+class TorchEngine(Producer, Consumer):
     name = "torch"
     resumes_prefill = True
     streams_prefill = True
@@ -69,7 +72,7 @@ class TorchEngine(Engine):
     RING_EXTRA = 1
     _ring_ok = True
     _rope_order = False  # latent layers' rope keys reordered between the cache and a pack (latent.py)
-    shapes_logits = True  # penalties, logit_bias and logprobs: Picker
+    shapes_logits = True  # penalties, logit_bias and logprobs: torch/sampling.py Picker
     batches_decode = True  # one left-padded transformers cache over the running sequences (torch/batch.py)
     _stepper: Any = None
     decodes_alone: str | None = None  # why this model's sequences decode alone beside others, or None
@@ -144,7 +147,7 @@ class TorchEngine(Engine):
         tokens returns, byte for byte (every chunk sees the same inputs and shapes)."""
         if rows == 0:
             return self.prefill(token_ids, chunk_tokens=chunk_tokens, progress=progress, on_chunk=on_chunk)
-        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Engine.prefill_from
+        ids = self._check_resume(rows, token_ids, chunk_tokens, anywhere)  # anywhere: see Producer.prefill_from
         total = rows + len(ids)
         with self._session():
             ring = self.pack_ring_extra(total, rows)
@@ -166,7 +169,7 @@ class TorchEngine(Engine):
 
     # ------------------------------------------------------------------ consumer
 
-    def decode(
+    def open(
         self,
         layers: Sequence[LayerKV],
         *,
@@ -175,23 +178,31 @@ class TorchEngine(Engine):
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         stop_on_eos: bool = True,
-        on_token: Callable[[int], None] | None = None,
         chunk_tokens: int | None = None,
         adopt: bool = False,
         check_first: Callable[[RowsOf], None] | None = None,
-    ) -> DecodeResult:
+    ) -> SequenceHandle:
+        """See :meth:`Consumer.open` (:mod:`muser_cli.engines.torch.sequence`)."""
         start = time.perf_counter()
         nxt = self._check_decode_args(rows, next_tokens, max_new_tokens)
         with self._session():
-            # no local name for the cache: a batched decode lets it go once the batch holds its rows
-            return self._generate(
-                self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt), rows, nxt,
-                max_new_tokens, sampling, stop_on_eos, on_token, start,
-                stats={"install_s": time.perf_counter() - start}, check_first=check_first, may_batch=True,
-            )
+            # no local name for the cache: a batched run lets it go once the batch holds its rows
+            return sequence.open_cache(
+                self, self._install(layers, rows, extra=len(nxt) + max_new_tokens, adopt=adopt), rows, nxt,
+                max_new_tokens, sampling, stop_on_eos, start, stats={"install_s": time.perf_counter() - start},
+                check_first=check_first, may_batch=True)
+
+    def fork(self, seq: SequenceHandle, samplings: Sequence[Sampling]) -> list[SequenceHandle]:
+        """See :meth:`Consumer.fork`: each fork a copy of ``seq``'s cache."""
+        with self._session():
+            return sequence.fork(self, seq, samplings)
+
+    def run(self, seq: SequenceHandle, on_token: Callable[[int], None] | None = None) -> DecodeResult:
+        """See :meth:`Consumer.run`."""
+        return sequence.run(self, seq, on_token)
 
     def batch_decode(self, turns: Any, *, on_step: Callable[[int], None] | None = None) -> None:
-        """See :meth:`Engine.batch_decode`: the sequences step in one left-padded transformers
+        """See :meth:`Consumer.batch_decode`: the sequences step in one left-padded transformers
         cache (:mod:`muser_cli.engines.torch.batch`), on the stepper's thread with this engine's
         thread count."""
         if self._stepper is None:
@@ -220,8 +231,9 @@ class TorchEngine(Engine):
         nxt = self._check_decode_args(len(ids), next_tokens, max_new_tokens)
         with self._session():
             cache = self._prefill_cache(ids, chunk_tokens, None, extra=len(nxt) + max_new_tokens)
-            start = time.perf_counter()
-            return self._generate(cache, len(ids), nxt, max_new_tokens, sampling, stop_on_eos, None, start, stats={})
+            seq = sequence.open_cache(self, cache, len(ids), nxt, max_new_tokens, sampling, stop_on_eos,
+                                      time.perf_counter(), stats={})
+        return sequence.run(self, seq, None)
 
     def recompute(self, layers: Sequence[LayerKV], *, rows: int, token_ids: Sequence[int]) -> list[LayerKV]:
         """Install ``layers`` (positions [0, rows)) and run ``token_ids`` in one step at
@@ -395,7 +407,7 @@ class TorchEngine(Engine):
                  ring: int = 0) -> Any:
         """A cache holding ``layers`` as if ``rows`` tokens had been prefilled here, with room
         for ``extra`` more positions. ``adopt``: a full layer whose rows are a view of a
-        larger array in the engine's dtype (see :meth:`Engine.decode`) uses that array as
+        larger array in the engine's dtype (see :meth:`Consumer.open`) uses that array as
         its buffer, without a copy. A sliding layer's rows older than its last ``window -
         1`` (a pack's ``ring_extra``) are dropped; ``ring``: see :meth:`_new_cache`."""
         specs = self.info.layers
@@ -437,143 +449,7 @@ class TorchEngine(Engine):
                 cache.layers[index].cumulative_length = rows  # absolute length, not rows held
         return cache
 
-    def _generate(
-        self,
-        cache: Any,
-        rows: int,
-        next_tokens: list[int],
-        max_new_tokens: int,
-        sampling: Sampling,
-        stop_on_eos: bool,
-        on_token: Callable[[int], None] | None,
-        start: float,
-        *,
-        stats: dict,
-        check_first: Callable[[RowsOf], None] | None = None,
-        may_batch: bool = False,
-    ) -> DecodeResult:
-        pick = Picker(sampling)
-        eos = set(self.info.eos_token_ids) if stop_on_eos else set()
-        tokens: list[int] = []
-        ttft = 0.0
-        first_done = start
-        position, feed = rows, next_tokens
-        stop = "length"
-        for step in range(max_new_tokens):
-            logits = self._forward(feed, position, cache, keep=1)[0, -1]
-            if step == 0 and check_first is not None:
-                check_first(self._rows_of(cache, position + len(feed)))
-            token = pick(logits)
-            position += len(feed)
-            tokens.append(token)
-            if step == 0:
-                first_done = time.perf_counter()
-                ttft = first_done - start
-                if (may_batch and self._stepper is not None and max_new_tokens > 1 and token not in eos
-                        and not self.decodes_alone and self._batchable(cache)):
-                    from muser_cli.engines.torch.batch import Entry  # lazy: pulls transformers
-
-                    entry = Entry(cache, token, position, pick, max_new_tokens - 1, tuple(eos))
-                    del cache, logits  # the batch copies the rows and drops the entry's cache
-                    return self._batched(entry, on_token, first_done, ttft, stats, rows)
-            if on_token is not None:
-                on_token(token)
-            if token in eos:
-                stop = "eos"
-                break
-            feed = [token]
-        decode_s = time.perf_counter() - first_done if tokens else 0.0
-        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads())
-        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=decode_s, stats=stats)
-
     def _batchable(self, cache: Any) -> bool:
         from muser_cli.engines.torch.batch import batchable  # lazy: pulls transformers
 
         return batchable(self.info.layers, cache)
-
-    def _batched(self, entry: Any, on_token: Callable[[int], None] | None, first_done: float, ttft: float,
-                 stats: dict, rows: int) -> DecodeResult:
-        """The rest of a decode whose first step is done (``entry.first`` picked, not an end
-        token): in the running batch (the stepper's thread computes the steps), this thread
-        waiting away from the engine's turn (:meth:`Stepper.follow`)."""
-        tokens, stop, peak = self._stepper.follow(entry, entry.first, on_token)
-        stats.update(stop_reason=stop, rows=rows, load_s=self.load_s, threads=torch.get_num_threads(),
-                     batched=peak > 1, batch_peak=peak)
-        return DecodeResult(token_ids=tokens, ttft_s=ttft, decode_s=time.perf_counter() - first_done, stats=stats)
-
-
-def _generator(sampling: Sampling) -> "torch.Generator | None":
-    if sampling.temperature <= 0:
-        return None
-    seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-    return torch.Generator().manual_seed(int(seed))
-
-
-class Picker:
-    """One sequence's token picker: its seeded generator, the counts of the tokens it picked (the
-    penalties'), its bias, and its log-probability record (:class:`Sampling`'s rule). Without a
-    penalty, a bias, logprobs or a constraint asked it is :func:`_pick` on the logits as they come.
-    A constraint's matcher (its own) masks the shaped logits before each pick and takes the token
-    picked."""
-
-    def __init__(self, sampling: Sampling) -> None:
-        self.sampling = sampling
-        self.generator = _generator(sampling)
-        self.counts: torch.Tensor | None = None  # (vocab,) float32 once a penalty is asked
-        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None
-        if sampling.logit_bias:
-            ids, values = zip(*sampling.logit_bias)
-            self.bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(values, dtype=torch.float32))
-        self.matcher = sampling.constraint.matcher() if sampling.constraint is not None else None
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        s = self.sampling
-        raw = torch.log_softmax(logits.float(), dim=-1) if s.logprobs is not None else None
-        shaped = shape_logits(logits, s, self.counts, self.bias) if s.shapes else logits
-        if self.matcher is not None:  # the grammar's mask, after penalties and bias, before temperature/top-p
-            allowed = torch.from_numpy(self.matcher.allowed(shaped.shape[-1]))
-            shaped = shaped.float().masked_fill(~allowed, float("-inf"))
-        token = _pick(shaped, s, self.generator)
-        if self.matcher is not None:
-            self.matcher.advance(token)
-        if s.presence_penalty or s.frequency_penalty:
-            if self.counts is None:
-                self.counts = torch.zeros(logits.shape[-1], dtype=torch.float32)
-            self.counts[token] += 1
-        if raw is not None and s.record is not None:
-            s.record.append(logprobs_of(raw, token, s.logprobs or 0))
-        return token
-
-
-def shape_logits(logits: torch.Tensor, sampling: Sampling, counts: torch.Tensor | None,
-                 bias: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """The logits a token is picked from: minus ``frequency * count + presence * (count > 0)`` of
-    each generated token, plus the bias (float32, a new tensor)."""
-    out = logits.float().clone()
-    if counts is not None:
-        out -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).float()
-    if bias is not None:
-        ids, values = bias
-        keep = ids < out.shape[-1]
-        out.index_add_(0, ids[keep], values[keep])
-    return out
-
-
-def logprobs_of(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """``token``'s log-probability in ``row`` (a log-softmax) and the ``k`` most likely tokens'."""
-    top = torch.topk(row, k) if k else None
-    return float(row[token]), ([(int(i), float(v)) for v, i in zip(top.values, top.indices)] if top is not None
-                               else [])
-
-
-def _pick(logits: "torch.Tensor", sampling: Sampling, generator: "torch.Generator | None") -> int:
-    """Greedy (temperature 0) or temperature + top-p sampling with a seeded generator."""
-    if sampling.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / float(sampling.temperature), dim=-1)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ahead of each token
-        sorted_probs[before >= float(sampling.top_p)] = 0.0  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

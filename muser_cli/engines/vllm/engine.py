@@ -18,7 +18,7 @@ ones its header names. On vLLM-CPU the rows are bitwise those of a lone prefill
 (``tests/engines/test_vllm_batch.py``); on a GPU that is not measured yet (``--max-batch 1`` keeps
 every request on the canonical schedule).
 
-Decoding is not this engine's job: :meth:`VLLMEngine.decode` raises UsageError.
+Decoding is not this engine's job: it is a :class:`~muser_cli.engines.base.Producer` only (no consumer role).
 vLLM is imported only when an engine is made; supported: vllm>=0.30,<0.34.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from muser_cli.engines.base import DecodeResult, Engine, Sampling
+from muser_cli.engines.base import Producer
 from muser_cli.engines.vllm import sinks
 from muser_cli.engines.vllm.config import connector_config, request_extra_args
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
@@ -158,7 +158,7 @@ def _check_chunk(chunk_tokens: Any) -> None:
         raise UsageError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(Producer):
     """vLLM as a kvpack producer. ``vllm_options``: ``vllm.LLM(...)`` keyword arguments
     (e.g. ``enforce_eager``, ``max_model_len``, ``block_size``, ``attention_backend``,
     ``kv_cache_dtype``, ``gpu_memory_utilization``) and muser's ``host`` /
@@ -448,22 +448,3 @@ class VLLMEngine(Engine):
     def producer_info(self) -> dict[str, Any]:
         """What the last prefill ran on, for the kvpack header's ``producer`` field."""
         return dict(self._producer)
-
-    def decode(
-        self,
-        layers: Sequence[LayerKV],
-        *,
-        rows: int,
-        next_tokens: Sequence[int],
-        max_new_tokens: int,
-        sampling: Sampling = Sampling(),
-        stop_on_eos: bool = True,
-        on_token: Callable[[int], None] | None = None,
-        chunk_tokens: int | None = None,
-        adopt: bool = False,
-        check_first: Any = None,
-    ) -> DecodeResult:
-        raise UsageError(
-            "the vllm engine is a producer: it prefills and ships KV, it does not decode from a kvpack",
-            hint="decode with --engine torch (or mlx)",
-        )

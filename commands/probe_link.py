@@ -22,12 +22,17 @@ def register(app: typer.Typer) -> None:
         """Measure the link both ways over the handoff's own TLS; exit 75 below --floor.
 
         Up is from this node to HOST:PORT, down back. Against a resident producer the probe is
-        a signed request, admitted as a pull request is (it waits for a running prefill).
+        a signed request, admitted as a pull request is (it waits for a running prefill), and
+        the rate down is kept for this node's cost model (<data dir>/links.json): the link rate
+        it predicts pulls from that producer with until pulls have measured it.
         """
-        from muser_cli.handoff.probe_link import probe_link  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.costs import note_link  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.handoff.probe_link import probe_link  # lazy: as above
 
         with guarded(as_json=as_json):
             res = probe_link(to=to, seconds=seconds, floor=floor, connect_timeout=connect_timeout)
+            if res["listener"] == "producer":  # its rate to us: the cost model's link until pulls measure it
+                note_link(to, down_Bps=float(res.get("down_Bps") or 0), up_Bps=res.get("up_Bps"))
             if as_json:
                 emit_json(res)
             else:

@@ -15,6 +15,17 @@ gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_
 ``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
 ``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given)
 and the budget to ask with. :func:`budget_split` divides one answer's TTFT into its components.
+
+:class:`Backlog`: what is ahead of a new request on a serving consumer's engine (the requests
+queued and running: each one's prompt work still to do here, whether its rows come from a
+producer, whether it decodes), so that :meth:`CostModel.predict` adds the consumer's own queue
+(``consumer_queue``) to every path: a local prefill takes its turns among the others' chunks and
+the batched decode steps; a pulled pack waits off the engine, then for one turn round to install.
+``muser decode`` (one request a process) has no backlog: its queue is zero.
+
+The link rate to a producer: learned from the pulls; before any, the rate ``muser probe-link``
+measured to that address (:func:`note_link`, kept in ``<data dir>/links.json``); before that,
+:data:`COLD_LINK_BPS`.
 """
 
 from __future__ import annotations
@@ -120,6 +131,76 @@ class ProducerView:
         return max(0.0, self.start_s - (now - self.said_at))
 
 
+@dataclass
+class Work:
+    """One request on a serving consumer's engine, as :class:`Backlog` keeps it: positions
+    ``[done, end)`` still to prefill here (``done == end``: none), in chunks of ``chunk``;
+    ``pulled``: its rows come from a producer (its engine work is their install and first step);
+    ``decoding``: its first token is out (it takes a decode step every round)."""
+
+    done: int = 0
+    end: int = 0
+    chunk: int = 256
+    pulled: bool = False
+    decoding: bool = False
+    rows: int = 0  # the prompt's rows (what an install of pulled rows costs)
+
+    @property
+    def todo(self) -> int:
+        return max(0, self.end - self.done)
+
+
+class Backlog:
+    """What is ahead of a new request on one engine (module doc), updated by the serving
+    consumer as requests arrive, are routed, finish prefill chunks, decode and finish.
+    Thread-safe. ``batched``: the engine steps the decoding sequences in one batched call
+    (else each takes its own step every round)."""
+
+    def __init__(self, *, batched: bool = True) -> None:
+        self.batched = batched
+        self._lock = threading.Lock()
+        self._work: dict[Any, Work] = {}
+
+    def arrive(self, key: Any, *, tokens: int, chunk: int) -> None:
+        """A request queued (``tokens``: its prompt's length, or an estimate until it is
+        tokenized; it counts as local work until routed)."""
+        with self._lock:
+            self._work[key] = Work(0, max(0, tokens - 1), max(1, chunk), rows=max(0, tokens - 1))
+
+    def routed(self, key: Any, *, start: int, end: int, chunk: int, pulled: bool) -> None:
+        """Its route: rows ``[start, end)`` to prefill here (``pulled``: none, from a producer)."""
+        with self._lock:
+            w = self._work.setdefault(key, Work())
+            w.done, w.end, w.chunk, w.pulled, w.rows = (end if pulled else start), end, max(1, chunk), pulled, end
+
+    def progress(self, key: Any, done: int) -> None:
+        """A prefill chunk of it done: positions up to ``done`` computed."""
+        with self._lock:
+            w = self._work.get(key)
+            if w is not None:
+                w.done = max(w.done, min(done, w.end))
+
+    def decoding(self, key: Any) -> None:
+        """Its first token is out: no prompt work left, a decode step every round."""
+        with self._lock:
+            w = self._work.get(key)
+            if w is not None:
+                w.done, w.pulled, w.decoding = w.end, False, True
+
+    def finish(self, key: Any) -> None:
+        with self._lock:
+            self._work.pop(key, None)
+
+    def ahead(self, key: Any = None) -> list[Work]:
+        """A copy of every request's work but ``key``'s own."""
+        with self._lock:
+            return [Work(**vars(w)) for k, w in self._work.items() if k is not key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._work)
+
+
 class CostModel:
     """The consumer's estimates for one model/engine/dtype/threads (module doc)."""
 
@@ -131,7 +212,8 @@ class CostModel:
         self.gate_s: float | None = None
         self.first_step_s: float | None = None
         self.connect_s: float | None = None
-        self.link_Bps: float | None = None
+        self.link_Bps: float | None = None  # learned from pulls (before any: the probes', :func:`probed_link`)
+        self.step_s: float | None = None  # one batched decode step (the turns' measured steps)
         self.row_bytes: float | None = None  # pack bytes per row, as received
         self.producers: dict[str, ProducerView] = {}
         self._lock = threading.Lock()
@@ -170,26 +252,101 @@ class CostModel:
             if pack_bytes > 0 and wire_s is not None and wire_s > 0:
                 self.link_Bps = _avg(self.link_Bps, pack_bytes / wire_s)
 
+    def observe_step(self, seconds: float) -> None:
+        """One batched decode step's time (the engine's turn held for it)."""
+        if seconds > 0 and math.isfinite(seconds):
+            with self._lock:
+                self.step_s = _avg(self.step_s, seconds)
+
     # -------------------------------------------------------------- predicting
+    def link_for(self, producer: str | None) -> tuple[float, str]:
+        """The link rate (bytes per second) to ``producer`` and where it came from: ``pulls``
+        (learned from this machine's pulls), ``probe`` (``muser probe-link`` to that address)
+        or ``cold`` (:data:`COLD_LINK_BPS`)."""
+        if self.link_Bps is not None:
+            return self.link_Bps, "pulls"
+        probed = probed_link(producer) if producer is not None else None
+        if probed is not None:
+            return probed, "probe"
+        return COLD_LINK_BPS, "cold"
+
+    def _chunk_s(self, w: Work) -> tuple[int, float]:
+        """(chunks left, seconds per chunk) of ``w``'s prompt work here."""
+        n = math.ceil(w.todo / w.chunk) if w.todo > 0 else 0
+        return n, (self.local.seconds(w.done, w.end) / n if n else 0.0)
+
+    def _step_round_s(self, ahead: list[Work], batched: bool) -> float:
+        """The decode steps between two prefill chunks: one batched step while any sequence
+        decodes (else one step per decoding sequence)."""
+        decoding = sum(1 for w in ahead if w.decoding)
+        if not decoding:
+            return 0.0
+        one = self.first_step_s if self.first_step_s is not None else COLD_FIRST_STEP_S
+        if batched:
+            return self.step_s if self.step_s is not None else one
+        return decoding * one
+
+    def consumer_queue(self, ahead: list[Work], *, start: int, end: int, chunk: int, batched: bool = True,
+                       ready_s: float | None = None) -> float:
+        """The seconds this request waits on the engine behind ``ahead`` (module doc).
+
+        ``ready_s`` None: its rows ``[start, end)`` are prefilled here in chunks of ``chunk``; the
+        engine's turns go round first come first served, one chunk (or one step) a turn, so each
+        request ahead with ``k`` chunks left takes ``min(k, ours)`` of its chunks before ours are
+        done, and every turn round also holds the decode steps. Else its rows come in ``ready_s``
+        from now (a pull, off the engine): it then waits one round -- a chunk of each request
+        still prefilling then, the decode steps -- and the install of pulled rows that came first."""
+        if not ahead:
+            return 0.0
+        step = self._step_round_s(ahead, batched)
+        spr = self.install_spr if self.install_spr is not None else COLD_INSTALL_S_PER_ROW
+        first = self.first_step_s if self.first_step_s is not None else COLD_FIRST_STEP_S
+        chunks = [self._chunk_s(w) for w in ahead]
+        if ready_s is None:
+            ours = math.ceil(max(0, end - start) / max(1, chunk)) if end > start else 1
+            wait = sum(min(n, ours) * s for n, s in chunks)
+            wait += sum(w.rows * spr + first for w in ahead if w.pulled)  # their installs and first steps
+            turns = ours + sum(min(n, ours) for n, _ in chunks)
+            return wait + turns * step
+        wait = step
+        for n, s in chunks:
+            if not n:
+                continue
+            finish = sum(min(m, n) * t for m, t in chunks) + n * step  # when it is done, without us
+            if finish > ready_s:
+                wait += s
+        return wait + sum(w.rows * spr for w in ahead if w.pulled)
+
     def _tail(self, rows: int, *, gate: bool) -> tuple[float, float, float]:
         install = rows * (self.install_spr if self.install_spr is not None else COLD_INSTALL_S_PER_ROW)
         return install, (self.gate_s or 0.0) if gate else 0.0, (self.first_step_s
                                                                  if self.first_step_s is not None else COLD_FIRST_STEP_S)
 
     def predict(self, *, tokens: int, held: int, producer: str | None, row_bytes: float | None = None,
-                now: float | None = None) -> dict[str, Any]:
+                now: float | None = None, backlog: Backlog | None = None, key: Any = None,
+                chunk: int = 256) -> dict[str, Any]:
         """The TTFT (seconds) of every path for a prompt of ``tokens`` whose first ``held`` rows this
-        machine's store holds, and the fastest: ``{"paths": {...}, "choice": NAME, "known": bool}``
-        (``known``: the producer's rates came from its own promise, not guessed from ours)."""
+        machine's store holds, and the fastest: ``{"paths": {...}, "choice": NAME, "known": bool,
+        "parts": {path: {component: seconds}}, "link": "pulls" | "probe" | "cold"}`` (``known``:
+        the producer's rates came from its own promise, not guessed from ours). ``backlog``: what
+        is ahead on this engine (a serving consumer's, less ``key``'s own request; prefilled in
+        chunks of ``chunk``): each path's ``consumer_queue`` (zero without one)."""
         rows = tokens - 1
         now = time.time() if now is None else now
         install, gate, first = self._tail(rows, gate=False)
+        ahead = backlog.ahead(key) if backlog is not None else []
+        batched = backlog.batched if backlog is not None else True
         parts: dict[str, dict[str, float]] = {}
         if held >= rows:
-            parts["store"] = {"install": install, "first_step": first}
+            parts["store"] = {"consumer_queue": self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk,
+                                                                    batched=batched, ready_s=0.0),
+                              "install": install, "first_step": first}
         else:
-            parts["local"] = {"local_prefill": self.local.seconds(held, rows), "first_step": first}
+            parts["local"] = {"consumer_queue": self.consumer_queue(ahead, start=held, end=rows, chunk=chunk,
+                                                                    batched=batched),
+                              "local_prefill": self.local.seconds(held, rows), "first_step": first}
         known = False
+        link, link_from = self.link_for(producer)
         if producer is not None:
             view = self.producers.get(producer)
             known = view is not None and view.known and view.rates.learned
@@ -197,32 +354,34 @@ class CostModel:
             queue = (view.queue_s(now) if view is not None else 0.0) + (
                 self.connect_s if self.connect_s is not None else COLD_CONNECT_S)
             per_row = self.row_bytes or row_bytes or 0.0
-            link = self.link_Bps or COLD_LINK_BPS
             _, rgate, _ = self._tail(rows, gate=True)
             for name, start in (("remote_whole", 0), ("remote_delta", held)):
                 if name == "remote_delta" and not 0 < held < rows:
                     continue
                 compute = remote.seconds(start, rows)
-                wire = per_row * (rows - start) / link
-                parts[name] = {"producer_queue": queue, "producer_compute": compute,
-                               "wire": max(0.0, wire - compute), "install": install, "gate": rgate, "first_step": first}
+                wire = max(0.0, per_row * (rows - start) / link - compute)
+                ours = self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk, batched=batched,
+                                           ready_s=queue + compute + wire)  # the pull itself waits off the engine
+                parts[name] = {"consumer_queue": ours, "producer_queue": queue, "producer_compute": compute,
+                               "wire": wire, "install": install, "gate": rgate, "first_step": first}
         paths_ = {k: sum(v.values()) for k, v in parts.items()}
         choice = min(paths_, key=lambda k: paths_[k])
         return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known,
-                "parts": {k: {c: round(x, 6) for c, x in v.items()} for k, v in parts.items()}}
+                "parts": {k: {c: round(x, 6) for c, x in v.items()} for k, v in parts.items()},
+                "link": link_from if producer is not None else None}
 
     # -------------------------------------------------------------- keeping
     def to_json(self) -> dict[str, Any]:
         return {"v": 1, "local_tps": self.local.to_json(), "install_s_per_row": self.install_spr,
                 "gate_s": self.gate_s, "first_step_s": self.first_step_s, "connect_s": self.connect_s,
-                "link_Bps": self.link_Bps, "row_bytes": self.row_bytes,
+                "link_Bps": self.link_Bps, "row_bytes": self.row_bytes, "step_s": self.step_s,
                 "producers": {a: {"rates": v.rates.to_json()} for a, v in self.producers.items() if v.known}}
 
     def load_json(self, obj: dict[str, Any]) -> None:
         if not isinstance(obj, dict) or obj.get("v") != 1:
             return
         self.local.load(obj.get("local_tps") or {})
-        for name in ("install_spr", "gate_s", "first_step_s", "connect_s", "link_Bps", "row_bytes"):
+        for name in ("install_spr", "gate_s", "first_step_s", "connect_s", "link_Bps", "row_bytes", "step_s"):
             key = "install_s_per_row" if name == "install_spr" else name
             v = obj.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v):
@@ -243,6 +402,59 @@ class CostModel:
             os.replace(part, self.path)  # whole or not at all (last writer wins: it is a cache)
         except OSError:  # a cache: not keeping it costs only a cold start next time
             pass
+
+
+#: The link rates ``muser probe-link`` measured, by producer address, in the data dir: ``{"v": 1,
+#: "links": {"HOST:PORT": {"down_Bps": float, "up_Bps": float, "at": unix seconds}}}``.
+LINKS_FILE = "links.json"
+_LINKS_LOCK = threading.Lock()
+
+
+def link_key(address: str) -> str:
+    """``address`` as the links file keys it (host lower-cased; a bad address as given)."""
+    host, sep, port = address.strip().rpartition(":")
+    return f"{host.lower()}:{port}" if sep and host else address.strip()
+
+
+def _read_links() -> dict[str, Any]:
+    path = paths.data_dir() / LINKS_FILE
+    try:
+        obj = loads(path.read_bytes(), str(path), limit=1 << 20)
+    except Exception:  # noqa: BLE001 - missing or damaged: no probe known
+        return {}
+    links = obj.get("links") if isinstance(obj, dict) and obj.get("v") == 1 else None
+    return links if isinstance(links, dict) else {}
+
+
+def probed_link(address: str) -> float | None:
+    """The rate (bytes per second, producer to this machine) ``muser probe-link`` last measured
+    to ``address``; None: never probed, or the file is missing or damaged (read each time:
+    a probe run while a service runs counts from its next prediction)."""
+    entry = _read_links().get(link_key(address))
+    rate = entry.get("down_Bps") if isinstance(entry, dict) else None
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 and math.isfinite(rate):
+        return float(rate)
+    return None
+
+
+def note_link(address: str, *, down_Bps: float, up_Bps: float | None = None) -> bool:
+    """Keep a probe's rates to ``address`` in ``<data dir>/links.json`` (written whole or not at
+    all; a damaged file is replaced). False: it could not be written (a cache: nothing fails)."""
+    if not (isinstance(down_Bps, (int, float)) and down_Bps > 0 and math.isfinite(down_Bps)):
+        return False
+    path = paths.data_dir() / LINKS_FILE
+    with _LINKS_LOCK:
+        links = _read_links()
+        links[link_key(address)] = {"down_Bps": float(down_Bps), "at": round(time.time(), 3),
+                                    **({"up_Bps": float(up_Bps)} if up_Bps else {})}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+            part.write_bytes(json.dumps({"v": 1, "links": links}, sort_keys=True).encode())
+            os.replace(part, path)
+        except OSError:
+            return False
+    return True
 
 
 _MODELS: dict[str, CostModel] = {}
@@ -274,13 +486,15 @@ def route_mode() -> str:
 
 
 def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
-          deadline_s: float | None = None) -> dict[str, Any]:
+          deadline_s: float | None = None, backlog: Backlog | None = None, key: Any = None,
+          chunk: int = 256) -> dict[str, Any]:
     """Whether to ask ``producer``, and with what budget: the prediction of every path, the
     choice, ``ask`` (bool), ``budget_ms`` (the producer must have sent the pack within it to beat
     the local path: the local prediction less what follows the pack here; None: no budget) and
     ``why`` (for a local choice: the reason the answer gives). With ``MUSER_ROUTE=producer``
-    the producer is always asked, without a budget (unless ``deadline_s`` gives one)."""
-    got = costs.predict(tokens=tokens, held=held, producer=producer)
+    the producer is always asked, without a budget (unless ``deadline_s`` gives one).
+    ``backlog``, ``key``, ``chunk``: the consumer's own queue (:meth:`CostModel.predict`)."""
+    got = costs.predict(tokens=tokens, held=held, producer=producer, backlog=backlog, key=key, chunk=chunk)
     mode = route_mode()
     got["mode"] = mode
     paths_ = got["paths"]
@@ -293,7 +507,8 @@ def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
         return got
     install, _, first = costs._tail(tokens - 1, gate=True)
     connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
-    budget = here - install - first - connect  # what the producer has to beat us
+    waits = [v.get("consumer_queue", 0.0) for k, v in got["parts"].items() if k.startswith("remote")]
+    budget = here - install - first - connect - min(waits, default=0.0)  # what the producer has to beat us
     if deadline_s is not None:
         budget = min(budget, deadline_s)
     remote = min((v for k, v in paths_.items() if k.startswith("remote")), default=math.inf)
@@ -364,5 +579,6 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
     return max(split, key=lambda k: split[k] - expected.get(k, 0.0))
 
 
-__all__ = ["COMPONENTS", "CostModel", "ProducerView", "ROUTE_ENV", "RateByDepth", "budget_split", "costs_for",
-           "depth_bucket", "overrun", "route", "route_mode"]
+__all__ = ["COMPONENTS", "Backlog", "CostModel", "LINKS_FILE", "ProducerView", "ROUTE_ENV", "RateByDepth", "Work",
+           "budget_split", "costs_for", "depth_bucket", "link_key", "note_link", "overrun", "probed_link", "route",
+           "route_mode"]

@@ -201,8 +201,11 @@ class PipePull:
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
 
 
-def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted: dict[str, Any] | None) -> None:
-    """One decode's measurements (its :class:`~muser_cli.consumer.decode.DecodeOutcome`) into ``costs``."""
+def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted: dict[str, Any] | None,
+               prefill_s: float | None = None) -> None:
+    """One decode's measurements (its :class:`~muser_cli.consumer.decode.DecodeOutcome`) into ``costs``.
+    ``prefill_s``: the local prefill's own engine time where it shared the engine (a serving
+    consumer: the wall time less the others' turns), else ``out.prefill_s``."""
     rows = out.prompt_tokens - 1
     spot = out.spot_check or {}
     gate_ms = spot.get("ms") if spot.get("ran") else None
@@ -213,7 +216,8 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     if local:
         held = out.held_tokens if out.source != "local" else 0
         first = out.ttft_s - out.prefill_s - out.pack_read_s
-        costs.observe(held=held, rows=rows, prefill_s=out.prefill_s if out.source != "store" else None, local=True,
+        own = out.prefill_s if prefill_s is None else prefill_s
+        costs.observe(held=held, rows=rows, prefill_s=own if out.source != "store" else None, local=True,
                       install_s=out.prefill_s if out.source == "store" else None,
                       first_step_s=first if first >= 0 else None)
         return

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 
@@ -30,9 +31,12 @@ class Turns:
     """A fair, re-entrant turn on one engine: FIFO among threads, nested holds by one thread count once.
 
     ``on_step(n)``: called at every pass with the number of sequences taking turns (the batch
-    size of that step, for the metrics)."""
+    size of that step, for the metrics). ``on_first_hold(s)``: called with how long each turn
+    taken ahead of the queue (``acquire(first=True)``: a batched decode step) was held, in
+    seconds (the cost model's step time, issue #39)."""
 
-    def __init__(self, on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(self, on_step: Callable[[int], None] | None = None,
+                 on_first_hold: Callable[[float], None] | None = None) -> None:
         self._cv = threading.Condition()
         self._queue: collections.deque[int] = collections.deque()
         self._holder: int | None = None
@@ -40,6 +44,23 @@ class Turns:
         self._depth = 0
         self._members: set[int] = set()
         self.on_step = on_step
+        self.on_first_hold = on_first_hold
+        self._first_since: float | None = None  # when the turn held now was taken ahead of the queue
+        self._since = 0.0  # when the holder took the turn
+        self._held: dict[int, float] = {}  # seconds each member thread held the turn, in all
+
+    def _let_go(self, me: int) -> None:
+        """(lock held) ``me`` gives the turn up: its holding time counted."""
+        if me in self._members:
+            self._held[me] = self._held.get(me, 0.0) + time.perf_counter() - self._since
+
+    def held_s(self) -> float:
+        """The seconds the calling thread has held the turn since it joined (the engine time
+        its own work took, the others' turns left out), the hold in progress included."""
+        me = threading.get_ident()
+        with self._cv:
+            now = time.perf_counter() - self._since if self._holder == me else 0.0
+            return self._held.get(me, 0.0) + now
 
     # -------------------------------------------------------------- membership
     def join(self) -> None:
@@ -50,6 +71,7 @@ class Turns:
     def leave(self) -> None:
         with self._cv:
             self._members.discard(threading.get_ident())
+            self._held.pop(threading.get_ident(), None)
 
     # -------------------------------------------------------------- the turn
     def acquire(self, *, first: bool = False) -> None:
@@ -70,16 +92,23 @@ class Turns:
             while self._holder is not None or self._queue[0] != me:
                 self._cv.wait()
             self._queue.popleft()
-            self._holder, self._depth = me, 1
+            self._holder, self._depth, self._since = me, 1, time.perf_counter()
+            self._first_since = self._since if first else None
 
     def release(self) -> None:
+        held = None
         with self._cv:
             if self._holder != threading.get_ident():
                 raise RuntimeError("released a turn this thread does not hold")
             self._depth -= 1
             if self._depth == 0:
+                if self._first_since is not None:
+                    held, self._first_since = time.perf_counter() - self._first_since, None
+                self._let_go(self._holder)
                 self._holder, self._last = None, self._holder
                 self._cv.notify_all()
+        if held is not None and self.on_first_hold is not None:
+            self.on_first_hold(held)
 
     def holds(self) -> bool:
         with self._cv:
@@ -94,6 +123,7 @@ class Turns:
         with self._cv:
             depth = self._depth if self._holder == me else 0
             if depth:
+                self._let_go(me)
                 self._holder, self._depth, self._last = None, 0, me
                 self._cv.notify_all()
         try:
@@ -116,13 +146,14 @@ class Turns:
                 self.on_step(max(1, len(self._members)))
             if not self._queue:
                 return
+            self._let_go(me)
             depth, self._holder, self._depth, self._last = self._depth, None, 0, me
             self._queue.append(me)
             self._cv.notify_all()
             while self._holder is not None or self._queue[0] != me:
                 self._cv.wait()
             self._queue.popleft()
-            self._holder, self._depth = me, depth
+            self._holder, self._depth, self._first_since, self._since = me, depth, None, time.perf_counter()
 
 
 class TurnEngine:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.consumer.costs import budget_split, costs_for, overrun, route
+from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, route
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.memory import Held, TurnMemory
@@ -123,9 +123,14 @@ class EngineWorker:
         self.info = resolve_model(config.model)
         tokenizer_for(self.info)
         self.dtype = config.dtype or default_dtype(config.engine)
-        self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None)
+        self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None,
+                           on_first_hold=lambda s: self.costs.observe_step(s))  # a batched step's time
         raw = get_consumer(config.engine, self.info, dtype=self.dtype, threads=config.threads)
         self.batched = raw.batches_decode and not config.exact and config.max_batch > 1
+        # what is ahead of a new request on the engine: the consumer's own queue in the prediction (issue #39)
+        self.backlog = Backlog(batched=self.batched)
+        self.chunk = config.chunk_tokens or DEFAULT_CHUNK_TOKENS
+        self._mine = threading.local()  # the job this thread runs (its prefill chunks, in the backlog)
         if self.batched:  # concurrent sequences' decode steps computed as one batch (docs/serve.md)
             raw.batch_decode(self.turns, on_step=metrics.batch.observe if metrics is not None else None)
         self.engine = TurnEngine(raw, self.turns)
@@ -173,6 +178,7 @@ class EngineWorker:
             if len(self._running) >= self.config.max_batch and len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(self.config.max_queue)
             self._waiting.append(job)
+            self.backlog.arrive(job, tokens=_guess_tokens(job.ask.prompt), chunk=self.chunk)  # until tokenized
             self._gauges()
             self._cv.notify_all()
 
@@ -182,6 +188,7 @@ class EngineWorker:
         with self._cv:
             if job in self._waiting:
                 self._waiting.remove(job)
+                self.backlog.finish(job)
                 self._gauges()
 
     def busy(self) -> int:
@@ -224,12 +231,15 @@ class EngineWorker:
                 self._running.add(job)
                 self._gauges()
             self.turns.join()
+            self._mine.job = job
             try:
                 if not job.cancelled.is_set():
                     self._run(job)
             except BaseException as exc:  # noqa: BLE001 - reported to the client, the engine serves on
                 job.emit("error", exc)
             finally:
+                self._mine.job = None
+                self.backlog.finish(job)
                 self.turns.leave()
                 with self._cv:
                     self._running.discard(job)
@@ -245,6 +255,7 @@ class EngineWorker:
                                 tools=plan.tools if plan is not None else None,
                                 prefix=plan.prefix if plan is not None else "")
             check_prompt(self.info, ids, new_tokens=ask.max_tokens)
+            self.backlog.arrive(job, tokens=len(ids), chunk=self.chunk)  # its length now known
         except PromptTooLong as exc:
             raise ApiError(400, str(exc), param="messages" if ask.chat else "prompt",
                            code="context_length_exceeded") from None
@@ -368,6 +379,9 @@ class EngineWorker:
 
         def run(src, why: str, held: Held | None = None):
             state.why, state.rows = why, None
+            if src is None:  # prefilled here (what is held aside): its chunks are the engine's work
+                self.backlog.routed(job, start=held.rows if held is not None else 0, end=len(ids) - 1,
+                                    chunk=self.chunk, pulled=False)
             state.out = decode(src, model=c.model, prompt=ask.prompt, chat=ask.chat, max_new_tokens=ask.max_tokens,
                           engine=c.engine, dtype=self.dtype, threads=c.threads, sampling=sampling,
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
@@ -377,7 +391,15 @@ class EngineWorker:
             return state.out
 
         state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
+        state.held_t0 = self.turns.held_s()
         held = self.memory.find(ids) if self.memory is not None else None
+        if not self.pool:  # the prediction as the request starts, the queue ahead of it included
+            have = held.rows if held is not None else 0
+            if c.reuse and held is None:  # what this machine's store holds of it
+                have = with_have(ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype,
+                                        engine=c.engine)).have_tokens
+            state.route = route(self.costs, tokens=len(ids), held=have, producer=None, backlog=self.backlog, key=job,
+                                chunk=self.chunk)
         live = self._pull(job, held) if self.pool else None
         if held is not None and (state.held_wins or not self.pool):
             return run(None, "", held=held)  # the turn memory holds the prompt (or all but a tail faster here)
@@ -407,9 +429,10 @@ class EngineWorker:
         got = ask_of(ids, self.info, chunk_tokens=c.chunk_tokens, dtype=self.dtype, engine=c.engine)
         got = with_have(got) if c.reuse else got
         addr = self.pool.pick()
-        plan = state.route = route(self.costs, tokens=len(ids), held=got.have_tokens, producer=addr)
+        queue = {"backlog": self.backlog, "key": job, "chunk": self.chunk}  # the consumer's own queue (issue #39)
+        plan = state.route = route(self.costs, tokens=len(ids), held=got.have_tokens, producer=addr, **queue)
         if held is not None:
-            here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None)
+            here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None, **queue)
             mine = here["paths"][here["choice"]]
             remote = min((v for k, v in plan["paths"].items() if k.startswith("remote")), default=float("inf"))
             if held.rows >= len(ids) - 1 or mine <= remote or addr is None:
@@ -427,11 +450,16 @@ class EngineWorker:
             return None
         if plan["budget_ms"] is not None:
             got = replace(got, budget_ms=plan["budget_ms"])
+        self.backlog.routed(job, start=got.have_tokens, end=len(ids) - 1, chunk=self.chunk, pulled=True)
         state.live = PipePull(addr, lambda: got, timeout=deadline, costs=self.costs, plan=plan)
         return state.live
 
     def _chunk_done(self, *progress: Any) -> None:
-        """A prefill chunk done (decode's progress callback): the running requests take a step each."""
+        """A prefill chunk done (decode's progress callback: ``("prefill", done, total)``): the
+        backlog knows it, and the running requests take a step each."""
+        job = getattr(self._mine, "job", None)
+        if job is not None and len(progress) >= 2 and isinstance(progress[1], int):
+            self.backlog.progress(job, progress[1])
         self.turns.pass_turn()
 
     def _budget(self, state: "_RunState", s: dict[str, Any]) -> None:
@@ -442,7 +470,8 @@ class EngineWorker:
         if plan is None and s.get("ttft_ms") is not None:
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
-            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms") if k in plan}
+            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms", "parts", "link")
+                          if k in plan}
             if live is not None and live.promise is not None:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:
@@ -456,11 +485,15 @@ class EngineWorker:
         if isinstance(spot.get("sampled"), dict):
             gate_ms += spot["sampled"].get("ms") or 0
         gate = gate_ms / 1000
+        local_s = out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0
+        waited = 0.0  # a local prefill's waits for the others' turns: the consumer's queue, as predicted
+        if live is None and not from_pack and state.engine_s is not None:
+            waited = min(local_s, max(0.0, out.prefill_s - state.engine_s))
         split = budget_split(
-            ttft_s=ttft, consumer_queue_s=state.t_lane - arrived, remote=live is not None,
+            ttft_s=ttft, consumer_queue_s=state.t_lane - arrived + waited, remote=live is not None,
             lane_s=state.t_lane - arrived, serving_s=since("serving"),
             end_s=since("last_byte") if "last_byte" in marks else since("end"),
-            rows_ready_s=None, local_prefill_s=out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0,
+            rows_ready_s=None, local_prefill_s=local_s - waited,
             install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
             gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps)
         budget_s = state.job.ask.prefill_deadline
@@ -471,7 +504,9 @@ class EngineWorker:
         s["budget"] = {"budget_ms": round(budget_s * 1000, 3) if budget_s is not None else None,
                        "split_ms": {k: round(v * 1000, 3) for k, v in split.items()}, "overrun": over}
         state.split, state.overrun = split, over
-        learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None)
+        engine_s = state.engine_s  # its own turns' time (the others' chunks and steps left out)
+        learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None,
+                   prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None)
         costs.save()
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
@@ -512,6 +547,15 @@ class EngineWorker:
             m.observe_budget(state.split, state.overrun)
 
 
+def _guess_tokens(prompt: Any) -> int:
+    """A prompt's length in tokens before it is tokenized (about four characters a token)."""
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    text = sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict)) if isinstance(
+        prompt, list) else 0
+    return text // 4 + 1
+
+
 class _RunState:
     """What one running request has seen: its rows' source, its tokens and their times."""
 
@@ -533,6 +577,9 @@ class _RunState:
         self.ids: list[int] = []
         self.counting: _Counting | None = None
         self.turns = worker.turns
+        self.backlog = worker.backlog
+        self.held_t0 = 0.0  # the engine time this thread had held when the lane began
+        self.engine_s: float | None = None  # ... and from then to its rows ready (the prompt's engine work)
         self.tools: ToolStream | None = None  # the calls read from the answer (a chat with tools)
         self.markers: dict[int, str] = {}  # special tokens decoding drops that the tool parser reads
         # issue #39: the route taken, the pull, the outcome, and the budget split measured from them
@@ -547,11 +594,13 @@ class _RunState:
 
     def on_rows(self, rows) -> None:
         self.rows = rows
+        self.engine_s = self.turns.held_s() - self.held_t0
 
     def on_token(self, token: int) -> None:
         now = time.perf_counter()
         if self.first_token is None:
             self.first_token = now
+            self.backlog.decoding(self.job)
         else:
             self.gaps.append(now - (self.last_token or now))
         self.last_token = now

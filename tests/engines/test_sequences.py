@@ -114,3 +114,34 @@ def test_a_requests_n_choices_open_once_and_fork(tiny_llama, monkeypatch):
     greedy = [Extra(Sampling()) for _ in range(2)]
     one = decode(None, more=greedy, **kw)
     assert all(e.result.token_ids == one.token_ids for e in greedy)
+
+
+def test_forks_step_together_in_the_running_batch(engine_name, tiny_llama):
+    """With the batched decode on, forks run on threads of their own join one batch (the stepper:
+    no batcher of their own); float32 on a tiny model: each gives its solo tokens."""
+    from engine_kit import run_queued_together
+    from muser_cli.consumer.turns import TurnEngine, Turns
+
+    eng = _engine(engine_name, tiny_llama)
+    ids = list(range(3, 24))
+    layers = eng.prefill(ids[:-1])
+    samplings = SAMPLINGS[1:4]
+    solo = [eng.decode(layers, rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=NEW, sampling=s,
+                       stop_on_eos=False).token_ids for s in samplings]
+    turns = Turns()
+    eng.batch_decode(turns)
+    te = TurnEngine(eng, turns)
+    try:
+        seq = te.open(layers, rows=len(ids) - 1, next_tokens=ids[-1:], max_new_tokens=NEW, sampling=samplings[0],
+                      stop_on_eos=False)
+        seqs = [seq, *te.fork(seq, samplings[1:])]
+        out: list = [None] * len(seqs)
+
+        def one(i: int) -> None:
+            out[i] = te.run(seqs[i])
+
+        run_queued_together(turns, len(seqs), one)
+    finally:
+        eng.close()
+    assert [r.token_ids for r in out] == solo
+    assert max(r.stats["batch_peak"] for r in out) > 1

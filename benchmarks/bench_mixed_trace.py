@@ -96,8 +96,8 @@ def predicted(record: dict) -> float | None:
 def errors_of(runs: list[list[dict]]) -> dict[str, dict[str, float]]:
     """Prediction error (predicted minus measured, seconds) by the path taken, over ``runs``."""
     got: dict[str, list[float]] = {"local": [], "remote": []}
-    for run in runs:
-        for r in run:
+    for one in runs:
+        for r in one:
             p = predicted(r)
             if p is not None:
                 got[took(r)].append(p - r["ttft_s"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from muser_cli.engines.base import Consumer, DecodeResult, Engine, Producer
+from muser_cli.engines.base import Consumer, DecodeResult, Producer
 from muser_cli.engines.registry import ENGINE_NAMES, consumer_class, engine_class
 from muser_cli.engines.sequence import Sequence
 from muser_cli.errors import UsageError

@@ -32,7 +32,7 @@ import tempfile
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
                     raise UsageError("--producer needs --prompt FILE and no kvpack argument")
                 pulling = start_pull_pipe(producer, prompt=prompt_text, model=model, chat=chat, chunk_tokens=chunk,
                                           dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse,
-                                          send_text=send_text, threads=threads or default_threads())
+                                          send_text=send_text, threads=threads or default_threads(), race=True)
                 inp, reason = pulling.reader, pulling.empty_reason
             elif src != "-" and not Path(src).exists() and prompt_text is not None:
                 inp = None
@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
                               dtype=dtype, threads=threads or default_threads(), sampling=sampling, chunk_tokens=chunk,
                               fallback_reason=why or "empty input", reuse=not no_reuse, store=store,
                               progress=progress_callback(), audit=0 if no_audit else audit, strict=strict,
-                              on_token=on_token)
+                              on_token=on_token, hedge=pulling if inp is not None else None)
 
             source = Source(inp, producer if pulling is not None else None, reason, live=pulling, pooled=False)
             out = answer(source, run, recompute=lambda exc: not strict and not given).out

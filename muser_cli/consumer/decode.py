@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Sequence
 
 from muser_cli.about import STARTED_AT, STARTED_UNIX
+from muser_cli.consumer.hedge import header_or_broken, race, ready_or_broken
 from muser_cli.consumer.memory import Held
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_consumer
@@ -164,6 +165,7 @@ def decode(
     info: ModelInfo | None = None,
     held: Held | None = None,
     more: Sequence[Extra] = (),
+    hedge: Any = None,
 ) -> DecodeOutcome:
     """Decode from a kvpack (full, or a delta merged with the stored prefix it names), or,
     with no pack and a prompt, from local state: the store first (``reuse``; a full hit
@@ -207,6 +209,11 @@ def decode(
     the gate) with a prompt given is set aside: the tokens come from local rows and
     ``set_aside`` says why. ``strict``: refuse it instead (65). Without a prompt it is refused.
 
+    ``hedge``: the pull streaming into ``src`` races a computation here once its producer broke
+    its promise (:class:`muser_cli.consumer.pull.PipePull` made with ``race``: its ``broken``
+    event, ``broken_why`` and ``cancel``); whichever is ready first is kept
+    (:mod:`muser_cli.consumer.hedge`).
+
     Four steps: :func:`_set_up` (the model, the pack's binding, the engine), :func:`_rows_ready`
     (the rows: the pack's, the store's or made here, through the gate), :func:`_generate` (the
     tokens), :func:`_outcome`."""
@@ -219,7 +226,8 @@ def decode(
     stream = StreamedPack(src, spare_rows=spare) if src is not None else None
     run = _Run(stream=stream, t_begin=t_begin, max_new_tokens=max_new_tokens, engine=engine, threads=threads,
                chunk_tokens=chunk_tokens, reuse=reuse, progress=progress, audit=audit, strict=strict,
-               audit_seed=audit_seed, on_rows=on_rows, held=held, more=list(more))
+               audit_seed=audit_seed, on_rows=on_rows, held=held, more=list(more),
+               hedge=hedge if stream is not None else None)
     _set_up(run, model=model, prompt=prompt, chat=chat, dtype=dtype, resident=resident, prompt_ids=prompt_ids,
             info=info)
     _rows_ready(run)
@@ -254,6 +262,8 @@ class _Run:
     on_rows: Callable[[Rows], None] | None
     held: Held | None = None
     more: list[Extra] = field(default_factory=list)
+    hedge: Any = None  # a pull that may be raced (decode's ``hedge``)
+    racing: bool = False  # its promise broke before its header came
     # _set_up
     info: ModelInfo | None = None
     ids: list[int] = field(default_factory=list)
@@ -311,7 +321,11 @@ def _set_up(run: _Run, *, model: str | None, prompt: str | None, chat: bool, dty
     run.may_set_aside = run.has_prompt and not run.strict
     header = None
     try:
-        header = run.stream.header() if run.stream is not None else None
+        if run.stream is not None and run.hedge is not None and run.has_prompt \
+                and not header_or_broken(run.stream, run.hedge.broken):
+            run.racing = True  # no header by the promise: computed here, the stream raced (_race)
+        elif run.stream is not None:
+            header = run.stream.header()
     except KVPackError as exc:
         run.aside = _set_aside(exc, run.may_set_aside)
     if header is None and prompt_ids is None:
@@ -363,12 +377,14 @@ def _rows_ready(run: _Run) -> None:
     base, or a cut stream's kept chunks and the rest made here), the store's, or made here; a
     pack that fails a check set aside for local rows (or refused: :func:`_set_aside`)."""
     eng, stream, got, pack = run.eng, run.stream, None, None
-    if run.header is not None:
+    if run.header is not None or run.racing:
         assert stream is not None
         if not stream.finished:
             eng.warm_up()  # the rest is still arriving: pay the first-call costs now, not after
+        if run.hedge is not None and run.has_prompt and (run.racing or not ready_or_broken(stream, run.hedge.broken)):
+            got = _race(run)  # None: the stream won, whole
         try:
-            arrived = stream.result()
+            arrived = stream.result() if got is None else None
         except KVPackError as exc:  # a damaged frame: nothing of it is used
             arrived, run.aside = None, _set_aside(exc, run.may_set_aside)
         if isinstance(arrived, Cut):
@@ -547,24 +563,79 @@ def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, c
     rows = len(ids) - 1
     schedule = header.chunk_tokens
     kept, prefix = stream.prefix(schedule) if eng.resumes_prefill else (0, [])
-    spot, why = None, f"cut stream: {cut.reason}"
-    reason = spot_check_reason(header, engine=eng.name, dtype=dtype)
-    if kept and audit == 0:
-        spot = {"ran": False, "skipped": True, "reason": reason or ""}
-    elif kept and (reason is not None or audit):
-        try:
-            checked = sample_check(header, prefix, eng, rows=kept, seed=seed)
-            spot = {"ran": True, "ok": True, "reason": reason or "asked for (--audit)", "sampled": checked.to_json()}
-        except SpotCheckFailed as exc:
-            if strict:
-                raise
-            kept, prefix, why = 0, [], f"{why}; kept rows set aside: {exc}"
+    why = f"cut stream: {cut.reason}"
+    kept, prefix, spot, aside = _keep_verified(header, kept, prefix, eng, dtype=dtype, audit=audit, strict=strict,
+                                               seed=seed)
+    if aside:
+        why = f"{why}; kept rows set aside: {aside}"
     t0 = time.perf_counter()
     if kept:
         layers = eng.prefill_from(prefix, rows=kept, token_ids=ids[kept:-1], chunk_tokens=schedule, progress=progress)
     else:
         layers = eng.prefill(ids[:-1], chunk_tokens=schedule, progress=progress)
     return Rows(layers, "partial+local" if kept else "local", schedule, None, reason=why,
+                handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
+
+
+def _keep_verified(header: PackHeader, kept: int, prefix: list, eng: Engine, *, dtype: str, audit: int | None,
+                   strict: bool, seed: int | None) -> tuple[int, list, dict | None, str]:
+    """A stream's verified rows ``[0, kept)`` through the sampled gate before anything is built
+    on them (a foreign pack's, or asked for): ``(kept, prefix, spot, "")``, or refused
+    ``(0, [], None, why)`` (``strict``: SpotCheckFailed raised)."""
+    reason = spot_check_reason(header, engine=eng.name, dtype=dtype)
+    if kept and audit == 0:
+        return kept, prefix, {"ran": False, "skipped": True, "reason": reason or ""}, ""
+    if kept and (reason is not None or audit):
+        try:
+            checked = sample_check(header, prefix, eng, rows=kept, seed=seed)
+        except SpotCheckFailed as exc:
+            if strict:
+                raise
+            return 0, [], None, str(exc)
+        return kept, prefix, {"ran": True, "ok": True, "reason": reason or "asked for (--audit)",
+                              "sampled": checked.to_json()}, ""
+    return kept, prefix, None, ""
+
+
+def _race(run: _Run) -> Rows | None:
+    """The prompt computed here while the stream of a producer that broke its promise keeps
+    coming (:func:`muser_cli.consumer.hedge.race`): the rows of whichever was ready first. None:
+    the stream's pack came whole first (bound to this prompt: ``run.header`` is set)."""
+    stream, eng, hedge, ids = run.stream, run.eng, run.hedge, run.ids
+    assert stream is not None and eng is not None
+    schedule = run.header.chunk_tokens if run.header is not None else run.chunk_tokens or DEFAULT_CHUNK_TOKENS
+    bound: list[PackHeader | None] = [run.header]  # the stream's header, once it came and bound this prompt
+    refused: list[str] = []
+
+    def usable() -> bool:
+        if bound[0] is None and not refused and stream.wait_header(0):
+            try:
+                header = stream.header()
+                if header is not None and header.chunk_tokens == schedule:
+                    bind(header, run.info, ids, dtype=run.dtype, engine=run.engine)
+                    bound[0] = header
+            except MuserError as exc:  # another prompt, dtype, schedule: the stream is not raced
+                refused.append(str(exc))
+        return bound[0] is not None and not refused
+
+    def keep(kept: int, prefix: list) -> tuple[int, list, Any]:
+        kept, prefix, spot, aside = _keep_verified(bound[0], kept, prefix, eng, dtype=run.dtype, audit=run.audit,
+                                                   strict=run.strict, seed=run.audit_seed)
+        if aside:
+            refused.append(f"verified rows set aside: {aside}")
+        return kept, prefix, spot
+
+    t0 = time.perf_counter()
+    won = race(stream, eng, ids, schedule=schedule, usable=usable, keep=keep, progress=run.progress)
+    if won is None:
+        run.header = bound[0]
+        return None
+    layers, kept, spot, taken = won
+    hedge.cancel("cancelled: the prompt was computed here first"
+                 + (f" (the producer's rows taken {taken} times)" if taken else ""))
+    rows = len(ids) - 1
+    why = f"hedge: {hedge.broken_why or 'the producer broke its promise'}"
+    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason="; ".join([why, *refused]),
                 handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
 
 

@@ -11,6 +11,7 @@ fallback), whose reason :meth:`PipePull.explain` then names.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -19,7 +20,7 @@ from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
 from muser_cli.consumer.costs import CostModel, costs_for, route, route_mode
-from muser_cli.errors import MuserError
+from muser_cli.errors import MuserError, TempFailure
 from muser_cli.handoff.api import ledger_dir
 from muser_cli.handoff.link import parse_hostport
 from muser_cli.handoff.pull.client import pull
@@ -86,7 +87,9 @@ def ask_of(ids: list[int], info: ModelInfo, *, chunk_tokens: int | None, dtype: 
 
 
 def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = None, output: Path | None = None,
-                timeout: float | None = None, on_event: EventFn | None = None) -> dict[str, Any]:
+                timeout: float | None = None, on_event: EventFn | None = None,
+                race: Callable[[str], None] | None = None,
+                on_socket: Callable[[socket.socket], None] | None = None) -> dict[str, Any]:
 
     identity = load_identity(paths.keys_dir())
     destination = Destination(file=output) if output is not None else None
@@ -94,7 +97,7 @@ def pull_prompt(producer: str, ask: PullAsk, *, out_stream: BinaryIO | None = No
                     model_fingerprint=ask.model_fingerprint, chunk_tokens=ask.chunk_tokens, dtype=ask.dtype,
                     ledger_dir=ledger_dir(), out_stream=out_stream, destination=destination, timeout=timeout,
                     on_event=on_event, have_tokens=ask.have_tokens, have_chain=ask.have_chain, text=ask.text,
-                    chat=ask.chat, engine=ask.engine, budget_ms=ask.budget_ms)
+                    chat=ask.chat, engine=ask.engine, budget_ms=ask.budget_ms, race=race, on_socket=on_socket)
     return {**accepted.to_json(), "held_tokens": ask.have_tokens}
 
 
@@ -107,11 +110,17 @@ class PipePull:
     (``header``), the pack's last byte came (``last_byte``) and the pull ended (``end``: after
     the ledger and the Ack); :attr:`promise` what it promised (also told to
     ``costs``). :attr:`plan`: the routing (:func:`muser_cli.consumer.costs.route`). ``asked``
-    False: the route chose not to ask (no thread, no reader; :attr:`routed_local` says why)."""
+    False: the route chose not to ask (no thread, no reader; :attr:`routed_local` says why).
+
+    ``race``: a promise the producer breaks does not cut the pull; :attr:`broken` is set (and
+    :attr:`broken_why` says how) and the pull goes on, while decode computes the prompt here and
+    keeps whichever is ready first (:mod:`muser_cli.consumer.hedge`); :meth:`cancel` ends a pull
+    that lost (its error then says why)."""
 
     def __init__(self, producer: str, make_ask: Callable[[], PullAsk] | None, *, timeout: float | None,
                  costs: CostModel | None = None, plan: dict[str, Any] | None = None,
-                 planner: Callable[[PullAsk], tuple[CostModel, dict[str, Any]]] | None = None) -> None:
+                 planner: Callable[[PullAsk], tuple[CostModel, dict[str, Any]]] | None = None,
+                 race: bool = False) -> None:
         self.error: BaseException | None = None
         self.accepted: dict[str, Any] | None = None
         self.producer = producer
@@ -120,6 +129,12 @@ class PipePull:
         self.promise: dict[str, Any] | None = None
         self.asked = make_ask is not None
         self._planner = planner
+        self.race = race
+        self.broken = threading.Event()
+        self.broken_why = ""
+        self._sock: socket.socket | None = None
+        self._cancelled = ""
+        self._lock = threading.Lock()
         self.reader: BinaryIO | None = None
         self._thread: threading.Thread | None = None
         if make_ask is None:
@@ -151,16 +166,39 @@ class PipePull:
                     if self._planner is not None:  # the prediction, made on the pull's own thread
                         self.costs, self.plan = self._planner(ask)
                     self.accepted = pull_prompt(self.producer, ask, out_stream=out, timeout=timeout,
-                                                on_event=self._on_event)
+                                                on_event=self._on_event,
+                                                race=self._on_broken if self.race else None,
+                                                on_socket=self._on_socket)
                     last = (self.accepted or {}).get("last_byte_unix")
                     if isinstance(last, (int, float)):  # the pack's last byte in (before the ledger and the Ack)
                         self.marks["last_byte"] = time.perf_counter() - max(0.0, time.time() - last)
                 except BaseException as exc:  # noqa: BLE001 - decode falls back; the reason is reported
-                    self.error = exc
+                    self.error = TempFailure(self._cancelled) if self._cancelled else exc
                 finally:
                     self.marks["end"] = time.perf_counter()
         except OSError as exc:  # decode stopped reading
             self.error = self.error or exc
+
+    def _on_socket(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            cancelled = self._cancelled
+        if cancelled:
+            _shut(sock)
+
+    def _on_broken(self, why: str) -> None:
+        self.broken_why = why
+        self.marks.setdefault("hedged", time.perf_counter())
+        self.broken.set()
+
+    def cancel(self, why: str) -> None:
+        """End the pull now (a hedge it lost: the prompt was computed here first); its error then
+        is a TempFailure saying ``why``. Returns at once; :meth:`join` waits for the thread."""
+        with self._lock:
+            self._cancelled = why
+            sock = self._sock
+        if sock is not None:
+            _shut(sock)
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
@@ -187,8 +225,8 @@ class PipePull:
         decode's result ``out`` (its ``reason``, for a fallback or a cut stream)."""
         self.join(timeout=timeout)
         why = self.reason() or self.routed_local
-        if why and out.source == "partial+local":
-            out.reason = f"{out.reason}; {why}"
+        if why and (out.source == "partial+local" or str(out.reason).startswith("hedge:")):
+            out.reason = f"{out.reason}; {why}"  # a hedge's reason names the broken promise; the pull's, its end
         elif why and out.fallback:
             out.reason = why
 
@@ -199,6 +237,15 @@ class PipePull:
         if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
             return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a pull's connection down from another thread: its blocked read then ends (the TLS
+    object is left to the pull's own thread, which closes it)."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:  # already closed or never connected: nothing to end
+        pass
 
 
 def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted: dict[str, Any] | None,
@@ -240,10 +287,11 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
 
 def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,
                     dtype: str | None, engine: str, timeout: float | None, have: bool = True,
-                    send_text: bool = False, threads: int = 1) -> PipePull:
+                    send_text: bool = False, threads: int = 1, race: bool = False) -> PipePull:
     """``have``: tell the producer what this machine's store holds of the prompt, so only the
     rest is computed there and shipped (a delta pack; decode merges it with the stored prefix).
     ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`).
+    ``race``: a broken promise is raced, not cut (:class:`PipePull`).
 
     The route (issue #39): the TTFT of every path is predicted (:func:`muser_cli.consumer.costs.route`,
     :attr:`PipePull.plan`); with ``MUSER_ROUTE=fastest`` the prompt is tokenized here first and
@@ -267,9 +315,9 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
         if not plan["ask"]:
             return PipePull(producer, None, timeout=timeout, costs=costs, plan=plan)
         ask = replace(ask, budget_ms=plan["budget_ms"])
-        return PipePull(producer, lambda: ask, timeout=timeout, costs=costs, plan=plan)
+        return PipePull(producer, lambda: ask, timeout=timeout, costs=costs, plan=plan, race=race)
 
-    return PipePull(producer, make_ask, timeout=timeout, planner=planned)
+    return PipePull(producer, make_ask, timeout=timeout, planner=planned, race=race)
 
 
 __all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "pull_prompt", "start_pull_pipe", "with_have"]

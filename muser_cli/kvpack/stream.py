@@ -106,18 +106,40 @@ class StreamedPack:
         if self._error is not None:
             raise self._error
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for :meth:`result` to be ready (the end frame verified,
+        or the stream ended); whether it is."""
+        return self._ready.wait(timeout)
+
+    def wait_header(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for :meth:`header` to be ready; whether it is."""
+        return self._header_ready.wait(timeout)
+
+    @property
+    def whole(self) -> bool:
+        """Whether :meth:`result` is ready with a whole pack (its end frame verified), now."""
+        return self._ready.is_set() and self._error is None and self._cut is None and self._end is not None
+
     def prefix(self, chunk_tokens: int) -> tuple[int, list[LayerKV]]:
         """After a cut: the deepest chunk boundary ``r`` at which every layer's cache as of
         ``r`` positions verified, and those rows (full layers [0, r), sliding layers their
         last window-1 rows before r). (0, []) when nothing usable arrived."""
         self._done.wait()
+        return self.verified(chunk_tokens)
+
+    def verified(self, chunk_tokens: int) -> tuple[int, list[LayerKV]]:
+        """:meth:`prefix` as of now, while the stream may still be arriving (a hedge's race,
+        :mod:`muser_cli.consumer.hedge`): rows below what verified are final, never written
+        again, so they are handed out as views; a state layer's snapshots are read once."""
         h = self._header
         if h is None or self._error is not None or h.rows_start != 0 or chunk_tokens < 1:
             return 0, []
+        got = list(self._got)
+        snaps = [list(s) for s in self._snaps]
         best = 0
         r = chunk_tokens
         while r < h.rows_end:
-            if all(self._covers(i, r) for i in range(len(h.layers))):
+            if all(self._covers(i, r, got, snaps) for i in range(len(h.layers))):
                 best = r
             r += chunk_tokens
         if best == 0:
@@ -126,7 +148,7 @@ class StreamedPack:
         for i, spec in enumerate(h.layers):
             first = h.layer_first_row(i)
             if spec.kind == "state":  # the snapshot at exactly ``best`` (_covers found it)
-                raw = next(raw for p, raw in self._snaps[i] if p == best)
+                raw = next(raw for p, raw in snaps[i] if p == best)
                 out.append(StateKV(tensors=split_state(spec, raw), position=best, first_row=first))
                 continue
             lo = best - spec.carried_rows(best) - first
@@ -135,13 +157,13 @@ class StreamedPack:
                                first_row=best - spec.carried_rows(best)))
         return best, out
 
-    def _covers(self, i: int, r: int) -> bool:
+    def _covers(self, i: int, r: int, got: list[int], snaps: list[list[tuple[int, np.ndarray]]]) -> bool:
         h = self._header
         assert h is not None
         first = h.layer_first_row(i)
         if h.layers[i].kind == "state":
-            return any(p == r for p, _ in self._snaps[i])
-        return first <= r - h.layers[i].carried_rows(r) and first + self._got[i] >= r
+            return any(p == r for p, _ in snaps[i])
+        return first <= r - h.layers[i].carried_rows(r) and first + got[i] >= r
 
     # ------------------------------------------------------------------ reader thread
     def _run(self) -> None:

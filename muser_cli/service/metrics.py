@@ -14,7 +14,8 @@ _TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 def fallback_kind(reason: str) -> str:
     """A short label for why a request did not get (all of) its rows from a producer."""
     r = reason.lower()
-    for key, label in (("no producer", "no_producer"), ("deadline", "deadline"), ("timed out", "deadline"),
+    for key, label in (("broke its promise", "hedge"), ("route:", "route"), ("no producer", "no_producer"),
+                       ("deadline", "deadline"), ("timed out", "deadline"),
                        ("cut stream", "cut"), ("refused", "refused"), ("busy", "busy"), ("failed", "pull_failed")):
         if key in r:
             return label

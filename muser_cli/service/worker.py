@@ -387,7 +387,7 @@ class EngineWorker:
                           chunk_tokens=c.chunk_tokens, fallback_reason=why, reuse=c.reuse, store=c.store,
                           audit=c.audit, resident=self.engine, on_token=state.on_token, on_rows=state.on_rows,
                           progress=self._chunk_done, prompt_ids=ids, info=self.info,  # tokenized once, in _run
-                          held=held, more=state.extras)
+                          held=held, more=state.extras, hedge=state.live if src is not None else None)
             return state.out
 
         state.t_lane = time.perf_counter()  # the lane begins: the consumer's queue is behind it (issue #39)
@@ -451,7 +451,7 @@ class EngineWorker:
         if plan["budget_ms"] is not None:
             got = replace(got, budget_ms=plan["budget_ms"])
         self.backlog.routed(job, start=got.have_tokens, end=len(ids) - 1, chunk=self.chunk, pulled=True)
-        state.live = PipePull(addr, lambda: got, timeout=deadline, costs=self.costs, plan=plan)
+        state.live = PipePull(addr, lambda: got, timeout=deadline, costs=self.costs, plan=plan, race=True)
         return state.live
 
     def _chunk_done(self, *progress: Any) -> None:

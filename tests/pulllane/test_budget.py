@@ -182,12 +182,13 @@ def test_not_in_time_sends_the_consumer_to_local_prefill_at_once(lane):
     assert any(e["outcome"] == "late" for e in prod.events("request"))
 
 
-def test_a_broken_promise_is_cut_and_the_consumer_prefills_here(lane):
+def test_a_broken_promise_is_raced_and_the_consumer_keeps_its_own_rows(lane):
     """Hedging: the local path is known to be very slow here (2 tokens/s), so the consumer asks
     with a generous budget, and the producer promises a start (the request holding its turn was
     expected to end soon). The turn stays held: once the promise, a quarter more and half a
-    second have passed, the consumer cuts the pull and prefills here -- long before its 120 s
-    --timeout -- with the same tokens a local decode gives."""
+    second have passed, the consumer computes the prompt here while the pull goes on; its own
+    rows are ready first (the producer never started), so it keeps them and cancels the pull --
+    long before its 120 s --timeout -- with the same tokens a local decode gives."""
     seed_costs(lane, local_tps={"64": 2.0, "128": 2.0})
     prod = lane["producer"]
     ident, request = signed_request(lane)
@@ -201,10 +202,64 @@ def test_a_broken_promise_is_cut_and_the_consumer_prefills_here(lane):
     assert [e["outcome"] for e in promised] == ["promised"], promised
     assert got["source"] == "local" and got["fallback"], got
     assert "broke its promise" in got["fallback_reason"], got
-    assert took < 100, took  # cut at the promise, not at the --timeout
+    assert "computed here first" in got["fallback_reason"], got
+    assert took < 100, took  # raced from the promise on, not waited out to the --timeout
     local, _ = decode(lane, lane["prompt"], env_extra={"MUSER_ROUTE": "producer"})  # the producer free again
     assert local.returncode == 0, local.stderr
     assert got["token_ids"] == json.loads(local.stdout)["token_ids"]
+
+
+def test_a_raced_producer_whose_pack_comes_first_is_kept(lane):
+    """Hedging, the other way round: the producer breaks its promise (its turn held), the consumer
+    starts computing here, and then the producer is let go while the consumer's chunks are slow
+    (its progress waits for the pull to end, then half a second a chunk). The producer's pack is
+    whole first: the consumer drops what it computed and decodes from the pack (source
+    ``handoff``), with the tokens of a local decode; the race started only after the promise
+    broke (``hedged`` marked, after ``promise``)."""
+    from dataclasses import replace
+
+    from muser_cli.consumer.decode import decode as decode_here
+    from muser_cli.consumer.pull import PipePull, ask_for
+
+    prod = lane["producer"]
+    ident, request = signed_request(lane)
+    release, raced, holding = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with held_pull(ident, prod.address, request) as answer:
+            if type(answer).__name__ == "Serving":
+                holding.set()
+            release.wait(HANG_S)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert holding.wait(HANG_S), "the producer's turn was not held"
+    common = dict(model=lane["model"], prompt=PROMPT, chat=False, max_new_tokens=4, engine="torch", dtype="float32",
+                  threads=1, chunk_tokens=CHUNK, reuse=False)
+    with home_env(lane["nodes"].consumer_home):
+        ask = ask_for(PROMPT, model=lane["model"], chat=False, chunk_tokens=CHUNK, dtype="float32", engine="torch")
+        pulling = PipePull(prod.address, lambda: replace(ask, budget_ms=60_000), timeout=HANG_S, race=True)
+
+        def slow(stage: str, done: int, total: int) -> None:
+            raced.set()
+            release.set()  # the producer's turn free: it computes our request now
+            pulling.join(HANG_S)  # ... and its pull ends (the pack sent whole)
+            time.sleep(0.5)
+
+        try:
+            out = decode_here(pulling.reader, progress=slow, hedge=pulling, **common)
+        finally:
+            pulling.reader.close()
+            pulling.join(HANG_S)
+            release.set()
+        alone = decode_here(None, **common)
+    holder.join(HANG_S)
+    assert raced.is_set() and pulling.broken.is_set(), "the race never started"
+    assert "broke its promise" in pulling.broken_why
+    assert pulling.marks["promise"] <= pulling.marks["hedged"]
+    assert pulling.error is None, pulling.error
+    assert out.source == "handoff" and not out.fallback, (out.source, out.reason)
+    assert out.token_ids == alone.token_ids
 
 
 def test_a_producer_orders_queued_requests_by_deadline(lane):

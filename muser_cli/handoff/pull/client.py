@@ -21,7 +21,9 @@ Contract of :func:`pull`:
 from __future__ import annotations
 
 import contextlib
+import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -146,26 +148,52 @@ HEDGE_SLACK_S = 0.5
 
 
 class _Hedge:
-    """The deadline a promise set on a pull (None until one came), and what was promised."""
+    """The deadline a promise set on a pull (None until one came), and what was promised.
 
-    def __init__(self) -> None:
+    Without ``race`` the promise bounds the pull: past it the link's deadline cuts it. With
+    ``race`` (a consumer that can compute the prompt itself while the pull goes on) nothing is
+    cut: ``race(why)`` is called once when the promise is broken (from a timer thread), and the
+    pull goes on until it ends or is cancelled (``on_socket``'s socket shut down)."""
+
+    def __init__(self, race: Callable[[str], None] | None = None) -> None:
         self.by: float | None = None
         self.promised = ""
+        self.race = race
+        self._timer: threading.Timer | None = None
+        self._over = threading.Event()
 
-    def promise(self, link: Link, ev: Promise) -> None:
+    def promise(self, link: Link, ev: Promise, where: str = "") -> None:
         wait_s = (ev.start_ms + ev.compute_ms) / 1000.0
         self.by = time.monotonic() + wait_s * (1 + HEDGE_MARGIN) + HEDGE_SLACK_S
         self.promised = f"start in {ev.start_ms} ms, compute {ev.compute_ms} ms"
-        self.keep(link)
+        if self.race is None:
+            self.keep(link)
+            return
+        if self._timer is None:
+            why = (f"{where} broke its promise ({self.promised}): its pack was not in "
+                   f"{HEDGE_MARGIN:.0%} and {HEDGE_SLACK_S} s past it")
+            self._timer = threading.Timer(self.by - time.monotonic(), self._fire, args=(why,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self, why: str) -> None:
+        if not self._over.is_set() and self.race is not None:
+            self.race(why)
+
+    def stop(self) -> None:
+        """The pull ended: a promise no longer to be broken."""
+        self._over.set()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def keep(self, link: Link) -> None:
-        """The link's total deadline no later than the promise's."""
-        if self.by is not None:
+        """The link's total deadline no later than the promise's (when not racing)."""
+        if self.by is not None and self.race is None:
             link.deadline = self.by if link.deadline is None else min(link.deadline, self.by)
 
     def broken(self, exc: BaseException, where: str) -> TempFailure | None:
         """``exc`` (a deadline that passed) as the promise broken, or None when it is not that."""
-        if self.by is None or not isinstance(exc, TempFailure) or time.monotonic() < self.by:
+        if self.by is None or self.race is not None or not isinstance(exc, TempFailure) or time.monotonic() < self.by:
             return None
         return TempFailure(f"{where} broke its promise ({self.promised}): its pack was not in "
                            f"{HEDGE_MARGIN:.0%} and {HEDGE_SLACK_S} s past it; the pull was cut ({exc})")
@@ -184,7 +212,7 @@ def _await_serving(link: Link, where: str, on_event: EventFn | None, hedge: _Hed
             continue
         if isinstance(ev, Promise):  # the answer to a request with a budget (issue #39)
             if hedge is not None:
-                hedge.promise(link, ev)
+                hedge.promise(link, ev, where)
             if on_event:
                 on_event("promise", {"start_ms": ev.start_ms, "compute_ms": ev.compute_ms, "queued": ev.queued,
                                      "rates": dict(ev.rates), "producer": where})
@@ -202,7 +230,8 @@ def pull(
     destination: Destination | None = None, timeout: float | None = None, connect_s: float = DEFAULT_CONNECT_S,
     idle_s: float = DEFAULT_IDLE_S, window_s: float = DEFAULT_WINDOW_S, on_event: EventFn | None = None,
     have_tokens: int = 0, have_chain: str | None = None, text: str | None = None, chat: bool = False,
-    engine: str | None = None, budget_ms: int | None = None,
+    engine: str | None = None, budget_ms: int | None = None, race: Callable[[str], None] | None = None,
+    on_socket: Callable[[socket.socket], None] | None = None,
 ) -> Accepted:
     """Request the KV of ``token_ids`` from the producer at ``to`` and receive it (see module doc).
 
@@ -213,12 +242,18 @@ def pull(
     producer on the same one leaves the sliding history out); ``budget_ms``: the producer must
     have sent the whole pack within it, else it says ``late`` at once (NotInTime, 75: fall back
     now; a producer older than the field refuses the request, ``protocol``); ``token_ids`` is still this consumer's own tokenization
-    of it, and the pack is refused (DataError, 65, before ``Go``) unless it binds exactly those."""
+    of it, and the pack is refused (DataError, 65, before ``Go``) unless it binds exactly those.
+    A promise the producer breaks cuts the pull, unless ``race`` is given: then ``race(why)`` is
+    called when it is broken and the pull goes on (the consumer computes meanwhile and may
+    cancel the pull by shutting down the socket ``on_socket`` was given)."""
     t_start = time.monotonic()
     first_by = None if timeout is None else t_start + timeout
     sock, where = _connect(to, identity, connect_s if timeout is None else min(connect_s, timeout))
+    if on_socket is not None:
+        on_socket(sock)
     link = Link(sock, PullConnection(Side.CONSUMER), idle_s=idle_s if timeout is None else min(idle_s, timeout),
                 deadline=first_by)
+    hedge: _Hedge | None = None
     try:
         der = sock.getpeercert(binary_form=True) or b""
         cn = peer_common_name(der) if der else ""
@@ -232,7 +267,7 @@ def pull(
                           budget_ms=None if budget_ms is None else max(1, min(MAX_BUDGET_MS, int(budget_ms))))
         raw, mac = sign_request(req, key.secret)
         link.send(Request(raw, mac, req), "sending the request")
-        hedge = _Hedge()
+        hedge = _Hedge(race)
         try:
             _await_serving(link, where, on_event, hedge)
             continue_as_v3(link, Role.RECEIVER)
@@ -254,6 +289,8 @@ def pull(
         note_peer(identity, cn, role="producer", address=where, key_id=key.key_id, via="pull")  # its pack verified
         return accepted
     finally:
+        if hedge is not None:
+            hedge.stop()
         link.close()
 
 

@@ -53,6 +53,11 @@ COLD_FIRST_STEP_S = 0.01
 COLD_CONNECT_S = 0.05
 COLD_LINK_BPS = 100e6
 ALPHA = 0.3  # weight of a new measurement in an average
+#: How a token's cost grows with depth where nothing measured says how: (depth / depth measured) **
+#: this. Mild: most of a token's cost (the weights) does not grow with depth; the mixed trace of
+#: 2026-12-06 measured SmolLM2 at ~250 tokens/s both at 100 and at 1,500 tokens deep, where a
+#: square root (the earlier guess) predicted the long prompts' local path 3-7x too slow.
+DEPTH_GROWTH = 0.15
 
 #: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
 COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
@@ -87,18 +92,29 @@ class RateByDepth:
         with self._lock:
             self.spt[b] = _avg(self.spt.get(b), seconds / n)
 
-    def seconds(self, start: int, end: int) -> float:
-        """The expected seconds to compute positions ``[start, end)``."""
+    def seconds(self, start: int, end: int, shape: "RateByDepth | None" = None) -> float:
+        """The expected seconds to compute positions ``[start, end)``. A depth never measured
+        here is the nearest one measured, scaled by how ``shape`` (another machine's rates for
+        the same model: a producer's) grows between the two depths where it measured both; else
+        by :data:`DEPTH_GROWTH` (attention's part of a token's cost grows with depth, the rest
+        does not)."""
         n = end - start
         if n <= 0:
             return 0.0
         b = depth_bucket(end)
         with self._lock:
             spt = self.spt.get(b)
-            if spt is None and self.spt:  # the nearest bucket measured, scaled by depth (attention grows)
-                near = min(self.spt, key=lambda k: abs(math.log2(k) - math.log2(b)))
-                spt = self.spt[near] * (b / near) ** 0.5
+            near = min(self.spt, key=lambda k: abs(math.log2(k) - math.log2(b))) if spt is None and self.spt else None
+        if near is not None:
+            ratio = shape.ratio(near, b) if shape is not None and shape is not self else None
+            spt = self.spt[near] * (ratio if ratio is not None else (b / near) ** DEPTH_GROWTH)
         return n * (spt if spt is not None else 1.0 / self.cold_tps)
+
+    def ratio(self, a: int, b: int) -> float | None:
+        """Seconds per token at bucket ``b`` over those at bucket ``a``, where both were measured."""
+        with self._lock:
+            sa, sb = self.spt.get(a), self.spt.get(b)
+        return sb / sa if sa and sb else None
 
     @property
     def learned(self) -> bool:
@@ -336,6 +352,9 @@ class CostModel:
         install, gate, first = self._tail(rows, gate=False)
         ahead = backlog.ahead(key) if backlog is not None else []
         batched = backlog.batched if backlog is not None else True
+        view = self.producers.get(producer) if producer is not None else None
+        known = view is not None and view.known and view.rates.learned
+        theirs = view.rates if known else None  # the same model's rates by depth, measured there
         parts: dict[str, dict[str, float]] = {}
         if held >= rows:
             parts["store"] = {"consumer_queue": self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk,
@@ -344,12 +363,9 @@ class CostModel:
         else:
             parts["local"] = {"consumer_queue": self.consumer_queue(ahead, start=held, end=rows, chunk=chunk,
                                                                     batched=batched),
-                              "local_prefill": self.local.seconds(held, rows), "first_step": first}
-        known = False
+                              "local_prefill": self.local.seconds(held, rows, shape=theirs), "first_step": first}
         link, link_from = self.link_for(producer)
         if producer is not None:
-            view = self.producers.get(producer)
-            known = view is not None and view.known and view.rates.learned
             remote = view.rates if known else self.local  # unknown: as fast as we are
             queue = (view.queue_s(now) if view is not None else 0.0) + (
                 self.connect_s if self.connect_s is not None else COLD_CONNECT_S)
@@ -358,7 +374,7 @@ class CostModel:
             for name, start in (("remote_whole", 0), ("remote_delta", held)):
                 if name == "remote_delta" and not 0 < held < rows:
                     continue
-                compute = remote.seconds(start, rows)
+                compute = remote.seconds(start, rows, shape=self.local)
                 wire = max(0.0, per_row * (rows - start) / link - compute)
                 ours = self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk, batched=batched,
                                            ready_s=queue + compute + wire)  # the pull itself waits off the engine

@@ -36,6 +36,7 @@ import math
 import os
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -473,19 +474,25 @@ def note_link(address: str, *, down_Bps: float, up_Bps: float | None = None) -> 
     return True
 
 
-_MODELS: dict[str, CostModel] = {}
+_MODELS: dict[tuple[str, str], CostModel] = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> CostModel:
-    """The process's one :class:`CostModel` for this model, engine, dtype and thread count,
-    loaded from its file the first time."""
+def cost_file(model_fingerprint: str, engine: str, dtype: str, threads: int) -> tuple[str, Path]:
+    """The key and the file (under this home's data directory) of the cost model for this model,
+    engine, dtype and thread count."""
     key = hashlib.sha256(f"{model_fingerprint}|{engine}|{dtype}|{threads}".encode()).hexdigest()[:24]
+    return key, paths.data_dir() / "costs" / f"{key}.json"
+
+
+def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> CostModel:
+    """The process's one :class:`CostModel` for this model, engine, dtype and thread count (and
+    data directory), loaded from its file the first time."""
+    key, path = cost_file(model_fingerprint, engine, dtype, threads)
     with _MODELS_LOCK:
-        model = _MODELS.get(key)
+        model = _MODELS.get((key, str(path)))
         if model is None:
-            path = paths.data_dir() / "costs" / f"{key}.json"
-            model = _MODELS[key] = CostModel(key, path)
+            model = _MODELS[(key, str(path))] = CostModel(key, path)
             try:
                 model.load_json(loads(path.read_bytes(), str(path), limit=1 << 20))
             except Exception:  # noqa: BLE001 - a cache: missing or damaged, start cold
@@ -596,5 +603,5 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
 
 
 __all__ = ["COMPONENTS", "Backlog", "CostModel", "LINKS_FILE", "ProducerView", "ROUTE_ENV", "RateByDepth", "Work",
-           "budget_split", "costs_for", "depth_bucket", "link_key", "note_link", "overrun", "probed_link", "route",
+           "budget_split", "cost_file", "costs_for", "depth_bucket", "link_key", "note_link", "overrun", "probed_link", "route",
            "route_mode"]

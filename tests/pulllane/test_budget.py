@@ -49,12 +49,12 @@ def decode(lane, prompt_path, *extra: str, env_extra: dict | None = None,
 
 def seed_costs(lane, **fields) -> None:
     """Write the consumer's cost file for the lane's model (float32, torch, one thread)."""
-    from muser_cli.consumer.costs import costs_for
+    from muser_cli.consumer.costs import cost_file
     from muser_cli.model.resolve import resolve_model
 
-    with home_env(lane["nodes"].consumer_home):
+    with home_env(lane["nodes"].consumer_home):  # the file itself: this process's cost models are not the CLI's
         info = resolve_model(lane["model"])
-        path = costs_for(info.fingerprint, "torch", "float32", 1).path
+        _, path = cost_file(info.fingerprint, "torch", "float32", 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"v": 1, **fields}))
 

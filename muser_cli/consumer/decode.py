@@ -626,7 +626,8 @@ def _race(run: _Run) -> Rows | None:
         return kept, prefix, spot
 
     t0 = time.perf_counter()
-    won = race(stream, eng, ids, schedule=schedule, usable=usable, keep=keep, progress=run.progress)
+    won = race(stream, eng, ids, schedule=schedule, usable=usable, keep=keep, resumes=eng.resumes_prefill,
+               progress=run.progress)
     if won is None:
         run.header = bound[0]
         return None

@@ -76,7 +76,7 @@ class _Watch:
 
 
 def race(stream: Any, eng: Any, ids: Sequence[int], *, schedule: int, usable: Callable[[], bool],
-         keep: Callable[[int, list], tuple[int, list, Any]],
+         keep: Callable[[int, list], tuple[int, list, Any]], resumes: bool,
          progress: ProgressFn | None = None) -> tuple[list, int, Any, int] | None:
     """Compute ``ids[:-1]``'s rows here on ``schedule`` while ``stream`` keeps coming, keeping
     whichever is ready first (the module's doc). ``usable()``: whether the stream's rows may be
@@ -86,8 +86,10 @@ def race(stream: Any, eng: Any, ids: Sequence[int], *, schedule: int, usable: Ca
 
     Returns None when the stream won (its pack whole: the caller takes ``stream.result()``), else
     ``(layers, kept, spot, jumps_taken)``: the rows, how many came from the stream, the gate's
-    record of them (None: none kept or no gate) and how often the stream's rows were taken."""
-    jumps = bool(getattr(eng, "resumes_prefill", False))
+    record of them (None: none kept or no gate) and how often the stream's rows were taken.
+    ``resumes``: the engine continues a prefill from installed rows (``resumes_prefill``): the
+    stream's verified rows are then built on; else only a whole pack overtakes."""
+    jumps = resumes
     taken = 0
     while True:
         if usable() and stream.whole:

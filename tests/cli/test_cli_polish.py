@@ -304,5 +304,7 @@ def test_demo_checks_the_short_case_and_measures_the_payoff_on_a_long_prompt(tmp
     assert m, out
     tokens, ready, local, ratio = int(m[1]), int(m[2]), int(m[3]), float(m[4])
     assert tokens >= 500 and ratio > 1
-    assert abs(ratio - local / max(ready, 1)) <= 0.1 * ratio + 1  # the ratio is of the two figures shown
+    # the ratio is of the two figures shown, each printed rounded to a whole ms (a 2 ms figure is 1.5-2.5 ms)
+    low, high = (local - 0.5) / (ready + 0.5), (local + 0.5) / max(ready - 0.5, 0.05)
+    assert low - 0.05 <= ratio <= high + 0.05, (ratio, local, ready)
     assert out.count("tokens identical: True") == 2 and "follow-up tokens identical (delta vs fallback): True" in out

@@ -2,7 +2,7 @@
 processes on 127.0.0.1 (``prefill --serve``), a tiny model, mutual TLS.
 
     consumer$ MUSER_ROUTE=fastest muser decode --producer HOST:PORT --prompt doc.txt --json   # route, budget
-    producer answers a request with a budget: Promise (start, compute, queue, rates) or Reject(late) at once
+    producer answers a request with a budget: Promise (start, compute, queue, rates), then Reject(late) at once if missed
 
 What is checked: a short prompt stays local while a producer is up (it is not even asked); a
 producer that cannot make the budget says "late" at once and the consumer prefills here at once
@@ -176,6 +176,8 @@ def test_not_in_time_sends_the_consumer_to_local_prefill_at_once(lane):
     assert "late" in got["fallback_reason"] and "not in time" in got["fallback_reason"], got
     assert got["route"]["budget_ms"] and got["route"]["budget_ms"] < 1000, got["route"]
     assert took < 30, took  # at once: not after the 60 s deadline
+    heard = got["route"]["promise"]  # what the producer expects came before its refusal: the queue is learned
+    assert heard["start_ms"] + heard["compute_ms"] > got["route"]["budget_ms"], (heard, got["route"])
     late = prod.wait_events(before + 1, "promise")[before:]
     assert [e["outcome"] for e in late] == ["late"], late
     assert late[0]["start_s"] > late[0]["budget_s"] - late[0]["compute_s"]

@@ -17,8 +17,8 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     consumer's CA the only trust anchor): the consumer's server name picks it, and every
     check below uses that consumer's keyring only;
   * a request with a budget (``budget_ms``, issue #39) is answered at once: ``Promise`` (when it
-    is expected to start, the compute's estimate, the queue before it, the prefill rates) or
-    ``Reject(late)`` when it would not finish in time; its deadline orders it among the waiting
+    is expected to start, the compute's estimate, the queue before it, the prefill rates) or,
+    when it would not finish in time, that same ``Promise`` (what it expects) then ``Reject(late)``; its deadline orders it among the waiting
     (:class:`~muser_cli.handoff.pull.admission.Admission`), and one still waiting when its budget
     ran out is refused ``late`` then, nothing computed;
   * admission: ONE request computes at a time -- or, when the compute says it batches
@@ -259,12 +259,16 @@ class PullServer(Listener):
         fields: dict[str, Any] = {"peer": who, "request_id": req.request_id, "consumer": req.consumer,
                                   "start_s": round(start, 6), "compute_s": round(compute, 6),
                                   "budget_s": round(budget, 6), "queued": ahead, "rates": self.compute.rates()}
+        promise = Promise(round(start * 1000), round(compute * 1000), ahead, fields["rates"])
         if start + compute > budget:
             self._emit("promise", outcome="late", **fields)
+            # what it expects, then that it misses the budget: the consumer learns this producer's
+            # queue from a refusal too (its next prediction counts it, no second round trip)
+            link.send(promise, "saying what it expects")
             raise Refusal("late", f"not in time: this producer expects to start in {start * 1000:.0f} ms "
                                   f"({ahead} request(s) before it) and to compute for {compute * 1000:.0f} ms; "
                                   f"the request's budget is {req.budget_ms} ms")
-        link.send(Promise(round(start * 1000), round(compute * 1000), ahead, fields["rates"]), "promising a start")
+        link.send(promise, "promising a start")
         self._emit("promise", outcome="promised", **fields)
         return due, cost
 

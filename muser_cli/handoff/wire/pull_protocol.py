@@ -25,7 +25,8 @@ listens; both present certificates from the consumer's private CA):
     within that many milliseconds of the producer reading the request (relative: no clock is
     compared); the producer answers such a request, before any ``Queued``/``Serving``, with one
     ``Promise`` (when it expects to start, its compute estimate, its queue and prefill rate by
-    depth) or ``Reject(late)`` at once when it cannot make it. A request without it gets neither
+    depth), and when it cannot make it that ``Promise`` then ``Reject(late)`` at once (what it
+    expects, so the consumer learns its queue from a refusal too). A request without it gets neither
     (an older consumer never sees either frame);
   * the producer answers ``Reject`` (busy, auth, replay, stale, model, too_large, late, ...),
     or ``Queued {"place": N}`` (zero or more times, while another request computes),
@@ -102,7 +103,7 @@ class PullRequest:
     text: str | None = None  # text mode: the producer tokenizes this (token_ids empty until it did) ...
     chat: bool = False  # ... as one user turn of its chat template, or as is
     #: the consumer's budget (optional, issue #39): the pack's last frame out within this many ms of
-    #: the producer reading the request; it is answered with a Promise, or Reject(late) at once
+    #: the producer reading the request; it is answered with a Promise (then Reject(late) at once if missed)
     budget_ms: int | None = None
 
     def to_json(self) -> dict[str, Any]:

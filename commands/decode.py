@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
                 shown = out.to_json()
                 if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
                     shown["route"] = {k: pulling.plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms",
-                                                                  "parts", "link") if k in pulling.plan}
+                                                                  "parts", "link", "share") if k in pulling.plan}
                     if pulling.promise is not None:
                         shown["route"]["promise"] = pulling.promise
                 emit_json(shown)

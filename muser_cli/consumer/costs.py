@@ -23,6 +23,13 @@ producer, whether it decodes), so that :meth:`CostModel.predict` adds the consum
 the batched decode steps; a pulled pack waits off the engine, then for one turn round to install.
 ``muser decode`` (one request a process) has no backlog: its queue is zero.
 
+:class:`CpuShare`: the share of its cores the consumer's engine got while it computed (the CPU
+seconds the process used over the wall seconds times its threads, during the engine's turns): a
+machine's other work -- another service pinned to the same core, a laptop's other programs --
+slows a local prefill without showing in this process's own queue. The consumer's engine work
+(its prefill rate, install, gate, steps) is learned as measured times the share (the rate with
+the cores its own) and predicted divided by the share now; ``route.share`` in each answer.
+
 The link rate to a producer: learned from the pulls; before any, the rate ``muser probe-link``
 measured to that address (:func:`note_link`, kept in ``<data dir>/links.json``); before that,
 :data:`COLD_LINK_BPS`.
@@ -59,6 +66,13 @@ ALPHA = 0.3  # weight of a new measurement in an average
 #: 2026-12-06 measured SmolLM2 at ~250 tokens/s both at 100 and at 1,500 tokens deep, where a
 #: square root (the earlier guess) predicted the long prompts' local path 3-7x too slow.
 DEPTH_GROWTH = 0.15
+
+#: :class:`CpuShare`: the lowest share counted, and how long after the engine last computed a
+#: share still counts whole (it then returns to 1 over as long again: the other work may be over).
+MIN_SHARE = 0.1
+SHARE_STALE_S = 30.0
+#: A hold this long is a whole sample of the share (a shorter one counts in proportion).
+SHARE_SAMPLE_S = 0.25
 
 #: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
 COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
@@ -131,6 +145,37 @@ class RateByDepth:
             for k, v in (rates or {}).items():
                 if str(k).isdigit() and isinstance(v, (int, float)) and v > 0:
                     self.spt[int(k)] = 1.0 / float(v)
+
+
+class CpuShare:
+    """The share of its cores this process's engine got while it computed (module doc).
+    :meth:`sample` takes one turn's wall and process CPU seconds (``Turns.on_hold``); :meth:`now`
+    is their average, weighted by length (1 before any sample: ``muser decode`` runs alone)."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = max(1, int(threads))
+        self.value: float | None = None
+        self.at = 0.0  # time.monotonic() of the last sample
+        self._lock = threading.Lock()
+
+    def sample(self, wall_s: float, cpu_s: float) -> None:
+        if not (wall_s > 1e-3 and cpu_s >= 0 and math.isfinite(wall_s) and math.isfinite(cpu_s)):
+            return
+        share = min(1.0, max(MIN_SHARE, cpu_s / (wall_s * self.threads)))
+        weight = ALPHA * min(1.0, wall_s / SHARE_SAMPLE_S)
+        with self._lock:
+            self.value = share if self.value is None else self.value + weight * (share - self.value)
+            self.at = time.monotonic()
+
+    def now(self) -> float:
+        with self._lock:
+            value, at = self.value, self.at
+        if value is None:
+            return 1.0
+        age = time.monotonic() - at
+        if age > SHARE_STALE_S:  # the engine has been idle: the other work may be over
+            value += (1.0 - value) * min(1.0, (age - SHARE_STALE_S) / SHARE_STALE_S)
+        return max(MIN_SHARE, min(1.0, value))
 
 
 @dataclass
@@ -221,9 +266,10 @@ class Backlog:
 class CostModel:
     """The consumer's estimates for one model/engine/dtype/threads (module doc)."""
 
-    def __init__(self, key: str = "", path=None) -> None:
+    def __init__(self, key: str = "", path=None, threads: int = 1) -> None:
         self.key = key
         self.path = path
+        self.share = CpuShare(threads)  # not kept: it is this moment's machine
         self.local = RateByDepth()
         self.install_spr: float | None = None  # seconds per row installed
         self.gate_s: float | None = None
@@ -252,7 +298,11 @@ class CostModel:
                 install_s: float | None = None, gate_s: float | None = None, first_step_s: float | None = None,
                 connect_s: float | None = None, pack_bytes: int = 0, wire_s: float | None = None,
                 shipped_rows: int = 0) -> None:
-        """One answer's measurements: ``local``: rows ``[held, rows)`` prefilled here in ``prefill_s``."""
+        """One answer's measurements: ``local``: rows ``[held, rows)`` prefilled here in ``prefill_s``.
+        The engine's times are kept as with the cores its own (times the share now, :class:`CpuShare`)."""
+        own = self.share.now()
+        prefill_s, install_s, gate_s, first_step_s = (
+            None if v is None else v * own for v in (prefill_s, install_s, gate_s, first_step_s))
         if local and prefill_s is not None:
             self.local.observe(held, rows, prefill_s)
         with self._lock:
@@ -272,6 +322,7 @@ class CostModel:
     def observe_step(self, seconds: float) -> None:
         """One batched decode step's time (the engine's turn held for it)."""
         if seconds > 0 and math.isfinite(seconds):
+            seconds *= self.share.now()
             with self._lock:
                 self.step_s = _avg(self.step_s, seconds)
 
@@ -334,10 +385,11 @@ class CostModel:
                 wait += s
         return wait + sum(w.rows * spr for w in ahead if w.pulled)
 
-    def _tail(self, rows: int, *, gate: bool) -> tuple[float, float, float]:
+    def _tail(self, rows: int, *, gate: bool, slow: float = 1.0) -> tuple[float, float, float]:
+        """(install, gate, first step) of ``rows`` here, each times ``slow`` (one over the share)."""
         install = rows * (self.install_spr if self.install_spr is not None else COLD_INSTALL_S_PER_ROW)
-        return install, (self.gate_s or 0.0) if gate else 0.0, (self.first_step_s
-                                                                 if self.first_step_s is not None else COLD_FIRST_STEP_S)
+        first = self.first_step_s if self.first_step_s is not None else COLD_FIRST_STEP_S
+        return install * slow, ((self.gate_s or 0.0) if gate else 0.0) * slow, first * slow
 
     def predict(self, *, tokens: int, held: int, producer: str | None, row_bytes: float | None = None,
                 now: float | None = None, backlog: Backlog | None = None, key: Any = None,
@@ -350,7 +402,9 @@ class CostModel:
         chunks of ``chunk``): each path's ``consumer_queue`` (zero without one)."""
         rows = tokens - 1
         now = time.time() if now is None else now
-        install, gate, first = self._tail(rows, gate=False)
+        share = self.share.now()
+        slow = 1.0 / share  # the consumer's engine work, at the share of its cores it gets now
+        install, gate, first = self._tail(rows, gate=False, slow=slow)
         ahead = backlog.ahead(key) if backlog is not None else []
         batched = backlog.batched if backlog is not None else True
         view = self.producers.get(producer) if producer is not None else None
@@ -358,34 +412,34 @@ class CostModel:
         theirs = view.rates if known else None  # the same model's rates by depth, measured there
         parts: dict[str, dict[str, float]] = {}
         if held >= rows:
-            parts["store"] = {"consumer_queue": self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk,
-                                                                    batched=batched, ready_s=0.0),
+            parts["store"] = {"consumer_queue": slow * self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk,
+                                                                           batched=batched, ready_s=0.0),
                               "install": install, "first_step": first}
         else:
-            parts["local"] = {"consumer_queue": self.consumer_queue(ahead, start=held, end=rows, chunk=chunk,
-                                                                    batched=batched),
-                              "local_prefill": self.local.seconds(held, rows, shape=theirs), "first_step": first}
+            parts["local"] = {"consumer_queue": slow * self.consumer_queue(ahead, start=held, end=rows, chunk=chunk,
+                                                                           batched=batched),
+                              "local_prefill": slow * self.local.seconds(held, rows, shape=theirs), "first_step": first}
         link, link_from = self.link_for(producer)
         if producer is not None:
             remote = view.rates if known else self.local  # unknown: as fast as we are
             queue = (view.queue_s(now) if view is not None else 0.0) + (
                 self.connect_s if self.connect_s is not None else COLD_CONNECT_S)
             per_row = self.row_bytes or row_bytes or 0.0
-            _, rgate, _ = self._tail(rows, gate=True)
+            _, rgate, _ = self._tail(rows, gate=True, slow=slow)
             for name, start in (("remote_whole", 0), ("remote_delta", held)):
                 if name == "remote_delta" and not 0 < held < rows:
                     continue
                 compute = remote.seconds(start, rows, shape=self.local)
                 wire = max(0.0, per_row * (rows - start) / link - compute)
-                ours = self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk, batched=batched,
-                                           ready_s=queue + compute + wire)  # the pull itself waits off the engine
+                ours = slow * self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk, batched=batched,
+                                                  ready_s=(queue + compute + wire) * share)  # the pull waits off the engine
                 parts[name] = {"consumer_queue": ours, "producer_queue": queue, "producer_compute": compute,
                                "wire": wire, "install": install, "gate": rgate, "first_step": first}
         paths_ = {k: sum(v.values()) for k, v in parts.items()}
         choice = min(paths_, key=lambda k: paths_[k])
         return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known,
                 "parts": {k: {c: round(x, 6) for c, x in v.items()} for k, v in parts.items()},
-                "link": link_from if producer is not None else None}
+                "link": link_from if producer is not None else None, "share": round(share, 3)}
 
     # -------------------------------------------------------------- keeping
     def to_json(self) -> dict[str, Any]:
@@ -492,7 +546,7 @@ def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> 
     with _MODELS_LOCK:
         model = _MODELS.get((key, str(path)))
         if model is None:
-            model = _MODELS[(key, str(path))] = CostModel(key, path)
+            model = _MODELS[(key, str(path))] = CostModel(key, path, threads)
             try:
                 model.load_json(loads(path.read_bytes(), str(path), limit=1 << 20))
             except Exception:  # noqa: BLE001 - a cache: missing or damaged, start cold
@@ -528,7 +582,7 @@ def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
     if mode == "producer":
         got.update(ask=True, budget_ms=None, why="")
         return got
-    install, _, first = costs._tail(tokens - 1, gate=True)
+    install, _, first = costs._tail(tokens - 1, gate=True, slow=1.0 / got["share"])
     connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
     waits = [v.get("consumer_queue", 0.0) for k, v in got["parts"].items() if k.startswith("remote")]
     budget = here - install - first - connect - min(waits, default=0.0)  # what the producer has to beat us

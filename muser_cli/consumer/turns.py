@@ -33,10 +33,13 @@ class Turns:
     ``on_step(n)``: called at every pass with the number of sequences taking turns (the batch
     size of that step, for the metrics). ``on_first_hold(s)``: called with how long each turn
     taken ahead of the queue (``acquire(first=True)``: a batched decode step) was held, in
-    seconds (the cost model's step time, issue #39)."""
+    seconds (the cost model's step time, issue #39). ``on_hold(wall_s, cpu_s)``: called as every
+    hold ends with its wall seconds and the CPU seconds the whole process used meanwhile (the
+    share of the cores the engine got: :class:`muser_cli.consumer.costs.CpuShare`)."""
 
     def __init__(self, on_step: Callable[[int], None] | None = None,
-                 on_first_hold: Callable[[float], None] | None = None) -> None:
+                 on_first_hold: Callable[[float], None] | None = None,
+                 on_hold: Callable[[float, float], None] | None = None) -> None:
         self._cv = threading.Condition()
         self._queue: collections.deque[int] = collections.deque()
         self._holder: int | None = None
@@ -45,14 +48,23 @@ class Turns:
         self._members: set[int] = set()
         self.on_step = on_step
         self.on_first_hold = on_first_hold
+        self.on_hold = on_hold
+        self._cpu_since = 0.0  # the process's CPU time when the holder took the turn
         self._first_since: float | None = None  # when the turn held now was taken ahead of the queue
         self._since = 0.0  # when the holder took the turn
         self._held: dict[int, float] = {}  # seconds each member thread held the turn, in all
 
+    def _took(self) -> None:
+        """(lock held) the holder took the turn now."""
+        self._since, self._cpu_since = time.perf_counter(), time.process_time()
+
     def _let_go(self, me: int) -> None:
         """(lock held) ``me`` gives the turn up: its holding time counted."""
+        wall = time.perf_counter() - self._since
         if me in self._members:
-            self._held[me] = self._held.get(me, 0.0) + time.perf_counter() - self._since
+            self._held[me] = self._held.get(me, 0.0) + wall
+        if self.on_hold is not None:
+            self.on_hold(wall, time.process_time() - self._cpu_since)
 
     def held_s(self) -> float:
         """The seconds the calling thread has held the turn since it joined (the engine time
@@ -92,7 +104,8 @@ class Turns:
             while self._holder is not None or self._queue[0] != me:
                 self._cv.wait()
             self._queue.popleft()
-            self._holder, self._depth, self._since = me, 1, time.perf_counter()
+            self._holder, self._depth = me, 1
+            self._took()
             self._first_since = self._since if first else None
 
     def release(self) -> None:
@@ -144,16 +157,18 @@ class Turns:
                 return
             if self.on_step is not None:
                 self.on_step(max(1, len(self._members)))
+            self._let_go(me)  # its time so far counted (and the share sampled, a long prefill's too)
             if not self._queue:
+                self._took()
                 return
-            self._let_go(me)
             depth, self._holder, self._depth, self._last = self._depth, None, 0, me
             self._queue.append(me)
             self._cv.notify_all()
             while self._holder is not None or self._queue[0] != me:
                 self._cv.wait()
             self._queue.popleft()
-            self._holder, self._depth, self._first_since, self._since = me, depth, None, time.perf_counter()
+            self._holder, self._depth, self._first_since = me, depth, None
+            self._took()
 
 
 class TurnEngine:

@@ -124,7 +124,8 @@ class EngineWorker:
         tokenizer_for(self.info)
         self.dtype = config.dtype or default_dtype(config.engine)
         self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None,
-                           on_first_hold=lambda s: self.costs.observe_step(s))  # a batched step's time
+                           on_first_hold=lambda s: self.costs.observe_step(s),  # a batched step's time
+                           on_hold=lambda wall, cpu: self.costs.share.sample(wall, cpu))  # the cores' share
         raw = get_consumer(config.engine, self.info, dtype=self.dtype, threads=config.threads)
         self.batched = raw.batches_decode and not config.exact and config.max_batch > 1
         # what is ahead of a new request on the engine: the consumer's own queue in the prediction (issue #39)
@@ -470,8 +471,8 @@ class EngineWorker:
         if plan is None and s.get("ttft_ms") is not None:
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
-            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms", "parts", "link")
-                          if k in plan}
+            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms", "parts", "link",
+                                               "share") if k in plan}
             if live is not None and live.promise is not None:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:

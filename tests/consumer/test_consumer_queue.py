@@ -21,8 +21,10 @@ import pytest
 from serve_kit import engine_worker  # noqa: F401  first: the module skipped without the serve extra
 from handoff_kit import HANG_S, LANE_PROMPT as PROMPT, env_for, home_env, muser_cmd, pull_lane, wait_for
 from muser_cli.consumer.costs import (
-    COLD_LINK_BPS, LINKS_FILE, Backlog, CostModel, RateByDepth, budget_split, note_link, probed_link, route,
+    COLD_LINK_BPS, LINKS_FILE, SHARE_STALE_S, Backlog, CostModel, CpuShare, RateByDepth, budget_split, note_link,
+    probed_link, route,
 )
+from muser_cli.consumer.turns import Turns
 
 LONG = PROMPT + " " + PROMPT[:200]  # about 175 tokens of the tiny model (its context: 256): three chunks of 64
 CHUNK = 64
@@ -81,6 +83,79 @@ def test_a_loaded_engine_predicts_a_longer_local_path(monkeypatch):
     assert costs.predict(tokens=1000, held=0, producer=None)["parts"]["local"]["consumer_queue"] == 0
 
 
+def test_the_share_of_the_cores_slows_the_engine_work_and_not_the_producers(monkeypatch):
+    """Another process on the same cores (two services pinned to one core, a laptop's other
+    work) slows the consumer's engine: its predicted engine work (local prefill, the queue
+    ahead, install, first step) is divided by the share it gets; the producer's parts are not.
+    What it learns meanwhile is kept as with the cores its own."""
+    monkeypatch.delenv("MUSER_ROUTE", raising=False)
+    costs = CostModel()
+    _even(costs, "p:1")
+    whole = costs.predict(tokens=1000, held=0, producer="p:1")
+    assert whole["share"] == 1.0 and whole["choice"] == "local", whole
+    costs.share.sample(1.0, 0.5)  # a whole second on the engine, half a second of CPU: half the core
+    half = costs.predict(tokens=1000, held=0, producer="p:1")
+    assert half["share"] == pytest.approx(0.5)
+    for part in ("local_prefill", "first_step"):
+        assert half["parts"]["local"][part] == pytest.approx(2 * whole["parts"]["local"][part]), half["parts"]
+    for part in ("install", "first_step"):
+        assert half["parts"]["remote_whole"][part] == pytest.approx(2 * whole["parts"]["remote_whole"][part])
+    for part in ("producer_queue", "producer_compute", "wire"):
+        assert half["parts"]["remote_whole"][part] == pytest.approx(whole["parts"]["remote_whole"][part])
+    assert half["choice"] == "remote_whole", half  # the producer is now the faster path
+    got = route(costs, tokens=1000, held=0, producer="p:1")
+    assert got["ask"] and got["share"] == pytest.approx(0.5), got
+    before = costs.local.seconds(0, 999)
+    costs.observe(held=0, rows=999, prefill_s=2 * before, local=True)  # measured at half the core: as fast as before
+    assert costs.local.seconds(0, 999) == pytest.approx(before)
+    costs.share.at -= 3 * SHARE_STALE_S  # the engine idle for long: the other work may be over
+    assert costs.share.now() == 1.0
+    assert CpuShare().now() == 1.0  # never sampled (``muser decode``: one request, alone)
+
+
+def test_a_turn_that_computes_at_half_the_core_measures_half(tmp_path):
+    """The share measured from real turns (:class:`Turns` ``on_hold``): a holder that sleeps uses
+    no CPU (share at the floor); one that computes on a core another process also spins on gets
+    about half (a child process pinned to the same core, both pinned by this test's subprocess)."""
+    import os
+    import sys
+
+    share = CpuShare()
+    turns = Turns(on_hold=share.sample)
+    for _ in range(3):
+        turns.acquire()
+        threading.Event().wait(0.05)
+        turns.release()
+    assert share.value is not None and share.value < 0.2, share.value
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform: the shared-core half is Linux-only")
+    script = tmp_path / "share.py"
+    script.write_text("""
+import os, subprocess, sys, time
+from muser_cli.consumer.costs import CpuShare
+from muser_cli.consumer.turns import Turns
+core = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {core})
+hog = subprocess.Popen([sys.executable, "-c", "import os\\nos.sched_setaffinity(0, {%d})\\nwhile True: pass" % core])
+try:
+    time.sleep(0.5)
+    share = CpuShare()
+    turns = Turns(on_hold=share.sample)
+    for _ in range(30):
+        turns.acquire()
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.05:
+            pass
+        turns.release()
+    print(share.now())
+finally:
+    hog.kill()
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout) < 0.8, r.stdout  # about half: the other process took the rest
+
+
 def test_the_split_still_adds_up_with_a_queue():
     split = budget_split(ttft_s=2.0, consumer_queue_s=0.7, remote=False, lane_s=0.7, serving_s=None, end_s=None,
                          rows_ready_s=None, local_prefill_s=1.0)
@@ -136,6 +211,7 @@ def served(lane, monkeypatch):
                                      producers=(address,), chunk_tokens=CHUNK, turn_memory_mb=0,
                                      prefill_deadline=HANG_S), ConsumerMetrics())
         worker.costs = CostModel()  # not saved: the shared file and the process's model untouched
+        worker.turns.on_hold = None  # the test's own holds are not compute, nor the machine's load its subject
         _even(worker.costs, address, tps=200.0)
         try:
             yield worker, address

@@ -73,6 +73,10 @@ MIN_SHARE = 0.1
 SHARE_STALE_S = 30.0
 #: A hold this long is a whole sample of the share (a shorter one counts in proportion).
 SHARE_SAMPLE_S = 0.25
+#: The turns' share stands this long after the engine last computed; then (``look``) the machine's.
+SHARE_FRESH_S = 2.0
+#: Looks at the machine closer than this apart keep the last figure (the kernel counts in ticks).
+SHARE_LOOK_S = 0.2
 
 #: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
 COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
@@ -148,14 +152,21 @@ class RateByDepth:
 
 
 class CpuShare:
-    """The share of its cores this process's engine got while it computed (module doc).
-    :meth:`sample` takes one turn's wall and process CPU seconds (``Turns.on_hold``); :meth:`now`
-    is their average, weighted by length (1 before any sample: ``muser decode`` runs alone)."""
+    """The share of its cores this process's engine gets (module doc). :meth:`sample` takes one
+    turn's wall and process CPU seconds (``Turns.on_hold``): while the engine computes, the share
+    is their average, weighted by length. ``look`` (a serving consumer, Linux): while the engine
+    is idle, the share is what the machine's other work leaves it -- the busy time of the cores
+    this process may run on since the last look (``/proc/stat``), its own CPU time taken out: with
+    ``o`` of its ``c`` cores kept busy by others, ``t`` threads get ``min(1, c / (o + t))``.
+    Without either: 1 (``muser decode`` runs one request alone)."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, *, look: bool = False) -> None:
         self.threads = max(1, int(threads))
+        self.look = look
         self.value: float | None = None
         self.at = 0.0  # time.monotonic() of the last sample
+        self._seen: tuple[float, float, float] | None = None  # (monotonic, cores' busy s, own CPU s) last looked
+        self._idle: float | None = None  # the share the last look gave
         self._lock = threading.Lock()
 
     def sample(self, wall_s: float, cpu_s: float) -> None:
@@ -170,12 +181,58 @@ class CpuShare:
     def now(self) -> float:
         with self._lock:
             value, at = self.value, self.at
+        age = time.monotonic() - at
+        if value is not None and age < SHARE_FRESH_S:  # the engine computes: its own turns say it
+            return max(MIN_SHARE, min(1.0, value))
+        idle = self._look() if self.look else None
+        if idle is not None:
+            return idle
         if value is None:
             return 1.0
-        age = time.monotonic() - at
         if age > SHARE_STALE_S:  # the engine has been idle: the other work may be over
             value += (1.0 - value) * min(1.0, (age - SHARE_STALE_S) / SHARE_STALE_S)
         return max(MIN_SHARE, min(1.0, value))
+
+    def _look(self) -> float | None:
+        """The share the machine's other work leaves (class doc); None: not readable here, or no
+        earlier look to measure from (this one is kept for the next)."""
+        cores = _my_cores()
+        busy = _cores_busy_s(cores) if cores else None
+        if busy is None:
+            return None
+        mark = (time.monotonic(), busy, time.process_time())
+        with self._lock:
+            seen, self._seen = self._seen, mark
+            if seen is None or mark[0] - seen[0] < SHARE_LOOK_S:
+                self._seen = seen or mark  # too soon to tell: the last figure stands
+                return self._idle
+            others = max(0.0, (mark[1] - seen[1]) - (mark[2] - seen[2])) / (mark[0] - seen[0])
+            self._idle = max(MIN_SHARE, min(1.0, len(cores) / (others + self.threads)))
+            return self._idle
+
+
+def _my_cores() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+
+
+def _cores_busy_s(cores: set[int]) -> float | None:
+    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait)."""
+    try:
+        text = Path("/proc/stat").read_text()
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    busy = 0
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
+            continue
+        ticks = [int(x) for x in rest.split()[:8]]
+        busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+    return busy / tick if tick > 0 else None
 
 
 @dataclass

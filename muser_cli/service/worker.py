@@ -137,6 +137,8 @@ class EngineWorker:
         self.engine = TurnEngine(raw, self.turns)
         self.pool = ProducerPool(config.producers)
         self.costs = costs_for(self.info.fingerprint, config.engine, self.dtype, config.threads)  # issue #39
+        self.costs.share.look = True  # idle, the machine's other work says what share its cores leave it
+        self.costs.share.now()  # the first look: the next measures from here
         self.memory: TurnMemory | None = None  # turn memory (docs/serve.md): an engine that resumes anywhere
         if config.turn_memory_mb > 0 and raw.resumes_prefill:
             self.memory = TurnMemory([s.kind for s in self.info.layers], self._memory_key(),

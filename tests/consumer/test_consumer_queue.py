@@ -89,7 +89,7 @@ def test_the_share_of_the_cores_slows_the_engine_work_and_not_the_producers(monk
     ahead, install, first step) is divided by the share it gets; the producer's parts are not.
     What it learns meanwhile is kept as with the cores its own."""
     monkeypatch.delenv("MUSER_ROUTE", raising=False)
-    costs = CostModel()
+    costs = CostModel()  # its share from its turns only (no look at the machine: its load is not this test's)
     _even(costs, "p:1")
     whole = costs.predict(tokens=1000, held=0, producer="p:1")
     assert whole["share"] == 1.0 and whole["choice"] == "local", whole
@@ -116,7 +116,8 @@ def test_the_share_of_the_cores_slows_the_engine_work_and_not_the_producers(monk
 def test_a_turn_that_computes_at_half_the_core_measures_half(tmp_path):
     """The share measured from real turns (:class:`Turns` ``on_hold``): a holder that sleeps uses
     no CPU (share at the floor); one that computes on a core another process also spins on gets
-    about half (a child process pinned to the same core, both pinned by this test's subprocess)."""
+    about half (a child process pinned to the same core, both pinned by this test's subprocess);
+    and, the engine idle, a look at the machine (``/proc/stat``, a serving consumer's) says the same."""
     import os
     import sys
 
@@ -147,13 +148,18 @@ try:
         while time.perf_counter() - t < 0.05:
             pass
         turns.release()
-    print(share.now())
+    idle = CpuShare(look=True)
+    idle.now()  # the first look
+    time.sleep(0.6)  # the engine idle, the other process spinning on its core
+    print(share.now(), idle.now())
 finally:
     hog.kill()
 """)
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr
-    assert float(r.stdout) < 0.8, r.stdout  # about half: the other process took the rest
+    turns_share, idle_share = (float(x) for x in r.stdout.split())
+    assert turns_share < 0.8, r.stdout  # about half: the other process took the rest
+    assert idle_share < 0.8, r.stdout  # idle, the machine's look: one core kept busy by another leaves half
 
 
 def test_the_split_still_adds_up_with_a_queue():

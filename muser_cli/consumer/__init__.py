@@ -4,7 +4,9 @@
 decode``, ``decode --serve``, ``muser batch``): a pack from a producer when one streams it, its
 refusal by a gate blamed on that producer and the request computed here, the producer pool's
 bookkeeping. :mod:`muser_cli.consumer.decode`: verify, bind, gate, install and decode one
-request's rows (or prefill them here on the canonical schedule). :mod:`muser_cli.consumer.pull`:
+request's rows (or prefill them here on the canonical schedule); :mod:`muser_cli.consumer.prompt_rows`:
+those rows (a pack's, a delta merged with its stored base, or made here), a pack bound to the
+prompt, the store keeping them. :mod:`muser_cli.consumer.pull`:
 what a consumer asks a resident producer for, and the pull on a thread into decode's input.
 :mod:`muser_cli.consumer.pool`: the producers a consumer may ask, least busy first, with
 back-off and blame.

@@ -71,7 +71,7 @@ class _Watch:
             return
         if self.stream.whole:
             raise Overtaken(True)
-        if self.jumps and self.stream.verified(self.schedule)[0] > done:
+        if self.jumps and self.stream.boundary(self.schedule) > done:
             raise Overtaken(False)
 
 

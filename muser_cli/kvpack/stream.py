@@ -132,17 +132,10 @@ class StreamedPack:
         :mod:`muser_cli.consumer.hedge`): rows below what verified are final, never written
         again, so they are handed out as views; a state layer's snapshots are read once."""
         h = self._header
-        if h is None or self._error is not None or h.rows_start != 0 or chunk_tokens < 1:
-            return 0, []
         got = list(self._got)
         snaps = [list(s) for s in self._snaps]
-        best = 0
-        r = chunk_tokens
-        while r < h.rows_end:
-            if all(self._covers(i, r, got, snaps) for i in range(len(h.layers))):
-                best = r
-            r += chunk_tokens
-        if best == 0:
+        best = self._boundary(chunk_tokens, got, snaps)
+        if h is None or best == 0:
             return 0, []
         out: list = []
         for i, spec in enumerate(h.layers):
@@ -156,6 +149,23 @@ class StreamedPack:
             out.append(LayerKV(keys=self._keys[i][:, lo:hi], values=self._values[i][:, lo:hi],
                                first_row=best - spec.carried_rows(best)))
         return best, out
+
+    def boundary(self, chunk_tokens: int) -> int:
+        """The row count :meth:`verified` would hand out now, without building the views (a
+        race's check after each of its own chunks)."""
+        return self._boundary(chunk_tokens, list(self._got), [list(s) for s in self._snaps])
+
+    def _boundary(self, chunk_tokens: int, got: list[int], snaps: list[list[tuple[int, np.ndarray]]]) -> int:
+        h = self._header
+        if h is None or self._error is not None or h.rows_start != 0 or chunk_tokens < 1:
+            return 0
+        best = 0
+        r = chunk_tokens
+        while r < h.rows_end:
+            if all(self._covers(i, r, got, snaps) for i in range(len(h.layers))):
+                best = r
+            r += chunk_tokens
+        return best
 
     def _covers(self, i: int, r: int, got: list[int], snaps: list[list[tuple[int, np.ndarray]]]) -> bool:
         h = self._header

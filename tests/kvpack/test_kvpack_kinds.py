@@ -109,6 +109,7 @@ def test_a_cut_stream_resumes_from_the_last_whole_chunk_with_that_chunks_snapsho
     best, layers = sp.prefix(header.chunk_tokens)
     whole_chunks = cut_frames // 3  # three layers, one frame each per chunk of 4
     assert best == 4 * whole_chunks
+    assert sp.boundary(header.chunk_tokens) == best  # the race's check: the boundary alone, no views built
     if best:
         state = layers[1]
         assert isinstance(state, StateKV) and state.position == best
@@ -242,7 +243,7 @@ def test_state_every_thins_snapshots_and_a_cut_resumes_at_the_last_due_one():
     sp = StreamedPack(io.BytesIO(data[: offsets[8]]))  # c0..c2 whole and c3's L0: rows to 12, snapshot at 8
     assert isinstance(sp.result(), Cut)
     best, layers = sp.prefix(4)
-    assert best == 8 and layers[1].position == 8
+    assert best == 8 and layers[1].position == 8 and sp.boundary(4) == 8
     with pytest.raises(KVPackError, match="state_every needs a state layer"):
         replace(header, layers=(header.layers[0],))
     obj = json.loads(data[16:16 + struct.unpack_from("<I", data, 12)[0]])

@@ -293,10 +293,16 @@ class Backlog:
             w.done, w.end, w.chunk, w.pulled, w.rows = (end if pulled else start), end, max(1, chunk), pulled, end
 
     def progress(self, key: Any, done: int) -> None:
-        """A prefill chunk of it done: positions up to ``done`` computed."""
+        """A prefill chunk of it done: positions up to ``done`` computed. A request routed to a
+        producer that computes here after all (a broken promise raced, the rest of a cut stream)
+        counts as prompt work here from then on."""
         with self._lock:
             w = self._work.get(key)
-            if w is not None:
+            if w is None:
+                return
+            if w.pulled:
+                w.pulled, w.done = False, min(max(0, done), w.end)
+            else:
                 w.done = max(w.done, min(done, w.end))
 
     def decoding(self, key: Any) -> None:

@@ -76,7 +76,13 @@ def test_a_loaded_engine_predicts_a_longer_local_path(monkeypatch):
     backlog.progress(0, 1999)  # one of them done with its prompt: less ahead
     assert costs.predict(tokens=1000, held=0, producer="p:1", backlog=backlog, key="me",
                          chunk=256)["parts"]["local"]["consumer_queue"] < queue
-    for key in (0, 1, 2, "d"):
+    backlog.arrive("r", tokens=2000, chunk=256)  # routed to the producer: its install only, off the engine until then
+    backlog.routed("r", start=0, end=1999, chunk=256, pulled=True)
+    assert [w.todo for w in backlog.ahead("me") if w.pulled] == [0]
+    backlog.progress("r", 256)  # ... then computing here after all (its producer broke its promise: a race)
+    raced = [w for w in backlog.ahead("me") if not w.pulled and w.end == 1999 and w.done == 256]
+    assert len(raced) == 1 and raced[0].todo == 1999 - 256, backlog.ahead("me")
+    for key in (0, 1, 2, "d", "r"):
         backlog.finish(key)
     assert len(backlog) == 0
     # muser decode: no backlog, no queue

@@ -244,6 +244,7 @@ class ProducerView:
     start_s: float = 0.0
     said_at: float = 0.0  # time.time() of the promise
     known: bool = False
+    link_Bps: float | None = None  # the link from it, learned from its packs
 
     def queue_s(self, now: float) -> float:
         """What is left of its last promised start (its queue drains as time passes)."""
@@ -360,7 +361,7 @@ class CostModel:
     def observe(self, *, held: int, rows: int, prefill_s: float | None = None, local: bool,
                 install_s: float | None = None, gate_s: float | None = None, first_step_s: float | None = None,
                 connect_s: float | None = None, pack_bytes: int = 0, wire_s: float | None = None,
-                shipped_rows: int = 0) -> None:
+                shipped_rows: int = 0, producer: str | None = None) -> None:
         """One answer's measurements: ``local``: rows ``[held, rows)`` prefilled here in ``prefill_s``.
         The engine's times are kept as with the cores its own (times the share now, :class:`CpuShare`)."""
         own = self.share.now()
@@ -380,7 +381,10 @@ class CostModel:
             if pack_bytes > 0 and shipped_rows > 0:
                 self.row_bytes = _avg(self.row_bytes, pack_bytes / shipped_rows)
             if pack_bytes > 0 and wire_s is not None and wire_s > 0:
-                self.link_Bps = _avg(self.link_Bps, pack_bytes / wire_s)
+                self.link_Bps = _avg(self.link_Bps, pack_bytes / wire_s)  # any producer's
+                if producer is not None:
+                    view = self.producers.setdefault(producer, ProducerView())
+                    view.link_Bps = _avg(view.link_Bps, pack_bytes / wire_s)
 
     def observe_step(self, seconds: float) -> None:
         """One batched decode step's time (the engine's turn held for it)."""
@@ -391,14 +395,18 @@ class CostModel:
 
     # -------------------------------------------------------------- predicting
     def link_for(self, producer: str | None) -> tuple[float, str]:
-        """The link rate (bytes per second) to ``producer`` and where it came from: ``pulls``
-        (learned from this machine's pulls), ``probe`` (``muser probe-link`` to that address)
-        or ``cold`` (:data:`COLD_LINK_BPS`)."""
-        if self.link_Bps is not None:
-            return self.link_Bps, "pulls"
+        """The link rate (bytes per second) from ``producer`` and where it came from: ``pulls``
+        (learned from this machine's pulls from it), ``probe`` (``muser probe-link`` to that
+        address), ``pulls_any`` (learned from pulls from other producers) or ``cold``
+        (:data:`COLD_LINK_BPS`)."""
+        view = self.producers.get(producer) if producer is not None else None
+        if view is not None and view.link_Bps is not None:
+            return view.link_Bps, "pulls"
         probed = probed_link(producer) if producer is not None else None
         if probed is not None:
             return probed, "probe"
+        if self.link_Bps is not None:
+            return self.link_Bps, "pulls_any"
         return COLD_LINK_BPS, "cold"
 
     def _chunk_s(self, w: Work) -> tuple[int, float]:
@@ -509,7 +517,8 @@ class CostModel:
         return {"v": 1, "local_tps": self.local.to_json(), "install_s_per_row": self.install_spr,
                 "gate_s": self.gate_s, "first_step_s": self.first_step_s, "connect_s": self.connect_s,
                 "link_Bps": self.link_Bps, "row_bytes": self.row_bytes, "step_s": self.step_s,
-                "producers": {a: {"rates": v.rates.to_json()} for a, v in self.producers.items() if v.known}}
+                "producers": {a: {"rates": v.rates.to_json(), "link_Bps": v.link_Bps}
+                              for a, v in self.producers.items() if v.known or v.link_Bps is not None}}
 
     def load_json(self, obj: dict[str, Any]) -> None:
         if not isinstance(obj, dict) or obj.get("v") != 1:
@@ -525,6 +534,9 @@ class CostModel:
                 view = self.producer(str(addr))
                 view.rates.load(p.get("rates") or {})
                 view.known = view.rates.learned
+                link = p.get("link_Bps")
+                if isinstance(link, (int, float)) and not isinstance(link, bool) and link > 0 and math.isfinite(link):
+                    view.link_Bps = float(link)
 
     def save(self) -> None:
         if self.path is None:

@@ -212,7 +212,7 @@ class PipePull:
         costs = self.costs
         if costs is None:
             return
-        learn_from(costs, out, marks=self.marks, accepted=self.accepted)
+        learn_from(costs, out, marks=self.marks, accepted=self.accepted, producer=self.producer)
         costs.save()
 
     @property
@@ -249,10 +249,11 @@ def _shut(sock: socket.socket) -> None:
 
 
 def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted: dict[str, Any] | None,
-               prefill_s: float | None = None) -> None:
+               prefill_s: float | None = None, producer: str | None = None) -> None:
     """One decode's measurements (its :class:`~muser_cli.consumer.decode.DecodeOutcome`) into ``costs``.
     ``prefill_s``: the local prefill's own engine time where it shared the engine (a serving
-    consumer: the wall time less the others' turns), else ``out.prefill_s``."""
+    consumer: the wall time less the others' turns), else ``out.prefill_s``. ``producer``: the
+    address the pack came from (its link rate is kept per producer)."""
     rows = out.prompt_tokens - 1
     spot = out.spot_check or {}
     gate_ms = spot.get("ms") if spot.get("ran") else None
@@ -282,7 +283,7 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     shipped = rows - (out.held_tokens if out.source == "delta" else 0)
     costs.observe(held=0, rows=rows, local=False, install_s=install, gate_s=gate_s,
                   first_step_s=first if first is not None and first >= 0 else None, connect_s=connect,
-                  pack_bytes=got_bytes, wire_s=wire_s, shipped_rows=shipped)
+                  pack_bytes=got_bytes, wire_s=wire_s, shipped_rows=shipped, producer=producer)
 
 
 def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool, chunk_tokens: int | None,

@@ -498,7 +498,8 @@ class EngineWorker:
             end_s=since("last_byte") if "last_byte" in marks else since("end"),
             rows_ready_s=None, local_prefill_s=local_s - waited,
             install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
-            gate_s=gate, pack_bytes=int(s.get("bytes") or 0), link_Bps=costs.link_Bps)
+            gate_s=gate, pack_bytes=int(s.get("bytes") or 0),
+            link_Bps=costs.link_for(live.producer)[0] if live is not None else None)
         budget_s = state.job.ask.prefill_deadline
         if budget_s is None and plan is not None:
             choice = plan["paths"].get(plan["choice"], 0.0)
@@ -509,7 +510,8 @@ class EngineWorker:
         state.split, state.overrun = split, over
         engine_s = state.engine_s  # its own turns' time (the others' chunks and steps left out)
         learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None,
-                   prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None)
+                   prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None,
+                   producer=live.producer if live is not None else None)
         costs.save()
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:

@@ -168,6 +168,23 @@ finally:
     assert idle_share < 0.8, r.stdout  # idle, the machine's look: one core kept busy by another leaves half
 
 
+def test_the_link_rate_is_kept_per_producer(tmp_path):
+    """A pull's measured link rate is that producer's: another producer is predicted with its
+    own probe first, and with the rate of any producer's pulls only without one."""
+    with home_env(tmp_path / "home"):
+        costs = CostModel()
+        costs.observe(held=0, rows=100, local=False, pack_bytes=10_000_000, wire_s=1.0, shipped_rows=100,
+                      producer="a:1")
+        assert costs.link_for("a:1") == (pytest.approx(10e6), "pulls")
+        assert costs.link_for("b:2") == (pytest.approx(10e6), "pulls_any")
+        assert note_link("b:2", down_Bps=3e6)
+        assert costs.link_for("b:2") == (3e6, "probe")
+        again = CostModel()
+        again.load_json(json.loads(json.dumps(costs.to_json())))
+        assert again.link_for("a:1") == (pytest.approx(10e6), "pulls")
+        assert again.producers["a:1"].known is False  # a link alone says nothing of its compute
+
+
 def test_the_split_still_adds_up_with_a_queue():
     split = budget_split(ttft_s=2.0, consumer_queue_s=0.7, remote=False, lane_s=0.7, serving_s=None, end_s=None,
                          rows_ready_s=None, local_prefill_s=1.0)
@@ -280,5 +297,6 @@ def test_the_probed_link_rate_is_used_before_any_pull(lane, tmp_path):
         assert got["link"] == "probe", got
         assert costs.link_for(address) == (pytest.approx(down), "probe")
         assert costs.predict(tokens=10, held=0, producer="127.0.0.1:1")["link"] == "cold"  # never probed
-        costs.observe(held=0, rows=100, local=False, pack_bytes=10_000, wire_s=0.5, shipped_rows=100)
+        costs.observe(held=0, rows=100, local=False, pack_bytes=10_000, wire_s=0.5, shipped_rows=100,
+                      producer=address)
         assert costs.link_for(address) == (pytest.approx(20_000.0), "pulls")

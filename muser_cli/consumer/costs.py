@@ -23,8 +23,8 @@ producer, whether it decodes), so that :meth:`CostModel.predict` adds the consum
 the batched decode steps; a pulled pack waits off the engine, then for one turn round to install.
 ``muser decode`` (one request a process) has no backlog: its queue is zero.
 
-:class:`CpuShare`: the share of its cores the consumer's engine got while it computed (the CPU
-seconds the process used over the wall seconds times its threads, during the engine's turns): a
+:class:`CpuShare`: the share of its cores the consumer's engine got while it computed (the time
+the engine's thread ran over the time it ran or waited runnable for a CPU, during its turns): a
 machine's other work -- another service pinned to the same core, a laptop's other programs --
 slows a local prefill without showing in this process's own queue. The consumer's engine work
 (its prefill rate, install, gate, steps) is learned as measured times the share (the rate with
@@ -153,8 +153,12 @@ class RateByDepth:
 
 class CpuShare:
     """The share of its cores this process's engine gets (module doc). :meth:`sample` takes one
-    turn's wall and process CPU seconds (``Turns.on_hold``): while the engine computes, the share
-    is their average, weighted by length. ``look`` (a serving consumer, Linux): while the engine
+    turn's seconds: wall, and the holding thread's run and runnable-wait (``Turns.on_hold``; a
+    contended thread waits for a CPU as long as it runs when it shares one core with one other
+    busy thread; a thread that blocks -- an engine computing on a GPU, a file read -- does neither,
+    and says nothing): while the engine computes, the share is ran / (ran + waited), averaged from
+    1 by length. A measure of contention, not of how well the engine uses its threads: an idle
+    machine gives 1 whatever the engine. ``look`` (a serving consumer, Linux): while the engine
     is idle, the share is what the machine's other work leaves it -- the busy time of the cores
     this process may run on since the last look (``/proc/stat``), its own CPU time taken out: with
     ``o`` of its ``c`` cores kept busy by others, ``t`` threads get ``min(1, c / (o + t))``.
@@ -169,13 +173,17 @@ class CpuShare:
         self._idle: float | None = None  # the share the last look gave
         self._lock = threading.Lock()
 
-    def sample(self, wall_s: float, cpu_s: float) -> None:
-        if not (wall_s > 1e-3 and cpu_s >= 0 and math.isfinite(wall_s) and math.isfinite(cpu_s)):
+    def sample(self, wall_s: float, ran_s: float | None, waited_s: float | None) -> None:
+        if ran_s is None or waited_s is None or not (ran_s >= 0 and waited_s >= 0):
             return
-        share = min(1.0, max(MIN_SHARE, cpu_s / (wall_s * self.threads)))
-        weight = ALPHA * min(1.0, wall_s / SHARE_SAMPLE_S)
+        seen = ran_s + waited_s
+        if not seen > 1e-3 or not math.isfinite(seen):  # it blocked: nothing said about the cores
+            return
+        share = min(1.0, max(MIN_SHARE, ran_s / seen))
+        weight = ALPHA * min(1.0, seen / SHARE_SAMPLE_S)
         with self._lock:
-            self.value = share if self.value is None else self.value + weight * (share - self.value)
+            value = 1.0 if self.value is None else self.value
+            self.value = value + weight * (share - value)
             self.at = time.monotonic()
 
     def now(self) -> float:
@@ -230,7 +238,12 @@ def _cores_busy_s(cores: set[int]) -> float | None:
         name, _, rest = line.partition(" ")
         if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
             continue
-        ticks = [int(x) for x in rest.split()[:8]]
+        try:
+            ticks = [int(x) for x in rest.split()[:8]]
+        except ValueError:
+            return None
+        if len(ticks) < 5:
+            return None
         busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
     return busy / tick if tick > 0 else None
 

@@ -33,13 +33,15 @@ class Turns:
     ``on_step(n)``: called at every pass with the number of sequences taking turns (the batch
     size of that step, for the metrics). ``on_first_hold(s)``: called with how long each turn
     taken ahead of the queue (``acquire(first=True)``: a batched decode step) was held, in
-    seconds (the cost model's step time, issue #39). ``on_hold(wall_s, cpu_s)``: called as every
-    hold ends with its wall seconds and the CPU seconds the whole process used meanwhile (the
-    share of the cores the engine got: :class:`muser_cli.consumer.costs.CpuShare`)."""
+    seconds (the cost model's step time, issue #39). ``on_hold(wall_s, ran_s, waited_s)``: called
+    as every hold ends with its wall seconds and the seconds the holding thread ran and waited
+    runnable for a CPU meanwhile (Linux's ``/proc/thread-self/schedstat``; None and None where
+    it cannot be read): the share of the cores the engine got
+    (:class:`muser_cli.consumer.costs.CpuShare`)."""
 
     def __init__(self, on_step: Callable[[int], None] | None = None,
                  on_first_hold: Callable[[float], None] | None = None,
-                 on_hold: Callable[[float, float], None] | None = None) -> None:
+                 on_hold: Callable[[float, float | None, float | None], None] | None = None) -> None:
         self._cv = threading.Condition()
         self._queue: collections.deque[int] = collections.deque()
         self._holder: int | None = None
@@ -49,14 +51,15 @@ class Turns:
         self.on_step = on_step
         self.on_first_hold = on_first_hold
         self.on_hold = on_hold
-        self._cpu_since = 0.0  # the process's CPU time when the holder took the turn
+        self._sched_since: tuple[float, float] | None = None  # the holder's (ran, waited) when it took the turn
         self._first_since: float | None = None  # when the turn held now was taken ahead of the queue
         self._since = 0.0  # when the holder took the turn
         self._held: dict[int, float] = {}  # seconds each member thread held the turn, in all
 
     def _took(self) -> None:
         """(lock held) the holder took the turn now."""
-        self._since, self._cpu_since = time.perf_counter(), time.process_time()
+        self._since = time.perf_counter()
+        self._sched_since = thread_sched() if self.on_hold is not None else None
 
     def _let_go(self, me: int) -> None:
         """(lock held) ``me`` gives the turn up: its holding time counted."""
@@ -64,7 +67,13 @@ class Turns:
         if me in self._members:
             self._held[me] = self._held.get(me, 0.0) + wall
         if self.on_hold is not None:
-            self.on_hold(wall, time.process_time() - self._cpu_since)
+            now, since = thread_sched(), self._sched_since
+            ran, waited = ((now[0] - since[0], now[1] - since[1]) if now is not None and since is not None
+                           else (None, None))
+            try:
+                self.on_hold(wall, ran, waited)
+            except Exception:  # noqa: BLE001 - bookkeeping: it never keeps the turn from passing
+                pass
 
     def held_s(self) -> float:
         """The seconds the calling thread has held the turn since it joined (the engine time
@@ -171,6 +180,17 @@ class Turns:
             self._took()
 
 
+def thread_sched() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and waiting runnable for one, since it started
+    (Linux: ``/proc/thread-self/schedstat``); None where that cannot be read."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 class TurnEngine:
     """An engine whose every method call holds the engine's turn (see the module's doc); its
     attributes read through. What the lane passes as ``resident``."""
@@ -199,4 +219,4 @@ class TurnEngine:
         return held
 
 
-__all__ = ["TurnEngine", "Turns"]
+__all__ = ["TurnEngine", "Turns", "thread_sched"]

@@ -125,7 +125,7 @@ class EngineWorker:
         self.dtype = config.dtype or default_dtype(config.engine)
         self.turns = Turns(on_step=metrics.batch.observe if metrics is not None else None,
                            on_first_hold=lambda s: self.costs.observe_step(s),  # a batched step's time
-                           on_hold=lambda wall, cpu: self.costs.share.sample(wall, cpu))  # the cores' share
+                           on_hold=lambda wall, ran, waited: self.costs.share.sample(wall, ran, waited))
         raw = get_consumer(config.engine, self.info, dtype=self.dtype, threads=config.threads)
         self.batched = raw.batches_decode and not config.exact and config.max_batch > 1
         # what is ahead of a new request on the engine: the consumer's own queue in the prediction (issue #39)
@@ -499,7 +499,7 @@ class EngineWorker:
             rows_ready_s=None, local_prefill_s=local_s - waited,
             install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
             gate_s=gate, pack_bytes=int(s.get("bytes") or 0),
-            link_Bps=costs.link_for(live.producer)[0] if live is not None else None)
+            link_Bps=self._measured_link(live.producer) if live is not None else None)
         budget_s = state.job.ask.prefill_deadline
         if budget_s is None and plan is not None:
             choice = plan["paths"].get(plan["choice"], 0.0)
@@ -513,6 +513,11 @@ class EngineWorker:
                    prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None,
                    producer=live.producer if live is not None else None)
         costs.save()
+
+    def _measured_link(self, producer: str) -> float | None:
+        """The link rate from ``producer`` as pulls or a probe measured it (None: only the cold guess)."""
+        rate, source = self.costs.link_for(producer)
+        return None if source == "cold" else rate
 
     def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
         try:

@@ -46,7 +46,7 @@ from muser_cli.handoff.wire.pull_protocol import (
     Serving, Side,
     new_request_id, sign_probe, sign_request,
 )
-from muser_cli.handoff.wire.refusal import Refusal, error_class, refusal_error
+from muser_cli.handoff.wire.refusal import NotInTime, Refusal, error_class, refusal_error
 from muser_cli.kvpack.format import token_digest
 
 EventFn = Callable[[str, dict[str, Any]], None]
@@ -193,7 +193,8 @@ class _Hedge:
 
     def broken(self, exc: BaseException, where: str) -> TempFailure | None:
         """``exc`` (a deadline that passed) as the promise broken, or None when it is not that."""
-        if self.by is None or self.race is not None or not isinstance(exc, TempFailure) or time.monotonic() < self.by:
+        if (self.by is None or self.race is not None or not isinstance(exc, TempFailure)
+                or isinstance(exc, NotInTime) or time.monotonic() < self.by):  # a refusal is the producer's word
             return None
         return TempFailure(f"{where} broke its promise ({self.promised}): its pack was not in "
                            f"{HEDGE_MARGIN:.0%} and {HEDGE_SLACK_S} s past it; the pull was cut ({exc})")

@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         the rate down is kept for this node's cost model (<data dir>/links.json): the link rate
         it predicts pulls from that producer with until pulls have measured it.
         """
-        from muser_cli.consumer.costs import note_link  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.links import note_link  # lazy: kept out of `muser --help` (startup)
         from muser_cli.handoff.probe_link import probe_link  # lazy: as above
 
         with guarded(as_json=as_json):

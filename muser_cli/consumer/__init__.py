@@ -9,6 +9,8 @@ those rows (a pack's, a delta merged with its stored base, or made here), a pack
 prompt, the store keeping them. :mod:`muser_cli.consumer.pull`:
 what a consumer asks a resident producer for, and the pull on a thread into decode's input.
 :mod:`muser_cli.consumer.pool`: the producers a consumer may ask, least busy first, with
-back-off and blame.
+back-off and blame. :mod:`muser_cli.consumer.costs`: what each way of answering is expected to
+cost, and the route; :mod:`muser_cli.consumer.cpushare` the share of its cores the engine gets,
+:mod:`muser_cli.consumer.links` the probed link rates it starts from.
 
 Nothing is imported here."""

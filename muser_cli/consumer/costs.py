@@ -23,16 +23,14 @@ producer, whether it decodes), so that :meth:`CostModel.predict` adds the consum
 the batched decode steps; a pulled pack waits off the engine, then for one turn round to install.
 ``muser decode`` (one request a process) has no backlog: its queue is zero.
 
-:class:`CpuShare`: the share of its cores the consumer's engine got while it computed (the time
-the engine's thread ran over the time it ran or waited runnable for a CPU, during its turns): a
-machine's other work -- another service pinned to the same core, a laptop's other programs --
-slows a local prefill without showing in this process's own queue. The consumer's engine work
-(its prefill rate, install, gate, steps) is learned as measured times the share (the rate with
-the cores its own) and predicted divided by the share now; ``route.share`` in each answer.
+The share of its cores the consumer's engine gets (:class:`muser_cli.consumer.cpushare.CpuShare`):
+the consumer's engine work (its prefill rate, install, gate, steps) is learned as measured times
+the share (the rate with the cores its own) and predicted divided by the share now;
+``route.share`` in each answer.
 
-The link rate to a producer: learned from the pulls; before any, the rate ``muser probe-link``
-measured to that address (:func:`note_link`, kept in ``<data dir>/links.json``); before that,
-:data:`COLD_LINK_BPS`.
+The link rate from a producer: learned from the pulls from it; before any, the rate ``muser
+probe-link`` measured to that address (:mod:`muser_cli.consumer.links`); then any producer's
+pulls; before that, :data:`COLD_LINK_BPS`.
 """
 
 from __future__ import annotations
@@ -48,6 +46,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muser_cli import paths
+from muser_cli.consumer.cpushare import CpuShare
+from muser_cli.consumer.links import probed_link
 from muser_cli.strict import loads
 
 ROUTE_ENV = "MUSER_ROUTE"
@@ -66,17 +66,6 @@ ALPHA = 0.3  # weight of a new measurement in an average
 #: 2026-12-06 measured SmolLM2 at ~250 tokens/s both at 100 and at 1,500 tokens deep, where a
 #: square root (the earlier guess) predicted the long prompts' local path 3-7x too slow.
 DEPTH_GROWTH = 0.15
-
-#: :class:`CpuShare`: the lowest share counted, and how long after the engine last computed a
-#: share still counts whole (it then returns to 1 over as long again: the other work may be over).
-MIN_SHARE = 0.1
-SHARE_STALE_S = 30.0
-#: A hold this long is a whole sample of the share (a shorter one counts in proportion).
-SHARE_SAMPLE_S = 0.25
-#: The turns' share stands this long after the engine last computed; then (``look``) the machine's.
-SHARE_FRESH_S = 2.0
-#: Looks at the machine closer than this apart keep the last figure (the kernel counts in ticks).
-SHARE_LOOK_S = 0.2
 
 #: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
 COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
@@ -149,103 +138,6 @@ class RateByDepth:
             for k, v in (rates or {}).items():
                 if str(k).isdigit() and isinstance(v, (int, float)) and v > 0:
                     self.spt[int(k)] = 1.0 / float(v)
-
-
-class CpuShare:
-    """The share of its cores this process's engine gets (module doc). :meth:`sample` takes one
-    turn's seconds: wall, and the holding thread's run and runnable-wait (``Turns.on_hold``; a
-    contended thread waits for a CPU as long as it runs when it shares one core with one other
-    busy thread; a thread that blocks -- an engine computing on a GPU, a file read -- does neither,
-    and says nothing): while the engine computes, the share is ran / (ran + waited), averaged from
-    1 by length. A measure of contention, not of how well the engine uses its threads: an idle
-    machine gives 1 whatever the engine. ``look`` (a serving consumer, Linux): while the engine
-    is idle, the share is what the machine's other work leaves it -- the busy time of the cores
-    this process may run on since the last look (``/proc/stat``), its own CPU time taken out: with
-    ``o`` of its ``c`` cores kept busy by others, ``t`` threads get ``min(1, c / (o + t))``.
-    Without either: 1 (``muser decode`` runs one request alone)."""
-
-    def __init__(self, threads: int = 1, *, look: bool = False) -> None:
-        self.threads = max(1, int(threads))
-        self.look = look
-        self.value: float | None = None
-        self.at = 0.0  # time.monotonic() of the last sample
-        self._seen: tuple[float, float, float] | None = None  # (monotonic, cores' busy s, own CPU s) last looked
-        self._idle: float | None = None  # the share the last look gave
-        self._lock = threading.Lock()
-
-    def sample(self, wall_s: float, ran_s: float | None, waited_s: float | None) -> None:
-        if ran_s is None or waited_s is None or not (ran_s >= 0 and waited_s >= 0):
-            return
-        seen = ran_s + waited_s
-        if not seen > 1e-3 or not math.isfinite(seen):  # it blocked: nothing said about the cores
-            return
-        share = min(1.0, max(MIN_SHARE, ran_s / seen))
-        weight = ALPHA * min(1.0, seen / SHARE_SAMPLE_S)
-        with self._lock:
-            value = 1.0 if self.value is None else self.value
-            self.value = value + weight * (share - value)
-            self.at = time.monotonic()
-
-    def now(self) -> float:
-        with self._lock:
-            value, at = self.value, self.at
-        age = time.monotonic() - at
-        if value is not None and age < SHARE_FRESH_S:  # the engine computes: its own turns say it
-            return max(MIN_SHARE, min(1.0, value))
-        idle = self._look() if self.look else None
-        if idle is not None:
-            return idle
-        if value is None:
-            return 1.0
-        if age > SHARE_STALE_S:  # the engine has been idle: the other work may be over
-            value += (1.0 - value) * min(1.0, (age - SHARE_STALE_S) / SHARE_STALE_S)
-        return max(MIN_SHARE, min(1.0, value))
-
-    def _look(self) -> float | None:
-        """The share the machine's other work leaves (class doc); None: not readable here, or no
-        earlier look to measure from (this one is kept for the next)."""
-        cores = _my_cores()
-        busy = _cores_busy_s(cores) if cores else None
-        if busy is None:
-            return None
-        mark = (time.monotonic(), busy, time.process_time())
-        with self._lock:
-            seen, self._seen = self._seen, mark
-            if seen is None or mark[0] - seen[0] < SHARE_LOOK_S:
-                self._seen = seen or mark  # too soon to tell: the last figure stands
-                return self._idle
-            others = max(0.0, (mark[1] - seen[1]) - (mark[2] - seen[2])) / (mark[0] - seen[0])
-            self._idle = max(MIN_SHARE, min(1.0, len(cores) / (others + self.threads)))
-            return self._idle
-
-
-def _my_cores() -> set[int] | None:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return None
-
-
-def _cores_busy_s(cores: set[int]) -> float | None:
-    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait)."""
-    try:
-        text = Path("/proc/stat").read_text()
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    busy = 0
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
-            continue
-        try:
-            ticks = [int(x) for x in rest.split()[:8]]
-        except ValueError:
-            return None
-        if len(ticks) < 5:
-            return None
-        busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
-    return busy / tick if tick > 0 else None
 
 
 @dataclass
@@ -563,59 +455,6 @@ class CostModel:
             pass
 
 
-#: The link rates ``muser probe-link`` measured, by producer address, in the data dir: ``{"v": 1,
-#: "links": {"HOST:PORT": {"down_Bps": float, "up_Bps": float, "at": unix seconds}}}``.
-LINKS_FILE = "links.json"
-_LINKS_LOCK = threading.Lock()
-
-
-def link_key(address: str) -> str:
-    """``address`` as the links file keys it (host lower-cased; a bad address as given)."""
-    host, sep, port = address.strip().rpartition(":")
-    return f"{host.lower()}:{port}" if sep and host else address.strip()
-
-
-def _read_links() -> dict[str, Any]:
-    path = paths.data_dir() / LINKS_FILE
-    try:
-        obj = loads(path.read_bytes(), str(path), limit=1 << 20)
-    except Exception:  # noqa: BLE001 - missing or damaged: no probe known
-        return {}
-    links = obj.get("links") if isinstance(obj, dict) and obj.get("v") == 1 else None
-    return links if isinstance(links, dict) else {}
-
-
-def probed_link(address: str) -> float | None:
-    """The rate (bytes per second, producer to this machine) ``muser probe-link`` last measured
-    to ``address``; None: never probed, or the file is missing or damaged (read each time:
-    a probe run while a service runs counts from its next prediction)."""
-    entry = _read_links().get(link_key(address))
-    rate = entry.get("down_Bps") if isinstance(entry, dict) else None
-    if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 and math.isfinite(rate):
-        return float(rate)
-    return None
-
-
-def note_link(address: str, *, down_Bps: float, up_Bps: float | None = None) -> bool:
-    """Keep a probe's rates to ``address`` in ``<data dir>/links.json`` (written whole or not at
-    all; a damaged file is replaced). False: it could not be written (a cache: nothing fails)."""
-    if not (isinstance(down_Bps, (int, float)) and down_Bps > 0 and math.isfinite(down_Bps)):
-        return False
-    path = paths.data_dir() / LINKS_FILE
-    with _LINKS_LOCK:
-        links = _read_links()
-        links[link_key(address)] = {"down_Bps": float(down_Bps), "at": round(time.time(), 3),
-                                    **({"up_Bps": float(up_Bps)} if up_Bps else {})}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
-            part.write_bytes(json.dumps({"v": 1, "links": links}, sort_keys=True).encode())
-            os.replace(part, path)
-        except OSError:
-            return False
-    return True
-
-
 _MODELS: dict[tuple[str, str], CostModel] = {}
 _MODELS_LOCK = threading.Lock()
 
@@ -744,6 +583,5 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
     return max(split, key=lambda k: split[k] - expected.get(k, 0.0))
 
 
-__all__ = ["COMPONENTS", "Backlog", "CostModel", "LINKS_FILE", "ProducerView", "ROUTE_ENV", "RateByDepth", "Work",
-           "budget_split", "cost_file", "costs_for", "depth_bucket", "link_key", "note_link", "overrun", "probed_link", "route",
-           "route_mode"]
+__all__ = ["COMPONENTS", "Backlog", "CostModel", "ProducerView", "ROUTE_ENV", "RateByDepth", "Work", "budget_split",
+           "cost_file", "costs_for", "depth_bucket", "overrun", "route", "route_mode"]

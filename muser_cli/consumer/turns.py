@@ -37,7 +37,7 @@ class Turns:
     as every hold ends with its wall seconds and the seconds the holding thread ran and waited
     runnable for a CPU meanwhile (Linux's ``/proc/thread-self/schedstat``; None and None where
     it cannot be read): the share of the cores the engine got
-    (:class:`muser_cli.consumer.costs.CpuShare`)."""
+    (:class:`muser_cli.consumer.cpushare.CpuShare`)."""
 
     def __init__(self, on_step: Callable[[int], None] | None = None,
                  on_first_hold: Callable[[float], None] | None = None,

@@ -20,10 +20,9 @@ import pytest
 
 from serve_kit import engine_worker  # noqa: F401  first: the module skipped without the serve extra
 from handoff_kit import HANG_S, LANE_PROMPT as PROMPT, env_for, home_env, muser_cmd, pull_lane, wait_for
-from muser_cli.consumer.costs import (
-    COLD_LINK_BPS, LINKS_FILE, SHARE_STALE_S, Backlog, CostModel, CpuShare, RateByDepth, budget_split, note_link,
-    probed_link, route,
-)
+from muser_cli.consumer.costs import COLD_LINK_BPS, Backlog, CostModel, RateByDepth, budget_split, route
+from muser_cli.consumer.cpushare import SHARE_STALE_S, CpuShare
+from muser_cli.consumer.links import LINKS_FILE, note_link, probed_link
 from muser_cli.consumer.turns import Turns
 
 LONG = PROMPT + " " + PROMPT[:200]  # about 175 tokens of the tiny model (its context: 256): three chunks of 64
@@ -144,7 +143,7 @@ def test_a_turn_that_computes_at_half_the_core_measures_half(tmp_path):
     script = tmp_path / "share.py"
     script.write_text("""
 import os, subprocess, sys, time
-from muser_cli.consumer.costs import CpuShare
+from muser_cli.consumer.cpushare import CpuShare
 from muser_cli.consumer.turns import Turns
 core = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {core})
@@ -162,8 +161,8 @@ try:
     idle = CpuShare(look=True)
     idle.now()  # the first look
     time.sleep(0.6)  # the engine idle, the other process spinning on its core
-    from muser_cli.consumer.costs import _cores_busy_s
-    print(share.now(), idle.now(), int(bool(_cores_busy_s({core}))))
+    from muser_cli.consumer.cpushare import cores_busy_s
+    print(share.now(), idle.now(), int(bool(cores_busy_s({core}))))
 finally:
     hog.kill()
 """)

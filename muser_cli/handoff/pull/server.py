@@ -18,7 +18,8 @@ Contract of :class:`PullServer` (pull lane; the exchange is :mod:`muser_cli.hand
     check below uses that consumer's keyring only;
   * a request with a budget (``budget_ms``, issue #39) is answered at once: ``Promise`` (when it
     is expected to start, the compute's estimate, the queue before it, the prefill rates) or,
-    when it would not finish in time, that same ``Promise`` (what it expects) then ``Reject(late)``; its deadline orders it among the waiting
+    when it would not finish in time, that same ``Promise`` (what it expects) then
+    ``Reject(late)``; its deadline orders it among the waiting
     (:class:`~muser_cli.handoff.pull.admission.Admission`), and one still waiting when its budget
     ran out is refused ``late`` then, nothing computed;
   * admission: ONE request computes at a time -- or, when the compute says it batches

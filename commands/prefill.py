@@ -161,7 +161,9 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
         elif kind == "tls_failed":  # counted in the summary's "refused"
             say(f"prefill: refused {f.get('peer')}: {f.get('reason')}")
         elif kind == "warmed":
-            say(f"prefill: model loaded in {f['load_s']:.2f} s, engine warmed in {f['warm_s']:.2f} s")
+            cal = " ".join(f"{n} tokens {t:.2f} s," for n, t in f.get("calibration") or [])
+            say(f"prefill: model loaded in {f['load_s']:.2f} s, engine warmed in {f['warm_s']:.2f} s"
+                + (f" (calibrated: {cal.rstrip(',')})" if cal else ""))
         elif kind == "reachability":  # `node check`'s TCP connect: a check, not a refusal
             say(f"prefill: reachability check from {f.get('peer')} (a TCP connect, no TLS)")
         elif kind in ("warning", "error"):  # never dropped unread (issue 25 item 5)

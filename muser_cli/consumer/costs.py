@@ -1,20 +1,26 @@
-"""One latency budget across the two schedulers (issue #39): what each way of answering a request
-is expected to cost, learned from what this machine measured, and the choice between them.
+"""One latency budget across the two schedulers (issues #39, #47): what each way of answering a
+request is expected to cost, learned from what this machine measured, and the choice between them.
 
-:class:`RateByDepth`: a prefill rate by depth -- seconds per token, kept per power-of-two bucket
-of the position the computation reaches (a token at depth 4k costs more than one at 64), each an
-exponential average of what was measured. The producer keeps one of its own compute (sent in its
-``Promise`` and on its ``/metrics``); the consumer one of its local prefills.
+Prefill cost is a fitted curve (:class:`muser_cli.costcurve.CostCurve`: a fixed part per request,
+a part per token, a part growing with depth), one per side: the producer keeps its own compute's
+(its ``Promise`` carries it as rates at a few prompt sizes, which fit the same curve again here);
+the consumer its local prefills'. A serving consumer and a resident producer calibrate theirs
+before they listen (two prompt sizes, one a whole chunk).
 
 :class:`CostModel`: the consumer's live estimates for one model, engine, dtype and thread count
 -- its prefill rate by depth, install (seconds per row), gate, first decode step, connection
 set-up, the link rate (bytes per second of the packs it received) and each producer's rates and
 last promise -- kept in memory for the process and in ``<data dir>/costs/<key>.json`` between
-runs (a cache: a file that cannot be read or written is ignored). :meth:`CostModel.predict`
+runs (a cache: a file that cannot be read or written is ignored; the key names the model,
+engine and its version, dtype, threads and this machine's CPU; a file older than
+:data:`MAX_AGE_S` is forgotten). :meth:`CostModel.predict`
 gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_whole``,
 ``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
-``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given)
-and the budget to ask with. :func:`budget_split` divides one answer's TTFT into its components.
+``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given and the
+rows are not all held) and the budget to ask with. A path never taken is never measured: the
+route explores (:data:`EXPLORE_EVERY`) -- it takes the path predicted slower now and then when
+the two are within :data:`EXPLORE_FACTOR` of each other or the slower one was never measured at
+that depth, and says so (``route.explore``). :func:`budget_split` divides one answer's TTFT into its components.
 
 :class:`Backlog`: what is ahead of a new request on a serving consumer's engine (the requests
 queued and running: each one's prompt work still to do here, whether its rows come from a
@@ -35,7 +41,6 @@ pulls; before that, :data:`COLD_LINK_BPS`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muser_cli import paths
+from muser_cli.costcurve import COLD_TPS, MAX_AGE_S, CostCurve, cost_key
 from muser_cli.consumer.cpushare import CpuShare
 from muser_cli.consumer.links import probed_link
 from muser_cli.strict import loads
@@ -54,18 +60,23 @@ ROUTE_ENV = "MUSER_ROUTE"
 ROUTES = ("producer", "fastest")
 
 #: Cold starts, before anything was measured here (deliberately modest: the first measurements
-#: replace them): a local prefill rate, the per-row install, the first step, a TLS connection.
-COLD_TPS = 2000.0
+#: replace them): the per-row install, the first step, a TLS connection, the link.
 COLD_INSTALL_S_PER_ROW = 2e-6
 COLD_FIRST_STEP_S = 0.01
 COLD_CONNECT_S = 0.05
 COLD_LINK_BPS = 100e6
 ALPHA = 0.3  # weight of a new measurement in an average
-#: How a token's cost grows with depth where nothing measured says how: (depth / depth measured) **
-#: this. Mild: most of a token's cost (the weights) does not grow with depth; the mixed trace of
-#: 2026-12-06 measured SmolLM2 at ~250 tokens/s both at 100 and at 1,500 tokens deep, where a
-#: square root (the earlier guess) predicted the long prompts' local path 3-7x too slow.
-DEPTH_GROWTH = 0.15
+#: Exploration: the path predicted slower is taken once in this many requests where it is
+#: within a factor of :data:`EXPLORE_FACTOR` of the faster (or within :data:`EXPLORE_UNMEASURED`
+#: where it was never measured at that depth); ``MUSER_EXPLORE=0`` turns it off, ``=N`` sets N.
+EXPLORE_EVERY = 8
+EXPLORE_FACTOR = 1.5
+EXPLORE_UNMEASURED = 4.0
+EXPLORE_ENV = "MUSER_EXPLORE"
+#: Prompts shorter than this many rows are never explored on (a short prompt stays local).
+EXPLORE_MIN_ROWS = 256
+#: A producer's measured compute over its own estimate is kept within these bounds.
+TRUST_RANGE = (0.25, 20.0)
 
 #: The components of one answer's TTFT, in the order they happen (:func:`budget_split`).
 COMPONENTS = ("consumer_queue", "producer_queue", "producer_compute", "wire", "local_prefill", "install", "gate",
@@ -76,84 +87,34 @@ def _avg(old: float | None, new: float) -> float:
     return new if old is None else old + ALPHA * (new - old)
 
 
-def depth_bucket(end: int) -> int:
-    """The power-of-two bucket (at least 64) a computation reaching position ``end`` falls in."""
-    b = 64
-    while b < end:
-        b *= 2
-    return b
-
-
-class RateByDepth:
-    """Seconds per token by depth bucket, learned (module doc); ``cold_tps`` before any."""
-
-    def __init__(self, cold_tps: float = COLD_TPS) -> None:
-        self.cold_tps = cold_tps
-        self.spt: dict[int, float] = {}  # bucket -> seconds per token
-        self._lock = threading.Lock()
-
-    def observe(self, start: int, end: int, seconds: float) -> None:
-        n = end - start
-        if n <= 0 or not seconds > 0 or not math.isfinite(seconds):
-            return
-        b = depth_bucket(end)
-        with self._lock:
-            self.spt[b] = _avg(self.spt.get(b), seconds / n)
-
-    def seconds(self, start: int, end: int, shape: "RateByDepth | None" = None) -> float:
-        """The expected seconds to compute positions ``[start, end)``. A depth never measured
-        here is the nearest one measured, scaled by how ``shape`` (another machine's rates for
-        the same model: a producer's) grows between the two depths where it measured both; else
-        by :data:`DEPTH_GROWTH` (attention's part of a token's cost grows with depth, the rest
-        does not)."""
-        n = end - start
-        if n <= 0:
-            return 0.0
-        b = depth_bucket(end)
-        with self._lock:
-            spt = self.spt.get(b)
-            near = min(self.spt, key=lambda k: abs(math.log2(k) - math.log2(b))) if spt is None and self.spt else None
-        if near is not None:
-            ratio = shape.ratio(near, b) if shape is not None and shape is not self else None
-            spt = self.spt[near] * (ratio if ratio is not None else (b / near) ** DEPTH_GROWTH)
-        return n * (spt if spt is not None else 1.0 / self.cold_tps)
-
-    def ratio(self, a: int, b: int) -> float | None:
-        """Seconds per token at bucket ``b`` over those at bucket ``a``, where both were measured."""
-        with self._lock:
-            sa, sb = self.spt.get(a), self.spt.get(b)
-        return sb / sa if sa and sb else None
-
-    @property
-    def learned(self) -> bool:
-        return bool(self.spt)
-
-    def to_json(self) -> dict[str, float]:
-        """Tokens per second by depth bucket (string keys, as on the wire and in JSON)."""
-        with self._lock:
-            return {str(b): round(1.0 / s, 3) for b, s in sorted(self.spt.items()) if s > 0}
-
-    def load(self, rates: dict[str, Any]) -> None:
-        with self._lock:
-            for k, v in (rates or {}).items():
-                if str(k).isdigit() and isinstance(v, (int, float)) and v > 0:
-                    self.spt[int(k)] = 1.0 / float(v)
-
-
 @dataclass
 class ProducerView:
-    """What this consumer knows of one producer: its prefill rates (its promises say them), when
-    it last promised to start and when that was said."""
+    """What this consumer knows of one producer: its prefill cost curve (its promises carry it),
+    when it last promised to start and when that was said, the work this consumer has asked of it
+    and not yet received (``asked``: seconds expected, by request), how its compute measured
+    against its own estimates (``trust``: measured over promised, an average), the deepest pack
+    received from it (``pulled_to``) and what it said last (``last``: promised, late)."""
 
-    rates: RateByDepth = field(default_factory=lambda: RateByDepth())
+    rates: CostCurve = field(default_factory=lambda: CostCurve())
     start_s: float = 0.0
     said_at: float = 0.0  # time.time() of the promise
     known: bool = False
     link_Bps: float | None = None  # the link from it, learned from its packs
+    asked: dict[Any, float] = field(default_factory=dict)
+    trust: float = 1.0
+    pulled_to: int = 0
+    last: str = ""
 
-    def queue_s(self, now: float) -> float:
-        """What is left of its last promised start (its queue drains as time passes)."""
-        return max(0.0, self.start_s - (now - self.said_at))
+    def queue_s(self, now: float, key: Any = None) -> float:
+        """What is ahead of a new request there: what is left of its last promised start (its
+        queue drains as time passes), or the work this consumer asked of it since, if more."""
+        promised = max(0.0, self.start_s - (now - self.said_at))
+        mine = sum(v for k, v in list(self.asked.items()) if k is not key)
+        return max(promised, mine)
+
+    def compute_s(self, start: int, end: int, shape: CostCurve | None = None) -> float:
+        """Its compute for rows ``[start, end)``: its curve, times how its estimates measured."""
+        return self.rates.seconds(start, end, shape=shape) * self.trust
 
 
 @dataclass
@@ -239,7 +200,9 @@ class CostModel:
         self.key = key
         self.path = path
         self.share = CpuShare(threads)  # not kept: it is this moment's machine
-        self.local = RateByDepth()
+        self.local = CostCurve()
+        self.saved_at: float | None = None  # when the file it was loaded from was written
+        self._explore_n = 0  # requests where exploring was worth it (every EXPLORE_EVERY-th explores)
         self.install_spr: float | None = None  # seconds per row installed
         self.gate_s: float | None = None
         self.first_step_s: float | None = None
@@ -256,12 +219,37 @@ class CostModel:
             return self.producers.setdefault(address, ProducerView())
 
     def heard(self, address: str, promise: dict[str, Any]) -> None:
-        """A producer's ``Promise`` (the pull client's ``promise`` event)."""
+        """A producer's ``Promise`` (the pull client's ``promise`` event), kept or refused ``late``
+        after it: its curve and its queue, for every later prediction (a ``late`` never stops
+        this consumer asking: the next prediction weighs what it said)."""
         view = self.producer(address)
-        view.rates.load(promise.get("rates") or {})
+        view.rates.load_rates(promise.get("rates") or {})
         view.start_s = max(0.0, float(promise.get("start_ms") or 0) / 1000)
         view.said_at = time.time()
-        view.known = True
+        view.known = view.rates.learned
+
+    def asking(self, address: str, key: Any, compute_s: float) -> None:
+        """This consumer asks ``address`` for work expected to take ``compute_s`` there (its
+        queue in the next predictions, until :meth:`answered`)."""
+        view = self.producer(address)
+        with self._lock:
+            view.asked[key] = max(0.0, compute_s)
+
+    def answered(self, address: str, key: Any, *, promised_s: float | None = None, measured_s: float | None = None,
+                 rows: int = 0, outcome: str = "") -> None:
+        """The request ``key`` asked of ``address`` ended (``outcome``: served, late, failed):
+        its work is off that queue; a pack received says how the producer's estimate measured
+        (``measured_s`` from its Serving to the pack's last byte over ``promised_s``)."""
+        view = self.producer(address)
+        with self._lock:
+            view.asked.pop(key, None)
+            if outcome:
+                view.last = outcome
+            if rows > 0 and outcome == "served":
+                view.pulled_to = max(view.pulled_to, rows)
+            if promised_s and measured_s and promised_s > 0.05 and measured_s > 0:
+                lo, hi = TRUST_RANGE
+                view.trust = min(hi, max(lo, _avg(view.trust, measured_s / promised_s)))
 
     def observe(self, *, held: int, rows: int, prefill_s: float | None = None, local: bool,
                 install_s: float | None = None, gate_s: float | None = None, first_step_s: float | None = None,
@@ -272,7 +260,7 @@ class CostModel:
         own = self.share.now()
         prefill_s, install_s, gate_s, first_step_s = (
             None if v is None else v * own for v in (prefill_s, install_s, gate_s, first_step_s))
-        if local and prefill_s is not None:
+        if local and prefill_s is not None and rows > held:
             self.local.observe(held, rows, prefill_s)
         with self._lock:
             if install_s is not None and rows > 0:
@@ -385,7 +373,7 @@ class CostModel:
         batched = backlog.batched if backlog is not None else True
         view = self.producers.get(producer) if producer is not None else None
         known = view is not None and view.known and view.rates.learned
-        theirs = view.rates if known else None  # the same model's rates by depth, measured there
+        theirs = view.rates if known else None  # the same model's curve, measured there
         parts: dict[str, dict[str, float]] = {}
         if held >= rows:
             parts["store"] = {"consumer_queue": slow * self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk,
@@ -397,15 +385,15 @@ class CostModel:
                               "local_prefill": slow * self.local.seconds(held, rows, shape=theirs), "first_step": first}
         link, link_from = self.link_for(producer)
         if producer is not None:
-            remote = view.rates if known else self.local  # unknown: as fast as we are
-            queue = (view.queue_s(now) if view is not None else 0.0) + (
+            queue = (view.queue_s(now, key) if view is not None else 0.0) + (
                 self.connect_s if self.connect_s is not None else COLD_CONNECT_S)
             per_row = self.row_bytes or row_bytes or 0.0
             _, rgate, _ = self._tail(rows, gate=True, slow=slow)
             for name, start in (("remote_whole", 0), ("remote_delta", held)):
                 if name == "remote_delta" and not 0 < held < rows:
                     continue
-                compute = remote.seconds(start, rows, shape=self.local)
+                # unknown: as fast as we are
+                compute = view.compute_s(start, rows, shape=self.local) if known else self.local.seconds(start, rows)
                 wire = max(0.0, per_row * (rows - start) / link - compute)
                 ours = slow * self.consumer_queue(ahead, start=rows, end=rows, chunk=chunk, batched=batched,
                                                   ready_s=(queue + compute + wire) * share)  # the pull waits off the engine
@@ -414,21 +402,32 @@ class CostModel:
         paths_ = {k: sum(v.values()) for k, v in parts.items()}
         choice = min(paths_, key=lambda k: paths_[k])
         return {"paths": {k: round(v, 6) for k, v in paths_.items()}, "choice": choice, "known": known,
+                "calibrated": self.local.calibrated,
                 "parts": {k: {c: round(x, 6) for c, x in v.items()} for k, v in parts.items()},
                 "link": link_from if producer is not None else None, "share": round(share, 3)}
 
     # -------------------------------------------------------------- keeping
     def to_json(self) -> dict[str, Any]:
-        return {"v": 1, "local_tps": self.local.to_json(), "install_s_per_row": self.install_spr,
-                "gate_s": self.gate_s, "first_step_s": self.first_step_s, "connect_s": self.connect_s,
-                "link_Bps": self.link_Bps, "row_bytes": self.row_bytes, "step_s": self.step_s,
-                "producers": {a: {"rates": v.rates.to_json(), "link_Bps": v.link_Bps}
+        return {"v": 2, "key": self.key, "saved_at": round(time.time(), 3), "local": self.local.to_json(),
+                "install_s_per_row": self.install_spr, "gate_s": self.gate_s, "first_step_s": self.first_step_s,
+                "connect_s": self.connect_s, "link_Bps": self.link_Bps, "row_bytes": self.row_bytes,
+                "step_s": self.step_s,
+                "producers": {a: {"rates": v.rates.to_rates(), "link_Bps": v.link_Bps, "trust": round(v.trust, 4),
+                                  "pulled_to": v.pulled_to}
                               for a, v in self.producers.items() if v.known or v.link_Bps is not None}}
 
     def load_json(self, obj: dict[str, Any]) -> None:
-        if not isinstance(obj, dict) or obj.get("v") != 1:
+        """What :meth:`to_json` wrote, unless it is of another version or key, or older than
+        :data:`MAX_AGE_S` (then nothing is loaded: a cold start, calibrated again)."""
+        if not isinstance(obj, dict) or obj.get("v") != 2:
             return
-        self.local.load(obj.get("local_tps") or {})
+        if self.key and obj.get("key") != self.key:
+            return
+        saved = obj.get("saved_at")
+        if not isinstance(saved, (int, float)) or isinstance(saved, bool) or not 0 <= time.time() - saved <= MAX_AGE_S:
+            return
+        self.saved_at = float(saved)
+        self.local.load_json(obj.get("local"))
         for name in ("install_spr", "gate_s", "first_step_s", "connect_s", "link_Bps", "row_bytes", "step_s"):
             key = "install_s_per_row" if name == "install_spr" else name
             v = obj.get(key)
@@ -437,11 +436,18 @@ class CostModel:
         for addr, p in (obj.get("producers") or {}).items():
             if isinstance(p, dict):
                 view = self.producer(str(addr))
-                view.rates.load(p.get("rates") or {})
+                view.rates.load_rates(p.get("rates") or {})
                 view.known = view.rates.learned
                 link = p.get("link_Bps")
                 if isinstance(link, (int, float)) and not isinstance(link, bool) and link > 0 and math.isfinite(link):
                     view.link_Bps = float(link)
+                trust = p.get("trust")
+                if isinstance(trust, (int, float)) and not isinstance(trust, bool) and \
+                        TRUST_RANGE[0] <= trust <= TRUST_RANGE[1]:
+                    view.trust = float(trust)
+                pulled = p.get("pulled_to")
+                if type(pulled) is int and pulled >= 0:
+                    view.pulled_to = pulled
 
     def save(self) -> None:
         if self.path is None:
@@ -459,11 +465,13 @@ _MODELS: dict[tuple[str, str], CostModel] = {}
 _MODELS_LOCK = threading.Lock()
 
 
-def cost_file(model_fingerprint: str, engine: str, dtype: str, threads: int) -> tuple[str, Path]:
+def cost_file(model_fingerprint: str, engine: str, dtype: str, threads: int, *, side: str = "consumer") -> tuple[str, Path]:
     """The key and the file (under this home's data directory) of the cost model for this model,
-    engine, dtype and thread count."""
-    key = hashlib.sha256(f"{model_fingerprint}|{engine}|{dtype}|{threads}".encode()).hexdigest()[:24]
-    return key, paths.data_dir() / "costs" / f"{key}.json"
+    engine, dtype and thread count on this machine (:func:`machine_key`); ``side``: the consumer's
+    costs or a producer's own curve (``producer``)."""
+    key = cost_key(model_fingerprint, engine, dtype, threads)
+    name = f"{key}.json" if side == "consumer" else f"{side}-{key}.json"
+    return key, paths.data_dir() / "costs" / name
 
 
 def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> CostModel:
@@ -489,46 +497,101 @@ def route_mode() -> str:
     return value if value in ROUTES else "fastest"
 
 
+def explore_every() -> int:
+    """``MUSER_EXPLORE``: explore once in this many eligible requests (0: never); default
+    :data:`EXPLORE_EVERY`."""
+    value = os.environ.get(EXPLORE_ENV, "").strip()
+    try:
+        return max(0, int(value)) if value else EXPLORE_EVERY
+    except ValueError:
+        return EXPLORE_EVERY
+
+
+def _explore(costs: CostModel, got: dict[str, Any], *, rows: int, producer: str, ask: bool, here: float,
+             remote: float) -> str | None:
+    """Which path to try instead of the predicted one (``"producer"`` or ``"local"``), or None:
+    where the two are predicted within :data:`EXPLORE_FACTOR` of each other (within
+    :data:`EXPLORE_UNMEASURED` where the slower was never measured at this depth: no pack that
+    deep from that producer, no local prefill that deep), once in :func:`explore_every` such
+    requests (the first of them included)."""
+    every = explore_every()
+    view = costs.producers.get(producer)
+    if not every or rows < EXPLORE_MIN_ROWS or view is None or not got["known"] or not got["calibrated"]:
+        return None
+    if not math.isfinite(remote) or "local" not in got["paths"]:
+        return None
+    slower, faster = (here, remote) if ask else (remote, here)
+    unmeasured = costs.local.measured_to() * 2 < rows if ask else view.pulled_to * 2 < rows
+    if slower > faster * (EXPLORE_UNMEASURED if unmeasured else EXPLORE_FACTOR):
+        return None
+    with costs._lock:
+        costs._explore_n += 1
+        n = costs._explore_n
+    if (n - 1) % every:
+        return None
+    return "local" if ask else "producer"
+
+
 def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
           deadline_s: float | None = None, backlog: Backlog | None = None, key: Any = None,
           chunk: int = 256) -> dict[str, Any]:
-    """Whether to ask ``producer``, and with what budget: the prediction of every path, the
-    choice, ``ask`` (bool), ``budget_ms`` (the producer must have sent the pack within it to beat
-    the local path: the local prediction less what follows the pack here; None: no budget) and
-    ``why`` (for a local choice: the reason the answer gives). With ``MUSER_ROUTE=producer``
-    the producer is always asked, without a budget (unless ``deadline_s`` gives one).
+    """Whether to ask ``producer``, and with what budget: the prediction of every path
+    (``paths``, ``parts``), the fastest predicted (``predicted``), the path this request goes for
+    (``choice``), ``ask`` (bool), ``budget_ms`` (the producer must have sent the pack within it to
+    beat the local path: the local prediction less what follows the pack here; None: no budget),
+    ``explore`` (the path taken to measure it, against the prediction; None) and ``why`` (for a
+    local choice: the reason the answer gives).
+
+    A consumer whose local curve is not calibrated (nothing measured at two sizes: a one-shot
+    command on a machine where no service ran) asks the producer without a budget: a guess of
+    its own speed would be 10-140x off either way. With ``MUSER_ROUTE=producer`` the producer is
+    asked whenever the rows are not all held, without a budget (unless ``deadline_s`` gives one).
     ``backlog``, ``key``, ``chunk``: the consumer's own queue (:meth:`CostModel.predict`)."""
     got = costs.predict(tokens=tokens, held=held, producer=producer, backlog=backlog, key=key, chunk=chunk)
     mode = route_mode()
-    got["mode"] = mode
     paths_ = got["paths"]
-    here = paths_.get("store", paths_.get("local", 0.0))
-    if producer is None:
-        got.update(ask=False, budget_ms=None, why="")
+    got.update(mode=mode, predicted=got["choice"], explore=None)
+    here_name = "store" if "store" in paths_ else "local"
+    here = paths_[here_name]
+    remote_name = "remote_delta" if "remote_delta" in paths_ else "remote_whole"
+    if producer is None or here_name == "store":
+        got.update(ask=False, budget_ms=None, why="", choice=here_name)
         return got
     if mode == "producer":
-        got.update(ask=True, budget_ms=None, why="")
+        budget_ms = max(1, int(deadline_s * 1000)) if deadline_s is not None else None
+        got.update(ask=True, budget_ms=budget_ms, why="", choice=remote_name)
         return got
     install, _, first = costs._tail(tokens - 1, gate=True, slow=1.0 / got["share"])
     connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
     waits = [v.get("consumer_queue", 0.0) for k, v in got["parts"].items() if k.startswith("remote")]
-    budget = here - install - first - connect - min(waits, default=0.0)  # what the producer has to beat us
+    budget: float | None = here - install - first - connect - min(waits, default=0.0)  # what the producer must beat
     if deadline_s is not None:
         budget = min(budget, deadline_s)
     remote = min((v for k, v in paths_.items() if k.startswith("remote")), default=math.inf)
-    if not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip
+    if not got["calibrated"] and tokens - 1 >= EXPLORE_MIN_ROWS:  # our speed unknown: no budget from a guess
+        ask, budget = True, deadline_s
+    elif not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip
         ask = budget > 0
     else:
         ask = remote < here and budget > 0
-    got.update(ask=ask, budget_ms=max(1, int(budget * 1000)) if ask else None)
+    explore = _explore(costs, got, rows=tokens - 1, producer=producer, ask=ask, here=here, remote=remote)
+    if explore == "producer":  # measured, not raced against a budget it was predicted to miss
+        ask, budget = True, deadline_s
+    elif explore == "local":
+        ask = False
+    got["explore"] = explore
+    got.update(ask=ask, budget_ms=max(1, int(budget * 1000)) if ask and budget is not None else None)
     if not ask:
-        got["choice"] = "store" if "store" in paths_ else "local"
-        got["why"] = (f"route: {got['choice']} predicted faster ({here * 1000:.1f} ms) than asking {producer} "
-                      f"({'unknown' if not got['known'] else f'{remote * 1000:.1f} ms'}; MUSER_ROUTE=fastest)")
+        got["choice"] = here_name
+        if explore == "local":
+            got["why"] = (f"route: exploring the local path (predicted {here * 1000:.1f} ms against "
+                          f"{remote * 1000:.1f} ms from {producer}; MUSER_EXPLORE)")
+        else:
+            got["why"] = (f"route: {here_name} predicted faster ({here * 1000:.1f} ms) than asking {producer} "
+                          f"({'unknown' if not got['known'] else f'{remote * 1000:.1f} ms'}; MUSER_ROUTE=fastest)")
     else:
         got["why"] = ""
-        if not got["known"]:
-            got["choice"] = "remote_delta" if "remote_delta" in paths_ else "remote_whole"
+        got["choice"] = remote_name
     return got
 
 
@@ -583,5 +646,5 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
     return max(split, key=lambda k: split[k] - expected.get(k, 0.0))
 
 
-__all__ = ["COMPONENTS", "Backlog", "CostModel", "ProducerView", "ROUTE_ENV", "RateByDepth", "Work", "budget_split",
-           "cost_file", "costs_for", "depth_bucket", "overrun", "route", "route_mode"]
+__all__ = ["COMPONENTS", "Backlog", "CostCurve", "CostModel", "ProducerView", "ROUTE_ENV", "Work", "budget_split",
+           "cost_file", "costs_for", "explore_every", "overrun", "route", "route_mode"]

@@ -26,11 +26,19 @@ class ProducerState:
     failures: int = 0  # in a row
     down_until: float = 0.0
     gone: str | None = None  # why it is dropped for good
-    last_error: str = ""
+    last_error: str = ""  # the last failure (unreachable, cut, refused us): says it may be down
+    last_declined: str = ""  # the last request it declined on its own merits (late, too large): it is up
+    declined: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"address": self.address, "served": self.served, "failures": self.failures,
-                "gone": self.gone, "last_error": self.last_error}
+    def up(self, now: float) -> bool:
+        """Reachable and serving as far as this consumer knows (a ``late`` is not down)."""
+        return self.gone is None and self.down_until <= now
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        return {"address": self.address, "up": self.up(now), "served": self.served, "declined": self.declined,
+                "failures": self.failures, "gone": self.gone, "last_error": self.last_error,
+                "last_declined": self.last_declined}
 
 
 def read_producers(path: Path) -> list[str]:
@@ -101,9 +109,11 @@ class ProducerPool:
                 s.failures = 0
                 s.down_until = 0.0
                 return
-            s.last_error = " ".join(str(error).split())[:300]
+            said = " ".join(str(error).split())[:300]
             if about_the_job(error):
+                s.last_declined, s.declined = said, s.declined + 1
                 return
+            s.last_error = said
             if temporary(error):
                 s.failures += 1
                 s.down_until = self._clock() + min(self.max_backoff_s, self.backoff_s * 2 ** (s.failures - 1))
@@ -127,5 +137,6 @@ class ProducerPool:
             return any(s.gone is None for s in self.states)
 
     def to_json(self) -> list[dict[str, Any]]:
+        now = self._clock()
         with self._lock:
-            return [s.to_json() for s in self.states]
+            return [s.to_json(now) for s in self.states]

@@ -137,8 +137,12 @@ class PipePull:
         self._lock = threading.Lock()
         self.reader: BinaryIO | None = None
         self._thread: threading.Thread | None = None
+        self._rows: tuple[int, int] | None = None  # the rows asked for: [have, rows)
         if make_ask is None:
             return
+        if costs is not None and plan is not None:  # its work is on that producer's queue in the next predictions
+            part = (plan.get("parts") or {}).get(plan.get("choice"), {})
+            costs.asking(producer, self, float(part.get("producer_compute") or 0.0))
         r, w = os.pipe()
         self.reader = open(r, "rb")
         self._w = w
@@ -163,6 +167,7 @@ class PipePull:
             with open(self._w, "wb") as out:
                 try:
                     ask = make_ask()
+                    self._rows = (ask.have_tokens, len(ask.token_ids) - 1)
                     if self._planner is not None:  # the prediction, made on the pull's own thread
                         self.costs, self.plan = self._planner(ask)
                     self.accepted = pull_prompt(self.producer, ask, out_stream=out, timeout=timeout,
@@ -178,6 +183,33 @@ class PipePull:
                     self.marks["end"] = time.perf_counter()
         except OSError as exc:  # decode stopped reading
             self.error = self.error or exc
+        finally:
+            self._answered()
+
+    def _answered(self) -> None:
+        """The pull ended: its work is off the producer's queue as this consumer sees it, and what
+        the producer's compute measured against its own estimate is kept (issue #47)."""
+        costs = self.costs
+        if costs is None:
+            return
+        from muser_cli.handoff.wire.refusal import NotInTime
+
+        outcome = "served" if self.error is None else "late" if isinstance(self.error, NotInTime) else "failed"
+        start, rows = self._rows or (0, 0)
+        promised = None
+        if self.promise is not None and isinstance(self.promise.get("compute_ms"), (int, float)):
+            promised = self.promise["compute_ms"] / 1000
+        elif rows > start:
+            view = costs.producers.get(self.producer)
+            promised = view.rates.seconds(start, rows) if view is not None and view.known else None
+        measured = None
+        if outcome == "served" and "serving" in self.marks and ("last_byte" in self.marks or "end" in self.marks):
+            measured = self.marks.get("last_byte", self.marks["end"]) - self.marks["serving"]
+        try:
+            costs.answered(self.producer, self, promised_s=promised, measured_s=measured, rows=rows,
+                           outcome=outcome)
+        except Exception:  # noqa: BLE001 - bookkeeping never fails a pull
+            pass
 
     def _on_socket(self, sock: socket.socket) -> None:
         with self._lock:

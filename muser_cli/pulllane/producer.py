@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
-from muser_cli.consumer.costs import RateByDepth
+from muser_cli.costcurve import CostCurve, cost_key, load_curve, save_curve
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import ConfigError, DataError, MuserError, UsageError
 from muser_cli.handoff.api import ledger_dir
@@ -42,6 +42,9 @@ EventFn = Callable[[str, dict[str, Any]], None]
 #: continuation from held rows, as requests have them; short, so a big model starts no slower.
 WARM_TOKENS = 40
 WARM_CHUNK = 16
+#: The calibration's prompt sizes (:meth:`ResidentProducer.calibrate`), besides the warm-up's:
+#: one whole canonical chunk, so the fit tells the per-request fixed cost from the per-token one.
+CALIBRATE_TOKENS = (DEFAULT_CHUNK_TOKENS + 1,)
 
 
 def warm_ids(vocab: int, n: int = WARM_TOKENS) -> list[int]:
@@ -145,8 +148,12 @@ class ResidentProducer:
         # ``store``: also continue from this machine's reuse store, and keep every result there
         # (put after the stream ended: :meth:`after_stream`, so the consumer never waits on it).
         self.store = store
-        # Its prefill rate by depth (issue #39): from the warm-up on, each request's compute.
-        self.rate = RateByDepth()
+        # Its prefill cost curve (issues #39, #47): what it learned before a restart (same model,
+        # engine and version, dtype, threads, CPU; not too old), then the calibration and each request.
+        self.rate = CostCurve()
+        self._curve_key = cost_key(self.info.fingerprint, engine, self.dtype, threads)
+        self._curve_path = paths.data_dir() / "costs" / f"producer-{self._curve_key}.json"
+        self.curve_saved_at = load_curve(self.rate, self._curve_path, self._curve_key)
 
     def estimate(self, req: PullRequest) -> float:
         """Seconds this request is expected to compute (rows from its have on; rows this producer
@@ -154,13 +161,16 @@ class ResidentProducer:
         return self.rate.seconds(req.have_tokens, len(req.token_ids) - 1)
 
     def rates(self) -> dict[str, float]:
-        """Tokens per second by depth bucket, as measured (the ``Promise``'s and /metrics')."""
-        return self.rate.to_json()
+        """Tokens per second of whole prompts of a few sizes up to the model's context, from the
+        fitted curve (the ``Promise``'s and /metrics'; :meth:`CostCurve.to_rates`)."""
+        return self.rate.to_rates(upto=self.info.max_positions)
 
-    def _learn(self, stats: dict[str, Any], rows: int) -> None:
+    def _learn(self, stats: dict[str, Any], rows: int, *, keep: bool = True) -> None:
         start = max(int(stats.get("held_rows") or 0), int(stats.get("reused_rows") or 0))
         if stats.get("batch", 1) == 1:  # a batch's time is the batch's, not one prompt's
             self.rate.observe(start, rows, float(stats.get("prefill_s") or 0))
+            if keep:
+                save_curve(self.rate, self._curve_path, self._curve_key)
 
     def warm_up(self) -> dict[str, Any]:
         """Produce throwaway packs before the server listens, so the first consumer pays no
@@ -188,12 +198,34 @@ class ResidentProducer:
                 sources: list[Any] = [memory] if eng.resumes_prefill else []
                 made = produce_pack(job, [*sources, EngineRows(eng, batched=batched)], PackSink(io.BytesIO()))
                 times.append(round(made.prefill_s, 6))
-                self._learn(stats_of(made, job), len(prompt) - 1)  # the cold start of its rates
+                if prompt is prompts[0]:  # the first touches pages and kernels: not a rate
+                    continue
+                self._learn(stats_of(made, job), len(prompt) - 1, keep=False)
+            calibrated = self.calibrate(vocab, batched)
         finally:
             eng.history = history
         if self._batcher is not None:
             self._batcher.batches.clear()  # the warm-up's batch is no request's
-        return {"warm_s": round(time.perf_counter() - t0, 6), "prefill_s": times}
+        save_curve(self.rate, self._curve_path, self._curve_key)
+        return {"warm_s": round(time.perf_counter() - t0, 6), "prefill_s": times, **calibrated}
+
+    def calibrate(self, vocab: int, batched: Any = None) -> dict[str, Any]:
+        """Measure the prefill at two sizes or more before listening (issue #47): the warm-up's
+        short prompt again (warm now) and one whole canonical chunk (:data:`CALIBRATE_TOKENS`, up
+        to the model's context), fresh rows each (nothing continued), each into the curve. What
+        it measured: ``{"calibrate_s", "calibration": [[tokens, seconds], ...]}``."""
+        t0 = time.perf_counter()
+        top = self.info.max_positions - 1
+        sizes = sorted({min(n, top) for n in (WARM_TOKENS, *CALIBRATE_TOKENS) if min(n, top) >= 2})
+        measured = []
+        for n in sizes:
+            ids = warm_ids(vocab if vocab > 0 else 2, n)
+            job = PackJob(self.info, ids, self.dtype, DEFAULT_CHUNK_TOKENS, self.engine_name, self.threads,
+                          state_every=self.state_every)
+            made = produce_pack(job, [EngineRows(self.engine, batched=batched)], PackSink(io.BytesIO()))
+            measured.append([n, round(made.prefill_s, 6)])
+            self._learn(stats_of(made, job), n - 1, keep=False)
+        return {"calibrate_s": round(time.perf_counter() - t0, 6), "calibration": measured}
 
     def check(self, req: PullRequest) -> PullRequest:
         """Refuse (:class:`Refusal`) a request this producer will not serve; the request to

@@ -21,7 +21,7 @@ from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, 
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.memory import Held, TurnMemory
-from muser_cli.consumer.pool import ProducerPool
+from muser_cli.consumer.pool import ProducerPool, about_the_job
 from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
@@ -40,6 +40,10 @@ Emit = Callable[[str, Any], None]
 
 #: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
 WARM_PROMPT = "Warm up: the first request should cost what the second one does."
+#: The calibration's prompt sizes (:meth:`EngineWorker.calibrate`): a short one, and one whole
+#: chunk or this many tokens, whichever is more (up to the model's context).
+CALIBRATE_SHORT = 32
+CALIBRATE_LONG = 256
 
 
 class _Stop(Exception):
@@ -163,14 +167,39 @@ class EngineWorker:
     def warm_up(self) -> dict[str, Any]:
         """One throwaway request on the engine before the service listens, so the first client
         pays no first-touch cost: the lane's local path (tokenize, a prefill on the canonical
-        schedule, install, the first decode steps). It leaves nothing behind: no store read
-        or written, no producer asked, no turn taken, no metric counted. Its time, seconds."""
+        schedule, install, the first decode steps); then the calibration (:meth:`calibrate`).
+        It leaves nothing behind: no store read or written, no producer asked, no turn taken, no
+        metric counted. Its time, seconds, and what the calibration measured."""
         c = self.config
         t0 = time.perf_counter()
         decode(None, model=c.model, prompt=WARM_PROMPT, chat=False, max_new_tokens=2, engine=c.engine,
                dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="warm-up",
                reuse=False, store=False, resident=self.engine.inner)  # the engine itself: no turn taken
-        return {"warm_s": round(time.perf_counter() - t0, 6)}
+        warm_s = time.perf_counter() - t0
+        return {"warm_s": round(warm_s, 6), **self.calibrate()}
+
+    def calibrate(self) -> dict[str, Any]:
+        """The local prefill measured at two sizes before the service listens (issue #47): a
+        short prompt and one whole chunk (up to the model's context), each a fresh local decode
+        of one token, into the cost model (a fit of fixed, per-token and depth costs: the route's
+        local path is then predicted from this machine's own measurements from the first request
+        on). Skipped when what this machine kept (the cost file) is calibrated already.
+        ``{"calibrate_s", "calibration": [[tokens, seconds], ...]}``."""
+        from muser_cli.pulllane.producer import warm_ids  # token ids spread over the vocabulary
+
+        if self.costs.local.calibrated:
+            return {"calibrate_s": 0.0, "calibration": [], "calibration_kept": True}
+        c, t0, measured = self.config, time.perf_counter(), []
+        top = self.info.max_positions - 1
+        for n in sorted({min(n, top) for n in (CALIBRATE_SHORT, max(self.chunk + 1, CALIBRATE_LONG)) if min(n, top) >= 2}):
+            ids = warm_ids(self.info.vocab_size or 2, n)
+            out = decode(None, model=c.model, prompt="", chat=False, max_new_tokens=1, engine=c.engine,
+                         dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="calibration",
+                         reuse=False, store=False, resident=self.engine.inner, prompt_ids=ids, info=self.info)
+            measured.append([n, round(out.prefill_s, 6)])
+            self.costs.observe(held=0, rows=n - 1, prefill_s=out.prefill_s, local=True)
+        self.costs.save()
+        return {"calibrate_s": round(time.perf_counter() - t0, 6), "calibration": measured}
 
     # -------------------------------------------------------------- queue
     def submit(self, job: Job) -> None:
@@ -416,7 +445,9 @@ class EngineWorker:
         state.shipped = counting.bytes
         state.pull_error = live.reason() if got.pull_error is not None else ""
         if self.metrics is not None:
-            self.metrics.producer_up.labels(live.producer).set(0 if got.pull_error is not None else 1)
+            # up: it answered (served, or declined this one request: late, too large); 0: unreachable or failing
+            down = got.pull_error is not None and not about_the_job(got.pull_error)
+            self.metrics.producer_up.labels(live.producer).set(0 if down else 1)
         if got.refused is not None:
             state.refused = got.refused
         return got.out
@@ -438,9 +469,12 @@ class EngineWorker:
             here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None, **queue)
             mine = here["paths"][here["choice"]]
             remote = min((v for k, v in plan["paths"].items() if k.startswith("remote")), default=float("inf"))
-            if held.rows >= len(ids) - 1 or mine <= remote or addr is None:
+            # MUSER_ROUTE=producer: the producer is asked unless every row is held (docs/serve.md)
+            wins = mine <= remote if plan.get("mode") != "producer" else False
+            if held.rows >= len(ids) - 1 or wins or addr is None:
                 state.held_wins = True
-                state.route = {**here, "mode": plan.get("mode"), "held": held.rows,
+                state.route = {**here, "mode": plan.get("mode"), "held": held.rows, "predicted": here["choice"],
+                               "choice": "held", "explore": None,
                                "remote_ms": round(remote * 1000, 3) if remote != float("inf") else None}
                 if addr is not None:
                     self.pool.release(addr)
@@ -473,8 +507,9 @@ class EngineWorker:
         if plan is None and s.get("ttft_ms") is not None:
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
-            s["route"] = {k: plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms", "parts", "link",
-                                               "share") if k in plan}
+            s["route"] = {k: plan[k] for k in ("paths", "predicted", "choice", "explore", "mode", "known", "calibrated",
+                                               "budget_ms", "parts", "link", "share") if k in plan}
+            s["route"]["taken"] = taken_path(s.get("source"))
             if live is not None and live.promise is not None:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:
@@ -555,6 +590,14 @@ class EngineWorker:
             m.store_errors.inc()
         if state.split is not None:
             m.observe_budget(state.split, state.overrun)
+
+
+def taken_path(source: Any) -> str | None:
+    """The path an answer took, in the route's names, from its ``source``: ``store`` (every row
+    held), ``held`` (the turn memory), ``local`` (prefilled here, some rows held or not),
+    ``remote_whole`` / ``remote_delta`` (a producer's pack; ``partial+local``: part of one)."""
+    return {"handoff": "remote_whole", "delta": "remote_delta", "partial+local": "remote_whole", "store": "store",
+            "held": "held", "local": "local", "store+local": "local"}.get(str(source))
 
 
 def _guess_tokens(prompt: Any) -> int:
@@ -686,7 +729,7 @@ class _Choice:
         seed = None if ask.seed is None else (ask.seed + self.index) % (1 << 63)
         return Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=seed, presence_penalty=ask.presence_penalty,
                         frequency_penalty=ask.frequency_penalty, logit_bias=ask.logit_bias, logprobs=ask.logprobs,
-                        record=self.record, constraint=self.constraint)
+                        record=self.record, constraint=self.constraint, **ask.filters(self.job.state.ids))
 
     @property
     def unsent(self) -> bool:

@@ -26,7 +26,7 @@ from handoff_kit import (
     HANG_S, LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, env_for, held_pull, home_env, muser_cmd,
     pull_lane, signed_request, wait_for,
 )
-from muser_cli.consumer.costs import CostModel, RateByDepth, budget_split, overrun, route
+from muser_cli.consumer.costs import CostCurve, CostModel, budget_split, overrun, route
 from muser_cli.handoff.pull.admission import Admission
 
 
@@ -47,16 +47,19 @@ def decode(lane, prompt_path, *extra: str, env_extra: dict | None = None,
     return r, time.monotonic() - t0
 
 
-def seed_costs(lane, **fields) -> None:
-    """Write the consumer's cost file for the lane's model (float32, torch, one thread)."""
+def seed_costs(lane, *, local_tps: float) -> None:
+    """Write the consumer's cost file for the lane's model (float32, torch, one thread): its local
+    prefill calibrated at ``local_tps`` tokens a second (two sizes, no fixed part)."""
     from muser_cli.consumer.costs import cost_file
     from muser_cli.model.resolve import resolve_model
 
     with home_env(lane["nodes"].consumer_home):  # the file itself: this process's cost models are not the CLI's
         info = resolve_model(lane["model"])
-        _, path = cost_file(info.fingerprint, "torch", "float32", 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"v": 1, **fields}))
+        key, path = cost_file(info.fingerprint, "torch", "float32", 1)
+    seeded = CostModel(key, path)
+    for n in (64, 128):
+        seeded.local.observe(0, n, n / local_tps)
+    seeded.save()
 
 
 # ----------------------------------------------------------------------------- in process
@@ -107,15 +110,16 @@ def test_admission_without_deadlines_stays_round_robin():
 
 def test_expected_start_counts_the_work_before_it():
     adm = Admission(1)
+    t0 = time.monotonic()  # A's 10 s count down from its entry: the bounds below allow for however long has run since
     assert adm.enter(False, who="A", cost_s=10.0)
     start, ahead = adm.expected_start("B", cost_s=1.0)
-    assert ahead == 0 and 9.0 < start <= 10.0
+    assert ahead == 0 and 10.0 - (time.monotonic() - t0) <= start <= 10.0
     waiter = threading.Thread(target=lambda: (adm.wait(False, lambda: False, poll=0.05, who="A", cost_s=3.0,
                                                        deadline=time.monotonic() + 50), adm.leave(False)))
     waiter.start()
     assert wait_for(lambda: adm.waiting() == 1, HANG_S)
     later, ahead = adm.expected_start("B", cost_s=1.0, deadline=time.monotonic() + 100)
-    assert ahead == 1 and 12.0 < later <= 13.0  # A's queued 3 s go first (earlier deadline, same round)
+    assert ahead == 1 and 13.0 - (time.monotonic() - t0) <= later <= 13.0  # A's queued 3 s go first (earlier deadline)
     sooner, ahead = adm.expected_start("B", cost_s=1.0, deadline=time.monotonic() + 10)
     assert ahead == 0 and sooner <= 10.0  # a tighter deadline goes before it
     adm.leave(False)
@@ -124,7 +128,7 @@ def test_expected_start_counts_the_work_before_it():
 
 def test_prediction_and_split_add_up():
     costs = CostModel()
-    costs.local = RateByDepth(cold_tps=1000.0)
+    costs.local = CostCurve(cold_tps=1000.0)
     short = route(costs, tokens=8, held=0, producer="p:1")
     assert short["paths"]["local"] < short["paths"]["remote_whole"]
     split = budget_split(ttft_s=1.0, consumer_queue_s=0.1, remote=True, lane_s=0.1, serving_s=0.3, end_s=0.7,
@@ -162,7 +166,7 @@ def test_not_in_time_sends_the_consumer_to_local_prefill_at_once(lane):
     consumer asks, with the budget that beats it; the producer's turn is held by a request that
     has already run longer than that budget, so the producer says "late" at once -- the consumer
     prefills here without waiting out its 60 s --timeout."""
-    seed_costs(lane, local_tps={"64": 200.0, "128": 200.0})
+    seed_costs(lane, local_tps=200.0)
     prod = lane["producer"]
     ident, request = signed_request(lane)
     with held_pull(ident, prod.address, request) as answer:
@@ -191,7 +195,7 @@ def test_a_broken_promise_is_raced_and_the_consumer_keeps_its_own_rows(lane):
     second have passed, the consumer computes the prompt here while the pull goes on; its own
     rows are ready first (the producer never started), so it keeps them and cancels the pull --
     long before its 120 s --timeout -- with the same tokens a local decode gives."""
-    seed_costs(lane, local_tps={"64": 2.0, "128": 2.0})
+    seed_costs(lane, local_tps=2.0)
     prod = lane["producer"]
     ident, request = signed_request(lane)
     with held_pull(ident, prod.address, request) as answer:

@@ -180,8 +180,12 @@ ENVIRONMENT = [
      "local, remote whole, remote delta) from what this machine measured (`<data dir>/costs/`) and asks only when "
      "that is predicted faster, with the budget that beats the local path, which a producer that cannot make it "
      "answers `late` at once (so a short prompt stays local while a producer is up); `producer` asks the producer "
-     "whenever one is given, without a budget. Anything else counts as `fastest`.",
+     "whenever one is given and the rows are not all held, without a budget. Anything else counts as `fastest`.",
      "`fastest`"),
+    ("MUSER_EXPLORE", "How often the route (`MUSER_ROUTE=fastest`) takes the path predicted slower to measure it "
+     "(issue #47, docs/pull-lane.md \"Corrected by measurement\"): one in N of the requests where the two paths are "
+     "predicted within 1.5x (4x where the slower one was never measured at that depth), prompts of 256 rows or more; "
+     "`0` never. `route.explore` says when it did.", "`8`"),
     ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "
      "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "
      "`cblas_sgemm`. An explicit choice that cannot be honoured is exit 78.",

@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
+        from muser_cli.consumer.costs import route_fields  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.decode import decode  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.lane import Source, answer  # lazy: kept out of `muser --help` (startup)
         from muser_cli.engines.base import Sampling  # lazy: kept out of `muser --help` (startup)
@@ -144,8 +145,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 shown = out.to_json()
                 if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
-                    shown["route"] = {k: pulling.plan[k] for k in ("paths", "choice", "mode", "known", "budget_ms",
-                                                                  "parts", "link", "share") if k in pulling.plan}
+                    shown["route"] = route_fields(pulling.plan, out.source)
                     if pulling.promise is not None:
                         shown["route"]["promise"] = pulling.promise
                 emit_json(shown)

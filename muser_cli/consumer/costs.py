@@ -595,6 +595,26 @@ def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
     return got
 
 
+#: A route's fields an answer shows (``muser decode --json``, a served answer's ``route``).
+ROUTE_FIELDS = ("paths", "predicted", "choice", "explore", "mode", "known", "calibrated", "budget_ms", "parts", "link",
+                "share", "held")
+
+
+def taken_path(source: Any) -> str | None:
+    """The path an answer took, in the route's names, from its ``source``: ``store`` (every row
+    held), ``held`` (the turn memory), ``local`` (prefilled here, some rows held or not),
+    ``remote_whole`` / ``remote_delta`` (a producer's pack; ``partial+local``: part of one)."""
+    return {"handoff": "remote_whole", "delta": "remote_delta", "partial+local": "remote_whole", "store": "store",
+            "held": "held", "local": "local", "store+local": "local"}.get(str(source))
+
+
+def route_fields(plan: dict[str, Any], source: Any) -> dict[str, Any]:
+    """What an answer says of its route: what was predicted (``paths``, ``parts``, ``predicted``),
+    what was chosen (``choice``, ``explore``, ``budget_ms``) and what happened (``taken``, from the
+    answer's ``source``: :func:`taken_path`)."""
+    return {**{k: plan[k] for k in ROUTE_FIELDS if k in plan}, "taken": taken_path(source)}
+
+
 def budget_split(*, ttft_s: float, consumer_queue_s: float, remote: bool, lane_s: float,
                  serving_s: float | None, end_s: float | None, rows_ready_s: float | None,
                  local_prefill_s: float = 0.0, install_s: float = 0.0, gate_s: float = 0.0,
@@ -647,4 +667,4 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
 
 
 __all__ = ["COMPONENTS", "Backlog", "CostCurve", "CostModel", "ProducerView", "ROUTE_ENV", "Work", "budget_split",
-           "cost_file", "costs_for", "explore_every", "overrun", "route", "route_mode"]
+           "cost_file", "costs_for", "explore_every", "overrun", "route", "route_fields", "route_mode", "taken_path"]

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, route
+from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, route, route_fields
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.memory import Held, TurnMemory
@@ -474,7 +474,7 @@ class EngineWorker:
             if held.rows >= len(ids) - 1 or wins or addr is None:
                 state.held_wins = True
                 state.route = {**here, "mode": plan.get("mode"), "held": held.rows, "predicted": here["choice"],
-                               "choice": "held", "explore": None,
+                               "explore": None,
                                "remote_ms": round(remote * 1000, 3) if remote != float("inf") else None}
                 if addr is not None:
                     self.pool.release(addr)
@@ -507,9 +507,7 @@ class EngineWorker:
         if plan is None and s.get("ttft_ms") is not None:
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
-            s["route"] = {k: plan[k] for k in ("paths", "predicted", "choice", "explore", "mode", "known", "calibrated",
-                                               "budget_ms", "parts", "link", "share") if k in plan}
-            s["route"]["taken"] = taken_path(s.get("source"))
+            s["route"] = route_fields(plan, s.get("source"))
             if live is not None and live.promise is not None:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:
@@ -590,14 +588,6 @@ class EngineWorker:
             m.store_errors.inc()
         if state.split is not None:
             m.observe_budget(state.split, state.overrun)
-
-
-def taken_path(source: Any) -> str | None:
-    """The path an answer took, in the route's names, from its ``source``: ``store`` (every row
-    held), ``held`` (the turn memory), ``local`` (prefilled here, some rows held or not),
-    ``remote_whole`` / ``remote_delta`` (a producer's pack; ``partial+local``: part of one)."""
-    return {"handoff": "remote_whole", "delta": "remote_delta", "partial+local": "remote_whole", "store": "store",
-            "held": "held", "local": "local", "store+local": "local"}.get(str(source))
 
 
 def _guess_tokens(prompt: Any) -> int:

@@ -156,9 +156,11 @@ VLLM_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads
 # docs/vllm.md "MLA and recurrent state" says how each was measured.
 VLLM_FAMILY: dict[str, tuple[dict, dict | None]] = {
     # CPU_MLA compiles kv_lora_rank 512 + rope 64 only; transformers' rotary needs head_dim = rope dim;
-    # vLLM's DeepSeek MoE makes e_score_correction_bias only for topk_method noaux_tc (and defaults
-    # scoring_func to softmax): the hub's config.json names both, transformers' config writes neither
-    "deepseek_v3": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64},
+    # qk_nope 32 and v 32: what AMX MLA's tiles take too (engines/vllm/cpukernels.py), so the same model
+    # runs on either MLA backend; vLLM's DeepSeek MoE makes e_score_correction_bias only for topk_method
+    # noaux_tc (and defaults scoring_func to softmax): the hub's config.json names both, transformers' writes neither
+    "deepseek_v3": ({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 32,
+                     "v_head_dim": 32},
                     {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     # the CPU GDN kernel: head dims a multiple of 32 and key = value dim (64 measured); vLLM's
     # Qwen3-Next never ties its lm_head

@@ -152,3 +152,67 @@ def test_the_isa_vllm_picks_here_is_checked_or_refused():
                     LY.resolve_layout("CPU_ATTN", cache_dtype="auto", block_size=128, kernel_block_size=128, isa=isa)
     # The backend reads only LBHNC, which is what the reader assumes (dense (block, head) interiors).
     assert [m.name for m in CPUAttentionBackend.supported_kv_cache_layouts()] == ["LBHNC"]
+
+
+# ----------------------------------------------------------------------------- AMX MLA's shape rule (issue #46)
+def test_the_amx_mla_shape_rule_is_vllms_own_packing_kernels(ops):
+    """vLLM's AMX MLA backend (taken on a CPU with AMX tiles) packs W_UK and W_UV with
+    ``convert_weight_packed``; that kernel runs on any x86 CPU, so the rule muser checks before
+    vLLM starts (engines/vllm/cpukernels.py) is held against the kernel itself here, AMX tiles or
+    not: every shape it refuses, the rule refuses, naming the same dimension."""
+    import torch
+
+    from muser_cli.engines.vllm.cpukernels import amx_mla_refusal
+
+    heads, seen = 2, set()
+    for nope in (16, 32, 48, 64):
+        for v in (8, 16, 32):
+            for rank in (64, 512):
+                config = {"qk_nope_head_dim": nope, "v_head_dim": v, "kv_lora_rank": rank}
+                why = amx_mla_refusal(config, "bfloat16")
+                # the two weights as AMXMLAImpl.process_weights_after_loading makes them
+                w_uk = torch.randn(heads, rank, nope, dtype=torch.bfloat16)  # (N, L, P)
+                w_uv = torch.randn(heads, v, rank, dtype=torch.bfloat16)  # (N, V, L)
+                try:
+                    torch.ops._C.convert_weight_packed(w_uk)
+                    torch.ops._C.convert_weight_packed(w_uv)
+                    refused = None
+                except RuntimeError as exc:
+                    refused = str(exc).splitlines()[0]
+                assert (why is None) == (refused is None), (config, why, refused)
+                if refused is not None:
+                    number = refused.split()[-1]  # "invalid weight input features 16"
+                    assert f" {number} is not a multiple" in why, (why, refused)
+                    seen.add("input" if "input" in refused else "out")
+    assert seen == {"input", "out"}  # both of the kernel's checks were met
+    with pytest.raises(RuntimeError, match="bfloat16"):  # float32: refused whatever the shape
+        torch.ops._C.convert_weight_packed(torch.randn(heads, 512, 32))
+    assert "bfloat16 or float16" in amx_mla_refusal({"qk_nope_head_dim": 32}, "float32")
+
+
+def test_a_model_amx_mla_refuses_is_refused_in_one_line_before_vllm_starts(tmp_path):
+    """The suite's tiny DeepSeek fits both MLA backends; the old one (qk_nope_head_dim 16) names its
+    dimension, the kernel and what to do when AMX MLA is asked for on a CPU with AMX tiles, and
+    runs on the reference backend muser asks for by default."""
+    import json as json_
+
+    from muser_cli.engines.vllm.cpukernels import CPU_MLA, check_cpu_kernels, has_amx_tiles, mla_backend
+
+    from muser_cli.model.tiny import VLLM_SIZES, make_tiny
+
+    folder = make_tiny("deepseek_v3", tmp_path / "tiny-vllm-deepseek_v3", sizes=VLLM_SIZES)  # as test_vllm_families
+    for dtype in ("bfloat16", "float16"):
+        check_cpu_kernels(folder, dtype, "AMX_MLA", amx=True)
+    old = tmp_path / "old"
+    old.mkdir()
+    config = json_.loads((folder / "config.json").read_text())
+    (old / "config.json").write_text(json_.dumps({**config, "qk_nope_head_dim": 16}))
+    with pytest.raises(ConfigError) as got:
+        check_cpu_kernels(old, "bfloat16", None, amx=True)  # vLLM's own choice on AMX: AMX MLA
+    assert "qk_nope_head_dim 16 is not a multiple of 32" in str(got.value) and "AMX MLA" in str(got.value)
+    assert "CPU_MLA" in got.value.hint and "\n" not in str(got.value)
+    check_cpu_kernels(old, "bfloat16", CPU_MLA, amx=True)  # the reference backend takes it
+    check_cpu_kernels(old, "bfloat16", None, amx=False)  # no AMX tiles: vLLM takes the reference backend
+    assert mla_backend({}, set(), on_cpu=True) == CPU_MLA
+    assert mla_backend({"attention_backend": "AMX_MLA"}, {"attention_backend"}, on_cpu=True) is None
+    assert has_amx_tiles("flags\t\t: fpu sse amx_tile amx_bf16\n") and not has_amx_tiles("flags\t: fpu sse\n")

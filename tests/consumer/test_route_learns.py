@@ -320,3 +320,52 @@ def test_taken_is_the_source_and_a_declined_request_keeps_the_producer_up(lane, 
             assert worker.costs.producer(address).last == "late"
         finally:
             worker.close()
+
+
+def test_a_short_held_preamble_does_not_keep_a_prompt_off_the_producer(lane, monkeypatch):
+    """The turn memory holds a few tokens of a new prompt (a conversation's preamble):
+    ``MUSER_ROUTE=producer`` still asks the producer, since the rows are not all held; the same
+    prompt again, wholly held, is not asked."""
+    import threading
+
+    from muser_cli.service.api import parse_ask
+    from muser_cli.service.metrics import ConsumerMetrics
+    from muser_cli.service.worker import Config, EngineWorker, Job
+
+    address = lane["producer"].address
+    monkeypatch.setenv("MUSER_ROUTE", "producer")
+
+    def ask(worker, prompt):
+        done, got = threading.Event(), {}
+
+        def emit(kind, payload):
+            if kind in ("done", "error"):
+                got[kind] = payload
+                done.set()
+
+        worker.submit(Job(parse_ask({"prompt": prompt, "max_tokens": 2, "temperature": 0}, "completion",
+                                    default_max_tokens=2), emit))
+        assert done.wait(HANG_S) and "done" in got, got
+        return got["done"]
+
+    with home_env(lane["nodes"].consumer_home):
+        worker = EngineWorker(Config(model=lane["model"], dtype="float32", threads=1, reuse=False, max_batch=1,
+                                     producers=(address,), chunk_tokens=CHUNK, turn_memory_mb=64,
+                                     prefill_deadline=HANG_S), ConsumerMetrics())
+        try:
+            worker.costs = CostModel()
+            first = ask(worker, PROMPT)
+            assert first["source"] == "handoff", first
+            from muser_cli.model.tokens import encode_prompt
+
+            other = PROMPT[:30] + (" Entirely other words follow here, about rivers, mountains and the long roads "
+                                   "between the small towns of the valley, one after another.")
+            ids = encode_prompt(worker.info, other)
+            held = worker.memory.find(ids)  # (waits for the first answer's rows to be kept)
+            assert held is not None and 0 < held.rows < len(ids) // 3, (held and held.rows, len(ids))  # a preamble
+            second = ask(worker, other)
+            assert second["source"] == "handoff" and second["route"]["taken"] == "remote_whole", second
+            again = ask(worker, PROMPT)  # every row held (the first answer's turn): not asked
+            assert again["source"] in ("held", "store"), again
+        finally:
+            worker.close()

@@ -51,10 +51,15 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 @dataclass(frozen=True)
 class Sampling:
     """How each token is picked. The logits are shaped first, in this order, for engines with
-    :attr:`Consumer.shapes_logits`: ``frequency_penalty * count + presence_penalty * (count > 0)``
-    subtracted from each token's logit (count: how often it was *generated* so far in this
-    sequence, the prompt not counted: OpenAI's definition), then ``logit_bias`` added; then
-    temperature and top-p pick from them (temperature 0: the largest shaped logit).
+    :attr:`Consumer.shapes_logits`: ``repetition_penalty`` (transformers' rule: the logit of each
+    token already seen, in ``seen`` -- the prompt -- or generated, divided by it where positive,
+    multiplied by it where negative), then ``frequency_penalty * count + presence_penalty *
+    (count > 0)`` subtracted from each token's logit (count: how often it was *generated* so far
+    in this sequence, the prompt not counted: OpenAI's definition), then ``logit_bias`` added;
+    then the pick (temperature 0: the largest shaped logit), or temperature, then ``top_k`` (only
+    the tokens whose logit is at least the k-th largest stay; 0: off), ``top_p`` (over what
+    top-k left, renormalised) and ``min_p`` (a token whose probability is below ``min_p`` times
+    the most likely one's goes; 0: off), transformers' order, then a sample of what stays.
 
     ``logprobs``: None records nothing; k (0..20) appends, for every token given out and before
     it is given out, a :data:`TokenLogprobs` with the k most likely tokens to ``record``: the
@@ -72,6 +77,10 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seen: tuple[int, ...] = field(default=(), compare=False, hash=False, repr=False)  # the prompt's ids
     logprobs: int | None = None
     record: list | None = field(default=None, compare=False, hash=False, repr=False)
     constraint: Any = field(default=None, compare=False, hash=False, repr=False)  # a Constraint, or None
@@ -79,7 +88,17 @@ class Sampling:
     @property
     def shapes(self) -> bool:
         """Whether the logits are shaped before the pick (a penalty or a bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repeats)
+
+    @property
+    def repeats(self) -> bool:
+        """Whether a repetition penalty is asked."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def filters(self) -> bool:
+        """Whether a sample is drawn from fewer than all tokens (top-k, top-p or min-p)."""
+        return bool(self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 @dataclass

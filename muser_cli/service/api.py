@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from muser_cli.errors import MuserError
 from muser_cli.service.schema import schema_problem
@@ -56,6 +56,9 @@ class Ask:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids checked by the worker
+    top_k: int = 0  # extensions, as vLLM and llama.cpp take them (engines/base.py Sampling): 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
     logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely (chat: top_logprobs)
     user: str | None = None  # user / safety_identifier: written to the request's log line
     # structured output (chat): None (text), {"type": "json_object"}, or {"type": "json_schema", "schema", "strict"}
@@ -64,6 +67,12 @@ class Ask:
     @property
     def chat(self) -> bool:
         return self.kind == "chat"
+
+    def filters(self, prompt: Sequence[int]) -> dict[str, Any]:
+        """``top_k``, ``min_p`` and ``repetition_penalty`` as the engines' ``Sampling`` takes them; a
+        repetition penalty counts the ``prompt``'s tokens as seen (transformers' and vLLM's rule)."""
+        return {"top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "seen": tuple(int(t) for t in prompt) if self.repetition_penalty != 1.0 else ()}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -339,6 +348,32 @@ _CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "top_lo
               "verbosity", "web_search_options", "moderation", "prompt_cache_key", "prompt_cache_options",
               "prompt_cache_retention")
 _COMPLETION_ONLY = ("prompt", "echo", "suffix", "best_of")
+#: Every field a route reads (honoured, or accepted only as :data:`_ONLY` says); any other is refused
+#: naming it, never accepted and ignored. ``top_k``, ``min_p``, ``repetition_penalty`` and
+#: ``muser_prefill_deadline`` are extensions (the first three as vLLM and llama.cpp's servers take them).
+_BOTH = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+         "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "safety_identifier",
+         "response_format", "top_k", "min_p", "repetition_penalty", "muser_prefill_deadline")
+FIELDS = {"chat": frozenset(_BOTH + _CHAT_ONLY + ("max_completion_tokens",)),
+          "completion": frozenset(_BOTH + _COMPLETION_ONLY)}
+MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
+
+
+def sampling_extensions(body: dict) -> dict[str, Any]:
+    """``top_k`` (an integer >= 0; 0 or -1: off), ``min_p`` (in [0, 1]; 0: off) and
+    ``repetition_penalty`` (in (0, 2]; 1: off) as :class:`Ask`'s fields; a 400 naming a malformed one."""
+    top_k = body.get("top_k")
+    if top_k == -1 and not isinstance(top_k, bool):  # vLLM's "off"
+        top_k = 0
+    else:
+        top_k = int_field(body, "top_k", 0) or 0
+    penalty = body.get("repetition_penalty")
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))
+                                or not math.isfinite(penalty) or not 0 < penalty <= MAX_REPETITION_PENALTY):
+        raise ApiError(400, f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY}] (1: none), got "
+                            f"{penalty!r}"[:160], param="repetition_penalty")
+    return {"top_k": top_k, "min_p": number_field(body, "min_p", 0.0, 0.0, 1.0),
+            "repetition_penalty": float(penalty) if penalty is not None else 1.0}
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -443,9 +478,11 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     best_of = int_field(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
         raise ApiError(400, "best_of other than n is not supported (no choice is ranked here)", param="best_of")
-    if body.get("repetition_penalty") not in (None, 0, 0.0, 1, 1.0) or isinstance(body.get("repetition_penalty"), bool):
-        raise ApiError(400, "repetition_penalty is not supported (presence_penalty and frequency_penalty are)",
-                       param="repetition_penalty")
+    unknown = sorted(k for k in body if k not in FIELDS["chat"] | FIELDS["completion"])
+    if unknown:
+        shown = unknown[0] if len(unknown[0]) <= 64 else unknown[0][:64] + "..."
+        raise ApiError(400, f"{shown} is not a field this server reads: it refuses what it would ignore "
+                            "(docs/serve.md lists the fields it reads)", param=shown)
     options = body.get("stream_options") or {}
     if isinstance(options, dict):
         extra = sorted(k for k, v in options.items() if k not in ("include_usage",) and
@@ -500,7 +537,7 @@ def parse_ask(body: dict[str, Any], kind: str, *, default_max_tokens: int) -> As
     return Ask(kind=kind, model=model or "", prompt=prompt, max_tokens=most or default_max_tokens,
                n=n, presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
                frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0), logit_bias=_logit_bias(body),
-               logprobs=_logprobs(body, kind), user=user,
+               logprobs=_logprobs(body, kind), user=user, **sampling_extensions(body),
                tools=tools, tool_choice=parse_tool_choice(body, tools) if kind == "chat" else "auto",
                parallel_tool_calls=parallel,
                temperature=number_field(body, "temperature", 1.0, 0.0, 2.0), top_p=number_field(body, "top_p", 1.0, 1e-9, 1.0),

@@ -6,11 +6,11 @@ become Anthropic's answer, its server-sent events and its errors.
 
 Read: ``model``, ``max_tokens`` (both required), ``messages`` (``user`` / ``assistant``, content
 a string or ``text``, ``tool_use`` and ``tool_result`` blocks), ``system`` (a string or text
-blocks), ``stop_sequences``, ``temperature``, ``top_p``, ``stream``, ``tools`` (custom tools:
-``name``, ``description``, ``input_schema``, ``strict``), ``tool_choice`` (``auto``, ``any``, ``tool``,
-``none``; ``disable_parallel_tool_use``), ``metadata`` (accepted, it changes nothing) and
-muser's ``muser_prefill_deadline``. Anything else, ``top_k`` among them (the engines sample
-with temperature and top-p only), is a 400 naming it: never accepted and ignored."""
+blocks), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``stream``, ``tools`` (custom
+tools: ``name``, ``description``, ``input_schema``, ``strict``), ``tool_choice`` (``auto``, ``any``,
+``tool``, ``none``; ``disable_parallel_tool_use``), ``metadata`` (accepted, it changes nothing),
+the extensions the OpenAI routes take too (``min_p``, ``repetition_penalty``) and muser's
+``muser_prefill_deadline``. Anything else is a 400 naming it: never accepted and ignored."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ import json
 import uuid
 from typing import Any
 
-from muser_cli.service.api import ApiError, Ask, int_field, is_name, number_field, parse_tool_choice, parse_tools
+from muser_cli.service.api import (ApiError, Ask, int_field, is_name, number_field, parse_tool_choice, parse_tools,
+                                   sampling_extensions)
 from muser_cli.service.replies import sse
 
-FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
-                    "stream", "tools", "tool_choice", "metadata", "muser_prefill_deadline"})
+FIELDS = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                    "min_p", "repetition_penalty", "stream", "tools", "tool_choice", "metadata",
+                    "muser_prefill_deadline"})
 MAX_STOP_SEQUENCES = 16
 #: The error ``type`` Anthropic gives each status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -208,8 +210,6 @@ def parse_messages(body: dict[str, Any], *, default_max_tokens: int | None = Non
     """A ``/v1/messages`` request body as the worker's :class:`Ask` (a chat); a 400 naming the field
     for anything this server does not read or does not honour. ``default_max_tokens`` is not used:
     ``max_tokens`` is required, as Anthropic requires it."""
-    if "top_k" in body:
-        raise _bad("top_k is not supported by this server: it samples with temperature and top_p only")
     _keys(body, FIELDS, "")
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -244,7 +244,8 @@ def parse_messages(body: dict[str, Any], *, default_max_tokens: int | None = Non
         deadline = number_field(body, "muser_prefill_deadline", 0.0, 0.0, 3600.0)
     tools = _anthropic_tools(body)
     choice, parallel = _choice(body, tools)
-    return Ask(kind="chat", model=model, prompt=turns, max_tokens=max_tokens,
+    extensions = sampling_extensions(body)
+    return Ask(kind="chat", model=model, prompt=turns, max_tokens=max_tokens, **extensions,
                temperature=number_field(body, "temperature", 1.0, 0.0, 1.0), top_p=number_field(body, "top_p", 1.0, 1e-9, 1.0),
                stop=list(stops), stream=stream, prefill_deadline=deadline, tools=tools, tool_choice=choice,
                parallel_tool_calls=parallel)

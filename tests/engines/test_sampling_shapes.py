@@ -1,13 +1,17 @@
-"""Penalties, logit_bias and logprobs in the engines' pick (engines/base.py ``Sampling``), on the
-torch and the MLX engine, solo and batched (each sequence its own settings).
+"""Penalties, logit_bias, top-k, min-p and logprobs in the engines' pick (engines/base.py
+``Sampling``), on the torch and the MLX engine, solo and batched (each sequence its own settings).
 
 The reference is transformers itself on the same tiny model in float32, computed here: each
 step's raw logits for the prompt and the tokens before it, shaped by OpenAI's definition
 (``logit - frequency * count - presence * (count > 0) + bias``, counts over the generated tokens
-only), the greedy token the largest of them; logprobs the log-softmax of the raw logits."""
+only) after transformers' own ``RepetitionPenaltyLogitsProcessor`` (over the prompt and the
+tokens generated), the greedy token the largest of them; logprobs the log-softmax of the raw
+logits."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 
 import pytest
 import torch
@@ -40,17 +44,24 @@ def reference(tiny_llama):
 
 def _decode(info, eng, sampling: Sampling, prompt: str = PROMPT, n: int = NEW):
     ids = encode_prompt(info, prompt, chat=False)
+    if sampling.repeats:  # the prompt's tokens count as seen (what the service gives)
+        sampling = dataclasses.replace(sampling, seen=tuple(ids))
     layers = eng.prefill(ids[:-1])
     out = eng.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=n, sampling=sampling,
                      stop_on_eos=False)
     return ids, out.token_ids
 
 
-def _reference_greedy(logits, ids: list[int], n: int, *, presence=0.0, frequency=0.0, bias=()) -> list[int]:
+def _reference_greedy(logits, ids: list[int], n: int, *, presence=0.0, frequency=0.0, bias=(),
+                      repetition=1.0) -> list[int]:
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     tokens: list[int] = []
     counts: dict[int, int] = {}
     for _ in range(n):
         row = logits(ids + tokens).clone()
+        if repetition != 1.0:
+            row = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([ids + tokens]), row[None, :])[0]
         for t, c in counts.items():
             row[t] -= frequency * c + presence * (1 if c > 0 else 0)
         for t, b in bias:
@@ -97,6 +108,47 @@ def test_penalties_and_bias_follow_openais_definition(engine, tiny_llama, refere
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_repetition_penalty_is_transformers(engine, tiny_llama, reference):
+    """Greedy under a repetition penalty is transformers' RepetitionPenaltyLogitsProcessor (the
+    prompt's tokens and the answer's so far seen: a positive logit divided by it, a negative one
+    multiplied), before the frequency penalty; and it changes the answer."""
+    eng = get_engine(engine, tiny_llama, dtype="float32", threads=1)
+    ids, plain = _decode(tiny_llama, eng, Sampling())
+    for kw in ({"repetition": 1.5}, {"repetition": 0.7}, {"repetition": 1.3, "frequency": 0.5}):
+        sampling = Sampling(repetition_penalty=kw["repetition"], frequency_penalty=kw.get("frequency", 0.0))
+        _, got = _decode(tiny_llama, eng, sampling)
+        want = _reference_greedy(reference, ids, NEW, **kw)
+        assert got == want, kw
+        if kw == {"repetition": 1.5}:
+            assert got != plain
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_top_k_and_min_p_keep_only_the_likely(engine, tiny_llama, reference):
+    """At temperature 2, every token picked under ``top_k`` k is among the k largest logits of its
+    step; under ``min_p`` m its probability (after temperature) is at least m times the top one's;
+    the same seeds without them pick tokens outside (the filter had an effect); ``top_k`` 1 is greedy."""
+    eng = get_engine(engine, tiny_llama, dtype="float32", threads=1)
+    ids, greedy = _decode(tiny_llama, eng, Sampling())
+    hot = 2.0
+    assert _decode(tiny_llama, eng, Sampling(temperature=hot, seed=3, top_k=1))[1] == greedy
+    outside = {"top_k": 0, "min_p": 0}
+    for seed in range(3):
+        for kw in ({"top_k": 3}, {"min_p": 0.3}, {}):
+            _, got = _decode(tiny_llama, eng, Sampling(temperature=hot, seed=seed, **kw))
+            for i, token in enumerate(got):
+                row = reference(ids + got[:i]) / hot
+                in_top_k = float(row[token]) >= float(torch.topk(row, 3).values[-1]) - 1e-5
+                above_min_p = float(row[token] - row.max()) >= math.log(0.3) - 1e-5
+                if kw:
+                    assert in_top_k if "top_k" in kw else above_min_p, (kw, seed, i)
+                else:
+                    outside["top_k"] += not in_top_k
+                    outside["min_p"] += not above_min_p
+    assert all(outside.values()), outside
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_same_seed_same_tokens(engine, tiny_llama):
     eng = get_engine(engine, tiny_llama, dtype="float32", threads=1)
     a = _decode(tiny_llama, eng, Sampling(temperature=1.0, seed=11))[1]
@@ -116,7 +168,8 @@ def test_batched_sequences_keep_their_own_settings(engine, tiny_llama):
     te = TurnEngine(batched, turns)
     settings = [{}, {"frequency_penalty": 1.5, "logprobs": 3}, {"presence_penalty": 1.0, "logprobs": 0},
                 {"logit_bias": ((77, 4.0), (901, 2.5))},
-                {"temperature": 0.8, "seed": 3, "frequency_penalty": 0.5, "logprobs": 2}]
+                {"temperature": 0.8, "seed": 3, "frequency_penalty": 0.5, "logprobs": 2},
+                {"repetition_penalty": 1.8}, {"repetition_penalty": 0.6, "logprobs": 1}, {"temperature": 1.5, "seed": 9, "top_k": 4, "min_p": 0.2, "top_p": 0.9}]
     prompts = [f"Sequence {i} asks about bridge {i * 11 + 2} over the grey river, and" for i in range(len(settings))]
     alone = []
     for p, kw in zip(prompts, settings):
@@ -131,7 +184,7 @@ def test_batched_sequences_keep_their_own_settings(engine, tiny_llama):
             ids = encode_prompt(tiny_llama, prompts[i], chat=False)
             layers = te.prefill(ids[:-1])
             r = te.decode(layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=12,
-                          sampling=Sampling(**settings[i], record=rec), stop_on_eos=False)
+                          sampling=Sampling(**settings[i], record=rec, seen=tuple(ids)), stop_on_eos=False)
             out[i] = (r.token_ids, rec, r.stats.get("batched"))
         except BaseException as exc:  # noqa: BLE001 - reported below
             out[i] = exc

@@ -1,8 +1,12 @@
-"""The field walk (issue #38, item 3): every top-level field of OpenAI's chat-completions and
-completions requests, taken from the installed ``openai`` package's own request types (a field a
-new client release adds shows up here), is either honoured by ``decode --serve`` (an assertion
-that it had its effect) or refused with 400 naming it (``param`` = the field). Nothing is
-accepted and ignored.
+"""The field walk (issues #38 and #49, item 3): every top-level field of OpenAI's chat-completions
+and completions requests, taken from the installed ``openai`` package's own request types (a
+field a new client release adds shows up here), and of Anthropic's Messages requests, taken
+from the installed ``anthropic`` package's, is either honoured by ``decode --serve`` (an
+assertion that it had its effect) or refused with 400 naming it (``param`` = the field on the
+OpenAI routes; the message names it in Anthropic's shape). So are the extensions every route
+takes (``top_k``, ``min_p``, ``repetition_penalty``: their exact rules are checked in
+test_serve_sampling.py); and a field no route knows (an invented name, another server's
+extension) is refused naming it. Nothing is accepted and ignored.
 
 A real server on 127.0.0.1 (torch, a tiny model, float32), the real ``openai`` client; every
 field is sent in the request body as the client would send it (``extra_body``, so the walk does
@@ -356,10 +360,179 @@ CHECKS: dict[str, dict[str, Callable[[Walk, str], None]]] = {
 }
 
 
+# ----------------------------------------------------------------------------- beyond the clients' fields
+def _top_k(w: Any, field: str) -> None:
+    """1: the most likely token only, so a hot sample is the greedy answer; 0 (and -1): off."""
+    greedy = w.text(w.ask(temperature=0, max_tokens=8))
+    assert all(w.text(w.ask(temperature=1.0, top_k=1, max_tokens=8, seed=s)) == greedy for s in range(3))
+    assert any(w.text(w.ask(temperature=1.0, top_k=0, max_tokens=8, seed=s)) != greedy for s in range(3))
+    if w.route != "messages":  # (the Messages API has no seed)
+        assert w.text(w.ask(temperature=1.0, top_k=-1, max_tokens=8, seed=0)) == \
+            w.text(w.ask(temperature=1.0, max_tokens=8, seed=0))
+    w.refused(field, -2)
+    w.refused(field, 1.5)
+
+
+def _min_p(w: Any, field: str) -> None:
+    """1: only tokens as likely as the most likely one stay, so a hot sample is the greedy answer."""
+    greedy = w.text(w.ask(temperature=0, max_tokens=8))
+    assert all(w.text(w.ask(temperature=1.0, min_p=1.0, max_tokens=8, seed=s)) == greedy for s in range(3))
+    assert any(w.text(w.ask(temperature=1.0, min_p=0.0, max_tokens=8, seed=s)) != greedy for s in range(3))
+    w.refused(field, 1.5)
+
+
+def _repetition_penalty(w: Any, field: str) -> None:
+    """2 changes the greedy answer (the prompt's tokens and the answer's own made less likely); 1 is none."""
+    plain = w.text(w.ask(max_tokens=8))
+    assert w.text(w.ask(max_tokens=8, repetition_penalty=2.0)) != plain
+    assert w.text(w.ask(max_tokens=8, repetition_penalty=1.0)) == plain
+    w.refused(field, 0)
+    w.refused(field, 2.5)
+
+
+EXTENSIONS: dict[str, Callable[[Any, str], None]] = {"top_k": _top_k, "min_p": _min_p,
+                                                     "repetition_penalty": _repetition_penalty}
+#: Fields no route of this server knows: invented, and other servers' extensions (vLLM's, TGI's).
+INVENTED = ["foo_bar", "max_new_tokens", "ignore_eos", "top_a", "chat_template_kwargs"]
+
+
+class MessagesWalk:
+    """``/v1/messages`` of the live server through the real ``anthropic`` client: ``ask(**fields)``
+    sends the base request (greedy, 6 tokens) with ``fields`` in the body."""
+
+    route = "messages"
+
+    def __init__(self, server: DecodeServer) -> None:
+        self.server = server
+        self.client = anthropic().Anthropic(base_url=f"http://{server.address}", api_key="unused", max_retries=0,
+                                            timeout=60)
+
+    def ask(self, *, stream: bool = False, **fields: Any) -> Any:
+        fields.pop("seed", None)  # the Messages API has none: the checks' samples are unseeded here
+        body = {"model": "default", "max_tokens": 6, "messages": CHAT, "temperature": 0, **fields}
+        return self.client.messages.create(model=body.pop("model"), max_tokens=body.pop("max_tokens"),
+                                           messages=body.pop("messages"), stream=stream, extra_body=body)
+
+    def text(self, m: Any) -> str:
+        return "".join(b.text for b in m.content if b.type == "text")
+
+    def refused(self, field: str, value: Any, *, also: tuple[str, ...] = ()) -> None:
+        with pytest.raises(anthropic().BadRequestError) as err:
+            self.ask(**{field: value})
+        body = err.value.body
+        assert err.value.status_code == 400 and body["type"] == "error", body
+        assert body["error"]["type"] == "invalid_request_error", body
+        assert any(name in body["error"]["message"] for name in (field, *also)), body
+
+
+def anthropic() -> Any:
+    return pytest.importorskip("anthropic")
+
+
+def messages_fields() -> list[str]:
+    anthropic()
+    from anthropic.types.message_create_params import MessageCreateParamsNonStreaming, MessageCreateParamsStreaming
+
+    return sorted(set(MessageCreateParamsNonStreaming.__annotations__) |
+                  set(MessageCreateParamsStreaming.__annotations__))
+
+
+def _m_max_tokens(w: MessagesWalk, field: str) -> None:
+    m = w.ask(max_tokens=3)
+    assert m.usage.output_tokens <= 3 and (m.usage.output_tokens == 3) == (m.stop_reason == "max_tokens")
+    w.refused(field, 0)
+
+
+def _m_messages(w: MessagesWalk, field: str) -> None:
+    short = w.ask().usage.input_tokens
+    longer = w.ask(messages=[{"role": "user", "content": CHAT[0]["content"] + " And what would it cost the town?"}])
+    assert longer.usage.input_tokens > short
+    w.refused(field, [])
+
+
+def _m_system(w: MessagesWalk, field: str) -> None:
+    assert w.ask(system="Answer briefly.").usage.input_tokens > w.ask().usage.input_tokens
+    w.refused(field, 5)
+
+
+def _m_model(w: MessagesWalk, field: str) -> None:
+    assert w.ask(model="default").content is not None
+    with pytest.raises(anthropic().NotFoundError):
+        w.ask(model="another-model")
+
+
+def _m_stop_sequences(w: MessagesWalk, field: str) -> None:
+    whole = w.text(w.ask(max_tokens=12))
+    cut = next(i for i in range(len(whole) // 2, len(whole)) if whole[i:i + 2].strip() and whole.find(whole[i:i + 2]) == i)
+    m = w.ask(max_tokens=12, stop_sequences=[whole[cut:cut + 2]])
+    assert w.text(m) == whole[:cut] and m.stop_reason == "stop_sequence" and m.stop_sequence == whole[cut:cut + 2]
+    w.refused(field, [""])
+
+
+def _m_stream(w: MessagesWalk, field: str) -> None:
+    whole = w.text(w.ask())
+    events = list(w.ask(stream=True))
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta") \
+        == whole and events[-1].type == "message_stop"
+    w.refused(field, "yes")
+
+
+def _m_metadata(w: MessagesWalk, field: str) -> None:
+    assert w.text(w.ask(metadata={"user_id": "u1"})) == w.text(w.ask())  # accepted: it changes nothing
+    w.refused(field, {"user_id": "u1", "other": 1})
+
+
+A_TOOLS = [{"name": "where", "input_schema": {"type": "object", "properties": {}}}]
+
+
+def _m_tools_or_choice(good: dict[str, Any], bad: dict[str, Any]) -> Callable[[MessagesWalk, str], None]:
+    """Refused naming it (or the tools: this tiny model's template cannot take them); or read, a
+    malformed value refused naming it (their behaviour: test_serve_messages.py)."""
+    def check(w: MessagesWalk, field: str) -> None:
+        try:
+            w.ask(**good)
+        except anthropic().BadRequestError as err:
+            assert field in err.body["error"]["message"] or "tools" in err.body["error"]["message"], err.body
+            return
+        with pytest.raises(anthropic().BadRequestError) as err:
+            w.ask(**bad)
+        assert field in err.value.body["error"]["message"], err.value.body
+    return check
+
+
+def _m_refused(value: Any) -> Callable[[MessagesWalk, str], None]:
+    return lambda w, field: w.refused(field, value)
+
+
+MESSAGES_CHECKS: dict[str, Callable[[MessagesWalk, str], None]] = {
+    "cache_control": _m_refused({"type": "ephemeral"}),
+    "container": _m_refused("container_1"),
+    "diagnostics": _m_refused({}),
+    "inference_geo": _m_refused("us"),
+    "max_tokens": _m_max_tokens,
+    "messages": _m_messages,
+    "metadata": _m_metadata,
+    "model": _m_model,
+    "output_config": _m_refused({"effort": "low"}),
+    "service_tier": _m_refused("auto"),
+    "speed": _m_refused("fast"),
+    "stop_sequences": _m_stop_sequences,
+    "stream": _m_stream,
+    "system": _m_system,
+    "thinking": _m_refused({"type": "enabled", "budget_tokens": 1024}),
+    "tool_choice": _m_tools_or_choice({"tools": A_TOOLS, "tool_choice": {"type": "auto"}},
+                                      {"tools": A_TOOLS, "tool_choice": {"type": "sometimes"}}),
+    "tools": _m_tools_or_choice({"tools": A_TOOLS}, {"tools": [{"name": "x", "input_schema": {"type": "array"}}]}),
+    "user_profile_id": _m_refused("p1"),
+    "workspace_id": _m_refused("w1"),
+}
+
+
 def test_the_table_covers_the_clients_fields():
     """Every field of the installed client's request types has its check (a new one: decide it)."""
     assert sorted(CHECKS["chat"]) == chat_fields()
     assert sorted(CHECKS["completion"]) == completion_fields()
+    assert sorted(MESSAGES_CHECKS) == messages_fields()
 
 
 @pytest.mark.parametrize("route, field", [("chat", f) for f in chat_fields()] +
@@ -368,3 +541,24 @@ def test_each_field_is_honoured_or_refused(server, tiny_llama, route, field):
     check = CHECKS[route].get(field)
     assert check is not None, f"{route} field {field!r} (new in this openai release?) has no check: decide it"
     check(Walk(server, route, tiny_llama), field)
+
+
+@pytest.mark.parametrize("field", messages_fields() if __import__("importlib").util.find_spec("anthropic") else [])
+def test_each_messages_field_is_honoured_or_refused(server, field):
+    check = MESSAGES_CHECKS.get(field)
+    assert check is not None, f"messages field {field!r} (new in this anthropic release?) has no check: decide it"
+    check(MessagesWalk(server), field)
+
+
+@pytest.mark.parametrize("route, field", [(r, f) for r in ("chat", "completion", "messages") for f in EXTENSIONS])
+def test_each_extension_is_honoured_on_every_route(server, tiny_llama, route, field):
+    w = MessagesWalk(server) if route == "messages" else Walk(server, route, tiny_llama)
+    EXTENSIONS[field](w, field)
+
+
+@pytest.mark.parametrize("route", ["chat", "completion", "messages"])
+def test_a_field_no_route_knows_is_refused_naming_it(server, tiny_llama, route):
+    w = MessagesWalk(server) if route == "messages" else Walk(server, route, tiny_llama)
+    for name in INVENTED:
+        w.refused(name, 1)
+    w.refused("foo_bar", None)  # even null: a key the route does not read

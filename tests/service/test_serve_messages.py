@@ -216,8 +216,8 @@ def test_refusals_are_400_in_anthropics_shape(server):
     assert exc.value.status_code == 400 and exc.value.body["type"] == "error"
     assert exc.value.body["error"]["type"] == "invalid_request_error" and "frobnicate" in exc.value.body["error"][
         "message"]
-    with pytest.raises(anthropic.BadRequestError, match="top_k is not supported"):
-        client.messages.create(model="default", max_tokens=8, messages=ASK, extra_body={"top_k": 5})
+    with pytest.raises(anthropic.BadRequestError, match="top_k must be an integer"):  # read (honoured: test_serve_fields)
+        client.messages.create(model="default", max_tokens=8, messages=ASK, extra_body={"top_k": -5})
     for body, words in [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "type 'image'"),
         ({"messages": [{"role": "system", "content": "x"}]}, "'user' or 'assistant'"),

@@ -1,5 +1,6 @@
 """``decode --serve`` honours logprobs / top_logprobs, ``n``, ``seed``, ``presence_penalty``,
-``frequency_penalty`` and ``logit_bias`` (issue #38, item 3): a real server on 127.0.0.1, the
+``frequency_penalty`` and ``logit_bias`` (issue #38, item 3), and the extensions ``top_k``,
+``min_p`` and ``repetition_penalty`` (issue #49, item 3): a real server on 127.0.0.1, the
 real ``openai`` client, the torch and the MLX engine, a tiny model in float32.
 
 The truth is computed here with transformers on the same model: each step's raw logits for the
@@ -7,6 +8,8 @@ prompt and the tokens before it; the logprobs the server gives are their log-sof
 1e-4), the greedy token the largest logit after OpenAI's penalties and bias."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -217,3 +220,59 @@ def test_logit_bias_plus_100_makes_the_output(server, tiny_llama):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="default", prompt=PROMPT, max_tokens=2, logit_bias={"100000": 5})
     assert err.value.body["param"] == "logit_bias" and "100000" in err.value.body["message"]
+
+
+# ----------------------------------------------------------------------------- top_k, min_p, repetition_penalty
+def test_repetition_penalty_is_transformers(server, tiny_llama, truth):
+    """``repetition_penalty`` (an extension, in the body) is transformers' rule: greedy picks the
+    largest logit after RepetitionPenaltyLogitsProcessor over the prompt and the answer so far,
+    on both routes; a penalty changes the plain answer."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    def want(ids: list[int], penalty: float) -> list[int]:
+        tokens: list[int] = []
+        for _ in range(NEW):
+            row = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids + tokens]), truth(ids + tokens)[None])[0]
+            tokens.append(int(torch.argmax(row)))
+            if tokens[-1] in tiny_llama.eos_token_ids:
+                break
+        return tokens
+
+    client = server.client()
+    ids = encode_prompt(tiny_llama, PROMPT, chat=False)
+    for penalty in (1.6, 0.8):
+        r = client.completions.create(model="default", prompt=PROMPT, max_tokens=NEW, temperature=0, logprobs=0,
+                                      extra_body={"repetition_penalty": penalty})
+        assert r.choices[0].logprobs.tokens == [text_of(tiny_llama, t) for t in want(ids, penalty)], penalty
+    assert want(ids, 1.6) != reference(tiny_llama, truth, ids, NEW)
+    ids = encode_prompt(tiny_llama, CHAT, chat=True)
+    r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW, temperature=0, logprobs=True,
+                                       extra_body={"repetition_penalty": 1.6})
+    assert [c.token for c in r.choices[0].logprobs.content] == [text_of(tiny_llama, t) for t in want(ids, 1.6)]
+
+
+def _picks(server, seed: int, **body) -> list[tuple[float, list[float]]]:
+    """A hot sampled chat answer's picks: (its logprob, the step's 5 largest logprobs)."""
+    r = server.client().chat.completions.create(model="default", messages=CHAT, max_tokens=NEW, temperature=2.0,
+                                               seed=seed, logprobs=True, top_logprobs=5, extra_body=body)
+    return [(c.logprob, [t.logprob for t in c.top_logprobs]) for c in r.choices[0].logprobs.content]
+
+
+def test_top_k_and_min_p_keep_only_the_likely(server):
+    """``top_k`` k: every pick is among the k most likely tokens of its step (the model's own
+    logprobs say which); ``min_p`` m: every pick's probability at the request's temperature is at
+    least m times the most likely one's; the same seeds without them pick outside (each had an
+    effect); ``top_k`` 1 is the greedy answer."""
+    client = server.client()
+    greedy = client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW, temperature=0)
+    hot_k1 = client.chat.completions.create(model="default", messages=CHAT, max_tokens=NEW, temperature=2.0, seed=1,
+                                            extra_body={"top_k": 1})
+    assert hot_k1.choices[0].message.content == greedy.choices[0].message.content
+    missed = {"top_k": 0, "min_p": 0}
+    for seed in range(3):
+        assert all(lp >= tops[2] - 1e-5 for lp, tops in _picks(server, seed, top_k=3)), seed
+        assert all((lp - tops[0]) / 2.0 >= math.log(0.3) - 1e-5 for lp, tops in _picks(server, seed, min_p=0.3)), seed
+        for lp, tops in _picks(server, seed):
+            missed["top_k"] += lp < tops[2] - 1e-5
+            missed["min_p"] += (lp - tops[0]) / 2.0 < math.log(0.3) - 1e-5
+    assert all(missed.values()), missed

@@ -22,7 +22,8 @@ class Entry:
 
     caches: list[Any]  # mlx-lm caches, one per layer, holding every row before ``first``
     first: Any  # (1,) the token its own first step picked (not yet in its caches)
-    pick: Callable[[Any], Any] | None  # log-probabilities (1, vocab) -> (1,); None: plain greedy
+    pick: Callable[[Any], Any] | None  # log-probabilities (1, vocab) -> (1,); None: plain greedy. Its
+    # ``processors`` (if any) are mlx-lm logits processors the batch runs on its raw logits first.
     max_tokens: int  # tokens to give out after ``first``
     eos: tuple[int, ...]
 
@@ -75,7 +76,8 @@ class MlxBatch:
         fresh = self._gen_batch(
             self._model, uids, self._mx.concatenate([e.first for e in entries]), caches,
             tokens=[[] for _ in entries], samplers=[e.pick for e in entries], fallback_sampler=self._greedy,
-            logits_processors=[[] for _ in entries], stop_sequences=[self._stops([[t] for t in e.eos]) for e in entries],
+            logits_processors=[list(getattr(e.pick, "processors", None) or []) for e in entries],
+            stop_sequences=[self._stops([[t] for t in e.eos]) for e in entries],
             max_tokens=[e.max_tokens for e in entries])
         if self._batch is None or not len(self._batch):
             self._batch = fresh

@@ -1,10 +1,12 @@
-"""The MLX engine's token picker: greedy, or temperature + top-p with a seeded key (the torch
-engine's rule, on mlx arrays), after the penalties and the bias of :class:`Sampling`, with its
-logprob record. Takes ``mlx.core`` as an argument: importing this module imports no MLX."""
+"""The MLX engine's token picker: greedy, or temperature + top-k, top-p and min-p with a seeded
+key (the torch engine's rule, on mlx arrays), after the penalties and the bias of
+:class:`Sampling`, with its logprob record. Takes ``mlx.core`` as an argument: importing this
+module imports no MLX."""
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 from typing import Any, Callable
 
@@ -12,7 +14,8 @@ from muser_cli.engines.base import Sampling
 
 
 def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
-    """Greedy (temperature 0) or temperature + top-p with a seeded key: logits (1, vocab) -> (1,).
+    """Greedy (temperature 0) or temperature, top-k, top-p and min-p (:class:`Sampling`'s rule)
+    with a seeded key: logits (1, vocab) -> (1,).
 
     Everything stays lazy (mlx-lm's batch computes a step ahead): the penalty counts are an array
     updated with each pick, and each pick's log-probabilities wait in ``pick.pending`` until
@@ -25,10 +28,12 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
     first reads the token the previous call picked (evaluating it), advances the matcher with it,
     then masks the shaped logits (after penalties and bias, before temperature and top-p)."""
     temperature, top_p = float(sampling.temperature), float(sampling.top_p)
+    top_k, min_p = int(sampling.top_k), float(sampling.min_p)
     penalised = bool(sampling.presence_penalty or sampling.frequency_penalty)
+    repeats, penalty = sampling.repeats, float(sampling.repetition_penalty)
     k = sampling.logprobs
     record = sampling.record if k is not None else None
-    state: dict[str, Any] = {"counts": None}
+    state: dict[str, Any] = {"counts": None, "seen": None}
     if temperature > 0:
         seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
         state["key"] = mx.random.key(int(seed))
@@ -44,20 +49,43 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
             return mx.argmax(scaled, axis=-1)
         state["key"], sub = mx.random.split(state["key"])
         scaled = scaled.astype(mx.float32) / temperature
-        if top_p >= 1.0:
+        if not sampling.filters:
             return mx.random.categorical(scaled, key=sub)
         order = mx.argsort(-scaled, axis=-1)  # (1, vocab), most likely first
         ranked = mx.take_along_axis(scaled, order, axis=-1)
-        probs = mx.softmax(ranked, axis=-1)
-        before = mx.cumsum(probs, axis=-1) - probs  # mass ahead of each token; the top one always stays
-        ranked = mx.where(before >= top_p, -mx.inf, ranked)
+        if 0 < top_k < ranked.shape[-1]:  # the k largest stay, and any tied with the k-th
+            ranked = mx.where(ranked < ranked[:, top_k - 1:top_k], -mx.inf, ranked)
+        if top_p < 1.0:
+            probs = mx.softmax(ranked, axis=-1)  # over what top-k left
+            before = mx.cumsum(probs, axis=-1) - probs  # mass ahead of each token; the top one always stays
+            ranked = mx.where(before >= top_p, -mx.inf, ranked)
+        if min_p > 0.0:  # probability below min_p x the top one's: its logit below the top's + log(min_p)
+            ranked = mx.where(ranked < ranked[:, :1] + math.log(min_p), -mx.inf, ranked)
         choice = mx.random.categorical(ranked, key=sub)
         return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
+    def keep_raw(tokens: Any, logits: Any) -> Any:
+        """mlx-lm's generation batch gives its samplers log-probabilities, not logits: the same
+        pick for everything but a repetition penalty, which divides positive logits. So with one,
+        this logits processor (the batch runs it first) hands the step's raw logits to the pick."""
+        state["raw"] = logits
+        return logits
+
     def pick(logits: Any) -> Any:
+        raw_logits = state.pop("raw", None)
+        if raw_logits is not None:
+            logits = raw_logits
         shaped = logits
-        if penalised or bias is not None:
+        if repeats and state["seen"] is None:
+            vocab = logits.shape[-1]
+            seen = mx.zeros((vocab,), dtype=mx.bool_)
+            ids = [t for t in sampling.seen if 0 <= t < vocab]
+            state["seen"] = seen.at[mx.array(ids, dtype=mx.int32)].add(True) if ids else seen
+        if penalised or bias is not None or repeats:
             shaped = logits.astype(mx.float32)
+            if repeats:
+                seen = state["seen"][None, :]
+                shaped = mx.where(seen, mx.where(shaped > 0, shaped / penalty, shaped * penalty), shaped)
             if state["counts"] is not None:
                 counts = state["counts"]
                 shaped = shaped - (sampling.frequency_penalty * counts
@@ -75,6 +103,8 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         token = choose(shaped)
         if matcher is not None:
             state["last"] = token
+        if repeats:
+            state["seen"] = state["seen"].at[token].add(True)
         if penalised:
             counts = state["counts"]
             if counts is None:
@@ -100,11 +130,12 @@ def sampler(mx: Any, sampling: Sampling) -> Callable[[Any], Any]:
         record.append((float(chosen.item()), list(zip(top.tolist(), values.tolist())) if top is not None else []))
 
     def carried() -> list:
-        out = [state[key] for key in ("key", "counts", "last") if state.get(key) is not None]
+        out = [state[key] for key in ("key", "counts", "seen", "last") if state.get(key) is not None]
         for chosen, top, values in pending:
             out.extend(a for a in (chosen, top, values) if a is not None)
         return out
 
+    pick.processors = [keep_raw] if repeats else []  # type: ignore[attr-defined]
     pick.state = carried  # type: ignore[attr-defined]
     pick.emit = emit  # type: ignore[attr-defined]
     pick.pending = pending  # type: ignore[attr-defined]

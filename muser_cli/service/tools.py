@@ -139,13 +139,16 @@ class ToolPlan:
 def plan_tools(ask: Ask, template: str | None) -> ToolPlan:
     """The plan of ``ask`` for a model whose chat template's text is ``template``. Tools with
     ``tool_choice`` ``"none"`` are not rendered (the model is not told of them, nothing is parsed).
-    A template that writes no call format this server parses is a 400 naming it."""
+    A template that writes no call format this server parses is a 400 naming it; a model with no
+    chat template at all takes no chat (a 400 that says what to do instead)."""
+    if not template:
+        raise ApiError(400, "the model has no chat template (its files carry none: `muser model check` says so), so "
+                            "no conversation can be rendered for it: send the text as the model expects it to "
+                            "/v1/completions, or serve a model whose files carry a chat template", param="messages")
     fmt = tool_format(template)
     turns = template_turns(fmt, ask.prompt) if isinstance(ask.prompt, list) else ask.prompt
     if not ask.tools or ask.tool_choice == "none":
         return ToolPlan(turns=turns)
-    if not template:
-        raise ApiError(400, "the model has no chat template: tools cannot be offered to it", param="tools")
     if fmt is None:
         raise ApiError(400, "the model's chat template writes tool calls in no format this server reads "
                             "(<tool_call> JSON, Llama 3 JSON, [TOOL_CALLS]); tools cannot be used with it",

@@ -6,6 +6,8 @@ too (its shape); a completion answers. Kept cheap: a few tokens."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from serve_kit import DecodeServer  # first: the module skipped without the serve extra
@@ -35,6 +37,9 @@ def test_gemma3_270m_completes_and_refuses_chat_saying_what_to_do(tmp_path, shar
                        json={"model": "default", "max_tokens": 2, "messages": CHAT})
         assert m.status_code == 400 and m.json()["type"] == "error", m.text
         assert "no chat template" in m.json()["error"]["message"]
+        deadline = time.monotonic() + HANG_S  # the log lines come through the server's stderr, read on a thread
+        while len([r for r in server.records() if r.get("status") == 400]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         refused = [r for r in server.records() if r.get("status") == 400]
         assert len(refused) == 2 and all("no chat template" in r["reason"] for r in refused), refused
     finally:

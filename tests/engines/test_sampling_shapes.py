@@ -201,3 +201,37 @@ def test_batched_sequences_keep_their_own_settings(engine, tiny_llama):
         assert len(got_rec) == len(rec), i
         for (lp, top), (glp, gtop) in zip(rec, got_rec):
             assert abs(lp - glp) < 1e-4 and [t for t, _ in top] == [t for t, _ in gtop], i
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_repetition_penalty_holds_in_the_batch(engine, tiny_llama):
+    """mlx-lm's generation batch hands a sequence's picker log-probabilities, not logits: a
+    repetition penalty (not shift-invariant) on them would pick other tokens than alone (it did,
+    before the picker took the raw logits through a logits processor). Batched = solo, three
+    sequences below 1 (repeats made more likely, where the two readings part soonest)."""
+    solo = get_engine(engine, tiny_llama, dtype="float32", threads=1)
+    batched = get_engine(engine, tiny_llama, dtype="float32", threads=1)
+    turns = Turns()
+    batched.batch_decode(turns)
+    te = TurnEngine(batched, turns)
+    prompts = [f"Sequence {i} asks about bridge {i * 11 + 2} over the grey river, and" for i in range(3)]
+    out: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        turns.join()
+        try:
+            ids = encode_prompt(tiny_llama, prompts[i], chat=False)
+            r = te.decode(te.prefill(ids[:-1]), rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=12,
+                          sampling=Sampling(repetition_penalty=0.6, seen=tuple(ids)), stop_on_eos=False)
+            out[i] = (r.token_ids, r.stats.get("batched"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[i] = exc
+        finally:
+            turns.leave()
+
+    run_queued_together(turns, len(prompts), one)
+    batched.close()
+    assert not any(isinstance(o, BaseException) for o in out), out
+    for i, p in enumerate(prompts):
+        assert out[i][1], i
+        assert out[i][0] == _decode(tiny_llama, solo, Sampling(repetition_penalty=0.6), p, n=12)[1], i

@@ -264,6 +264,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def spread_ids(vocab: int, n: int) -> list[int]:
+    """``n`` token ids spread over a vocabulary of ``vocab`` (a warm-up's or a calibration's
+    prompt: no tokenizer, and any ids run the same kernels)."""
+    vocab = max(2, vocab)
+    return [(7 + 7919 * k) % vocab for k in range(n)]
+
+
 def cost_key(model_fingerprint: str, engine: str, dtype: str, threads: int) -> str:
     """The key of what one side measured: model, engine, dtype, threads and :func:`machine_key`."""
     raw = f"{model_fingerprint}|{engine}|{dtype}|{threads}|{machine_key(engine)}"
@@ -301,4 +308,4 @@ def save_curve(curve: CostCurve, path: Path, key: str) -> None:
 
 
 __all__ = ["COLD_TPS", "CostCurve", "MAX_AGE_S", "RATE_POINTS", "cost_key", "cpu_name", "engine_version", "fit_curve",
-           "load_curve", "machine_key", "save_curve"]
+           "load_curve", "machine_key", "save_curve", "spread_ids"]

@@ -156,6 +156,7 @@ MAY_IMPORT = {
     "errors": set(), "about": set(), "units": set(),
     "strict": {"errors"}, "threads": {"errors"}, "paths": {"errors"}, "fsio": {"errors"},
     "kvpack": {"errors", "strict", "threads"},
+    "costcurve": set(),
     "model": {"kvpack", "errors", "fsio", "paths"},
     "schedule": {"kvpack", "model", "about", "units", "errors"},
     "engines": {"kvpack", "model", "schedule", "errors"},
@@ -166,11 +167,12 @@ MAY_IMPORT = {
     "produce": {"engines", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
     "handoff": {"kvpack", "fsio", "paths", "strict", "errors"},
     "consumer": {"handoff", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "about", "paths",
-                 "strict", "errors"},
+                 "strict", "costcurve", "errors"},
     "pulllane": {"consumer", "handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule",
-                 "paths", "strict", "errors"},
+                 "paths", "strict", "costcurve", "errors"},
     "batch": {"consumer", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict", "errors"},
-    "service": {"batch", "consumer", "pulllane", "handoff", "engines", "model", "schedule", "units", "errors"},
+    "service": {"batch", "consumer", "pulllane", "handoff", "engines", "model", "schedule", "units", "costcurve",
+                "errors"},
 }
 MAY_IMPORT["bench"] = set(MAY_IMPORT) - {"bench", "service", "batch"}
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
-from muser_cli.costcurve import CostCurve, cost_key, load_curve, save_curve
+from muser_cli.costcurve import CostCurve, cost_key, load_curve, save_curve, spread_ids
 from muser_cli.engines.registry import get_engine
 from muser_cli.errors import ConfigError, DataError, MuserError, UsageError
 from muser_cli.handoff.api import ledger_dir
@@ -49,8 +49,7 @@ CALIBRATE_TOKENS = (DEFAULT_CHUNK_TOKENS + 1,)
 
 def warm_ids(vocab: int, n: int = WARM_TOKENS) -> list[int]:
     """``n`` token ids spread over the vocabulary (no tokenizer: any ids run the same kernels)."""
-    vocab = max(2, vocab)
-    return [(7 + 7919 * k) % vocab for k in range(n)]
+    return spread_ids(vocab, n)
 
 
 class _Batcher:

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Callable
 
 from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, route, route_fields
 from muser_cli.consumer.decode import Extra, decode
+from muser_cli.costcurve import spread_ids
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.memory import Held, TurnMemory
 from muser_cli.consumer.pool import ProducerPool, about_the_job
@@ -52,15 +53,42 @@ class _Stop(Exception):
 
 @dataclass(eq=False)  # a job is itself: equal only to itself, hashable
 class Job:
+    """One request for the worker. ``emit(kind, payload)`` tells its client; after its last
+    event (``done`` or ``error``) nothing more is told, so a job the server ended itself
+    (:meth:`cut_off`) says nothing after its error, whatever its thread still finishes."""
+
     ask: Ask
     emit: Emit
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     state: Any = None  # the running request's _RunState
     looked: float | None = None  # when the service last looked whether its client is still there
+    cut: ApiError | None = None  # the error the server ended it with as it shut down (:meth:`cut_off`)
+
+    def __post_init__(self) -> None:
+        self._tell, self._over, self._said = self.emit, False, threading.Lock()
+        self.emit = self._emit_once
+
+    def _emit_once(self, kind: str, payload: Any) -> None:
+        with self._said:
+            if self._over:
+                return
+            self._over = kind in ("done", "error")
+            self._tell(kind, payload)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def cut_off(self, error: ApiError) -> bool:
+        """The server ends this job itself (it shuts down): its client is told ``error`` now,
+        its thread stops at its next token. False: its answer was already given."""
+        with self._said:
+            if self._over:
+                return False
+            self.cut, self._over = error, True
+            self.cancelled.set()
+            self._tell("error", error)
+            return True
 
 
 class QueueFull(ApiError):
@@ -73,6 +101,15 @@ class Draining(ApiError):
     def __init__(self) -> None:
         super().__init__(503, "the server is shutting down and takes no new requests", type="server_error",
                          code="draining")
+
+
+class ShutDown(ApiError):
+    """A request the server ended itself as it stopped (:meth:`EngineWorker.cut`): its drain's
+    bound passed, or a second signal came, before its answer was finished."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(503, f"the server is shutting down and ended this request before its answer was "
+                              f"finished ({why}); send it again", type="server_error", code="shut_down")
 
 
 class _Counting:
@@ -185,14 +222,12 @@ class EngineWorker:
         local path is then predicted from this machine's own measurements from the first request
         on). Skipped when what this machine kept (the cost file) is calibrated already.
         ``{"calibrate_s", "calibration": [[tokens, seconds], ...]}``."""
-        from muser_cli.pulllane.producer import warm_ids  # token ids spread over the vocabulary
-
         if self.costs.local.calibrated:
             return {"calibrate_s": 0.0, "calibration": [], "calibration_kept": True}
         c, t0, measured = self.config, time.perf_counter(), []
         top = self.info.max_positions - 1
         for n in sorted({min(n, top) for n in (CALIBRATE_SHORT, max(self.chunk + 1, CALIBRATE_LONG)) if min(n, top) >= 2}):
-            ids = warm_ids(self.info.vocab_size or 2, n)
+            ids = spread_ids(self.info.vocab_size or 2, n)
             out = decode(None, model=c.model, prompt="", chat=False, max_new_tokens=1, engine=c.engine,
                          dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="calibration",
                          reuse=False, store=False, resident=self.engine.inner, prompt_ids=ids, info=self.info)
@@ -238,6 +273,20 @@ class EngineWorker:
                     return False
                 self._cv.wait(left if left is not None else 1.0)
         return True
+
+    def cut(self, error: ApiError) -> list[Job]:
+        """Shutting down: every waiting and running job ended now with ``error`` (its client's
+        answer: a 503, or a stream's error event), new ones refused; the running ones stop at
+        their next token. The jobs cut (those whose answer was not given already)."""
+        with self._cv:
+            self.draining = True
+            jobs = list(self._waiting) + list(self._running)
+            for job in self._waiting:
+                self.backlog.finish(job)
+            self._waiting.clear()
+            self._gauges()
+            self._cv.notify_all()
+        return [job for job in jobs if job.cut_off(error)]
 
     def close(self) -> None:
         with self._cv:
@@ -559,10 +608,11 @@ class EngineWorker:
             s["budget_error"] = f"{type(exc).__name__}: {exc}"
         m = self.metrics
         gone = s.get("finish_reason") == "cancelled"  # its client went away while it ran
-        self.log({"event": "request", "status": 499 if gone else 200,
-                  **({"reason": "the client went away while its answer was made"} if gone else {}),
-                  **{k: v for k, v in s.items() if k not in ("text", "choices")},
-                  **({"user": state.job.ask.user} if state.job.ask.user is not None else {})})
+        if state.job.cut is None:  # one the server cut as it shut down: the service logs its line
+            self.log({"event": "request", "status": 499 if gone else 200,
+                      **({"reason": "the client went away while its answer was made"} if gone else {}),
+                      **{k: v for k, v in s.items() if k not in ("text", "choices")},
+                      **({"user": state.job.ask.user} if state.job.ask.user is not None else {})})
         if s.get("store_problems") and not self._store_warned:  # once: every answer's line says it too
             self._store_warned = True
             self.log({"event": "warning", "warning": f"the store could not keep an answer's rows "
@@ -763,4 +813,4 @@ class _Choice:
             self.job.emit("text", self.piece(tail))
 
 
-__all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull"]
+__all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull", "ShutDown"]

@@ -184,7 +184,7 @@ ENVIRONMENT = [
      "`fastest`"),
     ("MUSER_EXPLORE", "How often the route (`MUSER_ROUTE=fastest`) takes the path predicted slower to measure it "
      "(issue #47, docs/pull-lane.md \"Corrected by measurement\"): one in N of the requests where the two paths are "
-     "predicted within 1.5x (4x where the slower one was never measured at that depth), prompts of 256 rows or more; "
+     "predicted within 1.25x (4x where the slower one was never measured at that depth), prompts of 256 rows or more; "
      "`0` never. `route.explore` says when it did.", "`8`"),
     ("MUSER_MLX_BLAS", "Which BLAS MLX's CPU matmuls use on Linux, loaded before MLX: `auto`, `mkl`, "
      "`openblas`, `reference` (the slow one bundled with `mlx[cpu]`) or a path to a library exporting "

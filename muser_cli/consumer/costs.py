@@ -18,7 +18,7 @@ gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_
 ``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
 ``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given and the
 rows are not all held) and the budget to ask with. A path never taken is never measured: the
-route explores (:data:`EXPLORE_EVERY`) -- it takes the path predicted slower now and then when
+route explores (:data:`EXPLORE_EVERY`) -- it takes the path predicted slower once in N times when
 the two are within :data:`EXPLORE_FACTOR` of each other or the slower one was never measured at
 that depth, and says so (``route.explore``). :func:`budget_split` divides one answer's TTFT into its components.
 
@@ -70,7 +70,7 @@ ALPHA = 0.3  # weight of a new measurement in an average
 #: within a factor of :data:`EXPLORE_FACTOR` of the faster (or within :data:`EXPLORE_UNMEASURED`
 #: where it was never measured at that depth); ``MUSER_EXPLORE=0`` turns it off, ``=N`` sets N.
 EXPLORE_EVERY = 8
-EXPLORE_FACTOR = 1.5
+EXPLORE_FACTOR = 1.25  # the budget's own headroom (a quarter): an exploration costs no more than a miss
 EXPLORE_UNMEASURED = 4.0
 EXPLORE_ENV = "MUSER_EXPLORE"
 #: Prompts shorter than this many rows are never explored on (a short prompt stays local).
@@ -409,6 +409,7 @@ class CostModel:
     # -------------------------------------------------------------- keeping
     def to_json(self) -> dict[str, Any]:
         return {"v": 2, "key": self.key, "saved_at": round(time.time(), 3), "local": self.local.to_json(),
+                "explore_n": self._explore_n,
                 "install_s_per_row": self.install_spr, "gate_s": self.gate_s, "first_step_s": self.first_step_s,
                 "connect_s": self.connect_s, "link_Bps": self.link_Bps, "row_bytes": self.row_bytes,
                 "step_s": self.step_s,
@@ -428,6 +429,8 @@ class CostModel:
             return
         self.saved_at = float(saved)
         self.local.load_json(obj.get("local"))
+        if type(obj.get("explore_n")) is int and obj["explore_n"] >= 0:
+            self._explore_n = obj["explore_n"]
         for name in ("install_spr", "gate_s", "first_step_s", "connect_s", "link_Bps", "row_bytes", "step_s"):
             key = "install_s_per_row" if name == "install_spr" else name
             v = obj.get(key)
@@ -513,7 +516,7 @@ def _explore(costs: CostModel, got: dict[str, Any], *, rows: int, producer: str,
     where the two are predicted within :data:`EXPLORE_FACTOR` of each other (within
     :data:`EXPLORE_UNMEASURED` where the slower was never measured at this depth: no pack that
     deep from that producer, no local prefill that deep), once in :func:`explore_every` such
-    requests (the first of them included)."""
+    requests (the N-th, 2N-th, ... of them: a first request follows the prediction)."""
     every = explore_every()
     view = costs.producers.get(producer)
     if not every or rows < EXPLORE_MIN_ROWS or view is None or not got["known"] or not got["calibrated"]:
@@ -525,9 +528,9 @@ def _explore(costs: CostModel, got: dict[str, Any], *, rows: int, producer: str,
     if slower > faster * (EXPLORE_UNMEASURED if unmeasured else EXPLORE_FACTOR):
         return None
     with costs._lock:
-        costs._explore_n += 1
+        costs._explore_n += 1  # kept in the cost file: one-shot commands count across runs
         n = costs._explore_n
-    if (n - 1) % every:
+    if n % every:
         return None
     return "local" if ask else "producer"
 

@@ -125,6 +125,11 @@ def main() -> int:
     from muser_cli.bench.agent import wait_url
     from muser_cli.bench.common import pinning, resolve_bench_model
     from muser_cli.bench.loopback import MUSER, drain_in_background, make_nodes, node_env, wait_listening
+    from muser_cli.paths import models_dir
+
+    # fresh homes learn nothing before the run, but share the converted model (a first run's
+    # ~20 s GGUF conversion is no route's cost)
+    os.environ["MUSER_MODELS"] = str(models_dir())
 
     info = resolve_bench_model(args.model)
     pins = pinning(True)

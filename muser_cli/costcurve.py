@@ -289,7 +289,7 @@ def load_curve(curve: CostCurve, path: Path, key: str) -> float | None:
         return None
     saved = obj.get("saved_at") if isinstance(obj, dict) else None
     if obj.get("key") != key or not isinstance(saved, (int, float)) or isinstance(saved, bool) \
-            or not 0 <= time.time() - saved <= MAX_AGE_S:
+            or not -60 <= time.time() - saved <= MAX_AGE_S:  # (a rounded time may be a little ahead)
         return None
     curve.load_json(obj.get("curve"))
     return float(saved) if curve.learned else None

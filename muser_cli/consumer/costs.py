@@ -203,6 +203,7 @@ class CostModel:
         self.local = CostCurve()
         self.saved_at: float | None = None  # when the file it was loaded from was written
         self._explore_n = 0  # requests where exploring was worth it (every EXPLORE_EVERY-th explores)
+        self._routing = threading.Lock()  # one route decided at a time: its ask is in the next one's view
         self.install_spr: float | None = None  # seconds per row installed
         self.gate_s: float | None = None
         self.first_step_s: float | None = None
@@ -425,7 +426,7 @@ class CostModel:
         if self.key and obj.get("key") != self.key:
             return
         saved = obj.get("saved_at")
-        if not isinstance(saved, (int, float)) or isinstance(saved, bool) or not 0 <= time.time() - saved <= MAX_AGE_S:
+        if not isinstance(saved, (int, float)) or isinstance(saved, bool) or not -60 <= time.time() - saved <= MAX_AGE_S:
             return
         self.saved_at = float(saved)
         self.local.load_json(obj.get("local"))
@@ -549,7 +550,20 @@ def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
     command on a machine where no service ran) asks the producer without a budget: a guess of
     its own speed would be 10-140x off either way. With ``MUSER_ROUTE=producer`` the producer is
     asked whenever the rows are not all held, without a budget (unless ``deadline_s`` gives one).
-    ``backlog``, ``key``, ``chunk``: the consumer's own queue (:meth:`CostModel.predict`)."""
+    ``backlog``, ``key``, ``chunk``: the consumer's own queue (:meth:`CostModel.predict`). With a
+    ``key``, an ask is put on that producer's queue (:meth:`CostModel.asking`) before the next
+    route is decided (requests arriving together see each other's asks: ``asked_key``)."""
+    with costs._routing:
+        got = _route(costs, tokens=tokens, held=held, producer=producer, deadline_s=deadline_s, backlog=backlog,
+                     key=key, chunk=chunk)
+        if got["ask"] and key is not None and producer is not None:
+            costs.asking(producer, key, float(got["parts"].get(got["choice"], {}).get("producer_compute") or 0.0))
+            got["asked_key"] = key
+    return got
+
+
+def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, deadline_s: float | None,
+           backlog: Backlog | None, key: Any, chunk: int) -> dict[str, Any]:
     got = costs.predict(tokens=tokens, held=held, producer=producer, backlog=backlog, key=key, chunk=chunk)
     mode = route_mode()
     paths_ = got["paths"]

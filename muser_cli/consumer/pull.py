@@ -141,9 +141,13 @@ class PipePull:
         self._rows: tuple[int, int] | None = None  # the rows asked for: [have, rows)
         if make_ask is None:
             return
+        self._ask_key: Any = self
         if costs is not None and plan is not None:  # its work is on that producer's queue in the next predictions
-            part = (plan.get("parts") or {}).get(plan.get("choice"), {})
-            costs.asking(producer, self, float(part.get("producer_compute") or 0.0))
+            if "asked_key" in plan:  # the route put it there already
+                self._ask_key = plan["asked_key"]
+            else:
+                part = (plan.get("parts") or {}).get(plan.get("choice"), {})
+                costs.asking(producer, self, float(part.get("producer_compute") or 0.0))
         r, w = os.pipe()
         self.reader = open(r, "rb")
         self._w = w
@@ -205,7 +209,7 @@ class PipePull:
         if outcome == "served" and "serving" in self.marks and ("last_byte" in self.marks or "end" in self.marks):
             measured = self.marks.get("last_byte", self.marks["end"]) - self.marks["serving"]
         try:
-            costs.answered(self.producer, self, promised_s=promised, measured_s=measured, rows=rows,
+            costs.answered(self.producer, self._ask_key, promised_s=promised, measured_s=measured, rows=rows,
                            outcome=outcome)
         except Exception:  # noqa: BLE001 - bookkeeping never fails a pull
             pass

@@ -527,6 +527,7 @@ class EngineWorker:
                                "remote_ms": round(remote * 1000, 3) if remote != float("inf") else None}
                 if addr is not None:
                     self.pool.release(addr)
+                    self.costs.answered(addr, job)  # the route's ask is not made: off that producer's queue
                 return None
         if addr is None:
             return None

@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
         max_batch: int = typer.Option(4, "--max-batch", help="With --serve: requests running at once, taking the engine's turns; their decode steps are computed together as one batch (see --exact), a prefill chunk between two steps; more wait in the queue."),
         exact: bool = typer.Option(False, "--exact", help="With --serve: each request decodes alone, one sequence per engine call, so its tokens are exactly its tokens alone (default: concurrent requests step together in one batched call, whose rounding can change a greedy token; docs/serve.md)."),
         turn_memory: float = typer.Option(1024.0, "--turn-memory", metavar="MB", help="With --serve: keep each answered conversation's rows, its prompt and the answer, in memory (most recently used first, up to MB megabytes), so the next turn computes only its new tokens and never pulls a held prompt again; 0: off, every prompt's rows on the canonical schedule (equal to a cold prefill). docs/serve.md"),
+        drain: float = typer.Option(25.0, "--drain", metavar="S", help="With --serve: seconds SIGTERM (or Ctrl-C) waits for the queued and running requests to finish, new ones refused (503); past it, or at a second signal, the server ends each one left itself (a 503, or an error event that ends its stream; a log line each) and exits 1."),
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
@@ -58,7 +59,7 @@ def register(app: typer.Typer) -> None:
                 _serve_decode(serve, model=model, engine=engine, dtype=dtype, threads=threads or default_threads(),
                               producers=producer or [], api_key=api_key, max_queue=max_queue, max_batch=max_batch, exact=exact,
                               turn_memory=turn_memory, deadline=prefill_deadline if prefill_deadline is not None else timeout, chunk=chunk,
-                              reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n,
+                              reuse=not no_reuse, store=store, audit=0 if no_audit else audit, n=n, drain=drain,
                               others=(src, prompt, chat, as_json, send_text))
                 return
             if producer is not None and len(producer) > 1:
@@ -184,7 +185,8 @@ class _Printer:
 def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Optional[str], threads: int,
                   producers: list[str], api_key: Optional[str], max_queue: int, max_batch: int, exact: bool,
                   turn_memory: float, deadline: Optional[float],
-                  chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, others: tuple) -> None:
+                  chunk: Optional[int], reuse: bool, store: bool, audit: Optional[int], n: int, drain: float,
+                  others: tuple) -> None:
     """``decode --serve HOST:PORT``: the options checked, then the OpenAI-compatible service
     (muser_cli/service, docs/serve.md); the exit status is the drain's."""
     from muser_cli.service.app import (  # lazy: kept out of `muser --help` (startup)
@@ -208,6 +210,8 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
         raise UsageError("--turn-memory must be >= 0 (megabytes; 0: off)")
     if n < 1:
         raise UsageError("-n must be at least 1")
+    if not drain >= 0:
+        raise UsageError("--drain must be >= 0 (seconds)")
     if engine not in ("torch", "mlx"):
         raise UsageError(f"--serve decodes on the torch or mlx engine, not {engine!r}")
     from muser_cli.consumer.pool import ProducerPool  # lazy: kept out of `muser --help` (startup)
@@ -218,7 +222,7 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
                     audit=audit, max_batch=max_batch, exact=exact, turn_memory_mb=turn_memory)
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
-                           default_max_tokens=n)
+                           default_max_tokens=n, drain_s=drain)
     rc = serve_openai(config, options, log=_json_line,
                       on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
     if rc:

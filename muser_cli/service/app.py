@@ -9,12 +9,16 @@ Requests go to one :class:`~muser_cli.service.worker.EngineWorker`; a streamed a
 with its first token, so its headers carry where the rows came from (``x-muser-source``),
 the TTFT (``x-muser-ttft-ms``) and the pack bytes shipped (``x-muser-bytes``), as does the
 ``muser`` field of every answer. SIGTERM (or SIGINT) drains: new requests get 503, the
-queued and running ones finish, then the process exits 0."""
+queued and running ones finish, then the process exits 0. A drain that outlasts its bound
+(``ServeOptions.drain_s``), or a second signal, ends what is left itself: a waiting or
+not yet streaming request gets a 503, an open stream an error event in its route's shape and
+its end, each one a log line (status 503, code ``shut_down``); then the process exits 1."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -26,7 +30,7 @@ from muser_cli.service.api import MAX_BODY, ApiError, Ask, parse_ask, parse_body
 from muser_cli.service.replies import chunk, new_id, response, sse, usage
 from muser_cli.service.messages import MessagesShape
 from muser_cli.service.tools import call_deltas
-from muser_cli.service.worker import Config, Draining, EngineWorker, Job
+from muser_cli.service.worker import Config, Draining, EngineWorker, Job, ShutDown
 from muser_cli.units import utc_stamp
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -99,8 +103,8 @@ class _OpenAIStream:
     def call(self, call: dict) -> list[bytes]:  # a whole call: its name, then its arguments, as OpenAI streams them
         return [sse(chunk(self.ask, self.rid, self.model, None, None, tool_calls=[delta])) for delta in call_deltas(call)]
 
-    def error(self, err: ApiError) -> list[bytes]:
-        return [sse(err.body())]
+    def error(self, err: ApiError) -> list[bytes]:  # then the stream's end, as a finished one
+        return [sse(err.body()), sse("[DONE]")]
 
     def done(self, s: dict) -> list[bytes]:
         ask, rid, model = self.ask, self.rid, self.model
@@ -130,6 +134,7 @@ class Service:
                  log: Callable[[dict], None] = lambda record: None) -> None:
         self.worker, self.metrics, self.options, self.log = worker, metrics, options, log
         self.draining = False
+        self.stopping = False  # the server ends what is left (the drain's bound passed, a second signal)
         self.ids = {options.model_id, worker.info.name, "default"}  # "default": whatever this server serves
 
     # ------------------------------------------------------------------ helpers
@@ -157,6 +162,21 @@ class Service:
             elif reason:
                 record["reason"] = reason
             self.log(record)
+
+    def _cut_line(self, endpoint: str, rid: str, job: Job) -> None:
+        """Count and log a request the server ended itself as it shut down (:meth:`Job.cut_off`):
+        its answer's id, whether it ran and how many tokens it had made."""
+        if self.metrics is not None:
+            self.metrics.requests.labels(endpoint, "503").inc()
+        err, state = job.cut, job.state
+        record: dict[str, Any] = {"event": "request", "endpoint": endpoint, "status": 503, "id": rid,
+                                  "code": err.code, "reason": err.message, "stream": job.ask.stream,
+                                  "ran": state is not None}
+        if state is not None:
+            record["completion_tokens"] = sum(len(c.stream.ids) for c in state.choices)
+        if job.ask.user is not None:
+            record["user"] = job.ask.user
+        self.log(record)
 
     async def _body(self, request) -> bytes:
         """The request body, refused with 413 before it is buffered: a ``Content-Length`` over
@@ -232,7 +252,14 @@ class Service:
         endpoint = shape.endpoint
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        job = Job(ask, lambda kind, payload: loop.call_soon_threadsafe(queue.put_nowait, (kind, payload)))
+
+        def emit(kind: str, payload: Any) -> None:  # on the job's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+            except RuntimeError:  # the loop closed (the server stopped): nobody reads this answer now
+                pass
+
+        job = Job(ask, emit)
         self.worker.submit(job)  # QueueFull / Draining: answered by the caller
         rid, model = shape.new_id(ask), ask.model or self.options.model_id
         calls: list[dict] = []  # the answer's tool calls (a chat with tools)
@@ -244,14 +271,17 @@ class Service:
                 kind, payload = await self._next(queue, request, job)
         except asyncio.CancelledError:  # the server cancels the task of a request whose client left
             self.worker.withdraw(job)
-            self._count(endpoint, 499, "the client went away before its answer (its request was cancelled)",
-                        logged=getattr(job, "state", None) is not None)
+            self._count(endpoint, 499, self._cancelled_why("before its answer"),
+                        logged=getattr(job, "state", None) is not None and not self.stopping)
             raise
         except ClientGone as exc:
             self.worker.withdraw(job)
             exc.logged = getattr(job, "state", None) is not None  # it ran: the worker logs its line
             raise
         if kind == "error":
+            if job.cut is not None:  # the server ended it as it shut down: a 503, its own log line
+                self._cut_line(endpoint, rid, job)
+                return _error(job.cut, shape)
             raise _internal(payload)
         if not ask.stream:
             s = _finished(payload, job)
@@ -262,7 +292,7 @@ class Service:
         out = shape.streamer(ask, rid, model, state.summary(state.ids, "") if state is not None else None)
 
         async def events():
-            status = 499  # until the stream ends as it should: the client went away
+            status, why = 499, None  # until the stream ends as it should: the client went away
             try:
                 for piece in out.start():
                     yield piece
@@ -271,9 +301,9 @@ class Service:
                     for piece in (out.text(p) if k == "text" else out.call(p)):
                         yield piece
                     k, p = await queue.get()
-                if k == "error":
+                if k == "error":  # an error event in the route's shape, then the stream's end
                     err = _internal(p)
-                    status = err.status
+                    status, why = err.status, err
                     for piece in out.error(err):
                         yield piece
                     return
@@ -283,8 +313,11 @@ class Service:
             finally:
                 if status == 499:
                     self.worker.withdraw(job)
-                self._count(endpoint, status, None if status != 499 else "the client went away mid-stream",
-                            logged=status == 499)  # it ran: the worker's line says cancelled, 499
+                if status != 499 and job.cut is not None:  # ended by the server as it shut down
+                    self._cut_line(endpoint, rid, job)
+                else:  # a 499 ran: the worker's line says cancelled, 499 (unless the server stopped)
+                    self._count(endpoint, status, why if status != 499 else self._cancelled_why("mid-stream"),
+                                logged=status == 499 and not self.stopping)
 
         # the first event came: the rows' source and the TTFT are known for the headers
         head = {"x-muser-source": "", "cache-control": "no-cache"}
@@ -293,6 +326,11 @@ class Service:
         else:
             head.update(_headers(first[1]))
         return StreamingResponse(events(), media_type="text/event-stream", headers=head)
+
+    def _cancelled_why(self, when: str) -> str:
+        if self.stopping:  # uvicorn cancelled what was still open after its own grace: not the client
+            return f"the server stopped {when} (its task cancelled at shutdown)"
+        return f"the client went away {when}"
 
     def _early_headers(self, job: Job) -> dict[str, str]:
         """Headers of a streamed answer at its first token (the summary comes at the end)."""
@@ -376,6 +414,13 @@ def _headers(s: dict) -> dict[str, str]:
     return out
 
 
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
 def bind_socket(listen: str, api_key: str | None) -> socket.socket:
     """The listening socket: loopback unless an API key guards the endpoint."""
 
@@ -400,7 +445,8 @@ def bind_socket(listen: str, api_key: str | None) -> socket.socket:
 
 def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict], None],
                  on_listening: Callable[[str], None] | None = None) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return 0 (1 if the drain timed out).
+    """Load the model, serve until SIGTERM/SIGINT, drain, return 0 (1 if what was left had to be
+    ended: the drain passed ``options.drain_s``, or a second signal came).
     ``log`` gets one record (a dict with a ``ts``) per request and per start, drain and stop."""
     try:
         import uvicorn
@@ -417,22 +463,42 @@ def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict],
     metrics = ConsumerMetrics()
     worker = EngineWorker(config, metrics, log=log_)
     service = Service(worker, metrics, options, log=log_)
-    outcome = {"rc": 0}
+    outcome: dict[str, Any] = {"rc": 0, "end": None}  # end: "drained", or "cut" (what was left ended)
+    ending = threading.Lock()
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # the first signal drains, a second one stops now
             if service.draining:
-                return super().handle_exit(sig, frame)
+                threading.Thread(target=end_all, args=(f"stopped by a second signal, {_signame(sig)}", "stopping", sig),
+                                 name="muser-stop", daemon=True).start()
+                return
             service.draining = True
-            log_({"event": "draining", "queued": worker.busy(), "signal": int(sig)})
+            log_({"event": "draining", "queued": worker.busy(), "signal": int(sig), "drain_s": options.drain_s})
 
             def drain() -> None:
-                done = worker.drain(options.drain_s)
-                outcome["rc"] = 0 if done else 1
-                log_({"event": "drained" if done else "drain_timed_out", "left": worker.busy()})
-                self.should_exit = True
+                if worker.drain(options.drain_s):
+                    with ending:
+                        if outcome["end"] is not None:
+                            return
+                        outcome["end"] = "drained"
+                    log_({"event": "drained", "left": worker.busy()})
+                    self.should_exit = True
+                else:
+                    end_all(f"its drain passed {options.drain_s:g} s", "drain_timed_out")
 
             threading.Thread(target=drain, name="muser-drain", daemon=True).start()
+
+    def end_all(why: str, event: str, sig: int | None = None) -> None:
+        """The drain ends here: every request left ended now (a 503, or an error event and the
+        end of its stream: :meth:`EngineWorker.cut`), one line each (the service's), exit 1."""
+        with ending:
+            if outcome["end"] is not None:
+                return
+            outcome["end"], outcome["rc"] = "cut", 1
+        service.stopping = True
+        log_({"event": event, "left": worker.busy(), **({"signal": int(sig)} if sig is not None else {})})
+        worker.cut(ShutDown(why))
+        server.should_exit = True
 
     log_({"event": "warmed", **worker.warm_up()})  # before "listening": the first client pays no first touch
     cfg = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",

@@ -256,6 +256,7 @@ def test_parse_ask_fields():
     (["decode", "--serve", "127.0.0.1:0", "--prompt", "x.txt"], 2, "--serve takes no"),
     (["decode", "--serve", "127.0.0.1:0", "--max-queue", "-1"], 2, "--max-queue"),
     (["decode", "--serve", "127.0.0.1:0", "--engine", "vllm"], 2, "torch or mlx"),
+    (["decode", "--serve", "127.0.0.1:0", "--drain", "-1"], 2, "--drain"),
     (["decode", "--serve", "127.0.0.1:0", "--producer", "nohost"], 2, "no port"),
     (["decode", "--producer", "a:1", "--producer", "b:2", "--prompt", "x.txt"], 2, "more than once"),
     (["prefill", "--metrics", "127.0.0.1:0"], 2, "--metrics needs --serve"),

@@ -135,9 +135,12 @@ def test_a_turn_that_computes_at_half_the_core_measures_half(tmp_path):
     turns = Turns(on_hold=share.sample)
     for _ in range(3):
         turns.acquire()
-        threading.Event().wait(0.05)
+        threading.Event().wait(0.1)
         turns.release()
-    assert share.now() == 1.0, share.value
+    # Not exactly 1: a thread woken from its sleep may wait a few milliseconds for a core on a
+    # loaded machine, and that wait is (rightly) contention. A holder counted as computing for its
+    # whole hold (wall time, not run and runnable wait) would give about 0.7 here.
+    assert share.now() > 0.9, share.value
     if not hasattr(os, "sched_setaffinity") or thread_sched() is None:
         pytest.skip("no CPU affinity or scheduler statistics on this platform: the shared-core half is Linux-only")
     script = tmp_path / "share.py"
@@ -147,9 +150,11 @@ from muser_cli.consumer.cpushare import CpuShare
 from muser_cli.consumer.turns import Turns
 core = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {core})
-hog = subprocess.Popen([sys.executable, "-c", "import os\\nos.sched_setaffinity(0, {%d})\\nwhile True: pass" % core])
+spin = "import os\\nos.sched_setaffinity(0, {%d})\\nprint(flush=True)\\nwhile True: pass" % core
+hog = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
 try:
-    time.sleep(0.5)
+    hog.stdout.readline()  # it spins (a loaded machine may take long to start it)
+    time.sleep(0.2)
     share = CpuShare()
     turns = Turns(on_hold=share.sample)
     for _ in range(30):

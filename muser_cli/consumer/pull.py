@@ -265,13 +265,21 @@ class PipePull:
         elif why and out.fallback:
             out.reason = why
 
-    def reason(self) -> str:
+    def reason(self, *, hint: bool = True) -> str:
+        """Why the pull failed ("" if it did not). ``hint``: with its error's hint, what to do
+        (enroll, check HOST:PORT, decode with --prompt, ...): advice for the command line, which a
+        served answer leaves out (:attr:`hint`)."""
         exc = self.error
         if exc is None:
             return ""
-        if isinstance(exc, MuserError):  # with its hint: what to do (enroll, check HOST:PORT, ...)
-            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint else "")
+        if isinstance(exc, MuserError):
+            return f"pull from {self.producer} failed: {exc}" + (f"; {exc.hint}" if exc.hint and hint else "")
         return f"pull from {self.producer} failed: {type(exc).__name__}: {exc}"
+
+    @property
+    def hint(self) -> str:
+        """The failed pull's hint ("" if none): what the operator may do about it."""
+        return (getattr(self.error, "hint", None) or "") if isinstance(self.error, MuserError) else ""
 
 
 def _shut(sock: socket.socket) -> None:

@@ -492,7 +492,9 @@ class EngineWorker:
         got = answer(Source(counting, live.producer, f"nothing from {live.producer}", live=live), run,
                      pool=self.pool, recompute=lambda exc: state.first_token is None)
         state.shipped = counting.bytes
-        state.pull_error = live.reason() if got.pull_error is not None else ""
+        # the answer says what happened; the hint (what to do: command-line advice) is the log line's alone
+        state.pull_error = live.reason(hint=False) if got.pull_error is not None else ""
+        state.pull_hint = live.hint if got.pull_error is not None else ""
         if self.metrics is not None:
             # up: it answered (served, or declined this one request: late, too large); 0: unreachable or failing
             down = got.pull_error is not None and not about_the_job(got.pull_error)
@@ -667,6 +669,7 @@ class _RunState:
         self.shipped = 0
         self.refused: DataError | None = None
         self.pull_error = ""
+        self.pull_hint = ""  # the failed pull's hint: its log line's, never the answer's
         self.why = ""  # the fallback reason decode was given
         self.ids: list[int] = []
         self.counting: _Counting | None = None
@@ -736,6 +739,7 @@ class _RunState:
                 "prompt_tokens": len(ids), "completion_tokens": sum(len(c.stream.ids) for c in self.choices),
                 "held_rows": held,
                 "computed_rows": computed, "finish_reason": finish, "fallback_reason": reason,
+                **({"pull_hint": self.pull_hint} if self.pull_hint and self.pull_error and reason else {}),
                 "text": self.stream.text, **self._choices()}
 
     def _choices(self) -> dict[str, Any]:

@@ -86,9 +86,10 @@ class Summary:
     def line(self) -> str:
         """The one-line summary the command prints at the end."""
         out = self.to_json()
+        sources = ", ".join(f"{k} {v}" for k, v in sorted(self.sources.items()))  # none when nothing ran
         return (f"{self.done} done, {self.failed} failed, {self.skipped} skipped of {self.jobs} in {self.wall_s:.1f}s "
-                f"({out['jobs_per_min']:.1f} jobs/min, {out['tokens_per_s']:.1f} tok/s); "
-                + ", ".join(f"{k} {v}" for k, v in sorted(self.sources.items())) + self._redone_note())
+                f"({out['jobs_per_min']:.1f} jobs/min, {out['tokens_per_s']:.1f} tok/s)"
+                + (f"; {sources}" if sources else "") + self._redone_note())
 
     def _redone_note(self) -> str:
         if not self.redone:

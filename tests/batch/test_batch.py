@@ -497,3 +497,20 @@ def test_dry_run_lists_jobs_shared_prefixes_and_producers_and_runs_nothing(model
     text = r.stdout.decode()
     assert r.returncode == 0 and "shared prefixes (each paid once):" in text and "doc.txt" in text, text
     assert "producers: none" in text and "4 jobs to run" in text
+
+
+def test_resume_with_every_job_done_ends_its_summary_cleanly(model, tmp_path):
+    """Issue #49: a --resume that finds every job done skips them all; its summary line ends
+    with its rates, not with a dangling '; ' where the sources of the jobs run would be."""
+    home = tmp_path / "home"
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 2}) + "\n")
+    res = tmp_path / "results.jsonl"
+    first = batch(home, str(jobs), *common(model), "-o", str(res))
+    assert first.returncode == 0, first.stderr
+    ran = [ln for ln in first.stderr.decode().splitlines() if ln.startswith("muser batch: 1 done")]
+    assert len(ran) == 1 and ran[0].endswith("local 1"), first.stderr  # a job ran: its source closes the line
+    again = batch(home, str(jobs), *common(model), "-o", str(res), "--resume")
+    assert again.returncode == 0, again.stderr
+    [line] = [ln for ln in again.stderr.decode().splitlines() if ln.startswith("muser batch: 0 done")]
+    assert "1 skipped of 1" in line and line.endswith("tok/s)"), line

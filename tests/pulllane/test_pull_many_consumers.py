@@ -315,3 +315,32 @@ def test_both_consumers_pull_from_one_resident_producer_and_decode_the_local_tok
         again = subprocess.run(muser_cmd(*ask, "--producer", prod.address), env=env_for(c["mac-b"]["home"]),
                                capture_output=True, timeout=HANG_S)
         assert again.returncode == 0 and json.loads(again.stdout)["source"] == "handoff", again.stderr
+
+
+def test_a_second_consumer_with_the_same_host_name_is_told_to_take_a_name_of_its_own(tmp_path):
+    """Issue #49: two consumers on one host, each `muser node init` with no --name (both take the
+    host name); the producer joins the first, and the second's bundle is refused naming the
+    collision and `node init --name`, not with a bare 'pass --force' (which would replace the
+    first consumer's identity). Real commands, real files."""
+    def muser(home: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(muser_cmd(*args), env=env_for(home), capture_output=True, timeout=HANG_S)
+
+    producer = tmp_path / "producer"
+    bundles = []
+    for name in ("first", "second"):
+        home = tmp_path / name
+        assert muser(home, "node", "init").returncode == 0
+        bundle = tmp_path / f"{name}.bundle"
+        r = muser(home, "node", "export", "--producer", "gx10", "-o", str(bundle))
+        assert r.returncode == 0, r.stderr
+        bundles.append(bundle)
+    assert muser(producer, "node", "join", str(bundles[0])).returncode == 0
+    again = muser(producer, "node", "join", str(bundles[0]))  # the same consumer again: --force is the way
+    assert again.returncode == 2 and "pass --force" in again.stderr.decode(), again.stderr
+    r = muser(producer, "node", "join", str(bundles[1]))
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "already joined this producer" in err and "second consumer of the same name" in err, err
+    assert "muser node init --name" in err and "pass --force" not in err, err
+    [first] = node.load_identities(keys_dir_of(producer))  # nothing replaced, nothing added
+    assert first.consumer == node.load_identity(keys_dir_of(tmp_path / "first")).name

@@ -203,7 +203,7 @@ def join_node(directory: Path, data: bytes, *, force: bool = False, now: dt.date
     consumer already joined, or any bundle in a consumer's home, needs ``force`` to replace."""
     parsed = parse_bundle(data)
     obj = parsed["obj"]
-    target = _join_target(directory, obj["consumer"], force)
+    target = _join_target(directory, obj["consumer"], force, ca_cert=obj["ca_cert"])
     _install_bundle(target, parsed, now)
     if target == directory:  # replacing the top level of a consumer's home: it is a producer's now
         for stale in ("ca.key",):
@@ -213,8 +213,10 @@ def join_node(directory: Path, data: bytes, *, force: bool = False, now: dt.date
             "directory": str(target)}
 
 
-def _join_target(directory: Path, consumer: str, force: bool) -> Path:
-    """Where a bundle of ``consumer`` goes in this home (module doc of :func:`join_node`)."""
+def _join_target(directory: Path, consumer: str, force: bool, *, ca_cert: str | None = None) -> Path:
+    """Where a bundle of ``consumer`` goes in this home (module doc of :func:`join_node`);
+    ``ca_cert``: the bundle's CA, which tells the consumer joined already from another one of
+    the same name."""
     if not (directory / "node.json").exists():
         return directory
     try:
@@ -225,8 +227,9 @@ def _join_target(directory: Path, consumer: str, force: bool) -> Path:
         raise
     if current.role != "member" or current.consumer == consumer:
         if not force:
-            what = "a node identity" if current.role != "member" else f"a node identity for consumer {consumer!r}"
-            raise UsageError(f"{what} already exists in {directory}", hint="pass --force to replace it")
+            if current.role == "member":
+                raise _already_joined(directory, consumer, ca_cert)
+            raise UsageError(f"a node identity already exists in {directory}", hint="pass --force to replace it")
         return directory
     _check_name(consumer, "consumer name")
     for other in [current.consumer, *(d.name for d in consumer_dirs(directory))]:
@@ -236,10 +239,29 @@ def _join_target(directory: Path, consumer: str, force: bool) -> Path:
                              hint="give that consumer another name (`muser node init --name`) and export its bundle again")
     sub = directory / CONSUMERS_DIR / consumer
     if (sub / "node.json").exists() and not force:
-        raise UsageError(f"a node identity for consumer {consumer!r} already exists in {sub}",
-                         hint="pass --force to replace it")
+        raise _already_joined(sub, consumer, ca_cert)
     ensure_private_dir(directory / CONSUMERS_DIR)
     return sub
+
+
+def _already_joined(where: Path, consumer: str, ca_cert: str | None) -> UsageError:
+    """A bundle of ``consumer`` where a consumer of that name joined already (its identity in
+    ``where``): the same consumer (its CA) enrolling again, which ``--force`` replaces, or another
+    one that took the same name -- a second consumer on one host, as ``node init`` names a node
+    after its host -- which needs a name of its own: ``--force`` would take the first one's place."""
+    try:
+        same = ca_cert is None or (where / "ca.pem").read_text(encoding="ascii") == ca_cert
+    except (OSError, UnicodeDecodeError):
+        same = False
+    if same:
+        return UsageError(f"a node identity for consumer {consumer!r} already exists in {where}",
+                          hint="this bundle comes from that consumer again: pass --force to replace its identity here")
+    return UsageError(f"a consumer named {consumer!r} already joined this producer ({where}), with another "
+                      "identity (its own CA): this bundle comes from a second consumer of the same name (`muser node "
+                      "init` names a node after its host unless given --name)",
+                      hint=f"on the new consumer: `muser node init --name OTHER-NAME --force`, then `muser node export "
+                           f"--producer NAME` again and join that bundle; --force here replaces the first {consumer!r} "
+                           "(right only if it is that consumer, initialised again)")
 
 
 def _install_bundle(target: Path, parsed: dict[str, Any], now: dt.datetime | None) -> None:

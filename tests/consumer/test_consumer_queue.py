@@ -20,7 +20,7 @@ import pytest
 
 from serve_kit import engine_worker  # noqa: F401  first: the module skipped without the serve extra
 from handoff_kit import HANG_S, LANE_PROMPT as PROMPT, env_for, home_env, muser_cmd, pull_lane, wait_for
-from muser_cli.consumer.costs import COLD_LINK_BPS, Backlog, CostModel, RateByDepth, budget_split, route
+from muser_cli.consumer.costs import COLD_LINK_BPS, Backlog, CostCurve, CostModel, budget_split, route
 from muser_cli.consumer.cpushare import SHARE_STALE_S, CpuShare
 from muser_cli.consumer.links import LINKS_FILE, note_link, probed_link
 from muser_cli.consumer.turns import Turns
@@ -38,10 +38,11 @@ def lane(tmp_path_factory, tiny_llama):
 def _even(costs: CostModel, producer: str, tps: float = 1000.0) -> None:
     """The producer known to compute as fast as this machine (its promise's rates), so only the
     queues and the fixed costs tell the paths apart."""
-    costs.local = RateByDepth(cold_tps=tps)
-    costs.local.observe(0, 128, 128 / tps)
+    costs.local = CostCurve(cold_tps=tps)
+    costs.local.observe(0, 128, 128 / tps)  # two sizes: calibrated, no fixed part
+    costs.local.observe(0, 512, 512 / tps)
     view = costs.producer(producer)
-    view.rates = RateByDepth(cold_tps=tps)
+    view.rates = CostCurve(cold_tps=tps)
     view.rates.observe(0, 128, 128 / tps)
     view.known = True
     costs.connect_s, costs.first_step_s, costs.install_spr = 0.02, 0.01, 1e-6

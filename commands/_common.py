@@ -22,9 +22,9 @@ from muser_cli.commands._examples import epilog
 from muser_cli.errors import DataError, ExitStatus, MissingInput, MuserError, UsageError
 from muser_cli.fsio import atomic_writer
 from muser_cli.threads import default_threads  # noqa: F401  (the commands' default, re-exported)
-from muser_cli.units import plural, rate_text, size_text  # noqa: F401  (the commands' words for counts)
+from muser_cli.units import plural, rate_text, size_text, utc_stamp  # noqa: F401  (the commands' words for counts)
 
-_state = {"debug": False, "quiet": False}
+_state = {"debug": False, "quiet": False, "json_log": False}
 
 
 def set_globals(*, debug: bool, quiet: bool) -> None:
@@ -41,9 +41,33 @@ def quiet() -> bool:
 
 
 def err(message: str) -> None:
-    """One line on stderr."""
+    """One line on stderr (with :func:`json_log` on: a JSON line, ``{"event": "message", "message"}``)."""
+    if _state["json_log"]:
+        log_json({"event": "message", "message": message.rstrip("\n")})
+        return
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
+
+
+def log_json(record: dict[str, Any]) -> None:
+    """One JSON line on stderr, with its UTC ``ts`` (a service's log line)."""
+    sys.stderr.write(json.dumps({"ts": utc_stamp(), **record}, sort_keys=True, default=str) + "\n")
+    sys.stderr.flush()
+
+
+def json_log() -> None:
+    """A service run with ``--json``: from now on every stderr line is a JSON object (a log
+    shipper reads them), the notes, warnings and errors that are text lines elsewhere included:
+    a note is ``{"event": "message", "message"}``, a Python warning ``{"event": "warning"}``, an
+    error ``{"event": "error", "error", "hint", "exit_status"}``."""
+    import warnings
+
+    _state["json_log"] = True
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001 - warnings' hook
+        log_json({"event": "warning", "warning": f"{category.__name__}: {message}", "where": f"{filename}:{lineno}"})
+
+    warnings.showwarning = show
 
 
 def info(message: str) -> None:
@@ -82,7 +106,10 @@ def fail(exc: BaseException, *, as_json: bool = False) -> "typer.Exit":
     line = f"muser: error: {message}"
     if hint:
         line += f" (hint: {hint})"
-    err(line)
+    if _state["json_log"]:
+        log_json({"event": "error", "error": message, "hint": hint, "exit_status": int(status)})
+    else:
+        err(line)
     if _state["debug"]:
         traceback.print_exception(exc)
     if as_json:
@@ -244,6 +271,8 @@ class ConvertNote:
             self.head, tail = f"muser: another process is converting {name}; waiting for it", " ..."
         else:
             self.head, tail = f"muser: converting {name} once{about}", " (later runs skip this) ..."
+        if _state["json_log"]:  # one JSON line at the end
+            return
         if not sys.stderr.isatty():
             sys.stderr.write(self.head + tail)
             sys.stderr.flush()
@@ -274,6 +303,10 @@ class ConvertNote:
     def end(self, event: str, fields: dict) -> None:
         word = {"done": "done", "waited": "ready"}.get(event, "failed")
         outcome = f"{word} in {fields.get('seconds', 0):.0f} s"
+        if _state["json_log"]:
+            err(f"{self.head}: {outcome}")
+            self.head = None
+            return
         if self.stop is not None:
             self.stop.set()
             self.thread.join(timeout=1)

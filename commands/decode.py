@@ -9,7 +9,7 @@ from typing import BinaryIO, List, Optional
 import typer
 
 from muser_cli.commands._common import (
-    default_threads, emit_json, err, guarded, info, open_input, progress_callback, read_text_input,
+    default_threads, emit_json, err, guarded, info, json_log, log_json, open_input, progress_callback, read_text_input,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         audit: Optional[int] = typer.Option(None, "--audit", help="Spot-check the last N positions before the first token, besides 32 sampled across the whole prompt in every layer (default: 1, only for a pack from another engine, dtype or codec)."),
         no_audit: bool = typer.Option(False, "--no-audit", help="Skip the spot-check of a foreign pack (said so in --json)."),
         strict: bool = typer.Option(False, "--strict", help="With --prompt: refuse (65) a pack that does not match (another prompt, model or tokenizer, damaged, or refused by the spot-check) instead of setting it aside for a local prefill."),
-        as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings."),
+        as_json: bool = typer.Option(False, "--json", help="One JSON object: text, token_ids, fallback, timings (docs/cli-contract.md). With --serve: every stderr line a JSON object (the log: notes, warnings and errors too)."),
         producer: Optional[List[str]] = typer.Option(None, "--producer", help="Pull the prompt's KV from the resident producer at HOST:PORT (`prefill --serve`); needs --prompt; asks only for what the store lacks (a delta; not with --no-reuse); falls back to local prefill by itself."),
         timeout: Optional[float] = typer.Option(None, "--timeout", help="With --producer: seconds to wait for the producer's first frame before falling back."),
         send_text: bool = typer.Option(False, "--send-text", help="With --producer: send the prompt as text (and --chat) for the producer to tokenize; a pack with other token ids than this machine's is refused (fallback)."),
@@ -197,8 +197,10 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
     from muser_cli.service.worker import Config  # lazy: kept out of `muser --help` (startup)
 
     src, prompt, chat, as_json, send_text = others
-    if src != "-" or prompt is not None or chat or as_json or send_text:
-        raise UsageError("--serve takes no kvpack, --prompt, --chat, --json or --send-text",
+    if as_json:  # every stderr line JSON: the notes, warnings and errors too, no "listening on" text line
+        json_log()
+    if src != "-" or prompt is not None or chat or send_text:
+        raise UsageError("--serve takes no kvpack, --prompt, --chat or --send-text",
                          hint="each request brings its prompt or messages")
     if max_queue < 0:
         raise UsageError("--max-queue must be >= 0")
@@ -223,14 +225,7 @@ def _serve_decode(listen: str, *, model: Optional[str], engine: str, dtype: Opti
     model_id = Path(model).name if model and "/" in model else (model or "default")
     options = ServeOptions(listen=listen, api_key=api_key or None, model_id=model_id,
                            default_max_tokens=n, drain_s=drain)
-    rc = serve_openai(config, options, log=_json_line,
-                      on_listening=lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
+    rc = serve_openai(config, options, log=log_json,  # its JSON log lines, each with its ts
+                      on_listening=None if as_json else lambda a: info(f"{utc_stamp()} decode: listening on http://{a}/v1"))
     if rc:
         raise typer.Exit(rc)
-
-
-def _json_line(record: dict) -> None:
-    """One JSON line on stderr per request, start, drain and stop (its ``ts`` first)."""
-    import json
-
-    err(json.dumps(record, sort_keys=True, default=str))

@@ -10,8 +10,8 @@ import typer
 
 from muser_cli.about import STARTED_UNIX
 from muser_cli.commands._common import (
-    binary_output, default_threads, drain_on_signals, emit_json, guarded, info, open_input, progress_callback,
-    read_text_input, trouble_line,
+    binary_output, default_threads, drain_on_signals, emit_json, guarded, info, json_log, log_json, open_input,
+    progress_callback, read_text_input, trouble_line,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
         from muser_cli.produce.prefill import prefill  # lazy: kept out of `muser --help` (startup)
 
         with guarded():
+            if serve is not None and as_json:  # the service's log: every stderr line JSON from here on
+                json_log()
             options = None
             if vllm_opt:
                 from muser_cli.engines.vllm.options import parse_options  # lazy: kept out of `muser --help` (startup)
@@ -121,13 +123,15 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
     if engine not in ("torch", "mlx", "vllm"):
         raise UsageError(f"--serve runs the torch, mlx or vllm engine, not {engine!r}")
 
-    def say(message: str) -> None:  # every service line carries its time
-        info(f"{utc_stamp()} {message}")
+    def say(message: str, event: str = "message", **fields) -> None:  # every service line carries its time
+        if as_json:  # a JSON line like the others (its ts), the text in its message
+            log_json({"event": event, "message": message, **fields})
+        else:
+            info(f"{utc_stamp()} {message}")
 
     def draining(signame: str) -> None:
         if as_json:
-            sys.stderr.write(json.dumps({"event": "draining", "signal": signame, "ts": utc_stamp()}) + "\n")
-            sys.stderr.flush()
+            log_json({"event": "draining", "signal": signame})
         else:
             say(f"prefill: draining on {signame}: the running request finishes, new ones are turned away")
 
@@ -139,7 +143,7 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
         if observe is not None:
             observe(kind, f)
         if kind == "listening":
-            say(f"prefill: listening on {f['address']}")
+            say(f"prefill: listening on {f['address']}", "listening", address=f["address"])
         elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error",
                       "warmed", "promise", "paused") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
@@ -191,5 +195,5 @@ def _metrics(listen: Optional[str], say):
     from muser_cli.pulllane.metrics import serve_producer_metrics  # lazy: kept out of `muser --help` (startup)
 
     observe, (host, port), live = serve_producer_metrics(listen)
-    say(f"prefill: metrics on http://{host}:{port}/metrics")
+    say(f"prefill: metrics on http://{host}:{port}/metrics", "metrics", address=f"{host}:{port}")
     return observe, live

@@ -117,5 +117,5 @@ def _command_globals():
 
     common = sys.modules.get("muser_cli.commands._common")
     if common is not None:
-        common._state.update(debug=False, quiet=False)
+        common._state.update(debug=False, quiet=False, json_log=False)
     yield

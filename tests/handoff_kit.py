@@ -349,7 +349,7 @@ def env_for(home: Path) -> dict[str, str]:
     return env
 
 
-LISTEN_RE = re.compile(r"listening on (\S+)")
+LISTEN_RE = re.compile(r'listening on ([^\s"]+)')  # a text line, or a --json line's message
 
 
 def spawn_receiver(home: Path, *args: str, stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import signal
 import socket
 import threading
@@ -414,6 +415,25 @@ def _headers(s: dict) -> dict[str, str]:
     return out
 
 
+class _LogLines(logging.Handler):
+    """uvicorn's own warnings and errors ("Invalid HTTP request received", an exception in the
+    app) as the service's log records, so its log stays one JSON object a line."""
+
+    def __init__(self, log: Callable[[dict], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line: dict[str, Any] = {"event": "server_log", "level": record.levelname.lower(), "logger": record.name,
+                                    "message": record.getMessage()}
+            if record.exc_info and record.exc_info[0] is not None:
+                line["exception"] = "".join(logging.Formatter().formatException(record.exc_info)).strip()
+            self.log(line)
+        except Exception:  # noqa: BLE001 - logging's own rule: a failed line never fails the server
+            self.handleError(record)
+
+
 def _signame(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -502,7 +522,10 @@ def serve_openai(config: Config, options: ServeOptions, *, log: Callable[[dict],
 
     log_({"event": "warmed", **worker.warm_up()})  # before "listening": the first client pays no first touch
     cfg = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
-                         timeout_graceful_shutdown=5)
+                         timeout_graceful_shutdown=5, log_config=None)
+    server_log = logging.getLogger("uvicorn")  # its lines as ours (uvicorn.error, uvicorn.access below it)
+    server_log.handlers[:] = [_LogLines(log_)]
+    server_log.propagate = False
     server = _Server(cfg)
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -50,11 +51,11 @@ from muser_cli.bench.common import quantile
 CONFIGS = ("alone", "pair", "pair-producer", "mlx-lm")
 
 
-def one(client, prompt: str, max_tokens: int, release: float) -> dict:
+def one(client, model: str, prompt: str, max_tokens: int, release: float) -> dict:
     """One streamed completion, timed from ``release``; what the answer says of its route."""
     chunks, usage, muser, error = [], None, None, None
     try:
-        stream = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            stream=True, stream_options={"include_usage": True})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
@@ -78,7 +79,7 @@ def one(client, prompt: str, max_tokens: int, release: float) -> dict:
     return out
 
 
-def run_clients(url: str, prompts: list[str], max_tokens: int) -> dict:
+def run_clients(url: str, prompts: list[str], max_tokens: int, model: str = "default") -> dict:
     import openai
 
     n = len(prompts)
@@ -89,7 +90,7 @@ def run_clients(url: str, prompts: list[str], max_tokens: int) -> dict:
 
     def go(i: int) -> None:
         barrier.wait()
-        results[i] = one(clients[i], prompts[i], max_tokens, release[0])
+        results[i] = one(clients[i], model, prompts[i], max_tokens, release[0])
 
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -142,6 +143,7 @@ def main() -> int:
     rows: dict[str, dict[int, list[dict]]] = {c: {n: [] for n in counts} for c in configs}
     pool = make_prompts(info, hi, sum(counts) * args.reps + 8)
     rng = random.Random(47)
+    partial = Path(tempfile.gettempdir()) / "muser-disagg-load-partial.json"  # every run so far, should one fail
     try:
         at = 0
         for rep in range(args.reps):
@@ -182,13 +184,20 @@ def main() -> int:
                                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                             started.append(proc)
                             url = wait_url(proc, config, timeout=900)
-                        got = run_clients(url, prompts, args.max_tokens)
+                        got = run_clients(url, prompts, args.max_tokens,
+                                          server.model_name if server is not None else "default")
                         got["rep"] = rep
                         rows[config][n].append(got)
-                        print(f"rep {rep} clients {n} {config}: ttft p50 {got['ttft_p50_s']:.1f} s p90 "
-                              f"{got['ttft_p90_s']:.1f} s, itl p50 {got['itl_p50_s'] * 1000:.0f} ms, "
-                              f"{got['agg_tok_s']:.1f} tok/s, producer {got['producer_computed']} / consumer "
-                              f"{got['consumer_computed']}, explored {got['explored']}", file=sys.stderr, flush=True)
+                        def num(v, scale=1.0, fmt="{:.1f}"):
+                            return "-" if v is None else fmt.format(v * scale)
+
+                        print(f"rep {rep} clients {n} {config}: ttft p50 {num(got['ttft_p50_s'])} s p90 "
+                              f"{num(got['ttft_p90_s'])} s, itl p50 {num(got['itl_p50_s'], 1000, '{:.0f}')} ms, "
+                              f"{num(got['agg_tok_s'])} tok/s, producer {got['producer_computed']} / consumer "
+                              f"{got['consumer_computed']}, explored {got['explored']}, errors {got['errors']}"
+                              + (f" ({next(r['error'] for r in got['requests'] if 'error' in r)[:300]})"
+                                 if got["errors"] else ""), file=sys.stderr, flush=True)
+                        partial.write_text(json.dumps({"args": vars(args), "runs": rows}, default=str))
                     finally:
                         if server is not None:
                             server.stop()

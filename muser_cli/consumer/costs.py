@@ -104,6 +104,11 @@ class ProducerView:
     trust: float = 1.0
     pulled_to: int = 0
     last: str = ""
+    limit: int | None = None  # asks it takes from this consumer at once (learned from a "busy")
+
+    def full(self, key: Any = None) -> bool:
+        """This consumer has as many asks in flight there as it takes (a ``busy`` said so)."""
+        return self.limit is not None and sum(1 for k in list(self.asked) if k is not key) >= self.limit
 
     def queue_s(self, now: float, key: Any = None) -> float:
         """What is ahead of a new request there: what is left of its last promised start (its
@@ -246,6 +251,10 @@ class CostModel:
             view.asked.pop(key, None)
             if outcome:
                 view.last = outcome
+            if outcome == "busy":  # its queue for us was full with the asks still in flight
+                view.limit = max(1, len(view.asked))
+            elif outcome == "served" and view.limit is not None and len(view.asked) >= view.limit:
+                view.limit = len(view.asked) + 1  # it took more than we thought
             if rows > 0 and outcome == "served":
                 view.pulled_to = max(view.pulled_to, rows)
             if promised_s and measured_s and promised_s > 0.05 and measured_s > 0:
@@ -585,6 +594,11 @@ def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, de
     if deadline_s is not None:
         budget = min(budget, deadline_s)
     remote = min((v for k, v in paths_.items() if k.startswith("remote")), default=math.inf)
+    view = costs.producers.get(producer)
+    if view is not None and view.full(key):  # it would answer "busy": this consumer's asks fill its queue
+        got.update(ask=False, budget_ms=None, choice=here_name,
+                   why=f"route: {producer} holds as many of this consumer's requests as it takes ({view.limit})")
+        return got
     if not got["calibrated"] and tokens - 1 >= EXPLORE_MIN_ROWS:  # our speed unknown: no budget from a guess
         ask, budget = True, deadline_s
     elif not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip

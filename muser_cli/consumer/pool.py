@@ -15,7 +15,7 @@ from muser_cli.errors import (
     DataError, IdentityMismatch, MissingInput, MuserError, OutputError, SpotCheckFailed, TempFailure, UsageError,
 )
 from muser_cli.handoff.link import parse_hostport
-from muser_cli.handoff.wire.refusal import NotInTime
+from muser_cli.handoff.wire.refusal import NotInTime, ProducerBusy
 
 
 @dataclass
@@ -65,7 +65,7 @@ def about_the_job(exc: BaseException) -> bool:
     failure (our disk): says nothing against the producer."""
 
     # a producer of another model (Reject(model): IdentityMismatch) refuses every job: not about this one
-    if isinstance(exc, NotInTime):  # "not in time" for this request's budget: the producer is up (issue #39)
+    if isinstance(exc, (NotInTime, ProducerBusy)):  # "not in time" or "queue full" now: the producer is up (#39, #47)
         return True
     return isinstance(exc, (DataError, OutputError)) and not isinstance(exc, (SpotCheckFailed, IdentityMismatch))
 

@@ -25,7 +25,7 @@ from muser_cli.handoff.api import ledger_dir
 from muser_cli.handoff.link import parse_hostport
 from muser_cli.handoff.pull.client import pull
 from muser_cli.handoff.push.receiver import Destination
-from muser_cli.handoff.wire.refusal import NotInTime
+from muser_cli.handoff.wire.refusal import NotInTime, ProducerBusy
 from muser_cli.handoff.trust.node import load_identity
 from muser_cli.model.info import ModelInfo
 from muser_cli.model.resolve import resolve_model
@@ -197,7 +197,8 @@ class PipePull:
         costs = self.costs
         if costs is None:
             return
-        outcome = "served" if self.error is None else "late" if isinstance(self.error, NotInTime) else "failed"
+        outcome = ("served" if self.error is None else "late" if isinstance(self.error, NotInTime)
+                   else "busy" if isinstance(self.error, ProducerBusy) else "failed")
         start, rows = self._rows or (0, 0)
         promised = None
         if self.promise is not None and isinstance(self.promise.get("compute_ms"), (int, float)):

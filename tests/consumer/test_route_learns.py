@@ -370,3 +370,30 @@ def test_a_short_held_preamble_does_not_keep_a_prompt_off_the_producer(lane, mon
             assert again["source"] in ("held", "store"), again
         finally:
             worker.close()
+
+
+def test_a_busy_producer_teaches_how_many_asks_it_takes(monkeypatch):
+    """A ``busy`` (its queue for this consumer full) is learned: while that many of this consumer's
+    asks are in flight there, the route keeps new requests here instead of asking to be refused;
+    as they are answered, it asks again. The pool keeps the producer up."""
+    from muser_cli.consumer.pool import ProducerPool
+    from muser_cli.handoff.wire.refusal import ProducerBusy
+
+    monkeypatch.delenv("MUSER_ROUTE", raising=False)
+    monkeypatch.setenv("MUSER_EXPLORE", "0")
+    costs = CostModel()
+    _calibrated(costs, 200.0)
+    _producer(costs, "p:1", 4000.0)
+    for key in ("a", "b", "c"):
+        assert route(costs, tokens=2000, held=0, producer="p:1", key=key)["ask"]
+    assert route(costs, tokens=2000, held=0, producer="p:1", key="d")["ask"]
+    costs.answered("p:1", "d", outcome="busy")  # it took the three, not the fourth
+    full = route(costs, tokens=2000, held=0, producer="p:1", key="e")
+    assert not full["ask"] and "holds as many" in full["why"] and costs.producer("p:1").limit == 3, full
+    costs.answered("p:1", "a", outcome="served", rows=1999)
+    assert route(costs, tokens=2000, held=0, producer="p:1", key="e")["ask"]
+    pool = ProducerPool(["127.0.0.1:7070"])
+    addr = pool.pick()
+    pool.done(addr, ProducerBusy("producer 127.0.0.1:7070 refused: busy: producer busy"))
+    state = pool.to_json()[0]
+    assert state["up"] and state["declined"] == 1 and state["failures"] == 0, state

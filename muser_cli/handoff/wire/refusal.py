@@ -17,9 +17,14 @@ class NotInTime(TempFailure):
     carried (``budget_ms``). About this request only (the producer is up): fall back at once."""
 
 
+class ProducerBusy(TempFailure):
+    """A producer's ``Reject(busy)``: its queue for this consumer is full (``--max-queue``) or it
+    is stopping. About this moment (the producer is up): fall back at once, ask again later."""
+
+
 REJECT_ERRORS: dict[str, type[MuserError]] = {
     "late": NotInTime,
-    "busy": TempFailure, "timeout": TempFailure, "storage": TempFailure, "aborted": TempFailure,
+    "busy": ProducerBusy, "timeout": TempFailure, "storage": TempFailure, "aborted": TempFailure,
     "auth": AuthError, "replay": AuthError, "stale": AuthError,
     "data": DataError, "too_large": DataError, "model": IdentityMismatch,
     "protocol": ProtocolError,

@@ -11,8 +11,10 @@ it listens (the producer too). Then, pass by pass, one prompt of each depth (dis
 the project's docs, no prefix shared, ``--no-reuse``, turn memory off), ascending, to each
 service, ``max_tokens`` 1. The remote service's answer carries the route's prediction of both
 paths (``route.paths``: ``local`` and ``remote_whole``, TTFT in seconds from the request's
-arrival); each is compared with that path's TTFT measured for the same prompt (``muser.ttft_ms``
-of the remote and of the local service). Pass 1 is cold (each service just calibrated; a
+arrival), the local service's its own local path; each is compared with that path's TTFT
+measured for the same prompt (``muser.ttft_ms`` of the remote and of the local service): the
+paths taken (local by the local service, remote by the remote one) and the one not taken (the
+remote service's local prediction, from its calibration alone). Pass 1 is cold (each service just calibrated; a
 depth's prediction has seen only the shallower prompts before it), later passes warm.
 Reported per pass and depth: predicted / measured for each path (1.0: exact). Aims: within 2x
 cold, within 25 % warm. Receipt: benchmarks/results/route-error-*.json.
@@ -94,13 +96,18 @@ def main() -> int:
                     got[name] = out.model_extra["muser"]
                 route = got["remote"].get("route") or {}
                 paths = route.get("paths") or {}
+                own = ((got["local"].get("route") or {}).get("paths") or {}).get("local")
                 row = {"pass": pas, "depth": d, "remote_source": got["remote"].get("source"),
                        "local_source": got["local"].get("source"),
                        "measured": {"local": got["local"]["ttft_ms"] / 1000, "remote_whole": got["remote"]["ttft_ms"] / 1000},
-                       "predicted": {k: paths.get(k) for k in ("local", "remote_whole")},
+                       # local: the local service's own prediction (the path it takes); local_not_taken: the
+                       # remote service's prediction of a path it never takes (only its calibration)
+                       "predicted": {"local": own, "remote_whole": paths.get("remote_whole"),
+                                     "local_not_taken": paths.get("local")},
                        "known": route.get("known"), "calibrated": route.get("calibrated")}
-                row["ratio"] = {k: (row["predicted"][k] / row["measured"][k]) if row["predicted"][k] else None
-                                for k in ("local", "remote_whole")}
+                meas = {"local": "local", "remote_whole": "remote_whole", "local_not_taken": "local"}
+                row["ratio"] = {k: (row["predicted"][k] / row["measured"][m]) if row["predicted"][k] else None
+                                for k, m in meas.items()}
                 rows.append(row)
                 r = row["ratio"]
                 print(f"pass {pas} depth {d}: local predicted/measured {r['local'] or float('nan'):.2f} "
@@ -117,10 +124,11 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     path = write_receipt("route-error", {"args": vars(args), "pins": str(pins), "rows": rows})
     print(f"receipt: {path}", file=sys.stderr)
-    print("pass depth  local pred/meas  remote pred/meas")
+    print("pass depth  local pred/meas  remote pred/meas  local (not taken) pred/meas")
     for row in rows:
         r = row["ratio"]
-        print(f"{row['pass']:>4} {row['depth']:>5}  {r['local'] or float('nan'):>15.2f}  {r['remote_whole'] or float('nan'):>16.2f}")
+        print(f"{row['pass']:>4} {row['depth']:>5}  {r['local'] or float('nan'):>15.2f}  {r['remote_whole'] or float('nan'):>16.2f}"
+              f"  {r['local_not_taken'] or float('nan'):>27.2f}")
     return 0
 
 

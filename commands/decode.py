@@ -9,7 +9,8 @@ from typing import BinaryIO, List, Optional
 import typer
 
 from muser_cli.commands._common import (
-    default_threads, emit_json, err, guarded, info, json_log, log_json, open_input, progress_callback, read_text_input,
+    complete_model, default_threads, emit_json, err, guarded, info, json_log, log_json, open_input,
+    progress_callback, read_text_input,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -19,7 +20,7 @@ def register(app: typer.Typer) -> None:
     @app.command("decode")
     def decode_cmd(
         src: str = typer.Argument("-", help="Input kvpack, or - for stdin (empty input + --prompt = fallback)."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Model folder, .gguf file, or 'default'."),
         n: int = typer.Option(64, "-n", "--max-tokens", help="New tokens to generate."),
         engine: str = typer.Option("torch", "--engine", help="torch | mlx"),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the pack's dtype."),
@@ -49,7 +50,7 @@ def register(app: typer.Typer) -> None:
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
-        from muser_cli.consumer.costs import route_fields  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.consumer.route import route_fields  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.decode import decode  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.lane import Source, answer  # lazy: kept out of `muser --help` (startup)
         from muser_cli.engines.base import Sampling  # lazy: kept out of `muser --help` (startup)

@@ -8,21 +8,21 @@ the consumer its local prefills'. A serving consumer and a resident producer cal
 before they listen (two prompt sizes, one a whole chunk).
 
 :class:`CostModel`: the consumer's live estimates for one model, engine, dtype and thread count
--- its prefill rate by depth, install (seconds per row), gate, first decode step, connection
-set-up, the link rate (bytes per second of the packs it received) and each producer's rates and
-last promise -- kept in memory for the process and in ``<data dir>/costs/<key>.json`` between
+-- its local prefill curve, install (seconds per row), gate, first decode step, connection
+set-up, the link rate (bytes per second of the packs it received) and each producer's curve,
+last promise, trust and the asks in flight there -- kept in memory for the process and in ``<data dir>/costs/<key>.json`` between
 runs (a cache: a file that cannot be read or written is ignored; the key names the model,
 engine and its version, dtype, threads and this machine's CPU; a file older than
 :data:`MAX_AGE_S` is forgotten). :meth:`CostModel.predict`
 gives the TTFT of every path -- ``store`` (every row held), ``local``, ``remote_whole``,
-``remote_delta`` -- and the fastest; :func:`route` whether to ask a producer at all (with
+``remote_delta`` -- and the fastest; :func:`muser_cli.consumer.route.route` whether to ask a producer at all (with
 ``MUSER_ROUTE=fastest``, the default; ``producer`` asks whenever a producer is given and the
 rows are not all held) and the budget to ask with. A path never taken is never measured: the
-route explores (:data:`EXPLORE_EVERY`) -- it takes the path predicted slower once in N times when
-the two are within :data:`EXPLORE_FACTOR` of each other or the slower one was never measured at
+route explores (:mod:`muser_cli.consumer.route`) -- it takes the path predicted slower once in N times when
+the two are within a factor of each other or the slower one was never measured at
 that depth, and says so (``route.explore``). :func:`budget_split` divides one answer's TTFT into its components.
 
-:class:`Backlog`: what is ahead of a new request on a serving consumer's engine (the requests
+:class:`~muser_cli.consumer.backlog.Backlog`: what is ahead of a new request on a serving consumer's engine (the requests
 queued and running: each one's prompt work still to do here, whether its rows come from a
 producer, whether it decodes), so that :meth:`CostModel.predict` adds the consumer's own queue
 (``consumer_queue``) to every path: a local prefill takes its turns among the others' chunks and
@@ -51,13 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from muser_cli import paths
+from muser_cli.consumer.backlog import Backlog, Work
 from muser_cli.costcurve import COLD_TPS, MAX_AGE_S, CostCurve, cost_key
 from muser_cli.consumer.cpushare import CpuShare
 from muser_cli.consumer.links import probed_link
 from muser_cli.strict import loads
-
-ROUTE_ENV = "MUSER_ROUTE"
-ROUTES = ("producer", "fastest")
 
 #: Cold starts, before anything was measured here (deliberately modest: the first measurements
 #: replace them): the per-row install, the first step, a TLS connection, the link.
@@ -66,15 +64,6 @@ COLD_FIRST_STEP_S = 0.01
 COLD_CONNECT_S = 0.05
 COLD_LINK_BPS = 100e6
 ALPHA = 0.3  # weight of a new measurement in an average
-#: Exploration: the path predicted slower is taken once in this many requests where it is
-#: within a factor of :data:`EXPLORE_FACTOR` of the faster (or within :data:`EXPLORE_UNMEASURED`
-#: where it was never measured at that depth); ``MUSER_EXPLORE=0`` turns it off, ``=N`` sets N.
-EXPLORE_EVERY = 8
-EXPLORE_FACTOR = 1.25  # the budget's own headroom (a quarter): an exploration costs no more than a miss
-EXPLORE_UNMEASURED = 4.0
-EXPLORE_ENV = "MUSER_EXPLORE"
-#: Prompts shorter than this many rows are never explored on (a short prompt stays local).
-EXPLORE_MIN_ROWS = 256
 #: A producer's measured compute over its own estimate is kept within these bounds.
 TRUST_RANGE = (0.25, 20.0)
 
@@ -120,82 +109,6 @@ class ProducerView:
     def compute_s(self, start: int, end: int, shape: CostCurve | None = None) -> float:
         """Its compute for rows ``[start, end)``: its curve, times how its estimates measured."""
         return self.rates.seconds(start, end, shape=shape) * self.trust
-
-
-@dataclass
-class Work:
-    """One request on a serving consumer's engine, as :class:`Backlog` keeps it: positions
-    ``[done, end)`` still to prefill here (``done == end``: none), in chunks of ``chunk``;
-    ``pulled``: its rows come from a producer (its engine work is their install and first step);
-    ``decoding``: its first token is out (it takes a decode step every round)."""
-
-    done: int = 0
-    end: int = 0
-    chunk: int = 256
-    pulled: bool = False
-    decoding: bool = False
-    rows: int = 0  # the prompt's rows (what an install of pulled rows costs)
-
-    @property
-    def todo(self) -> int:
-        return max(0, self.end - self.done)
-
-
-class Backlog:
-    """What is ahead of a new request on one engine (module doc), updated by the serving
-    consumer as requests arrive, are routed, finish prefill chunks, decode and finish.
-    Thread-safe. ``batched``: the engine steps the decoding sequences in one batched call
-    (else each takes its own step every round)."""
-
-    def __init__(self, *, batched: bool = True) -> None:
-        self.batched = batched
-        self._lock = threading.Lock()
-        self._work: dict[Any, Work] = {}
-
-    def arrive(self, key: Any, *, tokens: int, chunk: int) -> None:
-        """A request queued (``tokens``: its prompt's length, or an estimate until it is
-        tokenized; it counts as local work until routed)."""
-        with self._lock:
-            self._work[key] = Work(0, max(0, tokens - 1), max(1, chunk), rows=max(0, tokens - 1))
-
-    def routed(self, key: Any, *, start: int, end: int, chunk: int, pulled: bool) -> None:
-        """Its route: rows ``[start, end)`` to prefill here (``pulled``: none, from a producer)."""
-        with self._lock:
-            w = self._work.setdefault(key, Work())
-            w.done, w.end, w.chunk, w.pulled, w.rows = (end if pulled else start), end, max(1, chunk), pulled, end
-
-    def progress(self, key: Any, done: int) -> None:
-        """A prefill chunk of it done: positions up to ``done`` computed. A request routed to a
-        producer that computes here after all (a broken promise raced, the rest of a cut stream)
-        counts as prompt work here from then on."""
-        with self._lock:
-            w = self._work.get(key)
-            if w is None:
-                return
-            if w.pulled:
-                w.pulled, w.done = False, min(max(0, done), w.end)
-            else:
-                w.done = max(w.done, min(done, w.end))
-
-    def decoding(self, key: Any) -> None:
-        """Its first token is out: no prompt work left, a decode step every round."""
-        with self._lock:
-            w = self._work.get(key)
-            if w is not None:
-                w.done, w.pulled, w.decoding = w.end, False, True
-
-    def finish(self, key: Any) -> None:
-        with self._lock:
-            self._work.pop(key, None)
-
-    def ahead(self, key: Any = None) -> list[Work]:
-        """A copy of every request's work but ``key``'s own."""
-        with self._lock:
-            return [Work(**vars(w)) for k, w in self._work.items() if k is not key]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._work)
 
 
 class CostModel:
@@ -502,150 +415,6 @@ def costs_for(model_fingerprint: str, engine: str, dtype: str, threads: int) -> 
         return model
 
 
-def route_mode() -> str:
-    """``MUSER_ROUTE``: ``fastest`` (the default: ask a producer only when the prediction says
-    it is faster, with the budget to beat local) or ``producer`` (ask whenever one is given:
-    the lane's mechanics, whatever the prediction). Anything else counts as the default."""
-    value = os.environ.get(ROUTE_ENV, "").strip().lower()
-    return value if value in ROUTES else "fastest"
-
-
-def explore_every() -> int:
-    """``MUSER_EXPLORE``: explore once in this many eligible requests (0: never); default
-    :data:`EXPLORE_EVERY`."""
-    value = os.environ.get(EXPLORE_ENV, "").strip()
-    try:
-        return max(0, int(value)) if value else EXPLORE_EVERY
-    except ValueError:
-        return EXPLORE_EVERY
-
-
-def _explore(costs: CostModel, got: dict[str, Any], *, rows: int, producer: str, ask: bool, here: float,
-             remote: float) -> str | None:
-    """Which path to try instead of the predicted one (``"producer"`` or ``"local"``), or None:
-    where the two are predicted within :data:`EXPLORE_FACTOR` of each other (within
-    :data:`EXPLORE_UNMEASURED` where the slower was never measured at this depth: no pack that
-    deep from that producer, no local prefill that deep), once in :func:`explore_every` such
-    requests (the N-th, 2N-th, ... of them: a first request follows the prediction)."""
-    every = explore_every()
-    view = costs.producers.get(producer)
-    if not every or rows < EXPLORE_MIN_ROWS or view is None or not got["known"] or not got["calibrated"]:
-        return None
-    if not math.isfinite(remote) or "local" not in got["paths"]:
-        return None
-    slower, faster = (here, remote) if ask else (remote, here)
-    unmeasured = costs.local.measured_to() * 2 < rows if ask else view.pulled_to * 2 < rows
-    if slower > faster * (EXPLORE_UNMEASURED if unmeasured else EXPLORE_FACTOR):
-        return None
-    with costs._lock:
-        costs._explore_n += 1  # kept in the cost file: one-shot commands count across runs
-        n = costs._explore_n
-    if n % every:
-        return None
-    return "local" if ask else "producer"
-
-
-def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
-          deadline_s: float | None = None, backlog: Backlog | None = None, key: Any = None,
-          chunk: int = 256) -> dict[str, Any]:
-    """Whether to ask ``producer``, and with what budget: the prediction of every path
-    (``paths``, ``parts``), the fastest predicted (``predicted``), the path this request goes for
-    (``choice``), ``ask`` (bool), ``budget_ms`` (the producer must have sent the pack within it to
-    beat the local path: the local prediction less what follows the pack here; None: no budget),
-    ``explore`` (the path taken to measure it, against the prediction; None) and ``why`` (for a
-    local choice: the reason the answer gives).
-
-    A consumer whose local curve is not calibrated (nothing measured at two sizes: a one-shot
-    command on a machine where no service ran) asks the producer without a budget: a guess of
-    its own speed would be 10-140x off either way. With ``MUSER_ROUTE=producer`` the producer is
-    asked whenever the rows are not all held, without a budget (unless ``deadline_s`` gives one).
-    ``backlog``, ``key``, ``chunk``: the consumer's own queue (:meth:`CostModel.predict`). With a
-    ``key``, an ask is put on that producer's queue (:meth:`CostModel.asking`) before the next
-    route is decided (requests arriving together see each other's asks: ``asked_key``)."""
-    with costs._routing:
-        got = _route(costs, tokens=tokens, held=held, producer=producer, deadline_s=deadline_s, backlog=backlog,
-                     key=key, chunk=chunk)
-        if got["ask"] and key is not None and producer is not None:
-            costs.asking(producer, key, float(got["parts"].get(got["choice"], {}).get("producer_compute") or 0.0))
-            got["asked_key"] = key
-    return got
-
-
-def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, deadline_s: float | None,
-           backlog: Backlog | None, key: Any, chunk: int) -> dict[str, Any]:
-    got = costs.predict(tokens=tokens, held=held, producer=producer, backlog=backlog, key=key, chunk=chunk)
-    mode = route_mode()
-    paths_ = got["paths"]
-    got.update(mode=mode, predicted=got["choice"], explore=None)
-    here_name = "store" if "store" in paths_ else "local"
-    here = paths_[here_name]
-    remote_name = "remote_delta" if "remote_delta" in paths_ else "remote_whole"
-    if producer is None or here_name == "store":
-        got.update(ask=False, budget_ms=None, why="", choice=here_name)
-        return got
-    if mode == "producer":
-        budget_ms = max(1, int(deadline_s * 1000)) if deadline_s is not None else None
-        got.update(ask=True, budget_ms=budget_ms, why="", choice=remote_name)
-        return got
-    install, _, first = costs._tail(tokens - 1, gate=True, slow=1.0 / got["share"])
-    connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
-    waits = [v.get("consumer_queue", 0.0) for k, v in got["parts"].items() if k.startswith("remote")]
-    budget: float | None = here - install - first - connect - min(waits, default=0.0)  # what the producer must beat
-    if deadline_s is not None:
-        budget = min(budget, deadline_s)
-    remote = min((v for k, v in paths_.items() if k.startswith("remote")), default=math.inf)
-    view = costs.producers.get(producer)
-    if view is not None and view.full(key):  # it would answer "busy": this consumer's asks fill its queue
-        got.update(ask=False, budget_ms=None, choice=here_name,
-                   why=f"route: {producer} holds as many of this consumer's requests as it takes ({view.limit})")
-        return got
-    if not got["calibrated"] and tokens - 1 >= EXPLORE_MIN_ROWS:  # our speed unknown: no budget from a guess
-        ask, budget = True, deadline_s
-    elif not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip
-        ask = budget > 0
-    else:
-        ask = remote < here and budget > 0
-    explore = _explore(costs, got, rows=tokens - 1, producer=producer, ask=ask, here=here, remote=remote)
-    if explore == "producer":  # measured, not raced against a budget it was predicted to miss
-        ask, budget = True, deadline_s
-    elif explore == "local":
-        ask = False
-    got["explore"] = explore
-    got.update(ask=ask, budget_ms=max(1, int(budget * 1000)) if ask and budget is not None else None)
-    if not ask:
-        got["choice"] = here_name
-        if explore == "local":
-            got["why"] = (f"route: exploring the local path (predicted {here * 1000:.1f} ms against "
-                          f"{remote * 1000:.1f} ms from {producer}; MUSER_EXPLORE)")
-        else:
-            got["why"] = (f"route: {here_name} predicted faster ({here * 1000:.1f} ms) than asking {producer} "
-                          f"({'unknown' if not got['known'] else f'{remote * 1000:.1f} ms'}; MUSER_ROUTE=fastest)")
-    else:
-        got["why"] = ""
-        got["choice"] = remote_name
-    return got
-
-
-#: A route's fields an answer shows (``muser decode --json``, a served answer's ``route``).
-ROUTE_FIELDS = ("paths", "predicted", "choice", "explore", "mode", "known", "calibrated", "budget_ms", "parts", "link",
-                "share", "held")
-
-
-def taken_path(source: Any) -> str | None:
-    """The path an answer took, in the route's names, from its ``source``: ``store`` (every row
-    held), ``held`` (the turn memory), ``local`` (prefilled here, some rows held or not),
-    ``remote_whole`` / ``remote_delta`` (a producer's pack; ``partial+local``: part of one)."""
-    return {"handoff": "remote_whole", "delta": "remote_delta", "partial+local": "remote_whole", "store": "store",
-            "held": "held", "local": "local", "store+local": "local"}.get(str(source))
-
-
-def route_fields(plan: dict[str, Any], source: Any) -> dict[str, Any]:
-    """What an answer says of its route: what was predicted (``paths``, ``parts``, ``predicted``),
-    what was chosen (``choice``, ``explore``, ``budget_ms``) and what happened (``taken``, from the
-    answer's ``source``: :func:`taken_path`)."""
-    return {**{k: plan[k] for k in ROUTE_FIELDS if k in plan}, "taken": taken_path(source)}
-
-
 def budget_split(*, ttft_s: float, consumer_queue_s: float, remote: bool, lane_s: float,
                  serving_s: float | None, end_s: float | None, rows_ready_s: float | None,
                  local_prefill_s: float = 0.0, install_s: float = 0.0, gate_s: float = 0.0,
@@ -697,5 +466,5 @@ def overrun(split: dict[str, float], budget_s: float | None, expected: dict[str,
     return max(split, key=lambda k: split[k] - expected.get(k, 0.0))
 
 
-__all__ = ["COMPONENTS", "Backlog", "CostCurve", "CostModel", "ProducerView", "ROUTE_ENV", "Work", "budget_split",
-           "cost_file", "costs_for", "explore_every", "overrun", "route", "route_fields", "route_mode", "taken_path"]
+__all__ = ["COLD_TPS", "COMPONENTS", "Backlog", "CostCurve", "CostModel", "ProducerView", "Work", "budget_split",
+           "cost_file", "costs_for", "overrun"]

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
-from muser_cli.consumer.costs import CostModel, costs_for, route, route_mode
+from muser_cli.consumer.costs import CostModel, costs_for
+from muser_cli.consumer.route import route, route_mode
 from muser_cli.errors import MuserError, TempFailure
 from muser_cli.handoff.api import ledger_dir
 from muser_cli.handoff.link import parse_hostport
@@ -110,7 +111,7 @@ class PipePull:
     (``promise``, a request with a budget), admitted it (``serving``), its header came
     (``header``), the pack's last byte came (``last_byte``) and the pull ended (``end``: after
     the ledger and the Ack); :attr:`promise` what it promised (also told to
-    ``costs``). :attr:`plan`: the routing (:func:`muser_cli.consumer.costs.route`). ``asked``
+    ``costs``). :attr:`plan`: the routing (:func:`muser_cli.consumer.route.route`). ``asked``
     False: the route chose not to ask (no thread, no reader; :attr:`routed_local` says why).
 
     ``race``: a promise the producer breaks does not cut the pull; :attr:`broken` is set (and
@@ -338,7 +339,7 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
     ``send_text``: send the prompt as text for the producer to tokenize (:func:`ask_for`).
     ``race``: a broken promise is raced, not cut (:class:`PipePull`).
 
-    The route (issue #39): the TTFT of every path is predicted (:func:`muser_cli.consumer.costs.route`,
+    The route (issue #39): the TTFT of every path is predicted (:func:`muser_cli.consumer.route.route`,
     :attr:`PipePull.plan`); with ``MUSER_ROUTE=fastest`` the prompt is tokenized here first and
     the producer asked only when that is predicted faster, with the budget to beat the local
     path (a producer that cannot make it says so at once); else it is asked as before."""

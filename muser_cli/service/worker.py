@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
-from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun, route, route_fields
+from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun
+from muser_cli.consumer.route import route, route_fields
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.costcurve import spread_ids
 from muser_cli.consumer.lane import Source, answer
@@ -505,7 +506,7 @@ class EngineWorker:
 
     def _pull(self, job: Job, held: Held | None = None):
         """The pull for ``job``, or None: no producer up, or the route (issue #39: ``MUSER_ROUTE``,
-        :func:`muser_cli.consumer.costs.route`) predicts this machine answers sooner, or the turn
+        :func:`muser_cli.consumer.route.route`) predicts this machine answers sooner, or the turn
         memory holds ``held`` rows of the prompt and computing the rest here is predicted no
         slower than any producer (``state.held_wins``): a prompt held is never pulled again."""
         ask, c, state = job.ask, self.config, job.state

@@ -20,7 +20,8 @@ import pytest
 
 from serve_kit import engine_worker  # noqa: F401  first: the module skipped without the serve extra
 from handoff_kit import HANG_S, LANE_PROMPT as PROMPT, env_for, home_env, muser_cmd, pull_lane, wait_for
-from muser_cli.consumer.costs import COLD_LINK_BPS, Backlog, CostCurve, CostModel, budget_split, route
+from muser_cli.consumer.costs import COLD_LINK_BPS, Backlog, CostCurve, CostModel, budget_split
+from muser_cli.consumer.route import route
 from muser_cli.consumer.cpushare import SHARE_STALE_S, CpuShare
 from muser_cli.consumer.links import LINKS_FILE, note_link, probed_link
 from muser_cli.consumer.turns import Turns

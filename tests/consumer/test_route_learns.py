@@ -19,9 +19,8 @@ import time
 import pytest
 
 from handoff_kit import HANG_S, LANE_PROMPT as PROMPT, env_for, home_env, muser_cmd, pull_lane, wait_for
-from muser_cli.consumer.costs import (
-    EXPLORE_EVERY, Backlog, CostCurve, CostModel, cost_file, costs_for, route,
-)
+from muser_cli.consumer.costs import Backlog, CostCurve, CostModel, cost_file, costs_for
+from muser_cli.consumer.route import EXPLORE_EVERY, route
 from muser_cli.costcurve import RATE_POINTS, fit_curve, load_curve, save_curve
 
 CHUNK = 64

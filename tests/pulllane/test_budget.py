@@ -26,7 +26,8 @@ from handoff_kit import (
     HANG_S, LANE_CHUNK as CHUNK, LANE_PROMPT as PROMPT, env_for, held_pull, home_env, muser_cmd,
     pull_lane, signed_request, wait_for,
 )
-from muser_cli.consumer.costs import CostCurve, CostModel, budget_split, overrun, route
+from muser_cli.consumer.costs import CostCurve, CostModel, budget_split, overrun
+from muser_cli.consumer.route import route
 from muser_cli.handoff.pull.admission import Admission
 
 

@@ -216,6 +216,26 @@ def test_a_short_prompt_stays_local_and_the_producer_route_asks_unless_all_is_he
 
 
 # ----------------------------------------------------------------------------- real processes
+def ask(worker, prompt: str) -> dict:
+    """One completion through a service's engine worker (two tokens, greedy): its summary."""
+    import threading
+
+    from muser_cli.service.api import parse_ask
+    from muser_cli.service.worker import Job
+
+    done, got = threading.Event(), {}
+
+    def emit(kind, payload):
+        if kind in ("done", "error"):
+            got[kind] = payload
+            done.set()
+
+    worker.submit(Job(parse_ask({"prompt": prompt, "max_tokens": 2, "temperature": 0}, "completion",
+                                default_max_tokens=2), emit))
+    assert done.wait(HANG_S) and "done" in got, got
+    return got["done"]
+
+
 @pytest.fixture(scope="module")
 def lane(tmp_path_factory, tiny_llama):
     with pull_lane(tmp_path_factory.mktemp("learns"), tiny_llama.path, prompt=PROMPT) as lane:
@@ -266,28 +286,12 @@ def test_taken_is_the_source_and_a_declined_request_keeps_the_producer_up(lane, 
     """A served answer's route says what was predicted, chosen and taken (``taken`` the path of its
     source); a producer that declined one request (``late``: its turn held by a request that ran
     past the budget) stays up on /metrics and in the pool /health shows."""
-    import threading
-
     from handoff_kit import held_pull, signed_request
-    from muser_cli.service.api import parse_ask
     from muser_cli.service.metrics import ConsumerMetrics
-    from muser_cli.service.worker import Config, EngineWorker, Job
+    from muser_cli.service.worker import Config, EngineWorker
 
     address = lane["producer"].address
     monkeypatch.setenv("MUSER_EXPLORE", "0")
-
-    def ask(worker, prompt):
-        done, got = threading.Event(), {}
-
-        def emit(kind, payload):
-            if kind in ("done", "error"):
-                got[kind] = payload
-                done.set()
-
-        worker.submit(Job(parse_ask({"prompt": prompt, "max_tokens": 2, "temperature": 0}, "completion",
-                                    default_max_tokens=2), emit))
-        assert done.wait(HANG_S) and "done" in got, got
-        return got["done"]
 
     with home_env(lane["nodes"].consumer_home):
         metrics = ConsumerMetrics()
@@ -326,27 +330,11 @@ def test_a_short_held_preamble_does_not_keep_a_prompt_off_the_producer(lane, mon
     """The turn memory holds a few tokens of a new prompt (a conversation's preamble):
     ``MUSER_ROUTE=producer`` still asks the producer, since the rows are not all held; the same
     prompt again, wholly held, is not asked."""
-    import threading
-
-    from muser_cli.service.api import parse_ask
     from muser_cli.service.metrics import ConsumerMetrics
-    from muser_cli.service.worker import Config, EngineWorker, Job
+    from muser_cli.service.worker import Config, EngineWorker
 
     address = lane["producer"].address
     monkeypatch.setenv("MUSER_ROUTE", "producer")
-
-    def ask(worker, prompt):
-        done, got = threading.Event(), {}
-
-        def emit(kind, payload):
-            if kind in ("done", "error"):
-                got[kind] = payload
-                done.set()
-
-        worker.submit(Job(parse_ask({"prompt": prompt, "max_tokens": 2, "temperature": 0}, "completion",
-                                    default_max_tokens=2), emit))
-        assert done.wait(HANG_S) and "done" in got, got
-        return got["done"]
 
     with home_env(lane["nodes"].consumer_home):
         worker = EngineWorker(Config(model=lane["model"], dtype="float32", threads=1, reuse=False, max_batch=1,

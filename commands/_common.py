@@ -49,6 +49,29 @@ def err(message: str) -> None:
     sys.stderr.flush()
 
 
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion of ``-m``: the names muser knows (``muser model ls``: default,
+    smollm2-135m, gemma3-270m), then the folders and ``.gguf`` files the typed path starts."""
+    from muser_cli.model.resolve import NAMED_MODELS  # lazy: kept out of `muser --help` (startup)
+
+    out = [name for name in NAMED_MODELS if name.startswith(incomplete)]
+    head, _, stem = incomplete.rpartition("/")
+    folder = Path(os.path.expanduser(head + "/" if head else "."))
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:  # no such folder (yet), not readable: only the names
+        return out
+    for entry in entries:
+        if not entry.name.startswith(stem) or (entry.name.startswith(".") and not stem.startswith(".")):
+            continue
+        typed = f"{head}/{entry.name}" if head else entry.name
+        if entry.is_dir():
+            out.append(typed + "/")
+        elif entry.name.endswith(".gguf"):
+            out.append(typed)
+    return out
+
+
 def log_json(record: dict[str, Any]) -> None:
     """One JSON line on stderr, with its UTC ``ts`` (a service's log line)."""
     sys.stderr.write(json.dumps({"ts": utc_stamp(), **record}, sort_keys=True, default=str) + "\n")

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.commands._common import default_threads, emit_json, err, guarded, info, quiet
+from muser_cli.commands._common import complete_model, default_threads, emit_json, err, guarded, info, quiet
 from muser_cli.errors import ExitStatus, MissingInput, UsageError
 from muser_cli.fsio import is_special
 from muser_cli.units import plural
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
     def batch_cmd(
         jobs: str = typer.Argument(..., help="Jobs file (JSONL: id, prompt | prompt_file + question, max_tokens, ...), or - for stdin."),
         output: Optional[str] = typer.Option(None, "-o", "--output", help="Results file (JSONL, appended line by line, fsynced). Default: stdout, in input order."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Model folder, .gguf file, or 'default'."),
         producer: List[str] = typer.Option([], "--producer", help="A resident producer HOST:PORT (`prefill --serve`); repeat for a pool."),
         producers_file: Optional[str] = typer.Option(None, "--producers-file", help="A file of producers, one HOST:PORT per line (# comments)."),
         resume: bool = typer.Option(False, "--resume", help="Continue a killed run: skip the ids the results file has done."),

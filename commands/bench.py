@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, guarded, info
+from muser_cli.commands._common import complete_model, emit_json, guarded, info
 
 bench_app = typer.Typer(
     help="Measure the lane, the kvpack codec and the wire: warm-up, repeated runs, median and CV, "
@@ -23,7 +23,7 @@ _MODEL = ("Model folder, .gguf file, 'default' (the embedded model) or 'tiny' (a
           "with 132k positions, written once: quick runs).")
 
 # The options lane, pack and wire share (one definition each, so their help cannot drift).
-_MODEL_OPT = typer.Option("default", "--model", "-m", help=_MODEL)
+_MODEL_OPT = typer.Option("default", "--model", "-m", autocompletion=complete_model, help=_MODEL)
 _DEPTHS_OPT = typer.Option("512,2048,8064", "--depths", help="Prompt depths in tokens, comma-separated.")
 _REPS_OPT = typer.Option(5, "--reps", help=_REPS)
 _PLOT_OPT = typer.Option(None, "--plot", help=_PLOT)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from muser_cli.commands._common import emit_json, guarded
+from muser_cli.commands._common import complete_model, emit_json, guarded
 from muser_cli.units import size_text
 
 
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("check")
     def check_cmd(
-        model: str = typer.Argument(..., help="Model folder (config.json is enough), config.json, .gguf file, or a name (`muser model ls`: default, gemma3-270m)."),
+        model: str = typer.Argument(..., autocompletion=complete_model, help="Model folder (config.json is enough), config.json, .gguf file, or a name (`muser model ls`: default, gemma3-270m)."),
         tokens: Optional[int] = typer.Option(None, "--tokens", help="Also print the payload a pack of an N-token prompt carries."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="KV dtype for the byte counts (default: the config's, else bfloat16)."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),

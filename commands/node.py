@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.commands._common import default_threads, emit_json, err, guarded, info, open_input
+from muser_cli.commands._common import complete_model, default_threads, emit_json, err, guarded, info, open_input
 from muser_cli.errors import UsageError
 from muser_cli.fsio import atomic_writer, make_private
 
@@ -166,7 +166,7 @@ def repair_cmd(key_id: str = typer.Argument(..., help="Key id whose replay ledge
 @node_app.command("check")
 def check_cmd(
     producer: str = typer.Argument(..., help="The producer's HOST:PORT (`prefill --serve`)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="This consumer's model (default: the default model)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="This consumer's model (default: the default model)."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the producer's answer."),
     threads: int = typer.Option(0, "--threads", help="Compute threads for the spot-check (0 = default)."),
     probe_seconds: float = typer.Option(1.0, "--probe-seconds", help="Seconds per direction of the link-rate probe (0: not measured)."),

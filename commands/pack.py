@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, emit_json, guarded, info, open_input, plural, read_text_input, size_text,
+    binary_output, complete_model, emit_json, guarded, info, open_input, plural, read_text_input, size_text,
 )
 
 
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
         show_info: bool = typer.Option(False, "--info", help="Verify and describe the pack; write nothing."),
         export_to: Optional[str] = typer.Option(None, "--export", help="mlx-lm: write the pack as an mlx-lm prompt cache (safetensors) that mlx_lm.generate --prompt-cache-file loads; it holds prompt[:-1], so continue with the last prompt token (docs/interop.md)."),
         import_from: Optional[str] = typer.Option(None, "--import", help="mlx-lm: read an mlx-lm prompt cache (SRC) and write a kvpack bound to -m and --prompt."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="With --import: the model (required); with --export: recorded as the file's model (default: the pack's, if known here)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="With --import: the model (required); with --export: recorded as the file's model (default: the pack's, if known here)."),
         prompt: Optional[str] = typer.Option(None, "--prompt", help="With --import: the prompt file the cache was made from (required)."),
         chat: bool = typer.Option(False, "--chat", help="With --import: the prompt uses the chat template."),
     ) -> None:

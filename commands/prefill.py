@@ -10,8 +10,8 @@ import typer
 
 from muser_cli.about import STARTED_UNIX
 from muser_cli.commands._common import (
-    binary_output, default_threads, drain_on_signals, emit_json, guarded, info, json_log, log_json, open_input,
-    progress_callback, read_text_input, trouble_line,
+    binary_output, complete_model, default_threads, drain_on_signals, emit_json, guarded, info, json_log, log_json,
+    open_input, progress_callback, read_text_input, trouble_line,
 )
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
     @app.command("prefill")
     def prefill_cmd(
         prompt: str = typer.Argument("-", help="Prompt text file, or - for stdin."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Model folder, .gguf file, or 'default'."),
         engine: str = typer.Option("torch", "--engine", help="torch | mlx | vllm"),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: the engine's)"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
@@ -143,7 +143,9 @@ def _serve(listen: str, *, model: Optional[str], engine: str, dtype: Optional[st
         if observe is not None:
             observe(kind, f)
         if kind == "listening":
-            say(f"prefill: listening on {f['address']}", "listening", address=f["address"])
+            # with --json the text goes on past the address (a space after it), as readers of the text line expect
+            say(f"prefill: listening on {f['address']}" + (" (mutual TLS)" if as_json else ""), "listening",
+                address=f["address"])
         elif kind in ("request", "probe", "tls_failed", "reachability", "admitted", "warning", "error",
                       "warmed", "promise", "paused") and as_json:
             sys.stderr.write(json.dumps({"event": kind, "ts": utc_stamp(), **f}, sort_keys=True, default=str) + "\n")
@@ -195,5 +197,5 @@ def _metrics(listen: Optional[str], say):
     from muser_cli.pulllane.metrics import serve_producer_metrics  # lazy: kept out of `muser --help` (startup)
 
     observe, (host, port), live = serve_producer_metrics(listen)
-    say(f"prefill: metrics on http://{host}:{port}/metrics", "metrics", address=f"{host}:{port}")
+    say(f"prefill: metrics on http://{host}:{port}/metrics (plain HTTP)", "metrics", address=f"{host}:{port}")
     return observe, live

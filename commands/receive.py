@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_stdout, drain_on_signals, emit_json, guarded, info, plural, quiet, read_text_input, trouble_line,
+    binary_stdout, complete_model, drain_on_signals, emit_json, guarded, info, plural, quiet, read_text_input,
+    trouble_line,
 )
 from muser_cli.errors import UsageError
 
@@ -41,7 +42,7 @@ def register(app: typer.Typer) -> None:
         prompt: Optional[str] = typer.Argument(None, help="With --from: the prompt file to ask the producer for (- for stdin)."),
         listen: Optional[str] = typer.Option(None, "--listen", help="HOST:PORT to listen on (:PORT for all addresses)."),
         pull_from: Optional[str] = typer.Option(None, "--from", help="Pull instead: ask the resident producer at HOST:PORT (`prefill --serve`) for PROMPT's KV."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="With --from: this consumer's model (its tokenization and fingerprints are authoritative)."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="With --from: this consumer's model (its tokenization and fingerprints are authoritative)."),
         chat: bool = typer.Option(False, "--chat", help="With --from: the prompt uses the chat template."),
         chunk: Optional[int] = typer.Option(None, "--chunk", help="With --from: canonical chunk size to ask for (default 512)."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="With --from: KV dtype to ask for (default float32)."),

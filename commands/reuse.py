@@ -7,7 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from muser_cli.commands._common import binary_output, emit_json, err, guarded, info, open_input, plural, read_text_input
+from muser_cli.commands._common import (
+    binary_output, complete_model, emit_json, err, guarded, info, open_input, plural, read_text_input,
+)
 from muser_cli.fsio import write_bytes_atomic
 
 reuse_app = typer.Typer(help="The prefix store: what KV this machine holds, for warm starts and delta handoffs.",
@@ -30,7 +32,7 @@ def _size(n: int) -> str:
 @reuse_app.command("have")
 def have_cmd(
     prompt: str = typer.Argument("-", help="Prompt text file, or - for stdin."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Model folder, .gguf file, or 'default'."),
     chat: bool = typer.Option(False, "--chat", help="The prompt uses the chat template."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Only entries of this dtype."),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="Only entries of this chunk size."),
@@ -58,7 +60,7 @@ def have_cmd(
 def put_cmd(
     src: str = typer.Argument("-", help="kvpack to store (a delta is merged with its stored base), or -."),
     model: Optional[str] = typer.Option(
-        None, "--model", "-m",
+        None, "--model", "-m", autocompletion=complete_model,
         help="The pack's model (checked); without it, the model this machine knows by the pack's fingerprint."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -99,7 +101,7 @@ def get_cmd(
 
 @reuse_app.command("ls")
 def ls_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Only this model's entries."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Only this model's entries."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
     """List entries: id, model, tokens, bytes, schedule, last use (most recent first)."""

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from muser_cli.commands._common import (
-    binary_output, default_threads, emit_json, err, fail, guarded, open_input, plural, read_text_input, size_text,
+    binary_output, complete_model, default_threads, emit_json, err, fail, guarded, open_input, plural,
+    read_text_input, size_text,
 )
 from muser_cli.errors import DAMAGED_PACK_HINT, TRUNCATED_PACK_HINT, DataError
 from muser_cli.fsio import check_output_path
@@ -46,7 +47,7 @@ def register(app: typer.Typer) -> None:
     @app.command("verify")
     def verify_cmd(
         src: str = typer.Argument("-", help="Input kvpack, or - for stdin."),
-        model: Optional[str] = typer.Option(None, "--model", "-m", help="Model folder, .gguf file, or 'default'."),
+        model: Optional[str] = typer.Option(None, "--model", "-m", autocompletion=complete_model, help="Model folder, .gguf file, or 'default'."),
         prompt: Optional[str] = typer.Option(None, "--prompt", help="Check the pack is for this prompt file."),
         chat: bool = typer.Option(False, "--chat", help="The prompt was wrapped in the chat template."),
         audit: int = typer.Option(0, "--audit", help="Recompute the last N positions locally and compare K/V per layer."),

@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
             typer.echo("Names -m takes (besides a model folder or a .gguf file):")
             for n in names:
                 state = "installed" if n["installed"] else f"not installed: {n['install']}"
-                chat = "" if n["chat_template"] else "; no chat template: completions only"
+                chat = "" if n["chat_template"] else "; no chat template"
                 typer.echo(f"  {n['name']:<14} {n['about']} ({state}{chat})")
             typer.echo("")
             import shutil

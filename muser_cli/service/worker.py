@@ -521,8 +521,10 @@ class EngineWorker:
             here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None, **queue)
             mine = here["paths"][here["choice"]]
             remote = min((v for k, v in plan["paths"].items() if k.startswith("remote")), default=float("inf"))
-            # MUSER_ROUTE=producer: the producer is asked unless every row is held (docs/serve.md)
-            wins = mine <= remote if plan.get("mode") != "producer" else False
+            # MUSER_ROUTE=producer: the producer is asked for a prompt mostly new (a held preamble),
+            # not for a conversation's next turn (most rows held, a new tail): docs/serve.md
+            mostly_held = held.rows * 2 >= len(ids) - 1
+            wins = mine <= remote and (plan.get("mode") != "producer" or mostly_held)
             if held.rows >= len(ids) - 1 or wins or addr is None:
                 state.held_wins = True
                 state.route = {**here, "mode": plan.get("mode"), "held": held.rows, "predicted": here["choice"],

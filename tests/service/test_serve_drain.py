@@ -28,6 +28,7 @@ from handoff_kit import HANG_S  # noqa: E402
 PROMPT = ("Request 2: the committee met on a grey Tuesday to decide where bridge number 17 would go, "
           "and Cy spoke first.")
 LONG = 50_000  # tokens asked for: still streaming when the drain ends (the test checks it did not end first)
+NO_EOS = {"2": -100}  # the tiny model's end of text never drawn: a stream ends only when the server ends it
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def _openai_stream(server: DecodeServer, got: dict, started: threading.Event) ->
     try:
         for chunk in server.client().chat.completions.create(model="default", max_tokens=LONG, temperature=0,
                                                              messages=[{"role": "user", "content": PROMPT}],
-                                                             stream=True):
+                                                             logit_bias=NO_EOS, stream=True):
             chunks.append(chunk)
             if len(chunks) > 3:
                 started.set()
@@ -112,11 +113,11 @@ def test_a_drain_past_its_bound_ends_each_request_cleanly(tmp_path, tiny_long):
     starts = [threading.Event() for _ in range(3)]
     runners = [threading.Thread(target=_openai_stream, args=(server, got, starts[0])),
                threading.Thread(target=_raw_stream, args=(server, "/v1/messages", {
-                   "model": "default", "max_tokens": LONG, "stream": True,
+                   "model": "default", "max_tokens": LONG, "stream": True, "temperature": 0,
                    "messages": [{"role": "user", "content": PROMPT}]}, got, "messages", starts[1])),
                threading.Thread(target=_raw_stream, args=(server, "/v1/completions", {
-                   "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}, got, "completions",
-                   starts[2]))]
+                   "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True, "logit_bias": NO_EOS}, got,
+                   "completions", starts[2]))]
     try:
         for runner, started in zip(runners, starts):
             runner.start()
@@ -126,7 +127,8 @@ def test_a_drain_past_its_bound_ends_each_request_cleanly(tmp_path, tiny_long):
         end = time.monotonic() + HANG_S
         while _busy(server) < 4 and time.monotonic() < end:
             time.sleep(0.05)
-        assert _busy(server) == 4  # three streaming, one waiting
+        ended = {k: v["lines"][-2:] for k, v in got.items() if isinstance(v, dict) and "lines" in v}
+        assert _busy(server) == 4, (ended, got.get("openai_error"))  # three streaming, one waiting
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(HANG_S) == 1  # what was left had to be ended: docs/cli-contract.md
         for runner in runners + [waiting]:
@@ -177,7 +179,8 @@ def test_a_second_signal_ends_the_drain_at_once(tmp_path, tiny_long):
     got: dict = {}
     started = threading.Event()
     runner = threading.Thread(target=_raw_stream, args=(server, "/v1/completions", {
-        "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}, got, "completions", started))
+        "prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True, "logit_bias": NO_EOS}, got, "completions",
+        started))
     try:
         runner.start()
         assert started.wait(HANG_S)

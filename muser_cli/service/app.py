@@ -404,7 +404,7 @@ def _usage(s: dict) -> dict:
 
 def _muser(s: dict) -> dict:
     return {k: s.get(k) for k in ("source", "ttft_ms", "bytes", "producer", "held_rows", "computed_rows",
-                                  "fallback_reason", "batched", "route", "budget")}
+                                  "fallback_reason", "batched", "route", "budget", "tool_format")}
 
 
 def _headers(s: dict) -> dict[str, str]:

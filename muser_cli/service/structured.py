@@ -4,6 +4,10 @@ a request's answer is decoded under, or None.
 * ``response_format`` ``json_object``: one JSON object; ``json_schema``: one JSON value by the
   schema (strict: every keyword enforced, else refused when parsed; not strict: the keywords the
   grammar can enforce);
+* tools in muser's ``generic`` format (a template with no call format of its own: service/tools.py),
+  whatever ``tool_choice``: the whole answer is one JSON object, ``{"tool_calls": [...]}`` (each
+  call ``{"name": <an offered tool>, "arguments": <by its parameters>}``; one where parallel calls
+  are off or a function is named; only that function's) or, under ``auto``, ``{"response": "<text>"}``;
 * ``tool_choice`` ``required`` or a named function: the answer already starts with the call's
   opening (:meth:`muser_cli.service.tools.ToolFormat.forced`); the grammar takes it from there:
   an offered function's name (``required``), the arguments' key as the template writes it, a JSON
@@ -43,6 +47,11 @@ def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engi
         if not shapes:
             raise ApiError(400, f"response_format json is not supported by the {engine} engine",
                            param="response_format")
+    elif tools and plan.fmt is not None and plan.fmt.name == "generic":
+        if not shapes:
+            raise ApiError(400, f"tools on a model whose chat template writes no tool calls take muser's generic "
+                                f"format, made by constrained decoding, which the {engine} engine does not do",
+                           param="tools")
     elif not (tools and plan.required and plan.fmt is not None and shapes):
         return None  # a required call on an engine that cannot constrain: the forced opening only
     from muser_cli.engines.constraint import (  # lazy: llguidance
@@ -54,6 +63,9 @@ def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engi
         if fmt is not None:
             return json_constraint(info, fmt.get("schema"), lenient=not fmt.get("strict"))
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in plan.tools}
+        if plan.fmt.name == "generic":
+            return json_constraint(info, generic_schema(schemas, required=plan.required, named=plan.named,
+                                                        parallel=plan.parallel), lenient=True)
         key = plan.fmt.args_key
         if plan.named is not None:
             calls = [("", schemas[plan.named])]
@@ -70,4 +82,45 @@ def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engi
             from None
 
 
-__all__ = ["request_constraint"]
+def _closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its ``properties`` and says nothing of
+    ``additionalProperties`` closed (``false``), as OpenAI's strict mode reads a tool's schema:
+    a small model steered by it writes the arguments declared, not keys of its own invention."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (_closed(v) if k in _SUBSCHEMAS else v) for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "additionalProperties", "contains")
+
+
+def generic_schema(schemas: dict[str, dict[str, Any]], *, required: bool, named: str | None,
+                   parallel: bool) -> dict[str, Any]:
+    """The JSON Schema of an answer in the generic tool format (service/tools.py): a list of calls
+    (each an offered function's name and its arguments by its parameters, objects closed:
+    :func:`_closed`; one only where ``parallel`` is off or ``named``), or, unless a call is
+    ``required``, a text answer."""
+    offered = {n: _closed(schema) for n, schema in schemas.items() if named is None or n == named}
+    call = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+             "required": ["name", "arguments"], "additionalProperties": False} for name, schema in offered.items()]
+    calls: dict[str, Any] = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
+    if named is not None or not parallel:
+        calls["maxItems"] = 1
+    as_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                "additionalProperties": False}
+    if required:
+        return as_calls
+    text = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+            "additionalProperties": False}
+    return {"anyOf": [as_calls, text]}
+
+
+__all__ = ["generic_schema", "request_constraint"]

@@ -11,56 +11,40 @@ Formats (the families' own templates write them so, and their models answer so):
   one JSON object ``{"name": ..., "parameters": {...}}`` (or several, ``;``-separated),
   possibly after ``<|python_tag|>``;
 * ``mistral`` (``[TOOL_CALLS]``): ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``,
-  or the newer ``[TOOL_CALLS]name[ARGS]{...}``.
+  or the newer ``[TOOL_CALLS]name[ARGS]{...}``;
+* ``generic`` (muser's own, for every chat template that writes none of the above, as llama.cpp's
+  server does for templates it does not know): the tools are described in a system turn
+  (:func:`generic_turns`, fixed text), and the whole answer is one JSON object, constrained by the
+  grammar (service/structured.py) to ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``
+  or ``{"response": "..."}`` (the text answer). :class:`GenericStream` reads it.
 
-:class:`ToolStream` reads the text piece by piece and says what is content and what is a call;
-the whole answer is the same machine fed at once, so a streamed answer and a whole one agree.
+:class:`ToolStream` (service/toolstream.py) reads the text piece by piece and says what is content
+and what is a call; the whole answer is the same machine fed at once, so a streamed answer and a
+whole one agree.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from muser_cli.service.api import ApiError, Ask
-from muser_cli.service.schema import instance_problem
-
-PYTHON_TAG = "<|python_tag|>"
-
-
-class ToolCallFailed(ApiError):
-    """``tool_choice`` asked for a call and the model's answer holds none that parses."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(500, message, type="server_error", code="tool_call_failed")
-
-
-@dataclass(frozen=True)
-class ToolFormat:
-    name: str  # "hermes" | "llama3" | "mistral"
-    opening: str  # what opens a call in the text ("" for llama3: the call is the answer itself)
-    closing: str  # what closes one ("" where the call runs to its JSON's end)
-    args_key: str  # the key the template writes the arguments under
-
-    def forced(self, function: str | None) -> str:
-        """The text the answer is made to start with for ``required`` (``function`` None) or
-        a named function: the call's opening, then the name (and the arguments' key) as the
-        template writes them."""
-        head = (f'{{"name": {json.dumps(function)}, "{self.args_key}": ' if function is not None
-                else '{"name": "')
-        if self.name == "hermes":
-            return f"{self.opening}\n{head}"
-        if self.name == "mistral":
-            return f"{self.opening} [{head}"
-        return head
-
-
-HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "arguments")
-LLAMA3 = ToolFormat("llama3", "", "", "parameters")
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "arguments")
+from muser_cli.service.toolstream import (
+    GENERIC,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    PYTHON_TAG,
+    GenericStream,
+    ToolCallFailed,
+    ToolFormat,
+    ToolStream,
+    as_json,
+    call_deltas,
+    new_call_id,
+)
 
 
 def tool_format(template: str | None) -> ToolFormat | None:
@@ -74,10 +58,6 @@ def tool_format(template: str | None) -> ToolFormat | None:
     if "<|start_header_id|>" in template and "ipython" in template and "parameters" in template:
         return LLAMA3
     return None
-
-
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 def template_call_id(fmt: ToolFormat | None, call_id: str) -> str:
@@ -113,6 +93,73 @@ def template_turns(fmt: ToolFormat | None, turns: list[dict[str, Any]]) -> list[
     return out
 
 
+GENERIC_INTRO = "You can call these tools. Each is a JSON object: its name, what it does, and the JSON Schema of its " \
+                "arguments:"
+GENERIC_AUTO = ('Answer with one JSON object: {"tool_calls": [{"name": "<a tool\'s name>", "arguments": {<its '
+                'arguments>}}]} to call one or more of the tools, or {"response": "<your answer>"} to answer '
+                'without them. A tool\'s result comes back as {"tool_response": {"name": ..., "content": ...}}.')
+GENERIC_REQUIRED = ('Answer with one JSON object: {"tool_calls": [{"name": "<a tool\'s name>", "arguments": '
+                    '{<its arguments>}}]}: call one or more of the tools now. A tool\'s result comes back as '
+                    '{"tool_response": {"name": ..., "content": ...}}.')
+GENERIC_NAMED = ('Answer with one JSON object: {{"tool_calls": [{{"name": "{name}", "arguments": {{<its arguments>}}}}]}}:'
+                 ' call the tool {name} now. A tool\'s result comes back as {{"tool_response": {{"name": ..., '
+                 '"content": ...}}}}.')
+
+
+
+def generic_system(tools: list[dict[str, Any]], *, required: bool, named: str | None) -> str:
+    """The system text that tells a model of ``tools`` in muser's generic format (docs/serve.md,
+    "Tool calls on any chat model"): the tools, one JSON object a line, then how to answer."""
+    lines = [GENERIC_INTRO]
+    for tool in tools:
+        fn = tool["function"]
+        lines.append(as_json({"name": fn["name"], **({"description": fn["description"]} if fn.get("description") else {}),
+                            "parameters": fn.get("parameters") or {"type": "object"}}))
+    lines.append(GENERIC_NAMED.format(name=named) if named is not None else
+                 GENERIC_REQUIRED if required else GENERIC_AUTO)
+    return "\n".join(lines)
+
+
+def generic_turns(turns: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """The conversation for a template that knows no tools: ``system`` (the tools' text, None: no
+    tools offered now) joined to the first system turn (or a system turn of its own first); an
+    assistant's calls written as the JSON it was made to answer with, its text as
+    ``{"response": ...}`` where tools are in the conversation; a tool's result as a user turn
+    ``{"tool_response": {"name", "content"}}``, joined to the user turns next to it (templates
+    that want roles to alternate)."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for turn in turns:
+        role = turn["role"]
+        if role == "assistant" and turn.get("tool_calls"):
+            calls = []
+            for call in turn["tool_calls"]:
+                names[call["id"]] = call["function"]["name"]
+                calls.append({"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])})
+            turn = {"role": "assistant", "content": as_json({"tool_calls": calls})}
+        elif role == "assistant":
+            turn = {"role": "assistant", "content": as_json({"response": turn.get("content") or ""})}
+        elif role == "tool":
+            name = turn.get("name") or names.get(turn.get("tool_call_id", ""), "")
+            turn = {"role": "user", "content": as_json({"tool_response": {"name": name, "content": turn.get("content")}})}
+        else:
+            turn = {k: v for k, v in turn.items() if k in ("role", "content", "name")}
+        if out and role in ("tool", "user") and turn["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{turn['content']}"}
+        else:
+            out.append(turn)
+    if system is not None:
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}" if out[0]["content"] else system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _has_tool_turns(turns: Any) -> bool:
+    return isinstance(turns, list) and any(t.get("role") == "tool" or t.get("tool_calls") for t in turns)
+
+
 @dataclass
 class ToolPlan:
     """How one chat request is rendered and read: the turns and tools given to the template, the
@@ -128,9 +175,17 @@ class ToolPlan:
     parallel: bool = True
     strict: dict[str, Any] = field(default_factory=dict)  # the strict tools' parameters, by name
 
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template is given (generic: none, they are in the system turn)."""
+        return None if self.fmt is GENERIC else self.tools
+
     def stream(self) -> "ToolStream | None":
         if self.tools is None or self.fmt is None:
             return None
+        if self.fmt is GENERIC:
+            return GenericStream(self.fmt, self.names, required=self.required, named=self.named,
+                                 single=self.named is not None or not self.parallel, strict=self.strict)
         return ToolStream(self.fmt, self.names, required=self.required, named=self.named,
                           single=self.named is not None or not self.parallel, prefix=self.prefix,
                           strict=self.strict)
@@ -139,332 +194,36 @@ class ToolPlan:
 def plan_tools(ask: Ask, template: str | None) -> ToolPlan:
     """The plan of ``ask`` for a model whose chat template's text is ``template``. Tools with
     ``tool_choice`` ``"none"`` are not rendered (the model is not told of them, nothing is parsed).
-    A template that writes no call format this server parses is a 400 naming it; a model with no
-    chat template at all takes no chat (a 400 that says what to do instead)."""
+    A template that writes none of the call formats this server parses gets muser's ``generic``
+    format (the tools in a system turn, the answer constrained to JSON: :func:`generic_turns`);
+    a model with no chat template at all takes no chat (a 400 that says what to do instead)."""
     if not template:
         raise ApiError(400, "the model has no chat template (its files carry none: `muser model check` says so), so "
                             "no conversation can be rendered for it: send the text as the model expects it to "
                             "/v1/completions, or serve a model whose files carry a chat template", param="messages")
-    fmt = tool_format(template)
-    turns = template_turns(fmt, ask.prompt) if isinstance(ask.prompt, list) else ask.prompt
-    if not ask.tools or ask.tool_choice == "none":
-        return ToolPlan(turns=turns)
-    if fmt is None:
-        raise ApiError(400, "the model's chat template writes tool calls in no format this server reads "
-                            "(<tool_call> JSON, Llama 3 JSON, [TOOL_CALLS]); tools cannot be used with it",
-                       param="tools")
+    native = tool_format(template)
+    fmt = native or GENERIC
+    offered = bool(ask.tools) and ask.tool_choice != "none"
     named = ask.tool_choice.get("function", {}).get("name") if isinstance(ask.tool_choice, dict) else None
     required = named is not None or ask.tool_choice == "required"
-    # the template is given each tool as OpenAI defines one, without muser's strict mark
+    if native is None:
+        turns = ask.prompt
+        if offered or _has_tool_turns(ask.prompt):  # the template cannot render calls or tool turns itself
+            system = generic_system(ask.tools, required=required, named=named) if offered else None
+            turns = generic_turns(ask.prompt, system)
+    else:
+        turns = template_turns(fmt, ask.prompt) if isinstance(ask.prompt, list) else ask.prompt
+    if not offered:
+        return ToolPlan(turns=turns)
+    strict = {t["function"]["name"]: t["function"]["parameters"] for t in ask.tools if t["function"].get("strict")}
+    names = tuple(t["function"]["name"] for t in ask.tools)
+    # the template is given each tool as OpenAI defines one, without muser's strict mark (generic: in the text)
     tools = [{"type": "function", "function": {k: v for k, v in t["function"].items() if k != "strict"}}
              for t in ask.tools]
-    strict = {t["function"]["name"]: t["function"]["parameters"] for t in ask.tools if t["function"].get("strict")}
-    return ToolPlan(turns=turns, tools=tools, prefix=fmt.forced(named) if required else "", fmt=fmt,
-                    names=tuple(t["function"]["name"] for t in ask.tools), required=required, named=named,
-                    parallel=ask.parallel_tool_calls, strict=strict)
+    return ToolPlan(turns=turns, tools=tools, prefix=fmt.forced(named) if required else "", fmt=fmt, names=names,
+                    required=required, named=named, parallel=ask.parallel_tool_calls, strict=strict)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
-
-
-@dataclass
-class ToolStream:
-    """The calls in a model's answer, read piece by piece (:meth:`feed`, then :meth:`finish`):
-    each gives events ``("text", str)`` (content) and ``("call", {"index", "id", "name",
-    "arguments"})`` (a whole call, its arguments a JSON string). Text that may be the start of a
-    call's opening is held back until it is not, so an opening never shows as content. Content
-    is the text outside the calls, with the whitespace that touches a call dropped.
-
-    ``required``: an answer with no call that parses is :class:`ToolCallFailed` (never text
-    passed off as a call); ``named``: the call must name that function; ``single``: generation
-    may stop after the first call (:attr:`done`). Without ``required`` a call that does not parse
-    (bad JSON, a function not offered) stays content, as the model wrote it. ``prefix``: the
-    forced opening, the start of the answer already. ``strict``: the parameters of the tools given
-    with ``strict: true``, by name: a call of one whose arguments do not match them is
-    :class:`ToolCallFailed` (checked after the fact; under ``tool_choice`` ``required`` or named, on an
-    engine that constrains decoding, the arguments were steered by the schema too:
-    service/structured.py), so a strict tool's call is never returned with arguments its schema
-    refuses."""
-
-    fmt: ToolFormat
-    names: tuple[str, ...]
-    required: bool = False
-    named: str | None = None
-    single: bool = False
-    prefix: str = ""
-    strict: dict[str, Any] = field(default_factory=dict)
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    error: ToolCallFailed | None = None
-    _pending: str = ""
-    _mode: str = "out"  # out | call | plain (llama3: the answer is text, no call follows)
-    _after_call: bool = False
-    _content: list[str] = field(default_factory=list)
-    _started: bool = False
-
-    def __post_init__(self) -> None:
-        self._pending = self.prefix
-        if self.prefix:
-            self._mode, self._started = "call", True
-
-    @property
-    def content(self) -> str | None:
-        text = "".join(self._content)
-        return None if self.calls and not text else text
-
-    @property
-    def done(self) -> bool:
-        """No more is wanted: the one call asked for is complete, or the answer failed."""
-        return self.error is not None or (self.single and bool(self.calls))
-
-    def feed(self, piece: str) -> list[tuple[str, Any]]:
-        if self.done:
-            return []
-        self._pending += piece
-        events: list[tuple[str, Any]] = []
-        self._step(events, final=False)
-        return events
-
-    def finish(self) -> list[tuple[str, Any]]:
-        """The rest, once the answer ended; :attr:`error` set when a required call is missing."""
-        events: list[tuple[str, Any]] = []
-        if not self.done:
-            self._step(events, final=True)
-        if self.error is None and self.required and not self.calls:
-            self.error = ToolCallFailed("tool_choice asked for a tool call and the model's answer holds none that "
-                                        "parses (cut by max_tokens, or an engine that does not constrain decoding: "
-                                        "the answer was made to start with the call's opening only)")
-        return events
-
-    # ------------------------------------------------------------------ the machine
-    def _text(self, events: list, text: str) -> None:
-        if text:
-            self._content.append(text)
-            events.append(("text", text))
-
-    def _call(self, events: list, obj: Any) -> bool:
-        """Record ``obj`` as a call when it is one of an offered function; False otherwise."""
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return False
-        name = obj["name"]
-        if name not in self.names or (self.named is not None and name != self.named):
-            return False
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as a JSON string
-            try:
-                args = _DECODER.decode(args)
-            except ValueError:
-                return False
-        if not isinstance(args, dict):
-            return False
-        if self.single and self.calls:
-            return True  # one was asked for: a further one is dropped
-        if name in self.strict:
-            problem = instance_problem(args, self.strict[name])
-            if problem:
-                self.error = ToolCallFailed(f"the model called {name!r} (strict) with arguments its schema refuses: "
-                                            f"{problem} (checked after the fact: an automatic call is not "
-                                            "constrained by its schema)")
-                return True  # no call, and no text either: the answer failed
-        call = {"index": len(self.calls), "id": new_call_id(), "name": name,
-                "arguments": json.dumps(args, ensure_ascii=False)}
-        self.calls.append(call)
-        events.append(("call", call))
-        return True
-
-    def _fail(self, events: list, raw: str, why: str) -> None:
-        """A call region that does not parse: an error when a call was required, else content."""
-        if self.required:
-            self.error = ToolCallFailed(f"tool_choice asked for a tool call and the model's answer does not parse "
-                                        f"as one ({why})")
-        else:
-            self._text(events, raw)
-            self._after_call = False
-
-    def _step(self, events: list, *, final: bool) -> None:
-        while not self.done:
-            if self._mode == "plain":
-                self._text(events, self._pending)
-                self._pending = ""
-                return
-            if self._mode == "out":
-                if not self._out(events, final):
-                    return
-            elif not self._region(events, final):
-                return
-
-    def _out(self, events: list, final: bool) -> bool:
-        """Content until a call opens; True when the mode changed (go on)."""
-        if self._after_call:
-            self._pending = self._pending.lstrip()
-            if not self._pending:
-                return False
-            self._after_call = False
-        if not self.fmt.opening:  # llama3: a call is the whole answer, so only its start can open one
-            if self._started:
-                self._mode = "plain"
-                return True
-            head = self._pending.lstrip()
-            if not head:
-                if final:
-                    self._text(events, self._pending)
-                    self._pending = ""
-                return False
-            if head.startswith("{") or head.startswith(PYTHON_TAG):
-                self._started, self._mode = True, "call"
-                return True
-            if PYTHON_TAG.startswith(head) and not final:
-                return False  # perhaps the tag, still coming
-            self._started, self._mode = True, "plain"
-            return True
-        at = self._pending.find(self.fmt.opening)
-        if at >= 0:
-            self._text(events, self._pending[:at].rstrip())
-            self._pending = self._pending[at:]
-            self._mode = "call"
-            return True
-        if final:
-            self._text(events, self._pending)
-            self._pending = ""
-            return False
-        keep = _partial(self._pending, self.fmt.opening)
-        safe = self._pending[: len(self._pending) - keep]
-        body = safe.rstrip()  # whitespace before a call is not content: held until text follows
-        self._text(events, body)
-        self._pending = self._pending[len(body):]
-        return False
-
-    def _region(self, events: list, final: bool) -> bool:
-        """A call's text; True when it was read (go on)."""
-        name = self.fmt.name
-        if name == "hermes":
-            body_at = len(self.fmt.opening)
-            end = self._pending.find(self.fmt.closing, body_at)
-            if end < 0 and not final:
-                return False
-            raw = self._pending if end < 0 else self._pending[: end + len(self.fmt.closing)]
-            body = self._pending[body_at:] if end < 0 else self._pending[body_at:end]
-            self._pending = "" if end < 0 else self._pending[end + len(self.fmt.closing):]
-            try:
-                obj = _DECODER.decode(body.strip())
-            except ValueError as exc:
-                self._fail(events, raw, f"not JSON: {exc}" if end >= 0 else "it ended inside the call")
-            else:
-                if self._call(events, obj):
-                    self._after_call = True
-                else:
-                    self._fail(events, raw, _not_a_call(obj, self.names, self.named))
-            self._mode = "out"
-            return True
-        if name == "llama3":
-            return self._json_calls(events, final, opening=PYTHON_TAG)
-        return self._mistral(events, final)
-
-    def _json_calls(self, events: list, final: bool, *, opening: str) -> bool:
-        """One or more JSON objects, ``;`` or whitespace between them (Llama 3)."""
-        raw = self._pending
-        text = raw.lstrip()
-        if self.calls and text.startswith(";"):
-            text = text[1:].lstrip()
-        if text.startswith(opening):
-            text = text[len(opening):].lstrip()
-        if not text:
-            if final:
-                self._pending, self._mode = "", "plain"
-                if not self.calls:
-                    self._fail(events, raw, "nothing after the call's opening")
-            return False
-        if self.calls and not text.startswith("{"):  # text after the calls: content
-            self._mode, self._after_call = "out", True
-            return True
-        try:
-            obj, end = _DECODER.raw_decode(text)
-        except ValueError as exc:
-            if not final:
-                return False
-            self._pending, self._mode = "", "plain"
-            self._fail(events, raw, f"not JSON: {exc}")
-            return True
-        if not self._call(events, obj):
-            self._pending, self._mode = "", "plain"
-            self._fail(events, raw, _not_a_call(obj, self.names, self.named))
-            return True
-        self._pending = text[end:]
-        return True
-
-    def _mistral(self, events: list, final: bool) -> bool:
-        text = self._pending[len(self.fmt.opening):].lstrip()
-        if not text:
-            if final:
-                self._pending, self._mode = "", "out"
-                self._fail(events, self.fmt.opening, "nothing after [TOOL_CALLS]")
-                return True
-            return False
-        try:
-            if text.startswith("["):
-                obj, end = _DECODER.raw_decode(text)
-                objs = obj if isinstance(obj, list) else [obj]
-            else:  # name[ARGS]{...}
-                if "[ARGS]" not in text:
-                    raise ValueError("no [ARGS] after the function's name")
-                fn, _, args_text = text.partition("[ARGS]")
-                args, end = _DECODER.raw_decode(args_text.lstrip())
-                end += len(text) - len(args_text.lstrip())
-                objs = [{"name": fn.strip(), "arguments": args}]
-        except ValueError as exc:
-            if not final:
-                return False
-            self._pending, self._mode = "", "out"
-            self._fail(events, self.fmt.opening + text, f"not JSON: {exc}")
-            return True
-        raw = self.fmt.opening + text[:end]
-        self._pending, self._mode = text[end:], "out"
-        good = [o for o in objs if _ok(o, self.names, self.named)]
-        if not objs or len(good) != len(objs):
-            bad = next((o for o in objs if not _ok(o, self.names, self.named)), None)
-            self._fail(events, raw, _not_a_call(bad, self.names, self.named) if objs else "an empty list")
-            return True
-        for obj in objs:
-            self._call(events, obj)
-        self._after_call = True
-        return True
-
-
-def _ok(obj: Any, names: tuple[str, ...], named: str | None) -> bool:
-    if not isinstance(obj, dict) or obj.get("name") not in names or (named is not None and obj["name"] != named):
-        return False
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = _DECODER.decode(args)
-        except ValueError:
-            return False
-    return isinstance(args, dict)
-
-
-def _not_a_call(obj: Any, names: tuple[str, ...], named: str | None) -> str:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return "not an object with a name"
-    if obj["name"] not in names:
-        return f"{obj['name'][:64]!r} is not one of the tools offered"
-    if named is not None and obj["name"] != named:
-        return f"it calls {obj['name']!r}, not {named!r}"
-    return "its arguments are not an object"
-
-
-def _partial(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` may be the start of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def call_deltas(call: dict[str, Any]) -> list[dict[str, Any]]:
-    """A call as streamed: its id, type and name first (arguments ""), then its arguments."""
-    return [{"index": call["index"], "id": call["id"], "type": "function",
-             "function": {"name": call["name"], "arguments": ""}},
-            {"index": call["index"], "function": {"arguments": call["arguments"]}}]
+__all__ = ["GENERIC", "HERMES", "LLAMA3", "MISTRAL", "PYTHON_TAG", "GenericStream", "ToolCallFailed", "ToolFormat",
+           "ToolPlan", "ToolStream", "call_deltas", "generic_system", "generic_turns", "new_call_id", "plan_tools",
+           "template_call_id", "template_turns", "tool_format"]

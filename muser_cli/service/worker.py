@@ -334,7 +334,7 @@ class EngineWorker:
         try:
             plan = plan_tools(ask, chat_template_text(self.info)) if ask.chat else None  # tools: docs/serve.md
             ids = encode_prompt(self.info, plan.turns if plan is not None else ask.prompt, chat=ask.chat,
-                                tools=plan.tools if plan is not None else None,
+                                tools=plan.template_tools if plan is not None else None,
                                 prefix=plan.prefix if plan is not None else "")
             check_prompt(self.info, ids, new_tokens=ask.max_tokens)
             self.backlog.arrive(job, tokens=len(ids), chunk=self.chunk)  # its length now known
@@ -379,6 +379,7 @@ class EngineWorker:
         summary = state.summary(ids, finish)
         if state.tools is not None:
             summary["text"], summary["tool_calls"] = state.tools.content, len(state.tools.calls)
+            summary["tool_format"] = state.tools.fmt.name  # the template's own, or muser's generic (docs/serve.md)
             if state.tools.calls and finish != "cancelled":
                 summary["finish_reason"] = "tool_calls"
         if out is not None and out.store_problems:

@@ -180,18 +180,33 @@ def test_a_required_call_is_steered_to_an_offered_tool_or_fails(server):
                                               '\n</tool_call>'
 
 
-def test_a_model_whose_template_takes_no_tools_is_400(tiny_llama):
-    """The tiny model's ChatML template writes no tools: refused, naming it, not ignored."""
+def test_a_model_whose_template_takes_no_tools_gets_the_generic_format(tmp_path):
+    """The tiny model's ChatML template writes no tools: muser's generic format (the tools in a
+    system turn, the answer constrained to a call's JSON), so even a random model's required
+    call is one of the offered tools with arguments by its schema; ``none`` renders no tools."""
     from starlette.testclient import TestClient
 
+    from muser_cli.model.resolve import resolve_model
+    from muser_cli.model.tiny import make_tiny_long_llama
     from muser_cli.service.app import ServeOptions, Service
+    from muser_cli.service.schema import instance_problem
 
-    with engine_worker(tiny_llama, max_queue=1) as worker:
+    model = resolve_model(str(make_tiny_long_llama(tmp_path / "tiny-long")))  # the tools' text: past 256 tokens
+    with engine_worker(model, max_queue=1) as worker:
         service = Service(worker, worker.metrics, ServeOptions(model_id="tiny"), log=lambda r: None)
         with TestClient(service.app()) as c:
-            r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "max_tokens": 2})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
-            assert "no format this server reads" in r.json()["error"]["message"]
+            # a random model's string runs to max_tokens: an enum bounds it (the grammar holds it to the schema)
+            tool = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+                "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+            r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": [tool], "tool_choice": "required",
+                                                     "max_tokens": 64, "temperature": 0})
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["muser"]["tool_format"] == "generic" and got["choices"][0]["finish_reason"] == "tool_calls"
+            call = got["choices"][0]["message"]["tool_calls"][0]["function"]
+            assert call["name"] == "get_weather"
+            assert instance_problem(json.loads(call["arguments"]), tool["function"]["parameters"]) is None
             r = c.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "none",
                                                      "max_tokens": 2})
             assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+            assert r.json()["muser"]["tool_format"] is None

@@ -164,14 +164,16 @@ def test_forced_openings_continue_as_the_template_writes():
     assert none.tools is None and none.stream() is None  # not rendered, not parsed
 
 
-def test_templates_that_cannot_take_tools_are_refused(tiny_llama, real_model, tmp_path):
+def test_templates_that_write_no_tools_take_the_generic_format_and_deaf_ones_are_refused(tiny_llama, real_model,
+                                                                                          tmp_path):
     from muser_cli.errors import ConfigError
     from muser_cli.model.tokens import chat_template_text, encode_prompt, render_chat
 
     ask = chat(tools=TOOLS)
-    with pytest.raises(ApiError, match="no format this server reads") as exc:
-        plan_tools(ask, chat_template_text(real_model))  # SmolLM2's own template writes no tools
-    assert exc.value.status == 400 and exc.value.param == "tools"
+    plan = plan_tools(ask, chat_template_text(real_model))  # SmolLM2's own template writes no tools: muser's format
+    assert plan.fmt.name == "generic" and plan.template_tools is None and plan.prefix == ""
+    assert plan.turns[0]["role"] == "system" and '"name": "get_weather"' in plan.turns[0]["content"]
+    assert encode_prompt(real_model, plan.turns, chat=True, tools=plan.template_tools)
     with pytest.raises(ApiError, match="no chat template"):
         plan_tools(ask, None)
     # one that names <tool_call> but writes nothing of the tools: found out by rendering

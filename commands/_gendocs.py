@@ -164,7 +164,8 @@ ENVIRONMENT = [
     ("MUSER_THREADS", "Compute threads for `prefill`, `decode` and `verify --audit` when `--threads` is 0 "
      "(its default); recorded in the pack's producer field. A whole number (below 1 counts as 1); anything "
      "else is exit 78.",
-     "the number of CPUs, at most 8"),
+     "the CPUs this process may use less those other processes keep busy at its start (watched for 50 ms), "
+     "at least 1, at most 8"),
     ("MUSER_KVPACK_THREADS", "Threads the kvpack writer and reader share for payload hashing and zstd (1 = all "
      "inline, at most 64). Anything but a positive integer is ignored.", "the number of CPUs, at most 4"),
     ("MUSER_KVPACK_MINOR", "The newest kvpack minor version a producer writes: `2` lets a hybrid model past its "

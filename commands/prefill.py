@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: the engine's)"),
         chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
         chunk: Optional[int] = typer.Option(None, "--chunk", help=f"Canonical prefill chunk size (default {DEFAULT_CHUNK_TOKENS}; with --have the manifest's)."),
-        threads: int = typer.Option(0, "--threads", help="Compute threads, recorded in the pack (0 = $MUSER_THREADS, else the CPUs up to 8)."),
+        threads: int = typer.Option(0, "--threads", help="Compute threads, recorded in the pack (0 = $MUSER_THREADS, else the CPUs not busy elsewhere, up to 8)."),
         zstd: Optional[int] = typer.Option(None, "--zstd", help="Compress frames at zstd LEVEL, byte-grouped first (default: uncompressed)."),
         have: Optional[str] = typer.Option(None, "--have", help="Consumer's manifest (`muser reuse have`): write a delta of only what it lacks."),
         reuse: bool = typer.Option(False, "--reuse", help="Start from the deepest prefix this machine's store holds (implied by --have)."),

@@ -48,3 +48,25 @@ def test_a_pinned_process_uses_only_its_cores():
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True)
     assert out.stdout.split() == ["1", "1"]
+
+
+def test_the_default_leaves_out_a_core_another_process_keeps_busy():
+    """--threads 0 on two cores, one of them held by a busy process: one thread, not two (a
+    thread on the held core would stall the other at every operation). Both processes pinned, so
+    what the machine runs besides does not decide it."""
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None:
+        pytest.skip("needs two cores and CPU affinity")
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    env = {k: v for k, v in os.environ.items() if k != "MUSER_THREADS"}
+    busy = subprocess.Popen(["taskset", "-c", str(a), sys.executable, "-c", "while True: pass"])
+    try:
+        code = "from muser_cli.threads import default_threads; print(default_threads())"
+        out = subprocess.run(["taskset", "-c", f"{a},{b}", sys.executable, "-c", code], capture_output=True,
+                             text=True, env=env, check=True, timeout=60)
+        assert out.stdout.split() == ["1"], out
+    finally:
+        busy.kill()
+        busy.wait()

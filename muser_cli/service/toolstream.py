@@ -368,8 +368,8 @@ _GENERIC_HEADS = ('{"response": "', '{"tool_calls": [')
 @dataclass
 class GenericStream(ToolStream):
     """The answer in muser's generic format (one JSON object, the grammar's doing): the text of
-    ``{"response": "..."}`` given out as it comes (its JSON escapes decoded), the calls of
-    ``{"tool_calls": [...]}`` once the object is whole. An answer in neither shape (an engine that
+    ``{"response": "..."}`` given out as it comes (its JSON escapes decoded), each call of
+    ``{"tool_calls": [...]}`` as soon as its own JSON is whole. An answer in neither shape (an engine that
     did not constrain it) is content as written, or :class:`ToolCallFailed` where a call was
     required."""
 

@@ -85,21 +85,53 @@ def request_constraint(ask: Ask, plan: ToolPlan | None, info: ModelInfo, *, engi
 def _closed(schema: Any) -> Any:
     """``schema`` with every object that lists its ``properties`` and says nothing of
     ``additionalProperties`` closed (``false``), as OpenAI's strict mode reads a tool's schema:
-    a small model steered by it writes the arguments declared, not keys of its own invention."""
+    a small model steered by it writes the arguments declared, not keys of its own invention.
+    An object whose keys other keywords also decide (``allOf``, ``anyOf``, ``oneOf``, ``$ref``,
+    ``if``, ``patternProperties``, ``dependentSchemas``, ``unevaluatedProperties``) is left as
+    it is, and so is everything under ``allOf`` (closing a part would refuse the whole)."""
     if isinstance(schema, list):
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {k: (_closed(v) if k in _SUBSCHEMAS else v) for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
+    for key in ("properties", "$defs", "definitions"):
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(sub) for name, sub in out[key].items()}
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
 
 
-_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "allOf", "oneOf", "not", "additionalProperties", "contains")
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties")
+_OPEN_KEYS = ("additionalProperties", "allOf", "anyOf", "oneOf", "$ref", "if", "patternProperties",
+              "dependentSchemas", "unevaluatedProperties")
+
+
+def _hoisted(name: str, schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a tool's parameters) with its ``$defs`` / ``definitions`` moved into ``defs``
+    under ``name.KEY`` and its local references rewritten to them: nested under the answer's
+    schema, ``#/$defs/...`` resolves from the answer's root, which holds them all."""
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    if not own:
+        return schema
+    prefix = {f"#/{k}/": f"#/$defs/{name}." for k in ("$defs", "definitions")}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: walk(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            for old, new in prefix.items():
+                if ref.startswith(old):
+                    out["$ref"] = new + ref[len(old):]
+        return out
+
+    for key, sub in own.items():
+        defs[f"{name}.{key}"] = walk(sub)
+    return walk(schema)
 
 
 def generic_schema(schemas: dict[str, dict[str, Any]], *, required: bool, named: str | None,
@@ -108,7 +140,8 @@ def generic_schema(schemas: dict[str, dict[str, Any]], *, required: bool, named:
     (each an offered function's name and its arguments by its parameters, objects closed:
     :func:`_closed`; one only where ``parallel`` is off or ``named``), or, unless a call is
     ``required``, a text answer."""
-    offered = {n: _closed(schema) for n, schema in schemas.items() if named is None or n == named}
+    defs: dict[str, Any] = {}
+    offered = {n: _closed(_hoisted(n, schema, defs)) for n, schema in schemas.items() if named is None or n == named}
     call = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
              "required": ["name", "arguments"], "additionalProperties": False} for name, schema in offered.items()]
     calls: dict[str, Any] = {"type": "array", "items": call[0] if len(call) == 1 else {"anyOf": call}, "minItems": 1}
@@ -116,11 +149,12 @@ def generic_schema(schemas: dict[str, dict[str, Any]], *, required: bool, named:
         calls["maxItems"] = 1
     as_calls = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                 "additionalProperties": False}
+    root: dict[str, Any] = {"$defs": {k: _closed(v) for k, v in defs.items()}} if defs else {}
     if required:
-        return as_calls
+        return {**as_calls, **root}
     text = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
             "additionalProperties": False}
-    return {"anyOf": [as_calls, text]}
+    return {"anyOf": [as_calls, text], **root}
 
 
 __all__ = ["generic_schema", "request_constraint"]

@@ -122,11 +122,11 @@ def generic_system(tools: list[dict[str, Any]], *, required: bool, named: str | 
 
 def generic_turns(turns: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
     """The conversation for a template that knows no tools: ``system`` (the tools' text, None: no
-    tools offered now) joined to the first system turn (or a system turn of its own first); an
-    assistant's calls written as the JSON it was made to answer with, its text as
-    ``{"response": ...}`` where tools are in the conversation; a tool's result as a user turn
-    ``{"tool_response": {"name", "content"}}``, joined to the user turns next to it (templates
-    that want roles to alternate)."""
+    tools offered now) joined to the first turn where that is a system one (else a system turn
+    of its own, first); an assistant's calls written as the JSON it was made to answer with
+    (after its text, if it had some), its text answers as they were (the text of the
+    ``response``); a tool's result as a user turn ``{"tool_response": {"name", "content"}}``;
+    turns of one role in a row joined into one (templates that want roles to alternate)."""
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     for turn in turns:
@@ -136,15 +136,14 @@ def generic_turns(turns: list[dict[str, Any]], system: str | None) -> list[dict[
             for call in turn["tool_calls"]:
                 names[call["id"]] = call["function"]["name"]
                 calls.append({"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])})
-            turn = {"role": "assistant", "content": as_json({"tool_calls": calls})}
-        elif role == "assistant":
-            turn = {"role": "assistant", "content": as_json({"response": turn.get("content") or ""})}
+            text = (turn.get("content") or "").strip()
+            turn = {"role": "assistant", "content": (text + "\n" if text else "") + as_json({"tool_calls": calls})}
         elif role == "tool":
             name = turn.get("name") or names.get(turn.get("tool_call_id", ""), "")
             turn = {"role": "user", "content": as_json({"tool_response": {"name": name, "content": turn.get("content")}})}
         else:
             turn = {k: v for k, v in turn.items() if k in ("role", "content", "name")}
-        if out and role in ("tool", "user") and turn["role"] == "user" and out[-1]["role"] == "user":
+        if out and turn["role"] in ("user", "assistant") and out[-1]["role"] == turn["role"]:
             out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{turn['content']}"}
         else:
             out.append(turn)

@@ -416,10 +416,7 @@ class GenericStream(ToolStream):
             n = _escape_length(text, i)
             if n is None:  # an escape cut by the piece's end: the next piece completes it
                 break
-            try:
-                out.append(json.loads(f'"{text[i:i + n]}"'))
-            except ValueError:
-                out.append(text[i:i + n])
+            out.append(_unescape(text[i:i + n]))
             i += n
         self._at = i
         self._text(events, "".join(out))
@@ -474,22 +471,41 @@ class GenericStream(ToolStream):
 
 def _escape_length(text: str, i: int) -> int | None:
     """The length of the JSON escape at ``text[i]`` (a backslash), None where it is not whole yet
-    (a high surrogate's ``\\uXXXX`` waits for its pair)."""
+    (a high surrogate's ``\\uXXXX`` waits for what follows: its low half makes one escape of 12)."""
     if i + 1 >= len(text):
         return None
     if text[i + 1] != "u":
         return 2
     if i + 6 > len(text):
         return None
-    try:
-        code = int(text[i + 2:i + 6], 16)
-    except ValueError:
+    code = _hex(text[i + 2:i + 6])
+    if code is None or not 0xD800 <= code < 0xDC00:
         return 6
-    if 0xD800 <= code < 0xDC00:  # a surrogate pair: both halves or neither
-        if i + 12 > len(text):
-            return None if i + 6 == len(text) or text[i + 6] == "\\" else 6
-        return 12 if text[i + 6:i + 8] == "\\u" else 6
-    return 6
+    if i + 8 > len(text):  # what follows not seen yet
+        return None if len(text) - (i + 6) < 1 or text[i + 6] == "\\" else 6
+    if text[i + 6:i + 8] != "\\u":
+        return 6  # a lone high half
+    if i + 12 > len(text):
+        return None
+    low = _hex(text[i + 8:i + 12])
+    return 12 if low is not None and 0xDC00 <= low < 0xE000 else 6
+
+
+def _hex(digits: str) -> int | None:
+    try:
+        return int(digits, 16)
+    except ValueError:
+        return None
+
+
+def _unescape(escape: str) -> str:
+    """One JSON escape's text; a lone surrogate half (JSON allows it, UTF-8 cannot carry it)
+    becomes U+FFFD, as a decoder replaces bytes it cannot read."""
+    try:
+        text = json.loads(f'"{escape}"')
+    except ValueError:
+        return escape
+    return "".join("\ufffd" if 0xD800 <= ord(ch) < 0xE000 else ch for ch in text)
 
 
 def call_deltas(call: dict[str, Any]) -> list[dict[str, Any]]:

@@ -48,6 +48,10 @@ def test_a_text_answer_streams_its_string_with_escapes_split_across_pieces():
     assert "".join(e[1] for e in events if e[0] == "text") == 'Hello \u00e9 \U0001F600 a"b\nc'
     assert stream.content == 'Hello \u00e9 \U0001F600 a"b\nc' and not stream.calls and stream.error is None
     assert len([e for e in events if e[0] == "text"]) >= 4  # given out as it came, not at the end
+    # a lone surrogate half (JSON allows it, UTF-8 cannot carry it) is U+FFFD; what follows is kept
+    for raw, text in (('a\\ud83d\\nb', "a\ufffd\nb"), ('\\ud83d\\ud83d\\ude00', "\ufffd\U0001F600"),
+                      ('\\udc00x', "\ufffdx")):
+        assert read(['{"response": "' + raw + '"}'])[0].content == text, raw
 
 
 def test_calls_are_given_out_as_each_is_whole_and_a_repeat_or_a_cut_ends_the_list():
@@ -97,12 +101,38 @@ def test_the_conversation_is_rendered_for_a_template_that_knows_no_tools():
     results = [json.loads(line) for line in plan.turns[3]["content"].split("\n")]
     assert results == [{"tool_response": {"name": "get_weather", "content": "sunny"}},
                        {"tool_response": {"name": "get_time", "content": "noon"}}]
-    assert json.loads(plan.turns[4]["content"]) == {"response": "Sunny at noon."}
+    assert plan.turns[4]["content"] == "Sunny at noon."  # a text answer as it was read out
     # the same conversation after tool_choice none: rendered (no tool turns left for the template), no tools told
     none = plan_tools(parse_ask({"messages": ask.prompt, "tools": TOOLS, "tool_choice": "none"}, "chat",
                                 default_max_tokens=8), "{{ messages }}")
     assert none.tools is None and [t["role"] for t in none.turns] == roles and "get_time" not in str(none.turns[0])
     assert generic_turns(ASK, None) == ASK
+    # text beside calls kept; two assistant turns in a row joined (templates that want roles to alternate)
+    both = generic_turns([*ASK, {"role": "assistant", "content": "Checking."},
+                          {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                              {"id": "c", "type": "function", "function": {"name": "get_weather",
+                                                                           "arguments": '{"city": "Paris"}'}}]}], None)
+    assert [t["role"] for t in both] == ["user", "assistant"]
+    assert both[1]["content"] == ('Checking.\nLet me look.\n{"tool_calls": [{"name": "get_weather", "arguments": '
+                                  '{"city": "Paris"}}]}')
+
+
+def test_a_tools_local_references_resolve_and_the_grammar_compiles(tiny_llama):
+    """A tool's ``$defs`` (what pydantic writes for a nested model) move to the answer's root under
+    the tool's name, its references with them; objects closed, an ``allOf`` left open."""
+    from muser_cli.engines.constraint import json_constraint
+
+    nested = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+              "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}},
+                                  "required": ["city"]}}}
+    mixed = {"type": "object", "properties": {"a": {"type": "integer"}},
+             "allOf": [{"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    schema = generic_schema({"find": nested, "mix": mixed}, required=True, named=None, parallel=True)
+    assert instance_problem({"tool_calls": [{"name": "find", "arguments": {"where": {"city": "Paris"}}}]}, schema) is None
+    assert instance_problem({"tool_calls": [{"name": "find", "arguments": {"where": {"city": "Paris", "x": 1}}}]},
+                            schema) is not None  # closed: the declared keys only
+    assert instance_problem({"tool_calls": [{"name": "mix", "arguments": {"a": 1, "b": 2}}]}, schema) is None
+    assert json_constraint(tiny_llama, schema, lenient=True).matcher() is not None  # llguidance takes it
 
 
 def test_the_schema_allows_only_what_tool_choice_allows():

@@ -233,9 +233,10 @@ def test_the_anthropic_client_gets_tool_use_blocks_whole_and_streamed(server):
 
 
 def test_the_agents_sdk_runs_its_tools_on_the_embedded_model(server):
-    """docs/serve.md's Agents SDK example against the embedded model: the SDK's strict tools, the
-    model's calls parsed and run with their arguments; the run stops at the first tool's output
-    (``tool_use_behavior="stop_on_first_tool"``, the docs' setting for a model this small)."""
+    """docs/serve.md's Agents SDK example against the embedded model, whole and streamed: the SDK's
+    strict tools, the model's calls parsed and run with their arguments; the run stops at the first
+    tool's output (``tool_use_behavior="stop_on_first_tool"``, the docs' setting for a model this
+    small)."""
     agents = pytest.importorskip("agents")
     from openai import AsyncOpenAI
 
@@ -254,15 +255,26 @@ def test_the_agents_sdk_runs_its_tools_on_the_embedded_model(server):
         ran.append(("get_time", tz))
         return "14:05"
 
-    client = AsyncOpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=HANG_S)
-    agent = agents.Agent(name="assistant", instructions="Use the tools.", tools=[get_weather, get_time],
-                         model=agents.OpenAIChatCompletionsModel(model="default", openai_client=client),
-                         model_settings=agents.ModelSettings(temperature=0, tool_choice="required"),
-                         tool_use_behavior="stop_on_first_tool")
-    before = len(server.records())
-    result = asyncio.run(agents.Runner.run(agent, "Weather in Paris?", max_turns=3))
-    assert ran and all(isinstance(arg, str) and arg for _, arg in ran), ran
-    outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
-    assert result.final_output == outputs[0], (result.final_output, outputs)
-    line = server.records()[before]
-    assert line["tool_format"] == "generic" and line["finish_reason"] == "tool_calls", line
+    def agent():  # a client of its own for each event loop (asyncio.run closes its loop)
+        client = AsyncOpenAI(base_url=server.base, api_key="unused", max_retries=0, timeout=HANG_S)
+        return agents.Agent(name="assistant", instructions="Use the tools.", tools=[get_weather, get_time],
+                            model=agents.OpenAIChatCompletionsModel(model="default", openai_client=client),
+                            model_settings=agents.ModelSettings(temperature=0, tool_choice="required"),
+                            tool_use_behavior="stop_on_first_tool")
+
+    async def streamed():
+        run = agents.Runner.run_streamed(agent(), "Weather in Paris?", max_turns=3)
+        async for _ in run.stream_events():
+            pass
+        return run
+
+    for how in ("whole", "streamed"):
+        ran.clear()
+        before = len(server.records())
+        result = asyncio.run(agents.Runner.run(agent(), "Weather in Paris?", max_turns=3) if how == "whole"
+                             else streamed())
+        assert ran and all(isinstance(arg, str) and arg for _, arg in ran), (how, ran)
+        outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
+        assert result.final_output == outputs[0], (how, result.final_output, outputs)
+        line = server.records()[before]
+        assert line["tool_format"] == "generic" and line["finish_reason"] == "tool_calls", (how, line)

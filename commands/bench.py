@@ -1,4 +1,4 @@
-"""muser bench: the lane, pack and wire benchmarks, with receipts and charts (docs/benchmarking.md)."""
+"""muser bench: the lane, pack, wire and depth benchmarks, with receipts and charts (docs/benchmarking.md)."""
 
 from __future__ import annotations
 
@@ -117,9 +117,34 @@ def wire_cmd(
         _report(res, as_json)
 
 
+@bench_app.command("depth")
+def depth_cmd(
+    model: str = typer.Option("tiny", "--model", "-m", autocompletion=complete_model, help=_MODEL),
+    depths: str = typer.Option("8192,32768,130815", "--depths", help="Prompt depths in tokens, comma-separated."),
+    reps: int = typer.Option(3, "--reps", help="Counted repetitions after one uncounted warm-up."),
+    chunk: int = typer.Option(4096, "--chunk", help="Prefill chunk in tokens (the store keeps whole chunks)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    plot: Optional[str] = _PLOT_OPT,
+    receipt: Optional[str] = _RECEIPT_OPT,
+    as_json: bool = _JSON_OPT,
+) -> None:
+    """Every path to a first token by prompt depth: local, a pushed pack, the store warm, a delta
+    with half held, the live pull lane; each stage's time, bytes and peak memory.
+
+    Whole processes, producer and consumer on two different cores, one thread each; every
+    path must give the local prefill's first token. Deep prompts take minutes per round.
+    """
+    from muser_cli.bench.api import bench_depth  # lazy: kept out of `muser --help` (startup)
+
+    with guarded(as_json=as_json):
+        res = bench_depth(model=model, depths=depths, reps=reps, chunk=chunk, dtype=dtype, plot=plot,
+                          receipt=receipt, progress=_progress)
+        _report(res, as_json)
+
+
 @bench_app.command("chart")
 def chart_cmd(
-    receipt: str = typer.Argument(..., help="A receipt that bench lane, pack or wire wrote (JSON)."),
+    receipt: str = typer.Argument(..., help="A receipt that bench lane, pack, wire or depth wrote (JSON)."),
     plot: str = typer.Option(..., "--plot", help="The .png to draw (needs matplotlib: pip install 'muser[plot]')."),
 ) -> None:
     """Draw the chart of an earlier receipt: the picture --plot would have drawn from it."""

@@ -15,6 +15,7 @@ from muser_cli.bench.common import (
     BenchResult, Progress, check_depths, check_receipt_path, check_reps, git_commit, load_average, no_progress,
     parse_ints, resolve_bench_model, write_receipt,
 )
+from muser_cli.bench.depth import run_depth
 from muser_cli.bench.lane import run_lane
 from muser_cli.bench.pack import DIGESTS, Study, run_pack
 from muser_cli.bench.plot import PLOTTERS, check_plot_path, plot
@@ -24,6 +25,7 @@ from muser_cli.errors import DataError, MissingInput, UsageError
 
 DEFAULT_DEPTHS = "512,2048,8064"
 DEFAULT_SIZES_MB = "1,8,64"
+DEFAULT_DEEP = "8192,32768,130815"
 
 
 def _started() -> dict:
@@ -111,8 +113,26 @@ def bench_wire(*, sizes: str = DEFAULT_SIZES_MB, reps: int = 5, probe_seconds: f
 
 
 
+def bench_depth(*, model: str | None = "tiny", depths: str = DEFAULT_DEEP, reps: int = 3, chunk: int = 4096,
+                dtype: str = "float32", plot: str | os.PathLike | None = None,
+                receipt: str | os.PathLike | None = None, progress: Progress = no_progress) -> BenchResult:
+    """Every path to a first token by depth (:mod:`muser_cli.bench.depth`)."""
+    ds = parse_ints(depths, what="--depths", low=4)
+    if dtype not in ("float32", "bfloat16"):
+        raise UsageError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if not 8 <= chunk <= 1 << 20:
+        raise UsageError(f"--chunk must be between 8 and 1048576 tokens, not {chunk}")
+    plot_path, receipt_path = _prepare("depth", reps, plot, receipt)
+    started = _started()
+    info = resolve_bench_model(model, progress=progress)
+    check_depths(info, ds)
+    ref = "default" if model in (None, "default") else str(info.path)
+    return _finish(run_depth(info, ref, ds, reps=reps, chunk=chunk, dtype=dtype, progress=progress), receipt_path,
+                   plot_path, started)
+
+
 def chart(receipt: str | os.PathLike, plot: str | os.PathLike) -> Path:
-    """Draw the chart of a receipt written by ``bench lane|pack|wire`` (the same picture ``--plot`` draws)."""
+    """Draw the chart of a receipt written by ``bench lane|pack|wire|depth`` (the same picture ``--plot`` draws)."""
     import json
 
 
@@ -126,7 +146,7 @@ def chart(receipt: str | os.PathLike, plot: str | os.PathLike) -> Path:
         raise DataError(f"{receipt} is not a JSON receipt: {exc}") from None
     name = payload.get("benchmark") if isinstance(payload, dict) else None
     if name not in PLOTTERS:  # a closed set: never dispatch on a name from the file otherwise
-        raise DataError(f"{receipt} is not a receipt of muser bench lane, pack or wire",
+        raise DataError(f"{receipt} is not a receipt of muser bench lane, pack, wire or depth",
                         hint="receipts of the older benchmark scripts have no chart")
     try:
         return draw(name, payload, plot_path)

@@ -212,7 +212,44 @@ def plot_wire(payload: dict[str, Any], path: Path) -> Path:
     return _write(fig, path)
 
 
-PLOTTERS = {"lane": plot_lane, "pack": plot_pack, "wire": plot_wire}
+def plot_depth(payload: dict[str, Any], path: Path) -> Path:
+    """TTFT by depth per path (log-log), and each push stage's peak RSS against the pack's size."""
+    rows = payload["rows"]
+    depths = [r["depth"] for r in rows]
+    fig, (ax, bx) = _figure(11, 4.6, 2)
+    series = [("local", "ttft", "local prefill (fallback)", "o-"), ("push", "ttft", "ready pack (pushed, verified)", "s-"),
+              ("store", "ttft", "store, warm", "D-"), ("delta", "ttft", "delta, half held", "v-"),
+              ("local", "first_token_s", "local, whole process (start, load)", "o--"),
+              ("pull", "ttft", "live pull lane, whole process", "^--")]
+    for key, figure, label, style in series:
+        stats = [r[key][figure] for r in rows]
+        ax.errorbar(depths, [max(s["median"], 1e-4) for s in stats], yerr=_errs(stats, 1.0), fmt=style, capsize=3,
+                    label=label)
+    for axis in (ax.xaxis, ax.yaxis):
+        _plain_log(axis)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(depths, [f"{d:,}" for d in depths])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt depth (tokens)")
+    ax.set_ylabel("time to first token (s, log; solid: model loaded)")
+    ax.set_title(f"TTFT by depth and path: {payload.get('model')}, {payload.get('dtype')}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    packs = [r["push"]["pack_bytes"] / 1e6 for r in rows]
+    for stage, style in (("prefill", "o-"), ("send", "s--"), ("receive", "^--"), ("verify", "v--"),
+                         ("decode", "D-")):
+        bx.plot(packs, [r["push"]["rss"][stage]["median"] / 1e6 for r in rows], style, label=stage)
+    bx.set_xlabel("kvpack (MB)")
+    bx.set_ylabel("peak RSS of the process (MB)")
+    bx.set_title(f"memory by stage ({payload.get('pinning')})", fontsize=10)
+    bx.grid(True, alpha=0.3)
+    bx.legend(fontsize=8)
+    _footer(fig, payload)
+    return _write(fig, path)
+
+
+PLOTTERS = {"lane": plot_lane, "pack": plot_pack, "wire": plot_wire, "depth": plot_depth}
 
 
 def plot(name: str, payload: dict[str, Any], path: str | os.PathLike) -> Path:

@@ -204,6 +204,8 @@ ENVIRONMENT = [
     ("MUSER_TEST_HANG_S", "Tests only: the ceiling, in seconds, of every wait in the suite for a process, a line "
      "or a state; it only catches a hang (tests wait for events, never for a budget a loaded machine can "
      "exceed).", "`900`"),
+    ("MUSER_TEST_DEPTH", "Tests only: the prompt depth in tokens of `tests/pulllane/test_deep_lanes.py` (pull, store "
+     "and delta on a tiny 132k-position model; `130815` is the seed's depth, a few minutes on two cores).", "`32768`"),
     ("MUSER_TEST_VLLM_EXTRA", "Tests only: comma-separated model families that `tests/engines/test_vllm_families.py` also "
      "moves through vLLM, beyond those the suite lists (run by hand; each starts its own vLLM).", "unset: none"),
     ("MUSER_CHECK_BUDGET_S", "`benchmarks/gpu_vllm_check.sh` only: seconds the GPU check may spend; later "

@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         verified bytes on, so `receive | verify | decode` works; the report then goes to
         stderr. With -o FILE the verified pack is written there.
         """
-        from muser_cli.gate.verify import verify, verify_stream  # lazy: kept out of `muser --help` (startup)
+        from muser_cli.gate.verify import verify, verify_only, verify_stream  # lazy: kept out of `muser --help` (startup)
 
         with guarded(as_json=as_json):
             if output not in (None, "-"):
@@ -89,8 +89,11 @@ def register(app: typer.Typer) -> None:
                     raise _failed(report)
                 return
             with open_input(src) as inp:
-                report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit, engine=engine,
-                                threads=threads or default_threads(), keep_bytes=passthrough)
+                if audit or passthrough:  # the rows are needed (recomputed, or passed on after the verdict)
+                    report = verify(inp, model=model, prompt=prompt_text, chat=chat, audit=audit, engine=engine,
+                                    threads=threads or default_threads(), keep_bytes=passthrough)
+                else:  # a verdict only: frame by frame, memory bounded whatever the pack's size
+                    report = verify_only(inp, model=model, prompt=prompt_text, chat=chat)
             if as_json:
                 emit_json(report.to_json())
             elif passthrough:

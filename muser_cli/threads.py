@@ -22,50 +22,53 @@ def usable_cpus() -> int:
 WATCH_S = 0.05
 
 
-def _cpu_ticks(cpus: set[int]) -> tuple[int, int] | None:
-    """(busy, all) clock ticks so far of ``cpus``, from /proc/stat; None where it cannot be read."""
+def my_cores() -> set[int] | None:
+    """The cores this process may run on; None where the platform cannot say (not Linux)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def cores_busy_s(cores: set[int]) -> float | None:
+    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait);
+    None where it cannot be read."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
+            text = f.read()
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
         return None
-    busy = total = 0
-    for line in lines:
+    busy = 0
+    for line in text.splitlines():
         name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu":
+        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
             continue
         try:
-            if int(name[3:]) not in cpus:
-                continue
-            ticks = [int(x) for x in rest.split()]
+            ticks = [int(x) for x in rest.split()[:8]]
         except ValueError:
-            continue
-        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-        total += sum(ticks[:8])
-        busy += sum(ticks[:8]) - idle
-    return (busy, total) if total else None
+            return None
+        if len(ticks) < 5:
+            return None
+        busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
+    return busy / tick if tick > 0 else None
 
 
 def busy_elsewhere(cpus: set[int] | None = None, watch_s: float = WATCH_S) -> float:
     """How many of ``cpus`` (this process's, by default) other processes keep busy now: their busy
     time over :data:`WATCH_S`, this process's own time taken out, in cores (0.0 where /proc/stat
     cannot be read)."""
-    if cpus is None:
-        try:
-            cpus = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            return 0.0
-    before, mine = _cpu_ticks(cpus), os.times()
+    cpus = cpus if cpus is not None else my_cores()
+    if not cpus:
+        return 0.0
+    t0, before, mine = time.monotonic(), cores_busy_s(cpus), time.process_time()
     if before is None:
         return 0.0
     time.sleep(watch_s)
-    after, mine2 = _cpu_ticks(cpus), os.times()
-    if after is None or after[1] <= before[1]:
+    t1, after, mine2 = time.monotonic(), cores_busy_s(cpus), time.process_time()
+    if after is None or t1 <= t0:
         return 0.0
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    own = ((mine2.user - mine.user) + (mine2.system - mine.system)) * tick
-    share = max(0.0, (after[0] - before[0]) - own) / (after[1] - before[1])  # of all the cores' time
-    return share * len(cpus)
+    return min(float(len(cpus)), max(0.0, (after - before) - (mine2 - mine)) / (t1 - t0))
 
 
 def default_threads() -> int:

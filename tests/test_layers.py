@@ -167,7 +167,7 @@ MAY_IMPORT = {
     "produce": {"engines", "kvpack", "model", "reuse", "rows", "schedule", "about", "errors"},
     "handoff": {"kvpack", "fsio", "paths", "strict", "errors"},
     "consumer": {"handoff", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "about", "paths",
-                 "strict", "costcurve", "errors"},
+                 "strict", "costcurve", "threads", "errors"},
     "pulllane": {"consumer", "handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule",
                  "paths", "strict", "costcurve", "errors"},
     "batch": {"consumer", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict", "errors"},

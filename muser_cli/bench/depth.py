@@ -11,7 +11,8 @@ another (``taskset``), one compute thread each, mutual TLS on 127.0.0.1. Per dep
   store   consumer$ reuse put got; decode --prompt doc -n 1         (warm: the rows from its store)
   delta   consumer$ prefill half --store (held: the first half, in whole chunks); reuse have doc
           producer$ prefill doc --have HAVE -o delta    consumer$ decode delta -n 1
-  pull    producer$ prefill --serve (resident)  consumer$ decode --producer ADDR --prompt doc -n 1
+  pull    producer$ prefill --serve (started anew each round, so it holds none of the document)
+          consumer$ decode --producer ADDR --prompt doc -n 1
           (MUSER_ROUTE=producer: the lane taken whatever the cost model predicts)
 
 Every path must give the local prefill's first token. Kept per stage: seconds (the command's
@@ -220,7 +221,12 @@ class Depth:
         return self.addr
 
     def pull(self) -> dict:
+        """A producer started for this request (listening: loaded, calibrated), so that it holds
+        none of the document's rows: a resident producer keeps what it computed, and the same
+        document asked again would measure its memory, not the lane."""
         self.clear_store()
+        self.stop()
+        self.start_producer()
         d, r = self.decode("decode --producer", "--prompt", str(self.doc), "--no-reuse", "--producer", self.addr,
                            env={**self.cons, "MUSER_ROUTE": "producer"})
         # its ttft_s counts from the first byte of the stream; the lane's TTFT counts from the
@@ -243,8 +249,6 @@ def _one_depth(info, model: str, depth: int, reps: int, chunk: int, dtype: str, 
     lane = Depth(info, model, depth, work, chunk, dtype)
     got: dict[str, list[dict]] = {p: [] for p in PATHS}
     try:
-        progress(f"depth {depth}: starting the resident producer")
-        lane.start_producer()
         for rnd in range(reps + 1):
             progress(f"depth {depth}: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
             r = {"local": lane.local(), "push": lane.push()}

@@ -7,10 +7,10 @@ scales its engine work by it."""
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
-from pathlib import Path
+
+from muser_cli.threads import cores_busy_s, my_cores  # one reader of /proc/stat, shared
 
 #: The lowest share counted, and how long after the engine last computed a share still counts whole (it then returns to 1 over as long again: the other work may be over).
 MIN_SHARE = 0.1
@@ -93,35 +93,6 @@ class CpuShare:
             others = max(0.0, (mark[1] - seen[1]) - (mark[2] - seen[2])) / (mark[0] - seen[0])
             self._idle = max(MIN_SHARE, min(1.0, len(cores) / (others + self.threads)))
             return self._idle
-
-
-def my_cores() -> set[int] | None:
-    try:
-        return set(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return None
-
-
-def cores_busy_s(cores: set[int]) -> float | None:
-    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait)."""
-    try:
-        text = Path("/proc/stat").read_text()
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    busy = 0
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
-            continue
-        try:
-            ticks = [int(x) for x in rest.split()[:8]]
-        except ValueError:
-            return None
-        if len(ticks) < 5:
-            return None
-        busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
-    return busy / tick if tick > 0 else None
 
 
 __all__ = ["CpuShare", "MIN_SHARE", "SHARE_FRESH_S", "SHARE_LOOK_S", "SHARE_SAMPLE_S", "SHARE_STALE_S", "cores_busy_s",

@@ -1,4 +1,4 @@
-"""``muser bench lane|pack|wire`` through the command line, on tiny settings.
+"""``muser bench lane|pack|wire|depth`` through the command line, on tiny settings.
 
 Real parts only: a tiny random model prefilled by the torch engine, a real ``muser
 receive`` process on 127.0.0.1 over mutual TLS, real files with fsync, matplotlib's own
@@ -164,6 +164,32 @@ def test_bench_wire_receipt_and_chart(tmp_path):
     check_png(png)
 
 
+def test_bench_depth_every_path_receipt_and_chart(tiny_long, tmp_path):
+    """One shallow depth, one rep: every path ran as whole processes and gave the local first
+    token (the bench refuses otherwise), each stage's peak RSS is its own, the delta carried
+    exactly the rows the consumer lacked."""
+    png, rec = tmp_path / "depth.png", tmp_path / "depth.json"
+    res = bench("depth", "-m", str(tiny_long), "--depths", "160", "--chunk", "32", "--reps", "1", "--plot", str(png),
+                "--receipt", str(rec))
+    assert res.exit_code == 0, res.output
+    assert "store ÷ local" in res.stdout
+    receipt = json.loads(rec.read_text())
+    check_machine(receipt)
+    (row,) = receipt["rows"]
+    assert row["depth"] == row["prompt_tokens"] == 160
+    assert row["sources"] == {"local": ["local"], "push": ["handoff"], "store": ["store"], "delta": ["delta"],
+                              "pull": ["handoff"]}
+    for path in ("local", "push", "store", "delta", "pull"):
+        check_stats(row[path]["ttft"], 1)
+    assert row["store"]["computed_tokens"] == 0
+    assert row["delta"]["held_tokens"] == 64  # the half: 81 tokens, 80 rows, two whole chunks of 32
+    assert row["delta"]["kv_over_minimum"] == pytest.approx(1.0, abs=1e-12)
+    rss = {k: v["median"] for k, v in row["push"]["rss"].items()}
+    # the streaming stages load no model: a process's own peak, not this test's (hundreds of MB)
+    assert all(rss[k] < rss["decode"] for k in ("send", "receive", "verify")), rss
+    check_png(png)
+
+
 @pytest.mark.parametrize(("args", "status", "words"), [
     (["pack", "--depths", "abc"], 2, "--depths"),
     (["lane", "--depths", "512,,8"], 2, "--depths"),
@@ -175,6 +201,8 @@ def test_bench_wire_receipt_and_chart(tmp_path):
     (["lane", "--plot", "{tmp}/no/such/folder/x.png"], 66, "does not exist"),
     (["wire", "--receipt", "{tmp}/no/such/folder/r.json"], 66, "does not exist"),
     (["lane", "-m", "tiny", "--depths", "200000"], 2, "context"),
+    (["depth", "--chunk", "4"], 2, "--chunk"),
+    (["depth", "--depths", "2"], 2, "--depths"),
 ])
 def test_bad_inputs_one_line_and_nothing_written(tmp_path, args, status, words):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -30,16 +30,18 @@ def my_cores() -> set[int] | None:
         return None
 
 
-def cores_busy_s(cores: set[int]) -> float | None:
-    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait);
-    None where it cannot be read."""
+def _ticks(cores: set[int]) -> tuple[int, int, float] | None:
+    """(busy, all) clock ticks since boot of ``cores`` (``/proc/stat``: busy is all but idle and
+    iowait) and seconds per tick; None where it cannot be read."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
             text = f.read()
         tick = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, AttributeError):
         return None
-    busy = 0
+    if tick <= 0:
+        return None
+    busy = total = 0
     for line in text.splitlines():
         name, _, rest = line.partition(" ")
         if not name.startswith("cpu") or not name[3:].isdigit() or int(name[3:]) not in cores:
@@ -50,25 +52,36 @@ def cores_busy_s(cores: set[int]) -> float | None:
             return None
         if len(ticks) < 5:
             return None
+        total += sum(ticks)
         busy += sum(ticks) - ticks[3] - ticks[4]  # user nice system idle iowait irq softirq steal
-    return busy / tick if tick > 0 else None
+    return busy, total, 1.0 / tick
+
+
+def cores_busy_s(cores: set[int]) -> float | None:
+    """The seconds ``cores`` spent busy since boot (``/proc/stat``: all but idle and iowait);
+    None where it cannot be read."""
+    got = _ticks(cores)
+    return None if got is None else got[0] * got[2]
 
 
 def busy_elsewhere(cpus: set[int] | None = None, watch_s: float = WATCH_S) -> float:
     """How many of ``cpus`` (this process's, by default) other processes keep busy now: their busy
     time over :data:`WATCH_S`, this process's own time taken out, in cores (0.0 where /proc/stat
-    cannot be read)."""
+    cannot be read). Busy ticks over all ticks of the same counters: a core busy throughout
+    reads 1, whatever the tick's size against the watch."""
     cpus = cpus if cpus is not None else my_cores()
     if not cpus:
         return 0.0
-    t0, before, mine = time.monotonic(), cores_busy_s(cpus), time.process_time()
+    before, mine = _ticks(cpus), time.process_time()
     if before is None:
         return 0.0
     time.sleep(watch_s)
-    t1, after, mine2 = time.monotonic(), cores_busy_s(cpus), time.process_time()
-    if after is None or t1 <= t0:
+    after, mine2 = _ticks(cpus), time.process_time()
+    if after is None or after[1] <= before[1]:
         return 0.0
-    return min(float(len(cpus)), max(0.0, (after - before) - (mine2 - mine)) / (t1 - t0))
+    own = (mine2 - mine) / after[2]  # this process's time, in ticks
+    share = max(0.0, (after[0] - before[0]) - own) / (after[1] - before[1])  # of all the cores' time
+    return min(1.0, share) * len(cpus)
 
 
 def default_threads() -> int:

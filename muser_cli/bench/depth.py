@@ -80,9 +80,29 @@ def peak_rss_argv(argv: list[str], rss_file: Path) -> list[str]:
     return [sys.executable, "-c", _PEAK, str(rss_file), *argv]
 
 
+#: The longest any one command may take (a hang ends the bench, it does not stall it).
+HANG_S = 4 * 3600.0
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End ``proc`` and its child (the wrapper and the command it runs: one process group)."""
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+    proc.wait()
+
+
 def _wait(proc: subprocess.Popen, t0: float, out, err, rss_file: Path, what: str) -> Ran:
     """Wait for ``proc`` (under :func:`peak_rss_argv`) and read what it wrote."""
-    proc.wait()
+    try:
+        proc.wait(timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        raise MuserError(f"bench depth: {what} did not end within {HANG_S:.0f} s") from None
     wall = time.perf_counter() - t0
     out.seek(0)
     got = Ran(proc.returncode, out.read(), b"", wall, 0)
@@ -100,8 +120,11 @@ def run_one(argv: list[str], env: dict[str, str], what: str, rss_file: Path) -> 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(peak_rss_argv(argv, rss_file), env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err)
-        return _wait(proc, t0, out, err, rss_file, what)
+                                stderr=err, start_new_session=True)
+        try:
+            return _wait(proc, t0, out, err, rss_file, what)
+        finally:
+            kill_group(proc)  # on any way out (an interrupt included), nothing of it left running
 
 
 class Depth:
@@ -156,16 +179,15 @@ class Depth:
             recv = subprocess.Popen(peak_rss_argv(self.cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once",
                                                            "--timeout", "3600", "-o", str(got), "--json"),
                                                   self.work / "recv.rss"), env=self.cons,
-                                    stdin=subprocess.DEVNULL, stdout=rout, stderr=subprocess.PIPE)
+                                    stdin=subprocess.DEVNULL, stdout=rout, stderr=subprocess.PIPE,
+                                    start_new_session=True)
             try:
                 addr = wait_listening(recv, "bench depth (receive)", timeout=300)
                 drain_in_background(recv)
                 snd = self.producer("send", "send", str(pack), "--to", addr, "--json")
                 rc = _wait(recv, t0, rout, None, self.work / "recv.rss", "receive")
             finally:
-                if recv.returncode is None:
-                    recv.kill()
-                    recv.wait()
+                kill_group(recv)  # the wrapper and the receiver under it
         files = [p for p in got.iterdir() if p.suffix == ".kvpack"]
         if len(files) != 1:
             raise MuserError(f"bench depth: receive wrote {len(files)} kvpacks")
@@ -246,9 +268,10 @@ class Depth:
 
 def _one_depth(info, model: str, depth: int, reps: int, chunk: int, dtype: str, progress: Progress) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"muser-bench-depth-{depth}-"))
-    lane = Depth(info, model, depth, work, chunk, dtype)
+    lane = None
     got: dict[str, list[dict]] = {p: [] for p in PATHS}
     try:
+        lane = Depth(info, model, depth, work, chunk, dtype)
         for rnd in range(reps + 1):
             progress(f"depth {depth}: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
             r = {"local": lane.local(), "push": lane.push()}
@@ -262,7 +285,8 @@ def _one_depth(info, model: str, depth: int, reps: int, chunk: int, dtype: str, 
                 for p in PATHS:
                     got[p].append(r[p])
     finally:
-        lane.stop()
+        if lane is not None:
+            lane.stop()
         shutil.rmtree(work, ignore_errors=True)
     return _row(depth, got)
 
@@ -335,12 +359,15 @@ def depth_table(payload: dict) -> list[str]:
         ratio = f"1/{1 / r['store_over_local']:,.0f}" if r["store_over_local"] else "—"
         out.append(f"| {r['depth']:,} | {t(r['local']['ttft'])} | {t(r['push']['ttft'])} | {t(r['store']['ttft'])} | "
                    f"{t(r['delta']['ttft'])} | {ratio} | {t(r['local']['first_token_s'])} | "
-                   f"{t(r['pull']['ttft'])} | {r['pull_exposed']:+.1%} |")
+                   f"{t(r['pull']['ttft'])} | "
+                   + (f"{r['pull_exposed']:+.1%}" if r["pull_exposed"] is not None else "—") + " |")
     out += ["", "| depth | kvpack | delta kv ÷ minimum | peak RSS: prefill / send / receive / verify / decode "
             "(pack) | decode local / store / delta / pull |", "|---|---|---|---|---|"]
     for r in payload["rows"]:
         rss = r["push"]["rss"]
-        out.append(f"| {r['depth']:,} | {_mb(r['push']['pack_bytes'])} | {r['delta']['kv_over_minimum']:.4f} | "
+        over = r["delta"]["kv_over_minimum"]
+        out.append(f"| {r['depth']:,} | {_mb(r['push']['pack_bytes'])} | "
+                   + (f"{over:.4f}" if over is not None else "—") + " | "
                    + " / ".join(_mb(rss[k]["median"]) for k in ("prefill", "send", "receive", "verify", "decode"))
                    + " | " + " / ".join(_mb(r[k]["rss"]["median"]) for k in ("local", "store", "delta", "pull"))
                    + " |")

@@ -165,6 +165,8 @@ def verify_stream(
     need the whole pack too: use :func:`verify` with ``keep_bytes``.
     """
     t0 = time.perf_counter()
+    verdict_only = out is DISCARD
+    start = src.tell() if verdict_only and _rewinds(src) else None  # where a delta is read again from
     info = resolve_model(model)
     prompt_ids = encode_prompt(info, prompt, chat=chat) if prompt is not None else None
     reader = PackReader()
@@ -185,12 +187,13 @@ def verify_stream(
             for ev in reader.feed(chunk, owned=True):
                 if isinstance(ev, HeaderEvent):
                     if ev.header.rows_start > 0:
-                        if out is DISCARD and _rewinds(src):  # only a verdict: read whole, in place (mapped)
-                            src.seek(0)
+                        if start is not None:  # only a verdict: read whole, in place (mapped)
+                            src.seek(start)
                             return verify(src, model=model, prompt=prompt, chat=chat)
                         return _verify_whole(b"".join(pending), src, out, model=model, prompt=prompt, chat=chat)
                     checks += identity_checks(ev.header, info, prompt_ids=prompt_ids)
-                    if not all(c.ok for c in checks):
+                    # passing it on stops here; a verdict reads on, for the integrity and the summary
+                    if not all(c.ok for c in checks) and not verdict_only:
                         return VerifyReport([Check("integrity", True, "header verified"), *checks], None,
                                             time.perf_counter() - t0)
                 elif isinstance(ev, FrameEvent):
@@ -252,6 +255,8 @@ def _verify_whole(head: bytes, src: BinaryIO, out: BinaryIO, **kw) -> VerifyRepo
     while block := src.read(1 << 20):
         spool.write(block)
     spool.seek(0)
+    if out is DISCARD:  # a verdict only: the spool is read once, nothing kept to pass on
+        return verify(spool, **kw)
     report = verify(spool, keep_bytes=True, **kw)
     if report.ok:
         report.copy_verified(out)

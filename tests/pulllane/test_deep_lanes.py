@@ -21,6 +21,8 @@ from handoff_kit import HANG_S, env_for, muser_cmd, pull_lane, without_store
 
 DEPTH = int(os.environ.get("MUSER_TEST_DEPTH", "32768"))
 CHUNK = 4096
+if not 2 * CHUNK <= DEPTH <= 130_815:
+    raise ValueError(f"MUSER_TEST_DEPTH={DEPTH}: from {2 * CHUNK} (half held is a whole chunk) to 130815 (the model's room)")
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,7 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _wait(proc: subprocess.Popen, t0: float, out, err, rss_file: Path, what: str) -> Ran:
+def reap(proc: subprocess.Popen, t0: float, out, err, rss_file: Path, what: str) -> Ran:
     """Wait for ``proc`` (under :func:`peak_rss_argv`) and read what it wrote."""
     try:
         proc.wait(timeout=HANG_S)
@@ -122,7 +122,7 @@ def run_one(argv: list[str], env: dict[str, str], what: str, rss_file: Path) -> 
         proc = subprocess.Popen(peak_rss_argv(argv, rss_file), env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=err, start_new_session=True)
         try:
-            return _wait(proc, t0, out, err, rss_file, what)
+            return reap(proc, t0, out, err, rss_file, what)
         finally:
             kill_group(proc)  # on any way out (an interrupt included), nothing of it left running
 
@@ -185,7 +185,7 @@ class Depth:
                 addr = wait_listening(recv, "bench depth (receive)", timeout=300)
                 drain_in_background(recv)
                 snd = self.producer("send", "send", str(pack), "--to", addr, "--json")
-                rc = _wait(recv, t0, rout, None, self.work / "recv.rss", "receive")
+                rc = reap(recv, t0, rout, None, self.work / "recv.rss", "receive")
             finally:
                 kill_group(recv)  # the wrapper and the receiver under it
         files = [p for p in got.iterdir() if p.suffix == ".kvpack"]

@@ -127,6 +127,40 @@ def run_one(argv: list[str], env: dict[str, str], what: str, rss_file: Path) -> 
             kill_group(proc)  # on any way out (an interrupt included), nothing of it left running
 
 
+def _header(path: Path):
+    """A kvpack's header, read and checked without its payload."""
+    from muser_cli.kvpack import HeaderEvent, PackReader
+    from muser_cli.kvpack.reader import read_step
+
+    reader = PackReader()
+    with open(path, "rb") as f:
+        while len(chunk := read_step(f, reader)):
+            for ev in reader.feed(chunk, owned=True):
+                if isinstance(ev, HeaderEvent):
+                    return ev.header
+    raise DataError(f"bench depth: {path} ended before its header")
+
+
+def delta_minimums(path: Path) -> tuple[int, int]:
+    """The least a delta of rows [held, end) must carry, two ways (in the header's dtype):
+    every layer's new rows (a consumer whose stored layers hold every row they computed, the
+    sliding history included, needs no more), and docs/benchmarking.md's rule, new
+    full-attention rows + each sliding layer's whole ring (``min(end, window - 1)`` rows: what a
+    consumer that keeps only the rings needs). A state layer counts as the snapshot it carries."""
+    h = _header(path)
+    held, end = h.rows_start, h.rows_end
+    every = ring = 0
+    for i, spec in enumerate(h.layers):
+        if spec.kind == "state":
+            every += h.layer_logical_bytes(i)
+            ring += h.layer_logical_bytes(i)
+            continue
+        row = h.logical_row_bytes(i)
+        every += row * (end - held)
+        ring += row * (min(end, spec.window - 1) if spec.kind == "sliding" else end - held)
+    return every, ring
+
+
 class Depth:
     """The nodes, the documents and the resident producer of one depth."""
 
@@ -213,7 +247,7 @@ class Depth:
         return {"ttft": d["ttft_s"], "first_token_s": d["first_token_s"], "rss": r.rss, "token": d["token_ids"][0],
                 "source": d["source"], "computed_tokens": (d.get("reuse") or {}).get("computed_tokens")}
 
-    def delta(self, row_bytes: float) -> dict:
+    def delta(self) -> dict:
         self.clear_store()
         half = self.consumer("prefill (the held half)", "prefill", *self.common, str(self.half), "--store", "-o",
                              os.devnull)
@@ -226,12 +260,13 @@ class Depth:
         ver = self.consumer("verify (delta)", "verify", "-m", self.model, str(delta), "--json")
         kv = ver.json()["summary"]["kv_bytes"]
         d, r = self.decode("decode (delta)", str(delta))
-        rows = pre.json()["rows"]
-        minimum = row_bytes * (rows - held)
+        every, ring = delta_minimums(delta)
+        minimum = every
         return {"ttft": d["ttft_s"], "first_token_s": d["first_token_s"], "rss": r.rss, "token": d["token_ids"][0],
                 "source": d["source"], "held_tokens": held, "pack_bytes": delta.stat().st_size, "kv_bytes": kv,
                 "minimum_bytes": minimum, "kv_over_minimum": kv / minimum if minimum else None,
                 "pack_over_minimum": delta.stat().st_size / minimum if minimum else None,
+                "ring_minimum_bytes": ring, "kv_over_ring_minimum": kv / ring if ring else None,
                 "producer_s": pre.json()["prefill_s"]}
 
     def start_producer(self) -> str:
@@ -276,7 +311,7 @@ def _one_depth(info, model: str, depth: int, reps: int, chunk: int, dtype: str, 
             progress(f"depth {depth}: " + ("warm-up" if rnd == 0 else f"rep {rnd}/{reps}"))
             r = {"local": lane.local(), "push": lane.push()}
             r["store"] = lane.store()
-            r["delta"] = lane.delta(r["push"]["kv_bytes"] / r["push"]["rows"])
+            r["delta"] = lane.delta()
             r["pull"] = lane.pull()
             firsts = {p: x["token"] for p, x in r.items()}
             if len(set(firsts.values())) != 1:
@@ -311,7 +346,8 @@ def _row(depth: int, got: dict[str, list[dict]]) -> dict[str, Any]:
                         "send_json": push[-1]["send_json"], "receive_json": push[-1]["receive_json"]})
     d = got["delta"]
     row["delta"].update({k: d[0][k] for k in ("held_tokens", "pack_bytes", "kv_bytes", "minimum_bytes",
-                                              "kv_over_minimum", "pack_over_minimum")})
+                                              "kv_over_minimum", "pack_over_minimum", "ring_minimum_bytes",
+                                              "kv_over_ring_minimum")})
     row["delta"]["rss"] = s("delta", "rss")
     row["delta"]["producer_s"] = s("delta", "producer_s")
     loc = row["local"]["ttft"]["median"]
@@ -361,13 +397,14 @@ def depth_table(payload: dict) -> list[str]:
                    f"{t(r['delta']['ttft'])} | {ratio} | {t(r['local']['first_token_s'])} | "
                    f"{t(r['pull']['ttft'])} | "
                    + (f"{r['pull_exposed']:+.1%}" if r["pull_exposed"] is not None else "—") + " |")
-    out += ["", "| depth | kvpack | delta kv ÷ minimum | peak RSS: prefill / send / receive / verify / decode "
+    out += ["", "| depth | kvpack | delta kv ÷ its new rows (÷ new rows + rings) | peak RSS: prefill / send / receive / verify / decode "
             "(pack) | decode local / store / delta / pull |", "|---|---|---|---|---|"]
     for r in payload["rows"]:
         rss = r["push"]["rss"]
-        over = r["delta"]["kv_over_minimum"]
+        over, ring = r["delta"]["kv_over_minimum"], r["delta"].get("kv_over_ring_minimum")
         out.append(f"| {r['depth']:,} | {_mb(r['push']['pack_bytes'])} | "
-                   + (f"{over:.4f}" if over is not None else "—") + " | "
+                   + (f"{over:.4f}" if over is not None else "—")
+                   + (f" ({ring:.4f})" if ring is not None else "") + " | "
                    + " / ".join(_mb(rss[k]["median"]) for k in ("prefill", "send", "receive", "verify", "decode"))
                    + " | " + " / ".join(_mb(r[k]["rss"]["median"]) for k in ("local", "store", "delta", "pull"))
                    + " |")

@@ -184,6 +184,7 @@ def test_bench_depth_every_path_receipt_and_chart(tiny_long, tmp_path):
     assert row["store"]["computed_tokens"] == 0
     assert row["delta"]["held_tokens"] == 64  # the half: 81 tokens, 80 rows, two whole chunks of 32
     assert row["delta"]["kv_over_minimum"] == pytest.approx(1.0, abs=1e-12)
+    assert row["delta"]["kv_over_ring_minimum"] == pytest.approx(1.0, abs=1e-12)  # no sliding layer: the same
     rss = {k: v["median"] for k, v in row["push"]["rss"].items()}
     # the streaming stages load no model: each figure is that process's own peak (tens of MB),
     # not this test process's (hundreds: torch and the model loaded) as a forked child would read

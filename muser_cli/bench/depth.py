@@ -45,6 +45,8 @@ from muser_cli.bench.common import BenchResult, Progress, corpus_ids, no_progres
 from muser_cli.bench.loopback import MUSER, drain_in_background, make_nodes, node_env, wait_listening
 from muser_cli.costcurve import fit_curve
 from muser_cli.errors import DataError, MuserError
+from muser_cli.kvpack import HeaderEvent, PackReader
+from muser_cli.kvpack.reader import read_step
 from muser_cli.model.tokens import decode_text
 
 PATHS = ("local", "push", "store", "delta", "pull")
@@ -129,9 +131,6 @@ def run_one(argv: list[str], env: dict[str, str], what: str, rss_file: Path) -> 
 
 def _header(path: Path):
     """A kvpack's header, read and checked without its payload."""
-    from muser_cli.kvpack import HeaderEvent, PackReader
-    from muser_cli.kvpack.reader import read_step
-
     reader = PackReader()
     with open(path, "rb") as f:
         while len(chunk := read_step(f, reader)):

@@ -14,11 +14,9 @@ no repetitions: a check that nothing breaks at depth, with its figures, not a ti
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from _common import bench_args, write_receipt
@@ -31,8 +29,7 @@ def more(ap) -> None:
 def main() -> int:
     args = bench_args(more, depth=32760, n=8, chunk=4096, dtype="float32")
     from muser_cli.bench.common import resolve_bench_model
-    from muser_cli.bench.depth import Depth, kill_group, peak_rss_argv, reap, run_one
-    from muser_cli.bench.loopback import drain_in_background, wait_listening
+    from muser_cli.bench.depth import Depth, run_one
     from muser_cli.errors import DataError
 
     info = resolve_bench_model(args.model)
@@ -57,20 +54,7 @@ def main() -> int:
             raise DataError("the local decode did not finish")
         got = work / "got"
         got.mkdir()
-        with tempfile.TemporaryFile() as rout:
-            t0 = time.perf_counter()
-            recv = subprocess.Popen(peak_rss_argv(lane.cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once",
-                                                           "--timeout", "3600", "-o", str(got), "--json"),
-                                                  work / "recv.rss"), env=lane.cons, stdin=subprocess.DEVNULL,
-                                    stdout=rout, stderr=subprocess.PIPE, start_new_session=True)
-            try:
-                addr = wait_listening(recv, "deep check (receive)", timeout=300)
-                drain_in_background(recv)
-                snd = lane.producer("send", "send", str(pack), "--to", addr, "--json")
-                rc = reap(recv, t0, rout, None, work / "recv.rss", "receive")
-            finally:
-                kill_group(recv)
-        (received,) = [p for p in got.iterdir() if p.suffix == ".kvpack"]
+        snd, rc, received = lane.ship(pack, got)
         ver = lane.consumer("verify", "verify", "-m", ref, str(received), "--json")
         dec = run_one(lane.cmd("consumer", "decode", *lane.common, *n, "--json", str(received)), lane.cons,
                       "decode (pack)", work / "dec.rss")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,8 +89,6 @@ HANG_S = 4 * 3600.0
 
 def kill_group(proc: subprocess.Popen) -> None:
     """End ``proc`` and its child (the wrapper and the command it runs: one process group)."""
-    import signal
-
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -140,8 +139,9 @@ def _header(path: Path):
     raise DataError(f"bench depth: {path} ended before its header")
 
 
-def delta_minimums(path: Path) -> tuple[int, int]:
-    """The least a delta of rows [held, end) must carry, two ways (in the header's dtype):
+def delta_bytes(path: Path) -> tuple[int, int, int]:
+    """What a delta of rows [held, end) carries (its KV in the header's dtype), and the least it
+    must carry, two ways:
     every layer's new rows (a consumer whose stored layers hold every row they computed, the
     sliding history included, needs no more), and docs/benchmarking.md's rule, new
     full-attention rows + each sliding layer's whole ring (``min(end, window - 1)`` rows: what a
@@ -157,7 +157,7 @@ def delta_minimums(path: Path) -> tuple[int, int]:
         row = h.logical_row_bytes(i)
         every += row * (end - held)
         ring += row * (min(end, spec.window - 1) if spec.kind == "sliding" else end - held)
-    return every, ring
+    return h.total_logical_bytes(), every, ring
 
 
 class Depth:
@@ -185,6 +185,28 @@ class Depth:
     def producer(self, what: str, *args: str) -> Ran:
         return run_one(self.cmd("producer", *args), self.prod, what, self.work / "rss")
 
+    def ship(self, pack: Path, got: Path) -> tuple[Ran, Ran, Path]:
+        """``send PACK`` (producer) to a ``receive --listen --once -o GOT`` process (consumer):
+        (send, receive, the kvpack receive published)."""
+        with tempfile.TemporaryFile() as rout:
+            t0 = time.perf_counter()
+            recv = subprocess.Popen(peak_rss_argv(self.cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once",
+                                                           "--timeout", "3600", "-o", str(got), "--json"),
+                                                  self.work / "recv.rss"), env=self.cons,
+                                    stdin=subprocess.DEVNULL, stdout=rout, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+            try:
+                addr = wait_listening(recv, "bench depth (receive)", timeout=300)
+                drain_in_background(recv)
+                snd = self.producer("send", "send", str(pack), "--to", addr, "--json")
+                rc = reap(recv, t0, rout, None, self.work / "recv.rss", "receive")
+            finally:
+                kill_group(recv)  # the wrapper and the receiver under it
+        files = [p for p in got.iterdir() if p.suffix == ".kvpack"]
+        if len(files) != 1:
+            raise MuserError(f"bench depth: receive wrote {len(files)} kvpacks")
+        return snd, rc, files[0]
+
     def clear_store(self) -> None:
         shutil.rmtree(self.nodes.consumer_home / "data" / "store", ignore_errors=True)
 
@@ -207,24 +229,7 @@ class Depth:
         got.mkdir()
         pre = self.producer("prefill", "prefill", *self.common, str(self.doc), "-o", str(pack), "--json")
         pj = pre.json()
-        with tempfile.TemporaryFile() as rout, tempfile.TemporaryFile() as rerr:
-            t0 = time.perf_counter()
-            recv = subprocess.Popen(peak_rss_argv(self.cmd("consumer", "receive", "--listen", "127.0.0.1:0", "--once",
-                                                           "--timeout", "3600", "-o", str(got), "--json"),
-                                                  self.work / "recv.rss"), env=self.cons,
-                                    stdin=subprocess.DEVNULL, stdout=rout, stderr=subprocess.PIPE,
-                                    start_new_session=True)
-            try:
-                addr = wait_listening(recv, "bench depth (receive)", timeout=300)
-                drain_in_background(recv)
-                snd = self.producer("send", "send", str(pack), "--to", addr, "--json")
-                rc = reap(recv, t0, rout, None, self.work / "recv.rss", "receive")
-            finally:
-                kill_group(recv)  # the wrapper and the receiver under it
-        files = [p for p in got.iterdir() if p.suffix == ".kvpack"]
-        if len(files) != 1:
-            raise MuserError(f"bench depth: receive wrote {len(files)} kvpacks")
-        received = files[0]
+        snd, rc, received = self.ship(pack, got)
         ver = self.consumer("verify", "verify", "-m", self.model, str(received), "--json")
         vj = ver.json()
         if not vj.get("ok"):
@@ -248,19 +253,14 @@ class Depth:
 
     def delta(self) -> dict:
         self.clear_store()
-        half = self.consumer("prefill (the held half)", "prefill", *self.common, str(self.half), "--store", "-o",
-                             os.devnull)
-        del half
+        self.consumer("prefill (the held half)", "prefill", *self.common, str(self.half), "--store", "-o", os.devnull)
         have, delta = self.work / "have.json", self.work / "delta.kvpack"
         self.consumer("reuse have", "reuse", "have", "-m", self.model, str(self.doc), "-o", str(have))
         held = json.loads(have.read_text())["held_tokens"]
         pre = self.producer("prefill (delta)", "prefill", *self.common, str(self.doc), "--have", str(have), "-o",
                             str(delta), "--json")
-        ver = self.consumer("verify (delta)", "verify", "-m", self.model, str(delta), "--json")
-        kv = ver.json()["summary"]["kv_bytes"]
-        d, r = self.decode("decode (delta)", str(delta))
-        every, ring = delta_minimums(delta)
-        minimum = every
+        d, r = self.decode("decode (delta)", str(delta))  # decode verifies it (and merges its base)
+        kv, minimum, ring = delta_bytes(delta)
         return {"ttft": d["ttft_s"], "first_token_s": d["first_token_s"], "rss": r.rss, "token": d["token_ids"][0],
                 "source": d["source"], "held_tokens": held, "pack_bytes": delta.stat().st_size, "kv_bytes": kv,
                 "minimum_bytes": minimum, "kv_over_minimum": kv / minimum if minimum else None,

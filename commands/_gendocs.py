@@ -176,7 +176,7 @@ ENVIRONMENT = [
      "sets its own).", "`data/store` under `MUSER_HOME`, else the user data folder"),
     ("MUSER_STORE_MAX", "Size cap of the reuse store (`20G`, `512M`, `1.5GiB`, bytes; powers of 1024); least "
      "recently used entries are evicted beyond it. An unreadable size is exit 2.", "`20G`"),
-    ("MUSER_ROUTE", "How a consumer (`decode --producer`, `decode --serve`) picks where a prompt's rows come from "
+    ("MUSER_ROUTE", "How a consumer (`decode --producer`, `decode --serve`, `batch`) picks where a prompt's rows come from "
      "(issue #39, docs/pull-lane.md \"One latency budget\"): `fastest` predicts the TTFT of every path (store, "
      "local, remote whole, remote delta) from what this machine measured (`<data dir>/costs/`) and asks only when "
      "that is predicted faster, with the budget that beats the local path, which a producer that cannot make it "

@@ -12,6 +12,7 @@ from muser_cli.commands._common import (
     complete_model, default_threads, emit_json, err, guarded, info, json_log, log_json, open_input,
     progress_callback, read_text_input,
 )
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.errors import UsageError
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS
 
@@ -50,7 +51,6 @@ def register(app: typer.Typer) -> None:
         prefill_deadline: Optional[float] = typer.Option(None, "--prefill-deadline", help="With --serve: seconds to wait for a producer's first frame before prefilling locally (a request may set muser_prefill_deadline). Default: --timeout, else no deadline of its own (a silent producer is dropped after the link's 30 s idle limit)."),
     ) -> None:
         """Decode from a kvpack; with no kvpack and --prompt, prefill locally on the same schedule."""
-        from muser_cli.consumer.route import route_fields  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.decode import decode  # lazy: kept out of `muser --help` (startup)
         from muser_cli.consumer.lane import Source, answer  # lazy: kept out of `muser --help` (startup)
         from muser_cli.engines.base import Sampling  # lazy: kept out of `muser --help` (startup)
@@ -120,15 +120,15 @@ def register(app: typer.Typer) -> None:
                 err(f"decode: store: {line}")
             held = out.held_tokens
             source = out.source
-            if source == "store":
+            if source == RowsFrom.STORE:
                 info(f"decode: warm: all {held} rows of the prompt held in the store; no prefill")
-            elif source == "store+local":
+            elif source == RowsFrom.STORE_LOCAL:
                 info(f"decode: no handoff ({out.reason}); {held} rows from the store, prefilled "
                      f"{out.prompt_tokens - 1 - held} locally in {out.prefill_s:.2f}s")
-            elif source == "partial+local":
+            elif source == RowsFrom.PARTIAL_LOCAL:
                 info(f"decode: the stream was cut ({out.reason}); kept {out.handoff_rows} verified rows, "
                      f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
-            elif source == "delta":
+            elif source == RowsFrom.DELTA:
                 info(f"decode: delta merged with the stored prefix of {held} tokens")
             elif out.fallback and not out.set_aside:
                 info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
@@ -147,7 +147,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 shown = out.to_json()
                 if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
-                    shown["route"] = route_fields(pulling.plan, out.source)
+                    shown["route"] = pulling.plan.to_json(out.source)
                     if pulling.promise is not None:
                         shown["route"]["promise"] = pulling.promise
                 emit_json(shown)

@@ -7,6 +7,10 @@
   suffix. Results still come out in input order.
 * With producers, while job i decodes the KV of job i+1 is already being pulled (its
   ``have``: what the store holds, plus what job i's rows will add once stored).
+* A producer is asked as the served consumer asks one: when the route predicts it is faster
+  (``MUSER_ROUTE``, :func:`muser_cli.consumer.route.route`; a pull started while the job
+  before decodes counts that decode as time the local path would wait), with the budget that
+  beats the local path; what each job measured is learned (the cost file the service reads too).
 * Every correctness gate is decode's: a pulled pack is verified, bound to the prompt and
   spot-checked when foreign; whatever fails falls back to local prefill, same tokens.
 """
@@ -29,7 +33,10 @@ from muser_cli.batch.spool import make_spool, sweep_spools
 from muser_cli.consumer.decode import decode
 from muser_cli.consumer.lane import Source, answer, one_line
 from muser_cli.consumer.pool import ProducerPool
-from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, with_have
+from muser_cli.consumer.costs import COLD_FIRST_STEP_S, CostModel, costs_for
+from muser_cli.consumer.pull import PipePull, PullAsk, learn_from, pull_prompt, with_have
+from muser_cli.consumer.route import Route, route
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_consumer
@@ -181,6 +188,7 @@ class _Fetch:
         self.producer: str | None = None
         self.accepted: dict[str, Any] | None = None
         self.errors: list[str] = []
+        self.routed = ""  # why the route kept the job here (no producer asked)
         self.thread: threading.Thread | None = None
 
     def wait(self) -> None:
@@ -189,7 +197,7 @@ class _Fetch:
 
     @property
     def reason(self) -> str:
-        return "; ".join(self.errors) or "no producer up"
+        return "; ".join(self.errors) or self.routed or "no producer up"
 
 
 class Batch:
@@ -210,6 +218,7 @@ class Batch:
         self._spool: Path | None = None
         self._fetches: dict[int, _Fetch] = {}  # by job line: pulls started ahead
         self.turns: Turns | None = None  # with max_batch > 1: the engine's turns
+        self.costs: CostModel | None = None  # the route's cost model (this machine, model, engine, dtype, threads)
         if config.max_batch < 1:
             raise UsageError("--max-batch must be at least 1")
 
@@ -221,6 +230,9 @@ class Batch:
             self.info = resolve_model(self.config.model)
             tokenizer_for(self.info)
             self.dtype = self.config.dtype or default_dtype(self.config.engine)
+        if self.costs is None and self.pool:
+            c = self.config
+            self.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
 
     def load(self) -> float:
         """The model and engine, once for the batch; returns the seconds it took."""
@@ -416,13 +428,18 @@ class Batch:
             else:
                 reason = f"no handoff: {fetch.reason}"
         elif self.pool:
-            live = self._live(p)
+            live, why = self._live(p)
             if live is None:
-                reason = "no handoff: no producer up"
+                reason = why or "no handoff: no producer up"
             else:
                 src, producer = live.reader, live.producer
 
+        turns, engine_s = self.turns, [None]
+        held_t0 = turns.held_s() if turns is not None else 0.0  # the engine time this job's thread held so far
+
         def rows_ready(got) -> None:  # the next job's pull starts while this one decodes
+            if turns is not None:  # the prompt's own engine work: the others' chunks and steps left out
+                engine_s[0] = turns.held_s() - held_t0
             if nxt is not None and self.pool and nxt.job.line not in fetches:
                 self._start_prefetch(nxt, after=p, schedule=got.schedule, fetches=fetches)
 
@@ -446,6 +463,7 @@ class Batch:
         finally:
             unlink_fetched()
         out = got.out
+        self._learn(out, live, fetch, engine_s=engine_s[0])
         if live is not None and got.pull_error is None and live.accepted:
             shipped = int(live.accepted.get("payload_bytes", 0))
         if got.refused is not None and not source.pooled:
@@ -455,10 +473,31 @@ class Batch:
         result = out.to_json()
         result["batched"] = bool(result.pop("engine_stats", {}).get("batched"))  # stepped with other jobs
         if out.fallback:
-            producer, shipped = None, 0 if out.source != "partial+local" else shipped
+            producer, shipped = None, 0 if out.source != RowsFrom.PARTIAL_LOCAL else shipped
         result.update({"id": job.id, "line": job.line, "model": self.model_fingerprint, "job": job.digest,
                        "error": None, "producer": producer, "shipped_bytes": shipped, "chunk": self.chunk})
         return result
+
+    def _learn(self, out: Any, live: PipePull | None, fetch: "_Fetch | None", *, engine_s: float | None) -> None:
+        """What the job measured, into the route's cost model (kept for the next run, and for a
+        service on this machine). ``engine_s``: jobs at once share the engine's turns, so a local
+        prefill is learned from the turns its own thread held up to its rows (the others' steps
+        left out), as the service learns it."""
+        costs = self.costs
+        if costs is None:
+            return
+        if live is not None:
+            marks, accepted, producer = live.marks, live.accepted, live.producer
+        elif fetch is not None and fetch.path is not None:  # pulled ahead into a file: its wire is not this job's
+            marks, accepted, producer = {}, fetch.accepted, fetch.producer
+        else:
+            marks, accepted, producer = {}, None, None
+        try:
+            learn_from(costs, out, marks=marks, accepted=accepted, producer=producer,
+                       prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None)
+            costs.save()
+        except OSError:  # the cost file not written: the next run predicts from less, nothing is wrong
+            pass
 
     def _pass_turn(self, *progress: Any) -> None:
         """A prefill chunk done: the other running jobs take a step each (or a batched step)."""
@@ -484,13 +523,27 @@ class Batch:
                 ask = replace(ask, have_tokens=held, have_chain=chain_at(scope, p.ids, held))
         return ask
 
-    def _live(self, p: Planned):
-        """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched)."""
+    def _route(self, p: Planned, ask: PullAsk, addr: str, *, lead_s: float = 0.0) -> Route:
+        """Whether to ask ``addr`` for ``p`` (:func:`muser_cli.consumer.route.route`)."""
+        assert self.costs is not None
+        return route(self.costs, tokens=len(p.ids), held=ask.have_tokens, producer=addr, chunk=self.chunk,
+                     lead_s=lead_s)
+
+    def _live(self, p: Planned) -> tuple[PipePull | None, str]:
+        """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched),
+        or None and why not: no producer up, or the route predicts this machine answers sooner."""
 
         addr = self.pool.pick()
         if addr is None:
-            return None
-        return PipePull(addr, lambda: self._ask(p), timeout=self.config.timeout)
+            return None, ""
+        ask = self._ask(p)
+        plan = self._route(p, ask, addr)
+        if not plan.ask:
+            self.pool.release(addr)
+            return None, plan.why
+        if plan.budget_ms is not None:
+            ask = replace(ask, budget_ms=plan.budget_ms)
+        return PipePull(addr, lambda: ask, timeout=self.config.timeout, costs=self.costs, plan=plan), ""
 
     def _start_prefetch(self, p: Planned, *, after: Planned, schedule: int | None, fetches: dict[int, _Fetch]) -> None:
         """Start ``p``'s pull while ``after`` decodes. One that cannot start (the store unreadable,
@@ -506,13 +559,23 @@ class Batch:
         assert self._spool is not None
         target = self._spool / f"job-{p.job.line}.kvpack"
         ask = self._ask(p, after=after, schedule=schedule)
+        costs = self.costs
+        # the job before decodes meanwhile: the local path would wait for it (its steps, as measured)
+        lead_s = after.job.max_tokens * ((costs.step_s or costs.first_step_s or COLD_FIRST_STEP_S)
+                                         if costs is not None else 0.0) if after is not None else 0.0
 
         def work() -> None:
             tried: list[str] = []
             while (addr := self.pool.pick(exclude=tried)) is not None:
                 tried.append(addr)
+                plan = self._route(p, ask, addr, lead_s=lead_s)
+                if not plan.ask:
+                    self.pool.release(addr)
+                    fetch.routed = plan.why
+                    continue
+                asked = replace(ask, budget_ms=plan.budget_ms) if plan.budget_ms is not None else ask
                 try:
-                    fetch.accepted = pull_prompt(addr, ask, output=target, timeout=self.config.timeout)
+                    fetch.accepted = pull_prompt(addr, asked, output=target, timeout=self.config.timeout)
                 except BaseException as exc:  # noqa: BLE001 - the next producer, or local prefill
                     self.pool.done(addr, exc)
                     fetch.errors.append(f"pull from {addr} failed: {exc}")

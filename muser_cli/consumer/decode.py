@@ -28,6 +28,7 @@ from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_prompt
 
 
@@ -55,7 +56,7 @@ class DecodeOutcome:
     engine: str
     dtype: str
     reason: str = ""
-    source: str = "handoff"
+    source: RowsFrom = RowsFrom.HANDOFF
     pack_read_s: float = 0.0
     held_tokens: int = 0
     entry: str | None = None
@@ -81,11 +82,11 @@ class DecodeOutcome:
     @property
     def reuse(self) -> dict:
         """How the store helped: held rows, the entry, rows computed after it ({} if not at all)."""
-        if self.source == "delta":
+        if self.source == RowsFrom.DELTA:
             return {"held_tokens": self.held_tokens, "entry": self.entry}
-        if self.source in ("store", "store+local"):
+        if self.source in (RowsFrom.STORE, RowsFrom.STORE_LOCAL):
             return {"held_tokens": self.held_tokens, "entry": self.entry, "computed_tokens": self.computed_tokens}
-        if self.source == "held":
+        if self.source == RowsFrom.HELD:
             return {"held_tokens": self.held_tokens, "computed_tokens": self.computed_tokens}
         return {}
 
@@ -96,7 +97,7 @@ class DecodeOutcome:
             "ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
             "decode_tok_s": round(self.decode_tok_s, 3), "prompt_tokens": self.prompt_tokens,
             "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype,
-            "pack_read_s": round(self.pack_read_s, 6), "source": self.source, "engine_stats": self.engine_stats,
+            "pack_read_s": round(self.pack_read_s, 6), "source": str(self.source), "engine_stats": self.engine_stats,
             "fallback_reason": self.reason if self.fallback else None,
         }
         if self.reuse:
@@ -212,7 +213,7 @@ def decode(
     if stream is not None and run.got.pack is not None:
         stream.confirm_end()  # bytes after the end frame: refused before anything is kept or returned
     stored = None
-    if store and run.got.source != "held":  # the store keeps canonical rows only (docs/reuse.md)
+    if store and run.got.source != RowsFrom.HELD:  # the store keeps canonical rows only (docs/reuse.md)
         try:
             stored = store_rows(run.got, run.info, run.ids, dtype=run.dtype, engine=engine, threads=threads, eng=run.eng,
                             spot=run.spot)
@@ -346,7 +347,7 @@ def _held(run: _Run) -> Rows:
     if held.rows < rows:
         layers = run.eng.prefill_from(held.layers, rows=held.rows, token_ids=ids[held.rows:-1], chunk_tokens=chunk,
                                       progress=run.progress, anywhere=True)
-    return Rows(list(layers), "held", chunk, None, held=held.rows, computed=rows - held.rows)
+    return Rows(list(layers), RowsFrom.HELD, chunk, None, held=held.rows, computed=rows - held.rows)
 
 
 def _rows_ready(run: _Run) -> None:
@@ -407,7 +408,7 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
     try:
         result = eng.decode(layers, rows=rows, next_tokens=first_feed, max_new_tokens=run.max_new_tokens,
                             sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                            adopt=(got.source == "handoff" and run.stream is not None) or got.source == "store",
+                            adopt=(got.source == RowsFrom.HANDOFF and run.stream is not None) or got.source == RowsFrom.STORE,
                             check_first=gate)
     except SpotCheckFailed as exc:  # the fused check refused the rows before any token was picked
         if gate is None:
@@ -419,7 +420,7 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
             run.on_rows(got)
         result = eng.decode(got.layers, rows=len(ids) - 1, next_tokens=[ids[-1]], max_new_tokens=run.max_new_tokens,
                             sampling=sampling, on_token=on_token, chunk_tokens=got.schedule,
-                            adopt=got.source == "store")
+                            adopt=got.source == RowsFrom.STORE)
     if gate is not None:
         gate.restore(got.layers)  # an adopting engine wrote its recomputation over the pack's last rows
         if gate.result is None:  # every engine calls it after its first step; one that did not checked nothing
@@ -550,7 +551,7 @@ def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, c
         layers = eng.prefill_from(prefix, rows=kept, token_ids=ids[kept:-1], chunk_tokens=schedule, progress=progress)
     else:
         layers = eng.prefill(ids[:-1], chunk_tokens=schedule, progress=progress)
-    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason=why,
+    return Rows(layers, RowsFrom.PARTIAL_LOCAL if kept else RowsFrom.LOCAL, schedule, None, reason=why,
                 handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
 
 
@@ -613,6 +614,6 @@ def _race(run: _Run) -> Rows | None:
                  + (f" (the producer's rows taken {taken} times)" if taken else ""))
     rows = len(ids) - 1
     why = f"hedge: {hedge.broken_why or 'the producer broke its promise'}"
-    return Rows(layers, "partial+local" if kept else "local", schedule, None, reason="; ".join([why, *refused]),
+    return Rows(layers, RowsFrom.PARTIAL_LOCAL if kept else RowsFrom.LOCAL, schedule, None, reason="; ".join([why, *refused]),
                 handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
 

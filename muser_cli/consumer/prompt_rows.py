@@ -18,6 +18,7 @@ from muser_cli.model.binding import require_identity
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.reuse import BaseNotHeld, Store, resolve_delta
 from muser_cli.reuse.manifest import check_base
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.rows import local_rows
 from muser_cli.schedule import build_header, default_dtype
 
@@ -27,7 +28,7 @@ class Rows:
     """The rows decode installs, and where they came from."""
 
     layers: list[LayerKV]
-    source: str  # handoff | delta | store | store+local | local | held (the server's turn memory)
+    source: RowsFrom
     schedule: int | None  # the chunk size they were made on (None: unknown, a foreign pack's)
     pack: KVPack | None  # the pack they came from; None when made here (the fallback)
     held: int = 0  # rows taken from the store
@@ -71,19 +72,20 @@ def rows_for(pack: KVPack | None, eng: Engine, ids: list[int], *, can_fall_back:
         try:
             layers, entry = resolve_delta(pack, st)
             _gate_base(st, entry, pack, layers, eng, dtype=dtype)
-            return Rows(layers, "delta", pack.header.chunk_tokens, pack, held=pack.header.rows_start, entry=entry,
+            return Rows(layers, RowsFrom.DELTA, pack.header.chunk_tokens, pack, held=pack.header.rows_start, entry=entry,
                         problems=list(st.problems))
         except BaseNotHeld as exc:
             if not can_fall_back:
                 raise
             reason, problems = str(exc), list(st.problems)
     elif pack is not None:
-        return Rows(pack.layers, "handoff", pack.header.chunk_tokens, pack)
+        return Rows(pack.layers, RowsFrom.HANDOFF, pack.header.chunk_tokens, pack)
     made = local_rows(eng, ids, dtype=dtype, chunk_tokens=chunk_tokens, reuse=reuse, progress=progress,
                       spare_rows=spare_rows)
     problems += [p for p in made.problems if p not in problems]
-    computed = len(ids) - 1 - made.held if made.source != "local" else None
-    return Rows(made.layers, made.source, made.chunk_tokens, None, held=made.held, entry=made.entry,
+    source = RowsFrom(made.source)  # this machine's store, or none: local, store, store+local
+    computed = len(ids) - 1 - made.held if source != RowsFrom.LOCAL else None
+    return Rows(made.layers, source, made.chunk_tokens, None, held=made.held, entry=made.entry,
                 computed=computed, problems=problems, reason=reason)
 
 

@@ -20,7 +20,8 @@ from typing import Any, BinaryIO, Callable
 
 from muser_cli import paths
 from muser_cli.consumer.costs import CostModel, costs_for
-from muser_cli.consumer.route import route, route_mode
+from muser_cli.consumer.route import Route, route, route_mode
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.errors import MuserError, TempFailure
 from muser_cli.handoff.api import ledger_dir
 from muser_cli.handoff.link import parse_hostport
@@ -120,8 +121,8 @@ class PipePull:
     that lost (its error then says why)."""
 
     def __init__(self, producer: str, make_ask: Callable[[], PullAsk] | None, *, timeout: float | None,
-                 costs: CostModel | None = None, plan: dict[str, Any] | None = None,
-                 planner: Callable[[PullAsk], tuple[CostModel, dict[str, Any]]] | None = None,
+                 costs: CostModel | None = None, plan: Route | None = None,
+                 planner: Callable[[PullAsk], tuple[CostModel, Route]] | None = None,
                  race: bool = False) -> None:
         self.error: BaseException | None = None
         self.accepted: dict[str, Any] | None = None
@@ -144,11 +145,10 @@ class PipePull:
             return
         self._ask_key: Any = self
         if costs is not None and plan is not None:  # its work is on that producer's queue in the next predictions
-            if "asked_key" in plan:  # the route put it there already
-                self._ask_key = plan["asked_key"]
+            if plan.asked_key is not None:  # the route put it there already
+                self._ask_key = plan.asked_key
             else:
-                part = (plan.get("parts") or {}).get(plan.get("choice"), {})
-                costs.asking(producer, self, float(part.get("producer_compute") or 0.0))
+                costs.asking(producer, self, float(plan.chosen_parts.get("producer_compute") or 0.0))
         r, w = os.pipe()
         self.reader = open(r, "rb")
         self._w = w
@@ -158,7 +158,7 @@ class PipePull:
     @property
     def routed_local(self) -> str:
         """Why the route kept this request here ("" when it asked the producer)."""
-        return "" if self.asked else str((self.plan or {}).get("why") or "")
+        return "" if self.asked or self.plan is None else self.plan.why
 
     def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
         self.marks.setdefault(kind, time.perf_counter())
@@ -262,7 +262,7 @@ class PipePull:
         decode's result ``out`` (its ``reason``, for a fallback or a cut stream)."""
         self.join(timeout=timeout)
         why = self.reason() or self.routed_local
-        if why and (out.source == "partial+local" or str(out.reason).startswith("hedge:")):
+        if why and (out.source == RowsFrom.PARTIAL_LOCAL or str(out.reason).startswith("hedge:")):
             out.reason = f"{out.reason}; {why}"  # a hedge's reason names the broken promise; the pull's, its end
         elif why and out.fallback:
             out.reason = why
@@ -305,16 +305,15 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     if isinstance(spot.get("sampled"), dict) and spot["sampled"].get("ms") is not None:
         gate_ms = (gate_ms or 0) + spot["sampled"]["ms"]
     gate_s = gate_ms / 1000 if isinstance(gate_ms, (int, float)) else None
-    local = out.source in ("local", "store+local", "store", "held")  # held: the server's turn memory
-    if local:
-        held = out.held_tokens if out.source != "local" else 0
+    if RowsFrom(out.source).computed_here:  # held: the server's turn memory
+        held = out.held_tokens if out.source != RowsFrom.LOCAL else 0
         first = out.ttft_s - out.prefill_s - out.pack_read_s
         own = out.prefill_s if prefill_s is None else prefill_s
-        costs.observe(held=held, rows=rows, prefill_s=own if out.source != "store" else None, local=True,
-                      install_s=out.prefill_s if out.source == "store" else None,
+        costs.observe(held=held, rows=rows, prefill_s=own if out.source != RowsFrom.STORE else None, local=True,
+                      install_s=out.prefill_s if out.source == RowsFrom.STORE else None,
                       first_step_s=first if first >= 0 else None)
         return
-    if out.source not in ("handoff", "delta"):
+    if out.source not in (RowsFrom.HANDOFF, RowsFrom.DELTA):
         return
     install = max(0.0, out.prefill_s - (gate_s or 0.0))
     first = (out.tail_s - out.prefill_s) if out.tail_s is not None else None
@@ -325,7 +324,7 @@ def learn_from(costs: CostModel, out: Any, *, marks: dict[str, float], accepted:
     connect = marks["serving"] - marks["start"] if "serving" in marks and "start" in marks and "queued" not in marks \
         else None
     got_bytes = int((accepted or {}).get("payload_bytes") or 0)
-    shipped = rows - (out.held_tokens if out.source == "delta" else 0)
+    shipped = rows - (out.held_tokens if out.source == RowsFrom.DELTA else 0)
     costs.observe(held=0, rows=rows, local=False, install_s=install, gate_s=gate_s,
                   first_step_s=first if first is not None and first >= 0 else None, connect_s=connect,
                   pack_bytes=got_bytes, wire_s=wire_s, shipped_rows=shipped, producer=producer)
@@ -351,16 +350,16 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
                       send_text=send_text)
         return with_have(ask) if have else ask
 
-    def planned(ask: PullAsk) -> tuple[CostModel, dict[str, Any]]:
+    def planned(ask: PullAsk) -> tuple[CostModel, Route]:
         costs = costs_for(ask.model_fingerprint, engine, ask.dtype, threads)
         return costs, route(costs, tokens=len(ask.token_ids), held=ask.have_tokens, producer=producer)
 
     if route_mode() == "fastest":
         ask = make_ask()
         costs, plan = planned(ask)
-        if not plan["ask"]:
+        if not plan.ask:
             return PipePull(producer, None, timeout=timeout, costs=costs, plan=plan)
-        ask = replace(ask, budget_ms=plan["budget_ms"])
+        ask = replace(ask, budget_ms=plan.budget_ms)
         return PipePull(producer, lambda: ask, timeout=timeout, costs=costs, plan=plan, race=race)
 
     return PipePull(producer, make_ask, timeout=timeout, planner=planned, race=race)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Callable
 
 from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun
-from muser_cli.consumer.route import route, route_fields
+from muser_cli.consumer.route import Route, route, with_memory
+from muser_cli.consumer.source import RowsFrom
 from muser_cli.consumer.decode import Extra, decode
 from muser_cli.costcurve import spread_ids
 from muser_cli.consumer.lane import Source, answer
@@ -518,31 +519,22 @@ class EngineWorker:
         addr = self.pool.pick()
         queue = {"backlog": self.backlog, "key": job, "chunk": self.chunk}  # the consumer's own queue (issue #39)
         plan = state.route = route(self.costs, tokens=len(ids), held=got.have_tokens, producer=addr, **queue)
-        if held is not None:
-            here = self.costs.predict(tokens=len(ids), held=held.rows, producer=None, **queue)
-            mine = here["paths"][here["choice"]]
-            remote = min((v for k, v in plan["paths"].items() if k.startswith("remote")), default=float("inf"))
-            # MUSER_ROUTE=producer: the producer is asked for a prompt mostly new (a held preamble),
-            # not for a conversation's next turn (most rows held, a new tail): docs/serve.md
-            mostly_held = held.rows * 2 >= len(ids) - 1
-            wins = mine <= remote and (plan.get("mode") != "producer" or mostly_held)
-            if held.rows >= len(ids) - 1 or wins or addr is None:
-                state.held_wins = True
-                state.route = {**here, "mode": plan.get("mode"), "held": held.rows, "predicted": here["choice"],
-                               "explore": None,
-                               "remote_ms": round(remote * 1000, 3) if remote != float("inf") else None}
+        if held is not None:  # the turn memory's rows, against the producer's paths
+            mine = with_memory(self.costs, plan, tokens=len(ids), held=held.rows, producer=addr, **queue)
+            if mine is not None:
+                state.held_wins, state.route = True, mine
                 if addr is not None:
                     self.pool.release(addr)
                     self.costs.answered(addr, job)  # the route's ask is not made: off that producer's queue
                 return None
         if addr is None:
             return None
-        if not plan["ask"]:
+        if not plan.ask:
             self.pool.release(addr)
-            state.route_why = plan["why"]
+            state.route_why = plan.why
             return None
-        if plan["budget_ms"] is not None:
-            got = replace(got, budget_ms=plan["budget_ms"])
+        if plan.budget_ms is not None:
+            got = replace(got, budget_ms=plan.budget_ms)
         self.backlog.routed(job, start=got.have_tokens, end=len(ids) - 1, chunk=self.chunk, pulled=True)
         state.live = PipePull(addr, lambda: got, timeout=deadline, costs=self.costs, plan=plan, race=True)
         return state.live
@@ -563,7 +555,7 @@ class EngineWorker:
         if plan is None and s.get("ttft_ms") is not None:
             plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
         if plan is not None:
-            s["route"] = route_fields(plan, s.get("source"))
+            s["route"] = plan.to_json(s.get("source"))
             if live is not None and live.promise is not None:
                 s["route"]["promise"] = live.promise
         if out is None or s.get("ttft_ms") is None:
@@ -571,13 +563,14 @@ class EngineWorker:
         marks = live.marks if live is not None else {}
         arrived, ttft = state.job.arrived, s["ttft_ms"] / 1000
         since = (lambda k: marks[k] - arrived if k in marks else None)
-        from_pack = s["source"] in ("handoff", "delta", "partial+local")
+        source = RowsFrom(s["source"])
+        from_pack = source.shipped
         spot = out.spot_check or {}
         gate_ms = (spot.get("ms") or 0) if spot.get("ran") else 0
         if isinstance(spot.get("sampled"), dict):
             gate_ms += spot["sampled"].get("ms") or 0
         gate = gate_ms / 1000
-        local_s = out.prefill_s if not from_pack or s["source"] == "partial+local" else 0.0
+        local_s = out.prefill_s if not from_pack or source == RowsFrom.PARTIAL_LOCAL else 0.0
         waited = 0.0  # a local prefill's waits for the others' turns: the consumer's queue, as predicted
         if live is None and not from_pack and state.engine_s is not None:
             waited = min(local_s, max(0.0, out.prefill_s - state.engine_s))
@@ -586,14 +579,13 @@ class EngineWorker:
             lane_s=state.t_lane - arrived, serving_s=since("serving"),
             end_s=since("last_byte") if "last_byte" in marks else since("end"),
             rows_ready_s=None, local_prefill_s=local_s - waited,
-            install_s=max(0.0, out.prefill_s - gate) if from_pack and s["source"] != "partial+local" else 0.0,
+            install_s=max(0.0, out.prefill_s - gate) if from_pack and source != RowsFrom.PARTIAL_LOCAL else 0.0,
             gate_s=gate, pack_bytes=int(s.get("bytes") or 0),
             link_Bps=self._measured_link(live.producer) if live is not None else None)
         budget_s = state.job.ask.prefill_deadline
         if budget_s is None and plan is not None:
-            choice = plan["paths"].get(plan["choice"], 0.0)
-            budget_s = choice * 1.25 + 0.005
-        over = overrun(split, budget_s, (plan or {}).get("parts", {}).get(plan["choice"], {}) if plan else {})
+            budget_s = plan.seconds * 1.25 + 0.005
+        over = overrun(split, budget_s, plan.chosen_parts if plan is not None else {})
         s["budget"] = {"budget_ms": round(budget_s * 1000, 3) if budget_s is not None else None,
                        "split_ms": {k: round(v * 1000, 3) for k, v in split.items()}, "overrun": over}
         state.split, state.overrun = split, over
@@ -685,7 +677,7 @@ class _RunState:
         self.markers: dict[int, str] = {}  # special tokens decoding drops that the tool parser reads
         # issue #39: the route taken, the pull, the outcome, and the budget split measured from them
         self.t_lane = job.arrived  # when the lane began (the consumer's queue is before it)
-        self.route: dict[str, Any] | None = None
+        self.route: Route | None = None
         self.route_why = ""  # why the route kept this request local
         self.live: PipePull | None = None
         self.out: Any = None  # decode's outcome
@@ -723,9 +715,9 @@ class _RunState:
     def summary(self, ids: list[int], finish: str) -> dict[str, Any]:
         """What the client, the log and the metrics are told about this request."""
         rows = self.rows
-        source = rows.source if rows is not None else "local"
-        if source == "store+local":
-            source = "store"  # some rows held, the rest prefilled here: both are this machine's
+        source = rows.source if rows is not None else RowsFrom.LOCAL
+        if source == RowsFrom.STORE_LOCAL:
+            source = RowsFrom.STORE  # some rows held, the rest prefilled here: both are this machine's
         shipped = rows is not None and (rows.pack is not None or bool(rows.handoff_rows))
         held = rows.held if rows is not None else 0
         reason, computed = "", 0

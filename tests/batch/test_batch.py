@@ -68,9 +68,15 @@ def expected(model, tmp_path_factory) -> dict[str, list[int]]:
     return out
 
 
-def batch(home: Path, *args: str, timeout: float = HANG_S, input: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(muser_cmd("batch", *args), env=env_for(home), capture_output=True, timeout=timeout,
-                          input=input)
+def batch(home: Path, *args: str, timeout: float = HANG_S, input: bytes | None = None,
+          route: str | None = None) -> subprocess.CompletedProcess:
+    """``route``: ``MUSER_ROUTE`` (``producer``: the lane's mechanics, whatever the cost model
+    predicts of a tiny model; None: the default route)."""
+    env = env_for(home)
+    env.pop("MUSER_ROUTE", None)
+    if route is not None:
+        env["MUSER_ROUTE"] = route
+    return subprocess.run(muser_cmd("batch", *args), env=env, capture_output=True, timeout=timeout, input=input)
 
 
 def lines_of(data: bytes) -> list[dict]:
@@ -257,7 +263,7 @@ def test_pull_lane_batch_ships_the_document_once_then_deltas(model, expected, la
     p = lane["producer"]
     before = len(p.events())
     r = batch(lane["nodes"].consumer_home, str(jobs), *common(model), "--producer", p.address, "-o",
-              str(tmp_path / "res.jsonl"), "--json")
+              str(tmp_path / "res.jsonl"), "--json", route="producer")
     assert r.returncode == 0, r.stderr
     got = lines_of((tmp_path / "res.jsonl").read_bytes())
     for g in got:
@@ -288,7 +294,7 @@ def test_a_dead_producer_in_the_pool_is_skipped(model, expected, lane, tmp_path)
     jobs = write_jobs(tmp_path, QUESTIONS[:3])
     dead = _dead_address()
     r = batch(lane["nodes"].consumer_home, str(jobs), *common(model), "--producer", dead, "--producer",
-              lane["producer"].address, "-o", str(tmp_path / "res.jsonl"), "--json", "--no-reuse")
+              lane["producer"].address, "-o", str(tmp_path / "res.jsonl"), "--json", "--no-reuse", route="producer")
     assert r.returncode == 0, r.stderr
     got = lines_of((tmp_path / "res.jsonl").read_bytes())
     assert all(g["token_ids"] == expected[g["id"]] for g in got)
@@ -298,6 +304,39 @@ def test_a_dead_producer_in_the_pool_is_skipped(model, expected, lane, tmp_path)
     assert state[dead]["failures"] >= 1 and state[dead]["served"] == 0
 
 
+def test_batch_asks_its_producer_as_the_route_says(model, expected, lane, tmp_path):
+    """#48 item 2: ``muser batch`` routes as the served consumer and ``decode --producer`` do. In a
+    home that never measured its own prefill, a short prompt stays here (no connection is worth
+    a few rows: the line says the route kept it) and a long one is asked of the producer (no
+    budget from a guess of our own speed); what the jobs measured is kept in the cost file;
+    ``MUSER_ROUTE=producer`` asks for both. The tokens are the same either way."""
+    import shutil
+
+    p = lane["producer"]
+    solo = json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4})
+    jobs = tmp_path / "jobs.jsonl"
+    write_jobs(tmp_path, QUESTIONS[:1])
+    jobs.write_text(solo + "\n" + jobs.read_text())  # the short one first: nothing measured yet
+    runs = {}
+    for mode in (None, "producer"):
+        home = tmp_path / f"consumer-{mode}"
+        shutil.copytree(lane["nodes"].consumer_home, home)  # enrolled with the lane's producer
+        for kept in ("costs", "store"):  # what earlier tests measured and stored: not this one's
+            shutil.rmtree(home / "data" / kept, ignore_errors=True)
+        res = tmp_path / f"res-{mode}.jsonl"
+        r = batch(home, str(jobs), *common(model), "--producer", p.address, "-o", str(res), "--json", "--no-reuse",
+                  route=mode)
+        assert r.returncode == 0, r.stderr
+        runs[mode] = {g["id"]: g for g in lines_of(res.read_bytes())}
+        assert {i: g["token_ids"] for i, g in runs[mode].items()} == {"solo": expected["solo"], "q0": expected["q0"]}
+        assert list((home / "data" / "costs").glob("*.json")), "the batch kept nothing it measured"
+    default, asked = runs[None], runs["producer"]
+    assert default["solo"]["producer"] is None and default["solo"]["source"] == "local", default["solo"]
+    assert "route: local predicted faster" in default["solo"]["fallback_reason"], default["solo"]
+    assert default["q0"]["producer"] == p.address and default["q0"]["source"] == "handoff", default["q0"]
+    assert all(g["producer"] == p.address and g["source"] == "handoff" for g in asked.values()), asked
+
+
 def test_producer_killed_mid_batch_every_job_still_completes(model, expected, lane, tmp_path):
     prod = Producer(lane["nodes"].producer_home, *lane_flags(model))
     jobs = write_jobs(tmp_path)
@@ -305,7 +344,8 @@ def test_producer_killed_mid_batch_every_job_still_completes(model, expected, la
     try:
         proc = subprocess.Popen(muser_cmd("batch", str(jobs), *common(model), "--producer", prod.address, "-o",
                                           str(res), "--timeout", "20"),
-                                env=env_for(lane["nodes"].consumer_home), stdout=subprocess.DEVNULL,
+                                env={**env_for(lane["nodes"].consumer_home), "MUSER_ROUTE": "producer"},
+                                stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         stop_at_lines(proc, res, 1)  # the other jobs must meet a dead producer
         prod.proc.kill()
@@ -356,7 +396,7 @@ def test_decode_producer_asks_only_for_what_the_store_lacks(model, expected, lan
         prompt.write_text(f"{DOC}\n\n{q}")
         r = subprocess.run(muser_cmd("decode", *common(model), "--prompt", str(prompt), "-n", "5", "--json",
                                      "--producer", p.address, "--store"),
-                           env=env_for(home), capture_output=True, timeout=HANG_S)
+                           env={**env_for(home), "MUSER_ROUTE": "producer"}, capture_output=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(r.stdout))
     assert runs[0]["source"] == "handoff" and runs[1]["source"] == "delta", [x["source"] for x in runs]

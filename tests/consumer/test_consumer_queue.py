@@ -73,7 +73,7 @@ def test_a_loaded_engine_predicts_a_longer_local_path(monkeypatch):
     assert 0 < busy["parts"]["remote_whole"]["consumer_queue"] < queue  # the pull waits off the engine
     assert busy["choice"] == "remote_whole", busy
     got = route(costs, tokens=1000, held=0, producer="p:1", backlog=backlog, key="me", chunk=256)
-    assert got["ask"] and got["budget_ms"] > 0, got
+    assert got.ask and got.budget_ms > 0, got
     backlog.progress(0, 1999)  # one of them done with its prompt: less ahead
     assert costs.predict(tokens=1000, held=0, producer="p:1", backlog=backlog, key="me",
                          chunk=256)["parts"]["local"]["consumer_queue"] < queue
@@ -112,7 +112,7 @@ def test_the_share_of_the_cores_slows_the_engine_work_and_not_the_producers(monk
         assert half["parts"]["remote_whole"][part] == pytest.approx(whole["parts"]["remote_whole"][part])
     assert half["choice"] == "remote_whole", half  # the producer is now the faster path
     got = route(costs, tokens=1000, held=0, producer="p:1")
-    assert got["ask"] and got["share"] == pytest.approx(0.5), got
+    assert got.ask and got.share == pytest.approx(0.5), got
     before = costs.local.seconds(0, 999)
     costs.observe(held=0, rows=999, prefill_s=2 * before, local=True)  # measured at half the core: as fast as before
     assert costs.local.seconds(0, 999) == pytest.approx(before)

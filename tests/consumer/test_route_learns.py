@@ -126,10 +126,10 @@ def test_an_uncalibrated_consumer_asks_its_producer_without_a_guessed_budget(mon
     monkeypatch.delenv("MUSER_ROUTE", raising=False)
     costs = CostModel()
     got = route(costs, tokens=1200, held=0, producer="p:1")
-    assert got["ask"] and got["budget_ms"] is None and not got["calibrated"], got
-    assert got["choice"] == "remote_whole"
+    assert got.ask and got.budget_ms is None and not got.calibrated, got
+    assert got.choice == "remote_whole"
     short = route(costs, tokens=40, held=0, producer="p:1")  # a short prompt is no reason to ask
-    assert not short["calibrated"] and short["paths"]["local"] < short["paths"]["remote_whole"]
+    assert not short.calibrated and short.paths["local"] < short.paths["remote_whole"]
 
 
 def test_exploration_tries_the_path_predicted_slower_and_corrects_a_wrong_estimate(monkeypatch):
@@ -140,24 +140,24 @@ def test_exploration_tries_the_path_predicted_slower_and_corrects_a_wrong_estima
     _producer(costs, "p:1", 900.0)  # its own estimate: a little slower than here (it is 3x faster really)
     costs.local.observe(0, 4096, 4096 / 1000.0)  # the local path measured at depth
     plans = [route(costs, tokens=2000, held=0, producer="p:1") for _ in range(2 * EXPLORE_EVERY)]
-    asked = [p for p in plans if p["ask"]]
-    assert [p["explore"] for p in asked] == ["producer", "producer"], plans  # one in EXPLORE_EVERY
-    assert [i for i, p in enumerate(plans) if p["ask"]] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
-    assert all(p["predicted"] == "local" and p["choice"] == "remote_whole" for p in asked)
-    assert all(p["budget_ms"] is None for p in asked)  # measured, not raced against a budget it was predicted to miss
-    assert all(not p["ask"] and p["choice"] == "local" for p in plans if p["explore"] is None)
+    asked = [p for p in plans if p.ask]
+    assert [p.explore for p in asked] == ["producer", "producer"], plans  # one in EXPLORE_EVERY
+    assert [i for i, p in enumerate(plans) if p.ask] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert all(p.predicted == "local" and p.choice == "remote_whole" for p in asked)
+    assert all(p.budget_ms is None for p in asked)  # measured, not raced against a budget it was predicted to miss
+    assert all(not p.ask and p.choice == "local" for p in plans if p.explore is None)
     # the explored pull measured the producer 3x faster than it estimated: its estimates are scaled
     for key in range(3):
         costs.asking("p:1", key, 2.5)
         costs.answered("p:1", key, promised_s=2.5, measured_s=2.5 / 3, rows=1999, outcome="served")
     monkeypatch.setenv("MUSER_EXPLORE", "0")  # off: the prediction alone
     fixed = route(costs, tokens=2000, held=0, producer="p:1")
-    assert fixed["predicted"] == "remote_whole" and fixed["ask"] and fixed["budget_ms"], fixed
+    assert fixed.predicted == "remote_whole" and fixed.ask and fixed.budget_ms, fixed
     assert costs.producer("p:1").trust < 0.6
     costs2 = CostModel()
     _calibrated(costs2, 1000.0)
     _producer(costs2, "p:1", 900.0)
-    assert not any(route(costs2, tokens=2000, held=0, producer="p:1")["ask"] for _ in range(EXPLORE_EVERY))
+    assert not any(route(costs2, tokens=2000, held=0, producer="p:1").ask for _ in range(EXPLORE_EVERY))
 
 
 def test_a_late_refusal_teaches_the_queue_and_later_requests_ask_again(monkeypatch):
@@ -166,14 +166,14 @@ def test_a_late_refusal_teaches_the_queue_and_later_requests_ask_again(monkeypat
     costs = CostModel()
     _calibrated(costs, 200.0)
     _producer(costs, "p:1", 4000.0)
-    assert route(costs, tokens=2000, held=0, producer="p:1")["ask"]
+    assert route(costs, tokens=2000, held=0, producer="p:1").ask
     rates = costs.producer("p:1").rates.to_rates()
     costs.heard("p:1", {"start_ms": 60_000, "compute_ms": 500, "queued": 3, "rates": rates})  # then "late"
     costs.answered("p:1", "r1", outcome="late")
     busy = route(costs, tokens=2000, held=0, producer="p:1")
-    assert not busy["ask"] and busy["parts"]["remote_whole"]["producer_queue"] > 50, busy
+    assert not busy.ask and busy.parts["remote_whole"]["producer_queue"] > 50, busy
     costs.producer("p:1").said_at -= 61  # its queue drained since it said so
-    assert route(costs, tokens=2000, held=0, producer="p:1")["ask"]
+    assert route(costs, tokens=2000, held=0, producer="p:1").ask
     assert costs.producer("p:1").last == "late"
 
 
@@ -190,10 +190,10 @@ def test_under_a_backlog_of_long_prompts_the_work_splits(monkeypatch):
     for i in range(8):
         backlog.arrive(i, tokens=1200, chunk=512)
         plan = route(costs, tokens=1200, held=0, producer="p:1", backlog=backlog, key=i, chunk=512)
-        where.append(plan["choice"])
-        if plan["ask"]:
+        where.append(plan.choice)
+        if plan.ask:
             backlog.routed(i, start=0, end=1199, chunk=512, pulled=True)
-            costs.asking("p:1", i, plan["parts"]["remote_whole"]["producer_compute"])
+            costs.asking("p:1", i, plan.parts["remote_whole"]["producer_compute"])
         else:
             backlog.routed(i, start=0, end=1199, chunk=512, pulled=False)
     assert where[0] == "local", where  # nothing ahead: no connection to pay
@@ -201,18 +201,40 @@ def test_under_a_backlog_of_long_prompts_the_work_splits(monkeypatch):
     assert where.count("local") >= 2, where
 
 
+def test_a_pull_asked_while_the_engine_is_busy_counts_that_wait_against_the_local_path(monkeypatch):
+    """#48 item 2 (``muser batch``'s next job, asked for while the job before it decodes): a
+    producer predicted a little slower than here is not asked for a request that could start
+    now, and is asked when the engine is busy for longer than the difference; the budget grows
+    by the wait, and the route says it."""
+    monkeypatch.delenv("MUSER_ROUTE", raising=False)
+    monkeypatch.setenv("MUSER_EXPLORE", "0")
+    costs = CostModel()
+    _calibrated(costs, 1000.0)
+    _producer(costs, "p:1", 900.0)
+    now = route(costs, tokens=2000, held=0, producer="p:1")
+    assert not now.ask and now.choice == "local" and now.lead_s == 0, now
+    gap = now.remote_s - now.seconds
+    assert gap > 0
+    later = route(costs, tokens=2000, held=0, producer="p:1", lead_s=2 * gap + 0.5)
+    assert later.ask and later.choice == "remote_whole" and later.budget_ms is not None, later
+    alone = costs.local.seconds(0, 1999)
+    assert later.budget_ms / 1000 > alone, later  # the local path waits for the engine first
+    assert later.to_json("handoff")["lead_ms"] == pytest.approx((2 * gap + 0.5) * 1000, rel=1e-3)
+    assert later.paths == now.paths  # the predictions themselves: each path as if it began now
+
+
 def test_a_short_prompt_stays_local_and_the_producer_route_asks_unless_all_is_held(monkeypatch):
     costs = CostModel()
     _calibrated(costs, 1000.0)
     _producer(costs, "p:1", 1000.0)
     monkeypatch.delenv("MUSER_ROUTE", raising=False)
-    assert not route(costs, tokens=30, held=0, producer="p:1")["ask"]
+    assert not route(costs, tokens=30, held=0, producer="p:1").ask
     monkeypatch.setenv("MUSER_ROUTE", "producer")
     got = route(costs, tokens=30, held=0, producer="p:1")
-    assert got["ask"] and got["choice"] == "remote_whole", got
-    assert route(costs, tokens=3000, held=2048, producer="p:1")["choice"] == "remote_delta"
+    assert got.ask and got.choice == "remote_whole", got
+    assert route(costs, tokens=3000, held=2048, producer="p:1").choice == "remote_delta"
     held = route(costs, tokens=3000, held=2999, producer="p:1")
-    assert not held["ask"] and held["choice"] == "store", held
+    assert not held.ask and held.choice == "store", held
 
 
 # ----------------------------------------------------------------------------- real processes
@@ -372,13 +394,13 @@ def test_a_busy_producer_teaches_how_many_asks_it_takes(monkeypatch):
     _calibrated(costs, 200.0)
     _producer(costs, "p:1", 4000.0)
     for key in ("a", "b", "c"):
-        assert route(costs, tokens=2000, held=0, producer="p:1", key=key)["ask"]
-    assert route(costs, tokens=2000, held=0, producer="p:1", key="d")["ask"]
+        assert route(costs, tokens=2000, held=0, producer="p:1", key=key).ask
+    assert route(costs, tokens=2000, held=0, producer="p:1", key="d").ask
     costs.answered("p:1", "d", outcome="busy")  # it took the three, not the fourth
     full = route(costs, tokens=2000, held=0, producer="p:1", key="e")
-    assert not full["ask"] and "holds as many" in full["why"] and costs.producer("p:1").limit == 3, full
+    assert not full.ask and "holds as many" in full.why and costs.producer("p:1").limit == 3, full
     costs.answered("p:1", "a", outcome="served", rows=1999)
-    assert route(costs, tokens=2000, held=0, producer="p:1", key="e")["ask"]
+    assert route(costs, tokens=2000, held=0, producer="p:1", key="e").ask
     pool = ProducerPool(["127.0.0.1:7070"])
     addr = pool.pick()
     pool.done(addr, ProducerBusy("producer 127.0.0.1:7070 refused: busy: producer busy"))

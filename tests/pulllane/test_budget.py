@@ -131,7 +131,7 @@ def test_prediction_and_split_add_up():
     costs = CostModel()
     costs.local = CostCurve(cold_tps=1000.0)
     short = route(costs, tokens=8, held=0, producer="p:1")
-    assert short["paths"]["local"] < short["paths"]["remote_whole"]
+    assert short.paths["local"] < short.paths["remote_whole"]
     split = budget_split(ttft_s=1.0, consumer_queue_s=0.1, remote=True, lane_s=0.1, serving_s=0.3, end_s=0.7,
                          rows_ready_s=None, install_s=0.05, gate_s=0.02, pack_bytes=10_000_000, link_Bps=1e8)
     assert math.isclose(sum(split.values()), 1.0, abs_tol=1e-5), split

@@ -67,10 +67,9 @@ def register(app: typer.Typer) -> None:
                 raise UsageError("--producer is given more than once", hint="several producers: with --serve")
             producer = producer[0] if producer else None
             prompt_text = read_text_input(prompt) if prompt is not None else None
-            reason = ""
-            pulling = None
             if send_text and producer is None:
                 raise UsageError("--send-text needs --producer HOST:PORT")
+            pulling = None
             if producer is not None:
                 from muser_cli.consumer.pull import start_pull_pipe  # lazy: kept out of `muser --help` (startup)
 
@@ -80,14 +79,8 @@ def register(app: typer.Typer) -> None:
                                           dtype=dtype, engine=engine, timeout=timeout, have=not no_reuse,
                                           send_text=send_text, threads=threads or default_threads(), race=True)
                 inp, reason = pulling.reader, pulling.empty_reason
-            elif src != "-" and not Path(src).exists() and prompt_text is not None:
-                inp = None
-                reason = f"no kvpack at {src}"
             else:
-                inp = open_input(src)
-                if src == "-" and sys.stdin.isatty():
-                    inp = None
-                    reason = "stdin is a terminal"
+                inp, reason = _pack_input(src, prompt_text)
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             printer = None if as_json else _Printer(model)
             given: list[int] = []  # tokens given out: after one, a refusal is the answer
@@ -116,44 +109,61 @@ def register(app: typer.Typer) -> None:
             if pulling is not None:
                 pulling.explain(out)  # why the pull gave nothing, or not all, in decode's reason
                 pulling.learn(out)  # what this run measured: the next run's route predicts from it (issue #39)
-            for line in out.store_problems:
-                err(f"decode: store: {line}")
-            held = out.held_tokens
-            source = out.source
-            if source == RowsFrom.STORE:
-                info(f"decode: warm: all {held} rows of the prompt held in the store; no prefill")
-            elif source == RowsFrom.STORE_LOCAL:
-                info(f"decode: no handoff ({out.reason}); {held} rows from the store, prefilled "
-                     f"{out.prompt_tokens - 1 - held} locally in {out.prefill_s:.2f}s")
-            elif source == RowsFrom.PARTIAL_LOCAL:
-                info(f"decode: the stream was cut ({out.reason}); kept {out.handoff_rows} verified rows, "
-                     f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
-            elif source == RowsFrom.DELTA:
-                info(f"decode: delta merged with the stored prefix of {held} tokens")
-            elif out.fallback and not out.set_aside:
-                info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
-                     f"in {out.prefill_s:.2f}s")
-            spot = out.spot_check or {}
-            if spot.get("skipped") and spot.get("reason"):
-                err(f"decode: spot-check skipped (--no-audit) on a pack {spot['reason']}")
-            elif spot.get("ran") and "worst_layer" in spot:
-                info(f"decode: spot-check passed ({spot['reason']}): worst layer {spot['worst_layer']} rel "
-                     f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}, {spot['ms']:.0f} ms")
-            if spot.get("sampled"):
-                s = spot["sampled"]
-                info(f"decode: spot-check of {len(s['positions'])} positions across the prompt (seed {s['seed']}) "
-                     f"passed: worst layer {s['worst_layer']} at position {s['worst_position']}, rel "
-                     f"{s['worst_rel']:.3g} <= {s['tolerance']:.3g}, {s['ms']:.0f} ms")
-            if as_json:
-                shown = out.to_json()
-                if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
-                    shown["route"] = pulling.plan.to_json(out.source)
-                    if pulling.promise is not None:
-                        shown["route"]["promise"] = pulling.promise
-                emit_json(shown)
-            else:  # ttft counts from the pack's first byte (or the start) and leaves the model load out: say both
-                info(f"decode: {len(out.token_ids)} tokens, ttft {out.ttft_s * 1000:.0f} ms (not counting the "
-                     f"model load, {out.load_s:.1f} s), {out.decode_tok_s:.1f} tok/s ({out.engine}, {out.dtype})")
+            _report(out, pulling, as_json=as_json)
+
+
+def _pack_input(src: str, prompt_text: Optional[str]) -> tuple[Optional[BinaryIO], str]:
+    """The kvpack to decode from (None: none, the prompt is prefilled here) and the reason an
+    answer prefilled here gives."""
+    if src != "-" and not Path(src).exists() and prompt_text is not None:
+        return None, f"no kvpack at {src}"
+    inp = open_input(src)
+    if src == "-" and sys.stdin.isatty():
+        return None, "stdin is a terminal"
+    return inp, ""
+
+
+def _report(out, pulling, *, as_json: bool) -> None:
+    """What became of the request, on stderr (where its rows came from, the gate's result) and,
+    with --json, the answer on stdout with its route."""
+    for line in out.store_problems:
+        err(f"decode: store: {line}")
+    held = out.held_tokens
+    source = out.source
+    if source == RowsFrom.STORE:
+        info(f"decode: warm: all {held} rows of the prompt held in the store; no prefill")
+    elif source == RowsFrom.STORE_LOCAL:
+        info(f"decode: no handoff ({out.reason}); {held} rows from the store, prefilled "
+             f"{out.prompt_tokens - 1 - held} locally in {out.prefill_s:.2f}s")
+    elif source == RowsFrom.PARTIAL_LOCAL:
+        info(f"decode: the stream was cut ({out.reason}); kept {out.handoff_rows} verified rows, "
+             f"prefilled {out.local_rows} locally in {out.prefill_s:.2f}s")
+    elif source == RowsFrom.DELTA:
+        info(f"decode: delta merged with the stored prefix of {held} tokens")
+    elif out.fallback and not out.set_aside:
+        info(f"decode: fallback: no handoff ({out.reason}); prefilled {out.prompt_tokens} tokens locally "
+             f"in {out.prefill_s:.2f}s")
+    spot = out.spot_check or {}
+    if spot.get("skipped") and spot.get("reason"):
+        err(f"decode: spot-check skipped (--no-audit) on a pack {spot['reason']}")
+    elif spot.get("ran") and "worst_layer" in spot:
+        info(f"decode: spot-check passed ({spot['reason']}): worst layer {spot['worst_layer']} rel "
+             f"{spot['worst_rel']:.3g} <= {spot['tolerance']:.3g}, {spot['ms']:.0f} ms")
+    if spot.get("sampled"):
+        s = spot["sampled"]
+        info(f"decode: spot-check of {len(s['positions'])} positions across the prompt (seed {s['seed']}) "
+             f"passed: worst layer {s['worst_layer']} at position {s['worst_position']}, rel "
+             f"{s['worst_rel']:.3g} <= {s['tolerance']:.3g}, {s['ms']:.0f} ms")
+    if as_json:
+        shown = out.to_json()
+        if pulling is not None and pulling.plan is not None:  # the route: every path's predicted TTFT, the choice
+            shown["route"] = pulling.plan.to_json(out.source)
+            if pulling.promise is not None:
+                shown["route"]["promise"] = pulling.promise
+        emit_json(shown)
+    else:  # ttft counts from the pack's first byte (or the start) and leaves the model load out: say both
+        info(f"decode: {len(out.token_ids)} tokens, ttft {out.ttft_s * 1000:.0f} ms (not counting the "
+             f"model load, {out.load_s:.1f} s), {out.decode_tok_s:.1f} tok/s ({out.engine}, {out.dtype})")
 
 
 class _Printer:

@@ -23,7 +23,9 @@ from muser_cli import paths
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.plan import Planned, mark_sharing
 from muser_cli.batch.results import Results
-from muser_cli.batch.runner import Batch, BatchConfig, ResultFn, Summary, Tally, failure, one_line
+from muser_cli.batch.runner import Batch, BatchConfig
+from muser_cli.batch.tally import ResultFn, Summary, Tally, failure
+from muser_cli.consumer.lane import one_line
 from muser_cli.errors import TempFailure, UsageError
 from muser_cli.model.tokens import encode_prompt
 

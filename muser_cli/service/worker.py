@@ -14,32 +14,28 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
-from muser_cli.consumer.costs import Backlog, budget_split, costs_for, overrun
-from muser_cli.consumer.route import Route, route, with_memory
-from muser_cli.consumer.source import RowsFrom
+from muser_cli.consumer.costs import Backlog, costs_for
 from muser_cli.consumer.decode import Extra, decode
-from muser_cli.costcurve import spread_ids
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.memory import Held, TurnMemory
 from muser_cli.consumer.pool import ProducerPool, about_the_job
-from muser_cli.consumer.pull import PipePull, ask_of, learn_from, with_have
+from muser_cli.consumer.pull import PipePull, ask_of, with_have
+from muser_cli.consumer.route import route, with_memory
 from muser_cli.consumer.turns import TurnEngine, Turns
-from muser_cli.engines.base import Sampling
+from muser_cli.costcurve import spread_ids
 from muser_cli.engines.registry import get_consumer
-from muser_cli.errors import DataError, MuserError, PromptTooLong
+from muser_cli.errors import MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import chat_template_text, decode_text, encode_prompt, skipped_tokens, tokenizer_for
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_prompt, default_dtype
-from muser_cli.service.api import ApiError, Ask, Piece
-from muser_cli.service.metrics import fallback_kind
-from muser_cli.service.textstream import TextStream
+from muser_cli.service.api import ApiError, Ask
+from muser_cli.service.outcome import observe
+from muser_cli.service.request import CountingReader, Job, RunState, Stop, guess_tokens
 from muser_cli.service.structured import request_constraint
-from muser_cli.service.tools import PYTHON_TAG, ToolStream, plan_tools
-
-Emit = Callable[[str, Any], None]
+from muser_cli.service.tools import PYTHON_TAG, plan_tools
 
 #: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
 WARM_PROMPT = "Warm up: the first request should cost what the second one does."
@@ -47,50 +43,6 @@ WARM_PROMPT = "Warm up: the first request should cost what the second one does."
 #: chunk or this many tokens, whichever is more (up to the model's context).
 CALIBRATE_SHORT = 32
 CALIBRATE_LONG = 256
-
-
-class _Stop(Exception):
-    """Raised from the token callback: a stop string appeared, or the client went away."""
-
-
-@dataclass(eq=False)  # a job is itself: equal only to itself, hashable
-class Job:
-    """One request for the worker. ``emit(kind, payload)`` tells its client; after its last
-    event (``done`` or ``error``) nothing more is told, so a job the server ended itself
-    (:meth:`cut_off`) says nothing after its error, whatever its thread still finishes."""
-
-    ask: Ask
-    emit: Emit
-    arrived: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    state: Any = None  # the running request's _RunState
-    looked: float | None = None  # when the service last looked whether its client is still there
-    cut: ApiError | None = None  # the error the server ended it with as it shut down (:meth:`cut_off`)
-
-    def __post_init__(self) -> None:
-        self._tell, self._over, self._said = self.emit, False, threading.Lock()
-        self.emit = self._emit_once
-
-    def _emit_once(self, kind: str, payload: Any) -> None:
-        with self._said:
-            if self._over:
-                return
-            self._over = kind in ("done", "error")
-            self._tell(kind, payload)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def cut_off(self, error: ApiError) -> bool:
-        """The server ends this job itself (it shuts down): its client is told ``error`` now,
-        its thread stops at its next token. False: its answer was already given."""
-        with self._said:
-            if self._over:
-                return False
-            self.cut, self._over = error, True
-            self.cancelled.set()
-            self._tell("error", error)
-            return True
 
 
 class QueueFull(ApiError):
@@ -112,26 +64,6 @@ class ShutDown(ApiError):
     def __init__(self, why: str) -> None:
         super().__init__(503, f"the server is shutting down and ended this request before its answer was "
                               f"finished ({why}); send it again", type="server_error", code="shut_down")
-
-
-class _Counting:
-    """The pull pipe, counting the pack bytes decode reads from it."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw, self.bytes = raw, 0
-
-    def readinto(self, b) -> int:
-        n = self.raw.readinto(b) or 0
-        self.bytes += n
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.bytes += len(data)
-        return data
-
-    def close(self) -> None:
-        self.raw.close()
 
 
 @dataclass
@@ -188,7 +120,7 @@ class EngineWorker:
                                      int(config.turn_memory_mb * 1e6))
         self.metrics = metrics
         self.log = log or (lambda record: None)
-        self._store_warned = False
+        self.store_warned = False  # the store's trouble logged once (service/outcome.py)
         self._token_texts: dict[int, str] = {}
         self._cv = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
@@ -247,7 +179,7 @@ class EngineWorker:
             if len(self._running) >= self.config.max_batch and len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(self.config.max_queue)
             self._waiting.append(job)
-            self.backlog.arrive(job, tokens=_guess_tokens(job.ask.prompt), chunk=self.chunk)  # until tokenized
+            self.backlog.arrive(job, tokens=guess_tokens(job.ask.prompt), chunk=self.chunk)  # until tokenized
             self._gauges()
             self._cv.notify_all()
 
@@ -347,7 +279,7 @@ class EngineWorker:
         self._check_sampling(ask, plan is not None and bool(plan.tools))
         constraint = request_constraint(ask, plan, self.info, engine=self.config.engine,  # structured output
                                         shapes=self.engine.inner.shapes_logits)
-        state = _RunState(job, self)
+        state = RunState(job, self)
         for choice in state.choices:
             choice.constraint = constraint  # each sequence takes its own matcher from it
         state.ids = ids
@@ -358,7 +290,7 @@ class EngineWorker:
         out = None
         try:
             out = self._decode(job, state, ids)
-        except _Stop:
+        except Stop:
             pass
         finish = "stop" if state.stream.stopped or (out is not None and
                                                      out.engine_stats.get("stop_reason") == "eos") else "length"
@@ -374,7 +306,7 @@ class EngineWorker:
             job.emit("text", state.first.piece(tail))
         state.first.finish_reason = finish
         for extra, choice in zip(state.extras, state.choices[1:]):
-            if extra.error is not None and not isinstance(extra.error, _Stop):
+            if extra.error is not None and not isinstance(extra.error, Stop):
                 raise extra.error
             choice.end(finish == "cancelled")
         summary = state.summary(ids, finish)
@@ -386,7 +318,7 @@ class EngineWorker:
         if out is not None and out.store_problems:
             summary["store_problems"] = list(out.store_problems)
         summary["batched"] = out is not None and bool(out.engine_stats.get("batched"))  # stepped with others' sequences
-        self._observe(state, summary)
+        observe(self, state, summary)
         ticket = self._will_remember(state, ids, finish)  # before the answer goes: the next turn waits for it
         try:
             job.emit("done", summary)
@@ -394,7 +326,7 @@ class EngineWorker:
             if ticket is not None:
                 self._remember(state, ids, ticket)
 
-    def _will_remember(self, state: "_RunState", ids: list[int], finish: str) -> int | None:
+    def _will_remember(self, state: "RunState", ids: list[int], finish: str) -> int | None:
         """Whether this answer's rows go to the turn memory: a ticket (lookups that it would
         serve deeper wait for it), or None."""
         rows = state.rows
@@ -402,11 +334,11 @@ class EngineWorker:
             return None
         return self.memory.begin(self._conversation(ids, state))
 
-    def _conversation(self, ids: list[int], state: "_RunState") -> list[int]:
+    def _conversation(self, ids: list[int], state: "RunState") -> list[int]:
         """The prompt and the answer's tokens (what the engine generated, up to the model's context)."""
         return (list(ids) + list(state.stream.ids))[: self.info.max_positions - 1]
 
-    def _remember(self, state: "_RunState", ids: list[int], ticket: int) -> None:
+    def _remember(self, state: "RunState", ids: list[int], ticket: int) -> None:
         """After the answer was given: its prompt's rows extended over the answer's tokens by the
         engine (taking the engine's turns as any prefill, one chunk a turn) and kept, with the
         layers that cannot be cut anywhere as of the prompt's end too (docs/serve.md). A failure
@@ -456,7 +388,7 @@ class EngineWorker:
             text = self._token_texts[token] = decode_text(self.info, [token], skip_special_tokens=False)
         return text
 
-    def _decode(self, job: Job, state: "_RunState", ids: list[int]):
+    def _decode(self, job: Job, state: "RunState", ids: list[int]):
         ask, c = job.ask, self.config
         sampling = state.first.sampling()
         state.extras = [Extra(choice.sampling(), choice.on_token) for choice in state.choices[1:]]
@@ -490,7 +422,7 @@ class EngineWorker:
         if live is None:
             return run(None, state.route_why or ("no producer given" if not self.pool else "no producer up"))
         state.producer = live.producer
-        counting = state.counting = _Counting(live.reader)
+        counting = state.counting = CountingReader(live.reader)
         # a pack refused once a token was out cannot be replaced: the refusal is the answer
         got = answer(Source(counting, live.producer, f"nothing from {live.producer}", live=live), run,
                      pool=self.pool, recompute=lambda exc: state.first_token is None)
@@ -546,272 +478,6 @@ class EngineWorker:
         if job is not None and len(progress) >= 2 and isinstance(progress[1], int):
             self.backlog.progress(job, progress[1])
         self.turns.pass_turn()
-
-    def _budget(self, state: "_RunState", s: dict[str, Any]) -> None:
-        """The answer's route and budget split (issue #39) into its summary ``s``; what it
-        measured into the cost model. The budget: the request's deadline if it set one, else
-        the chosen path's predicted TTFT with a quarter more (and 5 ms) of headroom."""
-        out, live, plan, costs = state.out, state.live, state.route, self.costs
-        if plan is None and s.get("ttft_ms") is not None:
-            plan = route(costs, tokens=len(state.ids), held=s.get("held_rows") or 0, producer=None)
-        if plan is not None:
-            s["route"] = plan.to_json(s.get("source"))
-            if live is not None and live.promise is not None:
-                s["route"]["promise"] = live.promise
-        if out is None or s.get("ttft_ms") is None:
-            return
-        marks = live.marks if live is not None else {}
-        arrived, ttft = state.job.arrived, s["ttft_ms"] / 1000
-        since = (lambda k: marks[k] - arrived if k in marks else None)
-        source = RowsFrom(s["source"])
-        from_pack = source.shipped
-        spot = out.spot_check or {}
-        gate_ms = (spot.get("ms") or 0) if spot.get("ran") else 0
-        if isinstance(spot.get("sampled"), dict):
-            gate_ms += spot["sampled"].get("ms") or 0
-        gate = gate_ms / 1000
-        local_s = out.prefill_s if not from_pack or source == RowsFrom.PARTIAL_LOCAL else 0.0
-        waited = 0.0  # a local prefill's waits for the others' turns: the consumer's queue, as predicted
-        if live is None and not from_pack and state.engine_s is not None:
-            waited = min(local_s, max(0.0, out.prefill_s - state.engine_s))
-        split = budget_split(
-            ttft_s=ttft, consumer_queue_s=state.t_lane - arrived + waited, remote=live is not None,
-            lane_s=state.t_lane - arrived, serving_s=since("serving"),
-            end_s=since("last_byte") if "last_byte" in marks else since("end"),
-            rows_ready_s=None, local_prefill_s=local_s - waited,
-            install_s=max(0.0, out.prefill_s - gate) if from_pack and source != RowsFrom.PARTIAL_LOCAL else 0.0,
-            gate_s=gate, pack_bytes=int(s.get("bytes") or 0),
-            link_Bps=self._measured_link(live.producer) if live is not None else None)
-        budget_s = state.job.ask.prefill_deadline
-        if budget_s is None and plan is not None:
-            budget_s = plan.seconds * 1.25 + 0.005
-        over = overrun(split, budget_s, plan.chosen_parts if plan is not None else {})
-        s["budget"] = {"budget_ms": round(budget_s * 1000, 3) if budget_s is not None else None,
-                       "split_ms": {k: round(v * 1000, 3) for k, v in split.items()}, "overrun": over}
-        state.split, state.overrun = split, over
-        engine_s = state.engine_s  # its own turns' time (the others' chunks and steps left out)
-        learn_from(costs, out, marks=marks, accepted=live.accepted if live is not None else None,
-                   prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None,
-                   producer=live.producer if live is not None else None)
-        costs.save()
-
-    def _measured_link(self, producer: str) -> float | None:
-        """The link rate from ``producer`` as pulls or a probe measured it (None: only the cold guess)."""
-        rate, source = self.costs.link_for(producer)
-        return None if source == "cold" else rate
-
-    def _observe(self, state: "_RunState", s: dict[str, Any]) -> None:
-        try:
-            self._budget(state, s)
-        except Exception as exc:  # noqa: BLE001 - bookkeeping: never fails an answer that was given
-            s["budget_error"] = f"{type(exc).__name__}: {exc}"
-        m = self.metrics
-        gone = s.get("finish_reason") == "cancelled"  # its client went away while it ran
-        if state.job.cut is None:  # one the server cut as it shut down: the service logs its line
-            self.log({"event": "request", "status": 499 if gone else 200,
-                      **({"reason": "the client went away while its answer was made"} if gone else {}),
-                      **{k: v for k, v in s.items() if k not in ("text", "choices")},
-                      **({"user": state.job.ask.user} if state.job.ask.user is not None else {})})
-        if s.get("store_problems") and not self._store_warned:  # once: every answer's line says it too
-            self._store_warned = True
-            self.log({"event": "warning", "warning": f"the store could not keep an answer's rows "
-                                                     f"({s['store_problems'][0]}); answering on, counted in "
-                                                     "muser_store_errors_total"})
-        if m is None:
-            return
-        source = s["source"]
-        if s.get("ttft_ms") is not None:
-            m.ttft.labels(source).observe(s["ttft_ms"] / 1000)
-        for gap in state.gaps:
-            m.token.labels(source).observe(gap)
-        if s["bytes"]:
-            m.shipped.labels(s.get("producer") or "").inc(s["bytes"])
-        m.held.inc(s.get("held_rows") or 0)
-        m.computed.inc(s.get("computed_rows") or 0)
-        m.tokens.inc(s["completion_tokens"])
-        if s.get("fallback_reason"):
-            m.fallbacks.labels(fallback_kind(s["fallback_reason"])).inc()
-        if state.refused is not None:
-            m.gate.inc()
-        if s.get("store_problems"):
-            m.store_errors.inc()
-        if state.split is not None:
-            m.observe_budget(state.split, state.overrun)
-
-
-def _guess_tokens(prompt: Any) -> int:
-    """A prompt's length in tokens before it is tokenized (about four characters a token)."""
-    if isinstance(prompt, str):
-        return len(prompt) // 4 + 1
-    text = sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict)) if isinstance(
-        prompt, list) else 0
-    return text // 4 + 1
-
-
-class _RunState:
-    """What one running request has seen: its rows' source, its tokens and their times."""
-
-    def __init__(self, job: Job, worker: EngineWorker) -> None:
-        self.job = job
-        self.choices = [_Choice(job, worker, i) for i in range(job.ask.n)]  # n: each its own sequence
-        self.first = self.choices[0]  # this state's own sequence (on_token); the others: decode's ``more``
-        self.extras: list[Extra] = []
-        self.stream = self.first.stream
-        self.rows = None
-        self.first_token: float | None = None
-        self.last_token: float | None = None
-        self.gaps: list[float] = []
-        self.producer: str | None = None
-        self.shipped = 0
-        self.refused: DataError | None = None
-        self.pull_error = ""
-        self.pull_hint = ""  # the failed pull's hint: its log line's, never the answer's
-        self.why = ""  # the fallback reason decode was given
-        self.ids: list[int] = []
-        self.counting: _Counting | None = None
-        self.turns = worker.turns
-        self.backlog = worker.backlog
-        self.held_t0 = 0.0  # the engine time this thread had held when the lane began
-        self.engine_s: float | None = None  # ... and from then to its rows ready (the prompt's engine work)
-        self.tools: ToolStream | None = None  # the calls read from the answer (a chat with tools)
-        self.markers: dict[int, str] = {}  # special tokens decoding drops that the tool parser reads
-        # issue #39: the route taken, the pull, the outcome, and the budget split measured from them
-        self.t_lane = job.arrived  # when the lane began (the consumer's queue is before it)
-        self.route: Route | None = None
-        self.route_why = ""  # why the route kept this request local
-        self.live: PipePull | None = None
-        self.out: Any = None  # decode's outcome
-        self.split: dict[str, float] | None = None
-        self.overrun: str | None = None
-        self.held_wins = False  # the turn memory's rows answer it: no producer asked
-
-    def on_rows(self, rows) -> None:
-        self.rows = rows
-        self.engine_s = self.turns.held_s() - self.held_t0
-
-    def on_token(self, token: int) -> None:
-        now = time.perf_counter()
-        if self.first_token is None:
-            self.first_token = now
-            self.backlog.decoding(self.job)
-        else:
-            self.gaps.append(now - (self.last_token or now))
-        self.last_token = now
-        if self.job.cancelled.is_set():
-            raise _Stop("the client went away")
-        self.first.took(token)
-        piece = self.stream.push(token)
-        if self.tools is not None:
-            for kind, payload in self.tools.feed(self.markers.get(int(token), "") + piece):
-                self.job.emit(kind, payload)
-            if self.tools.done:
-                raise _Stop("the tool call asked for is complete, or it failed")
-        elif piece:
-            self.job.emit("text", self.first.piece(piece))
-        if self.stream.stopped:
-            raise _Stop("a stop string")
-        self.turns.pass_turn()  # one step done: every other running request takes one
-
-    def summary(self, ids: list[int], finish: str) -> dict[str, Any]:
-        """What the client, the log and the metrics are told about this request."""
-        rows = self.rows
-        source = rows.source if rows is not None else RowsFrom.LOCAL
-        if source == RowsFrom.STORE_LOCAL:
-            source = RowsFrom.STORE  # some rows held, the rest prefilled here: both are this machine's
-        shipped = rows is not None and (rows.pack is not None or bool(rows.handoff_rows))
-        held = rows.held if rows is not None else 0
-        reason, computed = "", 0
-        if rows is not None and rows.pack is None:
-            reason = rows.reason or self.pull_error or self.why
-            if rows.handoff_rows is not None and rows.reason and self.pull_error:  # a cut stream: why it was cut
-                reason = f"{rows.reason} ({self.pull_error})"
-            if self.refused is not None:
-                reason = f"the pack from {self.producer} was refused: {self.refused}"
-            computed = rows.local_rows if rows.local_rows is not None else len(ids) - 1 - held
-        ttft = (self.first_token - self.job.arrived) * 1000 if self.first_token is not None else None
-        received = self.shipped or (self.counting.bytes if self.counting is not None else 0)
-        return {"source": source, "producer": self.producer if shipped else None,
-                "ttft_ms": round(ttft, 3) if ttft is not None else None, "bytes": received,
-                "prompt_tokens": len(ids), "completion_tokens": sum(len(c.stream.ids) for c in self.choices),
-                "held_rows": held,
-                "computed_rows": computed, "finish_reason": finish, "fallback_reason": reason,
-                **({"pull_hint": self.pull_hint} if self.pull_hint and self.pull_error and reason else {}),
-                "text": self.stream.text, **self._choices()}
-
-    def _choices(self) -> dict[str, Any]:
-        """``choices``: each choice's text, finish and logprob entries, where there are several or
-        logprobs were asked for (else the summary's text and finish are the one choice's)."""
-        if len(self.choices) == 1 and self.job.ask.logprobs is None:
-            return {}
-        return {"choices": [{"index": c.index, "text": c.stream.text, "finish_reason": c.finish_reason,
-                             "logprobs": c.entries if c.record is not None else None} for c in self.choices]}
-
-
-class _Choice:
-    """One choice's sequence: its sampling (seeded ``seed + index``), its text, its logprob entries
-    (``{"id", "token", "logprob", "offset", "top": [{"id", "token", "logprob"}]}``: ``offset``, the
-    token's place in the choice's text as the tokens' own texts add up) and how it ended. The
-    first choice's tokens come through :meth:`_RunState.on_token`; the others' through
-    :meth:`on_token`, on the threads decode runs them on."""
-
-    def __init__(self, job: Job, worker: EngineWorker, index: int) -> None:
-        self.job, self.worker, self.index = job, worker, index
-        self.stream = TextStream(worker.info, job.ask.stop)
-        self.record: list | None = [] if job.ask.logprobs is not None else None  # the engine appends to it
-        self.entries: list[dict[str, Any]] = []
-        self.sent = 0  # entries given out with a piece
-        self.offset = 0
-        self.last: int | None = None
-        self.finish_reason: str | None = None
-        self.constraint = None  # the grammar of a structured answer (service/structured.py)
-
-    def sampling(self) -> Sampling:
-        ask = self.job.ask
-        seed = None if ask.seed is None else (ask.seed + self.index) % (1 << 63)
-        return Sampling(temperature=ask.temperature, top_p=ask.top_p, seed=seed, presence_penalty=ask.presence_penalty,
-                        frequency_penalty=ask.frequency_penalty, logit_bias=ask.logit_bias, logprobs=ask.logprobs,
-                        record=self.record, constraint=self.constraint, **ask.filters(self.job.state.ids))
-
-    @property
-    def unsent(self) -> bool:
-        return self.sent < len(self.entries)
-
-    def took(self, token: int) -> None:
-        """The engine gave ``token`` (its logprobs, if asked, are on the record by now)."""
-        self.last = token
-        if self.record is None or len(self.entries) >= len(self.record):
-            return
-        logprob, top = self.record[len(self.entries)]
-        text = self.worker.token_text(token)
-        self.entries.append({"id": token, "token": text, "logprob": logprob, "offset": self.offset,
-                             "top": [{"id": t, "token": self.worker.token_text(t), "logprob": v} for t, v in top]})
-        self.offset += len(text)
-
-    def piece(self, text: str) -> str:
-        """``text`` as given out: with its index and the logprob entries not given out yet."""
-        if self.record is None and self.index == 0:
-            return text
-        entries, self.sent = self.entries[self.sent:], len(self.entries)
-        return Piece(text, self.index, entries if self.record is not None else None)
-
-    def on_token(self, token: int) -> None:
-        if self.job.cancelled.is_set():
-            raise _Stop("the client went away")
-        self.took(token)
-        piece = self.stream.push(token)
-        if piece:
-            self.job.emit("text", self.piece(piece))
-        if self.stream.stopped:
-            raise _Stop("a stop string")
-        self.worker.turns.pass_turn()
-
-    def end(self, cancelled: bool) -> None:
-        """The sequence ended: its held-back text (and logprobs) given out, its finish reason."""
-        eos = self.last is not None and self.last in self.worker.info.eos_token_ids
-        self.finish_reason = "cancelled" if cancelled else "stop" if self.stream.stopped or eos else "length"
-        tail = self.stream.finish()
-        if (tail or self.unsent) and not cancelled:
-            self.job.emit("text", self.piece(tail))
 
 
 __all__ = ["Config", "Draining", "EngineWorker", "Job", "QueueFull", "ShutDown"]

@@ -179,7 +179,7 @@ def check_cmd(
     tiny test prefill whose KV is spot-checked here. Exit status: the first failed check's
     (75, 77, 65, ...), else 0.
     """
-    from muser_cli.pulllane.node_check import check_producer  # lazy: kept out of `muser --help` (startup)
+    from muser_cli.consumer.node_check import check_producer  # lazy: kept out of `muser --help` (startup)
 
     with guarded(as_json=as_json):
         if probe_seconds < 0:

@@ -168,8 +168,8 @@ MAY_IMPORT = {
     "handoff": {"kvpack", "fsio", "paths", "strict", "errors"},
     "consumer": {"handoff", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule", "about", "paths",
                  "strict", "costcurve", "threads", "errors"},
-    "pulllane": {"consumer", "handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule",
-                 "paths", "strict", "costcurve", "errors"},
+    "pulllane": {"handoff", "produce", "rows", "gate", "engines", "kvpack", "model", "reuse", "schedule",
+                 "paths", "strict", "costcurve", "errors"},  # the producer: nothing of the consumer's (#48)
     "batch": {"consumer", "engines", "model", "reuse", "schedule", "fsio", "paths", "strict", "errors"},
     "service": {"batch", "consumer", "pulllane", "handoff", "engines", "model", "schedule", "units", "costcurve",
                 "errors"},

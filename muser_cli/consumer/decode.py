@@ -3,118 +3,36 @@ and a prompt, prefill locally on the same canonical schedule (the fallback).
 
 It reads as four steps: the pack (or none) -> its binding to this model and prompt ->
 the rows (the pack's, a delta merged with the stored prefix, the store's, or computed
-here) -> the engine's decode. Each step is a function below; the outcome is typed.
+here) -> the engine's decode. Each step is a function below; the checks on a pack's rows
+(set aside, the numeric gate, a cut stream's kept rows) are :mod:`muser_cli.consumer.checks`'s,
+the typed outcome :mod:`muser_cli.consumer.outcome`'s.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Sequence
 
-from muser_cli.about import STARTED_AT, STARTED_UNIX
+from muser_cli.about import STARTED_AT
 from muser_cli.consumer.hedge import header_or_broken, race, ready_or_broken
+from muser_cli.consumer.checks import after_cut, check_pack_rows, keep_verified, set_aside
 from muser_cli.consumer.memory import Held
+from muser_cli.consumer.outcome import DecodeOutcome, Extra
 from muser_cli.consumer.prompt_rows import Rows, bind, rows_for, store_rows
 from muser_cli.engines.base import Engine, Sampling
 from muser_cli.engines.registry import get_consumer
 from muser_cli.engines.sequence import run_together
 from muser_cli.errors import DataError, KVPackError, MissingInput, MuserError, SpotCheckFailed, UsageError
-from muser_cli.gate.audit import SpotGate, spot_check, spot_check_reason
-from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS, sample_check
-from muser_cli.gate.state import has_state
-from muser_cli.kvpack import KVPack, PackHeader
+from muser_cli.gate.audit import SpotGate
+from muser_cli.gate.sampled import DEFAULT_SAMPLE_POSITIONS
+from muser_cli.kvpack import PackHeader
 from muser_cli.kvpack.stream import Cut, StreamedPack
 from muser_cli.model.info import ModelInfo, ProgressFn
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import decode_text, encode_prompt, tokenizer_for
 from muser_cli.consumer.source import RowsFrom
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_prompt
-
-
-@dataclass(eq=False)
-class Extra:
-    """One more sequence decoded from the same rows (``decode(more=...)``: a request's choices
-    after the first): its own sampling and token callback; decode fills ``result`` or ``error``."""
-
-    sampling: Sampling
-    on_token: Callable[[int], None] | None = None
-    result: Any = None  # the engine's DecodeResult
-    error: BaseException | None = None
-
-
-@dataclass
-class DecodeOutcome:
-    text: str
-    token_ids: list[int]
-    fallback: bool
-    load_s: float
-    prefill_s: float
-    ttft_s: float
-    decode_s: float
-    prompt_tokens: int
-    engine: str
-    dtype: str
-    reason: str = ""
-    source: RowsFrom = RowsFrom.HANDOFF
-    pack_read_s: float = 0.0
-    held_tokens: int = 0
-    entry: str | None = None
-    computed_tokens: int | None = None
-    store_problems: list[str] = field(default_factory=list)
-    stored: str | None = None
-    store_asked: bool = False
-    engine_stats: dict = field(default_factory=dict)
-    handoff_rows: int | None = None  # a cut stream: verified rows kept
-    local_rows: int | None = None  # a cut stream: rows prefilled here
-    first_byte_s: float | None = None  # since muser started: the first input byte
-    last_frame_s: float | None = None  # since muser started: the last data frame verified
-    tail_s: float | None = None  # the last frame's arrival -> the first token
-    spot_check: dict | None = None  # the numeric gate on a foreign pack (None: no pack)
-    first_token_s: float | None = None  # since muser started: the first new token
-    set_aside: str = ""  # why a pack that did not match was set aside for a local prefill ("": none was)
-
-    @property
-    def decode_tok_s(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-    @property
-    def reuse(self) -> dict:
-        """How the store helped: held rows, the entry, rows computed after it ({} if not at all)."""
-        if self.source == RowsFrom.DELTA:
-            return {"held_tokens": self.held_tokens, "entry": self.entry}
-        if self.source in (RowsFrom.STORE, RowsFrom.STORE_LOCAL):
-            return {"held_tokens": self.held_tokens, "entry": self.entry, "computed_tokens": self.computed_tokens}
-        if self.source == RowsFrom.HELD:
-            return {"held_tokens": self.held_tokens, "computed_tokens": self.computed_tokens}
-        return {}
-
-    def to_json(self) -> dict:
-        out = {
-            "text": self.text, "token_ids": self.token_ids, "fallback": self.fallback,
-            "reason": self.reason, "load_s": round(self.load_s, 6), "prefill_s": round(self.prefill_s, 6),
-            "ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
-            "decode_tok_s": round(self.decode_tok_s, 3), "prompt_tokens": self.prompt_tokens,
-            "new_tokens": len(self.token_ids), "engine": self.engine, "dtype": self.dtype,
-            "pack_read_s": round(self.pack_read_s, 6), "source": str(self.source), "engine_stats": self.engine_stats,
-            "fallback_reason": self.reason if self.fallback else None,
-        }
-        if self.reuse:
-            out["reuse"] = self.reuse
-        if self.store_problems:
-            out["store_problems"] = self.store_problems
-        if self.store_asked:
-            out["stored"] = self.stored
-        if self.handoff_rows is not None:
-            out["handoff_rows"], out["local_rows"] = self.handoff_rows, self.local_rows
-        out["started_unix"] = round(STARTED_UNIX, 6)
-        if self.spot_check is not None:
-            out["spot_check"] = self.spot_check
-        for key in ("first_byte_s", "last_frame_s", "tail_s", "first_token_s"):
-            value = getattr(self, key)
-            out[key] = round(value, 6) if value is not None else None
-        return out
 
 
 def decode(
@@ -305,13 +223,13 @@ def _set_up(run: _Run, *, model: str | None, prompt: str | None, chat: bool, dty
         elif run.stream is not None:
             header = run.stream.header()
     except KVPackError as exc:
-        run.aside = _set_aside(exc, run.may_set_aside)
+        run.aside = set_aside(exc, run.may_set_aside)
     if header is None and prompt_ids is None:
         raise MissingInput("no kvpack on input", hint="give a kvpack, or --prompt FILE to prefill locally")
     try:
         ids, dtype = bind(header, info, prompt_ids, dtype=dtype, engine=run.engine)
     except DataError as exc:  # another prompt, model or tokenizer; a base that disagrees with its delta
-        header, run.aside = None, _set_aside(exc, run.may_set_aside)
+        header, run.aside = None, set_aside(exc, run.may_set_aside)
         ids, dtype = bind(None, info, prompt_ids, dtype=dtype, engine=run.engine)
     check_prompt(info, ids, new_tokens=run.max_new_tokens)
     if eng is None:
@@ -353,7 +271,7 @@ def _held(run: _Run) -> Rows:
 def _rows_ready(run: _Run) -> None:
     """The rows decode installs, through the gate: the pack's (whole, a delta merged with its
     base, or a cut stream's kept chunks and the rest made here), the store's, or made here; a
-    pack that fails a check set aside for local rows (or refused: :func:`_set_aside`)."""
+    pack that fails a check set aside for local rows (or refused: :func:`muser_cli.consumer.checks.set_aside`)."""
     eng, stream, got, pack = run.eng, run.stream, None, None
     if run.header is not None or run.racing:
         assert stream is not None
@@ -364,9 +282,9 @@ def _rows_ready(run: _Run) -> None:
         try:
             arrived = stream.result() if got is None else None
         except KVPackError as exc:  # a damaged frame: nothing of it is used
-            arrived, run.aside = None, _set_aside(exc, run.may_set_aside)
+            arrived, run.aside = None, set_aside(exc, run.may_set_aside)
         if isinstance(arrived, Cut):
-            got = _after_cut(stream, arrived, eng, run.ids, can_fall_back=run.has_prompt, progress=run.progress,
+            got = after_cut(stream, arrived, eng, run.ids, can_fall_back=run.has_prompt, progress=run.progress,
                              dtype=run.dtype, audit=run.audit, strict=run.strict, seed=run.audit_seed)
         elif arrived is not None:
             pack = arrived
@@ -381,11 +299,11 @@ def _rows_ready(run: _Run) -> None:
                        spare_rows=run.max_new_tokens + 1)
     on_rows = run.on_rows
     try:
-        spot, gate, sampled = _spot_check(got, eng, engine=run.engine, dtype=run.dtype, audit=run.audit,
+        spot, gate, sampled = check_pack_rows(got, eng, engine=run.engine, dtype=run.dtype, audit=run.audit,
                                           seed=run.audit_seed, fuse=not run.more,
                                           on_pass=(lambda: on_rows(got)) if on_rows is not None else None)
     except SpotCheckFailed as exc:
-        run.aside = _set_aside(exc, run.may_set_aside)
+        run.aside = set_aside(exc, run.may_set_aside)
         got, spot, gate, sampled = _local(run, run.aside), None, None, None
     run.got, run.gate, run.sampled = got, gate, sampled
     run.spot = spot if spot is not None else got.spot
@@ -413,7 +331,7 @@ def _generate(run: _Run, *, sampling: Sampling, on_token: Callable[[int], None] 
     except SpotCheckFailed as exc:  # the fused check refused the rows before any token was picked
         if gate is None:
             raise
-        run.aside = _set_aside(exc, run.may_set_aside)
+        run.aside = set_aside(exc, run.may_set_aside)
         got = run.got = _local(run, run.aside)
         run.spot, run.gate, run.sampled, gate = None, None, None, None
         if run.on_rows is not None:
@@ -479,100 +397,8 @@ def _outcome(run: _Run, result: Any, *, stored: str | None, store_asked: bool, f
     )
 
 
-def _set_aside(exc: DataError, allowed: bool) -> str:
-    """Why a pack that does not match is set aside for local rows; raise ``exc`` where that is
-    not allowed (no prompt to prefill, or ``strict``)."""
-    if not allowed:
-        raise exc
-    return f"pack set aside: {exc}"
-
-
-def _spot_check(got: Rows, eng: Engine, *, engine: str, dtype: str, audit: int | None, seed: int | None = None,
-                on_pass: Callable[[], None] | None = None, fuse: bool = True) -> tuple[dict | None, SpotGate | None, dict | None]:
-    """The numeric gate before the first token of a pack this consumer would not have made
-    itself: SpotCheckFailed (65) names the worst layer and the likely cause. Where it can,
-    the gate is fused into the first decode step (returned, to be given to the engine;
-    ``on_pass`` runs once it passed); else it runs here, as a step of its own. Before either,
-    positions sampled across the whole prompt are recomputed in every layer (the third
-    value: :meth:`muser_cli.gate.sampled.SampleCheck.to_json`)."""
-    if got.pack is None:
-        return None, None, None
-    header = got.pack.header
-    reason = spot_check_reason(header, engine=engine, dtype=dtype)
-    if audit == 0:
-        return {"ran": False, "skipped": True, "reason": reason or ""}, None, None
-    if reason is None and audit is None:
-        return {"ran": False, "reason": "made by this engine, in this dtype, lossless"}, None, None
-    pack = got.pack if header.rows_start == 0 else KVPack(
-        header=replace(header, rows_start=0, base=None), layers=got.layers, root_digest=got.pack.root_digest,
-        total_bytes=got.pack.total_bytes, stored_bytes=got.pack.stored_bytes)
-    positions, why = audit or 1, reason or "asked for (--audit)"
-    # A delta's base was made here or passed the gate already (_gate_base): its own rows are sampled.
-    sampled = sample_check(pack.header, list(pack.layers), eng, seed=seed, lo=header.rows_start,
-                           reason=why).to_json()
-    if has_state(header):  # its last chunk was recomputed from the pack's own state checkpoint, above
-        return {"ran": True, "ok": True, "reason": why, "method": sampled["method"],
-                "layers_checked": len(sampled["layers"]), "layers_unchecked": sampled["layers_unchecked"],
-                "worst_rel": sampled["worst_rel"]}, None, sampled
-    # Fused, the first token comes from a step of several tokens and the consumer's own
-    # recomputation of the checked rows: equal within the tolerance, not in every bit (in
-    # bfloat16 later tokens can differ). A pack this consumer would have made itself keeps
-    # its bit-exact decode, so a check asked for on one (--audit N) runs as a step of its own.
-    if fuse and reason is not None and SpotGate.fusable(pack, positions):
-        return None, SpotGate(pack, engine, positions=positions, reason=why, on_pass=on_pass), sampled
-    return spot_check(pack, eng, positions=positions, reason=why).to_json(), None, sampled
-
-
 def _since_start(t: float | None) -> float | None:
     return None if t is None else round(t - STARTED_AT, 6)
-
-
-def _after_cut(stream: StreamedPack, cut: Cut, eng: Engine, ids: list[int], *, can_fall_back: bool,
-               progress: ProgressFn | None, dtype: str, audit: int | None = None, strict: bool = False,
-               seed: int | None = None) -> Rows:
-    """A stream that ended before its end frame: keep the whole chunks that verified and
-    prefill only the rest here, on the pack's schedule (same tokens as a full fallback).
-    Kept rows of a foreign pack pass the sampled gate first; refused, they are set aside
-    (``strict``: SpotCheckFailed)."""
-    if not can_fall_back:
-        raise KVPackError(cut.reason, hint="give --prompt FILE to prefill what is missing locally")
-    header = stream.header()
-    assert header is not None
-    rows = len(ids) - 1
-    schedule = header.chunk_tokens
-    kept, prefix = stream.prefix(schedule) if eng.resumes_prefill else (0, [])
-    why = f"cut stream: {cut.reason}"
-    kept, prefix, spot, aside = _keep_verified(header, kept, prefix, eng, dtype=dtype, audit=audit, strict=strict,
-                                               seed=seed)
-    if aside:
-        why = f"{why}; kept rows set aside: {aside}"
-    t0 = time.perf_counter()
-    if kept:
-        layers = eng.prefill_from(prefix, rows=kept, token_ids=ids[kept:-1], chunk_tokens=schedule, progress=progress)
-    else:
-        layers = eng.prefill(ids[:-1], chunk_tokens=schedule, progress=progress)
-    return Rows(layers, RowsFrom.PARTIAL_LOCAL if kept else RowsFrom.LOCAL, schedule, None, reason=why,
-                handoff_rows=kept, local_rows=rows - kept, cut_prefill_s=time.perf_counter() - t0, spot=spot)
-
-
-def _keep_verified(header: PackHeader, kept: int, prefix: list, eng: Engine, *, dtype: str, audit: int | None,
-                   strict: bool, seed: int | None) -> tuple[int, list, dict | None, str]:
-    """A stream's verified rows ``[0, kept)`` through the sampled gate before anything is built
-    on them (a foreign pack's, or asked for): ``(kept, prefix, spot, "")``, or refused
-    ``(0, [], None, why)`` (``strict``: SpotCheckFailed raised)."""
-    reason = spot_check_reason(header, engine=eng.name, dtype=dtype)
-    if kept and audit == 0:
-        return kept, prefix, {"ran": False, "skipped": True, "reason": reason or ""}, ""
-    if kept and (reason is not None or audit):
-        try:
-            checked = sample_check(header, prefix, eng, rows=kept, seed=seed)
-        except SpotCheckFailed as exc:
-            if strict:
-                raise
-            return 0, [], None, str(exc)
-        return kept, prefix, {"ran": True, "ok": True, "reason": reason or "asked for (--audit)",
-                              "sampled": checked.to_json()}, ""
-    return kept, prefix, None, ""
 
 
 def _race(run: _Run) -> Rows | None:
@@ -597,7 +423,7 @@ def _race(run: _Run) -> Rows | None:
         return bound[0] is not None and not refused
 
     def keep(kept: int, prefix: list) -> tuple[int, list, Any]:
-        kept, prefix, spot, aside = _keep_verified(bound[0], kept, prefix, eng, dtype=run.dtype, audit=run.audit,
+        kept, prefix, spot, aside = keep_verified(bound[0], kept, prefix, eng, dtype=run.dtype, audit=run.audit,
                                                    strict=run.strict, seed=run.audit_seed)
         if aside:
             refused.append(f"verified rows set aside: {aside}")

@@ -34,7 +34,7 @@ from muser_cli.consumer.decode import decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.pool import ProducerPool
 from muser_cli.consumer.costs import COLD_FIRST_STEP_S, CostModel, costs_for
-from muser_cli.consumer.pull import PipePull, PullAsk, learn_from, pull_prompt, with_have
+from muser_cli.consumer.pull import PipePull, PullAsk, learn_from, pull_prompt, settle_ask, with_have
 from muser_cli.consumer.route import Route, route
 from muser_cli.consumer.source import RowsFrom
 from muser_cli.consumer.turns import TurnEngine, Turns
@@ -87,6 +87,7 @@ class _Fetch:
         self.accepted: dict[str, Any] | None = None
         self.errors: list[str] = []
         self.routed = ""  # why the route kept the job here (no producer asked)
+        self.marks: dict[str, float] = {}  # the pull that brought it: start, its events, end
         self.thread: threading.Thread | None = None
 
     def wait(self) -> None:
@@ -386,15 +387,15 @@ class Batch:
             return
         if live is not None:
             marks, accepted, producer = live.marks, live.accepted, live.producer
-        elif fetch is not None and fetch.path is not None:  # pulled ahead into a file: its wire is not this job's
-            marks, accepted, producer = {}, fetch.accepted, fetch.producer
+        elif fetch is not None and fetch.path is not None:  # pulled ahead into a file
+            marks, accepted, producer = fetch.marks, fetch.accepted, fetch.producer
         else:
             marks, accepted, producer = {}, None, None
         try:
             learn_from(costs, out, marks=marks, accepted=accepted, producer=producer,
                        prefill_s=min(out.prefill_s, engine_s) if engine_s is not None else None)
             costs.save()
-        except OSError:  # the cost file not written: the next run predicts from less, nothing is wrong
+        except Exception:  # noqa: BLE001 - bookkeeping: it never fails a job whose answer is made
             pass
 
     def _pass_turn(self, *progress: Any) -> None:
@@ -421,11 +422,12 @@ class Batch:
                 ask = replace(ask, have_tokens=held, have_chain=chain_at(scope, p.ids, held))
         return ask
 
-    def _route(self, p: Planned, ask: PullAsk, addr: str, *, lead_s: float = 0.0) -> Route:
-        """Whether to ask ``addr`` for ``p`` (:func:`muser_cli.consumer.route.route`)."""
+    def _route(self, p: Planned, ask: PullAsk, addr: str, *, lead_s: float = 0.0, key: Any = None) -> Route:
+        """Whether to ask ``addr`` for ``p`` (:func:`muser_cli.consumer.route.route`; ``key``: an
+        ask is put on that producer's queue under it, for the routes decided after it)."""
         assert self.costs is not None
         return route(self.costs, tokens=len(p.ids), held=ask.have_tokens, producer=addr, chunk=self.chunk,
-                     lead_s=lead_s)
+                     lead_s=lead_s, key=key)
 
     def _live(self, p: Planned) -> tuple[PipePull | None, str]:
         """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched),
@@ -434,11 +436,15 @@ class Batch:
         addr = self.pool.pick()
         if addr is None:
             return None, ""
-        ask = self._ask(p)
-        plan = self._route(p, ask, addr)
+        try:  # what the store holds, and the route: a store that cannot say is no reason to fail the job
+            ask = self._ask(p)
+            plan = self._route(p, ask, addr)
+        except (MuserError, OSError, RuntimeError) as exc:
+            self.pool.release(addr)
+            return None, f"no handoff: {exc}"
         if not plan.ask:
             self.pool.release(addr)
-            return None, plan.why
+            return None, f"no handoff: {plan.why}"
         if plan.budget_ms is not None:
             ask = replace(ask, budget_ms=plan.budget_ms)
         return PipePull(addr, lambda: ask, timeout=self.config.timeout, costs=self.costs, plan=plan), ""
@@ -458,28 +464,55 @@ class Batch:
         target = self._spool / f"job-{p.job.line}.kvpack"
         ask = self._ask(p, after=after, schedule=schedule)
         costs = self.costs
-        # the job before decodes meanwhile: the local path would wait for it (its steps, as measured)
-        lead_s = after.job.max_tokens * ((costs.step_s or costs.first_step_s or COLD_FIRST_STEP_S)
-                                         if costs is not None else 0.0) if after is not None else 0.0
+        assert costs is not None  # a pool: load_info made it
+        # the job before decodes meanwhile: the local path would wait for it (its steps, as measured at
+        # the whole core's speed, slowed by the share of it the engine gets now)
+        step = costs.step_s or costs.first_step_s or COLD_FIRST_STEP_S
+        lead_s = after.job.max_tokens * step / costs.share.now() if after is not None else 0.0
+        rows = (ask.have_tokens, len(ask.token_ids) - 1)
 
         def work() -> None:
             tried: list[str] = []
             while (addr := self.pool.pick(exclude=tried)) is not None:
                 tried.append(addr)
-                plan = self._route(p, ask, addr, lead_s=lead_s)
+                key = (p.job.line, addr)  # the ask on that producer's queue, as this consumer sees it
+                try:
+                    plan = self._route(p, ask, addr, lead_s=lead_s, key=key)
+                except Exception as exc:  # noqa: BLE001 - no route, no pull: the job computes itself
+                    self.pool.release(addr)
+                    fetch.errors.append(f"no route to {addr}: {exc}")
+                    continue
                 if not plan.ask:
                     self.pool.release(addr)
                     fetch.routed = plan.why
                     continue
                 asked = replace(ask, budget_ms=plan.budget_ms) if plan.budget_ms is not None else ask
+                marks: dict[str, float] = {"start": time.perf_counter()}
+                promise: dict[str, Any] = {}
+
+                def heard(kind: str, fields: dict[str, Any], addr: str = addr, marks: dict = marks,
+                          promise: dict = promise) -> None:
+                    marks.setdefault(kind, time.perf_counter())
+                    if kind == "promise":
+                        promise.update({k: v for k, v in fields.items() if k != "producer"})
+                        costs.heard(addr, fields)
+
+                error: BaseException | None = None
                 try:
-                    fetch.accepted = pull_prompt(addr, asked, output=target, timeout=self.config.timeout)
+                    fetch.accepted = pull_prompt(addr, asked, output=target, timeout=self.config.timeout,
+                                                 on_event=heard)
                 except BaseException as exc:  # noqa: BLE001 - the next producer, or local prefill
-                    self.pool.done(addr, exc)
-                    fetch.errors.append(f"pull from {addr} failed: {exc}")
+                    error = exc
+                finally:
+                    marks["end"] = time.perf_counter()
+                    settle_ask(costs, addr, key if plan.asked_key is not None else None, error=error,
+                               promise=promise or None, rows=rows, marks=marks)
+                if error is not None:
+                    self.pool.done(addr, error)
+                    fetch.errors.append(f"pull from {addr} failed: {error}")
                     continue
                 self.pool.done(addr)
-                fetch.path, fetch.producer = target, addr
+                fetch.path, fetch.producer, fetch.marks = target, addr, marks
                 return
 
         fetch.thread = threading.Thread(target=work, name="muser-batch-prefetch", daemon=True)

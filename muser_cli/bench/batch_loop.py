@@ -129,10 +129,10 @@ class Lab:
         os.environ["MUSER_HOME"] = str(home)
         return paths.keys_dir()
 
-    def run(self, cmd: list[str], **kw) -> tuple[float, subprocess.CompletedProcess]:
+    def run(self, cmd: list[str], env: dict[str, str] | None = None, **kw) -> tuple[float, subprocess.CompletedProcess]:
         t0 = time.perf_counter()
-        r = subprocess.run(pinned(self.consumer_core, cmd), env=env_for(self.ch, self.models), capture_output=True,
-                           **kw)
+        r = subprocess.run(pinned(self.consumer_core, cmd), env={**env_for(self.ch, self.models), **(env or {})},
+                           capture_output=True, **kw)
         dt = time.perf_counter() - t0
         if r.returncode != 0:
             raise MuserError(f"{' '.join(cmd[:6])}... exited {r.returncode}: {r.stderr.decode()[-2000:]}")
@@ -146,8 +146,9 @@ class Lab:
         for rep in range(reps):
             self.fresh_store()
             res = self.root / f"{name}-{rep}.jsonl"
+            # with a producer: every job asked (the lane's speed measured, not the route's choice)
             dt, r = self.run(muser("batch", str(self.root / "jobs.jsonl"), *self.common, "-o", str(res), "--json",
-                                   *extra))
+                                   *extra), env={"MUSER_ROUTE": "producer"} if "--producer" in extra else None)
             lines = [json.loads(x) for x in res.read_bytes().splitlines()]
             self.tokens[name] = {x["id"]: x["token_ids"] for x in lines}
             walls.append(dt)

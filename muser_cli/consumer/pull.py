@@ -195,26 +195,9 @@ class PipePull:
     def _answered(self) -> None:
         """The pull ended: its work is off the producer's queue as this consumer sees it, and what
         the producer's compute measured against its own estimate is kept (issue #47)."""
-        costs = self.costs
-        if costs is None:
-            return
-        outcome = ("served" if self.error is None else "late" if isinstance(self.error, NotInTime)
-                   else "busy" if isinstance(self.error, ProducerBusy) else "failed")
-        start, rows = self._rows or (0, 0)
-        promised = None
-        if self.promise is not None and isinstance(self.promise.get("compute_ms"), (int, float)):
-            promised = self.promise["compute_ms"] / 1000
-        elif rows > start:
-            view = costs.producers.get(self.producer)
-            promised = view.rates.seconds(start, rows) if view is not None and view.known else None
-        measured = None
-        if outcome == "served" and "serving" in self.marks and ("last_byte" in self.marks or "end" in self.marks):
-            measured = self.marks.get("last_byte", self.marks["end"]) - self.marks["serving"]
-        try:
-            costs.answered(self.producer, self._ask_key, promised_s=promised, measured_s=measured, rows=rows,
-                           outcome=outcome)
-        except Exception:  # noqa: BLE001 - bookkeeping never fails a pull
-            pass
+        if self.costs is not None:
+            settle_ask(self.costs, self.producer, self._ask_key, error=self.error, promise=self.promise,
+                       rows=self._rows, marks=self.marks)
 
     def _on_socket(self, sock: socket.socket) -> None:
         with self._lock:
@@ -282,6 +265,29 @@ class PipePull:
     def hint(self) -> str:
         """The failed pull's hint ("" if none): what the operator may do about it."""
         return (getattr(self.error, "hint", None) or "") if isinstance(self.error, MuserError) else ""
+
+
+def settle_ask(costs: CostModel, producer: str, key: Any, *, error: BaseException | None,
+               promise: dict[str, Any] | None, rows: tuple[int, int] | None, marks: dict[str, float]) -> None:
+    """A pull asked under ``key`` ended (``error`` None: served): its work is off ``producer``'s
+    queue as this consumer sees it, and what the producer's compute measured against its own
+    estimate is kept (issue #47). Bookkeeping: it never raises."""
+    outcome = ("served" if error is None else "late" if isinstance(error, NotInTime)
+               else "busy" if isinstance(error, ProducerBusy) else "failed")
+    start, end = rows or (0, 0)
+    try:
+        promised = None
+        if promise is not None and isinstance(promise.get("compute_ms"), (int, float)):
+            promised = promise["compute_ms"] / 1000
+        elif end > start:
+            view = costs.producers.get(producer)
+            promised = view.rates.seconds(start, end) if view is not None and view.known else None
+        measured = None
+        if outcome == "served" and "serving" in marks and ("last_byte" in marks or "end" in marks):
+            measured = marks.get("last_byte", marks["end"]) - marks["serving"]
+        costs.answered(producer, key, promised_s=promised, measured_s=measured, rows=end, outcome=outcome)
+    except Exception:  # noqa: BLE001 - bookkeeping never fails a pull
+        pass
 
 
 def _shut(sock: socket.socket) -> None:
@@ -365,4 +371,5 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
     return PipePull(producer, make_ask, timeout=timeout, planner=planned, race=race)
 
 
-__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "pull_prompt", "start_pull_pipe", "with_have"]
+__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "pull_prompt", "settle_ask", "start_pull_pipe",
+           "with_have"]

@@ -21,21 +21,21 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
 from muser_cli.batch.jobs import BadJob, Job
 from muser_cli.batch.plan import Planned, mark_sharing, shared_prefixes
+from muser_cli.batch.pulls import Fetch, Pulls
 from muser_cli.batch.results import Results
 from muser_cli.batch.spool import make_spool, sweep_spools
 from muser_cli.batch.tally import ResultFn, Summary, Tally, failure
 from muser_cli.consumer.decode import decode
 from muser_cli.consumer.lane import Source, answer
 from muser_cli.consumer.pool import ProducerPool
-from muser_cli.consumer.costs import COLD_FIRST_STEP_S, CostModel, costs_for
-from muser_cli.consumer.pull import PipePull, PullAsk, learn_from, pull_prompt, settle_ask, with_have
-from muser_cli.consumer.route import Route, route
+from muser_cli.consumer.costs import CostModel, costs_for
+from muser_cli.consumer.pull import PipePull, learn_from
 from muser_cli.consumer.source import RowsFrom
 from muser_cli.consumer.turns import TurnEngine, Turns
 from muser_cli.engines.base import Sampling
@@ -43,7 +43,6 @@ from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import MuserError, UsageError
 from muser_cli.model.resolve import resolve_model
 from muser_cli.model.tokens import encode_prompt, tokenizer_for
-from muser_cli.reuse.chain import Scope, chain_at
 from muser_cli.schedule import DEFAULT_CHUNK_TOKENS, check_chunk, check_prompt, default_dtype
 
 @dataclass(frozen=True)
@@ -78,28 +77,7 @@ def waves(order: Sequence[Planned]) -> list[list[Planned]]:
     return out
 
 
-class _Fetch:
-    """A pull on a thread into a file: the next job's KV, while this one decodes."""
-
-    def __init__(self) -> None:
-        self.path: Path | None = None
-        self.producer: str | None = None
-        self.accepted: dict[str, Any] | None = None
-        self.errors: list[str] = []
-        self.routed = ""  # why the route kept the job here (no producer asked)
-        self.marks: dict[str, float] = {}  # the pull that brought it: start, its events, end
-        self.thread: threading.Thread | None = None
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self.errors) or self.routed or "no producer up"
-
-
-class Batch:
+class Batch(Pulls):
     """Load once (:meth:`load`), then :meth:`run` a list of jobs into a :class:`Results`."""
 
     def __init__(self, config: BatchConfig, *, on_result: ResultFn | None = None,
@@ -115,7 +93,7 @@ class Batch:
         self.engine = None
         self.dtype = ""
         self._spool: Path | None = None
-        self._fetches: dict[int, _Fetch] = {}  # by job line: pulls started ahead
+        self._fetches: dict[int, Fetch] = {}  # by job line: pulls started ahead
         self.turns: Turns | None = None  # with max_batch > 1: the engine's turns
         self.costs: CostModel | None = None  # the route's cost model (this machine, model, engine, dtype, threads)
         if config.max_batch < 1:
@@ -311,7 +289,7 @@ class Batch:
             self.engine.inner.close()  # the stepper's thread ends with nothing queued on its stream
             self.engine, self.turns = None, None
 
-    def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "_Fetch"]) -> dict[str, Any]:
+    def _one(self, p: Planned, nxt: Planned | None, fetches: dict[int, "Fetch"]) -> dict[str, Any]:
         c, job = self.config, p.job
         src: BinaryIO | None = None
         producer: str | None = None
@@ -377,7 +355,7 @@ class Batch:
                        "error": None, "producer": producer, "shipped_bytes": shipped, "chunk": self.chunk})
         return result
 
-    def _learn(self, out: Any, live: PipePull | None, fetch: "_Fetch | None", *, engine_s: float | None) -> None:
+    def _learn(self, out: Any, live: PipePull | None, fetch: "Fetch | None", *, engine_s: float | None) -> None:
         """What the job measured, into the route's cost model (kept for the next run, and for a
         service on this machine). ``engine_s``: jobs at once share the engine's turns, so a local
         prefill is learned from the turns its own thread held up to its rows (the others' steps
@@ -402,120 +380,3 @@ class Batch:
         """A prefill chunk done: the other running jobs take a step each (or a batched step)."""
         assert self.turns is not None
         self.turns.pass_turn()
-
-    # ------------------------------------------------------------------ pulls
-    def _ask(self, p: Planned, *, after: Planned | None = None, schedule: int | None = None):
-        """What to ask a producer for ``p``: its ids on the batch's schedule, with what the store
-        holds — or will hold once ``after`` (the job decoding now) is stored."""
-
-        assert self.info is not None
-        ask = PullAsk(list(p.ids), self.info.tokenizer_fingerprint, self.info.fingerprint, self.chunk, self.dtype,
-                      engine=self.config.engine)
-        if not self.config.reuse:
-            return ask
-        ask = with_have(ask)
-        if after is not None and after.store and schedule == self.chunk:
-            held = min(after.shares_next, len(p.ids) - 2)
-            held = held // self.chunk * self.chunk
-            if held > ask.have_tokens:
-                scope = Scope(self.info.fingerprint, self.info.tokenizer_fingerprint, self.dtype, self.chunk)
-                ask = replace(ask, have_tokens=held, have_chain=chain_at(scope, p.ids, held))
-        return ask
-
-    def _route(self, p: Planned, ask: PullAsk, addr: str, *, lead_s: float = 0.0, key: Any = None) -> Route:
-        """Whether to ask ``addr`` for ``p`` (:func:`muser_cli.consumer.route.route`; ``key``: an
-        ask is put on that producer's queue under it, for the routes decided after it)."""
-        assert self.costs is not None
-        return route(self.costs, tokens=len(p.ids), held=ask.have_tokens, producer=addr, chunk=self.chunk,
-                     lead_s=lead_s, key=key)
-
-    def _live(self, p: Planned) -> tuple[PipePull | None, str]:
-        """A pull of ``p`` streamed into decode as it arrives (the first job, or one not prefetched),
-        or None and why not: no producer up, or the route predicts this machine answers sooner."""
-
-        addr = self.pool.pick()
-        if addr is None:
-            return None, ""
-        try:  # what the store holds, and the route: a store that cannot say is no reason to fail the job
-            ask = self._ask(p)
-            plan = self._route(p, ask, addr)
-        except (MuserError, OSError, RuntimeError) as exc:
-            self.pool.release(addr)
-            return None, f"no handoff: {exc}"
-        if not plan.ask:
-            self.pool.release(addr)
-            return None, f"no handoff: {plan.why}"
-        if plan.budget_ms is not None:
-            ask = replace(ask, budget_ms=plan.budget_ms)
-        return PipePull(addr, lambda: ask, timeout=self.config.timeout, costs=self.costs, plan=plan), ""
-
-    def _start_prefetch(self, p: Planned, *, after: Planned, schedule: int | None, fetches: dict[int, _Fetch]) -> None:
-        """Start ``p``'s pull while ``after`` decodes. One that cannot start (the store unreadable,
-        no thread left) is not ``after``'s failure: ``p`` then pulls (or computes) itself, as a job
-        without a prefetch does. Anything else is a bug, and fails ``after``'s line saying so."""
-        try:
-            fetches[p.job.line] = self._prefetch(p, after=after, schedule=schedule)
-        except (MuserError, OSError, RuntimeError):  # no prefetch: p pulls (or computes) itself, as without one
-            pass
-
-    def _prefetch(self, p: Planned, *, after: Planned | None, schedule: int | None) -> _Fetch:
-        fetch = _Fetch()
-        assert self._spool is not None
-        target = self._spool / f"job-{p.job.line}.kvpack"
-        ask = self._ask(p, after=after, schedule=schedule)
-        costs = self.costs
-        assert costs is not None  # a pool: load_info made it
-        # the job before decodes meanwhile: the local path would wait for it (its steps, as measured at
-        # the whole core's speed, slowed by the share of it the engine gets now)
-        step = costs.step_s or costs.first_step_s or COLD_FIRST_STEP_S
-        lead_s = after.job.max_tokens * step / costs.share.now() if after is not None else 0.0
-        rows = (ask.have_tokens, len(ask.token_ids) - 1)
-
-        def work() -> None:
-            tried: list[str] = []
-            while (addr := self.pool.pick(exclude=tried)) is not None:
-                tried.append(addr)
-                key = (p.job.line, addr)  # the ask on that producer's queue, as this consumer sees it
-                try:
-                    plan = self._route(p, ask, addr, lead_s=lead_s, key=key)
-                except Exception as exc:  # noqa: BLE001 - no route, no pull: the job computes itself
-                    self.pool.release(addr)
-                    fetch.errors.append(f"no route to {addr}: {exc}")
-                    continue
-                if not plan.ask:
-                    self.pool.release(addr)
-                    fetch.routed = plan.why
-                    continue
-                asked = replace(ask, budget_ms=plan.budget_ms) if plan.budget_ms is not None else ask
-                marks: dict[str, float] = {"start": time.perf_counter()}
-                promise: dict[str, Any] = {}
-
-                def heard(kind: str, fields: dict[str, Any], addr: str = addr, marks: dict = marks,
-                          promise: dict = promise) -> None:
-                    marks.setdefault(kind, time.perf_counter())
-                    if kind == "promise":
-                        promise.update({k: v for k, v in fields.items() if k != "producer"})
-                        costs.heard(addr, fields)
-
-                error: BaseException | None = None
-                try:
-                    fetch.accepted = pull_prompt(addr, asked, output=target, timeout=self.config.timeout,
-                                                 on_event=heard)
-                except BaseException as exc:  # noqa: BLE001 - the next producer, or local prefill
-                    error = exc
-                finally:
-                    marks["end"] = time.perf_counter()
-                    settle_ask(costs, addr, key if plan.asked_key is not None else None, error=error,
-                               promise=promise or None, rows=rows, marks=marks)
-                if error is not None:
-                    self.pool.done(addr, error)
-                    fetch.errors.append(f"pull from {addr} failed: {error}")
-                    continue
-                self.pool.done(addr)
-                fetch.path, fetch.producer, fetch.marks = target, addr, marks
-                return
-
-        fetch.thread = threading.Thread(target=work, name="muser-batch-prefetch", daemon=True)
-        fetch.thread.start()
-        return fetch
-

@@ -38,6 +38,7 @@ from muser_cli.consumer.costs import CostModel, costs_for
 from muser_cli.consumer.pull import PipePull, learn_from
 from muser_cli.consumer.source import RowsFrom
 from muser_cli.consumer.turns import TurnEngine, Turns
+from muser_cli.consumer.warm import calibrate, warm_up
 from muser_cli.engines.base import Sampling
 from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import MuserError, UsageError
@@ -96,6 +97,7 @@ class Batch(Pulls):
         self._fetches: dict[int, Fetch] = {}  # by job line: pulls started ahead
         self.turns: Turns | None = None  # with max_batch > 1: the engine's turns
         self.costs: CostModel | None = None  # the route's cost model (this machine, model, engine, dtype, threads)
+        self.calibration: dict[str, Any] | None = None  # what load() measured of the local prefill
         if config.max_batch < 1:
             raise UsageError("--max-batch must be at least 1")
 
@@ -112,7 +114,10 @@ class Batch(Pulls):
             self.costs = costs_for(self.info.fingerprint, c.engine, self.dtype, c.threads)
 
     def load(self) -> float:
-        """The model and engine, once for the batch; returns the seconds it took."""
+        """The model and engine, once for the batch; with producers, warmed up with a throwaway
+        request and this machine's local prefill calibrated (once: kept in the cost file), as
+        ``decode --serve`` does, so the route is right from the first job and what each job
+        measures holds no first touch (docs/batch.md). Returns the seconds it took."""
 
         t0 = time.perf_counter()
         self.load_info()
@@ -124,6 +129,11 @@ class Batch(Pulls):
                 engine.batch_decode(self.turns)
             engine = TurnEngine(engine, self.turns)
         self.engine = engine
+        if self.pool and self.costs is not None:  # the route: as the service, from the first job on
+            raw = engine.inner if self.turns is not None else engine
+            kw = dict(model=c.model, engine=c.engine, dtype=self.dtype, threads=c.threads, chunk_tokens=self.chunk)
+            warm_up(raw, **kw)  # no job's times (learned) hold the engine's first touch
+            self.calibration = calibrate(self.costs, raw, info=self.info, chunk=self.chunk, **kw)
         return time.perf_counter() - t0
 
     @property
@@ -179,6 +189,7 @@ class Batch(Pulls):
         sweep_spools()  # a killed run's prefetched packs: removed even when nothing is left to run
         if self.engine is None:
             tally.summary.load_s = self.load()
+            tally.summary.calibration = self.calibration
         order = self.prepare(items, tally)
         ran_all = False
         try:

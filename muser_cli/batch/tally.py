@@ -34,6 +34,7 @@ class Summary:
     producers: list[dict[str, Any]] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # id, exit, message (first 20)
     redone: list[dict[str, str]] = field(default_factory=list)  # id, reason: a done line not kept (--resume)
+    calibration: dict[str, Any] | None = None  # the local prefill measured at load (with producers)
 
     @property
     def finished(self) -> int:
@@ -67,6 +68,7 @@ class Summary:
                 "jobs_per_min": round(60 * self.done / wall, 3) if wall > 0 else 0.0,
                 "interrupted": self.interrupted, "producers": self.producers, "failures": self.failures,
                 "redone": self.redone, "left": self.left, "stopped_by": self.stopped_by,
+                "calibration": self.calibration,
                 "ok": self.failed == 0 and not self.interrupted}
 
 

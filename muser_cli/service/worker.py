@@ -25,7 +25,7 @@ from muser_cli.consumer.pool import ProducerPool, about_the_job
 from muser_cli.consumer.pull import PipePull, ask_of, with_have
 from muser_cli.consumer.route import route, with_memory
 from muser_cli.consumer.turns import TurnEngine, Turns
-from muser_cli.costcurve import spread_ids
+from muser_cli.consumer.warm import calibrate, warm_up
 from muser_cli.engines.registry import get_consumer
 from muser_cli.errors import MuserError, PromptTooLong
 from muser_cli.model.resolve import resolve_model
@@ -36,13 +36,6 @@ from muser_cli.service.outcome import observe
 from muser_cli.service.request import CountingReader, Job, RunState, Stop, guess_tokens
 from muser_cli.service.structured import request_constraint
 from muser_cli.service.tools import PYTHON_TAG, plan_tools
-
-#: The warm-up's throwaway prompt (:meth:`EngineWorker.warm_up`).
-WARM_PROMPT = "Warm up: the first request should cost what the second one does."
-#: The calibration's prompt sizes (:meth:`EngineWorker.calibrate`): a short one, and one whole
-#: chunk or this many tokens, whichever is more (up to the model's context).
-CALIBRATE_SHORT = 32
-CALIBRATE_LONG = 256
 
 
 class QueueFull(ApiError):
@@ -142,33 +135,17 @@ class EngineWorker:
         It leaves nothing behind: no store read or written, no producer asked, no turn taken, no
         metric counted. Its time, seconds, and what the calibration measured."""
         c = self.config
-        t0 = time.perf_counter()
-        decode(None, model=c.model, prompt=WARM_PROMPT, chat=False, max_new_tokens=2, engine=c.engine,
-               dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="warm-up",
-               reuse=False, store=False, resident=self.engine.inner)  # the engine itself: no turn taken
-        warm_s = time.perf_counter() - t0
+        warm_s = warm_up(self.engine.inner, model=c.model, engine=c.engine, dtype=self.dtype,  # no turn taken
+                         threads=c.threads, chunk_tokens=c.chunk_tokens)
         return {"warm_s": round(warm_s, 6), **self.calibrate()}
 
     def calibrate(self) -> dict[str, Any]:
-        """The local prefill measured at two sizes before the service listens (issue #47): a
-        short prompt and one whole chunk (up to the model's context), each a fresh local decode
-        of one token, into the cost model (a fit of fixed, per-token and depth costs: the route's
-        local path is then predicted from this machine's own measurements from the first request
-        on). Skipped when what this machine kept (the cost file) is calibrated already.
-        ``{"calibrate_s", "calibration": [[tokens, seconds], ...]}``."""
-        if self.costs.local.calibrated:
-            return {"calibrate_s": 0.0, "calibration": [], "calibration_kept": True}
-        c, t0, measured = self.config, time.perf_counter(), []
-        top = self.info.max_positions - 1
-        for n in sorted({min(n, top) for n in (CALIBRATE_SHORT, max(self.chunk + 1, CALIBRATE_LONG)) if min(n, top) >= 2}):
-            ids = spread_ids(self.info.vocab_size or 2, n)
-            out = decode(None, model=c.model, prompt="", chat=False, max_new_tokens=1, engine=c.engine,
-                         dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, fallback_reason="calibration",
-                         reuse=False, store=False, resident=self.engine.inner, prompt_ids=ids, info=self.info)
-            measured.append([n, round(out.prefill_s, 6)])
-            self.costs.observe(held=0, rows=n - 1, prefill_s=out.prefill_s, local=True)
-        self.costs.save()
-        return {"calibrate_s": round(time.perf_counter() - t0, 6), "calibration": measured}
+        """The local prefill measured at two sizes before the service listens (issue #47;
+        :func:`muser_cli.consumer.warm.calibrate`): the route's local path is then predicted
+        from this machine's own measurements from the first request on."""
+        c = self.config
+        return calibrate(self.costs, self.engine.inner, info=self.info, model=c.model, engine=c.engine,
+                         dtype=self.dtype, threads=c.threads, chunk_tokens=c.chunk_tokens, chunk=self.chunk)
 
     # -------------------------------------------------------------- queue
     def submit(self, job: Job) -> None:

@@ -305,19 +305,20 @@ def test_a_dead_producer_in_the_pool_is_skipped(model, expected, lane, tmp_path)
 
 
 def test_batch_asks_its_producer_as_the_route_says(model, expected, lane, tmp_path):
-    """#48 item 2: ``muser batch`` routes as the served consumer and ``decode --producer`` do. In a
-    home that never measured its own prefill, a short prompt stays here (no connection is worth
-    a few rows: the line says the route kept it) and a long one is asked of the producer (no
-    budget from a guess of our own speed); what the jobs measured is kept in the cost file;
-    ``MUSER_ROUTE=producer`` asks for both. The tokens are the same either way."""
+    """#48 item 2: ``muser batch`` routes as the served consumer and ``decode --producer`` do. With
+    producers it warms its engine up and measures its own prefill at two sizes first (once: the
+    cost file keeps it, and says so); a short prompt then stays here (no connection is worth a
+    few rows: the line says the route kept it), a longer one goes where the route predicts it is
+    answered sooner (the line says which and why); ``MUSER_ROUTE=producer`` asks for both. The
+    tokens are the same either way."""
     import shutil
 
     p = lane["producer"]
     solo = json.dumps({"id": "solo", "prompt": "Hello there, how are you today?", "max_tokens": 4})
     jobs = tmp_path / "jobs.jsonl"
     write_jobs(tmp_path, QUESTIONS[:1])
-    jobs.write_text(solo + "\n" + jobs.read_text())  # the short one first: nothing measured yet
-    runs = {}
+    jobs.write_text(solo + "\n" + jobs.read_text())
+    runs, summaries = {}, {}
     for mode in (None, "producer"):
         home = tmp_path / f"consumer-{mode}"
         shutil.copytree(lane["nodes"].consumer_home, home)  # enrolled with the lane's producer
@@ -328,12 +329,19 @@ def test_batch_asks_its_producer_as_the_route_says(model, expected, lane, tmp_pa
                   route=mode)
         assert r.returncode == 0, r.stderr
         runs[mode] = {g["id"]: g for g in lines_of(res.read_bytes())}
+        summaries[mode] = json.loads(r.stdout)
         assert {i: g["token_ids"] for i, g in runs[mode].items()} == {"solo": expected["solo"], "q0": expected["q0"]}
-        assert list((home / "data" / "costs").glob("*.json")), "the batch kept nothing it measured"
+        [kept] = list((home / "data" / "costs").glob("*.json"))
+        sizes = {end - start for start, end, _ in json.loads(kept.read_text())["local"]["obs"]}
+        assert max(sizes) >= 2 * min(sizes), sizes  # calibrated: two sizes at least twice apart
+    calibrated = summaries[None]["calibration"]
+    assert [n for n, _ in calibrated["calibration"]] == [32, 256] and calibrated["calibrate_s"] > 0, calibrated
     default, asked = runs[None], runs["producer"]
     assert default["solo"]["producer"] is None and default["solo"]["source"] == "local", default["solo"]
     assert "route: local predicted faster" in default["solo"]["fallback_reason"], default["solo"]
-    assert default["q0"]["producer"] == p.address and default["q0"]["source"] == "handoff", default["q0"]
+    q0 = default["q0"]
+    assert (q0["producer"] == p.address and q0["source"] == "handoff") or (
+        q0["producer"] is None and "route: local predicted faster" in q0["fallback_reason"]), q0
     assert all(g["producer"] == p.address and g["source"] == "handoff" for g in asked.values()), asked
 
 

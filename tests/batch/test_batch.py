@@ -443,7 +443,7 @@ def test_a_fifo_prompt_file_fails_that_job_and_the_summary_names_producers_and_e
     res = tmp_path / "res.jsonl"
     dead = _dead_address()
     r = batch(tmp_path / "home", str(jobs), *common(model), "--producer", dead, "-o", str(res), "--timeout", "5",
-              timeout=HANG_S)
+              timeout=HANG_S, route="producer")  # asked whatever the route predicts: the summary names it
     assert r.returncode == 1, r.stderr
     by = {g["id"]: g for g in lines_of(res.read_bytes())}
     assert by["pipe"]["error"]["exit"] == 66 and "named pipe (FIFO)" in by["pipe"]["error"]["message"]

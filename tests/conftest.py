@@ -11,11 +11,22 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 SHARED_MODELS = Path(os.environ.get("MUSER_TEST_MODELS") or Path(__file__).parent / ".cache" / "models")
+
+# A suite started in the background by a shell without job control (`make test &` in a script,
+# `nohup make test`) inherits SIGINT (and, under nohup, SIGHUP) ignored, and every process the
+# tests start inherits that: muser keeps a signal its caller ignores (as nohup asks), so the
+# tests that stop a server with SIGINT or SIGHUP waited out HANG_S (15 min each; issue #46).
+# The tests' own processes get the dispositions an interactive shell gives them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

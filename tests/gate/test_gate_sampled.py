@@ -261,7 +261,7 @@ def test_a_cut_foreign_stream_is_gated_before_its_chunks_are_kept(tiny_llama):
 
 def _count_checks(monkeypatch) -> list:
     """Every run of the sampled gate, wherever it is called from, appends to the list returned."""
-    from muser_cli.consumer import decode as dec
+    from muser_cli.consumer import checks
     from muser_cli.gate import sampled as gate
 
     runs: list = []
@@ -271,7 +271,7 @@ def _count_checks(monkeypatch) -> list:
         runs.append(1)
         return real(*a, **k)
     monkeypatch.setattr(gate, "sample_check", counted)
-    monkeypatch.setattr(dec, "sample_check", counted)
+    monkeypatch.setattr(checks, "sample_check", counted)  # where decode's checks call it (consumer/checks.py)
     return runs
 
 

@@ -15,7 +15,7 @@ from serve_kit import DecodeServer  # first: the module skipped without the serv
 
 agents = pytest.importorskip("agents")
 
-from handoff_kit import HANG_S  # noqa: E402
+from handoff_kit import HANG_S, wait_for  # noqa: E402
 from tool_kit import HERMES_REPLY, REPLY, make_tool_model  # noqa: E402
 
 QUESTION = "What are the weather and the time in Paris?"
@@ -69,6 +69,7 @@ def test_an_agent_calls_its_tools_and_answers(server):
     assert result.final_output == "".join(REPLY)  # the model's text after the tools' results
     outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
     assert outputs == ["sunny, 21 C in Paris", "14:05"]
+    assert wait_for(lambda: len(server.records()) >= before + 2, HANG_S)  # its stderr is read on a thread
     lines = server.records()[before:]
     assert [(r["status"], r["finish_reason"]) for r in lines] == [(200, "tool_calls"), (200, "stop")]
     assert lines[1]["prompt_tokens"] > lines[0]["prompt_tokens"]  # the second turn carried the calls and results

@@ -26,7 +26,7 @@ from muser_cli.service.tools import GENERIC, GenericStream, generic_turns, plan_
 
 openai = pytest.importorskip("openai")
 
-from handoff_kit import HANG_S  # noqa: E402
+from handoff_kit import HANG_S, wait_for  # noqa: E402
 from tool_kit import TOOLS, WEATHER  # noqa: E402
 
 NAMES = ("get_weather", "get_time")
@@ -197,6 +197,7 @@ def test_the_embedded_model_calls_tools_whole_and_streamed(server):
         if not calls:  # auto may answer in text: the text, not JSON
             assert message.content and not message.content.startswith("{"), message
         assert streamed(client, **kw)[:3] == (calls, message.content or "", whole.choices[0].finish_reason), choice
+    assert wait_for(lambda: len(server.records()) >= before + 6, HANG_S)  # its stderr is read on a thread
     lines = server.records()[before:]
     assert len(lines) == 6 and all(r["tool_format"] == "generic" and r["status"] == 200 for r in lines), lines
 
@@ -276,5 +277,6 @@ def test_the_agents_sdk_runs_its_tools_on_the_embedded_model(server):
         assert ran and all(isinstance(arg, str) and arg for _, arg in ran), (how, ran)
         outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
         assert result.final_output == outputs[0], (how, result.final_output, outputs)
+        assert wait_for(lambda: len(server.records()) > before, HANG_S)  # its stderr is read on a thread
         line = server.records()[before]
         assert line["tool_format"] == "generic" and line["finish_reason"] == "tool_calls", (how, line)

@@ -13,7 +13,7 @@ from typing import Any
 from muser_cli.batch.plan import Planned
 from muser_cli.consumer.costs import COLD_FIRST_STEP_S, CostModel
 from muser_cli.consumer.pool import ProducerPool
-from muser_cli.consumer.pull import PipePull, PullAsk, pull_prompt, settle_ask, with_have
+from muser_cli.consumer.pull import PipePull, PullAsk, note_event, pull_prompt, settle_ask, with_have
 from muser_cli.consumer.route import Route, route
 from muser_cli.errors import MuserError
 from muser_cli.reuse.chain import Scope, chain_at
@@ -140,10 +140,7 @@ class Pulls:
 
                 def heard(kind: str, fields: dict[str, Any], addr: str = addr, marks: dict = marks,
                           promise: dict = promise) -> None:
-                    marks.setdefault(kind, time.perf_counter())
-                    if kind == "promise":
-                        promise.update({k: v for k, v in fields.items() if k != "producer"})
-                        costs.heard(addr, fields)
+                    promise.update(note_event(costs, addr, marks, kind, fields) or {})
 
                 error: BaseException | None = None
                 try:
@@ -153,8 +150,8 @@ class Pulls:
                     error = exc
                 finally:
                     marks["end"] = time.perf_counter()
-                    settle_ask(costs, addr, key if plan.asked_key is not None else None, error=error,
-                               promise=promise or None, rows=rows, marks=marks)
+                    settle_ask(costs, addr, plan.asked_key, error=error, promise=promise or None, rows=rows,
+                               marks=marks)
                 if error is not None:
                     self.pool.done(addr, error)
                     fetch.errors.append(f"pull from {addr} failed: {error}")

@@ -161,11 +161,9 @@ class PipePull:
         return "" if self.asked or self.plan is None else self.plan.why
 
     def _on_event(self, kind: str, fields: dict[str, Any]) -> None:
-        self.marks.setdefault(kind, time.perf_counter())
-        if kind == "promise":
-            self.promise = {k: v for k, v in fields.items() if k != "producer"}
-            if self.costs is not None:
-                self.costs.heard(self.producer, fields)
+        promise = note_event(self.costs, self.producer, self.marks, kind, fields)
+        if promise is not None:
+            self.promise = promise
 
     def _run(self, make_ask: Callable[[], PullAsk], timeout: float | None) -> None:
         self.marks["start"] = time.perf_counter()
@@ -265,6 +263,18 @@ class PipePull:
     def hint(self) -> str:
         """The failed pull's hint ("" if none): what the operator may do about it."""
         return (getattr(self.error, "hint", None) or "") if isinstance(self.error, MuserError) else ""
+
+
+def note_event(costs: CostModel | None, producer: str, marks: dict[str, float], kind: str,
+               fields: dict[str, Any]) -> dict[str, Any] | None:
+    """A pull's event (:func:`pull_prompt`'s ``on_event``) into its ``marks`` (when each first
+    came); a ``promise`` is told to ``costs`` and returned (its fields less the producer's name)."""
+    marks.setdefault(kind, time.perf_counter())
+    if kind != "promise":
+        return None
+    if costs is not None:
+        costs.heard(producer, fields)
+    return {k: v for k, v in fields.items() if k != "producer"}
 
 
 def settle_ask(costs: CostModel, producer: str, key: Any, *, error: BaseException | None,
@@ -371,5 +381,5 @@ def start_pull_pipe(producer: str, *, prompt: str, model: str | None, chat: bool
     return PipePull(producer, make_ask, timeout=timeout, planner=planned, race=race)
 
 
-__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "pull_prompt", "settle_ask", "start_pull_pipe",
-           "with_have"]
+__all__ = ["PipePull", "PullAsk", "ask_for", "ask_of", "learn_from", "note_event", "pull_prompt", "settle_ask",
+           "start_pull_pipe", "with_have"]

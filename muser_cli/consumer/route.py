@@ -9,6 +9,7 @@ rows are not all held. docs/pull-lane.md, "One latency budget".
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -62,8 +63,7 @@ class Route:
     def of(cls, prediction: dict[str, Any], **decided: Any) -> "Route":
         """A route from :meth:`CostModel.predict`'s prediction, as predicted (the fastest path
         chosen, nobody asked) unless ``decided`` says otherwise."""
-        got = {k: prediction[k] for k in ("paths", "parts", "known", "calibrated", "link", "share", "lead_s")
-               if k in prediction}
+        got = {k: prediction[k] for k in ("paths", "parts", "known", "calibrated", "link", "share") if k in prediction}
         got.setdefault("parts", {})
         return cls(**{**got, "choice": prediction["choice"], "predicted": prediction["choice"], **decided})
 
@@ -173,17 +173,17 @@ def route(costs: CostModel, *, tokens: int, held: int, producer: str | None,
 def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, deadline_s: float | None,
            backlog: Backlog | None, key: Any, chunk: int, lead_s: float = 0.0) -> Route:
     got = costs.predict(tokens=tokens, held=held, producer=producer, backlog=backlog, key=key, chunk=chunk)
-    got["lead_s"] = lead_s
     mode = route_mode()
+    made = functools.partial(Route.of, got, mode=mode, lead_s=lead_s)  # this request's route, as decided below
     paths_ = got["paths"]
     here_name = "store" if "store" in paths_ else "local"
     here = paths_[here_name] + lead_s
     remote_name = "remote_delta" if "remote_delta" in paths_ else "remote_whole"
     if producer is None or here_name == "store":
-        return Route.of(got, mode=mode, choice=here_name)
+        return made(choice=here_name)
     if mode == "producer":
         budget_ms = max(1, int(deadline_s * 1000)) if deadline_s is not None else None
-        return Route.of(got, mode=mode, ask=True, budget_ms=budget_ms, choice=remote_name)
+        return made(ask=True, budget_ms=budget_ms, choice=remote_name)
     install, gate, first = costs._tail(tokens - 1, gate=True, slow=1.0 / got["share"])
     connect = costs.connect_s if costs.connect_s is not None else COLD_CONNECT_S
     waits = [v.get("consumer_queue", 0.0) for k, v in got["parts"].items() if k.startswith("remote")]
@@ -194,8 +194,8 @@ def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, de
     remote = max(remote, lead_s + install + gate + first)  # a pack in by then waits for the engine
     view = costs.producers.get(producer)
     if view is not None and view.full(key):  # it would answer "busy": this consumer's asks fill its queue
-        return Route.of(got, mode=mode, choice=here_name,
-                        why=f"route: {producer} holds as many of this consumer's requests as it takes ({view.limit})")
+        return made(choice=here_name,
+                    why=f"route: {producer} holds as many of this consumer's requests as it takes ({view.limit})")
     if not got["calibrated"] and tokens - 1 >= EXPLORE_MIN_ROWS:  # our speed unknown: no budget from a guess
         ask, budget = True, deadline_s
     elif not got["known"]:  # a producer we know nothing of: ask, with the budget; "late" costs one round trip
@@ -208,15 +208,15 @@ def _route(costs: CostModel, *, tokens: int, held: int, producer: str | None, de
     elif explore == "local":
         ask = False
     if ask:
-        return Route.of(got, mode=mode, explore=explore, ask=True, choice=remote_name,
-                        budget_ms=max(1, int(budget * 1000)) if budget is not None else None)
+        return made(explore=explore, ask=True, choice=remote_name,
+                    budget_ms=max(1, int(budget * 1000)) if budget is not None else None)
     if explore == "local":
         why = (f"route: exploring the local path (predicted {here * 1000:.1f} ms against "
                f"{remote * 1000:.1f} ms from {producer}; MUSER_EXPLORE)")
     else:
         why = (f"route: {here_name} predicted faster ({here * 1000:.1f} ms) than asking {producer} "
                f"({'unknown' if not got['known'] else f'{remote * 1000:.1f} ms'}; MUSER_ROUTE=fastest)")
-    return Route.of(got, mode=mode, explore=explore, choice=here_name, why=why)
+    return made(explore=explore, choice=here_name, why=why)
 
 
 def with_memory(costs: CostModel, plan: Route, *, tokens: int, held: int, producer: str | None,
